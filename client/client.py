@@ -1,0 +1,215 @@
+"""Client and AsyncClient: numpy in, numpy out, typed errors, for any OIP server.
+
+with Client("127.0.0.1:8001") as c:
+    out = c.infer("mlp", {"INPUT0": np.zeros((1, 512), np.float32)})
+    out["OUTPUT0"]  # numpy array
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from batchd.client.codec import build_request, parse_response
+from batchd.client.errors import BatchdClientError, InvalidInput, from_rpc_error
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+Inputs = Mapping[str, Any] | np.ndarray
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def _metadata(msg: pb.ModelMetadataResponse) -> dict[str, Any]:
+    def tensors(ts: Sequence[pb.TensorMetadata]) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in ts]
+
+    return {
+        "name": msg.name,
+        "versions": list(msg.versions),
+        "platform": msg.platform,
+        "inputs": tensors(msg.inputs),
+        "outputs": tensors(msg.outputs),
+    }
+
+
+def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
+    if not isinstance(inputs, np.ndarray):
+        return inputs
+    assert meta is not None
+    if len(meta["inputs"]) != 1:
+        names = [t["name"] for t in meta["inputs"]]
+        raise InvalidInput(f"model {meta['name']!r} has inputs {names}; pass a dict name->array")
+    return {meta["inputs"][0]["name"]: inputs}
+
+
+class _Base:
+    def __init__(self, url: str, timeout: float | None, max_message_bytes: int) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._options = _channel_options(max_message_bytes)
+        self._meta: dict[str, dict[str, Any]] = {}
+
+    def _timeout(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class Client(_Base):
+    """A blocking client. Thread-safe; reuse one per process."""
+
+    def __init__(
+        self,
+        url: str = "127.0.0.1:8001",
+        *,
+        timeout: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(url, timeout, max_message_bytes)
+        self._channel = grpc.insecure_channel(url, options=self._options)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def _call(self, method: str, msg: Any, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self._stub, method)(msg, timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def infer(
+        self,
+        model: str,
+        inputs: Inputs,
+        outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
+        *,
+        request_id: str = "",
+        datatypes: Mapping[str, str] | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run `model` on `inputs` (name->array, or one array for a one-input model)."""
+        meta = self.model_metadata(model) if isinstance(inputs, np.ndarray) else None
+        msg = build_request(
+            model,
+            _named(inputs, meta),
+            outputs,
+            request_id=request_id,
+            datatypes=datatypes,
+            parameters=parameters,
+        )
+        return parse_response(self._call("ModelInfer", msg, timeout))
+
+    def live(self) -> bool:
+        return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)
+
+    def ready(self) -> bool:
+        """True when the server is ready; False when it is not, or cannot be reached."""
+        try:
+            return bool(self._call("ServerReady", pb.ServerReadyRequest()).ready)
+        except BatchdClientError:
+            return False
+
+    def model_ready(self, model: str) -> bool:
+        return bool(self._call("ModelReady", pb.ModelReadyRequest(name=model)).ready)
+
+    def server_metadata(self) -> dict[str, Any]:
+        m = self._call("ServerMetadata", pb.ServerMetadataRequest())
+        return {"name": m.name, "version": m.version, "extensions": list(m.extensions)}
+
+    def model_metadata(self, model: str) -> dict[str, Any]:
+        if model not in self._meta:
+            self._meta[model] = _metadata(
+                self._call("ModelMetadata", pb.ModelMetadataRequest(name=model))
+            )
+        return self._meta[model]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """The asyncio twin of Client, over grpc.aio; same methods, awaited."""
+
+    def __init__(
+        self,
+        url: str = "127.0.0.1:8001",
+        *,
+        timeout: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        super().__init__(url, timeout, max_message_bytes)
+        self._channel = grpc.aio.insecure_channel(url, options=self._options)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+
+    async def _call(self, method: str, msg: Any, timeout: float | None = None) -> Any:
+        try:
+            return await getattr(self._stub, method)(msg, timeout=self._timeout(timeout))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Inputs,
+        outputs: Sequence[str] | None = None,
+        timeout: float | None = None,
+        *,
+        request_id: str = "",
+        datatypes: Mapping[str, str] | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> dict[str, np.ndarray]:
+        meta = await self.model_metadata(model) if isinstance(inputs, np.ndarray) else None
+        msg = build_request(
+            model,
+            _named(inputs, meta),
+            outputs,
+            request_id=request_id,
+            datatypes=datatypes,
+            parameters=parameters,
+        )
+        return parse_response(await self._call("ModelInfer", msg, timeout))
+
+    async def live(self) -> bool:
+        return bool((await self._call("ServerLive", pb.ServerLiveRequest())).live)
+
+    async def ready(self) -> bool:
+        try:
+            return bool((await self._call("ServerReady", pb.ServerReadyRequest())).ready)
+        except BatchdClientError:
+            return False
+
+    async def model_ready(self, model: str) -> bool:
+        return bool((await self._call("ModelReady", pb.ModelReadyRequest(name=model))).ready)
+
+    async def server_metadata(self) -> dict[str, Any]:
+        m = await self._call("ServerMetadata", pb.ServerMetadataRequest())
+        return {"name": m.name, "version": m.version, "extensions": list(m.extensions)}
+
+    async def model_metadata(self, model: str) -> dict[str, Any]:
+        if model not in self._meta:
+            self._meta[model] = _metadata(
+                await self._call("ModelMetadata", pb.ModelMetadataRequest(name=model))
+            )
+        return self._meta[model]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,48 @@
+"""The frontend<->worker wire: one `Header` frame, then one raw frame per tensor.
+
+    worker  --READY(worker info)-->  frontend     once connected, and again if
+                                                  the frontend goes silent
+    both    --HEARTBEAT-->           peer         every HEARTBEAT_INTERVAL_S
+    frontend --BATCH(id, model, tensors)--> worker
+    worker  --RESULT(id, tensors) | ERROR(id, error)--> frontend
+    frontend --STOP--> worker                     finish the batch at hand, exit
+
+A peer silent for LIVENESS heartbeats is dead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from batchd.protos.wire_pb2 import Header, Tensor, WorkerInfo
+
+__all__ = [
+    "HEARTBEAT_INTERVAL_S",
+    "LIVENESS",
+    "PROTOCOL_VERSION",
+    "Header",
+    "Tensor",
+    "WorkerInfo",
+    "pack",
+    "unpack",
+]
+
+PROTOCOL_VERSION = 1
+HEARTBEAT_INTERVAL_S = 1.0
+LIVENESS = 3
+ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it
+
+
+def pack(header: Header, frames: Sequence[Any] = ()) -> list[Any]:
+    """The multipart message for `header` and its tensor frames."""
+    return [header.SerializeToString(), *frames]
+
+
+def unpack(parts: Sequence[Any]) -> tuple[Header, list[Any]]:
+    """Parse a multipart message; raise ValueError if the frame count is wrong."""
+    header = Header.FromString(bytes(parts[0]))
+    frames = list(parts[1:])
+    if len(frames) != len(header.tensors):
+        raise ValueError(f"header lists {len(header.tensors)} tensors, {len(frames)} frames came")
+    return header, frames

@@ -1,0 +1,68 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "datatype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATATYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    datatype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "device", "pid", "models", "protocol", "load_errors")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    LOAD_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    device: str
+    pid: int
+    models: _containers.RepeatedScalarFieldContainer[str]
+    protocol: int
+    load_errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., load_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Header(_message.Message):
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[Header.Kind]
+        READY: _ClassVar[Header.Kind]
+        HEARTBEAT: _ClassVar[Header.Kind]
+        BATCH: _ClassVar[Header.Kind]
+        RESULT: _ClassVar[Header.Kind]
+        ERROR: _ClassVar[Header.Kind]
+        STOP: _ClassVar[Header.Kind]
+    KIND_UNSPECIFIED: Header.Kind
+    READY: Header.Kind
+    HEARTBEAT: Header.Kind
+    BATCH: Header.Kind
+    RESULT: Header.Kind
+    ERROR: Header.Kind
+    STOP: Header.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    kind: Header.Kind
+    batch_id: int
+    model: str
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    error: str
+    worker: WorkerInfo
+    compute_ns: int
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ...) -> None: ...

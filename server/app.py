@@ -1,0 +1,212 @@
+"""The composition root: build the pieces, wire them, run them, stop them.
+
+    gRPC servicer --submit--> Scheduler --send--> Dispatcher <--ZeroMQ--> workers
+                                  ^                   |                   ^
+                                  +---pump/requeue----+      Supervisor --+ (processes)
+
+Holds no logic of its own beyond start-up and shutdown order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from batchd.protos import inference_pb2, inference_pb2_grpc
+from batchd.protos._pool import POOL
+from batchd.protos.model_config import ModelConfig, load_repository
+from batchd.server.dispatch import Dispatcher
+from batchd.server.errors import Unavailable
+from batchd.server.request import Request, Tensor
+from batchd.server.scheduler import Scheduler
+from batchd.server.service import InferenceService
+from batchd.server.supervisor import Supervisor, WorkerSpec, detect_devices, plan_workers
+
+log = logging.getLogger("batchd.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_repository: Path
+    host: str = "127.0.0.1"
+    grpc_port: int = 8001
+    workers: int | None = None  # N CPU workers; None: --devices decides
+    devices: str = "auto"  # "auto" or "cuda:0,cuda:1" or "cpu"
+    threads_per_worker: int | None = None
+    worker_endpoint: str | None = None  # None: a private ipc:// socket
+    local_workers: bool = True  # False: only remote workers (batchd worker --connect)
+    max_message_bytes: int = 64 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    log_level: str = "INFO"
+
+    def device_list(self) -> list[str]:
+        if self.workers is not None:
+            return ["cpu"] * self.workers
+        if self.devices == "auto":
+            return detect_devices() or ["cpu"]
+        return [d.strip() for d in self.devices.split(",") if d.strip()]
+
+
+class _Wiring:
+    """Routes the dispatcher's events and the servicer's calls to their owners."""
+
+    def __init__(self, dispatcher: Dispatcher, scheduler: Scheduler) -> None:
+        self.dispatcher, self.scheduler = dispatcher, scheduler
+        self.supervisor: Supervisor | None = None
+        self.changed = asyncio.Event()
+
+    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
+        return self.scheduler.submit(request)
+
+    def model_ready(self, name: str) -> bool:
+        return self.dispatcher.model_ready(name)
+
+    def pump(self) -> None:
+        self.scheduler.pump()
+
+    def requeue(self, requests: list[Request]) -> None:
+        self.scheduler.requeue(requests)
+
+    def workers_changed(self) -> None:
+        self.changed.set()
+
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        if self.supervisor is not None and not reason.startswith("process exited"):
+            self.supervisor.kill(worker_id)
+
+
+async def _track_health(
+    health: HealthServicer,
+    service: InferenceService,
+    models: dict[str, ModelConfig],
+    wiring: _Wiring,
+) -> None:
+    serving, not_serving = (
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
+    announced: dict[str, bool] = {}
+    while True:
+        for name in models:
+            ready = wiring.model_ready(name)
+            if announced.get(name) != ready:
+                log.info("model %s is %s", name, "ready" if ready else "NOT ready (no live worker)")
+                await health.set(name, serving if ready else not_serving)
+                announced[name] = ready
+        overall = service.ready()
+        if announced.get("") != overall:
+            await health.set("", serving if overall else not_serving)
+            announced[""] = overall
+        await wiring.changed.wait()
+        wiring.changed.clear()
+
+
+def _grpc_server(
+    cfg: ServerConfig, service: InferenceService, health: HealthServicer
+) -> tuple[grpc.aio.Server, int]:
+    options = [
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    with contextlib.suppress(TypeError):  # already there when serve() runs twice in one process
+        POOL.AddSerializedFile(health_pb2.DESCRIPTOR.serialized_pb)
+    names = (
+        inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server, pool=POOL)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+    return server, port
+
+
+async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -> None:
+    """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
+    models = load_repository(cfg.model_repository)
+    log.info("model repository %s: %s", cfg.model_repository, ", ".join(models) or "no models")
+    with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:
+        endpoint = cfg.worker_endpoint or f"ipc://{tmp}/workers.sock"
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(endpoint)
+        dispatcher = Dispatcher(router)
+        scheduler = Scheduler(dispatcher)
+        for m in models.values():
+            scheduler.add_model(m)
+        wiring = _Wiring(dispatcher, scheduler)
+        dispatcher.attach(wiring)
+        service = InferenceService(models, wiring)
+        health = HealthServicer()
+        server, port = _grpc_server(cfg, service, health)
+
+        specs: list[WorkerSpec] = []
+        if cfg.local_workers and models:
+            specs = plan_workers(list(models.values()), cfg.device_list(), cfg.threads_per_worker)
+        supervisor = Supervisor(
+            specs,
+            endpoint,
+            cfg.model_repository,
+            on_exit=dispatcher.lose_by_name,
+            log_level=cfg.log_level,
+        )
+        wiring.supervisor = supervisor
+
+        await server.start()
+        log.info(
+            "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)",
+            cfg.host,
+            port,
+            endpoint,
+            len(specs),
+        )
+        if started is not None:
+            started.set_result(port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [
+                    tg.create_task(dispatcher.run(), name="dispatcher"),
+                    tg.create_task(supervisor.run(), name="supervisor"),
+                    tg.create_task(_track_health(health, service, models, wiring), name="health"),
+                ]
+                await stop.wait()
+                log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
+                service.draining = True
+                wiring.changed.set()
+                await health.enter_graceful_shutdown()
+                await server.stop(grace=cfg.drain_timeout_s)
+                scheduler.fail_all(Unavailable("the server stopped before this request ran"))
+                dispatcher.stop_workers()
+                await supervisor.stop()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            router.close(linger=0)
+            ctx.term()
+            log.info("stopped (pid %d)", os.getpid())

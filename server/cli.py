@@ -1,0 +1,98 @@
+"""The `batchd` command: `batchd serve ...` and `batchd worker ...`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from batchd.protos.model_config import ConfigError
+from batchd.server import __version__
+from batchd.server.app import ServerConfig, serve
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="serve a model repository over gRPC")
+    p.add_argument(
+        "--model-repository", type=Path, required=True, help="directory holding <model>/model.toml"
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes it)",
+    )
+    p.add_argument("--grpc-port", type=int, default=8001, help="default 8001; 0 picks a free one")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, metavar="N", help="run N CPU worker processes")
+    where.add_argument(
+        "--devices",
+        default="auto",
+        help="auto (every visible GPU, else one CPU worker) or a list: cuda:0,cuda:1",
+    )
+    p.add_argument(
+        "--threads-per-worker",
+        type=int,
+        help="torch threads per CPU worker (default: cores / workers)",
+    )
+    p.add_argument(
+        "--worker-endpoint",
+        help="ZeroMQ endpoint workers connect to (default a private ipc:// socket; "
+        "tcp://0.0.0.0:5555 lets `batchd worker` join from other hosts)",
+    )
+    p.add_argument(
+        "--no-local-workers",
+        action="store_true",
+        help="start no workers; wait for `batchd worker --connect`",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="largest gRPC message accepted or sent (default 64 MiB)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish admitted requests on SIGTERM (default 30)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="batchd", description="batchd model server")
+    parser.add_argument("--version", action="version", version=f"batchd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    sub.add_parser("worker", help="run a worker (see `batchd worker --help`)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "worker":
+        # The frontend never imports torch: the worker is its own interpreter.
+        os.execv(sys.executable, [sys.executable, "-m", "batchd.worker", *rest])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cfg = ServerConfig(
+        model_repository=args.model_repository,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        workers=args.workers,
+        devices=args.devices,
+        threads_per_worker=args.threads_per_worker,
+        worker_endpoint=args.worker_endpoint,
+        local_workers=not args.no_local_workers,
+        max_message_bytes=args.max_message_bytes,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+    )
+    try:
+        asyncio.run(serve(cfg))
+    except ConfigError as e:
+        print(f"batchd: {e}", file=sys.stderr)
+        return 2
+    return 0

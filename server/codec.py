@@ -1,0 +1,200 @@
+"""ModelInferRequest -> Request (validated) and results -> ModelInferResponse.
+
+Pure functions, no I/O. Every rejection is InvalidInput with a message that
+names the input and says what was expected and what came. Raw tensor bytes
+are checked for size but never decoded into Python objects; typed contents are
+converted to the raw form once, here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from batchd.protos import inference_pb2 as pb
+from batchd.protos.datatypes import DATATYPES
+from batchd.protos.model_config import ModelConfig, TensorSpec
+from batchd.protos.tensors import bytes_element_offsets, contents_to_raw
+from batchd.server.errors import InvalidInput
+from batchd.server.request import Request, Tensor
+
+_CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
+
+
+def _names(specs: Sequence[TensorSpec]) -> str:
+    return ", ".join(repr(s.name) for s in specs)
+
+
+def _check_shape(spec: TensorSpec, model: ModelConfig, shape: tuple[int, ...]) -> None:
+    where = f"input {spec.name!r}"
+    declared = ([-1] if model.batches else []) + list(spec.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{where}: shape {list(shape)} has a negative dimension")
+    if not model.batches:
+        if not spec.accepts(shape):
+            raise InvalidInput(f"{where}: expected shape {declared}, got {list(shape)}")
+        return
+    if len(shape) != len(spec.shape) + 1 or not spec.accepts(shape[1:]):
+        raise InvalidInput(
+            f"{where}: expected shape {declared} (batch dim first), got {list(shape)}"
+        )
+    if not 1 <= shape[0] <= model.max_batch_size:
+        raise InvalidInput(
+            f"{where}: batch size must be between 1 and max_batch_size "
+            f"{model.max_batch_size} of model {model.name!r}, got {shape[0]}"
+        )
+
+
+def _raw_data(spec: TensorSpec, shape: tuple[int, ...], data: bytes) -> bytes:
+    dt = DATATYPES[spec.datatype]
+    count = math.prod(shape)
+    if dt.is_bytes:
+        try:
+            found = len(bytes_element_offsets(data)) - 1
+        except ValueError as e:
+            raise InvalidInput(f"input {spec.name!r}: {e}") from None
+        if found != count:
+            raise InvalidInput(
+                f"input {spec.name!r}: shape {list(shape)} needs {count} BYTES "
+                f"elements, raw contents hold {found}"
+            )
+    elif len(data) != count * dt.itemsize:
+        raise InvalidInput(
+            f"input {spec.name!r}: {spec.datatype} shape {list(shape)} needs "
+            f"{count * dt.itemsize} bytes ({count} x {dt.itemsize}), raw contents hold {len(data)}"
+        )
+    return data
+
+
+def _typed_data(spec: TensorSpec, shape: tuple[int, ...], tensor: pb.InferInputTensor) -> bytes:
+    dt = DATATYPES[spec.datatype]
+    where = f"input {spec.name!r}"
+    if dt.contents_field is None:
+        raise InvalidInput(
+            f"{where}: datatype {spec.datatype} exists only in raw form; "
+            "send it in raw_input_contents"
+        )
+    contents = tensor.contents
+    stray = [f for f in _CONTENT_FIELDS if f != dt.contents_field and len(getattr(contents, f))]
+    if stray:
+        raise InvalidInput(
+            f"{where}: datatype {spec.datatype} reads contents.{dt.contents_field}, "
+            f"but the request fills {', '.join(stray)}"
+        )
+    values = getattr(contents, dt.contents_field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidInput(
+            f"{where}: shape {list(shape)} needs {count} values, "
+            f"contents.{dt.contents_field} holds {len(values)}"
+        )
+    try:
+        return contents_to_raw(spec.datatype, values)
+    except (OverflowError, ValueError) as e:
+        raise InvalidInput(f"{where}: a value does not fit {spec.datatype}: {e}") from None
+
+
+def _queue_deadline(params: pb.ModelInferRequest, now: float, default_us: int) -> float:
+    """The deadline set by the `timeout` parameter or the model's default timeout."""
+    timeout_us = default_us
+    if "timeout" in params.parameters:
+        p = params.parameters["timeout"]
+        if p.WhichOneof("parameter_choice") not in ("int64_param", "uint64_param"):
+            raise InvalidInput(
+                "parameter 'timeout': expected an integer of microseconds, "
+                f"got {p.WhichOneof('parameter_choice') or 'nothing'}"
+            )
+        value = p.int64_param or p.uint64_param
+        if value < 0:
+            raise InvalidInput(f"parameter 'timeout': expected >= 0 microseconds, got {value}")
+        if value and (not timeout_us or value < timeout_us):
+            timeout_us = value
+    return now + timeout_us / 1e6 if timeout_us else math.inf
+
+
+def _decode_inputs(msg: pb.ModelInferRequest, model: ModelConfig) -> dict[str, Tensor]:
+    raw = msg.raw_input_contents
+    by_name: dict[str, Tensor] = {}
+    for i, t in enumerate(msg.inputs):
+        spec = model.input(t.name)
+        if spec is None:
+            raise InvalidInput(
+                f"unknown input {t.name!r} for model {model.name!r}; "
+                f"expected {_names(model.inputs)}"
+            )
+        if t.name in by_name:
+            raise InvalidInput(f"input {t.name!r} appears twice")
+        if t.datatype != spec.datatype:
+            raise InvalidInput(
+                f"input {t.name!r}: expected datatype {spec.datatype}, got {t.datatype or 'none'!r}"
+            )
+        shape = tuple(t.shape)
+        _check_shape(spec, model, shape)
+        if raw:
+            if t.HasField("contents"):
+                raise InvalidInput(
+                    f"input {t.name!r} carries contents while the request "
+                    "uses raw_input_contents; use one form for all inputs"
+                )
+            data = _raw_data(spec, shape, raw[i])
+        else:
+            data = _typed_data(spec, shape, t)
+        by_name[t.name] = Tensor(t.name, spec.datatype, shape, data)
+    return by_name
+
+
+def decode_request(
+    msg: pb.ModelInferRequest, model: ModelConfig, now: float, deadline: float = math.inf
+) -> Request:
+    """Validate `msg` against `model`'s signature and build the internal Request."""
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries, expected one per input ({len(msg.inputs)})"
+        )
+    by_name = _decode_inputs(msg, model)
+
+    missing = [s.name for s in model.inputs if s.name not in by_name]
+    if missing:
+        raise InvalidInput(f"model {model.name!r} needs input(s) {missing}, the request lacks them")
+    inputs = [by_name[s.name] for s in model.inputs]
+    rows = inputs[0].shape[0] if model.batches else 1
+    for t in inputs[1:]:
+        if model.batches and t.shape[0] != rows:
+            raise InvalidInput(
+                f"input {t.name!r} has batch size {t.shape[0]}, "
+                f"input {inputs[0].name!r} has {rows}; they must agree"
+            )
+
+    outputs = tuple(o.name for o in msg.outputs) or tuple(o.name for o in model.outputs)
+    for name in outputs:
+        if model.output(name) is None:
+            raise InvalidInput(
+                f"unknown output {name!r} requested from model {model.name!r}; "
+                f"expected {_names(model.outputs)}"
+            )
+    queue_deadline = _queue_deadline(msg, now, model.batching.default_timeout_us)
+    return Request(
+        model=model,
+        id=msg.id,
+        inputs=inputs,
+        outputs=outputs,
+        rows=rows,
+        deadline=min(deadline, queue_deadline),
+        queue_timeout=queue_deadline < deadline,
+    )
+
+
+def encode_response(request: Request, results: Sequence[Tensor]) -> pb.ModelInferResponse:
+    """The response for `request`, holding the requested outputs in the order asked."""
+    by_name = {t.name: t for t in results}
+    chosen = [by_name[name] for name in request.outputs]
+    return pb.ModelInferResponse(
+        model_name=request.model.name,
+        model_version=request.model.version,
+        id=request.id,
+        outputs=[
+            pb.InferOutputTensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in chosen
+        ],
+        raw_output_contents=[bytes(t.data) for t in chosen],
+    )

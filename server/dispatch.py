@@ -1,0 +1,307 @@
+"""The frontend's side of the ZeroMQ wire: workers, credits, the in-flight table.
+
+Workers connect (DEALER) to one ROUTER socket and say READY with the models
+they loaded. Each worker holds at most `credits` batches (one running, one
+staged); `send` picks, round-robin, an idle worker first, then one with a
+free credit. The in-flight entry is written before the send. A worker that
+goes silent for LIVENESS heartbeats, whose process exits, or that holds a
+batch past its execution limit is lost: its requests go back to the front of
+their queue, except those already sent twice, which fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+import zmq
+import zmq.asyncio
+from google.protobuf.message import DecodeError
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
+from batchd.server.batching import Capacity
+from batchd.server.batchio import join_inputs, split_outputs
+from batchd.server.errors import ModelFailed
+from batchd.server.request import Request
+
+log = logging.getLogger("batchd.dispatch")
+MAX_ATTEMPTS = 2  # a request rides on at most two batches that lose their worker
+NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
+
+
+class Events(Protocol):
+    """What the dispatcher tells the rest of the frontend."""
+
+    def pump(self) -> None: ...  # capacity changed
+
+    def requeue(self, requests: list[Request]) -> None: ...  # a lost batch comes back
+
+    def workers_changed(self) -> None: ...  # readiness may have changed
+
+    def worker_lost(self, worker_id: str, reason: str) -> None: ...  # e.g. kill a hung process
+
+
+@dataclass(eq=False)
+class Worker:
+    identity: bytes
+    info: wire.WorkerInfo
+    models: frozenset[str]
+    last_seen: float
+    inflight: dict[int, Batch] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.info.worker_id
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    id: int
+    model: ModelConfig
+    requests: list[Request]
+    sent_at: float
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        socket: zmq.asyncio.Socket,
+        credits: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._sock = socket
+        self._credits = credits
+        self._clock = clock
+        self._workers: dict[bytes, Worker] = {}
+        self._order: list[Worker] = []
+        self._rr = 0
+        self._ids = itertools.count(1)
+        self._events: Events | None = None
+
+    def attach(self, events: Events) -> None:
+        self._events = events
+
+    @property
+    def events(self) -> Events:
+        assert self._events is not None, "Dispatcher.attach() was not called"
+        return self._events
+
+    # ---- state the rest of the frontend reads ----
+
+    def workers(self) -> list[Worker]:
+        return list(self._order)
+
+    def model_ready(self, model: str) -> bool:
+        return any(model in w.models for w in self._order)
+
+    def capacity(self, model: str) -> Capacity:
+        free = False
+        for w in self._order:
+            if model in w.models and len(w.inflight) < self._credits:
+                if not w.inflight:
+                    return Capacity(idle_worker=True, free_credit=True)
+                free = True
+        return Capacity(idle_worker=False, free_credit=True) if free else NO_CAPACITY
+
+    # ---- sending ----
+
+    def _choose(self, model: str) -> Worker | None:
+        order, n, busy = self._order, len(self._order), None
+        for k in range(n):
+            w = order[(self._rr + k) % n]
+            if model in w.models and len(w.inflight) < self._credits:
+                if not w.inflight:
+                    self._rr = (self._rr + k + 1) % n
+                    return w
+                if busy is None:
+                    busy = (w, k)
+        if busy is None:
+            return None
+        self._rr = (self._rr + busy[1] + 1) % n
+        return busy[0]
+
+    def send(self, model: ModelConfig, requests: list[Request]) -> None:
+        worker = self._choose(model.name)
+        if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
+            self.events.requeue(requests)
+            return
+        batch = Batch(next(self._ids), model, requests, self._clock())
+        worker.inflight[batch.id] = batch  # before the send: a reply may race the callback
+        tensors, frames = join_inputs(requests)
+        header = wire.Header(
+            kind=wire.Header.BATCH, batch_id=batch.id, model=model.name, tensors=tensors
+        )
+        copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
+        self._send(worker, wire.pack(header, frames), copy=copy)
+
+    def _send(self, worker: Worker, parts: list[Any], copy: bool = True) -> None:
+        fut = cast(
+            "asyncio.Future[Any]",
+            self._sock.send_multipart([worker.identity, *parts], copy=copy),
+        )
+        if fut.done():
+            self._check_sent(worker, fut)
+        else:
+            fut.add_done_callback(lambda f: self._check_sent(worker, f))
+
+    def _check_sent(self, worker: Worker, fut: asyncio.Future[Any]) -> None:
+        if fut.cancelled() or fut.exception() is None:
+            return
+        self.lose(worker, f"send failed: {fut.exception()}")
+
+    def stop_workers(self) -> None:
+        for w in self._order:
+            self._send(w, wire.pack(wire.Header(kind=wire.Header.STOP)))
+
+    # ---- losing a worker ----
+
+    def lose(self, worker: Worker, reason: str) -> None:
+        """Forget `worker`; send its requests back to the queue (or fail the twice-sent)."""
+        if self._workers.get(worker.identity) is not worker:
+            return
+        del self._workers[worker.identity]
+        self._order.remove(worker)
+        back: list[Request] = []
+        for batch in worker.inflight.values():
+            for r in batch.requests:
+                if r.future.done():
+                    continue
+                r.attempts += 1
+                if r.attempts >= MAX_ATTEMPTS:
+                    r.future.set_exception(
+                        ModelFailed(
+                            f"model {batch.model.name!r}: the worker running this request was lost "
+                            f"{r.attempts} times (last: {worker.name}: {reason}); not retried again"
+                        )
+                    )
+                else:
+                    back.append(r)
+        worker.inflight.clear()
+        log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason, len(back))
+        self.events.worker_lost(worker.name, reason)
+        self.events.workers_changed()
+        for model in {r.model.name for r in back}:
+            self.events.requeue([r for r in back if r.model.name == model])
+        self.events.pump()
+
+    def lose_by_name(self, name: str, reason: str) -> None:
+        for w in list(self._order):
+            if w.name == name:
+                self.lose(w, reason)
+
+    # ---- receiving ----
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._receive_loop(), name="dispatch-receive")
+            tg.create_task(self._heartbeat_loop(), name="dispatch-heartbeat")
+
+    async def _receive_loop(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart(copy=False)
+            identity = parts[0].bytes
+            try:
+                header, frames = wire.unpack(
+                    [p.bytes if i == 0 else p for i, p in enumerate(parts[1:])]
+                )
+            except (DecodeError, ValueError, IndexError) as e:
+                log.warning("dropping malformed message from %r: %s", identity, e)
+                continue
+            self._on_message(identity, header, frames)
+
+    def _on_message(self, identity: bytes, header: wire.Header, frames: list[Any]) -> None:
+        kind = header.kind
+        if kind == wire.Header.READY:
+            self._on_ready(identity, header.worker)
+            return
+        worker = self._workers.get(identity)
+        if worker is None:
+            return  # a worker we already gave up on; it re-registers when we stay silent
+        worker.last_seen = self._clock()
+        if kind in (wire.Header.RESULT, wire.Header.ERROR):
+            self._on_reply(worker, header, frames)
+
+    def _on_ready(self, identity: bytes, info: wire.WorkerInfo) -> None:
+        if info.protocol != wire.PROTOCOL_VERSION:
+            log.error(
+                "worker %s speaks wire protocol %d, this frontend %d; ignored",
+                info.worker_id,
+                info.protocol,
+                wire.PROTOCOL_VERSION,
+            )
+            return
+        old = self._workers.get(identity)
+        if old is not None:
+            self.lose(old, "it registered again")
+        worker = Worker(identity, info, frozenset(info.models), self._clock())
+        self._workers[identity] = worker
+        self._order.append(worker)
+        for problem in info.load_errors:
+            log.error("worker %s could not load %s", info.worker_id, problem)
+        log.info(
+            "worker %s ready (pid %d, device %s) with models %s",
+            info.worker_id,
+            info.pid,
+            info.device,
+            ", ".join(info.models) or "none",
+        )
+        self.events.workers_changed()
+        self.events.pump()
+
+    def _on_reply(self, worker: Worker, header: wire.Header, frames: list[Any]) -> None:
+        batch = worker.inflight.pop(header.batch_id, None)
+        if batch is None:
+            return
+        live = batch.requests
+        try:
+            if header.kind == wire.Header.ERROR:
+                raise ModelFailed(
+                    f"model {batch.model.name!r} raised on worker {worker.name}: {header.error}"
+                )
+            results = split_outputs(live, header.tensors, frames)
+        except (ModelFailed, ValueError) as e:
+            error = (
+                e
+                if isinstance(e, ModelFailed)
+                else ModelFailed(
+                    f"model {batch.model.name!r} on worker {worker.name} returned bad outputs: {e}"
+                )
+            )
+            for r in live:
+                if not r.future.done():
+                    r.future.set_exception(error)
+        else:
+            for r, result in zip(live, results, strict=True):
+                if not r.future.done():
+                    r.future.set_result(result)
+        self.events.pump()
+
+    async def _heartbeat_loop(self) -> None:
+        beat = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
+        silence = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS
+        while True:
+            await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S)
+            now = self._clock()
+            for w in list(self._order):
+                overdue = [
+                    b
+                    for b in w.inflight.values()
+                    if now - b.sent_at > b.model.instances.execution_timeout_s
+                ]
+                if now - w.last_seen > silence:
+                    self.lose(w, f"no message for {now - w.last_seen:.1f} s")
+                elif overdue:
+                    self.lose(
+                        w,
+                        f"batch {overdue[0].id} of model {overdue[0].model.name!r} ran "
+                        f"past execution_timeout_s "
+                        f"{overdue[0].model.instances.execution_timeout_s}",
+                    )
+                else:
+                    self._send(w, beat)

@@ -1,0 +1,59 @@
+"""Every error the frontend answers with, and its gRPC status code.
+
+    BatchdError                  (INTERNAL)
+    ├── ModelNotFound            NOT_FOUND
+    ├── InvalidInput             INVALID_ARGUMENT
+    ├── QueueFull                RESOURCE_EXHAUSTED  + grpc-retry-pushback-ms
+    ├── DeadlineExceeded         DEADLINE_EXCEEDED
+    ├── Unavailable              UNAVAILABLE
+    └── ModelFailed              INTERNAL
+
+The code lives on the class; service.py turns any BatchdError into a status in
+exactly one place. Nothing else in the server names a gRPC status code.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class BatchdError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+class ModelNotFound(BatchdError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class InvalidInput(BatchdError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class QueueFull(BatchdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc-retry-pushback-ms", str(self.retry_after_ms)),)
+
+
+class DeadlineExceeded(BatchdError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(BatchdError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ModelFailed(BatchdError):
+    code = grpc.StatusCode.INTERNAL

@@ -1,0 +1,41 @@
+"""The frontend's internal request and result: what travels from the gRPC edge
+through the queue to a worker and back. Tensor data stays `bytes` throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from batchd.protos.model_config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]  # full shape; batch dim first when the model batches
+    data: bytes | memoryview  # raw form (PROTOCOL.md), already validated
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    model: ModelConfig
+    id: str
+    inputs: list[Tensor]  # in the model's [[input]] order
+    outputs: tuple[str, ...]  # requested output names, in response order
+    rows: int  # size of the batch dim (1 for a model that does not batch)
+    deadline: float  # monotonic seconds; math.inf for none
+    # True when `deadline` comes from a queue timeout shorter than the gRPC
+    # deadline: gRPC does not enforce it, so the scheduler arms a timer.
+    queue_timeout: bool = False
+    arrival: float = 0.0  # monotonic seconds, set on admission
+    timer: asyncio.TimerHandle | None = None
+    attempts: int = 0  # batches of this request whose worker was lost
+    future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
+
+    @property
+    def shape_key(self) -> tuple[tuple[int, ...], ...]:
+        """Requests batch together only when every non-batch dim agrees."""
+        skip = 1 if self.model.batches else 0
+        return tuple(t.shape[skip:] for t in self.inputs)

@@ -1,0 +1,166 @@
+"""The gRPC edge: `inference.GRPCInferenceService` methods, each convert -> core -> convert.
+
+BatchdError -> gRPC status happens here, in `_status`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import wraps
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos.model_config import ModelConfig
+from batchd.server import __version__
+from batchd.server.codec import decode_request, encode_response
+from batchd.server.describe import model_config, model_metadata
+from batchd.server.errors import BatchdError, ModelNotFound, Unavailable
+from batchd.server.request import Request, Tensor
+
+T = TypeVar("T")
+EXTENSIONS = ["model_configuration", "parameters"]
+STREAM_WINDOW = 256  # requests of one stream in flight at once
+
+
+class Core(Protocol):
+    """What the servicer needs from the rest of the frontend."""
+
+    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
+
+    def model_ready(self, name: str) -> bool: ...
+
+
+def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await method(self, request, context)
+        except BatchdError as e:
+            await context.abort(e.code, e.message, trailing_metadata=e.trailers())
+            raise  # unreachable: abort() raises
+
+    return wrapper
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(
+        self,
+        models: Mapping[str, ModelConfig],
+        core: Core,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._models = models
+        self._core = core
+        self._clock = clock
+        self.draining = False
+
+    def _model(self, name: str, version: str = "") -> ModelConfig:
+        cfg = self._models.get(name)
+        if cfg is None:
+            known = ", ".join(sorted(self._models)) or "none"
+            raise ModelNotFound(f"unknown model {name!r}; this server serves: {known}")
+        if version and version != cfg.version:
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r}; available: {cfg.version!r}"
+            )
+        return cfg
+
+    def ready(self) -> bool:
+        return not self.draining and all(self._core.model_ready(n) for n in self._models)
+
+    async def infer(
+        self, msg: pb.ModelInferRequest, time_remaining: float | None
+    ) -> pb.ModelInferResponse:
+        if self.draining:
+            raise Unavailable("the server is shutting down and takes no new requests")
+        cfg = self._model(msg.model_name, msg.model_version)
+        now = self._clock()
+        deadline = math.inf if time_remaining is None else now + time_remaining
+        request = decode_request(msg, cfg, now, deadline)
+        results = await self._core.submit(request)
+        return encode_response(request, results)
+
+    # ---- RPCs ----
+
+    @_status
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        return await self.infer(request, context.time_remaining())
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
+
+        async def one(msg: pb.ModelInferRequest) -> None:
+            try:
+                out = pb.ModelStreamInferResponse(infer_response=await self.infer(msg, None))
+            except BatchdError as e:
+                out = pb.ModelStreamInferResponse(
+                    error_message=e.message,
+                    infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id),
+                )
+            responses.put_nowait(out)
+
+        async def read() -> None:
+            async with asyncio.TaskGroup() as tg:
+                async for msg in request_iterator:
+                    await window.acquire()
+                    tg.create_task(one(msg))
+            responses.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (out := await responses.get()) is not None:
+                window.release()
+                yield out
+            await reader
+        finally:
+            reader.cancel()
+
+    @_status
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @_status
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.ready())
+
+    @_status
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        cfg = self._model(request.name, request.version)
+        return pb.ModelReadyResponse(ready=not self.draining and self._core.model_ready(cfg.name))
+
+    @_status
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="batchd", version=__version__, extensions=EXTENSIONS)
+
+    @_status
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        return model_metadata(self._model(request.name, request.version))
+
+    @_status
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        return model_config(self._model(request.name, request.version))

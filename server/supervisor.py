@@ -1,0 +1,167 @@
+"""Local worker processes: plan them, start them, restart them, stop them.
+
+The frontend holds handles only; each worker runs `python -m batchd.worker`
+in its own process. A worker that exits is reported lost at once (its batches
+are requeued) and restarted with exponential backoff. Stop: the dispatcher
+sends STOP, then we wait, then terminate, then kill. Workers also watch their
+parent and exit if it disappears, so none is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchd.protos.model_config import ModelConfig
+
+log = logging.getLogger("batchd.supervisor")
+BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.2, 10.0, 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    slot: str  # stable name of this place: "cpu0", "cuda0.1"
+    device: str  # "cpu", "cuda:0"
+    models: tuple[str, ...]
+    threads: int
+
+
+def detect_devices() -> list[str]:
+    """Visible CUDA devices, asked of a worker interpreter (the frontend never imports torch)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "batchd.worker", "--list-devices"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return [str(d) for d in json.loads(out)]
+
+
+def plan_workers(
+    models: Sequence[ModelConfig], devices: Sequence[str], threads: int | None = None
+) -> list[WorkerSpec]:
+    """One process per device and per model copy: copy i of a device loads the
+    models whose `instances.count` exceeds i. CPU worker threads split the cores."""
+    copies = max((m.instances.count for m in models), default=1)
+    specs = []
+    for d, device in enumerate(devices):
+        base = device.replace(":", "") if device != "cpu" else f"cpu{d}"
+        for i in range(copies):
+            names = tuple(m.name for m in models if m.instances.count > i)
+            if names:
+                specs.append(WorkerSpec(f"{base}.{i}" if copies > 1 else base, device, names, 0))
+    per = threads or max(1, (os.cpu_count() or 1) // max(1, len(specs)))
+    return [WorkerSpec(s.slot, s.device, s.models, per) for s in specs]
+
+
+class Supervisor:
+    def __init__(
+        self,
+        specs: Sequence[WorkerSpec],
+        endpoint: str,
+        repository: Path,
+        on_exit: Callable[[str, str], None],
+        log_level: str = "INFO",
+    ) -> None:
+        self._specs = list(specs)
+        self._endpoint = endpoint
+        self._repository = repository
+        self._on_exit = on_exit
+        self._log_level = log_level
+        self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
+        self._stopping = False
+
+    def pids(self) -> dict[str, int]:
+        return {wid: p.pid for wid, p in self._procs.values() if p.returncode is None}
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for spec in self._specs:
+                tg.create_task(self._keep_running(spec), name=f"worker-{spec.slot}")
+
+    async def _start(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "batchd.worker",
+            "--connect",
+            self._endpoint,
+            "--device",
+            spec.device,
+            "--id",
+            worker_id,
+            "--model-repository",
+            str(self._repository),
+            "--models",
+            ",".join(spec.models),
+            "--threads",
+            str(spec.threads),
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            self._log_level,
+        )
+
+    async def _keep_running(self, spec: WorkerSpec) -> None:
+        backoff = BACKOFF_FIRST_S
+        generation = 0
+        while not self._stopping:
+            worker_id = f"{spec.slot}#{generation}"
+            proc = await self._start(spec, worker_id)
+            self._procs[spec.slot] = (worker_id, proc)
+            log.info(
+                "started worker %s (pid %d) on %s for %s",
+                worker_id,
+                proc.pid,
+                spec.device,
+                ", ".join(spec.models),
+            )
+            started = time.monotonic()
+            code = await proc.wait()
+            if self._stopping:
+                return
+            self._on_exit(worker_id, f"process exited with code {code}")
+            if time.monotonic() - started > STABLE_AFTER_S:
+                backoff = BACKOFF_FIRST_S
+            log.warning(
+                "worker %s exited with code %s; restarting in %.1f s", worker_id, code, backoff
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            generation += 1
+
+    def kill(self, worker_id: str) -> None:
+        """Kill a local worker that is alive but useless (hung past its execution limit)."""
+        for wid, proc in self._procs.values():
+            if wid == worker_id and proc.returncode is None:
+                log.warning("killing worker %s (pid %d)", wid, proc.pid)
+                proc.kill()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Wait for the workers (already told STOP) to exit; terminate, then kill, stragglers."""
+        self._stopping = True
+        procs = [p for _, p in self._procs.values()]
+        for signal_step in (None, "terminate", "kill"):
+            alive = [p for p in procs if p.returncode is None]
+            if not alive:
+                return
+            for p in alive:
+                if signal_step is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        getattr(p, signal_step)()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(p.wait() for p in alive)),
+                    timeout_s if signal_step is None else 3.0,
+                )

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
+
+
+class Gate:
+    """Holds the `gated` test models' batches while closed; reads their call log."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+
+    def close(self) -> None:
+        (self.state / "gate-closed").touch()
+
+    def open(self) -> None:
+        (self.state / "gate-closed").unlink(missing_ok=True)
+
+    def calls(self, model: str | None = None, log: str = "calls") -> list[list[float]]:
+        """The rows of each batch the model finished (or, log="entered", started)."""
+        path = self.state / f"{log}.log"
+        if not path.exists():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        return [r["values"] for r in rows if model is None or r["model"] == model]
+
+    def reset(self) -> None:
+        self.open()
+        (self.state / "calls.log").unlink(missing_ok=True)
+        (self.state / "entered.log").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gate")
+
+
+@pytest.fixture
+def gate(state_dir: Path) -> Iterator[Gate]:
+    g = Gate(state_dir)
+    g.reset()
+    yield g
+    g.open()
+
+
+@pytest.fixture(scope="session")
+def test_server(
+    state_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A server over tests/models (gated, limited, echo) with one worker."""
+    server = ServerProcess(
+        TEST_MODELS,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        env={"BATCHD_TEST_DIR": str(state_dir)},
+    ).start()
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="session")
+def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server over examples/models (mlp, tiny, embed) with two workers."""
+    server = ServerProcess(EXAMPLES, log_dir=tmp_path_factory.mktemp("logs"), workers=2).start()
+    yield server
+    assert server.stop() == 0, server.log()

@@ -1,0 +1,119 @@
+"""Start and stop a real `batchd serve` process for integration tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from batchd.client import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "models"
+TEST_MODELS = Path(__file__).resolve().parent / "models"
+_LISTENING = re.compile(r"serving gRPC on [^:]+:(\d+)")
+
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        repo: Path,
+        *args: str,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        workers: int = 1,
+    ) -> None:
+        self.repo, self.args, self.log_dir = repo, list(args), log_dir
+        self.env = {**os.environ, **(env or {})}
+        self.workers = workers
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.log_path = log_dir / f"server-{time.monotonic_ns()}.log"
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def start(self, timeout: float = 90.0, ready: bool = True) -> ServerProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "batchd.server",
+            "--model-repository",
+            str(self.repo),
+            "--grpc-port",
+            "0",
+            "--workers",
+            str(self.workers),
+            "--threads-per-worker",
+            "1",
+            *self.args,
+        ]
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+
+        def listening() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            m = _LISTENING.search(self.log())
+            if m:
+                self.port = int(m.group(1))
+            return bool(m)
+
+        wait_for(listening, timeout, "the server to listen")
+        if ready:
+            with Client(self.url) as c:
+                wait_for(c.ready, timeout, "ServerReady")
+        return self
+
+    def worker_pids(self) -> list[int]:
+        assert self.proc is not None
+        return children(self.proc.pid)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the server, wait, and check that no worker process outlives it."""
+        assert self.proc is not None
+        workers = self.worker_pids()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout)
+        wait_for(lambda: not any(alive(p) for p in workers), 10, "workers to exit")
+        return code

@@ -1,0 +1,101 @@
+"""python -m batchd.worker: load the repository's models and serve a frontend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
+from batchd.worker.loader import ModelFn, load_model
+from batchd.worker.runner import Worker, WorkerOptions, install_signal_handlers
+
+log = logging.getLogger("batchd.worker")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="batchd worker", description=__doc__)
+    p.add_argument("--connect", help="frontend endpoint, e.g. tcp://10.0.0.5:5555")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda:0, ... (default cpu)")
+    p.add_argument(
+        "--model-repository",
+        type=Path,
+        default=Path("models"),
+        help="directory of <model>/model.toml (default ./models)",
+    )
+    p.add_argument("--models", default="", help="comma-separated models to load (default all)")
+    p.add_argument("--id", help="worker id (default <hostname>-<device>-<pid>)")
+    p.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (default torch's)"
+    )
+    p.add_argument("--parent-pid", type=int, help="exit when this parent process goes away")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--list-devices",
+        action="store_true",
+        help="print the visible accelerator devices as JSON and exit",
+    )
+    return p.parse_args(argv)
+
+
+ModelTable = dict[str, tuple[ModelConfig, ModelFn]]
+
+
+def load_models(
+    repo: Path, wanted: list[str], device: torch.device
+) -> tuple[ModelTable, list[str]]:
+    configs = load_repository(repo)
+    unknown = [w for w in wanted if w not in configs]
+    if unknown:
+        raise ConfigError(f"{repo}: no model(s) {unknown} in the repository")
+    models: ModelTable = {}
+    errors: list[str] = []
+    for name, cfg in configs.items():
+        if wanted and name not in wanted:
+            continue
+        try:
+            fn: ModelFn = load_model(cfg, device)
+        except Exception as e:
+            log.exception("cannot load model %s from %s", name, cfg.artifact)
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        models[name] = (cfg, fn)
+    return models, errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list_devices:
+        print(json.dumps([f"cuda:{i}" for i in range(torch.cuda.device_count())]))
+        return 0
+    if not args.connect:
+        print("batchd worker: --connect is required", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
+    try:
+        models, errors = load_models(
+            args.model_repository, [m for m in args.models.split(",") if m], device
+        )
+    except ConfigError as e:
+        print(f"batchd worker: {e}", file=sys.stderr)
+        return 2
+    worker = Worker(WorkerOptions(worker_id, args.connect, device, args.parent_pid), models, errors)
+    install_signal_handlers(worker)
+    worker.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Running one batch: raw frames in, model forward, raw frames out.
+
+Inputs become tensors with one copy (host->device on a GPU; a private writable
+copy on the CPU, so a model that writes into its inputs cannot touch ZeroMQ's
+buffers). Outputs are checked against the declared signature, so a model that
+returns the wrong dtype or row count fails its batch with a clear message
+instead of corrupting a reply. BYTES tensors reach the model as numpy object
+arrays of `bytes`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchd.protos import wire
+from batchd.protos.datatypes import DATATYPES
+from batchd.protos.model_config import ModelConfig
+from batchd.protos.tensors import from_raw, serialize_bytes
+from batchd.worker.loader import ModelFn
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "UINT8": torch.uint8,
+    "UINT16": torch.uint16,
+    "UINT32": torch.uint32,
+    "UINT64": torch.uint64,
+    "INT8": torch.int8,
+    "INT16": torch.int16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "FP16": torch.float16,
+    "FP32": torch.float32,
+    "FP64": torch.float64,
+    "BF16": torch.bfloat16,
+}
+
+
+class BatchError(Exception):
+    """The batch cannot be answered; the message goes back to its callers."""
+
+
+def to_model_input(t: wire.Tensor, frame: Any, device: torch.device) -> Any:
+    arr = from_raw(t.datatype, tuple(t.shape), memoryview(frame))
+    if t.datatype == "BYTES":
+        return arr
+    if device.type == "cpu":
+        tensor = torch.from_numpy(arr.copy())
+    else:
+        with warnings.catch_warnings():  # read-only view; .to(device) copies it
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(arr).to(device)
+    return tensor.view(torch.bfloat16) if t.datatype == "BF16" else tensor
+
+
+def _outputs_in_order(cfg: ModelConfig, result: Any) -> list[Any]:
+    names = [o.name for o in cfg.outputs]
+    if isinstance(result, dict):
+        missing = [n for n in names if n not in result]
+        if missing:
+            raise BatchError(
+                f"the model returned a dict without output(s) {missing}; "
+                f"it has keys {sorted(map(str, result))}"
+            )
+        return [result[n] for n in names]
+    values = list(result) if isinstance(result, (tuple, list)) else [result]
+    if len(values) != len(names):
+        raise BatchError(
+            f"the model returned {len(values)} output(s), model.toml declares {len(names)}: {names}"
+        )
+    return values
+
+
+def _encode(spec_name: str, datatype: str, value: Any) -> tuple[list[int], Any]:
+    where = f"output {spec_name!r}"
+    if datatype == "BYTES":
+        arr = np.asarray(value, dtype=object)
+        return list(arr.shape), serialize_bytes(arr)
+    if isinstance(value, torch.Tensor):
+        want = TORCH_DTYPES[datatype]
+        if value.dtype != want:
+            raise BatchError(
+                f"{where} is declared {datatype} ({want}), the model returned {value.dtype}"
+            )
+        t = value.detach().to("cpu").contiguous()
+        arr = t.view(torch.int16).numpy().view(np.uint16) if datatype == "BF16" else t.numpy()
+    elif isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        if arr.dtype.newbyteorder("<") != DATATYPES[datatype].numpy:
+            raise BatchError(
+                f"{where} is declared {datatype}, the model returned numpy {arr.dtype}"
+            )
+    else:
+        raise BatchError(f"{where}: the model returned {type(value).__name__}, expected a tensor")
+    return list(arr.shape), arr.astype(DATATYPES[datatype].numpy, copy=False).data.cast("B")
+
+
+def run_batch(
+    fn: ModelFn,
+    cfg: ModelConfig,
+    device: torch.device,
+    tensors: Sequence[wire.Tensor],
+    frames: Sequence[Any],
+) -> tuple[list[wire.Tensor], list[Any]]:
+    """Run the model on one batch; raise BatchError (or the model's own error)."""
+    by_name = dict(zip((t.name for t in tensors), zip(tensors, frames, strict=True), strict=True))
+    try:
+        args = [to_model_input(*by_name[s.name], device) for s in cfg.inputs]
+    except KeyError as e:
+        raise BatchError(f"batch lacks input {e}") from None
+    rows = tensors[0].shape[0] if cfg.batches else None
+    with torch.inference_mode():
+        result = fn(*args)
+    out_headers, out_frames = [], []
+    for spec, value in zip(cfg.outputs, _outputs_in_order(cfg, result), strict=True):
+        shape, frame = _encode(spec.name, spec.datatype, value)
+        inner = shape[1:] if cfg.batches else shape
+        if (rows is not None and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)):
+            declared = ([rows] if cfg.batches else []) + list(spec.shape)
+            raise BatchError(
+                f"output {spec.name!r}: expected shape {declared}, the model returned {shape}"
+            )
+        out_headers.append(wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape))
+        out_frames.append(frame)
+    return out_headers, out_frames

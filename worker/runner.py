@@ -1,0 +1,168 @@
+"""The worker process: one I/O thread and one compute thread.
+
+The I/O thread (main) owns the DEALER socket: it registers (READY), sends
+and checks heartbeats, hands batches to the compute thread and forwards its
+replies. The compute thread runs the models; it talks back over an inproc
+PAIR socket, so no ZeroMQ socket is ever shared between threads. Heartbeats
+keep flowing while a long batch runs. A model exception becomes an ERROR
+reply; the worker lives on. STOP, a vanished parent, or SIGTERM end it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
+from batchd.worker.execute import BatchError, run_batch
+from batchd.worker.loader import ModelFn
+
+log = logging.getLogger("batchd.worker")
+_RESULTS = "inproc://batchd-results"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    worker_id: str
+    endpoint: str
+    device: torch.device
+    parent_pid: int | None = None
+
+
+class Worker:
+    def __init__(
+        self,
+        options: WorkerOptions,
+        models: dict[str, tuple[ModelConfig, ModelFn]],
+        load_errors: list[str],
+    ) -> None:
+        self.options = options
+        self.models = models
+        self.load_errors = load_errors
+        self._work: queue.SimpleQueue[tuple[wire.Header, list[Any]] | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+
+    # ---- compute thread ----
+
+    def _compute(self, ctx: zmq.Context[Any]) -> None:
+        out = ctx.socket(zmq.PAIR)
+        out.connect(_RESULTS)
+        try:
+            while (item := self._work.get()) is not None:
+                out.send_multipart(self._run(*item), copy=False)
+        finally:
+            out.close(linger=0)
+
+    def _run(self, header: wire.Header, frames: list[Any]) -> list[Any]:
+        reply = wire.Header(kind=wire.Header.RESULT, batch_id=header.batch_id, model=header.model)
+        entry = self.models.get(header.model)
+        try:
+            if entry is None:
+                raise BatchError(f"model {header.model!r} is not loaded on this worker")
+            cfg, fn = entry
+            start = time.perf_counter_ns()
+            tensors, out_frames = run_batch(fn, cfg, self.options.device, header.tensors, frames)
+            reply.compute_ns = time.perf_counter_ns() - start
+            reply.tensors.extend(tensors)
+            return wire.pack(reply, out_frames)
+        except Exception as e:  # any model failure is reply data, never a dead worker
+            log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
+            message = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
+            return wire.pack(
+                wire.Header(
+                    kind=wire.Header.ERROR,
+                    batch_id=header.batch_id,
+                    model=header.model,
+                    error=message,
+                )
+            )
+
+    # ---- I/O thread ----
+
+    def _ready(self) -> list[Any]:
+        info = wire.WorkerInfo(
+            worker_id=self.options.worker_id,
+            device=str(self.options.device),
+            pid=os.getpid(),
+            models=list(self.models),
+            protocol=wire.PROTOCOL_VERSION,
+            load_errors=self.load_errors,
+        )
+        return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
+
+    def _parent_gone(self) -> bool:
+        return self.options.parent_pid is not None and os.getppid() != self.options.parent_pid
+
+    def serve(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, self.options.worker_id.encode())
+        dealer.setsockopt(zmq.LINGER, 2000)
+        results = ctx.socket(zmq.PAIR)
+        results.bind(_RESULTS)
+        dealer.connect(self.options.endpoint)
+        compute = threading.Thread(target=self._compute, args=(ctx,), name="compute", daemon=True)
+        compute.start()
+        try:
+            self._loop(dealer, results)
+        finally:
+            self._work.put(None)
+            compute.join(timeout=5)
+            results.close(linger=0)
+            dealer.close()
+            ctx.term()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self, dealer: zmq.Socket[Any], results: zmq.Socket[Any]) -> None:
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(results, zmq.POLLIN)
+        beat = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
+        interval = wire.HEARTBEAT_INTERVAL_S
+        dealer.send_multipart(self._ready())
+        heard = next_beat = time.monotonic()
+        pending = 0  # batches handed to the compute thread, not yet answered
+        stopping = False
+        while not (stopping and pending == 0) and not self._stop.is_set():
+            events = dict(poller.poll(timeout=int(interval * 1000 / 2)))
+            now = time.monotonic()
+            if results in events:
+                dealer.send_multipart(results.recv_multipart(copy=False), copy=False)
+                pending -= 1
+            if dealer in events:
+                header, frames = wire.unpack(dealer.recv_multipart(copy=False))
+                heard = now
+                if header.kind == wire.Header.BATCH and not stopping:
+                    self._work.put((header, frames))
+                    pending += 1
+                elif header.kind == wire.Header.STOP:
+                    log.info("worker %s: STOP received", self.options.worker_id)
+                    stopping = True
+            if now >= next_beat:
+                dealer.send_multipart(beat)
+                next_beat = now + interval
+            if now - heard > interval * wire.LIVENESS:
+                # The frontend is gone or forgot us: register again; it requeued our batches.
+                dealer.send_multipart(self._ready())
+                heard = now
+            if self._parent_gone():
+                log.warning("worker %s: parent process exited; stopping", self.options.worker_id)
+                return
+
+
+def install_signal_handlers(worker: Worker) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
