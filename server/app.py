@@ -33,6 +33,7 @@ from batchd.server.errors import Unavailable
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
 from batchd.server.service import InferenceService
+from batchd.server.stats import Stats
 from batchd.server.supervisor import Supervisor, WorkerSpec, detect_devices, plan_workers
 
 log = logging.getLogger("batchd.server")
@@ -150,13 +151,14 @@ async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(endpoint)
-        dispatcher = Dispatcher(router)
+        stats = Stats()
+        dispatcher = Dispatcher(router, stats)
         scheduler = Scheduler(dispatcher)
         for m in models.values():
             scheduler.add_model(m)
         wiring = _Wiring(dispatcher, scheduler)
         dispatcher.attach(wiring)
-        service = InferenceService(models, wiring)
+        service = InferenceService(models, wiring, stats)
         health = HealthServicer()
         server, port = _grpc_server(cfg, service, health)
 

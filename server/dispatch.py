@@ -29,6 +29,7 @@ from batchd.server.batching import Capacity
 from batchd.server.batchio import join_inputs, split_outputs
 from batchd.server.errors import ModelFailed
 from batchd.server.request import Request
+from batchd.server.stats import Stats
 
 log = logging.getLogger("batchd.dispatch")
 MAX_ATTEMPTS = 2  # a request rides on at most two batches that lose their worker
@@ -72,10 +73,12 @@ class Dispatcher:
     def __init__(
         self,
         socket: zmq.asyncio.Socket,
+        stats: Stats,
         credits: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sock = socket
+        self._stats = stats
         self._credits = credits
         self._clock = clock
         self._workers: dict[bytes, Worker] = {}
@@ -258,6 +261,7 @@ class Dispatcher:
         batch = worker.inflight.pop(header.batch_id, None)
         if batch is None:
             return
+        received = self._clock()
         live = batch.requests
         try:
             if header.kind == wire.Header.ERROR:
@@ -280,7 +284,21 @@ class Dispatcher:
             for r, result in zip(live, results, strict=True):
                 if not r.future.done():
                     r.future.set_result(result)
+            self._record(batch, received, header.compute_ns)
         self.events.pump()
+
+    def _record(self, batch: Batch, received: float, infer_ns: int) -> None:
+        done = self._clock()
+        round_trip_ns = int((received - batch.sent_at) * 1e9)
+        self._stats.batch_done(
+            batch.model.name,
+            rows=sum(r.rows for r in batch.requests),
+            requests=len(batch.requests),
+            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) for r in batch.requests),
+            input_ns=max(0, round_trip_ns - infer_ns),
+            infer_ns=infer_ns,
+            output_ns=int((done - received) * 1e9),
+        )
 
     async def _heartbeat_loop(self) -> None:
         beat = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))

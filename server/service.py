@@ -22,9 +22,10 @@ from batchd.server.codec import decode_request, encode_response
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import BatchdError, ModelNotFound, Unavailable
 from batchd.server.request import Request, Tensor
+from batchd.server.stats import Stats
 
 T = TypeVar("T")
-EXTENSIONS = ["model_configuration", "parameters"]
+EXTENSIONS = ["model_configuration", "parameters", "statistics"]
 STREAM_WINDOW = 256  # requests of one stream in flight at once
 
 
@@ -53,10 +54,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self,
         models: Mapping[str, ModelConfig],
         core: Core,
+        stats: Stats,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._models = models
         self._core = core
+        self._stats = stats
         self._clock = clock
         self.draining = False
 
@@ -82,8 +85,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         cfg = self._model(msg.model_name, msg.model_version)
         now = self._clock()
         deadline = math.inf if time_remaining is None else now + time_remaining
-        request = decode_request(msg, cfg, now, deadline)
-        results = await self._core.submit(request)
+        ok = False
+        try:
+            request = decode_request(msg, cfg, now, deadline)
+            results = await self._core.submit(request)
+            ok = True
+        finally:
+            self._stats.answered(cfg.name, ok, int((self._clock() - now) * 1e9))
         return encode_response(request, results)
 
     # ---- RPCs ----
@@ -164,3 +172,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelConfigResponse:
         return model_config(self._model(request.name, request.version))
+
+    @_status
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        names = [self._model(request.name, request.version).name] if request.name else self._models
+        return pb.ModelStatisticsResponse(
+            model_stats=[self._stats.to_pb(n, self._models[n].version) for n in names]
+        )

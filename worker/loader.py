@@ -11,14 +11,18 @@ tensor, a tuple in [[output]] order, or a dict by output name.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.export.passes import move_to_device_pass
 
 from batchd.protos.model_config import ModelConfig
 
 ModelFn = Callable[..., Any]
+log = logging.getLogger("batchd.worker")
 
 
 def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
@@ -49,8 +53,15 @@ def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
     if cfg.platform == "python":
         return _load_python(cfg, device)
     if cfg.platform == "pytorch_libtorch":
-        return _eval(torch.jit.load(str(cfg.artifact), map_location=device))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DeprecationWarning)
+            module = torch.jit.load(str(cfg.artifact), map_location=device)
+        if caught:
+            log.warning("model %s: %s (%s)", cfg.name, caught[0].message, cfg.artifact)
+        return _eval(module)
     if cfg.platform == "torch_export":
         program = torch.export.load(str(cfg.artifact))
-        return _eval(program.module().to(device))
+        if device.type != "cpu":
+            program = move_to_device_pass(program, device)
+        return program.module()  # already in inference form: no eval()
     raise ValueError(f"{cfg.directory}: unknown platform {cfg.platform!r}")

@@ -1,0 +1,124 @@
+"""Per-model inference statistics, in the shape of Triton's ModelStatistics.
+
+    success / fail   requests answered, and their time from admission to answer
+    queue            time from admission until its batch was sent to a worker
+    compute_input    send -> result round trip minus the model's own time
+                     (ZeroMQ transfer, worker-side tensor conversion)
+    compute_infer    the model's forward time as the worker measured it
+    compute_output   time to split a batch's outputs back into responses
+    inference_count  rows inferred; execution_count: batches run;
+                     their ratio is the average batch size
+    batch_stats      per batch size (rows): batches and their compute times
+
+Counts are per request for the per-request durations and per batch in
+batch_stats. One Stats object is created by the composition root and
+passed to the dispatcher (batches) and the servicer (answers).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from batchd.protos import inference_pb2 as pb
+
+
+@dataclass(slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int, count: int = 1) -> None:
+        self.count += count
+        self.ns += ns
+
+    def pb(self) -> pb.StatisticDuration:
+        return pb.StatisticDuration(count=self.count, ns=self.ns)
+
+
+@dataclass(slots=True)
+class BatchDurations:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass(slots=True)
+class ModelStats:
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batches: dict[int, BatchDurations] = field(default_factory=lambda: defaultdict(BatchDurations))
+
+    def average_batch_size(self) -> float:
+        return self.inference_count / self.execution_count if self.execution_count else 0.0
+
+
+class Stats:
+    def __init__(self) -> None:
+        self._models: dict[str, ModelStats] = defaultdict(ModelStats)
+
+    def model(self, name: str) -> ModelStats:
+        return self._models[name]
+
+    def batch_done(
+        self,
+        model: str,
+        rows: int,
+        requests: int,
+        queue_ns: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+    ) -> None:
+        """A batch came back with results; `queue_ns` is summed over its requests."""
+        m = self._models[model]
+        m.inference_count += rows
+        m.execution_count += 1
+        m.last_inference_ms = time.time_ns() // 1_000_000
+        m.queue.add(queue_ns, requests)
+        m.compute_input.add(input_ns * requests, requests)
+        m.compute_infer.add(infer_ns * requests, requests)
+        m.compute_output.add(output_ns * requests, requests)
+        b = m.batches[rows]
+        b.compute_input.add(input_ns)
+        b.compute_infer.add(infer_ns)
+        b.compute_output.add(output_ns)
+
+    def answered(self, model: str, ok: bool, duration_ns: int) -> None:
+        m = self._models[model]
+        (m.success if ok else m.fail).add(duration_ns)
+
+    def to_pb(self, name: str, version: str) -> pb.ModelStatistics:
+        m = self._models[name]
+        return pb.ModelStatistics(
+            name=name,
+            version=version,
+            last_inference=m.last_inference_ms,
+            inference_count=m.inference_count,
+            execution_count=m.execution_count,
+            inference_stats=pb.InferStatistics(
+                success=m.success.pb(),
+                fail=m.fail.pb(),
+                queue=m.queue.pb(),
+                compute_input=m.compute_input.pb(),
+                compute_infer=m.compute_infer.pb(),
+                compute_output=m.compute_output.pb(),
+            ),
+            batch_stats=[
+                pb.InferBatchStatistics(
+                    batch_size=size,
+                    compute_input=b.compute_input.pb(),
+                    compute_infer=b.compute_infer.pb(),
+                    compute_output=b.compute_output.pb(),
+                )
+                for size, b in sorted(m.batches.items())
+            ],
+        )

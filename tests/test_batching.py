@@ -1,0 +1,242 @@
+"""The batching decision and the scheduler around it, with a fake clock and a
+fake dispatcher: no processes, no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+import pytest
+
+from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
+from batchd.server.batching import Capacity, QueueState, Send, Wait, decide
+from batchd.server.errors import DeadlineExceeded, QueueFull
+from batchd.server.request import Request, Tensor
+from batchd.server.scheduler import ModelQueue, Scheduler
+
+IDLE = Capacity(idle_worker=True, free_credit=True)
+BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
+FULL = Capacity(idle_worker=False, free_credit=False)
+
+
+def test_empty_queue_waits_for_an_event() -> None:
+    assert decide(5.0, None, IDLE, 32, 0.01) == Wait(None)
+
+
+def test_idle_worker_takes_the_queue_at_once() -> None:
+    assert decide(5.0, QueueState(5.0, 1), IDLE, 32, 0.01) == Send(32)
+
+
+def test_no_credit_means_wait_whatever_the_queue() -> None:
+    assert decide(9.0, QueueState(1.0, 64), FULL, 32, 0.01) == Wait(None)
+
+
+def test_busy_worker_gets_a_staged_batch_only_when_full() -> None:
+    assert decide(5.0, QueueState(5.0, 31), BUSY_WITH_CREDIT, 32, 0.01) == Wait(5.01)
+    assert decide(5.0, QueueState(5.0, 32), BUSY_WITH_CREDIT, 32, 0.01) == Send(32)
+
+
+def test_busy_worker_gets_a_partial_batch_once_the_delay_ran_out() -> None:
+    assert decide(5.0099, QueueState(5.0, 3), BUSY_WITH_CREDIT, 32, 0.01) == Wait(5.01)
+    assert decide(5.01, QueueState(5.0, 3), BUSY_WITH_CREDIT, 32, 0.01) == Send(32)
+
+
+# ---- the queue and the scheduler ----
+
+
+def model(
+    max_batch_size: int = 4, queue: int = 8, delay_us: int = 1000, shape: tuple[int, ...] = (2,)
+) -> ModelConfig:
+    return ModelConfig(
+        name="m",
+        directory=Path("."),
+        artifact=Path("model.py"),
+        platform="python",
+        max_batch_size=max_batch_size,
+        inputs=(TensorSpec("X", "FP32", shape),),
+        outputs=(TensorSpec("Y", "FP32", shape),),
+        batching=BatchingConfig(max_queue_delay_us=delay_us, max_queue_size=queue),
+    )
+
+
+def request(cfg: ModelConfig, rows: int = 1, width: int = 2, deadline: float = math.inf) -> Request:
+    data = b"\0" * (rows * width * 4)
+    return Request(cfg, "", [Tensor("X", "FP32", (rows, width), data)], ("Y",), rows, deadline)
+
+
+class FakeDispatch:
+    def __init__(self, idle: int = 1, credits: int = 2) -> None:
+        self.idle, self.credits = idle, credits
+        self.sent: list[list[Request]] = []
+
+    def capacity(self, model: str) -> Capacity:
+        return Capacity(idle_worker=self.idle > 0, free_credit=self.credits > 0)
+
+    def send(self, model: ModelConfig, requests: list[Request]) -> None:
+        self.sent.append(requests)
+        self.credits -= 1
+        self.idle = max(0, self.idle - 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(coro_fn):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro_fn())
+
+
+def test_take_keeps_fifo_and_the_row_cap() -> None:
+    async def body() -> None:
+        cfg = model(max_batch_size=4)
+        q = ModelQueue(cfg)
+        loop = asyncio.get_running_loop()
+        reqs = [request(cfg, rows) for rows in (2, 1, 3, 1)]
+        for r in reqs:
+            r.future = loop.create_future()
+            q.items.append(r)
+            q.rows += r.rows
+        assert q.take(4, 0.0) == reqs[:2]  # the 3-row request does not fit behind 3 rows
+        assert q.take(4, 0.0) == reqs[2:]
+        assert q.rows == 0
+
+    run(body)
+
+
+def test_take_never_mixes_shapes_and_keeps_the_others_in_order() -> None:
+    async def body() -> None:
+        cfg = model(shape=(-1,))
+        q = ModelQueue(cfg)
+        loop = asyncio.get_running_loop()
+        reqs = [request(cfg, 1, width) for width in (2, 3, 2, 3)]
+        for r in reqs:
+            r.future = loop.create_future()
+            q.items.append(r)
+            q.rows += 1
+        assert q.state(0.0) == QueueState(0.0, 2)
+        assert q.take(4, 0.0) == [reqs[0], reqs[2]]
+        assert list(q.items) == [reqs[1], reqs[3]]
+
+    run(body)
+
+
+def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it() -> None:
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=2)
+        s = Scheduler(dispatch, clock)
+        cfg = model(max_batch_size=4, delay_us=10_000)
+        s.add_model(cfg)
+        first = request(cfg)
+        s.submit(first)
+        assert dispatch.sent == [[first]]
+        backlog = [request(cfg) for _ in range(3)]
+        for r in backlog:
+            s.submit(r)
+        assert len(dispatch.sent) == 1  # the worker is busy: wait to fill the staged batch
+        fourth = request(cfg)
+        s.submit(fourth)
+        assert dispatch.sent[1] == [*backlog, fourth]  # full: staged at once
+
+    run(body)
+
+
+def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)
+        s = Scheduler(dispatch, clock)
+        cfg = model(delay_us=10_000)
+        s.add_model(cfg)
+        r = request(cfg)
+        s.submit(r)
+        assert dispatch.sent == []
+        clock.now += 0.010
+        s.pump()
+        assert dispatch.sent == [[r]]
+
+    run(body)
+
+
+def test_full_queue_rejects_at_once_with_the_limit_and_a_pushback() -> None:
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model(queue=2)
+        s.add_model(cfg)
+        s.submit(request(cfg))
+        s.submit(request(cfg))
+        with pytest.raises(QueueFull) as info:
+            s.submit(request(cfg))
+        assert "queue of model 'm' is full" in info.value.message
+        assert "max_queue_size 2" in info.value.message
+        assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "1"
+
+    run(body)
+
+
+def test_cancelled_requests_free_their_place_in_a_full_queue() -> None:
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model(queue=1)
+        s.add_model(cfg)
+        s.submit(request(cfg)).cancel()
+        s.submit(request(cfg))  # admitted: the cancelled one is compacted away
+        assert s.queued("m") == 1
+
+    run(body)
+
+
+def test_expired_and_cancelled_requests_never_reach_the_dispatcher() -> None:
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=0)
+        s = Scheduler(dispatch, clock)
+        cfg = model()
+        s.add_model(cfg)
+        expiring = s.submit(request(cfg, deadline=clock.now + 1.0))
+        cancelled = request(cfg)
+        s.submit(cancelled).cancel()
+        live = request(cfg)
+        s.submit(live)
+        clock.now += 2.0
+        dispatch.idle, dispatch.credits = 1, 2
+        s.pump()
+        assert dispatch.sent == [[live]]
+        with pytest.raises(DeadlineExceeded, match="reached its deadline"):
+            expiring.result()
+
+    run(body)
+
+
+def test_queue_timeout_fires_without_any_other_event() -> None:
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0))  # real clock: the timer must fire
+        cfg = model()
+        s.add_model(cfg)
+        r = request(cfg, deadline=time.monotonic() + 0.001)
+        r.queue_timeout = True
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(s.submit(r), 5)
+
+    run(body)
+
+
+def test_requeued_requests_go_first() -> None:
+    async def body() -> None:
+        dispatch = FakeDispatch(idle=0, credits=0)
+        s = Scheduler(dispatch, Clock())
+        cfg = model()
+        s.add_model(cfg)
+        waiting = request(cfg)
+        s.submit(waiting)
+        lost = request(cfg)
+        lost.future = asyncio.get_running_loop().create_future()
+        s.requeue([lost])
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert dispatch.sent == [[lost, waiting]]
+
+    run(body)

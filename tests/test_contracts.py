@@ -1,0 +1,218 @@
+"""The contracts in batchd.protos: stubs, field numbers, tensor codecs, the
+model repository format; and the import boundaries between the packages."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchd.protos import inference_pb2 as pb
+from batchd.protos.datatypes import DATATYPES, datatype_of
+from batchd.protos.model_config import ConfigError, load_model_config, load_repository
+from batchd.protos.tensors import (
+    bytes_element_offsets,
+    contents_to_raw,
+    deserialize_bytes,
+    from_raw,
+    serialize_bytes,
+    to_raw,
+)
+from tests.servers import EXAMPLES, ROOT, TEST_MODELS
+
+
+def test_generated_stubs_are_fresh() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "protos" / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("message", "field", "number"),
+    [
+        (pb.ModelInferRequest, "raw_input_contents", 7),
+        (pb.ModelInferResponse, "raw_output_contents", 6),
+        (pb.ModelInferRequest, "parameters", 4),
+        (pb.InferTensorContents, "bytes_contents", 8),
+        (pb.ModelConfig, "dynamic_batching", 11),
+        (pb.ModelConfig, "model_transaction_policy", 19),
+        (pb.ModelConfig, "response_cache", 24),
+        (pb.ModelInput, "allow_ragged_batch", 7),
+        (pb.ModelStatistics, "batch_stats", 7),
+        (pb.RepositoryModelLoadRequest, "parameters", 3),
+    ],
+)
+def test_wire_field_numbers_match_the_protocol(message, field: str, number: int) -> None:  # type: ignore[no-untyped-def]
+    assert message.DESCRIPTOR.fields_by_name[field].number == number
+
+
+def test_service_and_package_names() -> None:
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    assert service.full_name == "inference.GRPCInferenceService"
+    assert {m.name for m in service.methods} >= {
+        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
+        "ModelInfer", "ModelStreamInfer", "ModelConfig", "ModelStatistics",
+        "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
+    }  # fmt: skip
+    assert pb.TYPE_BF16 == 14 and pb.TYPE_STRING == 13
+
+
+def test_batchd_and_tritonclient_import_side_by_side() -> None:
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import tritonclient.grpc\n"
+        "from batchd.protos import inference_pb2\n"
+        "from batchd.client import Client\n"
+        "print(inference_pb2.ModelInferRequest(model_name='x').model_name)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "x", out.stderr
+
+
+def test_frontend_and_client_never_import_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # any `import torch` now fails
+        "import batchd.server.app, batchd.server.cli, batchd.client\n"
+        "assert sys.modules['torch'] is None\n"
+        "print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+# ---- tensor codecs ----
+
+SAMPLES = {
+    "BOOL": np.array([[True, False]]),
+    "UINT8": np.array([[0, 255]], np.uint8),
+    "UINT16": np.array([[1, 65535]], np.uint16),
+    "UINT32": np.array([[1, 2**32 - 1]], np.uint32),
+    "UINT64": np.array([[1, 2**64 - 1]], np.uint64),
+    "INT8": np.array([[-128, 127]], np.int8),
+    "INT16": np.array([[-1, 2]], np.int16),
+    "INT32": np.array([[-(2**31), 7]], np.int32),
+    "INT64": np.array([[-(2**63), 7]], np.int64),
+    "FP16": np.array([[0.5, -2.0]], np.float16),
+    "FP32": np.array([[0.25, 1e30]], np.float32),
+    "FP64": np.array([[1e-300, -3.5]], np.float64),
+    "BF16": np.array([[0x3F80, 0xC000]], np.uint16),  # 1.0, -2.0
+    "BYTES": np.array([[b"", b"\x00\xffok"]], dtype=object),
+}
+
+
+@pytest.mark.parametrize("datatype", sorted(SAMPLES))
+def test_raw_round_trip(datatype: str) -> None:
+    arr = SAMPLES[datatype]
+    name, shape, raw = to_raw(arr, "BF16" if datatype == "BF16" else None)
+    assert name == datatype and shape == [1, 2]
+    back = from_raw(name, shape, raw)
+    assert back.tolist() == arr.tolist()
+    if not DATATYPES[datatype].is_bytes:
+        assert len(raw) == 2 * DATATYPES[datatype].itemsize
+
+
+@pytest.mark.parametrize("datatype", sorted(d for d in SAMPLES if DATATYPES[d].contents_field))
+def test_typed_contents_give_the_same_bytes_as_raw(datatype: str) -> None:
+    arr = SAMPLES[datatype]
+    assert contents_to_raw(datatype, arr.ravel().tolist()) == to_raw(arr)[2]
+
+
+def test_bytes_layout_is_length_prefixed_little_endian() -> None:
+    raw = serialize_bytes(["ab", b"c"])
+    assert raw == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
+    assert bytes_element_offsets(raw) == [0, 6, 11]
+    assert deserialize_bytes(raw, [2]).tolist() == [b"ab", b"c"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"\x05\x00\x00\x00abc", "its prefix says 5 bytes, 3 remain"),
+        (b"\x01\x00\x00\x00a\x01\x00", "element 1 is truncated: a 4-byte length prefix"),
+    ],
+)
+def test_truncated_bytes_are_named(raw: bytes, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        bytes_element_offsets(raw)
+
+
+def test_datatype_of_numpy_arrays() -> None:
+    assert datatype_of(np.zeros(1, np.float32)) == "FP32"
+    assert datatype_of(np.array(["a"])) == "BYTES"
+    with pytest.raises(ValueError, match="complex128"):
+        datatype_of(np.zeros(1, np.complex128))
+
+
+# ---- the model repository ----
+
+
+def test_example_and_test_repositories_load() -> None:
+    examples = load_repository(EXAMPLES)
+    assert sorted(examples) == ["embed", "mlp", "tiny"]
+    mlp = examples["mlp"]
+    assert mlp.max_batch_size == 32 and mlp.platform == "python"
+    assert mlp.inputs[0].shape == (512,) and examples["tiny"].platform == "torch_export"
+    assert "echo" in load_repository(TEST_MODELS)
+
+
+def write_model(tmp_path: Path, toml: str, artifact: str = "model.py") -> Path:
+    d = tmp_path / "m"
+    d.mkdir(exist_ok=True)
+    (d / "model.toml").write_text(toml)
+    if artifact:
+        (d / artifact).write_text("")
+    return d
+
+
+GOOD = """max_batch_size = 4
+[[input]]
+name = "X"
+datatype = "FP32"
+shape = [2]
+[[output]]
+name = "Y"
+datatype = "FP32"
+shape = [2]
+"""
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        (GOOD.replace('"FP32"', '"FP33"', 1), "[[input]] 'X' key 'datatype': expected one of"),
+        (GOOD.replace("[2]", "[0]", 1), "[[input]] 'X' key 'shape': expected a list of positive"),
+        (GOOD.replace("max_batch_size = 4", "max_batch_size = -1"), "key 'max_batch_size'"),
+        (GOOD.replace("max_batch_size = 4", 'max_batch_size = "4"'), "expected int, got '4'"),
+        (GOOD + "[batching]\nmax_queue_size = 0\n", "[batching] key 'max_queue_size'"),
+        (GOOD + "[batching]\nmax_delay = 1\n", "[batching] unknown key(s): max_delay"),
+        (GOOD + "colour = 1\n", "unknown key(s): colour"),
+        (GOOD + GOOD.split("shape = [2]\n", 1)[1], "[[output]] names must be unique"),
+        (GOOD.split("[[output]]")[0], "key 'output': expected at least one [[output]]"),
+        ("max_batch_size = [", "not valid TOML"),
+    ],
+)
+def test_config_errors_name_the_file_and_the_key(tmp_path: Path, toml: str, message: str) -> None:
+    d = write_model(tmp_path, toml)
+    with pytest.raises(ConfigError) as info:
+        load_model_config(d)
+    assert str(d / "model.toml") in str(info.value) or str(d) in str(info.value)
+    assert message in str(info.value)
+
+
+def test_config_needs_exactly_one_artifact(tmp_path: Path) -> None:
+    d = write_model(tmp_path, GOOD, artifact="")
+    with pytest.raises(ConfigError, match=r"expected exactly one of model\.py, model\.pt"):
+        load_model_config(d)
+
+
+def test_config_defaults(tmp_path: Path) -> None:
+    cfg = load_model_config(write_model(tmp_path, GOOD))
+    assert cfg.name == "m" and cfg.batching.max_queue_size == 1024
+    assert cfg.instances.count == 1 and math.isclose(cfg.instances.execution_timeout_s, 60.0)

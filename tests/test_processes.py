@@ -1,0 +1,119 @@
+"""Process-level behaviour: the CLI, workers started by hand, start-up errors,
+clean shutdown, and every datatype through real worker processes."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.client import Client
+from batchd.client.codec import parse_response
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos.datatypes import DATATYPES
+from batchd.protos.tensors import to_raw
+from tests.servers import EXAMPLES, ServerProcess, alive, wait_for
+from tests.test_contracts import SAMPLES
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ServerProcess(
+        EXAMPLES, "--no-local-workers", "--worker-endpoint", endpoint, log_dir=tmp_path
+    ).start(ready=False)
+    worker = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "batchd"),
+            "worker",
+            "--connect",
+            endpoint,
+            "--device",
+            "cpu",
+            "--model-repository",
+            str(EXAMPLES),
+            "--models",
+            "tiny",
+            "--threads",
+            "1",
+        ],
+    )
+    try:
+        with Client(server.url) as c:
+            assert not c.model_ready("tiny")
+            wait_for(lambda: c.model_ready("tiny"), 60, "the hand-started worker")
+            assert not c.model_ready("mlp") and not c.ready()  # nobody serves mlp
+            out = c.infer("tiny", np.ones((2, 16), np.float32), timeout=30)
+            assert out["OUTPUT0"].shape == (2, 16)
+            worker.kill()
+            worker.wait()
+            wait_for(lambda: not c.model_ready("tiny"), 10, "the lost worker to be noticed")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        assert server.stop() == 0, server.log()
+    assert "worker" in server.log() and "lost" in server.log()
+
+
+def test_bad_model_toml_stops_start_up_naming_file_and_key(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "broken").mkdir(parents=True)
+    (repo / "broken" / "model.toml").write_text('max_batch_size = 4\n[[input]]\nname = "X"\n')
+    (repo / "broken" / "model.py").write_text("")
+    result = subprocess.run(
+        [sys.executable, "-m", "batchd.server", "--model-repository", str(repo), "--workers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"{repo / 'broken' / 'model.toml'}: [[input]] 'X' key 'datatype': is required" in (
+        result.stderr
+    )
+
+
+def test_sigint_stops_server_and_every_worker(tmp_path: Path) -> None:
+    server = ServerProcess(EXAMPLES, log_dir=tmp_path, workers=2).start()
+    workers = server.worker_pids()
+    assert len(workers) == 2
+    assert server.stop(signal.SIGINT) == 0
+    assert not any(alive(p) for p in workers)
+    assert "stopped" in server.log()
+
+
+def test_every_datatype_round_trips_raw_and_typed(test_server: ServerProcess) -> None:
+    inputs = {}
+    for name, arr in SAMPLES.items():
+        row = np.resize(arr.ravel(), 3)  # the echo model's inputs are [3] (BYTES: [-1])
+        inputs[name] = np.stack([row, row[::-1]])  # two rows: the batch dim really is used
+    with grpc.insecure_channel(test_server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        raw = pb.ModelInferRequest(model_name="echo")
+        typed = pb.ModelInferRequest(model_name="echo")
+        for name, arr in inputs.items():
+            raw.inputs.add(name=f"IN_{name}", datatype=name, shape=list(arr.shape))
+            raw.raw_input_contents.append(to_raw(arr, name)[2])
+        raw_out = parse_response(stub.ModelInfer(raw, timeout=30))
+        for name, arr in inputs.items():
+            dt = DATATYPES[name]
+            if dt.contents_field is None:  # FP16, BF16 exist only in raw form
+                continue
+            t = typed.inputs.add(name=f"IN_{name}", datatype=name, shape=list(arr.shape))
+            getattr(t.contents, dt.contents_field).extend(arr.ravel().tolist())
+        with pytest.raises(grpc.RpcError) as info:  # FP16/BF16 missing: named, not crashed
+            stub.ModelInfer(typed, timeout=30)
+        assert "needs input(s) ['IN_FP16', 'IN_BF16']" in info.value.details()
+    for name, arr in inputs.items():
+        assert raw_out[f"OUT_{name}"].tolist() == arr.tolist(), name

@@ -1,0 +1,133 @@
+"""The worker's pure parts in-process: the three artifact loaders and
+`run_batch`'s checks of what a model returns."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from batchd.protos import wire
+from batchd.protos.model_config import load_model_config
+from batchd.protos.tensors import from_raw, to_raw
+from batchd.worker.execute import BatchError, run_batch
+from batchd.worker.loader import load_model
+
+CPU = torch.device("cpu")
+TOML = """max_batch_size = 8
+[[input]]
+name = "X"
+datatype = "FP32"
+shape = [4]
+[[output]]
+name = "Y"
+datatype = "FP32"
+shape = [4]
+"""
+
+
+def repo_model(tmp_path: Path, artifact: str, write: Any, toml: str = TOML) -> Path:
+    d = tmp_path / artifact.replace(".", "_")
+    d.mkdir()
+    (d / "model.toml").write_text(toml)
+    write(d / artifact)
+    return d
+
+
+def batch(arr: np.ndarray, name: str = "X") -> tuple[list[wire.Tensor], list[bytes]]:
+    datatype, shape, raw = to_raw(arr)
+    return [wire.Tensor(name=name, datatype=datatype, shape=shape)], [raw]
+
+
+def run(d: Path, arr: np.ndarray) -> np.ndarray:
+    cfg = load_model_config(d)
+    tensors, frames = batch(arr)
+    headers, out = run_batch(load_model(cfg, CPU), cfg, CPU, tensors, frames)
+    return from_raw(headers[0].datatype, headers[0].shape, bytes(out[0]))
+
+
+@pytest.fixture
+def linear() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 4).eval()
+
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+def test_torchscript_artifact(tmp_path: Path, linear: torch.nn.Module) -> None:
+    def write(p: Path) -> None:
+        with warnings.catch_warnings():  # torch 2.13 deprecates scripting; loading stays
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.script(linear).save(str(p))
+
+    d = repo_model(tmp_path, "model.pt", write)
+    with torch.inference_mode():
+        assert np.allclose(run(d, X), linear(torch.from_numpy(X)).numpy())
+
+
+def test_torch_export_artifact(tmp_path: Path, linear: torch.nn.Module) -> None:
+    def write(p: Path) -> None:
+        batch_dim = torch.export.Dim("batch", min=1, max=8)
+        program = torch.export.export(
+            linear, (torch.zeros(2, 4),), dynamic_shapes={"input": {0: batch_dim}}
+        )
+        torch.export.save(program, str(p))
+
+    d = repo_model(tmp_path, "model.pt2", write)
+    with torch.inference_mode():
+        assert np.allclose(run(d, X[:1]), linear(torch.from_numpy(X[:1])).numpy(), atol=1e-6)
+
+
+def test_python_artifact_gets_the_device(tmp_path: Path) -> None:
+    code = "def load(device):\n    assert str(device) == 'cpu'\n    return lambda x: x + 1\n"
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    assert run(d, X).tolist() == (X + 1).tolist()
+
+
+def test_python_artifact_without_load_is_named(tmp_path: Path) -> None:
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text("x = 1\n"))
+    with pytest.raises(TypeError, match="defines no load"):
+        load_model(load_model_config(d), CPU)
+
+
+def test_inputs_are_private_writable_copies(tmp_path: Path) -> None:
+    code = "def load(device):\n    return lambda x: x.mul_(2)\n"  # writes into its input
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    cfg = load_model_config(d)
+    tensors, frames = batch(X)
+    before = bytes(frames[0])
+    run_batch(load_model(cfg, CPU), cfg, CPU, tensors, frames)
+    assert frames[0] == before
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "x.double()",
+            "output 'Y' is declared FP32 (torch.float32), the model returned torch.float64",
+        ),
+        ("x[:1]", "output 'Y': expected shape [2, 4], the model returned [1, 4]"),
+        ("x[:, :3]", "expected shape [2, 4], the model returned [2, 3]"),
+        ("(x, x)", "the model returned 2 output(s), model.toml declares 1"),
+        ("{'Z': x}", "the model returned a dict without output(s) ['Y']"),
+        ("'text'", "output 'Y': the model returned str, expected a tensor"),
+    ],
+)
+def test_bad_outputs_are_named(tmp_path: Path, body: str, message: str) -> None:
+    code = f"def load(device):\n    return lambda x: {body}\n"
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    with pytest.raises(BatchError) as info:
+        run(d, X)
+    assert message in str(info.value)
+
+
+def test_dict_and_numpy_outputs_are_accepted(tmp_path: Path) -> None:
+    code = "def load(device):\n    return lambda x: {'Y': x.numpy() * 3}\n"
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    assert run(d, X).tolist() == (X * 3).tolist()
