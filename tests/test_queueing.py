@@ -26,6 +26,14 @@ def x(value: float) -> dict[str, np.ndarray]:
     return {"X": np.array([[value]], dtype=np.float32)}
 
 
+def _stats(server: ServerProcess, model: str) -> pb.ModelStatistics:
+    with grpc.insecure_channel(server.url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert "statistics" in stub.ServerMetadata(pb.ServerMetadataRequest()).extensions
+        reply = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model))
+    return reply.model_stats[0]
+
+
 def started(gate: Gate, count: int) -> None:
     wait_for(lambda: len(gate.calls(log="entered")) >= count, 30, f"{count} batch(es) to start")
 
@@ -57,12 +65,21 @@ def test_backlog_leaves_as_one_batch_when_the_worker_frees(
             await first
             return list(await asyncio.gather(*calls))
 
+    before = _stats(test_server, "gated")
     accepted = [v for v in asyncio.run(scenario()) if not isinstance(v, ServerBusy)]
+    after = _stats(test_server, "gated")
     batches = gate.calls("gated")
     assert batches[0] == [1000.0]
     assert len(batches) == 2, batches
     assert len(batches[1]) == 31 == len(accepted)
     assert sorted(2 * v for v in batches[1]) == sorted(accepted)
+    # ModelStatistics saw exactly these two batches: 1 + 31 rows.
+    assert after.inference_count - before.inference_count == 32
+    assert after.execution_count - before.execution_count == 2
+    assert after.inference_stats.success.count - before.inference_stats.success.count == 32
+    sizes = {b.batch_size: b.compute_infer.count for b in after.batch_stats}
+    old = {b.batch_size: b.compute_infer.count for b in before.batch_stats}
+    assert sizes[31] - old.get(31, 0) == 1 and sizes[1] - old.get(1, 0) == 1
 
 
 def test_queue_limit_rejects_at_once_and_serves_the_rest(
