@@ -1,11 +1,16 @@
 """The model repository format: `DIR/<model>/model.toml` beside its artifact.
 
-    [model]                      # optional table; or these keys at top level
-    max_batch_size = 32          # rows per batch; 0 = the model does not batch
-    [[input]]   name, datatype ("FP32", ...), shape (no batch dim, -1 = variable)
-    [[output]]  name, datatype, shape
-    [batching]  max_queue_delay_us, max_queue_size, default_timeout_us
-    [instances] count (copies per device), execution_timeout_s
+    [model]                       # optional table; or these keys at top level
+    max_batch_size = 32           # rows per batch; 0 = the model does not batch
+    [[input]]        name, datatype ("FP32", ...), shape (no batch dim, -1 = variable),
+                     ragged, pad_value, padding_side ("right" | "left")
+    [[batch_input]]  name, kind ("mask" | "lengths"), source (a ragged input)
+    [[output]]       name, datatype, shape, ragged_like (a ragged input)
+    [batching]       max_queue_delay_us, max_queue_size, default_timeout_us,
+                     preferred_batch_sizes, priority_levels, default_priority_level,
+                     max_starvation_us, priority_queue_sizes, max_batch_tokens,
+                     bucket_by_length, target_latency_ms
+    [instances]      count (copies per device), execution_timeout_s
 
 The artifact is exactly one of model.py (defines `load(device)`), model.pt
 (TorchScript) or model.pt2 (torch.export). Parsed once at start-up into frozen
@@ -19,13 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from batchd.protos._toml_reader import ConfigError, Reader
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 
+__all__ = ["ConfigError", "ModelConfig", "load_model_config", "load_repository"]
+
 ARTIFACTS = {"model.py": "python", "model.pt": "pytorch_libtorch", "model.pt2": "torch_export"}
-
-
-class ConfigError(ValueError):
-    """A model.toml (or repository) is invalid; the message names the file and the key."""
+BATCH_INPUT_KINDS = ("mask", "lengths")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,10 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]  # without the batch dim; -1 = variable
+    ragged: bool = False  # inputs: rows of different lengths batch together, padded
+    pad_value: float = 0
+    padding_side: str = "right"
+    ragged_like: str | None = None  # outputs: cut back to this ragged input's length
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == len(self.shape) and all(
@@ -41,10 +50,27 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchInputSpec:
+    """A tensor the batcher generates for the model from a ragged input."""
+
+    name: str
+    kind: str  # "mask": INT64 1/0 like the padded source; "lengths": INT64 [batch]
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
 class BatchingConfig:
     max_queue_delay_us: int = 1000
     max_queue_size: int = 1024  # requests waiting, per model
     default_timeout_us: int = 0  # 0 = only the caller's deadline
+    preferred_batch_sizes: tuple[int, ...] = ()
+    priority_levels: int = 0  # 0 = one FIFO; else levels 1 (highest) .. N
+    default_priority_level: int = 0
+    max_starvation_us: int = 1_000_000  # a lower level waits at most this long behind higher ones
+    priority_queue_sizes: tuple[int, ...] = ()  # per level; 0 = only max_queue_size
+    max_batch_tokens: int = 0  # rows x longest ragged length; 0 = no budget
+    bucket_by_length: bool = False
+    target_latency_ms: float = 0.0  # 0 = no adaptive cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +93,16 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...]
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     instances: InstanceConfig = field(default_factory=InstanceConfig)
+    batch_inputs: tuple[BatchInputSpec, ...] = ()
     version: str = "1"
 
     @property
     def batches(self) -> bool:
         return self.max_batch_size > 0
+
+    @property
+    def ragged(self) -> bool:
+        return any(t.ragged for t in self.inputs)
 
     def input(self, name: str) -> TensorSpec | None:
         return next((t for t in self.inputs if t.name == name), None)
@@ -80,73 +111,107 @@ class ModelConfig:
         return next((t for t in self.outputs if t.name == name), None)
 
 
-class _Reader:
-    """Reads one TOML table, remembering where it is for error messages."""
-
-    def __init__(self, path: Path, table: dict[str, Any], where: str) -> None:
-        self.path, self.table, self.where = path, dict(table), where
-
-    def fail(self, key: str, problem: str) -> ConfigError:
-        return ConfigError(f"{self.path}: {self.where}key '{key}': {problem}")
-
-    def get(self, key: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
-        if key not in self.table:
-            if default is None:
-                raise self.fail(key, "is required")
-            return default
-        value = self.table.pop(key)
-        kinds = kind if isinstance(kind, tuple) else (kind,)
-        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
-            names = " or ".join(k.__name__ for k in kinds)
-            raise self.fail(key, f"expected {names}, got {value!r}")
-        return value
-
-    def positive(self, key: str, default: int, minimum: int = 0) -> int:
-        value: int = self.get(key, int, default)
-        if value < minimum:
-            raise self.fail(key, f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    def done(self) -> None:
-        if self.table:
-            unknown = ", ".join(sorted(self.table))
-            raise ConfigError(f"{self.path}: {self.where}unknown key(s): {unknown}")
-
-
-def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: [[{kind}]] #{index + 1} must be a table")
-    r = _Reader(path, table, f"[[{kind}]] #{index + 1} ")
-    name = r.get("name", str)
-    r.where = f"[[{kind}]] '{name}' "
-    datatype = r.get("datatype", str)
-    if datatype not in DATATYPES:
-        raise r.fail("datatype", f"expected one of {DATATYPE_NAMES}, got {datatype!r}")
+def _shape(r: Reader) -> tuple[int, ...]:
     shape = r.get("shape", list)
     if not all(
         isinstance(d, int) and not isinstance(d, bool) and (d > 0 or d == -1) for d in shape
     ):
         raise r.fail("shape", f"expected a list of positive integers or -1, got {shape!r}")
+    return tuple(shape)
+
+
+def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
+    r = Reader(path, table, f"[[{kind}]] #{index + 1} ")
+    name = r.get("name", str)
+    r.where = f"[[{kind}]] '{name}' "
+    datatype = r.get("datatype", str)
+    if datatype not in DATATYPES:
+        raise r.fail("datatype", f"expected one of {DATATYPE_NAMES}, got {datatype!r}")
+    spec = TensorSpec(name, datatype, _shape(r))
+    if kind == "input" and r.get("ragged", bool, False):
+        if spec.shape != (-1,) or datatype == "BYTES":
+            raise r.fail("ragged", "a ragged input has shape = [-1] and a numeric datatype")
+        pad = r.get("pad_value", (int, float), 0)
+        side = r.choice("padding_side", ("right", "left"), "right")
+        spec = TensorSpec(name, datatype, spec.shape, True, pad, side)
+    elif kind == "output" and "ragged_like" in r.table:
+        like = r.get("ragged_like", str)
+        if not spec.shape or spec.shape[0] != -1:
+            raise r.fail("ragged_like", f"the output's shape must start with -1, got {spec.shape}")
+        spec = TensorSpec(name, datatype, spec.shape, ragged_like=like)
     r.done()
-    return TensorSpec(name, datatype, tuple(shape))
+    return spec
 
 
 def _tensors(path: Path, kind: str, tables: Any) -> tuple[TensorSpec, ...]:
     if not isinstance(tables, list) or not tables:
         raise ConfigError(f"{path}: key '{kind}': expected at least one [[{kind}]] table")
     specs = tuple(_tensor(path, kind, i, t) for i, t in enumerate(tables))
-    names = [s.name for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ConfigError(f"{path}: [[{kind}]] names must be unique, repeated: {dupes}")
+    _unique(path, kind, [s.name for s in specs])
     return specs
 
 
-def _section(path: Path, doc: dict[str, Any], key: str) -> _Reader:
-    table = doc.pop(key, {})
-    if not isinstance(table, dict):
-        raise ConfigError(f"{path}: key '{key}': expected a table [{key}]")
-    return _Reader(path, table, f"[{key}] ")
+def _unique(path: Path, kind: str, names: list[str]) -> None:
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ConfigError(f"{path}: [[{kind}]] names must be unique, repeated: {dupes}")
+
+
+def _batch_inputs(path: Path, tables: Any, inputs: tuple[TensorSpec, ...]) -> tuple[Any, ...]:
+    ragged = [t.name for t in inputs if t.ragged]
+    specs = []
+    for i, table in enumerate(tables or []):
+        r = Reader(path, table, f"[[batch_input]] #{i + 1} ")
+        name = r.get("name", str)
+        r.where = f"[[batch_input]] '{name}' "
+        kind = r.choice("kind", BATCH_INPUT_KINDS, "mask")
+        source = r.get("source", str)
+        if source not in ragged:
+            raise r.fail(
+                "source", f"expected a ragged input ({ragged or 'none declared'}), got {source!r}"
+            )
+        r.done()
+        specs.append(BatchInputSpec(name, kind, source))
+    _unique(path, "input]] and [[batch_input", [t.name for t in inputs] + [s.name for s in specs])
+    return tuple(specs)
+
+
+def _batching(r: Reader, max_batch_size: int, ragged: bool) -> BatchingConfig:
+    d = _BATCHING
+    levels = r.integer("priority_levels", 0)
+    preferred = r.int_list("preferred_batch_sizes", 1)
+    if any(p > max_batch_size for p in preferred):
+        raise r.fail(
+            "preferred_batch_sizes",
+            f"every size must be <= max_batch_size {max_batch_size}, got {list(preferred)}",
+        )
+    default_level = r.integer("default_priority_level", levels)
+    if levels and not 1 <= default_level <= levels:
+        raise r.fail("default_priority_level", f"expected 1..{levels}, got {default_level}")
+    level_sizes = r.int_list("priority_queue_sizes")
+    if level_sizes and len(level_sizes) != levels:
+        raise r.fail(
+            "priority_queue_sizes",
+            f"expected one size per level ({levels}), got {len(level_sizes)}",
+        )
+    cfg = BatchingConfig(
+        max_queue_delay_us=r.integer("max_queue_delay_us", d.max_queue_delay_us),
+        max_queue_size=r.integer("max_queue_size", d.max_queue_size, 1),
+        default_timeout_us=r.integer("default_timeout_us", 0),
+        preferred_batch_sizes=tuple(sorted(set(preferred))),
+        priority_levels=levels,
+        default_priority_level=default_level,
+        max_starvation_us=r.integer("max_starvation_us", d.max_starvation_us),
+        priority_queue_sizes=level_sizes,
+        max_batch_tokens=r.integer("max_batch_tokens", 0),
+        bucket_by_length=r.get("bucket_by_length", bool, False),
+        target_latency_ms=r.number("target_latency_ms", 0.0),
+    )
+    for key in ("max_batch_tokens", "bucket_by_length"):
+        if getattr(cfg, key) and not ragged:
+            raise r.fail(key, "needs a ragged input (ragged = true)")
+    r.done()
+    return cfg
 
 
 def load_model_config(directory: Path) -> ModelConfig:
@@ -159,24 +224,29 @@ def load_model_config(directory: Path) -> ModelConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     doc.update(doc.pop("model", {}))
-    top = _Reader(path, doc, "")
+    top = Reader(path, doc, "")
     name = top.get("name", str, directory.name)
-    max_batch_size = top.positive("max_batch_size", 0)
+    max_batch_size = top.integer("max_batch_size", 0)
     inputs = _tensors(path, "input", top.table.pop("input", None))
     outputs = _tensors(path, "output", top.table.pop("output", None))
-
-    b = _section(path, top.table, "batching")
-    batching = BatchingConfig(
-        max_queue_delay_us=b.positive("max_queue_delay_us", _BATCHING.max_queue_delay_us),
-        max_queue_size=b.positive("max_queue_size", _BATCHING.max_queue_size, 1),
-        default_timeout_us=b.positive("default_timeout_us", 0),
+    batch_inputs = _batch_inputs(path, top.table.pop("batch_input", None), inputs)
+    ragged = any(t.ragged for t in inputs)
+    if ragged and not max_batch_size:
+        raise top.fail("max_batch_size", "ragged inputs need a batching model (max_batch_size > 0)")
+    ragged_names = [t.name for t in inputs if t.ragged]
+    for o in outputs:
+        if o.ragged_like is not None and o.ragged_like not in ragged_names:
+            raise ConfigError(
+                f"{path}: [[output]] '{o.name}' key 'ragged_like': expected a "
+                f"ragged input ({ragged_names or 'none declared'}), "
+                f"got {o.ragged_like!r}"
+            )
+    batching = _batching(top.table_of("batching"), max_batch_size, ragged)
+    i = top.table_of("instances")
+    instances = InstanceConfig(
+        count=i.integer("count", 1, 1),
+        execution_timeout_s=i.number("execution_timeout_s", _INSTANCES.execution_timeout_s, 1e-3),
     )
-    b.done()
-    i = _section(path, top.table, "instances")
-    count = i.positive("count", 1, 1)
-    timeout = float(i.get("execution_timeout_s", (int, float), _INSTANCES.execution_timeout_s))
-    if timeout <= 0:
-        raise i.fail("execution_timeout_s", f"expected a positive number, got {timeout}")
     i.done()
     top.done()
 
@@ -194,7 +264,8 @@ def load_model_config(directory: Path) -> ModelConfig:
         inputs=inputs,
         outputs=outputs,
         batching=batching,
-        instances=InstanceConfig(count=count, execution_timeout_s=timeout),
+        instances=instances,
+        batch_inputs=batch_inputs,
     )
 
 

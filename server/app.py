@@ -47,6 +47,7 @@ class ServerConfig:
     workers: int | None = None  # N CPU workers; None: --devices decides
     devices: str = "auto"  # "auto" or "cuda:0,cuda:1" or "cpu"
     threads_per_worker: int | None = None
+    credits_per_worker: int = 2  # batches a worker holds: 1 running + 1 staged
     worker_endpoint: str | None = None  # None: a private ipc:// socket
     local_workers: bool = True  # False: only remote workers (batchd worker --connect)
     max_message_bytes: int = 64 * 1024 * 1024
@@ -83,6 +84,9 @@ class _Wiring:
 
     def workers_changed(self) -> None:
         self.changed.set()
+
+    def batch_done(self, model: str, rows: int, latency_s: float, compute_s: float) -> None:
+        self.scheduler.observe(model, rows, latency_s, compute_s)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         if self.supervisor is not None and not reason.startswith("process exited"):
@@ -152,7 +156,7 @@ async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -
         router.setsockopt(zmq.LINGER, 0)
         router.bind(endpoint)
         stats = Stats()
-        dispatcher = Dispatcher(router, stats)
+        dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
         scheduler = Scheduler(dispatcher)
         for m in models.values():
             scheduler.add_model(m)

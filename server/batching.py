@@ -1,24 +1,22 @@
-"""The batching decision: a pure function of (now, queue state, capacity, config).
+"""The batching decision: a pure function of (now, the planned batch, capacity, delay).
 
 A batch leaves
   * at once when a worker is idle (work-conserving: under load batches grow by
     themselves, because requests pile up while every worker is busy);
-  * when it is full (`max_batch_size` rows), to fill a busy worker's staging
-    credit so the worker never waits on a round trip between batches;
+  * when it is full (no more rows or tokens fit) or has a preferred size, to
+    fill a busy worker's staging credit so the worker never waits on a round
+    trip between batches;
   * when its oldest request has waited `max_queue_delay_us`.
 Otherwise the scheduler waits until the oldest request's delay runs out, or
 until something changes (a request arrives, a worker frees a credit).
+Which requests form the batch is planner.py's business.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class QueueState:
-    oldest_arrival: float  # monotonic seconds of the oldest live request
-    batchable_rows: int  # rows that can join the oldest request's batch, capped
+from batchd.server.planner import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +27,7 @@ class Capacity:
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    max_rows: int
+    plan: Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +35,12 @@ class Wait:
     until: float | None  # monotonic seconds to decide again; None: until an event
 
 
-def decide(
-    now: float,
-    queue: QueueState | None,
-    capacity: Capacity,
-    max_batch_rows: int,
-    max_delay_s: float,
-) -> Send | Wait:
-    if queue is None or not capacity.free_credit:
+def decide(now: float, plan: Plan | None, capacity: Capacity, max_delay_s: float) -> Send | Wait:
+    if plan is None or not capacity.free_credit:
         return Wait(None)
-    if capacity.idle_worker or queue.batchable_rows >= max_batch_rows:
-        return Send(max_batch_rows)
-    due = queue.oldest_arrival + max_delay_s
+    if capacity.idle_worker or plan.full or plan.preferred:
+        return Send(plan)
+    due = plan.oldest_arrival + max_delay_s
     if now >= due:
-        return Send(max_batch_rows)
+        return Send(plan)
     return Wait(due)

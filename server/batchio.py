@@ -1,32 +1,88 @@
-"""Joining requests into one batch's wire tensors, and splitting a batch's
-outputs back into one result per request. Pure; bytes stay bytes.
+"""Requests -> one batch's wire tensors, and a batch's outputs -> one result per
+request. Pure; fixed-size tensors stay bytes, ragged ones go through numpy once
+per batch (never per element).
+
+Ragged inputs are padded to the batch's longest row with `pad_value`, on the
+declared side; [[batch_input]] companions (mask, lengths) follow the declared
+inputs. Outputs declared `ragged_like` are cut back to each request's length.
+A request with more rows than a batch holds is split into row chunks and its
+chunks' results joined again.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
+
+import numpy as np
 
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
+from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import bytes_element_offsets
 from batchd.server.request import Request, Tensor
 
 
+def _ragged_rows(requests: Sequence[Request], i: int) -> list[tuple[int, np.ndarray]]:
+    dtype = DATATYPES[requests[0].inputs[i].datatype].numpy
+    return [
+        (r.rows, np.frombuffer(r.inputs[i].data, dtype).reshape(r.inputs[i].shape))
+        for r in requests
+    ]
+
+
+def _pad(spec: TensorSpec, parts: list[tuple[int, np.ndarray]], width: int) -> np.ndarray:
+    dtype = DATATYPES[spec.datatype].numpy
+    out = np.full((sum(n for n, _ in parts), width), spec.pad_value, dtype=dtype)
+    row = 0
+    for n, a in parts:
+        cols = (
+            slice(width - a.shape[1], width)
+            if spec.padding_side == "left"
+            else slice(0, a.shape[1])
+        )
+        out[row : row + n, cols] = a
+        row += n
+    return out
+
+
+def _mask(spec: TensorSpec, lengths: list[int], width: int, kind: str) -> np.ndarray:
+    lens = np.asarray(lengths, dtype=np.int64)
+    if kind == "lengths":
+        return lens
+    pos = np.arange(width, dtype=np.int64)[None, :]
+    if spec.padding_side == "left":
+        return (pos >= (width - lens)[:, None]).astype(np.int64)
+    return (pos < lens[:, None]).astype(np.int64)
+
+
 def join_inputs(requests: Sequence[Request]) -> tuple[list[wire.Tensor], list[Any]]:
     """Wire tensor headers and raw frames for one batch (row-concatenated inputs)."""
-    first = requests[0]
-    batches = first.model.batches
+    model = requests[0].model
     rows = sum(r.rows for r in requests)
-    headers, frames = [], []
-    for i, t in enumerate(first.inputs):
-        shape = (rows, *t.shape[1:]) if batches else t.shape
-        headers.append(wire.Tensor(name=t.name, datatype=t.datatype, shape=shape))
-        if len(requests) == 1:
-            frames.append(t.data)
+    headers: list[wire.Tensor] = []
+    frames: list[Any] = []
+    ragged: dict[str, tuple[TensorSpec, list[int], int]] = {}
+    for i, (spec, t) in enumerate(zip(model.inputs, requests[0].inputs, strict=True)):
+        if spec.ragged:
+            parts = _ragged_rows(requests, i)
+            width = max(a.shape[1] for _, a in parts)
+            frames.append(_pad(spec, parts, width))
+            shape: tuple[int, ...] = (rows, width)
+            ragged[spec.name] = (spec, [a.shape[1] for n, a in parts for _ in range(n)], width)
         else:
-            frames.append(b"".join(r.inputs[i].data for r in requests))
+            shape = (rows, *t.shape[1:]) if model.batches else t.shape
+            frames.append(
+                t.data if len(requests) == 1 else b"".join(r.inputs[i].data for r in requests)
+            )
+        headers.append(wire.Tensor(name=t.name, datatype=t.datatype, shape=shape))
+    for b in model.batch_inputs:
+        spec, lengths, width = ragged[b.source]
+        arr = _mask(spec, lengths, width, b.kind)
+        headers.append(wire.Tensor(name=b.name, datatype="INT64", shape=arr.shape))
+        frames.append(arr)
     return headers, frames
 
 
@@ -52,6 +108,36 @@ def _row_bounds(datatype: str, shape: Sequence[int], buf: memoryview) -> list[in
     return offsets[::per_row] if per_row else [0] * (rows + 1)
 
 
+def _cut_ragged(
+    model: ModelConfig,
+    spec: TensorSpec,
+    h: wire.Tensor,
+    buf: memoryview,
+    requests: Sequence[Request],
+) -> list[Tensor]:
+    """Each request's rows of a `ragged_like` output, cut back to its own length."""
+    src = next(i for i, s in enumerate(model.inputs) if s.name == spec.ragged_like)
+    left = model.inputs[src].padding_side == "left"
+    shape = tuple(h.shape)
+    if len(shape) < 2:
+        raise ValueError(
+            f"ragged output {h.name!r} has shape {list(shape)}, expected [rows, length, ...]"
+        )
+    arr = np.frombuffer(buf, DATATYPES[h.datatype].numpy).reshape(shape)
+    out, row = [], 0
+    for r in requests:
+        n = r.inputs[src].shape[1]
+        if n > shape[1]:
+            raise ValueError(
+                f"ragged output {h.name!r} has {shape[1]} positions, a request needs {n}"
+            )
+        cols = slice(shape[1] - n, shape[1]) if left else slice(0, n)
+        part = np.ascontiguousarray(arr[row : row + r.rows, cols])
+        out.append(Tensor(h.name, h.datatype, part.shape, part.data.cast("B")))
+        row += r.rows
+    return out
+
+
 def split_outputs(
     requests: Sequence[Request], headers: Sequence[wire.Tensor], frames: Sequence[Any]
 ) -> list[list[Tensor]]:
@@ -59,7 +145,8 @@ def split_outputs(
 
     Raises ValueError when the worker's outputs do not cover the batch's rows.
     """
-    if len(requests) == 1 and not requests[0].model.batches:
+    model = requests[0].model
+    if len(requests) == 1 and not model.batches:
         return [
             [
                 Tensor(h.name, h.datatype, tuple(h.shape), memoryview(f))
@@ -75,6 +162,11 @@ def split_outputs(
                 f"output {h.name!r} has shape {list(shape)}, expected {total} rows first"
             )
         buf = memoryview(frame)
+        spec = model.output(h.name)
+        if spec is not None and spec.ragged_like is not None:
+            for out, t in zip(results, _cut_ragged(model, spec, h, buf, requests), strict=True):
+                out.append(t)
+            continue
         bounds = _row_bounds(h.datatype, shape, buf)
         row = 0
         for out, r in zip(results, requests, strict=True):
@@ -82,3 +174,38 @@ def split_outputs(
             out.append(Tensor(h.name, h.datatype, (r.rows, *shape[1:]), data))
             row += r.rows
     return results
+
+
+def split_request(request: Request, max_rows: int) -> list[Request]:
+    """Row chunks of at most `max_rows` each; their data are views of the original."""
+    chunks = []
+    for start in range(0, request.rows, max_rows):
+        n = min(max_rows, request.rows - start)
+        inputs = []
+        for t in request.inputs:
+            buf = memoryview(t.data)
+            bounds = _row_bounds(t.datatype, t.shape, buf)
+            inputs.append(
+                replace(t, shape=(n, *t.shape[1:]), data=buf[bounds[start] : bounds[start + n]])
+            )
+        chunk = Request(request.model, request.id, inputs, request.outputs, n, request.deadline)
+        chunk.queue_timeout, chunk.level = request.queue_timeout, request.level
+        chunks.append(chunk)
+    return chunks
+
+
+def join_results(parts: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+    """The results of a split request's chunks, joined back along the rows."""
+    joined = []
+    for pieces in zip(*parts, strict=True):
+        first = pieces[0]
+        rows = sum(p.shape[0] for p in pieces)
+        joined.append(
+            Tensor(
+                first.name,
+                first.datatype,
+                (rows, *first.shape[1:]),
+                b"".join(bytes(p.data) for p in pieces),
+            )
+        )
+    return joined

@@ -38,6 +38,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="torch threads per CPU worker (default: cores / workers)",
     )
     p.add_argument(
+        "--credits-per-worker",
+        type=int,
+        default=2,
+        help="batches a worker holds at once: one running, the rest staged (default 2; "
+        "1 disables staging, so every batch forms from the whole queue)",
+    )
+    p.add_argument(
         "--worker-endpoint",
         help="ZeroMQ endpoint workers connect to (default a private ipc:// socket; "
         "tcp://0.0.0.0:5555 lets `batchd worker` join from other hosts)",
@@ -84,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         devices=args.devices,
         threads_per_worker=args.threads_per_worker,
+        credits_per_worker=args.credits_per_worker,
         worker_endpoint=args.worker_endpoint,
         local_workers=not args.no_local_workers,
         max_message_bytes=args.max_message_bytes,

@@ -38,11 +38,10 @@ def _check_shape(spec: TensorSpec, model: ModelConfig, shape: tuple[int, ...]) -
         raise InvalidInput(
             f"{where}: expected shape {declared} (batch dim first), got {list(shape)}"
         )
-    if not 1 <= shape[0] <= model.max_batch_size:
-        raise InvalidInput(
-            f"{where}: batch size must be between 1 and max_batch_size "
-            f"{model.max_batch_size} of model {model.name!r}, got {shape[0]}"
-        )
+    if shape[0] < 1:
+        raise InvalidInput(f"{where}: the batch dim must be at least 1, got {shape[0]}")
+    if spec.ragged and shape[1] < 1:
+        raise InvalidInput(f"{where}: a ragged input needs at least one element per row, got 0")
 
 
 def _raw_data(spec: TensorSpec, shape: tuple[int, ...], data: bytes) -> bytes:
@@ -94,22 +93,45 @@ def _typed_data(spec: TensorSpec, shape: tuple[int, ...], tensor: pb.InferInputT
         raise InvalidInput(f"{where}: a value does not fit {spec.datatype}: {e}") from None
 
 
-def _queue_deadline(params: pb.ModelInferRequest, now: float, default_us: int) -> float:
-    """The deadline set by the `timeout` parameter or the model's default timeout."""
+def _int_param(msg: pb.ModelInferRequest, name: str, unit: str) -> int | None:
+    if name not in msg.parameters:
+        return None
+    p = msg.parameters[name]
+    kind = p.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise InvalidInput(
+            f"parameter {name!r}: expected an integer {unit}, got {kind or 'nothing'}"
+        )
+    value = int(p.int64_param if kind == "int64_param" else p.uint64_param)
+    if value < 0:
+        raise InvalidInput(f"parameter {name!r}: expected an integer {unit} >= 0, got {value}")
+    return value
+
+
+def _queue_deadline(msg: pb.ModelInferRequest, now: float, default_us: int) -> float:
+    """The deadline set by the `timeout` parameter (which may only shorten the
+    model's default_timeout_us) or by that default."""
     timeout_us = default_us
-    if "timeout" in params.parameters:
-        p = params.parameters["timeout"]
-        if p.WhichOneof("parameter_choice") not in ("int64_param", "uint64_param"):
-            raise InvalidInput(
-                "parameter 'timeout': expected an integer of microseconds, "
-                f"got {p.WhichOneof('parameter_choice') or 'nothing'}"
-            )
-        value = p.int64_param or p.uint64_param
-        if value < 0:
-            raise InvalidInput(f"parameter 'timeout': expected >= 0 microseconds, got {value}")
-        if value and (not timeout_us or value < timeout_us):
-            timeout_us = value
+    value = _int_param(msg, "timeout", "of microseconds")
+    if value and (not timeout_us or value < timeout_us):
+        timeout_us = value
     return now + timeout_us / 1e6 if timeout_us else math.inf
+
+
+def _level(msg: pb.ModelInferRequest, model: ModelConfig) -> int:
+    """The 0-based priority level: parameter `priority` 1 (highest) .. priority_levels."""
+    levels = model.batching.priority_levels
+    value = _int_param(msg, "priority", "level")
+    if not levels:
+        return 0  # a model without priority levels ignores the parameter, as Triton does
+    if not value:
+        return model.batching.default_priority_level - 1
+    if value > levels:
+        raise InvalidInput(
+            f"parameter 'priority': model {model.name!r} has levels 1 (highest) to {levels}, "
+            f"got {value}"
+        )
+    return value - 1
 
 
 def _decode_inputs(msg: pb.ModelInferRequest, model: ModelConfig) -> dict[str, Tensor]:
@@ -181,6 +203,7 @@ def decode_request(
         outputs=outputs,
         rows=rows,
         deadline=min(deadline, queue_deadline),
+        level=_level(msg, model),
         queue_timeout=queue_deadline < deadline,
     )
 

@@ -35,7 +35,12 @@ def model_config(cfg: ModelConfig) -> pb.ModelConfigResponse:
             backend="batchd",
             max_batch_size=cfg.max_batch_size,
             input=[
-                pb.ModelInput(name=t.name, data_type=enum(t.datatype), dims=t.shape)
+                pb.ModelInput(
+                    name=t.name,
+                    data_type=enum(t.datatype),
+                    dims=t.shape,
+                    allow_ragged_batch=t.ragged,
+                )
                 for t in cfg.inputs
             ],
             output=[
@@ -43,7 +48,10 @@ def model_config(cfg: ModelConfig) -> pb.ModelConfigResponse:
                 for t in cfg.outputs
             ],
             dynamic_batching=pb.ModelDynamicBatching(
-                max_queue_delay_microseconds=cfg.batching.max_queue_delay_us
+                max_queue_delay_microseconds=cfg.batching.max_queue_delay_us,
+                preferred_batch_size=cfg.batching.preferred_batch_sizes,
+                priority_levels=cfg.batching.priority_levels,
+                default_priority_level=cfg.batching.default_priority_level,
             )
             if cfg.batches
             else None,

@@ -47,6 +47,8 @@ class Events(Protocol):
 
     def worker_lost(self, worker_id: str, reason: str) -> None: ...  # e.g. kill a hung process
 
+    def batch_done(self, model: str, rows: int, latency_s: float, compute_s: float) -> None: ...
+
 
 @dataclass(eq=False)
 class Worker:
@@ -290,9 +292,17 @@ class Dispatcher:
     def _record(self, batch: Batch, received: float, infer_ns: int) -> None:
         done = self._clock()
         round_trip_ns = int((received - batch.sent_at) * 1e9)
+        rows = sum(r.rows for r in batch.requests)
+        if batch.model.ragged:
+            longest = max(r.length for r in batch.requests)
+            self._stats.padding(
+                batch.model.name, sum(r.rows * r.length for r in batch.requests), rows * longest
+            )
+        oldest = min(r.arrival for r in batch.requests)
+        self.events.batch_done(batch.model.name, rows, received - oldest, infer_ns / 1e9)
         self._stats.batch_done(
             batch.model.name,
-            rows=sum(r.rows for r in batch.requests),
+            rows=rows,
             requests=len(batch.requests),
             queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) for r in batch.requests),
             input_ns=max(0, round_trip_ns - infer_ns),

@@ -19,6 +19,7 @@ import grpc
 
 class BatchdError(Exception):
     code = grpc.StatusCode.INTERNAL
+    reason = "internal"  # the label statistics count failures under
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -30,14 +31,17 @@ class BatchdError(Exception):
 
 class ModelNotFound(BatchdError):
     code = grpc.StatusCode.NOT_FOUND
+    reason = "not_found"
 
 
 class InvalidInput(BatchdError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "invalid"
 
 
 class QueueFull(BatchdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "queue_full"
 
     def __init__(self, message: str, retry_after_ms: int) -> None:
         super().__init__(message)
@@ -49,11 +53,14 @@ class QueueFull(BatchdError):
 
 class DeadlineExceeded(BatchdError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "deadline"
 
 
 class Unavailable(BatchdError):
     code = grpc.StatusCode.UNAVAILABLE
+    reason = "unavailable"
 
 
 class ModelFailed(BatchdError):
     code = grpc.StatusCode.INTERNAL
+    reason = "model_failed"

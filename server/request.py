@@ -32,10 +32,18 @@ class Request:
     arrival: float = 0.0  # monotonic seconds, set on admission
     timer: asyncio.TimerHandle | None = None
     attempts: int = 0  # batches of this request whose worker was lost
+    level: int = 0  # priority level index: 0 is priority 1, the highest
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
+    # Derived from the inputs, once:
+    length: int = field(init=False)  # longest ragged length (0: the model has no ragged input)
+    shape_key: tuple[tuple[int, ...], ...] = field(init=False)  # batch only with equal keys
 
-    @property
-    def shape_key(self) -> tuple[tuple[int, ...], ...]:
-        """Requests batch together only when every non-batch dim agrees."""
+    def __post_init__(self) -> None:
         skip = 1 if self.model.batches else 0
-        return tuple(t.shape[skip:] for t in self.inputs)
+        specs = self.model.inputs
+        self.shape_key = tuple(
+            t.shape[skip:] for t, s in zip(self.inputs, specs, strict=True) if not s.ragged
+        )
+        self.length = max(
+            (t.shape[1] for t, s in zip(self.inputs, specs, strict=True) if s.ragged), default=0
+        )

@@ -1,10 +1,11 @@
 """Admission and batch formation: the bounded per-model queues and the shell
-around `batching.decide`.
+around `planner.plan_batch` and `batching.decide`.
 
-Admission never waits: a full queue raises QueueFull at once. `pump()` is
+Admission never waits: a full queue (or priority level) raises QueueFull at
+once. A request with more rows than `max_batch_size` is split into chunks that
+queue like any other request and are joined again for the caller. `pump()` is
 synchronous and runs whenever something changes (a request arrives, a worker
-frees a credit or joins, a batch comes back for retry, a delay runs out); it
-asks `decide` per model and hands formed batches to the dispatcher. The
+frees a credit or joins, a batch comes back for retry, a delay runs out). The
 scheduler owns the queues; nothing else touches them.
 """
 
@@ -19,8 +20,11 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching import Capacity, QueueState, Send, decide
-from batchd.server.errors import DeadlineExceeded, QueueFull
+from batchd.server.batching import Capacity, Send, decide
+from batchd.server.batchio import join_results, split_request
+from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull
+from batchd.server.latency import LatencyTarget
+from batchd.server.planner import Plan, plan_batch
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
@@ -48,83 +52,75 @@ def _expire(request: Request, now: float) -> None:
         )
 
 
+def _dead(r: Request, now: float) -> bool:
+    return r.future.done() or r.deadline <= now
+
+
 class ModelQueue:
+    """One model's waiting requests: a FIFO per priority level."""
+
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
-        self.items: deque[Request] = deque()
-        self.rows = 0  # rows of every queued entry, including ones already done
-        self.cap = max(config.max_batch_size, 1)
-        self.fixed_shapes = all(-1 not in s.shape for s in config.inputs)
+        b = config.batching
+        self.levels: list[deque[Request]] = [deque() for _ in range(max(1, b.priority_levels))]
+        self.limits = b.priority_queue_sizes or (0,) * len(self.levels)
+        self.max_rows = max(config.max_batch_size, 1)
+        self.window = max(64, 4 * self.max_rows)  # how far bucketing looks into each level
+        self.target = (
+            LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
+        )
 
     def __len__(self) -> int:
-        return len(self.items)
+        return sum(len(q) for q in self.levels)
 
-    def _drop_front(self, now: float) -> None:
-        items = self.items
-        while items and (items[0].future.done() or items[0].deadline <= now):
-            r = items.popleft()
-            self.rows -= r.rows
-            _expire(r, now)
+    @property
+    def cap(self) -> int:
+        return self.target.cap if self.target else self.max_rows
+
+    def delay_s(self) -> float:
+        configured = self.config.batching.max_queue_delay_us / 1e6
+        return self.target.delay_s(configured) if self.target else configured
 
     def compact(self, now: float) -> None:
-        """Remove every finished (cancelled, expired) entry; used when the queue looks full."""
-        live = deque(r for r in self.items if not r.future.done() and r.deadline > now)
-        for r in self.items:
-            if r.deadline <= now:
-                _expire(r, now)
-        self.items = live
-        self.rows = sum(r.rows for r in live)
+        """Drop every finished (cancelled, expired) entry; used when the queue looks full."""
+        for i, q in enumerate(self.levels):
+            for r in q:
+                if r.deadline <= now:
+                    _expire(r, now)
+            self.levels[i] = deque(r for r in q if not _dead(r, now))
 
-    def state(self, now: float) -> QueueState | None:
-        self._drop_front(now)
-        if not self.items:
-            return None
-        head = self.items[0]
-        if self.fixed_shapes:
-            rows = min(self.rows, self.cap)
-        else:
-            key, rows = head.shape_key, 0
-            for r in self.items:
-                if rows >= self.cap:
-                    break
-                if r.shape_key == key and not r.future.done():
-                    rows += r.rows
-        return QueueState(oldest_arrival=head.arrival, batchable_rows=rows)
+    def room(self, level: int, count: int) -> str | None:
+        """Why `count` more requests at `level` do not fit, or None if they do."""
+        limit = self.config.batching.max_queue_size
+        if len(self) + count > limit:
+            return f"{len(self)} requests waiting, max_queue_size {limit}"
+        level_limit = self.limits[level]
+        if level_limit and len(self.levels[level]) + count > level_limit:
+            return (
+                f"{len(self.levels[level])} requests waiting at priority {level + 1}, "
+                f"its limit {level_limit}"
+            )
+        return None
 
-    def take(self, max_rows: int, now: float) -> list[Request]:
-        """Pop, FIFO, the live requests that fit one batch with the head's shapes."""
-        batch: list[Request] = []
-        skipped: list[Request] = []
-        rows, key = 0, None
-        items = self.items
-        while items and rows < max_rows:
-            r = items[0]
-            if r.future.done() or r.deadline <= now:
-                items.popleft()
-                self.rows -= r.rows
-                _expire(r, now)
-                continue
-            if key is None:
-                key = r.shape_key
-            elif r.shape_key != key:
-                skipped.append(items.popleft())
-                continue
-            if rows + r.rows > max_rows:
-                break
-            items.popleft()
-            self.rows -= r.rows
-            rows += r.rows
+    def plan(self, now: float) -> Plan | None:
+        for q in self.levels:  # dead heads go now; dead entries deeper are skipped, then compacted
+            while q and _dead(q[0], now):
+                _expire(q.popleft(), now)
+        return plan_batch(self.levels, now, self.cap, self.config.batching, self.window)
+
+    def take(self, plan: Plan) -> None:
+        chosen = {id(r) for r in plan.requests}
+        for i, q in enumerate(self.levels):
+            if any(id(r) in chosen for r in q):
+                self.levels[i] = deque(r for r in q if id(r) not in chosen)
+        for r in plan.requests:
             if r.timer is not None:
                 r.timer.cancel()
                 r.timer = None
-            batch.append(r)
-        items.extendleft(reversed(skipped))
-        return batch
 
     def put_front(self, requests: Iterable[Request]) -> None:
-        live = [r for r in requests if not r.future.done()]
-        self.items.extendleft(reversed(live))
-        self.rows += sum(r.rows for r in live)
+        for r in reversed([r for r in requests if not r.future.done()]):
+            self.levels[r.level].appendleft(r)
 
 
 class Scheduler:
@@ -141,30 +137,50 @@ class Scheduler:
     def queued(self, model: str) -> int:
         return len(self._queues[model])
 
+    def cap(self, model: str) -> int:
+        """The current batch cap in rows (adapted when the model has a latency target)."""
+        return self._queues[model].cap
+
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
         """Admit `request` or raise QueueFull; never waits. Returns the result future."""
         q = self._queues[request.model.name]
         now = self._clock()
-        limit = q.config.batching.max_queue_size
-        if len(q) >= limit:
-            q.compact(now)
-            if len(q) >= limit:
-                raise QueueFull(
-                    f"queue of model {q.config.name!r} is full ({limit} requests waiting, "
-                    f"max_queue_size {limit}); retry later",
-                    retry_after_ms=self._pushback_ms(q),
-                )
-        loop = asyncio.get_running_loop()
-        request.arrival = now
-        request.future = loop.create_future()
-        q.items.append(request)
-        q.rows += request.rows
-        if request.queue_timeout:
-            request.timer = loop.call_at(
-                loop.time() + (request.deadline - now), self._expire_queued, request
+        parts = split_request(request, q.max_rows) if request.rows > q.max_rows else [request]
+        if len(parts) > q.config.batching.max_queue_size:
+            raise InvalidInput(
+                f"request of {request.rows} rows needs {len(parts)} batches of "
+                f"{q.max_rows}, more than model {q.config.name!r} queues "
+                f"({q.config.batching.max_queue_size})"
             )
+        problem = q.room(request.level, len(parts))
+        if problem is not None:
+            q.compact(now)
+            problem = q.room(request.level, len(parts))
+        if problem is not None:
+            raise QueueFull(
+                f"queue of model {q.config.name!r} is full ({problem}); retry later",
+                retry_after_ms=max(1, int(q.delay_s() * 1000)),
+            )
+        loop = asyncio.get_running_loop()
+        for part in parts:
+            part.arrival = now
+            part.future = loop.create_future()
+            q.levels[part.level].append(part)
+            if part.queue_timeout:
+                part.timer = loop.call_at(
+                    loop.time() + (part.deadline - now), self._expire_queued, part
+                )
         self.pump()
-        return request.future
+        if len(parts) == 1:
+            return parts[0].future
+        return asyncio.ensure_future(self._join(parts))
+
+    async def _join(self, parts: list[Request]) -> list[Tensor]:
+        try:
+            return join_results(await asyncio.gather(*(p.future for p in parts)))
+        finally:
+            for p in parts:
+                p.future.cancel()  # one chunk failed or the caller left: drop the rest
 
     def requeue(self, requests: list[Request]) -> None:
         """Put requests of a lost batch back at the front of their queue."""
@@ -172,45 +188,41 @@ class Scheduler:
             self._queues[requests[0].model.name].put_front(requests)
             self.pump()
 
+    def observe(self, model: str, rows: int, latency_s: float, compute_s: float) -> None:
+        """A batch finished: feed the model's latency target, if it has one."""
+        q = self._queues.get(model)
+        if q is not None and q.target is not None:
+            q.target.observe(rows, latency_s, compute_s)
+
     def fail_all(self, error: Exception) -> None:
         """Answer every queued request with `error` (shutdown)."""
         for q in self._queues.values():
-            for r in q.items:
-                if not r.future.done():
-                    r.future.set_exception(error)
-            q.items.clear()
-            q.rows = 0
+            for level in q.levels:
+                for r in level:
+                    if not r.future.done():
+                        r.future.set_exception(error)
+                level.clear()
 
     def _expire_queued(self, request: Request) -> None:
         # Only requests still queued expire here; the dispatcher owns sent ones.
-        q = self._queues.get(request.model.name)
         request.timer = None
-        if q is not None and not request.future.done() and request in q.items:
+        q = self._queues.get(request.model.name)
+        if q is not None and not request.future.done() and request in q.levels[request.level]:
             _expire(request, self._clock())
-
-    def _pushback_ms(self, q: ModelQueue) -> int:
-        return max(1, int(q.config.batching.max_queue_delay_us / 1000))
 
     def pump(self) -> None:
         now = self._clock()
         wake = math.inf
         for q in list(self._queues.values()):
             while True:
-                state = q.state(now)
-                cfg = q.config
-                decision = decide(
-                    now,
-                    state,
-                    self._dispatch.capacity(cfg.name),
-                    q.cap,
-                    cfg.batching.max_queue_delay_us / 1e6,
-                )
+                capacity = self._dispatch.capacity(q.config.name)
+                plan = q.plan(now) if capacity.free_credit else None
+                decision = decide(now, plan, capacity, q.delay_s())
                 if isinstance(decision, Send):
-                    batch = q.take(decision.max_rows, now)
-                    if batch:
-                        self._dispatch.send(cfg, batch)
-                        continue
-                elif decision.until is not None:
+                    q.take(decision.plan)
+                    self._dispatch.send(q.config, decision.plan.requests)
+                    continue
+                if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
         self._arm(wake, now)

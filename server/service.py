@@ -85,13 +85,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         cfg = self._model(msg.model_name, msg.model_version)
         now = self._clock()
         deadline = math.inf if time_remaining is None else now + time_remaining
-        ok = False
         try:
             request = decode_request(msg, cfg, now, deadline)
             results = await self._core.submit(request)
-            ok = True
-        finally:
-            self._stats.answered(cfg.name, ok, int((self._clock() - now) * 1e9))
+        except BatchdError as e:
+            self._stats.answered(cfg.name, int((self._clock() - now) * 1e9), e.reason)
+            raise
+        except asyncio.CancelledError:
+            self._stats.answered(cfg.name, int((self._clock() - now) * 1e9), "cancelled")
+            raise
+        self._stats.answered(cfg.name, int((self._clock() - now) * 1e9))
         return encode_response(request, results)
 
     # ---- RPCs ----

@@ -8,7 +8,10 @@
     compute_output   time to split a batch's outputs back into responses
     inference_count  rows inferred; execution_count: batches run;
                      their ratio is the average batch size
-    batch_stats      per batch size (rows): batches and their compute times
+    batch_stats      per batch size (rows): batches and their compute times,
+                     the histogram of batch sizes
+    padding          ragged models: real tokens / padded tokens
+    rejected         failed requests by reason (queue_full, invalid, deadline, ...)
 
 Counts are per request for the per-request durations and per batch in
 batch_stats. One Stats object is created by the composition root and
@@ -56,9 +59,16 @@ class ModelStats:
     execution_count: int = 0
     last_inference_ms: int = 0
     batches: dict[int, BatchDurations] = field(default_factory=lambda: defaultdict(BatchDurations))
+    real_tokens: int = 0  # ragged models: tokens that carry data ...
+    padded_tokens: int = 0  # ... and tokens the model computed (rows x longest length)
+    rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by reason
 
     def average_batch_size(self) -> float:
         return self.inference_count / self.execution_count if self.execution_count else 0.0
+
+    def padding_efficiency(self) -> float:
+        """Real tokens / padded tokens over every batch (1.0 when nothing was padded)."""
+        return self.real_tokens / self.padded_tokens if self.padded_tokens else 1.0
 
 
 class Stats:
@@ -92,9 +102,19 @@ class Stats:
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
 
-    def answered(self, model: str, ok: bool, duration_ns: int) -> None:
+    def padding(self, model: str, real_tokens: int, padded_tokens: int) -> None:
         m = self._models[model]
-        (m.success if ok else m.fail).add(duration_ns)
+        m.real_tokens += real_tokens
+        m.padded_tokens += padded_tokens
+
+    def answered(self, model: str, duration_ns: int, failure: str | None = None) -> None:
+        """A request was answered: successfully, or with the failure's reason."""
+        m = self._models[model]
+        if failure is None:
+            m.success.add(duration_ns)
+        else:
+            m.fail.add(duration_ns)
+            m.rejected[failure] += 1
 
     def to_pb(self, name: str, version: str) -> pb.ModelStatistics:
         m = self._models[name]

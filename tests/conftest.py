@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,13 +22,18 @@ class Gate:
     def open(self) -> None:
         (self.state / "gate-closed").unlink(missing_ok=True)
 
-    def calls(self, model: str | None = None, log: str = "calls") -> list[list[float]]:
-        """The rows of each batch the model finished (or, log="entered", started)."""
+    def records(self, model: str | None = None, log: str = "calls") -> list[dict[str, Any]]:
+        """The lines the test models wrote for each batch they finished (or, log="entered",
+        started), oldest first."""
         path = self.state / f"{log}.log"
         if not path.exists():
             return []
         rows = [json.loads(line) for line in path.read_text().splitlines()]
-        return [r["values"] for r in rows if model is None or r["model"] == model]
+        return [r for r in rows if model is None or r["model"] == model]
+
+    def calls(self, model: str | None = None, log: str = "calls") -> list[list[float]]:
+        """The X values of each batch of the `gated`-style models."""
+        return [r["values"] for r in self.records(model, log) if "values" in r]
 
     def reset(self) -> None:
         self.open()
@@ -55,6 +61,24 @@ def test_server(
     """A server over tests/models (gated, limited, echo) with one worker."""
     server = ServerProcess(
         TEST_MODELS,
+        log_dir=tmp_path_factory.mktemp("logs"),
+        env={"BATCHD_TEST_DIR": str(state_dir)},
+    ).start()
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="session")
+def unstaged_server(
+    state_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """tests/models again, with one credit per worker: while the worker runs a
+    batch nothing is staged, so a backlog builds whole and forms the next
+    batches by the policy under test alone."""
+    server = ServerProcess(
+        TEST_MODELS,
+        "--credits-per-worker",
+        "1",
         log_dir=tmp_path_factory.mktemp("logs"),
         env={"BATCHD_TEST_DIR": str(state_dir)},
     ).start()

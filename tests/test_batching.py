@@ -11,36 +11,45 @@ from pathlib import Path
 import pytest
 
 from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
-from batchd.server.batching import Capacity, QueueState, Send, Wait, decide
+from batchd.server.batching import Capacity, Send, Wait, decide
 from batchd.server.errors import DeadlineExceeded, QueueFull
+from batchd.server.planner import Plan
 from batchd.server.request import Request, Tensor
-from batchd.server.scheduler import ModelQueue, Scheduler
+from batchd.server.scheduler import Scheduler
 
 IDLE = Capacity(idle_worker=True, free_credit=True)
 BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
 FULL = Capacity(idle_worker=False, free_credit=False)
 
 
+def plan(rows: int = 1, full: bool = False, preferred: bool = False, oldest: float = 5.0) -> Plan:
+    return Plan([], rows, 0, full, preferred, oldest)
+
+
 def test_empty_queue_waits_for_an_event() -> None:
-    assert decide(5.0, None, IDLE, 32, 0.01) == Wait(None)
+    assert decide(5.0, None, IDLE, 0.01) == Wait(None)
 
 
 def test_idle_worker_takes_the_queue_at_once() -> None:
-    assert decide(5.0, QueueState(5.0, 1), IDLE, 32, 0.01) == Send(32)
+    p = plan()
+    assert decide(5.0, p, IDLE, 0.01) == Send(p)
 
 
 def test_no_credit_means_wait_whatever_the_queue() -> None:
-    assert decide(9.0, QueueState(1.0, 64), FULL, 32, 0.01) == Wait(None)
+    assert decide(9.0, plan(64, full=True, oldest=1.0), FULL, 0.01) == Wait(None)
 
 
-def test_busy_worker_gets_a_staged_batch_only_when_full() -> None:
-    assert decide(5.0, QueueState(5.0, 31), BUSY_WITH_CREDIT, 32, 0.01) == Wait(5.01)
-    assert decide(5.0, QueueState(5.0, 32), BUSY_WITH_CREDIT, 32, 0.01) == Send(32)
+def test_busy_worker_gets_a_staged_batch_only_when_full_or_preferred() -> None:
+    assert decide(5.0, plan(31), BUSY_WITH_CREDIT, 0.01) == Wait(5.01)
+    full, preferred = plan(32, full=True), plan(8, preferred=True)
+    assert decide(5.0, full, BUSY_WITH_CREDIT, 0.01) == Send(full)
+    assert decide(5.0, preferred, BUSY_WITH_CREDIT, 0.01) == Send(preferred)
 
 
 def test_busy_worker_gets_a_partial_batch_once_the_delay_ran_out() -> None:
-    assert decide(5.0099, QueueState(5.0, 3), BUSY_WITH_CREDIT, 32, 0.01) == Wait(5.01)
-    assert decide(5.01, QueueState(5.0, 3), BUSY_WITH_CREDIT, 32, 0.01) == Send(32)
+    p = plan(3)
+    assert decide(5.0099, p, BUSY_WITH_CREDIT, 0.01) == Wait(5.01)
+    assert decide(5.01, p, BUSY_WITH_CREDIT, 0.01) == Send(p)
 
 
 # ---- the queue and the scheduler ----
@@ -90,40 +99,6 @@ class Clock:
 
 def run(coro_fn):  # type: ignore[no-untyped-def]
     return asyncio.run(coro_fn())
-
-
-def test_take_keeps_fifo_and_the_row_cap() -> None:
-    async def body() -> None:
-        cfg = model(max_batch_size=4)
-        q = ModelQueue(cfg)
-        loop = asyncio.get_running_loop()
-        reqs = [request(cfg, rows) for rows in (2, 1, 3, 1)]
-        for r in reqs:
-            r.future = loop.create_future()
-            q.items.append(r)
-            q.rows += r.rows
-        assert q.take(4, 0.0) == reqs[:2]  # the 3-row request does not fit behind 3 rows
-        assert q.take(4, 0.0) == reqs[2:]
-        assert q.rows == 0
-
-    run(body)
-
-
-def test_take_never_mixes_shapes_and_keeps_the_others_in_order() -> None:
-    async def body() -> None:
-        cfg = model(shape=(-1,))
-        q = ModelQueue(cfg)
-        loop = asyncio.get_running_loop()
-        reqs = [request(cfg, 1, width) for width in (2, 3, 2, 3)]
-        for r in reqs:
-            r.future = loop.create_future()
-            q.items.append(r)
-            q.rows += 1
-        assert q.state(0.0) == QueueState(0.0, 2)
-        assert q.take(4, 0.0) == [reqs[0], reqs[2]]
-        assert list(q.items) == [reqs[1], reqs[3]]
-
-    run(body)
 
 
 def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it() -> None:

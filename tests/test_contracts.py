@@ -57,10 +57,19 @@ def test_service_and_package_names() -> None:
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     assert service.full_name == "inference.GRPCInferenceService"
     assert {m.name for m in service.methods} >= {
-        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata",
-        "ModelInfer", "ModelStreamInfer", "ModelConfig", "ModelStatistics",
-        "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
-    }  # fmt: skip
+        "ServerLive",
+        "ServerReady",
+        "ModelReady",
+        "ServerMetadata",
+        "ModelMetadata",
+        "ModelInfer",
+        "ModelStreamInfer",
+        "ModelConfig",
+        "ModelStatistics",
+        "RepositoryIndex",
+        "RepositoryModelLoad",
+        "RepositoryModelUnload",
+    }
     assert pb.TYPE_BF16 == 14 and pb.TYPE_STRING == 13
 
 
@@ -155,7 +164,7 @@ def test_datatype_of_numpy_arrays() -> None:
 
 def test_example_and_test_repositories_load() -> None:
     examples = load_repository(EXAMPLES)
-    assert sorted(examples) == ["embed", "mlp", "tiny"]
+    assert sorted(examples) == ["embed", "mlp", "textpool", "tiny"]
     mlp = examples["mlp"]
     assert mlp.max_batch_size == 32 and mlp.platform == "python"
     assert mlp.inputs[0].shape == (512,) and examples["tiny"].platform == "torch_export"

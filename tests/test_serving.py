@@ -41,7 +41,9 @@ def test_health_metadata_and_config(example_server: ServerProcess, stub) -> None
         meta = c.model_metadata("mlp")
         assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 512]}]
         assert meta["outputs"] == [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 512]}]
-        with pytest.raises(ModelNotFound, match=r"unknown model 'nope'.*embed, mlp, tiny"):
+        with pytest.raises(
+            ModelNotFound, match=r"unknown model 'nope'.*embed, mlp, textpool, tiny"
+        ):
             c.model_metadata("nope")
     config = stub.ModelConfig(pb.ModelConfigRequest(name="mlp")).config
     assert config.max_batch_size == 32
@@ -171,9 +173,9 @@ BAD_REQUESTS = {
         dict(inputs=[_input(shape=(1, 15))], raw_input_contents=[GOOD]),
         "expected shape [-1, 16] (batch dim first), got [1, 15]",
     ),
-    "too many rows": (
-        dict(inputs=[_input(shape=(33, 16))], raw_input_contents=[GOOD * 33]),
-        "between 1 and max_batch_size 32",
+    "zero rows": (
+        dict(inputs=[_input(shape=(0, 16))], raw_input_contents=[b""]),
+        "the batch dim must be at least 1, got 0",
     ),
     "negative dim": (
         dict(inputs=[_input(shape=(-1, 16))], raw_input_contents=[GOOD]),
@@ -253,3 +255,13 @@ def test_oversized_message_is_refused(stub) -> None:  # type: ignore[no-untyped-
     with pytest.raises(grpc.RpcError) as info:
         stub.ModelInfer(pb.ModelInferRequest(model_name="tiny", raw_input_contents=[big]))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_request_bigger_than_a_batch_is_split_and_joined(example_server: ServerProcess) -> None:
+    """tiny's max_batch_size is 32: 70 rows ride three batches and come back as one answer."""
+    x = np.random.default_rng(2).standard_normal((70, 16), dtype=np.float32)
+    with Client(example_server.url) as c:
+        whole = c.infer("tiny", x, timeout=30)["OUTPUT0"]
+        pieces = [c.infer("tiny", x[i : i + 30], timeout=30)["OUTPUT0"] for i in (0, 30, 60)]
+    assert whole.shape == (70, 16)
+    assert np.allclose(whole, np.concatenate(pieces), atol=1e-6)

@@ -108,8 +108,9 @@ def run_batch(
 ) -> tuple[list[wire.Tensor], list[Any]]:
     """Run the model on one batch; raise BatchError (or the model's own error)."""
     by_name = dict(zip((t.name for t in tensors), zip(tensors, frames, strict=True), strict=True))
+    names = [s.name for s in cfg.inputs] + [b.name for b in cfg.batch_inputs]
     try:
-        args = [to_model_input(*by_name[s.name], device) for s in cfg.inputs]
+        args = [to_model_input(*by_name[name], device) for name in names]
     except KeyError as e:
         raise BatchError(f"batch lacks input {e}") from None
     rows = tensors[0].shape[0] if cfg.batches else None

@@ -1,0 +1,121 @@
+"""Which queued requests form the next batch. Pure: queues in, a Plan out.
+
+The anchor is the oldest request of the most urgent level: levels are served
+highest first (level 0 = priority 1), FIFO within a level, except that a level
+whose head has waited longer than `max_starvation_us` jumps the line. Only
+requests whose non-ragged shapes equal the anchor's can join it. Then:
+
+  * FIFO (the default): take requests in order while rows <= the cap and
+    rows x longest ragged length <= `max_batch_tokens`; stop at the first that
+    does not fit, so nobody is overtaken.
+  * `bucket_by_length`: among the first `window` candidates of each level,
+    prefer the lengths nearest the anchor's (which always goes first), and
+    keep the batch's longest row at most twice its shortest, so padding stays
+    small; a request that does not fit is skipped, not a stop. A skipped
+    request waits for a batch of its own lengths; at the latest it becomes the
+    oldest and anchors one, so nobody starves.
+  * `preferred_batch_sizes`: if a prefix of the chosen requests has exactly a
+    preferred number of rows, the batch is cut there and may leave at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import islice
+
+from batchd.protos.model_config import BatchingConfig
+from batchd.server.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    requests: list[Request]
+    rows: int
+    padded_length: int  # longest ragged length in the batch (0: no ragged input)
+    full: bool  # nothing more fits: a compatible request was left out for want of room
+    preferred: bool  # rows is one of the preferred batch sizes
+    oldest_arrival: float  # the anchor's arrival: the batch window starts there
+
+
+def _live(r: Request, now: float) -> bool:
+    return not r.future.done() and r.deadline > now
+
+
+def level_order(
+    levels: Sequence[Iterable[Request]],
+    heads: Sequence[Request | None],
+    now: float,
+    starvation_s: float,
+) -> list[int]:
+    """Level indices, most urgent first: starved levels by their head's age, then by level."""
+    starved = sorted(
+        (h.arrival, i)
+        for i, h in enumerate(heads)
+        if h is not None and i > 0 and now - h.arrival >= starvation_s
+    )
+    first = [i for _, i in starved]
+    return first + [i for i in range(len(levels)) if i not in first]
+
+
+def _fits(rows: int, length: int, cap: int, tokens: int) -> bool:
+    return rows <= cap and (not tokens or rows * length <= tokens)
+
+
+def plan_batch(
+    levels: Sequence[Sequence[Request]],
+    now: float,
+    cap: int,
+    cfg: BatchingConfig,
+    window: int,
+) -> Plan | None:
+    heads = [next((r for r in q if _live(r, now)), None) for q in levels]
+    order = level_order(levels, heads, now, cfg.max_starvation_us / 1e6)
+    anchor = next((heads[i] for i in order if heads[i] is not None), None)
+    if anchor is None:
+        return None
+    key, bucket = anchor.shape_key, cfg.bucket_by_length
+    candidates: Iterable[Request] = (
+        r
+        for i in order
+        for r in islice(levels[i], window)
+        if r is not anchor and r.shape_key == key and _live(r, now)
+    )
+    if bucket:  # nearest lengths first, level by level: priorities still come first
+        rank = {i: n for n, i in enumerate(order)}
+        candidates = sorted(
+            candidates, key=lambda r: (rank[r.level], abs(r.length - anchor.length), r.arrival)
+        )
+    chosen, rows, length, blocked = [anchor], anchor.rows, anchor.length, False
+    shortest = anchor.length
+    for r in candidates:
+        new_rows, new_len = rows + r.rows, max(length, r.length)
+        if bucket and new_len > 2 * min(shortest, r.length):
+            continue  # not of this bucket: it anchors a batch of its own later
+        if not _fits(new_rows, new_len, cap, cfg.max_batch_tokens):
+            blocked = True
+            if not bucket:
+                break
+            continue
+        chosen.append(r)
+        rows, length, shortest = new_rows, new_len, min(shortest, r.length)
+    chosen, rows, preferred = _cut_to_preferred(chosen, rows, cfg.preferred_batch_sizes)
+    if preferred:
+        length = max(r.length for r in chosen)
+    return Plan(chosen, rows, length, blocked or rows >= cap, preferred, anchor.arrival)
+
+
+def _cut_to_preferred(
+    chosen: list[Request], rows: int, preferred: tuple[int, ...]
+) -> tuple[list[Request], int, bool]:
+    if not preferred:
+        return chosen, rows, False
+    prefix_rows, best = 0, 0
+    for n, r in enumerate(chosen, 1):
+        prefix_rows += r.rows
+        if prefix_rows in preferred:
+            best = n
+    if not best:
+        return chosen, rows, False
+    kept = chosen[:best]
+    return kept, sum(r.rows for r in kept), True
