@@ -88,6 +88,7 @@ class Dispatcher:
         self._rr = 0
         self._ids = itertools.count(1)
         self._events: Events | None = None
+        self._stopping = False  # STOP was sent: workers leaving is expected, not a loss
 
     def attach(self, events: Events) -> None:
         self._events = events
@@ -156,11 +157,12 @@ class Dispatcher:
             fut.add_done_callback(lambda f: self._check_sent(worker, f))
 
     def _check_sent(self, worker: Worker, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is None:
+        if fut.cancelled() or fut.exception() is None or self._stopping:
             return
         self.lose(worker, f"send failed: {fut.exception()}")
 
     def stop_workers(self) -> None:
+        self._stopping = True
         for w in self._order:
             self._send(w, wire.pack(wire.Header(kind=wire.Header.STOP)))
 
@@ -315,6 +317,8 @@ class Dispatcher:
         silence = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS
         while True:
             await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S)
+            if self._stopping:
+                continue
             now = self._clock()
             for w in list(self._order):
                 overdue = [

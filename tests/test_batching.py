@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -213,5 +214,38 @@ def test_requeued_requests_go_first() -> None:
         dispatch.idle, dispatch.credits = 1, 1
         s.pump()
         assert dispatch.sent == [[lost, waiting]]
+
+    run(body)
+
+
+def test_each_priority_level_has_its_own_queue_limit() -> None:
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model(queue=8)
+        cfg = replace(
+            cfg,
+            batching=replace(
+                cfg.batching,
+                priority_levels=2,
+                default_priority_level=2,
+                priority_queue_sizes=(1, 0),
+            ),
+        )
+        s.add_model(cfg)
+        high = request(cfg)
+        high.level = 0
+        s.submit(high)
+        again = request(cfg)
+        again.level = 0
+        with pytest.raises(QueueFull, match="1 requests waiting at priority 1, its limit 1"):
+            s.submit(again)
+        for _ in range(8):
+            low = request(cfg)
+            low.level = 1  # level 2 has no limit of its own: only max_queue_size 8
+            if _ == 7:
+                with pytest.raises(QueueFull, match="8 requests waiting, max_queue_size 8"):
+                    s.submit(low)
+            else:
+                s.submit(low)
 
     run(body)

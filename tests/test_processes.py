@@ -91,6 +91,7 @@ def test_sigint_stops_server_and_every_worker(tmp_path: Path) -> None:
     assert server.stop(signal.SIGINT) == 0
     assert not any(alive(p) for p in workers)
     assert "stopped" in server.log()
+    assert "lost" not in server.log()  # workers told to STOP are not failures
 
 
 def test_every_datatype_round_trips_raw_and_typed(test_server: ServerProcess) -> None:
