@@ -85,8 +85,8 @@ class _Wiring:
     def workers_changed(self) -> None:
         self.changed.set()
 
-    def batch_done(self, model: str, rows: int, latency_s: float, compute_s: float) -> None:
-        self.scheduler.observe(model, rows, latency_s, compute_s)
+    def batch_done(self, model: str, rows: int, compute_s: float) -> None:
+        self.scheduler.observe(model, rows, compute_s)
 
     def worker_lost(self, worker_id: str, reason: str) -> None:
         if self.supervisor is not None and not reason.startswith("process exited"):

@@ -47,7 +47,7 @@ class Events(Protocol):
 
     def worker_lost(self, worker_id: str, reason: str) -> None: ...  # e.g. kill a hung process
 
-    def batch_done(self, model: str, rows: int, latency_s: float, compute_s: float) -> None: ...
+    def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
 
 
 @dataclass(eq=False)
@@ -243,10 +243,13 @@ class Dispatcher:
                 wire.PROTOCOL_VERSION,
             )
             return
+        worker = Worker(identity, info, frozenset(info.models), self._clock())
+        if self._stopping:  # it started up while we shut down: it missed the STOP
+            self._send(worker, wire.pack(wire.Header(kind=wire.Header.STOP)))
+            return
         old = self._workers.get(identity)
         if old is not None:
             self.lose(old, "it registered again")
-        worker = Worker(identity, info, frozenset(info.models), self._clock())
         self._workers[identity] = worker
         self._order.append(worker)
         for problem in info.load_errors:
@@ -300,8 +303,7 @@ class Dispatcher:
             self._stats.padding(
                 batch.model.name, sum(r.rows * r.length for r in batch.requests), rows * longest
             )
-        oldest = min(r.arrival for r in batch.requests)
-        self.events.batch_done(batch.model.name, rows, received - oldest, infer_ns / 1e9)
+        self.events.batch_done(batch.model.name, rows, infer_ns / 1e9)
         self._stats.batch_done(
             batch.model.name,
             rows=rows,

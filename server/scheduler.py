@@ -188,11 +188,11 @@ class Scheduler:
             self._queues[requests[0].model.name].put_front(requests)
             self.pump()
 
-    def observe(self, model: str, rows: int, latency_s: float, compute_s: float) -> None:
+    def observe(self, model: str, rows: int, compute_s: float) -> None:
         """A batch finished: feed the model's latency target, if it has one."""
         q = self._queues.get(model)
         if q is not None and q.target is not None:
-            q.target.observe(rows, latency_s, compute_s)
+            q.target.observe(rows, compute_s)
 
     def fail_all(self, error: Exception) -> None:
         """Answer every queued request with `error` (shutdown)."""
