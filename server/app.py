@@ -201,11 +201,16 @@ async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -
                 ]
                 await stop.wait()
                 log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
-                service.draining = True
+                service.draining = True  # readiness and health say so at once
                 wiring.changed.set()
                 await health.enter_graceful_shutdown()
-                await server.stop(grace=cfg.drain_timeout_s)
-                scheduler.fail_all(Unavailable("the server stopped before this request ran"))
+                left = await service.drain(cfg.drain_timeout_s)
+                if left:
+                    log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
+                stopped = Unavailable("the server stopped before this request could finish")
+                scheduler.fail_all(stopped)
+                dispatcher.fail_inflight(stopped)
+                await server.stop(grace=1.0)
                 dispatcher.stop_workers()
                 await supervisor.stop()
                 for t in tasks:

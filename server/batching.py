@@ -38,6 +38,8 @@ class Wait:
 def decide(now: float, plan: Plan | None, capacity: Capacity, max_delay_s: float) -> Send | Wait:
     if plan is None or not capacity.free_credit:
         return Wait(None)
+    if plan.suspect and not capacity.idle_worker:
+        return Wait(None)  # a retry after a failure runs only on a worker with nothing else
     if capacity.idle_worker or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s

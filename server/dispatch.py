@@ -62,6 +62,11 @@ class Worker:
     def name(self) -> str:
         return self.info.worker_id
 
+    @property
+    def exclusive(self) -> bool:
+        """It runs a suspect: no other batch may be staged beside it."""
+        return any(b.suspect for b in self.inflight.values())
+
 
 @dataclass(eq=False, slots=True)
 class Batch:
@@ -69,6 +74,7 @@ class Batch:
     model: ModelConfig
     requests: list[Request]
     sent_at: float
+    suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
 
 
 class Dispatcher:
@@ -106,10 +112,13 @@ class Dispatcher:
     def model_ready(self, model: str) -> bool:
         return any(model in w.models for w in self._order)
 
+    def _has_credit(self, w: Worker) -> bool:
+        return len(w.inflight) < self._credits and not w.exclusive
+
     def capacity(self, model: str) -> Capacity:
         free = False
         for w in self._order:
-            if model in w.models and len(w.inflight) < self._credits:
+            if model in w.models and self._has_credit(w):
                 if not w.inflight:
                     return Capacity(idle_worker=True, free_credit=True)
                 free = True
@@ -117,15 +126,15 @@ class Dispatcher:
 
     # ---- sending ----
 
-    def _choose(self, model: str) -> Worker | None:
+    def _choose(self, model: str, idle_only: bool = False) -> Worker | None:
         order, n, busy = self._order, len(self._order), None
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if model in w.models and len(w.inflight) < self._credits:
+            if model in w.models and self._has_credit(w):
                 if not w.inflight:
                     self._rr = (self._rr + k + 1) % n
                     return w
-                if busy is None:
+                if busy is None and not idle_only:
                     busy = (w, k)
         if busy is None:
             return None
@@ -133,11 +142,12 @@ class Dispatcher:
         return busy[0]
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
-        worker = self._choose(model.name)
+        suspect = any(r.suspect for r in requests)
+        worker = self._choose(model.name, idle_only=suspect)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.events.requeue(requests)
             return
-        batch = Batch(next(self._ids), model, requests, self._clock())
+        batch = Batch(next(self._ids), model, requests, self._clock(), suspect)
         worker.inflight[batch.id] = batch  # before the send: a reply may race the callback
         tensors, frames = join_inputs(requests)
         header = wire.Header(
@@ -161,6 +171,14 @@ class Dispatcher:
             return
         self.lose(worker, f"send failed: {fut.exception()}")
 
+    def fail_inflight(self, error: Exception) -> None:
+        """Answer every request still on a worker with `error` (shutdown)."""
+        for w in self._order:
+            for batch in w.inflight.values():
+                for r in batch.requests:
+                    if not r.future.done():
+                        r.future.set_exception(error)
+
     def stop_workers(self) -> None:
         self._stopping = True
         for w in self._order:
@@ -169,7 +187,14 @@ class Dispatcher:
     # ---- losing a worker ----
 
     def lose(self, worker: Worker, reason: str) -> None:
-        """Forget `worker`; send its requests back to the queue (or fail the twice-sent)."""
+        """Forget `worker`; send its requests back to the queue (or fail the twice-sent).
+
+        Every request it held is charged an attempt and retried as a suspect:
+        alone, on an idle worker that takes nothing else meanwhile. So an
+        innocent request that shared a worker with a poison one is charged
+        once, and its lone retry succeeds; the poison request kills one more
+        worker at most, then fails.
+        """
         if self._workers.get(worker.identity) is not worker:
             return
         del self._workers[worker.identity]
@@ -188,6 +213,7 @@ class Dispatcher:
                         )
                     )
                 else:
+                    r.suspect = True
                     back.append(r)
         worker.inflight.clear()
         log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason, len(back))
@@ -270,6 +296,23 @@ class Dispatcher:
             return
         received = self._clock()
         live = batch.requests
+        pending = [r for r in live if not r.future.done()]
+        if header.kind == wire.Header.ERROR and len(pending) > 1:
+            # Find the offending request(s): every member retries alone.
+            log.warning(
+                "batch %d of model %s failed on worker %s (%s); retrying its %d "
+                "requests one by one",
+                batch.id,
+                batch.model.name,
+                worker.name,
+                header.error,
+                len(pending),
+            )
+            for r in pending:
+                r.suspect = True
+            self.events.requeue(pending)
+            self.events.pump()
+            return
         try:
             if header.kind == wire.Header.ERROR:
                 raise ModelFailed(
@@ -331,6 +374,7 @@ class Dispatcher:
                 if now - w.last_seen > silence:
                     self.lose(w, f"no message for {now - w.last_seen:.1f} s")
                 elif overdue:
+                    self._send(w, wire.pack(wire.Header(kind=wire.Header.STOP)))  # if it can hear
                     self.lose(
                         w,
                         f"batch {overdue[0].id} of model {overdue[0].model.name!r} ran "

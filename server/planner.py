@@ -16,6 +16,9 @@ requests whose non-ragged shapes equal the anchor's can join it. Then:
     oldest and anchors one, so nobody starves.
   * `preferred_batch_sizes`: if a prefix of the chosen requests has exactly a
     preferred number of rows, the batch is cut there and may leave at once.
+
+A suspect (a request whose batch lost its worker or made the model raise)
+rides alone, so a poison request or a bad input takes nobody else down.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Plan:
     full: bool  # nothing more fits: a compatible request was left out for want of room
     preferred: bool  # rows is one of the preferred batch sizes
     oldest_arrival: float  # the anchor's arrival: the batch window starts there
+    suspect: bool = False  # a lone retry after a failure: it needs an idle worker
 
 
 def _live(r: Request, now: float) -> bool:
@@ -74,12 +78,14 @@ def plan_batch(
     anchor = next((heads[i] for i in order if heads[i] is not None), None)
     if anchor is None:
         return None
+    if anchor.suspect:  # its last batch failed: alone, it cannot take others down with it
+        return Plan([anchor], anchor.rows, anchor.length, True, False, anchor.arrival, True)
     key, bucket = anchor.shape_key, cfg.bucket_by_length
     candidates: Iterable[Request] = (
         r
         for i in order
         for r in islice(levels[i], window)
-        if r is not anchor and r.shape_key == key and _live(r, now)
+        if r is not anchor and r.shape_key == key and not r.suspect and _live(r, now)
     )
     if bucket:  # nearest lengths first, level by level: priorities still come first
         rank = {i: n for n, i in enumerate(order)}

@@ -32,6 +32,7 @@ class Request:
     arrival: float = 0.0  # monotonic seconds, set on admission
     timer: asyncio.TimerHandle | None = None
     attempts: int = 0  # batches of this request whose worker was lost
+    suspect: bool = False  # its batch failed: it rides alone until it is answered
     level: int = 0  # priority level index: 0 is priority 1, the highest
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
     # Derived from the inputs, once:

@@ -6,6 +6,7 @@ BatchdError -> gRPC status happens here, in `_status`, and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -60,6 +61,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._models = models
         self._core = core
         self._stats = stats
+        self._open = 0  # inference requests admitted and not yet answered
+        self._drained = asyncio.Event()
         self._clock = clock
         self.draining = False
 
@@ -85,6 +88,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         cfg = self._model(msg.model_name, msg.model_version)
         now = self._clock()
         deadline = math.inf if time_remaining is None else now + time_remaining
+        self._open += 1
         try:
             request = decode_request(msg, cfg, now, deadline)
             results = await self._core.submit(request)
@@ -94,8 +98,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             self._stats.answered(cfg.name, int((self._clock() - now) * 1e9), "cancelled")
             raise
+        finally:
+            self._open -= 1
+            if self.draining and not self._open:
+                self._drained.set()
         self._stats.answered(cfg.name, int((self._clock() - now) * 1e9))
         return encode_response(request, results)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests; wait up to `timeout_s` for the admitted ones to be
+        answered. Returns how many are still open."""
+        self.draining = True
+        if self._open:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), timeout_s)
+        return self._open
 
     # ---- RPCs ----
 

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -131,7 +132,8 @@ class Supervisor:
             code = await proc.wait()
             if self._stopping:
                 return
-            self._on_exit(worker_id, f"process exited with code {code}")
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            self._on_exit(worker_id, f"process exited ({how})")
             if time.monotonic() - started > STABLE_AFTER_S:
                 backoff = BACKOFF_FIRST_S
             log.warning(

@@ -30,6 +30,7 @@ from batchd.worker.loader import ModelFn
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
+STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,14 @@ class Worker:
             self._loop(dealer, results)
         finally:
             self._work.put(None)
-            compute.join(timeout=5)
+            compute.join(timeout=STOP_GRACE_S)
+            if compute.is_alive():  # a hung model: no way to stop its thread but to leave
+                log.error(
+                    "worker %s: the model is still running after %.0f s; exiting without it",
+                    self.options.worker_id,
+                    STOP_GRACE_S,
+                )
+                os._exit(3)
             results.close(linger=0)
             dealer.close()
             ctx.term()
@@ -136,6 +144,7 @@ class Worker:
         heard = next_beat = time.monotonic()
         pending = 0  # batches handed to the compute thread, not yet answered
         stopping = False
+        stop_at = 0.0
         while not (stopping and pending == 0) and not self._stop.is_set():
             events = dict(poller.poll(timeout=int(interval * 1000 / 2)))
             now = time.monotonic()
@@ -150,7 +159,7 @@ class Worker:
                     pending += 1
                 elif header.kind == wire.Header.STOP:
                     log.info("worker %s: STOP received", self.options.worker_id)
-                    stopping = True
+                    stopping, stop_at = True, now
             if now >= next_beat:
                 dealer.send_multipart(beat)
                 next_beat = now + interval
@@ -158,6 +167,8 @@ class Worker:
                 # The frontend is gone or forgot us: register again; it requeued our batches.
                 dealer.send_multipart(self._ready())
                 heard = now
+            if stopping and now - stop_at > STOP_GRACE_S:
+                return  # the batch at hand will not finish: serve() leaves without it
             if self._parent_gone():
                 log.warning("worker %s: parent process exited; stopping", self.options.worker_id)
                 return
