@@ -7,7 +7,11 @@ with Client("127.0.0.1:8001") as c:
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -15,6 +19,7 @@ import numpy as np
 
 from batchd.client.codec import build_request, parse_response
 from batchd.client.errors import BatchdClientError, InvalidInput, from_rpc_error
+from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 
@@ -53,14 +58,32 @@ def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
 
 
 class _Base:
-    def __init__(self, url: str, timeout: float | None, max_message_bytes: int) -> None:
+    def __init__(
+        self, url: str, timeout: float | None, max_message_bytes: int, retries: int
+    ) -> None:
         self.url = url
         self.timeout = timeout
+        self.retry = RetryPolicy(retries)
+        self._rng = random.Random()
         self._options = _channel_options(max_message_bytes)
         self._meta: dict[str, dict[str, Any]] = {}
 
-    def _timeout(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
+    def _plan(self, timeout: float | None, retries: int | None) -> tuple[float | None, RetryPolicy]:
+        """The call's absolute deadline (monotonic) and its retry policy."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        policy = self.retry if retries is None else replace(self.retry, retries=retries)
+        return deadline, policy
+
+    def _next_wait(
+        self, attempt: int, error: BatchdClientError, deadline: float | None, policy: RetryPolicy
+    ) -> float | None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        return policy.delay(attempt, error, remaining, self._rng)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class Client(_Base):
@@ -72,16 +95,27 @@ class Client(_Base):
         *,
         timeout: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = 0,
     ) -> None:
-        super().__init__(url, timeout, max_message_bytes)
+        super().__init__(url, timeout, max_message_bytes, retries)
         self._channel = grpc.insecure_channel(url, options=self._options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
-    def _call(self, method: str, msg: Any, timeout: float | None = None) -> Any:
-        try:
-            return getattr(self._stub, method)(msg, timeout=self._timeout(timeout))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+    def _call(
+        self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
+    ) -> Any:
+        deadline, policy = self._plan(timeout, retries)
+        attempt = 0
+        while True:
+            try:
+                return getattr(self._stub, method)(msg, timeout=_remaining(deadline))
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+            wait = self._next_wait(attempt, error, deadline, policy)
+            if wait is None:
+                raise error
+            time.sleep(wait)
+            attempt += 1
 
     def infer(
         self,
@@ -93,6 +127,7 @@ class Client(_Base):
         request_id: str = "",
         datatypes: Mapping[str, str] | None = None,
         parameters: Mapping[str, Any] | None = None,
+        retries: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Run `model` on `inputs` (name->array, or one array for a one-input model)."""
         meta = self.model_metadata(model) if isinstance(inputs, np.ndarray) else None
@@ -104,7 +139,7 @@ class Client(_Base):
             datatypes=datatypes,
             parameters=parameters,
         )
-        return parse_response(self._call("ModelInfer", msg, timeout))
+        return parse_response(self._call("ModelInfer", msg, timeout, retries))
 
     def live(self) -> bool:
         return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)
@@ -149,16 +184,27 @@ class AsyncClient(_Base):
         *,
         timeout: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = 0,
     ) -> None:
-        super().__init__(url, timeout, max_message_bytes)
+        super().__init__(url, timeout, max_message_bytes, retries)
         self._channel = grpc.aio.insecure_channel(url, options=self._options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
-    async def _call(self, method: str, msg: Any, timeout: float | None = None) -> Any:
-        try:
-            return await getattr(self._stub, method)(msg, timeout=self._timeout(timeout))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+    async def _call(
+        self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
+    ) -> Any:
+        deadline, policy = self._plan(timeout, retries)
+        attempt = 0
+        while True:
+            try:
+                return await getattr(self._stub, method)(msg, timeout=_remaining(deadline))
+            except grpc.RpcError as e:
+                error = from_rpc_error(e)
+            wait = self._next_wait(attempt, error, deadline, policy)
+            if wait is None:
+                raise error
+            await asyncio.sleep(wait)
+            attempt += 1
 
     async def infer(
         self,
@@ -170,6 +216,7 @@ class AsyncClient(_Base):
         request_id: str = "",
         datatypes: Mapping[str, str] | None = None,
         parameters: Mapping[str, Any] | None = None,
+        retries: int | None = None,
     ) -> dict[str, np.ndarray]:
         meta = await self.model_metadata(model) if isinstance(inputs, np.ndarray) else None
         msg = build_request(
@@ -180,7 +227,7 @@ class AsyncClient(_Base):
             datatypes=datatypes,
             parameters=parameters,
         )
-        return parse_response(await self._call("ModelInfer", msg, timeout))
+        return parse_response(await self._call("ModelInfer", msg, timeout, retries))
 
     async def live(self) -> bool:
         return bool((await self._call("ServerLive", pb.ServerLiveRequest())).live)

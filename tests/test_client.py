@@ -1,0 +1,110 @@
+"""The client's retry behaviour: a pure policy, a fake stub, and a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.client import AsyncClient, Client, InvalidInput, ServerBusy, ServerUnavailable
+from batchd.client.errors import from_rpc_error
+from batchd.client.retry import RetryPolicy
+from batchd.protos import inference_pb2 as pb
+from tests.conftest import Gate
+from tests.servers import ServerProcess
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, pushback_ms: int | None = None) -> None:
+        self._code, self._pushback = code, pushback_ms
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return f"fake {self._code.name}"
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return () if self._pushback is None else (("grpc-retry-pushback-ms", str(self._pushback)),)
+
+
+def test_policy_retries_only_busy_and_unavailable() -> None:
+    rng = random.Random(0)
+    policy = RetryPolicy(retries=3)
+    busy = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, 250))
+    assert isinstance(busy, ServerBusy) and busy.retry_after_ms == 250
+    assert policy.delay(0, busy, None, rng) == pytest.approx(0.25, abs=0.05)  # pushback wins
+    unavailable = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE))
+    waits = [policy.delay(a, unavailable, None, rng) for a in range(3)]
+    assert all(w is not None and 0 <= w <= 0.05 * 2**a for a, w in enumerate(waits))
+    assert policy.delay(3, unavailable, None, rng) is None  # out of retries
+    assert policy.delay(0, busy, 0.1, rng) is None  # the wait would pass the deadline
+    invalid = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT))
+    assert policy.delay(0, invalid, None, rng) is None
+
+
+class FakeStub:
+    def __init__(self, errors: list[grpc.StatusCode]) -> None:
+        self.errors, self.calls = list(errors), 0
+
+    def ModelInfer(self, msg: pb.ModelInferRequest, timeout: float | None) -> pb.ModelInferResponse:
+        self.calls += 1
+        if self.errors:
+            raise FakeRpcError(self.errors.pop(0), 1)
+        return pb.ModelInferResponse(
+            outputs=[pb.InferOutputTensor(name="Y", datatype="FP32", shape=[1, 1])],
+            raw_output_contents=[np.float32([[3.0]]).tobytes()],
+        )
+
+
+def test_client_retries_when_asked_and_never_on_invalid_input() -> None:
+    x = {"X": np.zeros((1, 1), np.float32)}
+    with Client("127.0.0.1:1", retries=3) as c:
+        c._stub = FakeStub([grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])  # type: ignore[assignment]
+        assert c.infer("m", x)["Y"][0, 0] == 3.0
+        assert c._stub.calls == 3  # type: ignore[attr-defined]
+        c._stub = FakeStub([grpc.StatusCode.INVALID_ARGUMENT])  # type: ignore[assignment]
+        with pytest.raises(InvalidInput):
+            c.infer("m", x)
+        assert c._stub.calls == 1  # type: ignore[attr-defined]
+        c._stub = FakeStub([grpc.StatusCode.UNAVAILABLE] * 5)  # type: ignore[assignment]
+        with pytest.raises(ServerUnavailable):
+            c.infer("m", x, retries=1)
+        assert c._stub.calls == 2  # type: ignore[attr-defined]
+
+
+def test_retrying_client_gets_through_once_the_queue_frees(
+    test_server: ServerProcess, gate: Gate
+) -> None:
+    """`limited` holds 4 queued and 8 running; a retrying caller beyond that
+    waits it out instead of failing."""
+    x = {"X": np.array([[5.0]], np.float32)}
+
+    async def scenario() -> float:
+        async with (
+            AsyncClient(test_server.url) as busy,
+            AsyncClient(test_server.url, retries=200) as patient,
+        ):
+            gate.close()
+            rejected = asyncio.Event()
+
+            async def crowd(v: float) -> None:
+                try:
+                    await busy.infer("limited", {"X": np.array([[v]], np.float32)}, timeout=60)
+                except ServerBusy:
+                    rejected.set()
+
+            crowd_tasks = [asyncio.ensure_future(crowd(float(v))) for v in range(16)]
+            await asyncio.wait_for(rejected.wait(), 30)  # the queue is full now
+            retried = asyncio.ensure_future(patient.infer("limited", x, timeout=60))
+            await asyncio.sleep(0)
+            threading.Timer(0.3, gate.open).start()  # not an assertion: lets the retries run
+            out = await retried
+            await asyncio.gather(*crowd_tasks)
+            return float(out["Y"][0, 0])
+
+    assert asyncio.run(scenario()) == 10.0
