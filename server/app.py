@@ -76,6 +76,9 @@ class _Wiring:
     def model_ready(self, name: str) -> bool:
         return self.dispatcher.model_ready(name)
 
+    def check_room(self, model: str) -> None:
+        self.scheduler.check_room(model)
+
     def pump(self) -> None:
         self.scheduler.pump()
 

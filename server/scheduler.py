@@ -28,6 +28,7 @@ from batchd.server.planner import Plan, plan_batch
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
+COMPACT_EVERY_S = 0.01  # a full queue is swept for dead entries at most this often
 
 
 class Dispatch(Protocol):
@@ -65,6 +66,7 @@ class ModelQueue:
         self.levels: list[deque[Request]] = [deque() for _ in range(max(1, b.priority_levels))]
         self.limits = b.priority_queue_sizes or (0,) * len(self.levels)
         self.max_rows = max(config.max_batch_size, 1)
+        self.compacted_at = -math.inf
         self.window = max(64, 4 * self.max_rows)  # how far bucketing looks into each level
         self.target = (
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
@@ -83,6 +85,7 @@ class ModelQueue:
 
     def compact(self, now: float) -> None:
         """Drop every finished (cancelled, expired) entry; used when the queue looks full."""
+        self.compacted_at = now
         for i, q in enumerate(self.levels):
             for r in q:
                 if r.deadline <= now:
@@ -152,15 +155,7 @@ class Scheduler:
                 f"{q.max_rows}, more than model {q.config.name!r} queues "
                 f"({q.config.batching.max_queue_size})"
             )
-        problem = q.room(request.level, len(parts))
-        if problem is not None:
-            q.compact(now)
-            problem = q.room(request.level, len(parts))
-        if problem is not None:
-            raise QueueFull(
-                f"queue of model {q.config.name!r} is full ({problem}); retry later",
-                retry_after_ms=max(1, int(q.delay_s() * 1000)),
-            )
+        self._admit(q, request.level, len(parts), now)
         loop = asyncio.get_running_loop()
         for part in parts:
             part.arrival = now
@@ -181,6 +176,24 @@ class Scheduler:
         finally:
             for p in parts:
                 p.future.cancel()  # one chunk failed or the caller left: drop the rest
+
+    def check_room(self, model: str) -> None:
+        """Raise QueueFull if `model`'s queue is full: lets the frontend refuse a
+        request before it spends time decoding it. submit() checks fully."""
+        q = self._queues[model]
+        if len(q) >= q.config.batching.max_queue_size:
+            self._admit(q, 0, 1, self._clock())
+
+    def _admit(self, q: ModelQueue, level: int, count: int, now: float) -> None:
+        problem = q.room(level, count)
+        if problem is not None and now - q.compacted_at >= COMPACT_EVERY_S:
+            q.compact(now)  # cancelled or expired entries may be holding places
+            problem = q.room(level, count)
+        if problem is not None:
+            raise QueueFull(
+                f"queue of model {q.config.name!r} is full ({problem}); retry later",
+                retry_after_ms=max(1, int(q.delay_s() * 1000)),
+            )
 
     def requeue(self, requests: list[Request]) -> None:
         """Put requests of a lost batch back at the front of their queue."""

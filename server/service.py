@@ -35,17 +35,24 @@ class Core(Protocol):
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
 
+    def check_room(self, model: str) -> None: ...  # raises QueueFull, before any decoding
+
     def model_ready(self, name: str) -> bool: ...
 
 
-def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | None]]:
     @wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T | None:
         try:
             return await method(self, request, context)
         except BatchdError as e:
-            await context.abort(e.code, e.message, trailing_metadata=e.trailers())
-            raise  # unreachable: abort() raises
+            # Setting the status and returning nothing costs a fraction of abort(),
+            # which raises through grpc's machinery: rejections stay cheap in overload.
+            context.set_code(e.code)
+            context.set_details(e.message)
+            if trailers := e.trailers():
+                context.set_trailing_metadata(trailers)
+            return None
 
     return wrapper
 
@@ -90,6 +97,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         deadline = math.inf if time_remaining is None else now + time_remaining
         self._open += 1
         try:
+            self._core.check_room(cfg.name)
             request = decode_request(msg, cfg, now, deadline)
             results = await self._core.submit(request)
         except BatchdError as e:
