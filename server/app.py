@@ -24,12 +24,14 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL
 from batchd.protos.model_config import ModelConfig, load_repository
 from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import Unavailable
+from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
 from batchd.server.service import InferenceService
@@ -50,9 +52,11 @@ class ServerConfig:
     credits_per_worker: int = 2  # batches a worker holds: 1 running + 1 staged
     worker_endpoint: str | None = None  # None: a private ipc:// socket
     local_workers: bool = True  # False: only remote workers (batchd worker --connect)
+    metrics_port: int = 8002  # 0: a free port; negative: no metrics endpoint
     max_message_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    log_format: str = "text"  # or "json": one JSON object per line
 
     def device_list(self) -> list[str]:
         if self.workers is not None:
@@ -111,7 +115,12 @@ async def _track_health(
         for name in models:
             ready = wiring.model_ready(name)
             if announced.get(name) != ready:
-                log.info("model %s is %s", name, "ready" if ready else "NOT ready (no live worker)")
+                log.info(
+                    "model %s is %s",
+                    name,
+                    "ready" if ready else "NOT ready (no live worker)",
+                    extra={"model": name},
+                )
                 await health.set(name, serving if ready else not_serving)
                 announced[name] = ready
         overall = service.ready()
@@ -147,7 +156,83 @@ def _grpc_server(
     return server, port
 
 
-async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -> None:
+@dataclass
+class _Parts:
+    """Everything serve() starts and later stops, wired together."""
+
+    stats: Stats
+    dispatcher: Dispatcher
+    scheduler: Scheduler
+    wiring: _Wiring
+    service: InferenceService
+    health: HealthServicer
+    server: grpc.aio.Server
+    port: int
+    supervisor: Supervisor
+    registry: CollectorRegistry
+
+
+def _build(
+    cfg: ServerConfig, models: dict[str, ModelConfig], router: zmq.asyncio.Socket, endpoint: str
+) -> _Parts:
+    stats = Stats()
+    dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
+    scheduler = Scheduler(dispatcher)
+    for m in models.values():
+        scheduler.add_model(m)
+    wiring = _Wiring(dispatcher, scheduler)
+    dispatcher.attach(wiring)
+    service = InferenceService(models, wiring, stats)
+    health = HealthServicer()
+    server, port = _grpc_server(cfg, service, health)
+    specs: list[WorkerSpec] = []
+    if cfg.local_workers and models:
+        specs = plan_workers(list(models.values()), cfg.device_list(), cfg.threads_per_worker)
+    supervisor = Supervisor(
+        specs,
+        endpoint,
+        cfg.model_repository,
+        on_exit=dispatcher.lose_by_name,
+        log_level=cfg.log_level,
+        log_format=cfg.log_format,
+    )
+    wiring.supervisor = supervisor
+    registry = CollectorRegistry()  # this server's own: nothing is registered globally
+    registry.register(
+        Collector(
+            models,
+            stats,
+            scheduler.queued,
+            lambda: [
+                WorkerView(w.name, w.name.split("#")[0], w.info.device, True)
+                for w in dispatcher.workers()
+            ],
+            lambda: supervisor.restarts,
+        )
+    )
+    return _Parts(
+        stats, dispatcher, scheduler, wiring, service, health, server, port, supervisor, registry
+    )
+
+
+async def _shutdown(cfg: ServerConfig, p: _Parts) -> None:
+    """Refuse new work, drain the admitted, answer leftovers, then stop workers."""
+    log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
+    p.service.draining = True  # readiness and health say so at once
+    p.wiring.changed.set()
+    await p.health.enter_graceful_shutdown()
+    left = await p.service.drain(cfg.drain_timeout_s)
+    if left:
+        log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
+    stopped = Unavailable("the server stopped before this request could finish")
+    p.scheduler.fail_all(stopped)
+    p.dispatcher.fail_inflight(stopped)
+    await p.server.stop(grace=1.0)
+    p.dispatcher.stop_workers()
+    await p.supervisor.stop()
+
+
+async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
     models = load_repository(cfg.model_repository)
     log.info("model repository %s: %s", cfg.model_repository, ", ".join(models) or "no models")
@@ -158,39 +243,15 @@ async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(endpoint)
-        stats = Stats()
-        dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
-        scheduler = Scheduler(dispatcher)
-        for m in models.values():
-            scheduler.add_model(m)
-        wiring = _Wiring(dispatcher, scheduler)
-        dispatcher.attach(wiring)
-        service = InferenceService(models, wiring, stats)
-        health = HealthServicer()
-        server, port = _grpc_server(cfg, service, health)
-
-        specs: list[WorkerSpec] = []
-        if cfg.local_workers and models:
-            specs = plan_workers(list(models.values()), cfg.device_list(), cfg.threads_per_worker)
-        supervisor = Supervisor(
-            specs,
-            endpoint,
-            cfg.model_repository,
-            on_exit=dispatcher.lose_by_name,
-            log_level=cfg.log_level,
-        )
-        wiring.supervisor = supervisor
-
-        await server.start()
+        p = _build(cfg, models, router, endpoint)
+        await p.server.start()
         log.info(
             "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)",
             cfg.host,
-            port,
+            p.port,
             endpoint,
-            len(specs),
+            len(p.supervisor.specs),
         )
-        if started is not None:
-            started.set_result(port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -198,24 +259,20 @@ async def serve(cfg: ServerConfig, started: asyncio.Future[int] | None = None) -
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    tg.create_task(dispatcher.run(), name="dispatcher"),
-                    tg.create_task(supervisor.run(), name="supervisor"),
-                    tg.create_task(_track_health(health, service, models, wiring), name="health"),
+                    tg.create_task(p.dispatcher.run(), name="dispatcher"),
+                    tg.create_task(p.supervisor.run(), name="supervisor"),
+                    tg.create_task(
+                        _track_health(p.health, p.service, models, p.wiring), name="health"
+                    ),
                 ]
+                if cfg.metrics_port >= 0:
+                    tasks.append(
+                        tg.create_task(
+                            serve_metrics(p.registry, cfg.host, cfg.metrics_port), name="metrics"
+                        )
+                    )
                 await stop.wait()
-                log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
-                service.draining = True  # readiness and health say so at once
-                wiring.changed.set()
-                await health.enter_graceful_shutdown()
-                left = await service.drain(cfg.drain_timeout_s)
-                if left:
-                    log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
-                stopped = Unavailable("the server stopped before this request could finish")
-                scheduler.fail_all(stopped)
-                dispatcher.fail_inflight(stopped)
-                await server.stop(grace=1.0)
-                dispatcher.stop_workers()
-                await supervisor.stop()
+                await _shutdown(cfg, p)
                 for t in tasks:
                     t.cancel()
         finally:

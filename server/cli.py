@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
 
+from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
 from batchd.server import __version__
 from batchd.server.app import ServerConfig, serve
@@ -66,7 +66,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         default=30.0,
         help="seconds to finish admitted requests on SIGTERM (default 30)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8002,
+        help="Prometheus /metrics port on --host (default 8002; 0 picks a free one; -1: off)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text, or one JSON object per line with model/worker/batch fields",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "batchd.worker", *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
     cfg = ServerConfig(
         model_repository=args.model_repository,
         host=args.host,
@@ -97,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         max_message_bytes=args.max_message_bytes,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        log_format=args.log_format,
+        metrics_port=args.metrics_port,
     )
     try:
         asyncio.run(serve(cfg))

@@ -216,7 +216,13 @@ class Dispatcher:
                     r.suspect = True
                     back.append(r)
         worker.inflight.clear()
-        log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason, len(back))
+        log.warning(
+            "worker %s lost: %s; %d request(s) requeued",
+            worker.name,
+            reason,
+            len(back),
+            extra={"worker": worker.name, "reason": reason},
+        )
         self.events.worker_lost(worker.name, reason)
         self.events.workers_changed()
         for model in {r.model.name for r in back}:
@@ -279,13 +285,19 @@ class Dispatcher:
         self._workers[identity] = worker
         self._order.append(worker)
         for problem in info.load_errors:
-            log.error("worker %s could not load %s", info.worker_id, problem)
+            log.error(
+                "worker %s could not load %s",
+                info.worker_id,
+                problem,
+                extra={"worker": info.worker_id, "model": problem.split(":")[0]},
+            )
         log.info(
             "worker %s ready (pid %d, device %s) with models %s",
             info.worker_id,
             info.pid,
             info.device,
             ", ".join(info.models) or "none",
+            extra={"worker": info.worker_id, "device": info.device},
         )
         self.events.workers_changed()
         self.events.pump()
@@ -307,6 +319,7 @@ class Dispatcher:
                 worker.name,
                 header.error,
                 len(pending),
+                extra={"batch": batch.id, "model": batch.model.name, "worker": worker.name},
             )
             for r in pending:
                 r.suspect = True

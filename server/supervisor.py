@@ -74,8 +74,11 @@ class Supervisor:
         repository: Path,
         on_exit: Callable[[str, str], None],
         log_level: str = "INFO",
+        log_format: str = "text",
     ) -> None:
-        self._specs = list(specs)
+        self.specs = list(specs)
+        self.restarts: dict[str, int] = {}  # by slot
+        self._log_format = log_format
         self._endpoint = endpoint
         self._repository = repository
         self._on_exit = on_exit
@@ -88,7 +91,7 @@ class Supervisor:
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            for spec in self._specs:
+            for spec in self.specs:
                 tg.create_task(self._keep_running(spec), name=f"worker-{spec.slot}")
 
     async def _start(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
@@ -112,6 +115,8 @@ class Supervisor:
             str(os.getpid()),
             "--log-level",
             self._log_level,
+            "--log-format",
+            self._log_format,
         )
 
     async def _keep_running(self, spec: WorkerSpec) -> None:
@@ -127,6 +132,7 @@ class Supervisor:
                 proc.pid,
                 spec.device,
                 ", ".join(spec.models),
+                extra={"worker": worker_id, "device": spec.device},
             )
             started = time.monotonic()
             code = await proc.wait()
@@ -137,17 +143,22 @@ class Supervisor:
             if time.monotonic() - started > STABLE_AFTER_S:
                 backoff = BACKOFF_FIRST_S
             log.warning(
-                "worker %s exited with code %s; restarting in %.1f s", worker_id, code, backoff
+                "worker %s exited with code %s; restarting in %.1f s",
+                worker_id,
+                code,
+                backoff,
+                extra={"worker": worker_id},
             )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
             generation += 1
+            self.restarts[spec.slot] = self.restarts.get(spec.slot, 0) + 1
 
     def kill(self, worker_id: str) -> None:
         """Kill a local worker that is alive but useless (hung past its execution limit)."""
         for wid, proc in self._procs.values():
             if wid == worker_id and proc.returncode is None:
-                log.warning("killing worker %s (pid %d)", wid, proc.pid)
+                log.warning("killing worker %s (pid %d)", wid, proc.pid, extra={"worker": wid})
                 proc.kill()
 
     async def stop(self, timeout_s: float = 10.0) -> None:

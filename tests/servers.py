@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
 TEST_MODELS = Path(__file__).resolve().parent / "models"
 _LISTENING = re.compile(r"serving gRPC on [^:]+:(\d+)")
+_METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 
 
 def children(pid: int) -> list[int]:
@@ -80,6 +81,8 @@ class ServerProcess:
             str(self.repo),
             "--grpc-port",
             "0",
+            "--metrics-port",
+            "0",
             "--workers",
             str(self.workers),
             "--threads-per-worker",
@@ -103,6 +106,12 @@ class ServerProcess:
             with Client(self.url) as c:
                 wait_for(c.ready, timeout, "ServerReady")
         return self
+
+    def metrics_url(self) -> str:
+        wait_for(lambda: _METRICS.search(self.log()) is not None, 30, "the metrics endpoint")
+        match = _METRICS.search(self.log())
+        assert match is not None
+        return match.group(1)
 
     def worker_pids(self) -> list[int]:
         assert self.proc is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
 from batchd.worker.loader import ModelFn, load_model
 from batchd.worker.runner import Worker, WorkerOptions, install_signal_handlers
@@ -36,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--parent-pid", type=int, help="exit when this parent process goes away")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
     p.add_argument(
         "--list-devices",
         action="store_true",
@@ -77,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.connect:
         print("batchd worker: --connect is required", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -1,0 +1,44 @@
+"""batchd's log lines, shared by the frontend and its workers.
+
+    text: 2026-11-22 07:31:27,849 INFO batchd.dispatch: worker cpu0#0 ready ...
+    json: {"ts": "2026-11-22T07:31:27.849Z", "level": "INFO", "logger": "batchd.dispatch",
+           "msg": "worker cpu0#0 ready ...", "pid": 123, "worker": "cpu0#0", ...}
+
+Events pass their ids as `extra={"model": ..., "worker": ..., "batch": ...,
+"request": ...}`: JSON lines carry them as fields. Nothing is logged per
+request at INFO.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+FIELDS = ("model", "worker", "batch", "request", "device", "reason")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = {
+            "ts": f"{ts}.{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+            "pid": record.process,
+        }
+        line.update({k: getattr(record, k) for k in FIELDS if hasattr(record, k)})
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Configure the root logger once, for a frontend or a worker process."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

@@ -1,0 +1,209 @@
+"""Prometheus metrics, read from the live state at scrape time.
+
+Nothing is counted twice: the collector turns `Stats` (and the queues and
+workers) into metric families when /metrics is scraped, so the request path
+pays nothing for metrics. The registry is created by the composition root and
+passed in; nothing is registered globally. /metrics is served from the event
+loop itself (a tiny HTTP/1.1 responder), so the state is never read from
+another thread.
+
+Names follow Triton's (`nv_` becomes `batchd_`) so dashboards port by a prefix
+rename; batchd adds batch-size, padding and worker metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from batchd.protos.model_config import ModelConfig
+from batchd.server.stats import Duration, ModelStats, Stats
+
+log = logging.getLogger("batchd.metrics")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    slot: str
+    device: str
+    up: bool
+
+
+class Collector:
+    """A prometheus_client collector over batchd's own state."""
+
+    def __init__(
+        self,
+        models: Mapping[str, ModelConfig],
+        stats: Stats,
+        pending: Callable[[str], int],
+        workers: Callable[[], list[WorkerView]],
+        restarts: Callable[[], Mapping[str, int]],
+    ) -> None:
+        self._models, self._stats, self._pending = models, stats, pending
+        self._workers, self._restarts = workers, restarts
+
+    def _durations(
+        self, name: str, doc: str, pick: Callable[[ModelStats], Duration]
+    ) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=["model", "version"])
+        for m, cfg in self._models.items():
+            family.add_metric([m, cfg.version], pick(self._stats.model(m)).ns / 1000)
+        return family
+
+    def _per_model(
+        self,
+        name: str,
+        doc: str,
+        value: Callable[[ModelStats], float],
+        kind: type = CounterMetricFamily,
+    ) -> Metric:
+        family = kind(name, doc, labels=["model", "version"])
+        for m, cfg in self._models.items():
+            family.add_metric([m, cfg.version], value(self._stats.model(m)))
+        return family  # type: ignore[no-any-return]
+
+    def collect(self) -> Iterator[Metric]:
+        yield self._per_model(
+            "batchd_inference_request_success",
+            "Requests answered successfully",
+            lambda s: s.success.count,
+        )
+        failure = CounterMetricFamily(
+            "batchd_inference_request_failure",
+            "Requests answered with an error, by reason",
+            labels=["model", "version", "reason"],
+        )
+        for m, cfg in self._models.items():
+            for reason, n in sorted(self._stats.model(m).rejected.items()):
+                failure.add_metric([m, cfg.version, reason], n)
+        yield failure
+        yield self._per_model(
+            "batchd_inference_count",
+            "Rows inferred (summed over batches)",
+            lambda s: s.inference_count,
+        )
+        yield self._per_model(
+            "batchd_inference_exec_count", "Batches executed", lambda s: s.execution_count
+        )
+        pending = GaugeMetricFamily(
+            "batchd_inference_pending_request_count",
+            "Requests waiting in the model's queue",
+            labels=["model", "version"],
+        )
+        for m, cfg in self._models.items():
+            pending.add_metric([m, cfg.version], self._pending(m))
+        yield pending
+        yield self._durations(
+            "batchd_inference_request_duration_us",
+            "Time from admission to answer, successful requests",
+            lambda s: s.success,
+        )
+        yield self._durations(
+            "batchd_inference_queue_duration_us", "Time in the queue", lambda s: s.queue
+        )
+        yield self._durations(
+            "batchd_inference_compute_input_duration_us",
+            "Transfer to and from the worker",
+            lambda s: s.compute_input,
+        )
+        yield self._durations(
+            "batchd_inference_compute_infer_duration_us",
+            "Model execution",
+            lambda s: s.compute_infer,
+        )
+        yield self._durations(
+            "batchd_inference_compute_output_duration_us",
+            "Splitting outputs into responses",
+            lambda s: s.compute_output,
+        )
+        yield self._batch_sizes()
+        yield self._per_model(
+            "batchd_padding_efficiency",
+            "Real tokens / padded tokens over all batches (ragged models)",
+            lambda s: s.padding_efficiency(),
+            GaugeMetricFamily,
+        )
+        yield self._per_model(
+            "batchd_padded_tokens", "Tokens computed, padding included", lambda s: s.padded_tokens
+        )
+        yield from self._worker_metrics()
+
+    def _batch_sizes(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            "batchd_batch_size", "Rows per executed batch", labels=["model", "version"]
+        )
+        for m, cfg in self._models.items():
+            counts = {
+                size: b.compute_infer.count for size, b in self._stats.model(m).batches.items()
+            }
+            buckets = [
+                (str(float(le)), sum(n for s, n in counts.items() if s <= le))
+                for le in BATCH_BUCKETS
+            ]
+            buckets.append(("+Inf", sum(counts.values())))
+            family.add_metric([m, cfg.version], buckets, sum(s * n for s, n in counts.items()))
+        return family
+
+    def _worker_metrics(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(
+            "batchd_worker_up", "1 while the worker is registered", labels=["worker", "device"]
+        )
+        for w in self._workers():
+            up.add_metric([w.worker_id, w.device], 1.0 if w.up else 0.0)
+        yield up
+        restarts = CounterMetricFamily(
+            "batchd_worker_restarts", "Local worker restarts", labels=["slot"]
+        )
+        for slot, n in sorted(self._restarts().items()):
+            restarts.add_metric([slot], n)
+        yield restarts
+
+
+async def serve_metrics(
+    registry: CollectorRegistry, host: str, port: int, bound: asyncio.Future[int] | None = None
+) -> None:
+    """Answer GET /metrics on host:port until cancelled."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            if path.split(b"?")[0] == b"/metrics":
+                body, status = generate_latest(registry), b"200 OK"
+                kind = b"text/plain; version=0.0.4; charset=utf-8"
+            else:
+                body, status, kind = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
+            writer.write(
+                b"HTTP/1.1 "
+                + status
+                + b"\r\nContent-Type: "
+                + kind
+                + b"\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\nConnection: close\r\n\r\n"
+                + body
+            )
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, host, port)
+    actual = server.sockets[0].getsockname()[1]
+    log.info("metrics on http://%s:%d/metrics", host, actual)
+    if bound is not None:
+        bound.set_result(actual)
+    async with server:
+        await server.serve_forever()

@@ -1,0 +1,86 @@
+"""Operating batchd: Prometheus metrics after known traffic, structured logs."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchd.client import Client, InvalidInput
+from tests.servers import EXAMPLES, ServerProcess
+
+
+def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(server.metrics_url(), timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_count_known_traffic_exactly(test_server: ServerProcess) -> None:
+    before = scrape(test_server)
+    with Client(test_server.url) as c:
+        for v in range(5):  # one at a time: five batches of one row
+            c.infer("gated", {"X": np.array([[float(v)]], np.float32)}, timeout=30)
+        c.infer("gated", {"X": np.zeros((3, 1), np.float32)}, timeout=30)  # one batch, 3 rows
+        with pytest.raises(InvalidInput):
+            c.infer("gated", {"X": np.zeros((1, 2), np.float32)}, timeout=30)
+    after = scrape(test_server)
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    m = {"model": "gated", "version": "1"}
+    assert delta("batchd_inference_request_success_total", **m) == 6
+    assert delta("batchd_inference_request_failure_total", reason="invalid", **m) == 1
+    assert delta("batchd_inference_count_total", **m) == 8
+    assert delta("batchd_inference_exec_count_total", **m) == 6
+    assert delta("batchd_batch_size_count", **m) == 6
+    assert delta("batchd_batch_size_sum", **m) == 8
+    assert delta("batchd_batch_size_bucket", le="1.0", **m) == 5
+    assert delta("batchd_batch_size_bucket", le="4.0", **m) == 6
+    assert value(after, "batchd_inference_pending_request_count", **m) == 0
+    assert delta("batchd_inference_queue_duration_us_total", **m) >= 0
+    assert delta("batchd_inference_compute_infer_duration_us_total", **m) > 0
+    up = [k for k, v in after.items() if k[0] == "batchd_worker_up" and v == 1.0]
+    assert len(up) == 1
+
+
+def test_metrics_endpoint_answers_only_metrics(test_server: ServerProcess) -> None:
+    url = test_server.metrics_url().replace("/metrics", "/other")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(url, timeout=10)
+    assert info.value.code == 404
+    info.value.close()
+
+
+def test_json_logs_carry_ids_as_fields(tmp_path: Path) -> None:
+    server = ServerProcess(EXAMPLES, "--log-format", "json", log_dir=tmp_path).start()
+    try:
+        with Client(server.url) as c:
+            c.infer("tiny", np.zeros((1, 16), np.float32), timeout=30)
+    finally:
+        assert server.stop() == 0
+    lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    assert all({"ts", "level", "logger", "msg", "pid"} <= set(line) for line in lines)
+    ready = [line for line in lines if "ready (pid" in line["msg"]]
+    assert ready and ready[0]["worker"] == "cpu0" + "#0" and ready[0]["device"] == "cpu"
+    assert any(line.get("model") == "tiny" and line["logger"] == "batchd.server" for line in lines)
+    assert not [
+        line
+        for line in lines
+        if line["level"] == "INFO" and "tiny" in line["msg"] and "infer" in line["msg"].lower()
+    ]  # no per-request lines at INFO
