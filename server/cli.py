@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from batchd.protos.logs import setup_logging
-from batchd.protos.model_config import ConfigError
+from batchd.protos.model_config import ConfigError, load_repository
 from batchd.server import __version__
 from batchd.server.app import ServerConfig, serve
 
@@ -81,18 +81,43 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     )
 
 
+def _models(directory: Path, check: bool) -> int:
+    if check:  # loading models needs torch: the worker's interpreter does it
+        os.execv(sys.executable, [sys.executable, "-m", "batchd.worker", "--check", str(directory)])
+    try:
+        models = load_repository(directory)
+    except ConfigError as e:
+        print(f"batchd: {e}", file=sys.stderr)
+        return 2
+    for cfg in models.values():
+        ins = ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.inputs)
+        outs = ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.outputs)
+        batch = f"max_batch_size {cfg.max_batch_size:<4}"
+        print(f"{cfg.name:16} {cfg.platform:17} {batch} {ins} -> {outs}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchd", description="batchd model server")
     parser.add_argument("--version", action="version", version=f"batchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     sub.add_parser("worker", help="run a worker (see `batchd worker --help`)", add_help=False)
+    models = sub.add_parser("models", help="list a model repository, or --check it")
+    models.add_argument("directory", type=Path)
+    models.add_argument(
+        "--check",
+        action="store_true",
+        help="also load every model on the CPU and run a batch of zeros",
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "worker":
         # The frontend never imports torch: the worker is its own interpreter.
         os.execv(sys.executable, [sys.executable, "-m", "batchd.worker", *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "models":
+        return _models(args.directory, args.check)
     setup_logging(args.log_level, args.log_format)
     cfg = ServerConfig(
         model_repository=args.model_repository,

@@ -118,3 +118,23 @@ def test_every_datatype_round_trips_raw_and_typed(test_server: ServerProcess) ->
         assert "needs input(s) ['IN_FP16', 'IN_BF16']" in info.value.details()
     for name, arr in inputs.items():
         assert raw_out[f"OUT_{name}"].tolist() == arr.tolist(), name
+
+
+def test_models_check_reports_each_model(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for name, body in (("good", "x * 2"), ("bad", "x[:, :1]")):
+        (repo / name).mkdir(parents=True)
+        (repo / name / "model.toml").write_text(
+            'max_batch_size = 4\n[[input]]\nname = "X"\ndatatype = "FP32"\nshape = [3]\n'
+            '[[output]]\nname = "Y"\ndatatype = "FP32"\nshape = [3]\n'
+        )
+        (repo / name / "model.py").write_text(f"def load(device):\n    return lambda x: {body}\n")
+    batchd = str(Path(sys.executable).parent / "batchd")
+    listing = subprocess.run([batchd, "models", str(repo)], capture_output=True, text=True)
+    assert listing.returncode == 0 and "X FP32[3] -> Y FP32[3]" in listing.stdout
+    check = subprocess.run(
+        [batchd, "models", str(repo), "--check"], capture_output=True, text=True, timeout=120
+    )
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "1 ok, 1 failed" in check.stdout
+    assert "output 'Y': expected shape [2, 3], the model returned [2, 1]" in check.stdout

@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     p.add_argument(
+        "--check",
+        type=Path,
+        metavar="DIR",
+        help="load every model of DIR on the CPU, run a batch of zeros, report",
+    )
+    p.add_argument(
         "--list-devices",
         action="store_true",
         help="print the visible accelerator devices as JSON and exit",
@@ -76,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_devices:
         print(json.dumps([f"cuda:{i}" for i in range(torch.cuda.device_count())]))
         return 0
+    if args.check:
+        from batchd.worker.check import check_repository
+
+        return 1 if check_repository(args.check) else 0
     if not args.connect:
         print("batchd worker: --connect is required", file=sys.stderr)
         return 2

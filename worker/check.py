@@ -1,0 +1,100 @@
+"""`batchd models DIR --check`: load every model of a repository once on the
+CPU, run one batch of zeros through it, and check what comes back against the
+declared signature (the same checks a serving worker applies)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchd.protos import wire
+from batchd.protos.datatypes import DATATYPES
+from batchd.protos.model_config import ConfigError, ModelConfig, load_model_config
+from batchd.protos.tensors import to_raw
+from batchd.worker.execute import run_batch
+from batchd.worker.loader import load_model
+
+CPU = torch.device("cpu")
+VARIABLE_DIM = 4  # what a -1 becomes in the zeros batch
+
+
+@dataclass
+class Row:
+    model: str
+    platform: str = "-"
+    signature: str = "-"
+    load_ms: float = 0.0
+    run_ms: float = 0.0
+    problem: str | None = None
+
+
+def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
+    rows = min(2, cfg.max_batch_size)
+    headers, frames = [], []
+    for spec in cfg.inputs:
+        dims = [d if d > 0 else VARIABLE_DIM for d in spec.shape]
+        shape = [rows, *dims] if cfg.batches else dims
+        if spec.datatype == "BYTES":
+            arr = np.full(shape, b"", dtype=object)
+        else:
+            arr = np.zeros(shape, DATATYPES[spec.datatype].numpy)
+        datatype, shape, raw = to_raw(arr, spec.datatype)
+        headers.append(wire.Tensor(name=spec.name, datatype=datatype, shape=shape))
+        frames.append(raw)
+    for b in cfg.batch_inputs:
+        arr = (
+            np.ones((rows, VARIABLE_DIM), np.int64)
+            if b.kind == "mask"
+            else np.full(rows, VARIABLE_DIM)
+        )
+        headers.append(wire.Tensor(name=b.name, datatype="INT64", shape=list(arr.shape)))
+        frames.append(arr.astype(np.int64).tobytes())
+    return headers, frames
+
+
+def check_model(directory: Path) -> Row:
+    try:
+        cfg = load_model_config(directory)
+    except ConfigError as e:
+        return Row(directory.name, problem=str(e))
+    sig = ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.inputs)
+    sig += " -> " + ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.outputs)
+    row = Row(cfg.name, cfg.platform, sig)
+    try:
+        start = time.perf_counter()
+        fn = load_model(cfg, CPU)
+        row.load_ms = (time.perf_counter() - start) * 1e3
+        headers, frames = zeros_batch(cfg)
+        start = time.perf_counter()
+        run_batch(fn, cfg, CPU, headers, frames)
+        row.run_ms = (time.perf_counter() - start) * 1e3
+    except Exception as e:  # the report is the point: every failure becomes a line
+        row.problem = f"{type(e).__name__}: {e}"
+    return row
+
+
+def check_repository(root: Path) -> int:
+    """Print a report; return the number of models that failed."""
+    if not root.is_dir():
+        print(f"{root}: not a directory")
+        return 1
+    dirs = sorted(p for p in root.iterdir() if (p / "model.toml").is_file())
+    rows = [check_model(d) for d in dirs]
+    print(f"model repository {root}: {len(rows)} model(s)\n")
+    for r in rows:
+        status = "ok" if r.problem is None else "FAILED"
+        print(
+            f"{status:6} {r.model:16} {r.platform:17} load {r.load_ms:7.1f} ms  "
+            f"batch of zeros {r.run_ms:7.1f} ms"
+        )
+        print(f"       {r.signature}")
+        if r.problem:
+            print(f"       {r.problem}")
+    failed = sum(r.problem is not None for r in rows)
+    print(f"\n{len(rows) - failed} ok, {failed} failed")
+    return failed
