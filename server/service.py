@@ -26,7 +26,11 @@ from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
 
 T = TypeVar("T")
-EXTENSIONS = ["model_configuration", "parameters", "statistics"]
+EXTENSIONS = [
+    "model_configuration",
+    "parameters",
+    "statistics",
+]  # model_repository: once Load/Unload work
 STREAM_WINDOW = 256  # requests of one stream in flight at once
 
 
@@ -209,3 +213,20 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelStatisticsResponse(
             model_stats=[self._stats.to_pb(n, self._models[n].version) for n in names]
         )
+
+    @_status
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryIndexResponse:
+        index = pb.RepositoryIndexResponse()
+        for name, cfg in sorted(self._models.items()):
+            ready = self._core.model_ready(name)
+            if request.ready and not ready:
+                continue
+            index.models.add(
+                name=name,
+                version=cfg.version,
+                state="READY" if ready else "UNAVAILABLE",
+                reason="" if ready else "no live worker serves it",
+            )
+        return index

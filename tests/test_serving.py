@@ -124,6 +124,18 @@ def test_stream_infer_answers_each_request(stub) -> None:  # type: ignore[no-unt
     assert "unknown model 'nope'" in errors[0].error_message
 
 
+def test_repository_index_lists_every_model(stub) -> None:  # type: ignore[no-untyped-def]
+    index = stub.RepositoryIndex(pb.RepositoryIndexRequest())
+    assert [(m.name, m.version, m.state) for m in index.models] == [
+        ("embed", "1", "READY"),
+        ("mlp", "1", "READY"),
+        ("textpool", "1", "READY"),
+        ("tiny", "1", "READY"),
+    ]
+    ready_only = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
+    assert len(ready_only.models) == 4
+
+
 def test_health_service_and_reflection(example_server: ServerProcess) -> None:
     with grpc.insecure_channel(example_server.url) as channel:
         health = health_pb2_grpc.HealthStub(channel)
