@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     sub.add_parser("worker", help="run a worker (see `batchd worker --help`)", add_help=False)
+    sub.add_parser(
+        "bench", help="load-test an OIP server (see `batchd bench --help`)", add_help=False
+    )
     models = sub.add_parser("models", help="list a model repository, or --check it")
     models.add_argument("directory", type=Path)
     models.add_argument(
@@ -111,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         help="also load every model on the CPU and run a batch of zeros",
     )
     args, rest = parser.parse_known_args(argv)
-    if args.command == "worker":
-        # The frontend never imports torch: the worker is its own interpreter.
-        os.execv(sys.executable, [sys.executable, "-m", "batchd.worker", *rest])
+    if args.command in ("worker", "bench"):
+        # Their own interpreters: the frontend never imports torch, nor the client.
+        module = "batchd.worker" if args.command == "worker" else "batchd.client.bench"
+        os.execv(sys.executable, [sys.executable, "-m", module, *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "models":

@@ -84,3 +84,47 @@ def test_json_logs_carry_ids_as_fields(tmp_path: Path) -> None:
         for line in lines
         if line["level"] == "INFO" and "tiny" in line["msg"] and "infer" in line["msg"].lower()
     ]  # no per-request lines at INFO
+
+
+def test_bench_measures_closed_and_open_loop(example_server: ServerProcess, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    batchd = str(Path(sys.executable).parent / "batchd")
+    common = [
+        "--url",
+        example_server.url,
+        "--model",
+        "tiny",
+        "--duration",
+        "1",
+        "--warmup",
+        "0",
+        "--processes",
+        "1",
+    ]
+    for extra, loads in ((["--concurrency", "1,4"], [1.0, 4.0]), (["--rate", "50"], [50.0])):
+        out = tmp_path / "bench.json"
+        run = subprocess.run(
+            [
+                batchd,
+                "bench",
+                *common,
+                *extra,
+                "--json",
+                str(out),
+                "--plot",
+                str(tmp_path / "bench.png"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "req/s" in run.stdout and "p99 ms" in run.stdout
+        result = json.loads(out.read_text())
+        assert [lv["load"] for lv in result["levels"]] == loads
+        for lv in result["levels"]:
+            assert lv["ok"] > 0 and lv["errors"] == {} and lv["p50_ms"] > 0
+            assert lv["server_avg_batch"] is not None and lv["server_avg_batch"] >= 1
+        assert (tmp_path / "bench.png").stat().st_size > 1000

@@ -1,0 +1,320 @@
+"""`batchd bench`: load-test any Open Inference Protocol server (batchd, Triton, ...).
+
+    batchd bench --url 127.0.0.1:8001 --model mlp --concurrency 1,2,4,8,16,32,64
+    batchd bench --model mlp --rate 500,1000,2000          # open loop: fixed request rates
+    batchd bench --model mlp --input INPUT0=x.npy --json out.json --plot out.png
+
+Closed loop (`--concurrency`): N callers, each sending its next request when
+the last is answered. Open loop (`--rate`): requests leave on a fixed
+schedule whether or not earlier ones were answered, so queueing shows
+honestly. Load comes from `--processes` processes (default: the machine's
+cores) so that the tool is not the bottleneck. Inputs are random, shaped from
+the model's metadata (`--batch` rows, -1 dims as `--dim`), or read from .npy.
+When the server reports statistics, the table shows its average batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from batchd.client.client import AsyncClient, Client
+from batchd.client.errors import BatchdClientError
+
+RANDOM_DTYPES = {"BYTES": object, "BOOL": bool}
+
+
+@dataclass
+class Level:
+    """One measured load level."""
+
+    mode: str  # "concurrency" or "rate"
+    load: float
+    seconds: float = 0.0
+    ok: int = 0
+    throughput: float = 0.0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    p99_ms: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+    server_avg_batch: float | None = None
+
+
+def make_inputs(
+    meta: dict[str, Any], batch: int, dim: int, files: dict[str, str]
+) -> dict[str, Any]:
+    inputs: dict[str, Any] = {}
+    rng = np.random.default_rng(0)
+    for t in meta["inputs"]:
+        if t["name"] in files:
+            inputs[t["name"]] = np.load(files[t["name"]], allow_pickle=False)
+            continue
+        shape = [
+            batch if i == 0 and d == -1 else (dim if d == -1 else d)
+            for i, d in enumerate(t["shape"])
+        ]
+        if t["datatype"] == "BYTES":
+            inputs[t["name"]] = np.full(shape, b"batchd bench", dtype=object)
+        elif t["datatype"] == "BOOL":
+            inputs[t["name"]] = rng.integers(0, 2, shape).astype(bool)
+        elif t["datatype"].startswith(("FP", "BF")):
+            inputs[t["name"]] = rng.standard_normal(shape).astype(
+                np.float32 if t["datatype"] != "FP64" else np.float64
+            )
+        else:
+            inputs[t["name"]] = rng.integers(0, 100, shape).astype(
+                np.int64 if "64" in t["datatype"] else np.int32
+            )
+    return inputs
+
+
+async def _drive(
+    url: str,
+    model: str,
+    inputs: dict[str, Any],
+    datatypes: dict[str, str],
+    mode: str,
+    load: float,
+    seconds: float,
+) -> tuple[list[float], Counter[str]]:
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    end = time.monotonic() + seconds
+
+    async def once(client: AsyncClient) -> None:
+        start = time.monotonic()
+        try:
+            await client.infer(model, inputs, timeout=30, datatypes=datatypes)
+            latencies.append(time.monotonic() - start)
+        except BatchdClientError as e:
+            errors[e.code.name] += 1
+
+    async with AsyncClient(url) as client:
+        if mode == "concurrency":
+
+            async def caller() -> None:
+                while time.monotonic() < end:
+                    await once(client)
+
+            await asyncio.gather(*(caller() for _ in range(int(load))))
+        else:
+            start, pending = time.monotonic(), set()
+            for i in range(int(load * seconds)):
+                delay = start + i / load - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.ensure_future(once(client))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            await asyncio.gather(*pending)
+    return latencies, errors
+
+
+def _process(
+    url: str,
+    model: str,
+    inputs: dict[str, Any],
+    datatypes: dict[str, str],
+    mode: str,
+    load: float,
+    seconds: float,
+    out: Any,
+) -> None:
+    latencies, errors = asyncio.run(_drive(url, model, inputs, datatypes, mode, load, seconds))
+    out.put((np.asarray(latencies, np.float64), dict(errors)))
+
+
+def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
+    try:
+        if "statistics" not in client.server_metadata()["extensions"]:
+            return None
+        from batchd.protos import inference_pb2 as pb
+
+        stats = client._call("ModelStatistics", pb.ModelStatisticsRequest(name=model)).model_stats[
+            0
+        ]
+        return int(stats.inference_count), int(stats.execution_count)
+    except (BatchdClientError, IndexError):
+        return None
+
+
+def measure(args: argparse.Namespace, inputs: dict[str, Any], mode: str, load: float) -> Level:
+    procs = max(1, min(args.processes, int(load) if mode == "concurrency" else args.processes))
+    share = load / procs
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with Client(args.url) as client:
+        before = _server_batches(client, args.model)
+        workers = [
+            ctx.Process(
+                target=_process,
+                args=(args.url, args.model, inputs, args.datatype, mode, share, args.duration, out),
+            )
+            for _ in range(procs)
+        ]
+        started = time.monotonic()
+        for w in workers:
+            w.start()
+        results: list[tuple[np.ndarray, dict[str, int]]] = []
+        while len(results) < procs:
+            elapsed = time.monotonic() - started
+            if not args.quiet:
+                print(
+                    f"\r  {mode} {load:g}: {min(elapsed, args.duration):4.1f}/{args.duration:g} s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            try:
+                results.append(out.get(timeout=0.5))
+            except Exception:  # queue.Empty: still running, show progress again
+                continue
+        for w in workers:
+            w.join()
+        after = _server_batches(client, args.model)
+    if not args.quiet:
+        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+    lat = np.sort(np.concatenate([r[0] for r in results])) * 1e3
+    errors: Counter[str] = Counter()
+    for _, e in results:
+        errors.update(e)
+    level = Level(mode, load, args.duration, len(lat), len(lat) / args.duration)
+    if len(lat):
+        level.p50_ms, level.p90_ms, level.p99_ms = (
+            float(np.percentile(lat, q)) for q in (50, 90, 99)
+        )
+    level.errors = dict(errors)
+    if before and after and after[1] > before[1]:
+        level.server_avg_batch = (after[0] - before[0]) / (after[1] - before[1])
+    return level
+
+
+def table(levels: Sequence[Level]) -> str:
+    head = (
+        f"{'load':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} "
+        f"{'avg batch':>10}  errors"
+    )
+    rows = [head, "-" * len(head)]
+    for lv in levels:
+        load = f"{'c=' if lv.mode == 'concurrency' else 'r='}{lv.load:g}"
+        batch = f"{lv.server_avg_batch:.1f}" if lv.server_avg_batch else "-"
+        errs = ", ".join(f"{k} {v}" for k, v in sorted(lv.errors.items())) or "none"
+        rows.append(
+            f"{load:>10} {lv.throughput:>10.1f} {lv.p50_ms:>9.2f} {lv.p90_ms:>9.2f} "
+            f"{lv.p99_ms:>9.2f} {batch:>10}  {errs}"
+        )
+    return "\n".join(rows)
+
+
+def plot(levels: Sequence[Level], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [lv.load for lv in levels]
+    ax.plot(x, [lv.throughput for lv in levels], "o-", color="tab:blue", label="throughput")
+    ax.set_xlabel("concurrency" if levels[0].mode == "concurrency" else "offered rate (req/s)")
+    ax.set_ylabel("requests / s", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(x, [lv.p99_ms for lv in levels], "s--", color="tab:red", label="p99")
+    ax2.set_ylabel("p99 latency (ms)", color="tab:red")
+    if levels[0].mode == "concurrency":
+        ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="batchd bench", description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="127.0.0.1:8001")
+    p.add_argument("--model", required=True)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument(
+        "--concurrency",
+        default="1,2,4,8,16,32,64",
+        help="callers, a list (1,4,16) or a range start:end (doubling)",
+    )
+    load.add_argument("--rate", help="open loop: request rates per second, a list")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per level (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds of load before measuring")
+    p.add_argument("--batch", type=int, default=1, help="rows per request (default 1)")
+    p.add_argument("--dim", type=int, default=16, help="size of a -1 dim in random inputs")
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw throughput and p99 against the load")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    args = p.parse_args(argv)
+    args.datatype = {}
+    args.quiet = args.quiet or not sys.stderr.isatty()  # progress only on a terminal
+    return args
+
+
+def loads(args: argparse.Namespace) -> tuple[str, list[float]]:
+    if args.rate:
+        return "rate", [float(r) for r in args.rate.split(",")]
+    spec = args.concurrency
+    if ":" in spec:
+        lo, hi = (int(v) for v in spec.split(":")[:2])
+        out, c = [], lo
+        while c <= hi:
+            out.append(float(c))
+            c *= 2
+        return "concurrency", out
+    return "concurrency", [float(c) for c in spec.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    mode, levels_to_run = loads(args)
+    with Client(args.url) as client:
+        meta = client.model_metadata(args.model)
+    files = dict(item.split("=", 1) for item in args.input)
+    inputs = make_inputs(meta, args.batch, args.dim, files)
+    if args.warmup > 0:
+        measure(
+            argparse.Namespace(**{**vars(args), "duration": args.warmup, "quiet": True}),
+            inputs,
+            mode,
+            levels_to_run[0],
+        )
+    results = []
+    for load in levels_to_run:
+        results.append(measure(args, inputs, mode, load))
+        if not args.quiet:
+            print(table(results[-1:]).splitlines()[-1], file=sys.stderr)
+    print(
+        f"\n{args.model} @ {args.url}, {args.duration:g} s per level, "
+        f"{args.batch} row(s) per request\n"
+    )
+    print(table(results))
+    if args.json:
+        text = json.dumps(
+            {"model": args.model, "url": args.url, "levels": [asdict(r) for r in results]}, indent=2
+        )
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.plot:
+        plot(results, args.plot, f"{args.model} @ {args.url}")
+    return 1 if any(r.errors for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
