@@ -190,6 +190,11 @@ class AsyncClient(_Base):
         self._channel = grpc.aio.insecure_channel(url, options=self._options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
+    @property
+    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        """The raw generated stub, for callers that build messages themselves."""
+        return self._stub
+
     async def _call(
         self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
     ) -> Any:
