@@ -94,7 +94,12 @@ class ModelConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     instances: InstanceConfig = field(default_factory=InstanceConfig)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
-    version: str = "1"
+    version: str = "1"  # the frontend counts loads: "2" after the first reload
+
+    @property
+    def key(self) -> str:
+        """Names one loaded version: queues, workers and batches are keyed by it."""
+        return f"{self.name}@{self.version}"
 
     @property
     def batches(self) -> bool:
@@ -267,6 +272,25 @@ def load_model_config(directory: Path) -> ModelConfig:
         instances=instances,
         batch_inputs=batch_inputs,
     )
+
+
+def find_model(root: Path, name: str) -> ModelConfig:
+    """Model `name` of repository `root`: `root/<name>/model.toml`, or the one
+    subdirectory whose model.toml declares that name. Raise ConfigError if none."""
+    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ConfigError(f"{name!r} is not a model name: expected one directory name")
+    if (root / name / "model.toml").is_file():
+        cfg = load_model_config(root / name)
+        if cfg.name == name:
+            return cfg
+    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+        try:
+            cfg = load_model_config(sub)
+        except ConfigError:
+            continue  # a broken neighbour does not stop this model from loading
+        if cfg.name == name:
+            return cfg
+    raise ConfigError(f"{root}: no model named {name!r} in the repository")
 
 
 def load_repository(root: Path) -> dict[str, ModelConfig]:

@@ -3,8 +3,11 @@
     worker  --READY(worker info)-->  frontend     once connected, and again if
                                                   the frontend goes silent
     both    --HEARTBEAT-->           peer         every HEARTBEAT_INTERVAL_S
-    frontend --BATCH(id, model, tensors)--> worker
+    frontend --LOAD(model, version)--> worker     for every model it should serve
+    worker  --LOADED(model, version[, error])--> frontend
+    frontend --BATCH(id, model, version, tensors)--> worker
     worker  --RESULT(id, tensors) | ERROR(id, error)--> frontend
+    frontend --UNLOAD(model, version)--> worker   once that version has drained
     frontend --STOP--> worker                     finish the batch at hand, exit
 
 A peer silent for LIVENESS heartbeats is dead.
@@ -28,7 +31,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it

@@ -18,23 +18,21 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "device", "pid", "models", "protocol", "load_errors")
+    __slots__ = ("worker_id", "device", "pid", "models", "protocol")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
-    LOAD_ERRORS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     pid: int
     models: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
-    load_errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., load_errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns")
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Header.Kind]
@@ -44,6 +42,9 @@ class Header(_message.Message):
         RESULT: _ClassVar[Header.Kind]
         ERROR: _ClassVar[Header.Kind]
         STOP: _ClassVar[Header.Kind]
+        LOAD: _ClassVar[Header.Kind]
+        LOADED: _ClassVar[Header.Kind]
+        UNLOAD: _ClassVar[Header.Kind]
     KIND_UNSPECIFIED: Header.Kind
     READY: Header.Kind
     HEARTBEAT: Header.Kind
@@ -51,6 +52,9 @@ class Header(_message.Message):
     RESULT: Header.Kind
     ERROR: Header.Kind
     STOP: Header.Kind
+    LOAD: Header.Kind
+    LOADED: Header.Kind
+    UNLOAD: Header.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +62,7 @@ class Header(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     kind: Header.Kind
     batch_id: int
     model: str
@@ -65,4 +70,5 @@ class Header(_message.Message):
     error: str
     worker: WorkerInfo
     compute_ns: int
-    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ...) -> None: ...
+    version: str
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...

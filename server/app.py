@@ -1,8 +1,9 @@
 """The composition root: build the pieces, wire them, run them, stop them.
 
     gRPC servicer --submit--> Scheduler --send--> Dispatcher <--ZeroMQ--> workers
-                                  ^                   |                   ^
-                                  +---pump/requeue----+      Supervisor --+ (processes)
+         |                        ^                   |  ^                ^
+         |                        +---pump/requeue----+  |   Supervisor --+ (processes)
+         +--load/unload--> ModelControl --LOAD/UNLOAD----+
 
 Holds no logic of its own beyond start-up and shutdown order.
 """
@@ -28,8 +29,9 @@ from prometheus_client import CollectorRegistry
 
 from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL
-from batchd.protos.model_config import ModelConfig, load_repository
-from batchd.server.dispatch import Dispatcher
+from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
+from batchd.server.control import IndexEntry, ModelControl
+from batchd.server.dispatch import Dispatcher, Worker
 from batchd.server.errors import Unavailable
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.request import Request, Tensor
@@ -55,6 +57,8 @@ class ServerConfig:
     metrics_port: int = 8002  # 0: a free port; negative: no metrics endpoint
     max_message_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    model_control: str = "none"  # or "explicit": RepositoryModelLoad/Unload allowed
+    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start ("*": all)
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one JSON object per line
 
@@ -69,8 +73,8 @@ class ServerConfig:
 class _Wiring:
     """Routes the dispatcher's events and the servicer's calls to their owners."""
 
-    def __init__(self, dispatcher: Dispatcher, scheduler: Scheduler) -> None:
-        self.dispatcher, self.scheduler = dispatcher, scheduler
+    def __init__(self, dispatcher: Dispatcher, scheduler: Scheduler, control: ModelControl) -> None:
+        self.dispatcher, self.scheduler, self.control = dispatcher, scheduler, control
         self.supervisor: Supervisor | None = None
         self.changed = asyncio.Event()
 
@@ -78,10 +82,24 @@ class _Wiring:
         return self.scheduler.submit(request)
 
     def model_ready(self, name: str) -> bool:
-        return self.dispatcher.model_ready(name)
+        return self.control.ready(name)
 
-    def check_room(self, model: str) -> None:
-        self.scheduler.check_room(model)
+    def check_room(self, key: str) -> None:
+        self.scheduler.check_room(key)
+
+    async def load(self, name: str) -> ModelConfig:
+        return await self.control.load(name)
+
+    async def unload(self, name: str) -> None:
+        await self.control.unload(name)
+
+    def index(self) -> list[IndexEntry]:
+        return list(self.control.index())
+
+    def worker_ready(self, worker: Worker) -> None:
+        self.control.worker_ready(worker)
+        self.changed.set()
+        self.scheduler.pump()
 
     def pump(self) -> None:
         self.scheduler.pump()
@@ -103,7 +121,7 @@ class _Wiring:
 async def _track_health(
     health: HealthServicer,
     service: InferenceService,
-    models: dict[str, ModelConfig],
+    models: dict[str, ModelConfig],  # the loaded ones; loads and unloads change it
     wiring: _Wiring,
 ) -> None:
     serving, not_serving = (
@@ -112,7 +130,7 @@ async def _track_health(
     )
     announced: dict[str, bool] = {}
     while True:
-        for name in models:
+        for name in sorted(set(models) | announced.keys() - {""}):
             ready = wiring.model_ready(name)
             if announced.get(name) != ready:
                 log.info(
@@ -173,21 +191,27 @@ class _Parts:
 
 
 def _build(
-    cfg: ServerConfig, models: dict[str, ModelConfig], router: zmq.asyncio.Socket, endpoint: str
+    cfg: ServerConfig,
+    repository: dict[str, ModelConfig],
+    router: zmq.asyncio.Socket,
+    endpoint: str,
 ) -> _Parts:
     stats = Stats()
     dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
     scheduler = Scheduler(dispatcher)
-    for m in models.values():
-        scheduler.add_model(m)
-    wiring = _Wiring(dispatcher, scheduler)
+    control = ModelControl(
+        cfg.model_repository, dispatcher, scheduler, explicit=cfg.model_control == "explicit"
+    )
+    control.start_with(_models_at_start(cfg, repository))
+    models = control.current
+    wiring = _Wiring(dispatcher, scheduler, control)
     dispatcher.attach(wiring)
     service = InferenceService(models, wiring, stats)
     health = HealthServicer()
     server, port = _grpc_server(cfg, service, health)
     specs: list[WorkerSpec] = []
-    if cfg.local_workers and models:
-        specs = plan_workers(list(models.values()), cfg.device_list(), cfg.threads_per_worker)
+    if cfg.local_workers and (repository or control.explicit):
+        specs = plan_workers(list(repository.values()), cfg.device_list(), cfg.threads_per_worker)
     supervisor = Supervisor(
         specs,
         endpoint,
@@ -215,6 +239,22 @@ def _build(
     )
 
 
+def _models_at_start(
+    cfg: ServerConfig, repository: dict[str, ModelConfig]
+) -> dict[str, ModelConfig]:
+    if cfg.model_control != "explicit":
+        return repository
+    if "*" in cfg.load_models:
+        return repository
+    unknown = [n for n in cfg.load_models if n not in repository]
+    if unknown:
+        raise ConfigError(
+            f"--load-model {', '.join(unknown)}: not in {cfg.model_repository} "
+            f"(it has: {', '.join(repository) or 'no models'})"
+        )
+    return {n: repository[n] for n in cfg.load_models}
+
+
 async def _shutdown(cfg: ServerConfig, p: _Parts) -> None:
     """Refuse new work, drain the admitted, answer leftovers, then stop workers."""
     log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
@@ -234,8 +274,13 @@ async def _shutdown(cfg: ServerConfig, p: _Parts) -> None:
 
 async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
-    models = load_repository(cfg.model_repository)
-    log.info("model repository %s: %s", cfg.model_repository, ", ".join(models) or "no models")
+    repository = load_repository(cfg.model_repository)
+    log.info(
+        "model repository %s: %s%s",
+        cfg.model_repository,
+        ", ".join(repository) or "no models",
+        "; model control explicit" if cfg.model_control == "explicit" else "",
+    )
     with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:
         endpoint = cfg.worker_endpoint or f"ipc://{tmp}/workers.sock"
         ctx = zmq.asyncio.Context()
@@ -243,7 +288,7 @@ async def serve(cfg: ServerConfig) -> None:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(endpoint)
-        p = _build(cfg, models, router, endpoint)
+        p = _build(cfg, repository, router, endpoint)
         await p.server.start()
         log.info(
             "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)",
@@ -262,7 +307,8 @@ async def serve(cfg: ServerConfig) -> None:
                     tg.create_task(p.dispatcher.run(), name="dispatcher"),
                     tg.create_task(p.supervisor.run(), name="supervisor"),
                     tg.create_task(
-                        _track_health(p.health, p.service, models, p.wiring), name="health"
+                        _track_health(p.health, p.service, p.wiring.control.current, p.wiring),
+                        name="health",
                     ),
                 ]
                 if cfg.metrics_port >= 0:

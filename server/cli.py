@@ -55,6 +55,20 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="start no workers; wait for `batchd worker --connect`",
     )
     p.add_argument(
+        "--model-control",
+        default="none",
+        choices=["none", "explicit"],
+        help="none: serve every model of the repository, no load/unload RPCs (default); "
+        "explicit: start with the --load-model ones, RepositoryModelLoad/Unload allowed",
+    )
+    p.add_argument(
+        "--load-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --model-control explicit: load NAME at start (repeatable; '*': all)",
+    )
+    p.add_argument(
         "--max-message-bytes",
         type=int,
         default=64 * 1024 * 1024,
@@ -138,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         metrics_port=args.metrics_port,
+        model_control=args.model_control,
+        load_models=tuple(args.load_model),
     )
+    if args.load_model and args.model_control != "explicit":
+        parser.error("--load-model needs --model-control explicit")
     try:
         asyncio.run(serve(cfg))
     except ConfigError as e:

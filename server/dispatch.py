@@ -1,12 +1,15 @@
 """The frontend's side of the ZeroMQ wire: workers, credits, the in-flight table.
 
 Workers connect (DEALER) to one ROUTER socket and say READY with the models
-they loaded. Each worker holds at most `credits` batches (one running, one
-staged); `send` picks, round-robin, an idle worker first, then one with a
-free credit. The in-flight entry is written before the send. A worker that
-goes silent for LIVENESS heartbeats, whose process exits, or that holds a
-batch past its execution limit is lost: its requests go back to the front of
-their queue, except those already sent twice, which fail.
+they may load; `load` asks one to load a model version (LOAD/LOADED) and
+`unload` drops a version everywhere. Batches are routed by the version key
+("mlp@2") so that two versions can serve side by side while one drains.
+Each worker holds at most `credits` batches (one running, one staged);
+`send` picks, round-robin, an idle worker first, then one with a free credit.
+The in-flight entry is written before the send. A worker that goes silent
+for LIVENESS heartbeats, whose process exits, or that holds a batch past its
+execution limit is lost: its requests go back to the front of their queue,
+except those already sent twice, which fail.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ class Events(Protocol):
 
     def workers_changed(self) -> None: ...  # readiness may have changed
 
+    def worker_ready(self, worker: Worker) -> None: ...  # a worker registered: load its models
+
     def worker_lost(self, worker_id: str, reason: str) -> None: ...  # e.g. kill a hung process
 
     def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
@@ -54,13 +59,17 @@ class Events(Protocol):
 class Worker:
     identity: bytes
     info: wire.WorkerInfo
-    models: frozenset[str]
     last_seen: float
+    models: set[str] = field(default_factory=set)  # ModelConfig.key of each loaded version
     inflight: dict[int, Batch] = field(default_factory=dict)
+    loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
 
     @property
     def name(self) -> str:
         return self.info.worker_id
+
+    def accepts(self, model: str) -> bool:
+        return not self.info.models or model in self.info.models
 
     @property
     def exclusive(self) -> bool:
@@ -109,16 +118,20 @@ class Dispatcher:
     def workers(self) -> list[Worker]:
         return list(self._order)
 
-    def model_ready(self, model: str) -> bool:
-        return any(model in w.models for w in self._order)
+    def model_ready(self, key: str) -> bool:
+        return any(key in w.models for w in self._order)
+
+    def inflight(self, key: str) -> int:
+        """Batches of model version `key` on workers now."""
+        return sum(b.model.key == key for w in self._order for b in w.inflight.values())
 
     def _has_credit(self, w: Worker) -> bool:
         return len(w.inflight) < self._credits and not w.exclusive
 
-    def capacity(self, model: str) -> Capacity:
+    def capacity(self, key: str) -> Capacity:
         free = False
         for w in self._order:
-            if model in w.models and self._has_credit(w):
+            if key in w.models and self._has_credit(w):
                 if not w.inflight:
                     return Capacity(idle_worker=True, free_credit=True)
                 free = True
@@ -126,11 +139,11 @@ class Dispatcher:
 
     # ---- sending ----
 
-    def _choose(self, model: str, idle_only: bool = False) -> Worker | None:
+    def _choose(self, key: str, idle_only: bool = False) -> Worker | None:
         order, n, busy = self._order, len(self._order), None
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if model in w.models and self._has_credit(w):
+            if key in w.models and self._has_credit(w):
                 if not w.inflight:
                     self._rr = (self._rr + k + 1) % n
                     return w
@@ -143,7 +156,7 @@ class Dispatcher:
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         suspect = any(r.suspect for r in requests)
-        worker = self._choose(model.name, idle_only=suspect)
+        worker = self._choose(model.key, idle_only=suspect)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.events.requeue(requests)
             return
@@ -151,10 +164,61 @@ class Dispatcher:
         worker.inflight[batch.id] = batch  # before the send: a reply may race the callback
         tensors, frames = join_inputs(requests)
         header = wire.Header(
-            kind=wire.Header.BATCH, batch_id=batch.id, model=model.name, tensors=tensors
+            kind=wire.Header.BATCH,
+            batch_id=batch.id,
+            model=model.name,
+            version=model.version,
+            tensors=tensors,
         )
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         self._send(worker, wire.pack(header, frames), copy=copy)
+
+    # ---- loading and unloading ----
+
+    def load(self, worker: Worker, model: ModelConfig) -> asyncio.Future[str]:
+        """Ask `worker` to load `model`; the future gives "" once loaded, else why not."""
+        fut = worker.loads.get(model.key)
+        if fut is None:
+            fut = worker.loads[model.key] = asyncio.get_running_loop().create_future()
+            header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
+            self._send(worker, wire.pack(header))
+        return fut
+
+    def unload(self, model: ModelConfig) -> None:
+        """Every worker drops `model` (a version nothing is queued for or running)."""
+        header = wire.pack(
+            wire.Header(kind=wire.Header.UNLOAD, model=model.name, version=model.version)
+        )
+        for w in self._order:
+            fut = w.loads.pop(model.key, None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(f"model {model.name!r} version {model.version} was unloaded")
+                w.models.discard(model.key)
+                self._send(w, header)
+        self.events.workers_changed()
+
+    def _on_loaded(self, worker: Worker, header: wire.Header) -> None:
+        key = f"{header.model}@{header.version}"
+        fut = worker.loads.get(key)
+        if fut is None or fut.done():
+            return
+        if header.error:
+            del worker.loads[key]
+            log.error(
+                "worker %s could not load model %s version %s: %s",
+                worker.name,
+                header.model,
+                header.version,
+                header.error,
+                extra={"worker": worker.name, "model": header.model},
+            )
+        else:
+            worker.models.add(key)
+        fut.set_result(header.error)
+        self._log_if_ready(worker)
+        self.events.workers_changed()
+        self.events.pump()
 
     def _send(self, worker: Worker, parts: list[Any], copy: bool = True) -> None:
         fut = cast(
@@ -216,6 +280,9 @@ class Dispatcher:
                     r.suspect = True
                     back.append(r)
         worker.inflight.clear()
+        for fut in worker.loads.values():
+            if not fut.done():
+                fut.set_result(f"worker {worker.name} was lost while loading: {reason}")
         log.warning(
             "worker %s lost: %s; %d request(s) requeued",
             worker.name,
@@ -225,8 +292,8 @@ class Dispatcher:
         )
         self.events.worker_lost(worker.name, reason)
         self.events.workers_changed()
-        for model in {r.model.name for r in back}:
-            self.events.requeue([r for r in back if r.model.name == model])
+        for key in {r.model.key for r in back}:
+            self.events.requeue([r for r in back if r.model.key == key])
         self.events.pump()
 
     def lose_by_name(self, name: str, reason: str) -> None:
@@ -265,6 +332,8 @@ class Dispatcher:
         worker.last_seen = self._clock()
         if kind in (wire.Header.RESULT, wire.Header.ERROR):
             self._on_reply(worker, header, frames)
+        elif kind == wire.Header.LOADED:
+            self._on_loaded(worker, header)
 
     def _on_ready(self, identity: bytes, info: wire.WorkerInfo) -> None:
         if info.protocol != wire.PROTOCOL_VERSION:
@@ -275,7 +344,7 @@ class Dispatcher:
                 wire.PROTOCOL_VERSION,
             )
             return
-        worker = Worker(identity, info, frozenset(info.models), self._clock())
+        worker = Worker(identity, info, self._clock())
         if self._stopping:  # it started up while we shut down: it missed the STOP
             self._send(worker, wire.pack(wire.Header(kind=wire.Header.STOP)))
             return
@@ -284,23 +353,27 @@ class Dispatcher:
             self.lose(old, "it registered again")
         self._workers[identity] = worker
         self._order.append(worker)
-        for problem in info.load_errors:
-            log.error(
-                "worker %s could not load %s",
-                info.worker_id,
-                problem,
-                extra={"worker": info.worker_id, "model": problem.split(":")[0]},
-            )
         log.info(
-            "worker %s ready (pid %d, device %s) with models %s",
+            "worker %s registered (pid %d, device %s) for models %s",
             info.worker_id,
             info.pid,
             info.device,
-            ", ".join(info.models) or "none",
+            ", ".join(info.models) or "any",
             extra={"worker": info.worker_id, "device": info.device},
         )
-        self.events.workers_changed()
-        self.events.pump()
+        self.events.worker_ready(worker)
+        self._log_if_ready(worker)
+
+    def _log_if_ready(self, worker: Worker) -> None:
+        if all(f.done() for f in worker.loads.values()):
+            log.info(
+                "worker %s ready (pid %d, device %s) with models %s",
+                worker.name,
+                worker.info.pid,
+                worker.info.device,
+                ", ".join(sorted(worker.models)) or "none",
+                extra={"worker": worker.name, "device": worker.info.device},
+            )
 
     def _on_reply(self, worker: Worker, header: wire.Header, frames: list[Any]) -> None:
         batch = worker.inflight.pop(header.batch_id, None)
@@ -359,7 +432,7 @@ class Dispatcher:
             self._stats.padding(
                 batch.model.name, sum(r.rows * r.length for r in batch.requests), rows * longest
             )
-        self.events.batch_done(batch.model.name, rows, infer_ns / 1e9)
+        self.events.batch_done(batch.model.key, rows, infer_ns / 1e9)
         self._stats.batch_done(
             batch.model.name,
             rows=rows,

@@ -6,6 +6,7 @@
     ├── QueueFull                RESOURCE_EXHAUSTED  + grpc-retry-pushback-ms
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
+    ├── NotAllowed               FAILED_PRECONDITION
     └── ModelFailed              INTERNAL
 
 The code lives on the class; service.py turns any BatchdError into a status in
@@ -59,6 +60,11 @@ class DeadlineExceeded(BatchdError):
 class Unavailable(BatchdError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = "unavailable"
+
+
+class NotAllowed(BatchdError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "not_allowed"
 
 
 class ModelFailed(BatchdError):

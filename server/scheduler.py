@@ -34,7 +34,7 @@ COMPACT_EVERY_S = 0.01  # a full queue is swept for dead entries at most this of
 class Dispatch(Protocol):
     """What the scheduler needs from the dispatcher (a fake in unit tests)."""
 
-    def capacity(self, model: str) -> Capacity: ...
+    def capacity(self, key: str) -> Capacity: ...
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
 
@@ -135,18 +135,28 @@ class Scheduler:
         self._timer_at = math.inf
 
     def add_model(self, config: ModelConfig) -> None:
-        self._queues[config.name] = ModelQueue(config)
+        """Queue requests for one model version, keyed by `config.key`."""
+        self._queues[config.key] = ModelQueue(config)
+
+    def remove_model(self, key: str) -> None:
+        """Forget a drained version's queue (nothing queued, nothing in flight)."""
+        q = self._queues.pop(key)
+        assert not len(q), f"{key} removed with {len(q)} requests queued"
 
     def queued(self, model: str) -> int:
-        return len(self._queues[model])
+        """Requests waiting for any version of `model`."""
+        return sum(len(q) for q in self._queues.values() if q.config.name == model)
 
-    def cap(self, model: str) -> int:
+    def queued_version(self, key: str) -> int:
+        return len(self._queues[key])
+
+    def cap(self, key: str) -> int:
         """The current batch cap in rows (adapted when the model has a latency target)."""
-        return self._queues[model].cap
+        return self._queues[key].cap
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
         """Admit `request` or raise QueueFull; never waits. Returns the result future."""
-        q = self._queues[request.model.name]
+        q = self._queues[request.model.key]
         now = self._clock()
         parts = split_request(request, q.max_rows) if request.rows > q.max_rows else [request]
         if len(parts) > q.config.batching.max_queue_size:
@@ -177,10 +187,10 @@ class Scheduler:
             for p in parts:
                 p.future.cancel()  # one chunk failed or the caller left: drop the rest
 
-    def check_room(self, model: str) -> None:
-        """Raise QueueFull if `model`'s queue is full: lets the frontend refuse a
-        request before it spends time decoding it. submit() checks fully."""
-        q = self._queues[model]
+    def check_room(self, key: str) -> None:
+        """Raise QueueFull if the queue of model version `key` is full: lets the
+        frontend refuse a request before it spends time decoding it. submit() checks fully."""
+        q = self._queues[key]
         if len(q) >= q.config.batching.max_queue_size:
             self._admit(q, 0, 1, self._clock())
 
@@ -198,28 +208,32 @@ class Scheduler:
     def requeue(self, requests: list[Request]) -> None:
         """Put requests of a lost batch back at the front of their queue."""
         if requests:
-            self._queues[requests[0].model.name].put_front(requests)
+            self._queues[requests[0].model.key].put_front(requests)
             self.pump()
 
-    def observe(self, model: str, rows: int, compute_s: float) -> None:
+    def observe(self, key: str, rows: int, compute_s: float) -> None:
         """A batch finished: feed the model's latency target, if it has one."""
-        q = self._queues.get(model)
+        q = self._queues.get(key)
         if q is not None and q.target is not None:
             q.target.observe(rows, compute_s)
 
     def fail_all(self, error: Exception) -> None:
         """Answer every queued request with `error` (shutdown)."""
-        for q in self._queues.values():
-            for level in q.levels:
-                for r in level:
-                    if not r.future.done():
-                        r.future.set_exception(error)
-                level.clear()
+        for key in self._queues:
+            self.fail_queued(key, error)
+
+    def fail_queued(self, key: str, error: Exception) -> None:
+        """Answer every request queued for model version `key` with `error`."""
+        for level in self._queues[key].levels:
+            for r in level:
+                if not r.future.done():
+                    r.future.set_exception(error)
+            level.clear()
 
     def _expire_queued(self, request: Request) -> None:
         # Only requests still queued expire here; the dispatcher owns sent ones.
         request.timer = None
-        q = self._queues.get(request.model.name)
+        q = self._queues.get(request.model.key)
         if q is not None and not request.future.done() and request in q.levels[request.level]:
             _expire(request, self._clock())
 
@@ -228,7 +242,7 @@ class Scheduler:
         wake = math.inf
         for q in list(self._queues.values()):
             while True:
-                capacity = self._dispatch.capacity(q.config.name)
+                capacity = self._dispatch.capacity(q.config.key)
                 plan = q.plan(now) if capacity.free_credit else None
                 decision = decide(now, plan, capacity, q.delay_s())
                 if isinstance(decision, Send):

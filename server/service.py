@@ -20,17 +20,14 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ModelConfig
 from batchd.server import __version__
 from batchd.server.codec import decode_request, encode_response
+from batchd.server.control import IndexEntry
 from batchd.server.describe import model_config, model_metadata
-from batchd.server.errors import BatchdError, ModelNotFound, Unavailable
+from batchd.server.errors import BatchdError, InvalidInput, ModelNotFound, Unavailable
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
 
 T = TypeVar("T")
-EXTENSIONS = [
-    "model_configuration",
-    "parameters",
-    "statistics",
-]  # model_repository: once Load/Unload work
+EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
 STREAM_WINDOW = 256  # requests of one stream in flight at once
 
 
@@ -39,9 +36,15 @@ class Core(Protocol):
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
 
-    def check_room(self, model: str) -> None: ...  # raises QueueFull, before any decoding
+    def check_room(self, key: str) -> None: ...  # raises QueueFull, before any decoding
 
     def model_ready(self, name: str) -> bool: ...
+
+    async def load(self, name: str) -> ModelConfig: ...
+
+    async def unload(self, name: str) -> None: ...
+
+    def index(self) -> list[IndexEntry]: ...
 
 
 def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | None]]:
@@ -101,7 +104,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         deadline = math.inf if time_remaining is None else now + time_remaining
         self._open += 1
         try:
-            self._core.check_room(cfg.name)
+            self._core.check_room(cfg.key)
             request = decode_request(msg, cfg, now, deadline)
             results = await self._core.submit(request)
         except BatchdError as e:
@@ -219,14 +222,26 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse()
-        for name, cfg in sorted(self._models.items()):
-            ready = self._core.model_ready(name)
-            if request.ready and not ready:
-                continue
-            index.models.add(
-                name=name,
-                version=cfg.version,
-                state="READY" if ready else "UNAVAILABLE",
-                reason="" if ready else "no live worker serves it",
-            )
+        for e in self._core.index():
+            if not request.ready or e.state == "READY":
+                index.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
         return index
+
+    @_status
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelLoadResponse:
+        if request.parameters:
+            raise InvalidInput(
+                "RepositoryModelLoad takes no parameters: batchd loads models only from its "
+                f"repository on disk, never from the request; got {sorted(request.parameters)}"
+            )
+        await self._core.load(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_status
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RepositoryModelUnloadResponse:
+        await self._core.unload(request.model_name)
+        return pb.RepositoryModelUnloadResponse()

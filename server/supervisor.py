@@ -52,15 +52,16 @@ def detect_devices() -> list[str]:
 def plan_workers(
     models: Sequence[ModelConfig], devices: Sequence[str], threads: int | None = None
 ) -> list[WorkerSpec]:
-    """One process per device and per model copy: copy i of a device loads the
-    models whose `instances.count` exceeds i. CPU worker threads split the cores."""
+    """One process per device and per model copy: the first copy of a device may
+    load any model (models=()), copy i > 0 the models whose `instances.count`
+    exceeds i. CPU worker threads split the cores."""
     copies = max((m.instances.count for m in models), default=1)
     specs = []
     for d, device in enumerate(devices):
         base = device.replace(":", "") if device != "cpu" else f"cpu{d}"
         for i in range(copies):
-            names = tuple(m.name for m in models if m.instances.count > i)
-            if names:
+            names = tuple(m.name for m in models if m.instances.count > i) if i else ()
+            if names or not i:
                 specs.append(WorkerSpec(f"{base}.{i}" if copies > 1 else base, device, names, 0))
     per = threads or max(1, (os.cpu_count() or 1) // max(1, len(specs)))
     return [WorkerSpec(s.slot, s.device, s.models, per) for s in specs]
@@ -131,7 +132,7 @@ class Supervisor:
                 worker_id,
                 proc.pid,
                 spec.device,
-                ", ".join(spec.models),
+                ", ".join(spec.models) or "any model",
                 extra={"worker": worker_id, "device": spec.device},
             )
             started = time.monotonic()

@@ -1,4 +1,4 @@
-"""python -m batchd.worker: load the repository's models and serve a frontend."""
+"""python -m batchd.worker: serve a frontend the models it asks for, from a repository."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from pathlib import Path
 import torch
 
 from batchd.protos.logs import setup_logging
-from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
-from batchd.worker.loader import ModelFn, load_model
 from batchd.worker.runner import Worker, WorkerOptions, install_signal_handlers
 
 log = logging.getLogger("batchd.worker")
@@ -28,9 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model-repository",
         type=Path,
         default=Path("models"),
-        help="directory of <model>/model.toml (default ./models)",
+        help="directory of <model>/model.toml (default ./models); the frontend says which to load",
     )
-    p.add_argument("--models", default="", help="comma-separated models to load (default all)")
+    p.add_argument("--models", default="", help="comma-separated models it may load (default: any)")
     p.add_argument("--id", help="worker id (default <hostname>-<device>-<pid>)")
     p.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (default torch's)"
@@ -52,31 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-ModelTable = dict[str, tuple[ModelConfig, ModelFn]]
-
-
-def load_models(
-    repo: Path, wanted: list[str], device: torch.device
-) -> tuple[ModelTable, list[str]]:
-    configs = load_repository(repo)
-    unknown = [w for w in wanted if w not in configs]
-    if unknown:
-        raise ConfigError(f"{repo}: no model(s) {unknown} in the repository")
-    models: ModelTable = {}
-    errors: list[str] = []
-    for name, cfg in configs.items():
-        if wanted and name not in wanted:
-            continue
-        try:
-            fn: ModelFn = load_model(cfg, device)
-        except Exception as e:
-            log.exception("cannot load model %s from %s", name, cfg.artifact)
-            errors.append(f"{name}: {type(e).__name__}: {e}")
-            continue
-        models[name] = (cfg, fn)
-    return models, errors
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_devices:
@@ -94,14 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
-    try:
-        models, errors = load_models(
-            args.model_repository, [m for m in args.models.split(",") if m], device
-        )
-    except ConfigError as e:
-        print(f"batchd worker: {e}", file=sys.stderr)
+    if not args.model_repository.is_dir():
+        print(f"batchd worker: {args.model_repository}: not a directory", file=sys.stderr)
         return 2
-    worker = Worker(WorkerOptions(worker_id, args.connect, device, args.parent_pid), models, errors)
+    options = WorkerOptions(
+        worker_id,
+        args.connect,
+        device,
+        args.model_repository,
+        tuple(m for m in args.models.split(",") if m),
+        args.parent_pid,
+    )
+    worker = Worker(options)
     install_signal_handlers(worker)
     worker.serve()
     return 0

@@ -1,15 +1,19 @@
 """The worker process: one I/O thread and one compute thread.
 
 The I/O thread (main) owns the DEALER socket: it registers (READY), sends
-and checks heartbeats, hands batches to the compute thread and forwards its
-replies. The compute thread runs the models; it talks back over an inproc
-PAIR socket, so no ZeroMQ socket is ever shared between threads. Heartbeats
-keep flowing while a long batch runs. A model exception becomes an ERROR
-reply; the worker lives on. STOP, a vanished parent, or SIGTERM end it.
+and checks heartbeats, hands batches, loads and unloads to the compute thread
+and forwards its replies. The compute thread loads and runs the models, in
+the order the frontend asked; it talks back over an inproc PAIR socket, so no
+ZeroMQ socket is ever shared between threads. Heartbeats keep flowing while a
+long batch or load runs. A model exception becomes an ERROR reply, a failed
+load a LOADED reply with the reason; the worker lives on. STOP, a vanished
+parent, or SIGTERM end it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import logging
 import os
 import queue
@@ -18,15 +22,16 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, find_model
 from batchd.worker.execute import BatchError, run_batch
-from batchd.worker.loader import ModelFn
+from batchd.worker.loader import ModelFn, load_model
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
@@ -38,19 +43,15 @@ class WorkerOptions:
     worker_id: str
     endpoint: str
     device: torch.device
+    repository: Path
+    allowed: tuple[str, ...] = ()  # models it may load; empty: any in the repository
     parent_pid: int | None = None
 
 
 class Worker:
-    def __init__(
-        self,
-        options: WorkerOptions,
-        models: dict[str, tuple[ModelConfig, ModelFn]],
-        load_errors: list[str],
-    ) -> None:
+    def __init__(self, options: WorkerOptions) -> None:
         self.options = options
-        self.models = models
-        self.load_errors = load_errors
+        self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # by ModelConfig.key
         self._work: queue.SimpleQueue[tuple[wire.Header, list[Any]] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
 
@@ -61,16 +62,62 @@ class Worker:
         out.connect(_RESULTS)
         try:
             while (item := self._work.get()) is not None:
-                out.send_multipart(self._run(*item), copy=False)
+                header, frames = item
+                if header.kind == wire.Header.LOAD:
+                    out.send_multipart(self._load(header))
+                elif header.kind == wire.Header.UNLOAD:
+                    self._unload(header)
+                else:
+                    out.send_multipart(self._run(header, frames), copy=False)
         finally:
             out.close(linger=0)
 
+    def _load(self, header: wire.Header) -> list[Any]:
+        reply = wire.Header(kind=wire.Header.LOADED, model=header.model, version=header.version)
+        key = f"{header.model}@{header.version}"
+        allowed = self.options.allowed
+        try:
+            if allowed and header.model not in allowed:
+                raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
+            if key not in self.models:
+                start = time.perf_counter()
+                cfg = find_model(self.options.repository, header.model)
+                cfg = dataclasses.replace(cfg, version=header.version)
+                self.models[key] = (cfg, load_model(cfg, self.options.device))
+                log.info(
+                    "loaded model %s version %s from %s in %.2f s",
+                    cfg.name,
+                    cfg.version,
+                    cfg.artifact,
+                    time.perf_counter() - start,
+                    extra={"model": cfg.name, "worker": self.options.worker_id},
+                )
+        except Exception as e:  # a model that will not load is reply data too
+            log.exception("cannot load model %s", header.model, extra={"model": header.model})
+            reply.error = f"{type(e).__name__}: {e}"
+        return wire.pack(reply)
+
+    def _unload(self, header: wire.Header) -> None:
+        if self.models.pop(f"{header.model}@{header.version}", None) is not None:
+            gc.collect()
+            if self.options.device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.info(
+                "unloaded model %s version %s",
+                header.model,
+                header.version,
+                extra={"model": header.model, "worker": self.options.worker_id},
+            )
+
     def _run(self, header: wire.Header, frames: list[Any]) -> list[Any]:
         reply = wire.Header(kind=wire.Header.RESULT, batch_id=header.batch_id, model=header.model)
-        entry = self.models.get(header.model)
+        entry = self.models.get(f"{header.model}@{header.version}")
         try:
             if entry is None:
-                raise BatchError(f"model {header.model!r} is not loaded on this worker")
+                raise BatchError(
+                    f"model {header.model!r} version {header.version!r} is not loaded "
+                    "on this worker"
+                )
             cfg, fn = entry
             start = time.perf_counter_ns()
             tensors, out_frames = run_batch(fn, cfg, self.options.device, header.tensors, frames)
@@ -96,9 +143,8 @@ class Worker:
             worker_id=self.options.worker_id,
             device=str(self.options.device),
             pid=os.getpid(),
-            models=list(self.models),
+            models=self.options.allowed,
             protocol=wire.PROTOCOL_VERSION,
-            load_errors=self.load_errors,
         )
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
@@ -142,7 +188,7 @@ class Worker:
         interval = wire.HEARTBEAT_INTERVAL_S
         dealer.send_multipart(self._ready())
         heard = next_beat = time.monotonic()
-        pending = 0  # batches handed to the compute thread, not yet answered
+        pending = 0  # batches and loads handed to the compute thread, not yet answered
         stopping = False
         stop_at = 0.0
         while not (stopping and pending == 0) and not self._stop.is_set():
@@ -154,9 +200,11 @@ class Worker:
             if dealer in events:
                 header, frames = wire.unpack(dealer.recv_multipart(copy=False))
                 heard = now
-                if header.kind == wire.Header.BATCH and not stopping:
+                if header.kind in (wire.Header.BATCH, wire.Header.LOAD) and not stopping:
                     self._work.put((header, frames))
                     pending += 1
+                elif header.kind == wire.Header.UNLOAD:
+                    self._work.put((header, frames))
                 elif header.kind == wire.Header.STOP:
                     log.info("worker %s: STOP received", self.options.worker_id)
                     stopping, stop_at = True, now
