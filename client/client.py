@@ -47,6 +47,10 @@ def _metadata(msg: pb.ModelMetadataResponse) -> dict[str, Any]:
     }
 
 
+def _index_entry(m: pb.RepositoryIndexResponse.ModelIndex) -> dict[str, str]:
+    return {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
+
+
 def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
     if not isinstance(inputs, np.ndarray):
         return inputs
@@ -165,6 +169,23 @@ class Client(_Base):
             )
         return self._meta[model]
 
+    def load_model(self, model: str, timeout: float | None = None) -> None:
+        """Load, or load again, `model` from the server's repository (explicit model control).
+        Returns once the new version serves; the old one drains behind it."""
+        self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model), timeout)
+        self._meta.pop(model, None)
+
+    def unload_model(self, model: str, timeout: float | None = None) -> None:
+        """Stop serving `model`; returns once its admitted requests are answered."""
+        msg = pb.RepositoryModelUnloadRequest(model_name=model)
+        self._call("RepositoryModelUnload", msg, timeout)
+        self._meta.pop(model, None)
+
+    def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        """Every model of the server's repository: name, version, state, reason."""
+        index = self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready))
+        return [_index_entry(m) for m in index.models]
+
     def close(self) -> None:
         self._channel.close()
 
@@ -256,6 +277,20 @@ class AsyncClient(_Base):
                 await self._call("ModelMetadata", pb.ModelMetadataRequest(name=model))
             )
         return self._meta[model]
+
+    async def load_model(self, model: str, timeout: float | None = None) -> None:
+        msg = pb.RepositoryModelLoadRequest(model_name=model)
+        await self._call("RepositoryModelLoad", msg, timeout)
+        self._meta.pop(model, None)
+
+    async def unload_model(self, model: str, timeout: float | None = None) -> None:
+        msg = pb.RepositoryModelUnloadRequest(model_name=model)
+        await self._call("RepositoryModelUnload", msg, timeout)
+        self._meta.pop(model, None)
+
+    async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
+        index = await self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready))
+        return [_index_entry(m) for m in index.models]
 
     async def close(self) -> None:
         await self._channel.close()
