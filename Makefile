@@ -7,6 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP      := $(VENV)/.installed
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: install protos check-protos serve test lint format bench clean
 
@@ -33,6 +34,10 @@ lint: install
 	mkdir -p .typecheck/batchd
 	for d in protos server worker client; do ln -sfn ../../$$d .typecheck/batchd/$$d; done
 	$(BIN)/mypy
+
+# The echo ceiling, the raw model and batchd side by side: bench/results/results.{json,md}, plots.
+bench: install
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 format: install
 	$(BIN)/ruff check --fix .

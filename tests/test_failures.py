@@ -50,7 +50,11 @@ def crash_server(
         workers=2,
         env={"BATCHD_TEST_DIR": str(state_dir)},
     ).start()
-    wait_for(lambda: len(live_workers(server)) == 2, 60, "two workers")
+    try:
+        wait_for(lambda: len(live_workers(server)) == 2, 60, "two workers")
+    except BaseException:
+        server.stop()  # a failed set-up leaves no server behind
+        raise
     yield server
     assert server.stop() == 0, server.log()
 

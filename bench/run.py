@@ -1,0 +1,221 @@
+"""`make bench`: batchd measured beside its own limits, in one run.
+
+1. The echo ceiling: bench/echo_server.py (a bare grpc.aio server that answers
+   ModelInfer with its input) under perf_analyzer at concurrency 32 and 64.
+2. The raw-model limit: examples' mlp called directly in torch, one thread,
+   at batch 1, 32 and 64 (rows/s).
+3. batchd serving examples/models (one CPU worker, one torch thread, as
+   ../shared/BENCH.md prescribes) under perf_analyzer: mlp at concurrency 1
+   and 64, tiny at 32; the RSS of the frontend and its worker; then a
+   `batchd bench` concurrency sweep of mlp (1..64) with its plot.
+
+Writes OUT/results.json, OUT/results.md (the ratios against the targets of
+issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
+drift, so compare ratios within one run.
+
+    .venv/bin/python bench/run.py [--out bench/results] [--pa PATH] [--interval-ms 4000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from overload import rss_mb
+
+from batchd.client import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def perf_analyzer(pa: str, port: int, model: str, concurrency: int, interval_ms: int) -> dict:
+    """One perf_analyzer measurement; its CSV row as numbers (latencies in ms)."""
+    out = Path(f"/tmp/batchd-pa-{port}-{model}-{concurrency}.csv")
+    done = subprocess.run(
+        [
+            pa,
+            "-i",
+            "grpc",
+            "-u",
+            f"127.0.0.1:{port}",
+            "-m",
+            model,
+            "--concurrency-range",
+            f"{concurrency}:{concurrency}",
+            "--measurement-interval",
+            str(interval_ms),
+            *("--stability-percentage", "25", "--max-trials", "20"),  # a shared 2-core machine
+            "-f",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        raise RuntimeError(f"perf_analyzer failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    row = next(csv.DictReader(out.open()))
+    return {
+        "concurrency": concurrency,
+        "req_s": round(float(row["Inferences/Second"]), 1),
+        "p50_ms": float(row["p50 latency"]) / 1e3,
+        "p99_ms": float(row["p99 latency"]) / 1e3,
+    }
+
+
+@contextmanager
+def running(cmd: list[str], port: int, timeout: float = 120.0) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with Client(f"127.0.0.1:{port}") as c:
+            end = time.monotonic() + timeout
+            while not c.ready():
+                if proc.poll() is not None or time.monotonic() > end:
+                    raise RuntimeError(f"{cmd[:4]} did not get ready")
+                time.sleep(0.1)
+        yield proc
+    finally:
+        proc.send_signal(2)
+        proc.wait(30)
+
+
+RAW_MODEL = """
+import json, sys, time, torch
+sys.path.insert(0, "examples/models/mlp")
+from model import build
+torch.set_num_threads(1)
+m = build()
+out = {}
+with torch.inference_mode():
+    for rows in (1, 32, 64):
+        x = torch.rand(rows, 512)
+        for _ in range(5):
+            m(x)
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 2:
+            m(x)
+            n += 1
+        out[rows] = round(n * rows / (time.perf_counter() - start))
+print(json.dumps(out))
+"""
+
+
+def raw_model() -> dict[str, int]:
+    text = subprocess.run(
+        [PY, "-c", RAW_MODEL], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+    return {f"batch_{k}": v for k, v in json.loads(text).items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    p.add_argument("--pa", help="perf_analyzer (default: installed into .perf_analyzer)")
+    p.add_argument("--interval-ms", type=int, default=4000, help="perf_analyzer window")
+    p.add_argument("--sweep-seconds", type=float, default=4.0, help="batchd bench per level")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    pa = (
+        args.pa
+        or subprocess.run(
+            [
+                str(ROOT.parent / "shared" / "tools" / "get-perf-analyzer"),
+                str(ROOT / ".perf_analyzer"),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    ms = args.interval_ms
+    r: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine_cores": os.cpu_count()}
+
+    print("echo ceiling ...", flush=True)
+    with running([PY, "bench/echo_server.py", "--port", "18190"], 18190):
+        r["echo"] = {c: perf_analyzer(pa, 18190, "echo", c, ms) for c in (1, 32, 64)}
+    print("raw model ...", flush=True)
+    r["raw_model_mlp_rows_s"] = raw_model()
+
+    print("batchd ...", flush=True)
+    serve = [
+        *(PY, "-m", "batchd.server", "--model-repository", "examples/models"),
+        *("--workers", "1", "--threads-per-worker", "1", "--grpc-port", "18191"),
+        *("--metrics-port", "-1", "--log-level", "WARNING"),
+    ]
+    with running(serve, 18191) as server:
+        r["rss_idle_mb"] = rss_mb(server.pid)
+        r["mlp_c1"] = perf_analyzer(pa, 18191, "mlp", 1, ms)
+        r["mlp_c64"] = perf_analyzer(pa, 18191, "mlp", 64, ms)
+        r["tiny_c32"] = perf_analyzer(pa, 18191, "tiny", 32, ms)
+        r["rss_after_load_mb"] = rss_mb(server.pid)
+        sweep_json = args.out / "mlp_sweep.json"
+        subprocess.run(
+            [
+                *(PY, "-m", "batchd.client.bench", "--url", "127.0.0.1:18191", "--model", "mlp"),
+                *("--concurrency", "1:64", "--duration", str(args.sweep_seconds)),
+                *("--json", str(sweep_json), "--plot", str(args.out / "mlp_sweep.png")),
+                "--quiet",
+            ],
+            cwd=ROOT,
+            check=True,
+        )
+        r["batchd_bench_mlp_sweep"] = json.loads(sweep_json.read_text())
+    echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
+    r["ratios"] = {
+        "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
+        "tiny_c32_vs_echo_c32": round(r["tiny_c32"]["req_s"] / echo32, 3),
+        "mlp_c64_vs_pytriton_1922": round(r["mlp_c64"]["req_s"] / 1922, 2),
+    }
+    (args.out / "results.json").write_text(json.dumps(r, indent=2) + "\n")
+    (args.out / "results.md").write_text(markdown(r))
+    print(markdown(r))
+
+
+def markdown(r: dict) -> str:
+    ratios = r["ratios"]
+    rows = [
+        ("mlp c=64 req/s vs echo c=64", ratios["mlp_c64_vs_echo_c64"], "≥ 0.7"),
+        ("tiny c=32 req/s vs echo c=32", ratios["tiny_c32_vs_echo_c32"], "≥ 0.8"),
+        ("mlp c=64 p99 ms", r["mlp_c64"]["p99_ms"], "< 40"),
+        ("mlp c=1 p50 ms", r["mlp_c1"]["p50_ms"], "≤ 2"),
+        ("frontend + worker RSS MB", r["rss_after_load_mb"], "≤ 500"),
+    ]
+    lines = [
+        f"# batchd bench, {r['when']} ({r['machine_cores']} cores)",
+        "",
+        "| measure | value | target |",
+        "|---|---|---|",
+        *(f"| {name} | {value} | {target} |" for name, value, target in rows),
+        "",
+        "| server, load | req/s | p50 ms | p99 ms |",
+        "|---|---|---|---|",
+    ]
+    for label, m in [
+        *((f"echo c={c}", r["echo"][c]) for c in r["echo"]),
+        ("batchd mlp c=1", r["mlp_c1"]),
+        ("batchd mlp c=64", r["mlp_c64"]),
+        ("batchd tiny c=32", r["tiny_c32"]),
+    ]:
+        lines.append(f"| {label} | {m['req_s']:,.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} |")
+    raw = r["raw_model_mlp_rows_s"]
+    lines += [
+        "",
+        "mlp alone in torch, one thread (rows/s): "
+        + ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in raw.items()),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
