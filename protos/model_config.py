@@ -15,10 +15,16 @@
 The artifact is exactly one of model.py (defines `load(device)`), model.pt
 (TorchScript) or model.pt2 (torch.export). Parsed once at start-up into frozen
 dataclasses; every error names the file and the key.
+
+Nothing is read from outside the repository: a model directory, model.toml or
+artifact that resolves elsewhere (a symlink out, `..`) is refused, and model
+names are plain (letters, digits, `_`, `-`, `.`; no leading dot), so a name can
+be turned into a directory with `model_directory` without escaping.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +33,18 @@ from typing import Any
 from batchd.protos._toml_reader import ConfigError, Reader
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 
-__all__ = ["ConfigError", "ModelConfig", "load_model_config", "load_repository"]
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "confined",
+    "load_model_config",
+    "load_repository",
+    "model_directory",
+]
 
 ARTIFACTS = {"model.py": "python", "model.pt": "pytorch_libtorch", "model.pt2": "torch_export"}
 BATCH_INPUT_KINDS = ("mask", "lengths")
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +240,10 @@ def load_model_config(directory: Path) -> ModelConfig:
     doc.update(doc.pop("model", {}))
     top = Reader(path, doc, "")
     name = top.get("name", str, directory.name)
+    if not MODEL_NAME.fullmatch(name):
+        raise top.fail(
+            "name", f"expected letters, digits, '_', '-', '.' (no leading '.'), got {name!r}"
+        )
     max_batch_size = top.integer("max_batch_size", 0)
     inputs = _tensors(path, "input", top.table.pop("input", None))
     outputs = _tensors(path, "output", top.table.pop("output", None))
@@ -269,13 +287,32 @@ def load_model_config(directory: Path) -> ModelConfig:
     )
 
 
+def confined(root: Path, path: Path) -> Path:
+    """`path`, resolved, if it lies inside the repository `root`; else ConfigError."""
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise ConfigError(f"{path}: resolves to {real}, outside the model repository {root}")
+    return real
+
+
+def model_directory(root: Path, name: str) -> Path:
+    """The directory of model `name` in repository `root`, refusing names that would
+    leave it (`..`, `/`, absolute paths) and symlinks out of it."""
+    if not MODEL_NAME.fullmatch(name):
+        raise ConfigError(f"{name!r} is not a model name (letters, digits, '_', '-', '.')")
+    return confined(root, root / name)
+
+
 def load_repository(root: Path) -> dict[str, ModelConfig]:
     """Every model of a repository: each subdirectory holding a model.toml."""
     if not root.is_dir():
         raise ConfigError(f"{root}: model repository is not a directory")
     models: dict[str, ModelConfig] = {}
     for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+        for path in (sub, sub / "model.toml"):
+            confined(root, path)
         cfg = load_model_config(sub)
+        confined(root, cfg.artifact)
         if cfg.name in models:
             raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used twice")
         models[cfg.name] = cfg
