@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from batchd.protos import keys
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
 from batchd.worker.loader import ModelFn, load_model
@@ -36,6 +37,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=0, help="torch intra-op threads (default torch's)"
     )
     p.add_argument("--parent-pid", type=int, help="exit when this parent process goes away")
+    p.add_argument(
+        "--worker-keys",
+        type=Path,
+        metavar="DIR",
+        help="CURVE keys (worker.key_secret, server.key) for a frontend started with --worker-keys",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     p.add_argument(
@@ -95,13 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
     try:
+        if args.worker_keys is not None:
+            keys.load_pair(args.worker_keys, keys.WORKER)  # a bad key fails here, loudly
+            keys.load_public(args.worker_keys, keys.SERVER)
         models, errors = load_models(
             args.model_repository, [m for m in args.models.split(",") if m], device
         )
     except ConfigError as e:
         print(f"batchd worker: {e}", file=sys.stderr)
         return 2
-    worker = Worker(WorkerOptions(worker_id, args.connect, device, args.parent_pid), models, errors)
+    options = WorkerOptions(worker_id, args.connect, device, args.parent_pid, args.worker_keys)
+    worker = Worker(options, models, errors)
     install_signal_handlers(worker)
     worker.serve()
     return 0

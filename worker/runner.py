@@ -18,12 +18,13 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import zmq
 
-from batchd.protos import wire
+from batchd.protos import keys, wire
 from batchd.protos.model_config import ModelConfig
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import ModelFn
@@ -39,6 +40,7 @@ class WorkerOptions:
     endpoint: str
     device: torch.device
     parent_pid: int | None = None
+    keys: Path | None = None  # CURVE key directory (protos/keys.py); None: no encryption
 
 
 class Worker:
@@ -110,6 +112,8 @@ class Worker:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.options.worker_id.encode())
         dealer.setsockopt(zmq.LINGER, 2000)
+        if self.options.keys is not None:
+            keys.make_curve_client(dealer, self.options.keys)
         results = ctx.socket(zmq.PAIR)
         results.bind(_RESULTS)
         dealer.connect(self.options.endpoint)
