@@ -388,25 +388,26 @@ def test_message_size_limit() -> None:
 def test_max_concurrent_streams(grpc_server: GrpcServer) -> None:
     """A connection holding its one stream makes its next call wait; another connection
     is served."""
-    with grpc.insecure_channel(grpc_server.url) as channel:
+    own = [("grpc.use_local_subchannel_pool", 1)]  # each channel a connection of its own
+    with grpc.insecure_channel(grpc_server.url, options=own) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live  # settings known
         held = threading.Event()
 
         def requests() -> Iterator[pb.ModelInferRequest]:
+            yield pb.ModelInferRequest(model_name="nonexistent")
             held.wait(30)
-            return
-            yield
 
         stream = stub.ModelStreamInfer(requests())
+        assert "unknown model" in next(stream).error_message  # the stream is open
         with pytest.raises(grpc.RpcError) as rpc:
             stub.ServerLive(pb.ServerLiveRequest(), timeout=0.5)
         assert rpc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        options = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
-        with grpc.insecure_channel(grpc_server.url, options=options) as other:
+        with grpc.insecure_channel(grpc_server.url, options=own) as other:
             live = pb_grpc.GRPCInferenceServiceStub(other).ServerLive
             assert live(pb.ServerLiveRequest(), timeout=10).live
         held.set()
-        list(stream)
+        assert list(stream) == []
 
 
 # ---- the model repository ----
