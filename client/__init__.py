@@ -12,6 +12,7 @@ from batchd.client.errors import (
     ModelNotFound,
     ServerBusy,
     ServerUnavailable,
+    Unauthenticated,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "ModelNotFound",
     "ServerBusy",
     "ServerUnavailable",
+    "Unauthenticated",
 ]

@@ -3,15 +3,24 @@
 with Client("127.0.0.1:8001") as c:
     out = c.infer("mlp", {"INPUT0": np.zeros((1, 512), np.float32)})
     out["OUTPUT0"]  # numpy array
+
+Security options (keyword-only, both clients):
+    tls=True                  TLS, checking the server against the system's CAs
+    ca_cert=PEM               ... or against this CA (implies tls)
+    client_cert=, client_key= a client certificate for mutual TLS (implies tls)
+    token="..."               sends `authorization: Bearer <token>` with every call
+A PEM is bytes (the PEM itself) or a str / Path (a file holding it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,6 +34,40 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 Inputs = Mapping[str, Any] | np.ndarray
+Pem = bytes | str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class _Security:
+    tls: bool = False
+    ca_cert: Pem | None = None
+    client_cert: Pem | None = None
+    client_key: Pem | None = None
+    token: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials, or None for a plaintext channel."""
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ValueError("client_cert and client_key go together")
+        if not (self.tls or self.ca_cert or self.client_cert):
+            return None
+        return grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.ca_cert),
+            private_key=_pem(self.client_key),
+            certificate_chain=_pem(self.client_cert),
+        )
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """What every call passes besides the message and the timeout: the token."""
+        if self.token is None:
+            return {}
+        return {"metadata": (("authorization", f"Bearer {self.token}"),)}
+
+
+def _pem(value: Pem | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -63,9 +106,16 @@ def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
 
 class _Base:
     def __init__(
-        self, url: str, timeout: float | None, max_message_bytes: int, retries: int
+        self,
+        url: str,
+        timeout: float | None,
+        max_message_bytes: int,
+        retries: int,
+        security: _Security,
     ) -> None:
         self.url = url
+        self._credentials = security.credentials()
+        self._call_kwargs = security.call_kwargs()
         self.timeout = timeout
         self.retry = RetryPolicy(retries)
         self._rng = random.Random()
@@ -100,9 +150,19 @@ class Client(_Base):
         timeout: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retries: int = 0,
+        tls: bool = False,
+        ca_cert: Pem | None = None,
+        client_cert: Pem | None = None,
+        client_key: Pem | None = None,
+        token: str | None = None,
     ) -> None:
-        super().__init__(url, timeout, max_message_bytes, retries)
-        self._channel = grpc.insecure_channel(url, options=self._options)
+        security = _Security(tls, ca_cert, client_cert, client_key, token)
+        super().__init__(url, timeout, max_message_bytes, retries, security)
+        self._channel = (
+            grpc.insecure_channel(url, options=self._options)
+            if self._credentials is None
+            else grpc.secure_channel(url, self._credentials, options=self._options)
+        )
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
     def _call(
@@ -112,7 +172,9 @@ class Client(_Base):
         attempt = 0
         while True:
             try:
-                return getattr(self._stub, method)(msg, timeout=_remaining(deadline))
+                return getattr(self._stub, method)(
+                    msg, timeout=_remaining(deadline), **self._call_kwargs
+                )
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
             wait = self._next_wait(attempt, error, deadline, policy)
@@ -206,9 +268,19 @@ class AsyncClient(_Base):
         timeout: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         retries: int = 0,
+        tls: bool = False,
+        ca_cert: Pem | None = None,
+        client_cert: Pem | None = None,
+        client_key: Pem | None = None,
+        token: str | None = None,
     ) -> None:
-        super().__init__(url, timeout, max_message_bytes, retries)
-        self._channel = grpc.aio.insecure_channel(url, options=self._options)
+        security = _Security(tls, ca_cert, client_cert, client_key, token)
+        super().__init__(url, timeout, max_message_bytes, retries, security)
+        self._channel = (
+            grpc.aio.insecure_channel(url, options=self._options)
+            if self._credentials is None
+            else grpc.aio.secure_channel(url, self._credentials, options=self._options)
+        )
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
     @property
@@ -223,7 +295,9 @@ class AsyncClient(_Base):
         attempt = 0
         while True:
             try:
-                return await getattr(self._stub, method)(msg, timeout=_remaining(deadline))
+                return await getattr(self._stub, method)(
+                    msg, timeout=_remaining(deadline), **self._call_kwargs
+                )
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
             wait = self._next_wait(attempt, error, deadline, policy)

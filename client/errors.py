@@ -6,7 +6,8 @@ BatchdClientError            any failed call; .code is the grpc.StatusCode
 ├── ServerBusy               RESOURCE_EXHAUSTED (.retry_after_ms from the pushback trailer)
 ├── DeadlineExceeded         DEADLINE_EXCEEDED
 ├── ServerUnavailable        UNAVAILABLE
-└── InferenceFailed          INTERNAL (the model raised)
+├── InferenceFailed          INTERNAL (the model raised)
+└── Unauthenticated          UNAUTHENTICATED (no token, or a wrong one)
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class InferenceFailed(BatchdClientError):
     code = grpc.StatusCode.INTERNAL
 
 
+class Unauthenticated(BatchdClientError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[BatchdClientError]] = {
     cls.code: cls
     for cls in (
@@ -61,6 +66,7 @@ _BY_CODE: dict[grpc.StatusCode, type[BatchdClientError]] = {
         DeadlineExceeded,
         ServerUnavailable,
         InferenceFailed,
+        Unauthenticated,
     )
 }
 

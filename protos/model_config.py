@@ -15,10 +15,16 @@
 The artifact is exactly one of model.py (defines `load(device)`), model.pt
 (TorchScript) or model.pt2 (torch.export). Parsed once at start-up into frozen
 dataclasses; every error names the file and the key.
+
+Nothing is read from outside the repository: a model directory, model.toml or
+artifact that resolves elsewhere (a symlink out, `..`) is refused, and model
+names are plain (letters, digits, `_`, `-`, `.`; no leading dot), so a name can
+be turned into a directory with `model_directory` without escaping.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +33,18 @@ from typing import Any
 from batchd.protos._toml_reader import ConfigError, Reader
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 
-__all__ = ["ConfigError", "ModelConfig", "load_model_config", "load_repository"]
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "confined",
+    "load_model_config",
+    "load_repository",
+    "model_directory",
+]
 
 ARTIFACTS = {"model.py": "python", "model.pt": "pytorch_libtorch", "model.pt2": "torch_export"}
 BATCH_INPUT_KINDS = ("mask", "lengths")
+MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +245,10 @@ def load_model_config(directory: Path) -> ModelConfig:
     doc.update(doc.pop("model", {}))
     top = Reader(path, doc, "")
     name = top.get("name", str, directory.name)
+    if not MODEL_NAME.fullmatch(name):
+        raise top.fail(
+            "name", f"expected letters, digits, '_', '-', '.' (no leading '.'), got {name!r}"
+        )
     max_batch_size = top.integer("max_batch_size", 0)
     inputs = _tensors(path, "input", top.table.pop("input", None))
     outputs = _tensors(path, "output", top.table.pop("output", None))
@@ -274,18 +292,41 @@ def load_model_config(directory: Path) -> ModelConfig:
     )
 
 
+def confined(root: Path, path: Path) -> Path:
+    """`path`, resolved, if it lies inside the repository `root`; else ConfigError."""
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise ConfigError(f"{path}: resolves to {real}, outside the model repository {root}")
+    return real
+
+
+def model_directory(root: Path, name: str) -> Path:
+    """The directory of model `name` in repository `root`, refusing names that would
+    leave it (`..`, `/`, absolute paths) and symlinks out of it."""
+    if not MODEL_NAME.fullmatch(name):
+        raise ConfigError(f"{name!r} is not a model name (letters, digits, '_', '-', '.')")
+    return confined(root, root / name)
+
+
+def _load_confined(root: Path, sub: Path) -> ModelConfig:
+    for path in (sub, sub / "model.toml"):
+        confined(root, path)
+    cfg = load_model_config(sub)
+    confined(root, cfg.artifact)
+    return cfg
+
+
 def find_model(root: Path, name: str) -> ModelConfig:
     """Model `name` of repository `root`: `root/<name>/model.toml`, or the one
     subdirectory whose model.toml declares that name. Raise ConfigError if none."""
-    if name in ("", ".", "..") or any(c in name for c in "/\\\0"):
-        raise ConfigError(f"{name!r} is not a model name: expected one directory name")
+    model_directory(root, name)  # refuses names that would leave the repository
     if (root / name / "model.toml").is_file():
-        cfg = load_model_config(root / name)
+        cfg = _load_confined(root, root / name)
         if cfg.name == name:
             return cfg
     for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
         try:
-            cfg = load_model_config(sub)
+            cfg = _load_confined(root, sub)
         except ConfigError:
             continue  # a broken neighbour does not stop this model from loading
         if cfg.name == name:
@@ -299,7 +340,7 @@ def load_repository(root: Path) -> dict[str, ModelConfig]:
         raise ConfigError(f"{root}: model repository is not a directory")
     models: dict[str, ModelConfig] = {}
     for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
-        cfg = load_model_config(sub)
+        cfg = _load_confined(root, sub)
         if cfg.name in models:
             raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used twice")
         models[cfg.name] = cfg

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -36,6 +36,7 @@ from batchd.server.errors import Unavailable
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
+from batchd.server.security import SecurityConfig, grpc_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Supervisor, WorkerSpec, detect_devices, plan_workers
@@ -61,6 +62,7 @@ class ServerConfig:
     load_models: tuple[str, ...] = ()  # explicit mode: what to load at start ("*": all)
     log_level: str = "INFO"
     log_format: str = "text"  # or "json": one JSON object per line
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def device_list(self) -> list[str]:
         if self.workers is not None:
@@ -157,7 +159,8 @@ def _grpc_server(
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    more_options, interceptors = grpc_options(cfg.security)
+    server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
     inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     with contextlib.suppress(TypeError):  # already there when serve() runs twice in one process
@@ -168,7 +171,7 @@ def _grpc_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server, pool=POOL)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+    port = listen(server, cfg.host, cfg.grpc_port, cfg.security)
     if port == 0:
         raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
     return server, port
@@ -206,7 +209,7 @@ def _build(
     models = control.current
     wiring = _Wiring(dispatcher, scheduler, control)
     dispatcher.attach(wiring)
-    service = InferenceService(models, wiring, stats)
+    service = InferenceService(models, wiring, stats, limits=cfg.security.limits)
     health = HealthServicer()
     server, port = _grpc_server(cfg, service, health)
     specs: list[WorkerSpec] = []
@@ -219,6 +222,7 @@ def _build(
         on_exit=dispatcher.lose_by_name,
         log_level=cfg.log_level,
         log_format=cfg.log_format,
+        worker_keys=cfg.security.worker_keys,
     )
     wiring.supervisor = supervisor
     registry = CollectorRegistry()  # this server's own: nothing is registered globally
@@ -281,12 +285,15 @@ async def serve(cfg: ServerConfig) -> None:
         ", ".join(repository) or "no models",
         "; model control explicit" if cfg.model_control == "explicit" else "",
     )
+    worker_auth = preflight(cfg.security, cfg.worker_endpoint)
     with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:
         endpoint = cfg.worker_endpoint or f"ipc://{tmp}/workers.sock"
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
+        if worker_auth is not None:
+            worker_auth.start(ctx, router)
         router.bind(endpoint)
         p = _build(cfg, repository, router, endpoint)
         await p.server.start()
@@ -324,6 +331,8 @@ async def serve(cfg: ServerConfig) -> None:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if worker_auth is not None:
+                worker_auth.stop()
             router.close(linger=0)
             ctx.term()
             log.info("stopped (pid %d)", os.getpid())

@@ -8,9 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+from batchd.protos import keys
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError, load_repository
-from batchd.server import __version__
+from batchd.server import __version__, security
 from batchd.server.app import ServerConfig, serve
 
 
@@ -93,6 +94,28 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         choices=["text", "json"],
         help="text, or one JSON object per line with model/worker/batch fields",
     )
+    security.add_arguments(p)
+
+
+def _keys_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("keys", help="CURVE keys for workers on other hosts")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    gen = verbs.add_parser("generate", help="write a server and a worker key pair into DIR")
+    gen.add_argument("directory", type=Path, metavar="DIR")
+
+
+def _generate_keys(directory: Path) -> int:
+    try:
+        written = keys.generate(directory)
+    except ConfigError as e:
+        print(f"batchd: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(str(p) for p in written))
+    print(
+        "frontend: batchd serve --worker-keys DIR ...; worker hosts need worker.key, "
+        "worker.key_secret and server.key (never server.key_secret)"
+    )
+    return 0
 
 
 def _models(directory: Path, check: bool) -> int:
@@ -116,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"batchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    _keys_parser(sub)
     sub.add_parser("worker", help="run a worker (see `batchd worker --help`)", add_help=False)
     sub.add_parser(
         "bench", help="load-test an OIP server (see `batchd bench --help`)", add_help=False
@@ -136,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "models":
         return _models(args.directory, args.check)
+    if args.command == "keys":
+        return _generate_keys(args.directory)
     setup_logging(args.log_level, args.log_format)
     cfg = ServerConfig(
         model_repository=args.model_repository,
@@ -154,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port=args.metrics_port,
         model_control=args.model_control,
         load_models=tuple(args.load_model),
+        security=security.from_args(args),
     )
     if args.load_model and args.model_control != "explicit":
         parser.error("--load-model needs --model-control explicit")

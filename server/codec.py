@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
@@ -19,6 +20,17 @@ from batchd.server.errors import InvalidInput
 from batchd.server.request import Request, Tensor
 
 _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request caps, checked from the shapes alone before any tensor bytes are read."""
+
+    max_inputs: int = 128  # --max-inputs-per-request
+    max_tensor_elements: int = 64 * 1024 * 1024  # --max-tensor-elements
+
+
+DEFAULT_LIMITS = Limits()
 
 
 def _names(specs: Sequence[TensorSpec]) -> str:
@@ -134,7 +146,9 @@ def _level(msg: pb.ModelInferRequest, model: ModelConfig) -> int:
     return value - 1
 
 
-def _decode_inputs(msg: pb.ModelInferRequest, model: ModelConfig) -> dict[str, Tensor]:
+def _decode_inputs(
+    msg: pb.ModelInferRequest, model: ModelConfig, limits: Limits
+) -> dict[str, Tensor]:
     raw = msg.raw_input_contents
     by_name: dict[str, Tensor] = {}
     for i, t in enumerate(msg.inputs):
@@ -152,6 +166,11 @@ def _decode_inputs(msg: pb.ModelInferRequest, model: ModelConfig) -> dict[str, T
             )
         shape = tuple(t.shape)
         _check_shape(spec, model, shape)
+        if (count := math.prod(shape)) > limits.max_tensor_elements:
+            raise InvalidInput(
+                f"input {t.name!r}: shape {list(shape)} has {count} elements, more than "
+                f"the server's limit of {limits.max_tensor_elements} (--max-tensor-elements)"
+            )
         if raw:
             if t.HasField("contents"):
                 raise InvalidInput(
@@ -166,15 +185,24 @@ def _decode_inputs(msg: pb.ModelInferRequest, model: ModelConfig) -> dict[str, T
 
 
 def decode_request(
-    msg: pb.ModelInferRequest, model: ModelConfig, now: float, deadline: float = math.inf
+    msg: pb.ModelInferRequest,
+    model: ModelConfig,
+    now: float,
+    deadline: float = math.inf,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Request:
     """Validate `msg` against `model`'s signature and build the internal Request."""
+    if len(msg.inputs) > limits.max_inputs:
+        raise InvalidInput(
+            f"the request has {len(msg.inputs)} inputs, more than the server's limit "
+            f"of {limits.max_inputs} (--max-inputs-per-request)"
+        )
     raw = msg.raw_input_contents
     if raw and len(raw) != len(msg.inputs):
         raise InvalidInput(
             f"raw_input_contents has {len(raw)} entries, expected one per input ({len(msg.inputs)})"
         )
-    by_name = _decode_inputs(msg, model)
+    by_name = _decode_inputs(msg, model, limits)
 
     missing = [s.name for s in model.inputs if s.name not in by_name]
     if missing:

@@ -19,7 +19,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ModelConfig
 from batchd.server import __version__
-from batchd.server.codec import decode_request, encode_response
+from batchd.server.codec import DEFAULT_LIMITS, Limits, decode_request, encode_response
 from batchd.server.control import IndexEntry
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import BatchdError, InvalidInput, ModelNotFound, Unavailable
@@ -71,7 +71,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         core: Core,
         stats: Stats,
         clock: Callable[[], float] = time.monotonic,
+        limits: Limits = DEFAULT_LIMITS,
     ) -> None:
+        self._limits = limits
         self._models = models
         self._core = core
         self._stats = stats
@@ -105,7 +107,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._open += 1
         try:
             self._core.check_room(cfg.key)
-            request = decode_request(msg, cfg, now, deadline)
+            request = decode_request(msg, cfg, now, deadline, self._limits)
             results = await self._core.submit(request)
         except BatchdError as e:
             self._stats.answered(cfg.name, int((self._clock() - now) * 1e9), e.reason)

@@ -76,8 +76,10 @@ class Supervisor:
         on_exit: Callable[[str, str], None],
         log_level: str = "INFO",
         log_format: str = "text",
+        worker_keys: Path | None = None,
     ) -> None:
         self.specs = list(specs)
+        self._keys = [] if worker_keys is None else ["--worker-keys", str(worker_keys)]
         self.restarts: dict[str, int] = {}  # by slot
         self._log_format = log_format
         self._endpoint = endpoint
@@ -118,6 +120,7 @@ class Supervisor:
             self._log_level,
             "--log-format",
             self._log_format,
+            *self._keys,
         )
 
     async def _keep_running(self, spec: WorkerSpec) -> None:

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
+from batchd.protos import keys
 from batchd.protos.logs import setup_logging
+from batchd.protos.model_config import ConfigError
 from batchd.worker.runner import Worker, WorkerOptions, install_signal_handlers
 
 log = logging.getLogger("batchd.worker")
@@ -34,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=0, help="torch intra-op threads (default torch's)"
     )
     p.add_argument("--parent-pid", type=int, help="exit when this parent process goes away")
+    p.add_argument(
+        "--worker-keys",
+        type=Path,
+        metavar="DIR",
+        help="CURVE keys (worker.key_secret, server.key) for a frontend started with --worker-keys",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     p.add_argument(
@@ -70,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model_repository.is_dir():
         print(f"batchd worker: {args.model_repository}: not a directory", file=sys.stderr)
         return 2
+    try:
+        if args.worker_keys is not None:
+            keys.load_pair(args.worker_keys, keys.WORKER)  # a bad key fails here, loudly
+            keys.load_public(args.worker_keys, keys.SERVER)
+    except ConfigError as e:
+        print(f"batchd worker: {e}", file=sys.stderr)
+        return 2
     options = WorkerOptions(
         worker_id,
         args.connect,
@@ -77,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model_repository,
         tuple(m for m in args.models.split(",") if m),
         args.parent_pid,
+        args.worker_keys,
     )
     worker = Worker(options)
     install_signal_handlers(worker)

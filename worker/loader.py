@@ -6,6 +6,11 @@
 
 The callable takes the inputs positionally in [[input]] order and returns a
 tensor, a tuple in [[output]] order, or a dict by output name.
+
+Only artifacts inside the repository load (`confined`). model.py is code the
+operator trusts; model.pt and model.pt2 are too: torch.jit.load and
+torch.export.load have no weights-only mode. Anything read with torch.load
+here must pass weights_only=True (a test checks every call).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 import torch
 from torch.export.passes import move_to_device_pass
 
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, confined
 
 ModelFn = Callable[..., Any]
 log = logging.getLogger("batchd.worker")
@@ -50,6 +55,7 @@ def _eval(module: Any) -> ModelFn:
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
+    confined(cfg.directory.parent, cfg.artifact)  # models are the repository's subdirectories
     if cfg.platform == "python":
         return _load_python(cfg, device)
     if cfg.platform == "pytorch_libtorch":

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import zmq
 
-from batchd.protos import wire
+from batchd.protos import keys, wire
 from batchd.protos.model_config import ModelConfig, find_model
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import ModelFn, load_model
@@ -46,6 +46,7 @@ class WorkerOptions:
     repository: Path
     allowed: tuple[str, ...] = ()  # models it may load; empty: any in the repository
     parent_pid: int | None = None
+    keys: Path | None = None  # CURVE key directory (protos/keys.py); None: no encryption
 
 
 class Worker:
@@ -156,6 +157,8 @@ class Worker:
         dealer = ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, self.options.worker_id.encode())
         dealer.setsockopt(zmq.LINGER, 2000)
+        if self.options.keys is not None:
+            keys.make_curve_client(dealer, self.options.keys)
         results = ctx.socket(zmq.PAIR)
         results.bind(_RESULTS)
         dealer.connect(self.options.endpoint)
