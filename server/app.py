@@ -52,7 +52,7 @@ class ServerConfig:
     workers: int | None = None  # N CPU workers; None: --devices decides
     devices: str = "auto"  # "auto" or "cuda:0,cuda:1" or "cpu"
     threads_per_worker: int | None = None
-    credits_per_worker: int = 2  # batches a worker holds: 1 running + 1 staged
+    credits_per_worker: int | None = None  # batches a worker holds; None: 1 on CPU, 2 on GPU
     worker_endpoint: str | None = None  # None: a private ipc:// socket
     local_workers: bool = True  # False: only remote workers (batchd worker --connect)
     metrics_port: int = 8002  # 0: a free port; negative: no metrics endpoint

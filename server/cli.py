@@ -41,9 +41,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p.add_argument(
         "--credits-per-worker",
         type=int,
-        default=2,
-        help="batches a worker holds at once: one running, the rest staged (default 2; "
-        "1 disables staging, so every batch forms from the whole queue)",
+        help="batches a worker holds at once: one running, the rest staged (default: 1 on "
+        "a CPU, where every batch then forms from the whole queue; 2 on a GPU, which "
+        "then never waits for its next batch)",
     )
     p.add_argument(
         "--worker-endpoint",

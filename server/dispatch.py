@@ -4,7 +4,9 @@ Workers connect (DEALER) to one ROUTER socket and say READY with the models
 they may load; `load` asks one to load a model version (LOAD/LOADED) and
 `unload` drops a version everywhere. Batches are routed by the version key
 ("mlp@2") so that two versions can serve side by side while one drains.
-Each worker holds at most `credits` batches (one running, one staged);
+Each worker holds at most `credits` batches: by default one on a CPU (a
+staged batch would be formed early, small, and take CPU the frontend needs)
+and two on a GPU (one running, one staged, so the device never waits);
 `send` picks, round-robin, an idle worker first, then one with a free credit.
 The in-flight entry is written before the send. A worker that goes silent
 for LIVENESS heartbeats, whose process exits, or that holds a batch past its
@@ -63,6 +65,7 @@ class Worker:
     models: set[str] = field(default_factory=set)  # ModelConfig.key of each loaded version
     inflight: dict[int, Batch] = field(default_factory=dict)
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
+    credits: int = 1  # batches it may hold at once
 
     @property
     def name(self) -> str:
@@ -91,7 +94,7 @@ class Dispatcher:
         self,
         socket: zmq.asyncio.Socket,
         stats: Stats,
-        credits: int = 2,
+        credits: int | None = None,  # None: 1 per CPU worker, 2 per GPU worker
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._sock = socket
@@ -126,7 +129,7 @@ class Dispatcher:
         return sum(b.model.key == key for w in self._order for b in w.inflight.values())
 
     def _has_credit(self, w: Worker) -> bool:
-        return len(w.inflight) < self._credits and not w.exclusive
+        return len(w.inflight) < w.credits and not w.exclusive
 
     def capacity(self, key: str) -> Capacity:
         free = False
@@ -344,7 +347,8 @@ class Dispatcher:
                 wire.PROTOCOL_VERSION,
             )
             return
-        worker = Worker(identity, info, self._clock())
+        credits = self._credits or (1 if info.device == "cpu" else 2)
+        worker = Worker(identity, info, self._clock(), credits=credits)
         if self._stopping:  # it started up while we shut down: it missed the STOP
             self._send(worker, wire.pack(wire.Header(kind=wire.Header.STOP)))
             return

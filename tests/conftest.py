@@ -58,9 +58,12 @@ def gate(state_dir: Path) -> Iterator[Gate]:
 def test_server(
     state_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """A server over tests/models (gated, limited, echo) with one worker."""
+    """A server over tests/models (gated, limited, echo) with one worker, holding
+    two batches at once as GPU workers do, so staging runs under every test."""
     server = ServerProcess(
         TEST_MODELS,
+        "--credits-per-worker",
+        "2",
         log_dir=tmp_path_factory.mktemp("logs"),
         env={"BATCHD_TEST_DIR": str(state_dir)},
     ).start()
