@@ -4,6 +4,10 @@ worker, no model). It answers the metadata RPCs perf_analyzer needs for a
 model `echo` with INPUT0 FP32 [16] -> OUTPUT0 FP32 [16], max_batch_size 32.
 
     .venv/bin/python bench/echo_server.py --port 18100
+
+With `--mlp` it is the unbatched floor instead: a model `mlp` (INPUT0 FP32
+[512]) run inline, one request at a time, in the event loop on one torch
+thread (examples/models/mlp): no queue, no batching, no worker process.
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ import argparse
 import asyncio
 
 import grpc
+import numpy as np
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 
-TENSOR = {"datatype": "FP32", "shape": [-1, 16]}
+NAME, DIM = "echo", 16
+TENSOR = {"datatype": "FP32", "shape": [-1, DIM]}
+MODEL = None  # --mlp: the torch module run inline
 
 
 class Echo(pb_grpc.GRPCInferenceServiceServicer):
@@ -34,7 +41,7 @@ class Echo(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request, context):  # type: ignore[no-untyped-def]
         return pb.ModelMetadataResponse(
-            name="echo",
+            name=NAME,
             versions=["1"],
             platform="echo",
             inputs=[pb.TensorMetadata(name="INPUT0", **TENSOR)],
@@ -44,21 +51,28 @@ class Echo(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(self, request, context):  # type: ignore[no-untyped-def]
         return pb.ModelConfigResponse(
             config=pb.ModelConfig(
-                name="echo",
+                name=NAME,
                 platform="echo",
                 max_batch_size=32,
-                input=[pb.ModelInput(name="INPUT0", data_type=pb.TYPE_FP32, dims=[16])],
-                output=[pb.ModelOutput(name="OUTPUT0", data_type=pb.TYPE_FP32, dims=[16])],
+                input=[pb.ModelInput(name="INPUT0", data_type=pb.TYPE_FP32, dims=[DIM])],
+                output=[pb.ModelOutput(name="OUTPUT0", data_type=pb.TYPE_FP32, dims=[DIM])],
             )
         )
 
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
         t = request.inputs[0]
+        raw = request.raw_input_contents
+        if MODEL is not None:
+            import torch  # only --mlp pays for it
+
+            x = torch.from_numpy(np.frombuffer(raw[0], np.float32).reshape(list(t.shape)))
+            with torch.inference_mode():
+                raw = [MODEL(x).numpy().tobytes()]
         return pb.ModelInferResponse(
             model_name=request.model_name,
             id=request.id,
             outputs=[pb.InferOutputTensor(name="OUTPUT0", datatype=t.datatype, shape=t.shape)],
-            raw_output_contents=request.raw_input_contents,
+            raw_output_contents=raw,
         )
 
 
@@ -74,4 +88,17 @@ async def main(port: int) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=18100)
-    asyncio.run(main(p.parse_args().port))
+    p.add_argument("--mlp", action="store_true", help="serve examples' mlp inline, unbatched")
+    args = p.parse_args()
+    if args.mlp:
+        import sys
+
+        import torch
+
+        sys.path.insert(0, "examples/models/mlp")
+        from model import build  # type: ignore[import-not-found]
+
+        torch.set_num_threads(1)
+        NAME, DIM, MODEL = "mlp", 512, build()
+        TENSOR["shape"] = [-1, DIM]
+    asyncio.run(main(args.port))

@@ -2,8 +2,9 @@
 
 1. The echo ceiling: bench/echo_server.py (a bare grpc.aio server that answers
    ModelInfer with its input) under perf_analyzer at concurrency 32 and 64.
-2. The raw-model limit: examples' mlp called directly in torch, one thread,
-   at batch 1, 32 and 64 (rows/s).
+2. The unbatched floor: the same server running mlp inline, one request at
+   a time (what c=1 latency cannot beat). The raw-model limit: examples'
+   mlp called directly in torch, one thread, at batch 1, 32 and 64 (rows/s).
 3. batchd serving examples/models (one CPU worker, one torch thread, as
    ../shared/BENCH.md prescribes) under perf_analyzer: mlp at concurrency 1
    and 64, tiny at 32; the RSS of the frontend and its worker; then a
@@ -143,6 +144,9 @@ def main() -> None:
     print("echo ceiling ...", flush=True)
     with running([PY, "bench/echo_server.py", "--port", "18190"], 18190):
         r["echo"] = {c: perf_analyzer(pa, 18190, "echo", c, ms) for c in (1, 32, 64)}
+    print("unbatched floor ...", flush=True)
+    with running([PY, "bench/echo_server.py", "--port", "18193", "--mlp"], 18193):
+        r["unbatched_mlp"] = {c: perf_analyzer(pa, 18193, "mlp", c, ms) for c in (1, 64)}
     print("raw model ...", flush=True)
     r["raw_model_mlp_rows_s"] = raw_model()
 
@@ -175,6 +179,9 @@ def main() -> None:
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
         "tiny_c32_vs_echo_c32": round(r["tiny_c32"]["req_s"] / echo32, 3),
         "mlp_c64_vs_pytriton_1922": round(r["mlp_c64"]["req_s"] / 1922, 2),
+        "mlp_c1_p50_vs_unbatched": round(
+            r["mlp_c1"]["p50_ms"] / r["unbatched_mlp"][1]["p50_ms"], 2
+        ),
     }
     (args.out / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(r))
@@ -188,6 +195,7 @@ def markdown(r: dict) -> str:
         ("tiny c=32 req/s vs echo c=32", ratios["tiny_c32_vs_echo_c32"], "≥ 0.8"),
         ("mlp c=64 p99 ms", r["mlp_c64"]["p99_ms"], "< 40"),
         ("mlp c=1 p50 ms", r["mlp_c1"]["p50_ms"], "≤ 2"),
+        ("mlp c=1 p50 vs unbatched floor p50", ratios["mlp_c1_p50_vs_unbatched"], "—"),
         ("frontend + worker RSS MB", r["rss_after_load_mb"], "≤ 500"),
     ]
     lines = [
@@ -202,6 +210,7 @@ def markdown(r: dict) -> str:
     ]
     for label, m in [
         *((f"echo c={c}", r["echo"][c]) for c in r["echo"]),
+        *((f"unbatched grpc.aio + mlp c={c}", r["unbatched_mlp"][c]) for c in r["unbatched_mlp"]),
         ("batchd mlp c=1", r["mlp_c1"]),
         ("batchd mlp c=64", r["mlp_c64"]),
         ("batchd tiny c=32", r["tiny_c32"]),
