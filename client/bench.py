@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -83,6 +84,7 @@ def make_inputs(
 
 async def _drive(
     url: str,
+    conn: dict[str, Any],
     model: str,
     inputs: dict[str, Any],
     datatypes: dict[str, str],
@@ -96,16 +98,18 @@ async def _drive(
     # Built once and sent as is: the load generator spends its CPU on sending,
     # not on encoding the same tensors again (nor on decoding the answers).
     msg = build_request(model, inputs, datatypes=datatypes)
+    token = conn.get("token")
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     async def once(client: AsyncClient) -> None:
         start = time.monotonic()
         try:
-            await client.stub.ModelInfer(msg, timeout=30)
+            await client.stub.ModelInfer(msg, timeout=30, metadata=metadata)
             latencies.append(time.monotonic() - start)
         except grpc.RpcError as e:
             errors[e.code().name] += 1
 
-    async with AsyncClient(url) as client:
+    async with AsyncClient(url, **conn) as client:
         if mode == "concurrency":
 
             async def caller() -> None:
@@ -128,6 +132,7 @@ async def _drive(
 
 def _process(
     url: str,
+    conn: dict[str, Any],
     model: str,
     inputs: dict[str, Any],
     datatypes: dict[str, str],
@@ -136,7 +141,9 @@ def _process(
     seconds: float,
     out: Any,
 ) -> None:
-    latencies, errors = asyncio.run(_drive(url, model, inputs, datatypes, mode, load, seconds))
+    latencies, errors = asyncio.run(
+        _drive(url, conn, model, inputs, datatypes, mode, load, seconds)
+    )
     out.put((np.asarray(latencies, np.float64), dict(errors)))
 
 
@@ -159,12 +166,15 @@ def measure(args: argparse.Namespace, inputs: dict[str, Any], mode: str, load: f
     share = load / procs
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with Client(args.url) as client:
+    with Client(args.url, **connection(args)) as client:
         before = _server_batches(client, args.model)
         workers = [
             ctx.Process(
                 target=_process,
-                args=(args.url, args.model, inputs, args.datatype, mode, share, args.duration, out),
+                args=(
+                    *(args.url, connection(args), args.model, inputs, args.datatype),
+                    *(mode, share, args.duration, out),
+                ),
             )
             for _ in range(procs)
         ]
@@ -243,6 +253,18 @@ def plot(levels: Sequence[Level], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def connection(args: argparse.Namespace) -> dict[str, Any]:
+    """Client keyword arguments for the server's TLS and token settings."""
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    return {
+        "tls": args.tls,
+        "ca_cert": args.ca_cert,
+        "client_cert": args.client_cert,
+        "client_key": args.client_key,
+        "token": token,
+    }
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="batchd bench", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="127.0.0.1:8001")
@@ -266,6 +288,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="load processes (default one per 4 cores: on small machines more "
         "processes take CPU from the server under test)",
     )
+    sec = p.add_argument_group("a secured server (see README, Security)")
+    sec.add_argument("--tls", action="store_true", help="TLS, verified against the system's CAs")
+    sec.add_argument("--ca-cert", help="PEM CA to verify the server against (implies --tls)")
+    sec.add_argument("--client-cert", help="PEM client certificate (mutual TLS)")
+    sec.add_argument("--client-key", help="PEM key of --client-cert")
+    sec.add_argument("--token-file", help="file holding the bearer token to send")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="FILE.png", help="draw throughput and p99 against the load")
     p.add_argument("--quiet", action="store_true", help="no progress line")
@@ -292,7 +320,7 @@ def loads(args: argparse.Namespace) -> tuple[str, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mode, levels_to_run = loads(args)
-    with Client(args.url) as client:
+    with Client(args.url, **connection(args)) as client:
         meta = client.model_metadata(args.model)
     files = dict(item.split("=", 1) for item in args.input)
     inputs = make_inputs(meta, args.batch, args.dim, files)
