@@ -320,8 +320,12 @@ def loads(args: argparse.Namespace) -> tuple[str, list[float]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mode, levels_to_run = loads(args)
-    with Client(args.url, **connection(args)) as client:
-        meta = client.model_metadata(args.model)
+    try:
+        with Client(args.url, **connection(args)) as client:
+            meta = client.model_metadata(args.model)
+    except (BatchdClientError, OSError) as e:
+        print(f"batchd bench: {args.url}: {e}", file=sys.stderr)
+        return 2
     files = dict(item.split("=", 1) for item in args.input)
     inputs = make_inputs(meta, args.batch, args.dim, files)
     if args.warmup > 0:
