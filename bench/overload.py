@@ -26,9 +26,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
 import numpy as np
 
-from batchd.client import AsyncClient, BatchdClientError, Client
+from batchd.client import AsyncClient, Client
+from batchd.client.codec import build_request
+from batchd.protos import inference_pb2 as pb
 
 SLOW_PY = """
 import time
@@ -85,7 +88,14 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def closed_loop(url: str, model: str, x: np.ndarray, callers: int, seconds: float) -> float:
+def one_request(url: str, model: str, x: np.ndarray) -> pb.ModelInferRequest:
+    """Built once and sent as is, so the load generator's CPU goes to sending."""
+    with Client(url) as c:
+        name = c.model_metadata(model)["inputs"][0]["name"]
+    return build_request(model, {name: x})
+
+
+async def closed_loop(url: str, msg: pb.ModelInferRequest, callers: int, seconds: float) -> float:
     done = 0
     end = time.monotonic() + seconds
 
@@ -93,9 +103,9 @@ async def closed_loop(url: str, model: str, x: np.ndarray, callers: int, seconds
         nonlocal done
         while time.monotonic() < end:
             try:
-                await c.infer(model, x, timeout=10)
+                await c.stub.ModelInfer(msg, timeout=10)
                 done += 1
-            except BatchdClientError:
+            except grpc.RpcError:
                 pass
 
     async with AsyncClient(url) as c:
@@ -105,7 +115,7 @@ async def closed_loop(url: str, model: str, x: np.ndarray, callers: int, seconds
 
 
 async def open_loop(
-    url: str, model: str, x: np.ndarray, rate: float, seconds: float, server_pid: int
+    url: str, msg: pb.ModelInferRequest, rate: float, seconds: float, server_pid: int
 ) -> dict[str, object]:
     ok: list[float] = []
     rejected: list[float] = []
@@ -116,13 +126,13 @@ async def open_loop(
     async def one(c: AsyncClient) -> None:
         t = time.monotonic()
         try:
-            await c.infer(model, x, timeout=10)
+            await c.stub.ModelInfer(msg, timeout=10)
             ok.append(time.monotonic() - t)
-        except BatchdClientError as e:
-            if e.code.name == "RESOURCE_EXHAUSTED":
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 rejected.append(time.monotonic() - t)
             else:
-                errors[e.code.name] += 1
+                errors[e.code().name] += 1
 
     async def sample_rss(start: float) -> None:
         while True:
@@ -192,6 +202,8 @@ def main() -> None:
                 str(args.port),
                 "--log-level",
                 "WARNING",
+                "--metrics-port",
+                "-1",
             ]
         )
         url = f"127.0.0.1:{args.port}"
@@ -202,10 +214,10 @@ def main() -> None:
                     if time.monotonic() > end or server.poll() is not None:
                         sys.exit("server did not become ready")
                     time.sleep(0.1)
-            x = np.zeros((1, args.width), np.float32)
-            peak = asyncio.run(closed_loop(url, args.model, x, 32, 5.0))
+            msg = one_request(url, args.model, np.zeros((1, args.width), np.float32))
+            peak = asyncio.run(closed_loop(url, msg, 32, 5.0))
             result = asyncio.run(
-                open_loop(url, args.model, x, peak * args.overload, args.seconds, server.pid)
+                open_loop(url, msg, peak * args.overload, args.seconds, server.pid)
             )
         finally:
             server.terminate()
