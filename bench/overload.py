@@ -7,8 +7,9 @@ fixed rate whether or not earlier ones were answered, as real traffic does).
 2. Measure the closed-loop peak (32 callers, 5 s).
 3. Send at `--overload` x that peak for `--seconds`, open loop.
 4. Report accepted throughput vs the peak, latency of accepted requests,
-   latency of rejections (RESOURCE_EXHAUSTED), errors by code, and the RSS of
-   the frontend + its workers (peak, and its slope over the run).
+   latency of rejections (RESOURCE_EXHAUSTED) as the generator sees them and
+   the server's own time per failed request (ModelStatistics), errors by
+   code, and the RSS of the frontend + its workers (peak, and its slope).
 
     .venv/bin/python bench/overload.py --overload 4 --seconds 30
 """
@@ -32,6 +33,7 @@ import numpy as np
 from batchd.client import AsyncClient, Client
 from batchd.client.codec import build_request
 from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
 
 SLOW_PY = """
 import time
@@ -93,6 +95,16 @@ def one_request(url: str, model: str, x: np.ndarray) -> pb.ModelInferRequest:
     with Client(url) as c:
         name = c.model_metadata(model)["inputs"][0]["name"]
     return build_request(model, {name: x})
+
+
+def failures(url: str, model: str) -> tuple[int, int]:
+    """The server's own count of failed requests and their summed time in it (ns):
+    from the handler's start to its answer, without gRPC's transport."""
+    with grpc.insecure_channel(url) as ch:
+        stub = pb_grpc.GRPCInferenceServiceStub(ch)
+        stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=10)
+    fail = stats.model_stats[0].inference_stats.fail
+    return fail.count, fail.ns
 
 
 async def closed_loop(url: str, msg: pb.ModelInferRequest, callers: int, seconds: float) -> float:
@@ -216,9 +228,12 @@ def main() -> None:
                     time.sleep(0.1)
             msg = one_request(url, args.model, np.zeros((1, args.width), np.float32))
             peak = asyncio.run(closed_loop(url, msg, 32, 5.0))
+            count, ns = failures(url, args.model)
             result = asyncio.run(
                 open_loop(url, msg, peak * args.overload, args.seconds, server.pid)
             )
+            count, ns = (a - b for a, b in zip(failures(url, args.model), (count, ns), strict=True))
+            result["server_side_failure_mean_us"] = round(ns / count / 1e3, 1) if count else None
         finally:
             server.terminate()
             server.wait()

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from batchd.protos import wire
 from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
 from batchd.server.batching import Capacity, Send, Wait, decide
+from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import DeadlineExceeded, QueueFull
 from batchd.server.planner import Plan
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
+from batchd.server.stats import Stats
 
 IDLE = Capacity(idle_worker=True, free_credit=True)
 BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
@@ -249,3 +252,29 @@ def test_each_priority_level_has_its_own_queue_limit() -> None:
                 s.submit(low)
 
     run(body)
+
+
+class QuietEvents:
+    def pump(self) -> None: ...
+
+    def requeue(self, requests: list[Request]) -> None: ...
+
+    def workers_changed(self) -> None: ...
+
+    def worker_ready(self, worker: object) -> None: ...
+
+    def worker_lost(self, worker_id: str, reason: str) -> None: ...
+
+    def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
+
+
+@pytest.mark.parametrize(("credits", "expected"), [(None, [1, 2]), (3, [3, 3])])
+def test_cpu_workers_hold_one_batch_gpu_workers_two(
+    credits: int | None, expected: list[int]
+) -> None:
+    d = Dispatcher(None, Stats(), credits=credits)  # type: ignore[arg-type]  # sends nothing
+    d.attach(QuietEvents())
+    for name, device in (("a", "cpu"), ("b", "cuda:0")):
+        info = wire.WorkerInfo(worker_id=name, device=device, protocol=wire.PROTOCOL_VERSION)
+        d._on_message(name.encode(), wire.Header(kind=wire.Header.READY, worker=info), [])
+    assert [w.credits for w in d.workers()] == expected

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -202,3 +204,17 @@ def test_model_control_is_off_unless_enabled(tmp_path: Path, repo: Path) -> None
             assert y(c, "idle", 1.0) == 5.0
     finally:
         assert s.stop() == 0, s.log()
+
+
+def test_load_model_needs_explicit_model_control(repo: Path) -> None:
+    cmd = [sys.executable, "-m", "batchd.server", "--model-repository", str(repo)]
+    done = subprocess.run([*cmd, "--load-model", "idle"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "--load-model needs --model-control explicit" in done.stderr
+    done = subprocess.run(
+        [*cmd, "--model-control", "explicit", "--load-model", "nope"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "--load-model nope: not in" in done.stderr
