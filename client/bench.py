@@ -85,6 +85,7 @@ def make_inputs(
 async def _drive(
     url: str,
     conn: dict[str, Any],
+    connections: int,
     model: str,
     inputs: dict[str, Any],
     datatypes: dict[str, str],
@@ -109,30 +110,35 @@ async def _drive(
         except grpc.RpcError as e:
             errors[e.code().name] += 1
 
-    async with AsyncClient(url, **conn) as client:
+    clients = [AsyncClient(url, own_connection=True, **conn) for _ in range(max(1, connections))]
+    try:
         if mode == "concurrency":
 
-            async def caller() -> None:
+            async def caller(c: AsyncClient) -> None:
                 while time.monotonic() < end:
-                    await once(client)
+                    await once(c)
 
-            await asyncio.gather(*(caller() for _ in range(int(load))))
+            await asyncio.gather(*(caller(clients[k % len(clients)]) for k in range(int(load))))
         else:
             start, pending = time.monotonic(), set()
             for i in range(int(load * seconds)):
                 delay = start + i / load - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.ensure_future(once(client))
+                task = asyncio.ensure_future(once(clients[i % len(clients)]))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             await asyncio.gather(*pending)
+    finally:
+        for c in clients:
+            await c.close()
     return latencies, errors
 
 
 def _process(
     url: str,
     conn: dict[str, Any],
+    connections: int,
     model: str,
     inputs: dict[str, Any],
     datatypes: dict[str, str],
@@ -142,7 +148,7 @@ def _process(
     out: Any,
 ) -> None:
     latencies, errors = asyncio.run(
-        _drive(url, conn, model, inputs, datatypes, mode, load, seconds)
+        _drive(url, conn, connections, model, inputs, datatypes, mode, load, seconds)
     )
     out.put((np.asarray(latencies, np.float64), dict(errors)))
 
@@ -172,7 +178,8 @@ def measure(args: argparse.Namespace, inputs: dict[str, Any], mode: str, load: f
             ctx.Process(
                 target=_process,
                 args=(
-                    *(args.url, connection(args), args.model, inputs, args.datatype),
+                    *(args.url, connection(args), args.connections, args.model, inputs),
+                    args.datatype,
                     *(mode, share, args.duration, out),
                 ),
             )
@@ -287,6 +294,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=max(1, (os.cpu_count() or 1) // 4),
         help="load processes (default one per 4 cores: on small machines more "
         "processes take CPU from the server under test)",
+    )
+    p.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="TCP connections per load process (default 1; a server with --frontends N "
+        "spreads connections, not requests, over its processes)",
     )
     sec = p.add_argument_group("a secured server (see README, Security)")
     sec.add_argument("--tls", action="store_true", help="TLS, verified against the system's CAs")

@@ -10,6 +10,9 @@ Security options (keyword-only, both clients):
     client_cert=, client_key= a client certificate for mutual TLS (implies tls)
     token="..."               sends `authorization: Bearer <token>` with every call
 A PEM is bytes (the PEM itself) or a str / Path (a file holding it).
+own_connection=True gives the client a TCP connection of its own (by default
+gRPC shares one among a process's channels to the same server), which is what
+spreads load over the processes of `batchd serve --frontends N`.
 """
 
 from __future__ import annotations
@@ -70,10 +73,13 @@ def _pem(value: Pem | None) -> bytes | None:
     return Path(value).read_bytes()
 
 
-def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def _channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        # gRPC shares one connection among a process's channels to the same target
+        # unless told otherwise; a server with --frontends N balances connections.
+        ("grpc.use_local_subchannel_pool", int(own_connection)),
     ]
 
 
@@ -112,6 +118,7 @@ class _Base:
         max_message_bytes: int,
         retries: int,
         security: _Security,
+        own_connection: bool,
     ) -> None:
         self.url = url
         self._credentials = security.credentials()
@@ -119,7 +126,7 @@ class _Base:
         self.timeout = timeout
         self.retry = RetryPolicy(retries)
         self._rng = random.Random()
-        self._options = _channel_options(max_message_bytes)
+        self._options = _channel_options(max_message_bytes, own_connection)
         self._meta: dict[str, dict[str, Any]] = {}
 
     def _plan(self, timeout: float | None, retries: int | None) -> tuple[float | None, RetryPolicy]:
@@ -155,9 +162,10 @@ class Client(_Base):
         client_cert: Pem | None = None,
         client_key: Pem | None = None,
         token: str | None = None,
+        own_connection: bool = False,
     ) -> None:
         security = _Security(tls, ca_cert, client_cert, client_key, token)
-        super().__init__(url, timeout, max_message_bytes, retries, security)
+        super().__init__(url, timeout, max_message_bytes, retries, security, own_connection)
         self._channel = (
             grpc.insecure_channel(url, options=self._options)
             if self._credentials is None
@@ -273,9 +281,10 @@ class AsyncClient(_Base):
         client_cert: Pem | None = None,
         client_key: Pem | None = None,
         token: str | None = None,
+        own_connection: bool = False,
     ) -> None:
         security = _Security(tls, ca_cert, client_cert, client_key, token)
-        super().__init__(url, timeout, max_message_bytes, retries, security)
+        super().__init__(url, timeout, max_message_bytes, retries, security, own_connection)
         self._channel = (
             grpc.aio.insecure_channel(url, options=self._options)
             if self._credentials is None

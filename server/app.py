@@ -33,6 +33,7 @@ from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
 from batchd.server.control import IndexEntry, ModelControl
 from batchd.server.dispatch import Dispatcher, Worker
 from batchd.server.errors import Unavailable
+from batchd.server.frontends import Children, endpoints, watch_parent
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
@@ -58,6 +59,9 @@ class ServerConfig:
     metrics_port: int = 8002  # 0: a free port; negative: no metrics endpoint
     max_message_bytes: int = 64 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    frontends: int = 1  # gRPC frontend processes on the port (server/frontends.py)
+    frontend_index: int = 0  # 0: the first, which owns the workers and the other frontends
+    argv: tuple[str, ...] = ()  # the serve arguments, for starting frontends 1..N-1
     model_control: str = "none"  # or "explicit": RepositoryModelLoad/Unload allowed
     load_models: tuple[str, ...] = ()  # explicit mode: what to load at start ("*": all)
     log_level: str = "INFO"
@@ -157,7 +161,7 @@ def _grpc_server(
     options = [
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
         ("grpc.max_send_message_length", cfg.max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(cfg.frontends > 1)),
     ]
     more_options, interceptors = grpc_options(cfg.security)
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
@@ -197,7 +201,7 @@ def _build(
     cfg: ServerConfig,
     repository: dict[str, ModelConfig],
     router: zmq.asyncio.Socket,
-    endpoint: str,
+    endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
     stats = Stats()
     dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
@@ -259,9 +263,27 @@ def _models_at_start(
     return {n: repository[n] for n in cfg.load_models}
 
 
-async def _shutdown(cfg: ServerConfig, p: _Parts) -> None:
-    """Refuse new work, drain the admitted, answer leftovers, then stop workers."""
+def _check_frontends(cfg: ServerConfig) -> None:
+    if cfg.frontends < 2 or cfg.frontend_index:
+        return
+    problem = (
+        "--model-control explicit (each frontend would load its own versions)"
+        if cfg.model_control == "explicit"
+        else "--worker-endpoint (frontends use private ipc:// endpoints)"
+        if cfg.worker_endpoint
+        else "--no-local-workers (the first frontend starts the workers)"
+        if not cfg.local_workers
+        else None
+    )
+    if problem:
+        raise ConfigError(f"--frontends {cfg.frontends} does not work with {problem}")
+
+
+async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> None:
+    """Refuse new work, drain the admitted, answer leftovers, then stop workers
+    (after the other frontends, which need them to drain)."""
     log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
+    others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
     p.service.draining = True  # readiness and health say so at once
     p.wiring.changed.set()
     await p.health.enter_graceful_shutdown()
@@ -272,8 +294,12 @@ async def _shutdown(cfg: ServerConfig, p: _Parts) -> None:
     p.scheduler.fail_all(stopped)
     p.dispatcher.fail_inflight(stopped)
     await p.server.stop(grace=1.0)
-    p.dispatcher.stop_workers()
+    if others is not None:
+        await others
+    if cfg.frontend_index == 0:  # the others share its workers
+        p.dispatcher.stop_workers()
     await p.supervisor.stop()
+    log.info("answered %d inference request(s)", p.service.answered)
 
 
 async def serve(cfg: ServerConfig) -> None:
@@ -286,8 +312,11 @@ async def serve(cfg: ServerConfig) -> None:
         "; model control explicit" if cfg.model_control == "explicit" else "",
     )
     worker_auth = preflight(cfg.security, cfg.worker_endpoint)
+    _check_frontends(cfg)
     with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:
-        endpoint = cfg.worker_endpoint or f"ipc://{tmp}/workers.sock"
+        every = endpoints(tmp, cfg.frontends) if cfg.frontend_index == 0 else []
+        endpoint = cfg.worker_endpoint or every[0]
+        children = Children(cfg.argv, every) if len(every) > 1 else None
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -295,14 +324,15 @@ async def serve(cfg: ServerConfig) -> None:
         if worker_auth is not None:
             worker_auth.start(ctx, router)
         router.bind(endpoint)
-        p = _build(cfg, repository, router, endpoint)
+        p = _build(cfg, repository, router, ",".join(every) or endpoint)
         await p.server.start()
         log.info(
-            "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)",
+            "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
             cfg.host,
             p.port,
             endpoint,
             len(p.supervisor.specs),
+            f"; frontend {cfg.frontend_index} of {cfg.frontends}" if cfg.frontends > 1 else "",
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -318,6 +348,10 @@ async def serve(cfg: ServerConfig) -> None:
                         name="health",
                     ),
                 ]
+                if children is not None:
+                    tasks.append(tg.create_task(children.run(p.port), name="frontends"))
+                if cfg.frontend_index:
+                    tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
                 if cfg.metrics_port >= 0:
                     tasks.append(
                         tg.create_task(
@@ -325,7 +359,7 @@ async def serve(cfg: ServerConfig) -> None:
                         )
                     )
                 await stop.wait()
-                await _shutdown(cfg, p)
+                await _shutdown(cfg, p, children)
                 for t in tasks:
                     t.cancel()
         finally:

@@ -56,6 +56,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
         help="start no workers; wait for `batchd worker --connect`",
     )
     p.add_argument(
+        "--frontends",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gRPC frontend processes sharing the port (SO_REUSEPORT) in front of the same "
+        "workers, for when one event loop is the ceiling (default 1)",
+    )
+    p.add_argument("--frontend-index", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument(
         "--model-control",
         default="none",
         choices=["none", "explicit"],
@@ -151,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also load every model on the CPU and run a batch of zeros",
     )
-    args, rest = parser.parse_known_args(argv)
+    raw = sys.argv[1:] if argv is None else argv
+    args, rest = parser.parse_known_args(raw)
     if args.command in ("worker", "bench"):
         # Their own interpreters: the frontend never imports torch, nor the client.
         module = "batchd.worker" if args.command == "worker" else "batchd.client.bench"
@@ -178,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         metrics_port=args.metrics_port,
+        frontends=args.frontends,
+        frontend_index=args.frontend_index,
+        argv=tuple(raw[1:]),  # without "serve"
         model_control=args.model_control,
         load_models=tuple(args.load_model),
         security=security.from_args(args),

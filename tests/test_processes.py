@@ -3,6 +3,8 @@ clean shutdown, and every datatype through real worker processes."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import signal
 import socket
 import subprocess
@@ -14,13 +16,14 @@ import numpy as np
 import pytest
 
 from batchd.client import Client
-from batchd.client.codec import parse_response
+from batchd.client.codec import build_request, parse_response
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import to_raw
 from tests.servers import EXAMPLES, ServerProcess, alive, wait_for
 from tests.test_contracts import SAMPLES
+from tests.test_control import make_model
 
 
 def free_port() -> int:
@@ -138,3 +141,36 @@ def test_models_check_reports_each_model(tmp_path: Path) -> None:
     assert check.returncode == 1, check.stdout + check.stderr
     assert "1 ok, 1 failed" in check.stdout
     assert "output 'Y': expected shape [2, 3], the model returned [2, 1]" in check.stdout
+
+
+def test_frontends_share_the_port_and_the_workers(tmp_path: Path) -> None:
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    try:
+        children = server.worker_pids()  # the worker and frontend 1
+        assert len(children) == 2
+        wait_for(lambda: server.log().count("model scaled is ready") == 2, 60, "both frontends")
+
+        async def caller(k: int) -> list[float]:
+            # A connection of its own: channels in one process otherwise share one.
+            options = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(server.url, options=options) as ch:
+                stub = pb_grpc.GRPCInferenceServiceStub(ch)
+                outs = []
+                for i in range(5):
+                    msg = build_request("scaled", {"X": np.array([[k * 10 + i]], np.float32)})
+                    reply = parse_response(await stub.ModelInfer(msg, timeout=20))
+                    outs.append(float(reply["Y"][0, 0]))
+                return outs
+
+        async def callers() -> list[list[float]]:
+            return await asyncio.gather(*(caller(k) for k in range(16)))
+
+        results = asyncio.run(callers())
+        assert results == [[2.0 * (k * 10 + i) for i in range(5)] for k in range(16)]
+    finally:
+        assert server.stop() == 0, server.log()
+    answered = [int(n) for n in re.findall(r"answered (\d+) inference request", server.log())]
+    assert len(answered) == 2 and sum(answered) == 80
+    assert min(answered) > 0  # the kernel spread the 16 connections over both frontends
+    assert not any(alive(p) for p in children)

@@ -1,6 +1,8 @@
 """The worker process: one I/O thread and one compute thread.
 
-The I/O thread (main) owns the DEALER socket: it registers (READY), sends
+The I/O thread (main) owns the DEALER sockets, one per frontend it serves
+(`--connect` takes a comma-separated list: `batchd serve --frontends N`
+runs N frontend processes in front of the same workers): it registers (READY), sends
 and checks heartbeats, hands batches, loads and unloads to the compute thread
 and forwards its replies. The compute thread loads and runs the models, in
 the order the frontend asked; it talks back over an inproc PAIR socket, so no
@@ -35,13 +37,14 @@ from batchd.worker.loader import ModelFn, load_model
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
+_BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 
 
 @dataclass(frozen=True)
 class WorkerOptions:
     worker_id: str
-    endpoint: str
+    endpoint: str  # one frontend, or several separated by commas
     device: torch.device
     repository: Path
     allowed: tuple[str, ...] = ()  # models it may load; empty: any in the repository
@@ -53,7 +56,10 @@ class Worker:
     def __init__(self, options: WorkerOptions) -> None:
         self.options = options
         self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # by ModelConfig.key
-        self._work: queue.SimpleQueue[tuple[wire.Header, list[Any]] | None] = queue.SimpleQueue()
+        # (index of the frontend that sent it, header, frames)
+        self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None] = (
+            queue.SimpleQueue()
+        )
         self._stop = threading.Event()
 
     # ---- compute thread ----
@@ -63,13 +69,14 @@ class Worker:
         out.connect(_RESULTS)
         try:
             while (item := self._work.get()) is not None:
-                header, frames = item
+                frontend, header, frames = item
+                to = bytes([frontend])  # the I/O thread sends the reply back there
                 if header.kind == wire.Header.LOAD:
-                    out.send_multipart(self._load(header))
+                    out.send_multipart([to, *self._load(header)])
                 elif header.kind == wire.Header.UNLOAD:
                     self._unload(header)
                 else:
-                    out.send_multipart(self._run(header, frames), copy=False)
+                    out.send_multipart([to, *self._run(header, frames)], copy=False)
         finally:
             out.close(linger=0)
 
@@ -154,18 +161,21 @@ class Worker:
 
     def serve(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.IDENTITY, self.options.worker_id.encode())
-        dealer.setsockopt(zmq.LINGER, 2000)
-        if self.options.keys is not None:
-            keys.make_curve_client(dealer, self.options.keys)
+        dealers = []
+        for endpoint in self.options.endpoint.split(","):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, self.options.worker_id.encode())
+            dealer.setsockopt(zmq.LINGER, 2000)
+            if self.options.keys is not None:
+                keys.make_curve_client(dealer, self.options.keys)
+            dealer.connect(endpoint)
+            dealers.append(dealer)
         results = ctx.socket(zmq.PAIR)
         results.bind(_RESULTS)
-        dealer.connect(self.options.endpoint)
         compute = threading.Thread(target=self._compute, args=(ctx,), name="compute", daemon=True)
         compute.start()
         try:
-            self._loop(dealer, results)
+            self._loop(dealers, results)
         finally:
             self._work.put(None)
             compute.join(timeout=STOP_GRACE_S)
@@ -177,52 +187,72 @@ class Worker:
                 )
                 os._exit(3)
             results.close(linger=0)
-            dealer.close()
+            for dealer in dealers:
+                dealer.close()
             ctx.term()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _loop(self, dealer: zmq.Socket[Any], results: zmq.Socket[Any]) -> None:
+    def _loop(self, dealers: list[zmq.Socket[Any]], results: zmq.Socket[Any]) -> None:
         poller = zmq.Poller()
-        poller.register(dealer, zmq.POLLIN)
+        for dealer in dealers:
+            poller.register(dealer, zmq.POLLIN)
         poller.register(results, zmq.POLLIN)
-        beat = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
+        for dealer in dealers:
+            dealer.send_multipart(self._ready())
+        io = _IO(heard=[time.monotonic()] * len(dealers))
         interval = wire.HEARTBEAT_INTERVAL_S
-        dealer.send_multipart(self._ready())
-        heard = next_beat = time.monotonic()
-        pending = 0  # batches and loads handed to the compute thread, not yet answered
-        stopping = False
-        stop_at = 0.0
-        while not (stopping and pending == 0) and not self._stop.is_set():
+        while not (io.stopping and io.pending == 0) and not self._stop.is_set():
             events = dict(poller.poll(timeout=int(interval * 1000 / 2)))
             now = time.monotonic()
             if results in events:
-                dealer.send_multipart(results.recv_multipart(copy=False), copy=False)
-                pending -= 1
-            if dealer in events:
-                header, frames = wire.unpack(dealer.recv_multipart(copy=False))
-                heard = now
-                if header.kind in (wire.Header.BATCH, wire.Header.LOAD) and not stopping:
-                    self._work.put((header, frames))
-                    pending += 1
-                elif header.kind == wire.Header.UNLOAD:
-                    self._work.put((header, frames))
-                elif header.kind == wire.Header.STOP:
-                    log.info("worker %s: STOP received", self.options.worker_id)
-                    stopping, stop_at = True, now
-            if now >= next_beat:
-                dealer.send_multipart(beat)
-                next_beat = now + interval
-            if now - heard > interval * wire.LIVENESS:
-                # The frontend is gone or forgot us: register again; it requeued our batches.
-                dealer.send_multipart(self._ready())
-                heard = now
-            if stopping and now - stop_at > STOP_GRACE_S:
+                to, *reply = results.recv_multipart(copy=False)
+                dealers[to.bytes[0]].send_multipart(reply, copy=False)
+                io.pending -= 1
+            for i, dealer in enumerate(dealers):
+                if dealer in events:
+                    io.heard[i] = now
+                    self._from_frontend(io, i, *wire.unpack(dealer.recv_multipart(copy=False)))
+            self._keep_alive(io, dealers, now)
+            if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return  # the batch at hand will not finish: serve() leaves without it
             if self._parent_gone():
                 log.warning("worker %s: parent process exited; stopping", self.options.worker_id)
                 return
+
+    def _keep_alive(self, io: _IO, dealers: list[zmq.Socket[Any]], now: float) -> None:
+        interval = wire.HEARTBEAT_INTERVAL_S
+        if now >= io.next_beat:
+            for dealer in dealers:
+                dealer.send_multipart(_BEAT)
+            io.next_beat = now + interval
+        for i, dealer in enumerate(dealers):
+            if now - io.heard[i] > interval * wire.LIVENESS:
+                # That frontend is gone or forgot us: register again; it requeued our batches.
+                dealer.send_multipart(self._ready())
+                io.heard[i] = now
+
+    def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
+        if header.kind in (wire.Header.BATCH, wire.Header.LOAD) and not io.stopping:
+            self._work.put((i, header, frames))
+            io.pending += 1
+        elif header.kind == wire.Header.UNLOAD:
+            self._work.put((i, header, frames))
+        elif header.kind == wire.Header.STOP:
+            log.info("worker %s: STOP received", self.options.worker_id)
+            io.stopping, io.stop_at = True, time.monotonic()
+
+
+@dataclass
+class _IO:
+    """The I/O thread's own state."""
+
+    heard: list[float]  # when each frontend was last heard from
+    next_beat: float = 0.0
+    pending: int = 0  # batches and loads handed to the compute thread, not yet answered
+    stopping: bool = False  # STOP came: finish what is pending, take nothing new
+    stop_at: float = 0.0
 
 
 def install_signal_handlers(worker: Worker) -> None:

@@ -1,0 +1,98 @@
+"""`--frontends N`: more gRPC frontend processes on the same port, in front of
+the same workers, for when one event loop is the ceiling.
+
+Every frontend binds the gRPC port with SO_REUSEPORT, so the kernel spreads
+client connections across them; each runs the whole frontend (validation,
+queues, batching, dispatch) on its own ZeroMQ endpoint, and every worker
+connects to all of them (`--connect ep0,ep1,...`) and answers each on its
+own socket. A worker serves one batch at a time from any frontend, in the
+order they came; each frontend batches the requests it received.
+
+The first process (index 0) owns the workers and the children: it starts
+frontends 1..N-1 with its own arguments, restarts one that dies, and on
+shutdown tells them to drain first, then stops the workers. A child exits
+if the first process goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+log = logging.getLogger("batchd.server")
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
+
+
+def endpoints(tmp: str, count: int) -> list[str]:
+    """The private ipc:// endpoint of each frontend, index 0 first."""
+    return [f"ipc://{tmp}/workers.sock"] + [
+        f"ipc://{tmp}/workers-{i}.sock" for i in range(1, count)
+    ]
+
+
+class Children:
+    """Frontends 1..N-1, started and kept running by frontend 0."""
+
+    def __init__(self, argv: Sequence[str], endpoints: Sequence[str]) -> None:
+        self._argv = list(argv)
+        self._endpoints = list(endpoints)
+        self._procs: dict[int, asyncio.subprocess.Process] = {}
+        self._stopping = False
+
+    def _command(self, i: int, port: int) -> list[str]:
+        return [
+            *(sys.executable, "-m", "batchd.server", *self._argv),
+            *("--grpc-port", str(port), "--metrics-port", "-1", "--no-local-workers"),
+            *("--worker-endpoint", self._endpoints[i], "--frontend-index", str(i)),
+        ]
+
+    async def run(self, port: int) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for i in range(1, len(self._endpoints)):
+                tg.create_task(self._keep_running(i, port), name=f"frontend-{i}")
+
+    async def _keep_running(self, i: int, port: int) -> None:
+        backoff = BACKOFF_FIRST_S
+        while not self._stopping:
+            proc = await asyncio.create_subprocess_exec(*self._command(i, port))
+            self._procs[i] = proc
+            log.info("started frontend %d (pid %d)", i, proc.pid)
+            code = await proc.wait()
+            if self._stopping:
+                return
+            log.warning("frontend %d exited with code %s; restarting in %.1f s", i, code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def stop(self, timeout_s: float) -> None:
+        """SIGTERM every child (each drains as this process does); wait, then kill."""
+        self._stopping = True
+        procs = [p for p in self._procs.values() if p.returncode is None]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout_s)
+        except TimeoutError:
+            for p in procs:
+                if p.returncode is None:
+                    log.error(
+                        "frontend pid %d did not stop in %.0f s; killing it", p.pid, timeout_s
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+
+
+async def watch_parent(parent: int, stop: asyncio.Event) -> None:
+    """A child frontend stops (draining) when the process that started it is gone."""
+    while True:
+        await asyncio.sleep(0.5)
+        if os.getppid() != parent:
+            break
+    log.warning("frontend 0 (pid %d) is gone; stopping", parent)
+    stop.set()
