@@ -29,7 +29,7 @@ from batchd.server.auth import TokenAuth, load_tokens
 from batchd.server.codec import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger("batchd.server")
-DEFAULT_MAX_CONCURRENT_STREAMS = 1024
+DEFAULT_MAX_CONCURRENT_STREAMS = 4096  # above: REFUSED_STREAM, UNAVAILABLE to the client
 
 
 @dataclass(frozen=True)
