@@ -113,21 +113,31 @@ def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
 class _Base:
     def __init__(
         self,
-        url: str,
-        timeout: float | None,
-        max_message_bytes: int,
-        retries: int,
-        security: _Security,
-        own_connection: bool,
+        url: str = "127.0.0.1:8001",
+        *,
+        timeout: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        retries: int = 0,
+        tls: bool = False,
+        ca_cert: Pem | None = None,
+        client_cert: Pem | None = None,
+        client_key: Pem | None = None,
+        token: str | None = None,
+        own_connection: bool = False,
     ) -> None:
+        security = _Security(tls, ca_cert, client_cert, client_key, token)
         self.url = url
-        self._credentials = security.credentials()
         self._call_kwargs = security.call_kwargs()
         self.timeout = timeout
         self.retry = RetryPolicy(retries)
         self._rng = random.Random()
         self._options = _channel_options(max_message_bytes, own_connection)
         self._meta: dict[str, dict[str, Any]] = {}
+        self._channel = self._open(url, security.credentials())
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+
+    def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> Any:
+        raise NotImplementedError  # a blocking or an asyncio channel
 
     def _plan(self, timeout: float | None, retries: int | None) -> tuple[float | None, RetryPolicy]:
         """The call's absolute deadline (monotonic) and its retry policy."""
@@ -150,28 +160,10 @@ def _remaining(deadline: float | None) -> float | None:
 class Client(_Base):
     """A blocking client. Thread-safe; reuse one per process."""
 
-    def __init__(
-        self,
-        url: str = "127.0.0.1:8001",
-        *,
-        timeout: float | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        retries: int = 0,
-        tls: bool = False,
-        ca_cert: Pem | None = None,
-        client_cert: Pem | None = None,
-        client_key: Pem | None = None,
-        token: str | None = None,
-        own_connection: bool = False,
-    ) -> None:
-        security = _Security(tls, ca_cert, client_cert, client_key, token)
-        super().__init__(url, timeout, max_message_bytes, retries, security, own_connection)
-        self._channel = (
-            grpc.insecure_channel(url, options=self._options)
-            if self._credentials is None
-            else grpc.secure_channel(url, self._credentials, options=self._options)
-        )
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+    def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+        if credentials is None:
+            return grpc.insecure_channel(url, options=self._options)
+        return grpc.secure_channel(url, credentials, options=self._options)
 
     def _call(
         self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
@@ -269,28 +261,10 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The asyncio twin of Client, over grpc.aio; same methods, awaited."""
 
-    def __init__(
-        self,
-        url: str = "127.0.0.1:8001",
-        *,
-        timeout: float | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        retries: int = 0,
-        tls: bool = False,
-        ca_cert: Pem | None = None,
-        client_cert: Pem | None = None,
-        client_key: Pem | None = None,
-        token: str | None = None,
-        own_connection: bool = False,
-    ) -> None:
-        security = _Security(tls, ca_cert, client_cert, client_key, token)
-        super().__init__(url, timeout, max_message_bytes, retries, security, own_connection)
-        self._channel = (
-            grpc.aio.insecure_channel(url, options=self._options)
-            if self._credentials is None
-            else grpc.aio.secure_channel(url, self._credentials, options=self._options)
-        )
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+    def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+        if credentials is None:
+            return grpc.aio.insecure_channel(url, options=self._options)
+        return grpc.aio.secure_channel(url, credentials, options=self._options)
 
     @property
     def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
