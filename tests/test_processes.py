@@ -174,3 +174,14 @@ def test_frontends_share_the_port_and_the_workers(tmp_path: Path) -> None:
     assert len(answered) == 2 and sum(answered) == 80
     assert min(answered) > 0  # the kernel spread the 16 connections over both frontends
     assert not any(alive(p) for p in children)
+
+
+def test_frontends_refuse_what_they_cannot_share(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "batchd.server", "--model-repository", str(EXAMPLES)]
+    for extra, why in [
+        (["--model-control", "explicit"], "--model-control explicit"),
+        (["--no-local-workers"], "--no-local-workers"),
+    ]:
+        done = subprocess.run([*cmd, "--frontends", "2", *extra], capture_output=True, text=True)
+        assert done.returncode == 2
+        assert f"--frontends 2 does not work with {why}" in done.stderr
