@@ -144,7 +144,7 @@ async def open_loop(
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 rejected.append(time.monotonic() - t)
             else:
-                errors[e.code().name] += 1
+                errors[f"{e.code().name}: {(e.details() or '')[:80]}"] += 1
 
     async def sample_rss(start: float) -> None:
         while True:
