@@ -31,7 +31,7 @@ from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
 from batchd.server.control import IndexEntry, ModelControl
-from batchd.server.dispatch import Dispatcher, Worker
+from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
@@ -41,6 +41,7 @@ from batchd.server.security import SecurityConfig, grpc_options, listen, preflig
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Supervisor, WorkerSpec, detect_devices, plan_workers
+from batchd.server.workers import Worker
 
 log = logging.getLogger("batchd.server")
 

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchd.protos.model_config import ConfigError, ModelConfig, find_model, load_model_config
-from batchd.server.dispatch import Dispatcher, Worker
+from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable
 from batchd.server.scheduler import Scheduler
+from batchd.server.workers import Worker
 
 log = logging.getLogger("batchd.control")
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness

@@ -21,8 +21,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -35,58 +34,11 @@ from batchd.server.batchio import join_inputs, split_outputs
 from batchd.server.errors import ModelFailed
 from batchd.server.request import Request
 from batchd.server.stats import Stats
+from batchd.server.workers import Batch, Events, Worker
 
 log = logging.getLogger("batchd.dispatch")
 MAX_ATTEMPTS = 2  # a request rides on at most two batches that lose their worker
 NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
-
-
-class Events(Protocol):
-    """What the dispatcher tells the rest of the frontend."""
-
-    def pump(self) -> None: ...  # capacity changed
-
-    def requeue(self, requests: list[Request]) -> None: ...  # a lost batch comes back
-
-    def workers_changed(self) -> None: ...  # readiness may have changed
-
-    def worker_ready(self, worker: Worker) -> None: ...  # a worker registered: load its models
-
-    def worker_lost(self, worker_id: str, reason: str) -> None: ...  # e.g. kill a hung process
-
-    def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
-
-
-@dataclass(eq=False)
-class Worker:
-    identity: bytes
-    info: wire.WorkerInfo
-    last_seen: float
-    models: set[str] = field(default_factory=set)  # ModelConfig.key of each loaded version
-    inflight: dict[int, Batch] = field(default_factory=dict)
-    loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
-    credits: int = 1  # batches it may hold at once
-
-    @property
-    def name(self) -> str:
-        return self.info.worker_id
-
-    def accepts(self, model: str) -> bool:
-        return not self.info.models or model in self.info.models
-
-    @property
-    def exclusive(self) -> bool:
-        """It runs a suspect: no other batch may be staged beside it."""
-        return any(b.suspect for b in self.inflight.values())
-
-
-@dataclass(eq=False, slots=True)
-class Batch:
-    id: int
-    model: ModelConfig
-    requests: list[Request]
-    sent_at: float
-    suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
 
 
 class Dispatcher:

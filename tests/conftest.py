@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.certs import make_certs, write_tokens
 from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
 
 
@@ -95,3 +97,16 @@ def example_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     server = ServerProcess(EXAMPLES, log_dir=tmp_path_factory.mktemp("logs"), workers=2).start()
     yield server
     assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server and a client certificate it signed, and a stranger's (tests/certs.py)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI")
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tokens(tmp_path_factory.mktemp("tokens") / "tokens")
