@@ -27,9 +27,10 @@ from batchd.protos import keys
 from batchd.protos.model_config import ConfigError
 from batchd.server.auth import TokenAuth, load_tokens
 from batchd.server.codec import DEFAULT_LIMITS, Limits
+from batchd.server.streams import StreamLimit
 
 log = logging.getLogger("batchd.server")
-DEFAULT_MAX_CONCURRENT_STREAMS = 4096  # above: REFUSED_STREAM, UNAVAILABLE to the client
+DEFAULT_MAX_CONCURRENT_STREAMS = 4096  # RPCs open per connection; above: RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -121,10 +122,11 @@ def _credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
 
 def grpc_options(cfg: SecurityConfig) -> tuple[list[tuple[str, Any]], list[Any]]:
     """Channel options and interceptors of the gRPC server."""
-    interceptors = (
+    interceptors: list[Any] = (
         [] if cfg.auth_token_file is None else [TokenAuth(load_tokens(cfg.auth_token_file))]
     )
-    return [("grpc.max_concurrent_streams", cfg.max_concurrent_streams)], interceptors
+    interceptors.append(StreamLimit(cfg.max_concurrent_streams))
+    return [], interceptors
 
 
 def _loopback(host: str) -> bool:

@@ -326,12 +326,12 @@ def test_message_size_limit() -> None:
 
 @_with(max_concurrent_streams=1)
 def test_max_concurrent_streams(grpc_server: GrpcServer) -> None:
-    """A connection holding its one stream makes its next call wait; another connection
-    is served."""
+    """A connection holding its one stream gets RESOURCE_EXHAUSTED for the next call,
+    naming the limit; another connection is served, and so is this one once free."""
     own = [("grpc.use_local_subchannel_pool", 1)]  # each channel a connection of its own
     with grpc.insecure_channel(grpc_server.url, options=own) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live  # settings known
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
         held = threading.Event()
 
         def requests() -> Iterator[pb.ModelInferRequest]:
@@ -341,10 +341,12 @@ def test_max_concurrent_streams(grpc_server: GrpcServer) -> None:
         stream = stub.ModelStreamInfer(requests())
         assert "unknown model" in next(stream).error_message  # the stream is open
         with pytest.raises(grpc.RpcError) as rpc:
-            stub.ServerLive(pb.ServerLiveRequest(), timeout=0.5)
-        assert rpc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-concurrent-streams 1" in (rpc.value.details() or "")
         with grpc.insecure_channel(grpc_server.url, options=own) as other:
             live = pb_grpc.GRPCInferenceServiceStub(other).ServerLive
             assert live(pb.ServerLiveRequest(), timeout=10).live
         held.set()
         assert list(stream) == []
+        assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live  # its count went back
