@@ -214,7 +214,13 @@ def _build(
     models = control.current
     wiring = _Wiring(dispatcher, scheduler, control)
     dispatcher.attach(wiring)
-    service = InferenceService(models, wiring, stats, limits=cfg.security.limits)
+    service = InferenceService(
+        models,
+        wiring,
+        stats,
+        limits=cfg.security.limits,
+        calls_per_connection=cfg.security.max_concurrent_streams,
+    )
     health = HealthServicer()
     server, port = _grpc_server(cfg, service, health)
     specs: list[WorkerSpec] = []

@@ -4,6 +4,7 @@
     ├── ModelNotFound            NOT_FOUND
     ├── InvalidInput             INVALID_ARGUMENT
     ├── QueueFull                RESOURCE_EXHAUSTED  + grpc-retry-pushback-ms
+    ├── TooManyCalls             RESOURCE_EXHAUSTED  (--max-concurrent-streams)
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
     ├── NotAllowed               FAILED_PRECONDITION
@@ -50,6 +51,11 @@ class QueueFull(BatchdError):
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         return (("grpc-retry-pushback-ms", str(self.retry_after_ms)),)
+
+
+class TooManyCalls(BatchdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "too_many_calls"
 
 
 class DeadlineExceeded(BatchdError):

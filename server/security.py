@@ -27,10 +27,9 @@ from batchd.protos import keys
 from batchd.protos.model_config import ConfigError
 from batchd.server.auth import TokenAuth, load_tokens
 from batchd.server.codec import DEFAULT_LIMITS, Limits
-from batchd.server.streams import StreamLimit
+from batchd.server.streams import DEFAULT_MAX_CONCURRENT_STREAMS
 
 log = logging.getLogger("batchd.server")
-DEFAULT_MAX_CONCURRENT_STREAMS = 4096  # RPCs open per connection; above: RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,6 @@ def grpc_options(cfg: SecurityConfig) -> tuple[list[tuple[str, Any]], list[Any]]
     interceptors: list[Any] = (
         [] if cfg.auth_token_file is None else [TokenAuth(load_tokens(cfg.auth_token_file))]
     )
-    interceptors.append(StreamLimit(cfg.max_concurrent_streams))
     return [], interceptors
 
 

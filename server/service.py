@@ -25,6 +25,7 @@ from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import BatchdError, InvalidInput, ModelNotFound, Unavailable
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
+from batchd.server.streams import DEFAULT_MAX_CONCURRENT_STREAMS, OpenCalls
 
 T = TypeVar("T")
 EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
@@ -50,8 +51,13 @@ class Core(Protocol):
 def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | None]]:
     @wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T | None:
+        peer: str = context.peer()
         try:
-            return await method(self, request, context)
+            self._calls.enter(peer)
+            try:
+                return await method(self, request, context)
+            finally:
+                self._calls.leave(peer)
         except BatchdError as e:
             # Setting the status and returning nothing costs a fraction of abort(),
             # which raises through grpc's machinery: rejections stay cheap in overload.
@@ -72,8 +78,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         stats: Stats,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits = DEFAULT_LIMITS,
+        calls_per_connection: int = DEFAULT_MAX_CONCURRENT_STREAMS,
     ) -> None:
         self._limits = limits
+        self._calls = OpenCalls(calls_per_connection)
         self._models = models
         self._core = core
         self._stats = stats
@@ -145,6 +153,20 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        peer: str = context.peer()
+        try:
+            self._calls.enter(peer)
+        except BatchdError as e:
+            await context.abort(e.code, e.message)
+        try:
+            async for out in self._stream(request_iterator):
+                yield out
+        finally:
+            self._calls.leave(peer)
+
+    async def _stream(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest]
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
         window = asyncio.Semaphore(STREAM_WINDOW)

@@ -83,7 +83,13 @@ class GrpcServer:
     async def _start(self, security: SecurityConfig) -> int:
         cfg = ServerConfig(model_repository=EXAMPLES, grpc_port=0, security=security)
         models = load_repository(EXAMPLES)
-        service = InferenceService(models, _NoWorkers(), Stats(), limits=security.limits)
+        service = InferenceService(
+            models,
+            _NoWorkers(),
+            Stats(),
+            limits=security.limits,
+            calls_per_connection=security.max_concurrent_streams,
+        )
         health = HealthServicer()
         await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server, port = _grpc_server(cfg, service, health)
