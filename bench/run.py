@@ -8,7 +8,8 @@
 3. batchd serving examples/models (one CPU worker, one torch thread, as
    ../shared/BENCH.md prescribes) under perf_analyzer: mlp at concurrency 1
    and 64, tiny at 32; the RSS of the frontend and its worker; then a
-   `batchd bench` concurrency sweep of mlp (1..64) with its plot.
+   `batchd bench` concurrency sweep of mlp (1..64) with its plot; then tiny
+   with `--frontends 1` and `--frontends max(2, cores/2)`.
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -174,6 +175,11 @@ def main() -> None:
             check=True,
         )
         r["batchd_bench_mlp_sweep"] = json.loads(sweep_json.read_text())
+    print("frontends ...", flush=True)
+    r["frontends_tiny_c32"] = {
+        f: frontends_tiny(serve, f, args.out)
+        for f in sorted({1, max(2, (os.cpu_count() or 2) // 2)})
+    }
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
@@ -186,6 +192,24 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(r))
     print(markdown(r))
+
+
+def frontends_tiny(serve: list[str], frontends: int, out: Path) -> float:
+    """tiny at concurrency 32 over 8 connections (the kernel balances connections over
+    frontends), with `--frontends N`; batchd bench is the load, for both."""
+    with running([*serve, "--frontends", str(frontends)], 18191):
+        result = out / f"frontends_{frontends}.json"
+        subprocess.run(
+            [
+                *(PY, "-m", "batchd.client.bench", "--url", "127.0.0.1:18191", "--model", "tiny"),
+                *("--concurrency", "32", "--connections", "8", "--duration", "5"),
+                *("--json", str(result), "--quiet"),
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        return float(json.loads(result.read_text())["levels"][0]["throughput"])
 
 
 def markdown(r: dict) -> str:
@@ -216,6 +240,11 @@ def markdown(r: dict) -> str:
         ("batchd tiny c=32", r["tiny_c32"]),
     ]:
         lines.append(f"| {label} | {m['req_s']:,.0f} | {m['p50_ms']:.2f} | {m['p99_ms']:.2f} |")
+    lines.append("")
+    lines.append(
+        "tiny c=32 over 8 connections (batchd bench), by --frontends: "
+        + ", ".join(f"{f}: {v:,.0f} req/s" for f, v in r["frontends_tiny_c32"].items())
+    )
     raw = r["raw_model_mlp_rows_s"]
     lines += [
         "",
