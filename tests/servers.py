@@ -57,10 +57,12 @@ class ServerProcess:
         log_dir: Path,
         env: dict[str, str] | None = None,
         workers: int = 1,
+        new_session: bool = False,  # its own process group, as a service manager starts it
     ) -> None:
         self.repo, self.args, self.log_dir = repo, list(args), log_dir
         self.env = {**os.environ, **(env or {})}
         self.workers = workers
+        self.new_session = new_session
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.log_path = log_dir / f"server-{time.monotonic_ns()}.log"
@@ -90,7 +92,13 @@ class ServerProcess:
             *self.args,
         ]
         with self.log_path.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=self.new_session,
+            )
 
         def listening() -> bool:
             assert self.proc is not None

@@ -4,11 +4,13 @@ clean shutdown, and every datatype through real worker processes."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -185,3 +187,34 @@ def test_frontends_refuse_what_they_cannot_share(tmp_path: Path) -> None:
         done = subprocess.run([*cmd, "--frontends", "2", *extra], capture_output=True, text=True)
         assert done.returncode == 2
         assert f"--frontends 2 does not work with {why}" in done.stderr
+
+
+SLOW_BATCH_PY = """
+import time
+from pathlib import Path
+
+
+def load(device):
+    def run(x):
+        (Path(__file__).parent / "entered").touch()
+        time.sleep(1.0)
+        return x * 2
+
+    return run
+"""
+
+
+def test_a_signal_to_the_whole_process_group_still_drains(tmp_path: Path) -> None:
+    """systemd stopping a unit, or Ctrl-C in a terminal, signals every process of the
+    group: the workers must stay for the frontend's drain, not leave with the signal."""
+    model = make_model(tmp_path / "repo", "slow", 1.0)
+    (model / "model.py").write_text(SLOW_BATCH_PY)
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path, new_session=True).start()
+    assert server.proc is not None
+    with Client(server.url) as c, ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(c.infer, "slow", {"X": np.array([[21.0]], np.float32)}, None, 30)
+        wait_for(lambda: (model / "entered").exists(), 30, "the batch to start")
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert float(answer.result(timeout=30)["Y"][0, 0]) == 42.0
+    assert server.stop() == 0
+    assert "lost" not in server.log()  # the worker finished its batch and left on STOP

@@ -256,5 +256,12 @@ class _IO:
 
 
 def install_signal_handlers(worker: Worker) -> None:
+    """SIGTERM and SIGINT stop a worker started by hand. A worker its frontend started
+    (--parent-pid) ignores them: a signal to the whole process group (Ctrl-C in a
+    terminal, systemd stopping the unit) must not take the worker away while the
+    frontend drains; STOP, or its parent's exit, ends it."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop())
+        if worker.options.parent_pid is None:
+            signal.signal(sig, lambda *_: worker.stop())
+        else:
+            signal.signal(sig, signal.SIG_IGN)
