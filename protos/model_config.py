@@ -113,7 +113,7 @@ class ModelConfig:
     @property
     def key(self) -> str:
         """Names one loaded version: queues, workers and batches are keyed by it."""
-        return f"{self.name}@{self.version}"
+        return model_key(self.name, self.version)
 
     @property
     def batches(self) -> bool:
@@ -128,6 +128,11 @@ class ModelConfig:
 
     def output(self, name: str) -> TensorSpec | None:
         return next((t for t in self.outputs if t.name == name), None)
+
+
+def model_key(name: str, version: str) -> str:
+    """The key of one loaded version of a model, the same on both sides of the wire."""
+    return f"{name}@{version}"
 
 
 def _shape(r: Reader) -> tuple[int, ...]:

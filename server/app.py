@@ -101,7 +101,7 @@ class _Wiring:
         await self.control.unload(name)
 
     def index(self) -> list[IndexEntry]:
-        return list(self.control.index())
+        return self.control.index()
 
     def worker_ready(self, worker: Worker) -> None:
         self.control.worker_ready(worker)
@@ -306,7 +306,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> 
     if cfg.frontend_index == 0:  # the others share its workers
         p.dispatcher.stop_workers()
     await p.supervisor.stop()
-    log.info("answered %d inference request(s)", p.service.answered)
+    log.info("answered %d inference request(s)", p.stats.answered_total())
 
 
 async def serve(cfg: ServerConfig) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +158,7 @@ class ModelControl:
 
     # ---- RepositoryIndex ----
 
-    def index(self) -> Iterator[IndexEntry]:
+    def index(self) -> list[IndexEntry]:
         """Every model of the repository, loaded or not, sorted by name."""
         entries: dict[str, IndexEntry] = {}
         for sub in sorted(p for p in self.repository.iterdir() if (p / "model.toml").is_file()):
@@ -181,4 +180,4 @@ class ModelControl:
                 "READY" if ready else "UNAVAILABLE",
                 "" if ready else "no live worker serves it",
             )
-        return iter(sorted(entries.values(), key=lambda e: e.name))
+        return sorted(entries.values(), key=lambda e: e.name)

@@ -28,7 +28,7 @@ import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, model_key
 from batchd.server.batching import Capacity
 from batchd.server.batchio import join_inputs, split_outputs
 from batchd.server.errors import ModelFailed
@@ -154,7 +154,7 @@ class Dispatcher:
         self.events.workers_changed()
 
     def _on_loaded(self, worker: Worker, header: wire.Header) -> None:
-        key = f"{header.model}@{header.version}"
+        key = model_key(header.model, header.version)
         fut = worker.loads.get(key)
         if fut is None or fut.done():
             return

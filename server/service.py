@@ -86,7 +86,6 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._core = core
         self._stats = stats
         self._open = 0  # inference requests admitted and not yet answered
-        self.answered = 0  # inference requests answered, in any way
         self._drained = asyncio.Event()
         self._clock = clock
         self.draining = False
@@ -126,7 +125,6 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise
         finally:
             self._open -= 1
-            self.answered += 1
             if self.draining and not self._open:
                 self._drained.set()
         self._stats.answered(cfg.name, int((self._clock() - now) * 1e9))

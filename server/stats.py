@@ -78,6 +78,10 @@ class Stats:
     def model(self, name: str) -> ModelStats:
         return self._models[name]
 
+    def answered_total(self) -> int:
+        """Inference requests answered, successfully or not, over every model."""
+        return sum(m.success.count + m.fail.count for m in self._models.values())
+
     def batch_done(
         self,
         model: str,

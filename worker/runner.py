@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from batchd.protos import keys, wire
-from batchd.protos.model_config import ModelConfig, find_model
+from batchd.protos.model_config import ModelConfig, find_model, model_key
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import ModelFn, load_model
 
@@ -82,7 +82,7 @@ class Worker:
 
     def _load(self, header: wire.Header) -> list[Any]:
         reply = wire.Header(kind=wire.Header.LOADED, model=header.model, version=header.version)
-        key = f"{header.model}@{header.version}"
+        key = model_key(header.model, header.version)
         allowed = self.options.allowed
         try:
             if allowed and header.model not in allowed:
@@ -106,7 +106,7 @@ class Worker:
         return wire.pack(reply)
 
     def _unload(self, header: wire.Header) -> None:
-        if self.models.pop(f"{header.model}@{header.version}", None) is not None:
+        if self.models.pop(model_key(header.model, header.version), None) is not None:
             gc.collect()
             if self.options.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -119,7 +119,7 @@ class Worker:
 
     def _run(self, header: wire.Header, frames: list[Any]) -> list[Any]:
         reply = wire.Header(kind=wire.Header.RESULT, batch_id=header.batch_id, model=header.model)
-        entry = self.models.get(f"{header.model}@{header.version}")
+        entry = self.models.get(model_key(header.model, header.version))
         try:
             if entry is None:
                 raise BatchError(
