@@ -99,13 +99,11 @@ async def _drive(
     # Built once and sent as is: the load generator spends its CPU on sending,
     # not on encoding the same tensors again (nor on decoding the answers).
     msg = build_request(model, inputs, datatypes=datatypes)
-    token = conn.get("token")
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     async def once(client: AsyncClient) -> None:
         start = time.monotonic()
         try:
-            await client.stub.ModelInfer(msg, timeout=30, metadata=metadata)
+            await client.stub.ModelInfer(msg, timeout=30, **client.call_kwargs)
             latencies.append(time.monotonic() - start)
         except grpc.RpcError as e:
             errors[e.code().name] += 1

@@ -139,6 +139,11 @@ class _Base:
     def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> Any:
         raise NotImplementedError  # a blocking or an asyncio channel
 
+    @property
+    def call_kwargs(self) -> dict[str, Any]:
+        """What a call through the raw `stub` passes to be let in (the token metadata)."""
+        return self._call_kwargs
+
     def _plan(self, timeout: float | None, retries: int | None) -> tuple[float | None, RetryPolicy]:
         """The call's absolute deadline (monotonic) and its retry policy."""
         timeout = self.timeout if timeout is None else timeout
