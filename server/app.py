@@ -34,6 +34,7 @@ from batchd.server.control import IndexEntry, ModelControl
 from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
+from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
@@ -206,7 +207,7 @@ def _build(
 ) -> _Parts:
     stats = Stats()
     dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
-    scheduler = Scheduler(dispatcher)
+    scheduler = Scheduler(dispatcher, saturated=LoopLoad.current())
     control = ModelControl(
         cfg.model_repository, dispatcher, scheduler, explicit=cfg.model_control == "explicit"
     )

@@ -1,8 +1,11 @@
 """The batching decision: a pure function of (now, the planned batch, capacity, delay).
 
 A batch leaves
-  * at once when a worker is idle (work-conserving: under load batches grow by
-    themselves, because requests pile up while every worker is busy);
+  * at once when a worker is idle and batching is `eager` (work-conserving:
+    under load batches grow by themselves, because requests pile up while
+    every worker is busy). The scheduler turns eagerness off while the
+    frontend's event loop is saturated (loopload.py): then a batch waits to
+    fill like any other, since each batch sent costs the loop time;
   * when it is full (no more rows or tokens fit) or has a preferred size, to
     fill a busy worker's staging credit so the worker never waits on a round
     trip between batches;
@@ -35,12 +38,14 @@ class Wait:
     until: float | None  # monotonic seconds to decide again; None: until an event
 
 
-def decide(now: float, plan: Plan | None, capacity: Capacity, max_delay_s: float) -> Send | Wait:
+def decide(
+    now: float, plan: Plan | None, capacity: Capacity, max_delay_s: float, eager: bool = True
+) -> Send | Wait:
     if plan is None or not capacity.free_credit:
         return Wait(None)
     if plan.suspect and not capacity.idle_worker:
         return Wait(None)  # a retry after a failure runs only on a worker with nothing else
-    if capacity.idle_worker or plan.full or plan.preferred:
+    if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s
     if now >= due:

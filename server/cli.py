@@ -13,6 +13,7 @@ from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError, load_repository
 from batchd.server import __version__, security
 from batchd.server.app import ServerConfig, serve
+from batchd.server.loopload import new_loop
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_model and args.model_control != "explicit":
         parser.error("--load-model needs --model-control explicit")
     try:
-        asyncio.run(serve(cfg))
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(serve(cfg))
     except ConfigError as e:
         print(f"batchd: {e}", file=sys.stderr)
         return 2

@@ -127,9 +127,15 @@ class ModelQueue:
 
 
 class Scheduler:
-    def __init__(self, dispatch: Dispatch, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        clock: Callable[[], float] = time.monotonic,
+        saturated: Callable[[], bool] = lambda: False,  # loopload.LoopLoad in the server
+    ) -> None:
         self._dispatch = dispatch
         self._clock = clock
+        self._saturated = saturated
         self._queues: dict[str, ModelQueue] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -240,11 +246,12 @@ class Scheduler:
     def pump(self) -> None:
         now = self._clock()
         wake = math.inf
+        eager = not self._saturated()
         for q in list(self._queues.values()):
             while True:
                 capacity = self._dispatch.capacity(q.config.key)
                 plan = q.plan(now) if capacity.free_credit else None
-                decision = decide(now, plan, capacity, q.delay_s())
+                decision = decide(now, plan, capacity, q.delay_s(), eager)
                 if isinstance(decision, Send):
                     q.take(decision.plan)
                     self._dispatch.send(q.config, decision.plan.requests)

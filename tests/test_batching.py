@@ -39,6 +39,13 @@ def test_idle_worker_takes_the_queue_at_once() -> None:
     assert decide(5.0, p, IDLE, 0.01) == Send(p)
 
 
+def test_a_saturated_frontend_lets_batches_fill_even_for_an_idle_worker() -> None:
+    p, full = plan(3), plan(32, full=True)
+    assert decide(5.0, p, IDLE, 0.01, eager=False) == Wait(5.01)
+    assert decide(5.01, p, IDLE, 0.01, eager=False) == Send(p)
+    assert decide(5.0, full, IDLE, 0.01, eager=False) == Send(full)
+
+
 def test_no_credit_means_wait_whatever_the_queue() -> None:
     assert decide(9.0, plan(64, full=True, oldest=1.0), FULL, 0.01) == Wait(None)
 
@@ -121,6 +128,27 @@ def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it()
         fourth = request(cfg)
         s.submit(fourth)
         assert dispatch.sent[1] == [*backlog, fourth]  # full: staged at once
+
+    run(body)
+
+
+def test_scheduler_holds_batches_for_an_idle_worker_while_the_loop_is_saturated() -> None:
+    async def body() -> None:
+        clock, dispatch, saturated = Clock(), FakeDispatch(idle=1, credits=1), [True]
+        s = Scheduler(dispatch, clock, saturated=lambda: saturated[0])
+        cfg = model(max_batch_size=4, delay_us=10_000)
+        s.add_model(cfg)
+        first, second = request(cfg), request(cfg)
+        s.submit(first)
+        s.submit(second)
+        assert dispatch.sent == []  # an idle worker, but each batch costs the busy loop
+        clock.now += 0.010
+        s.pump()
+        assert dispatch.sent == [[first, second]]  # the delay ran out: one batch of two
+        dispatch.idle, dispatch.credits, saturated[0] = 1, 1, False
+        third = request(cfg)
+        s.submit(third)
+        assert dispatch.sent[1] == [third]  # the loop has time again: eager
 
     run(body)
 
