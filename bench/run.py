@@ -85,7 +85,9 @@ def running(cmd: list[str], port: int, timeout: float = 120.0) -> Iterator[subpr
                 time.sleep(0.1)
         yield proc
     finally:
-        proc.send_signal(2)
+        # SIGTERM, not SIGINT: a shell starts background jobs with SIGINT ignored, and
+        # Python then never installs its handler, so `make bench &` would hang here.
+        proc.terminate()
         proc.wait(30)
 
 
