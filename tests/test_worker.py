@@ -1,9 +1,11 @@
-"""The worker's pure parts in-process: the three artifact loaders and
-`run_batch`'s checks of what a model returns."""
+"""The worker's pure parts in-process: the three artifact loaders,
+`run_batch`'s checks of what a model returns, and loading and unloading."""
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +14,11 @@ import pytest
 import torch
 
 from batchd.protos import wire
-from batchd.protos.model_config import load_model_config
+from batchd.protos.model_config import load_model_config, model_key
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import load_model
+from batchd.worker.runner import Worker, WorkerOptions
 
 CPU = torch.device("cpu")
 TOML = """max_batch_size = 8
@@ -131,3 +134,32 @@ def test_dict_and_numpy_outputs_are_accepted(tmp_path: Path) -> None:
     code = "def load(device):\n    return lambda x: {'Y': x.numpy() * 3}\n"
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
     assert run(d, X).tolist() == (X * 3).tolist()
+
+
+CYCLIC_MODEL = """
+class Model:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the cyclic collector can free it
+
+    def __call__(self, x):
+        return x
+
+
+def load(device):
+    return Model()
+"""
+
+
+def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path) -> None:
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(CYCLIC_MODEL))
+    worker = Worker(WorkerOptions("w", "ipc://unused", CPU, tmp_path))
+    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+    try:
+        reply, _ = wire.unpack(worker._load(header))
+        assert reply.error == ""
+        assert gc.get_freeze_count() > 0  # the loaded model is out of the collector's sight
+        ref = weakref.ref(worker.models[model_key(d.name, "1")][1])
+        worker._unload(header)
+        assert ref() is None  # ... until it is unloaded
+    finally:
+        gc.unfreeze()
