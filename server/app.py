@@ -208,7 +208,8 @@ def _build(
 ) -> _Parts:
     stats = Stats()
     dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
-    scheduler = Scheduler(dispatcher, saturated=LoopLoad.current())
+    load = LoopLoad.current()
+    scheduler = Scheduler(dispatcher, saturated=load)
     control = ModelControl(
         cfg.model_repository, dispatcher, scheduler, explicit=cfg.model_control == "explicit"
     )
@@ -249,6 +250,7 @@ def _build(
                 for w in dispatcher.workers()
             ],
             lambda: supervisor.restarts,
+            load.busy_seconds,
         )
     )
     return _Parts(

@@ -52,9 +52,11 @@ class Collector:
         pending: Callable[[str], int],
         workers: Callable[[], list[WorkerView]],
         restarts: Callable[[], Mapping[str, int]],
+        loop_busy_s: Callable[[], float | None] = lambda: None,
     ) -> None:
         self._models, self._stats, self._pending = models, stats, pending
         self._workers, self._restarts = workers, restarts
+        self._loop_busy_s = loop_busy_s
 
     def _durations(
         self, name: str, doc: str, pick: Callable[[ModelStats], Duration]
@@ -141,6 +143,15 @@ class Collector:
             "batchd_padded_tokens", "Tokens computed, padding included", lambda s: s.padded_tokens
         )
         yield from self._worker_metrics()
+        busy = self._loop_busy_s()
+        if busy is not None:
+            yield CounterMetricFamily(
+                "batchd_frontend_loop_busy_seconds",
+                "Seconds this frontend's event loop spent working rather than waiting; its "
+                "rate is the loop's utilization, the frontend's ceiling (near 1: saturated, "
+                "and batches wait up to max_queue_delay_us to fill)",
+                value=busy,
+            )
 
     def _batch_sizes(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(

@@ -57,6 +57,7 @@ def test_metrics_count_known_traffic_exactly(test_server: ServerProcess) -> None
     assert delta("batchd_inference_compute_infer_duration_us_total", **m) > 0
     up = [k for k, v in after.items() if k[0] == "batchd_worker_up" and v == 1.0]
     assert len(up) == 1
+    assert delta("batchd_frontend_loop_busy_seconds_total") > 0  # the loop served all that
 
 
 def test_metrics_endpoint_answers_only_metrics(test_server: ServerProcess) -> None:
