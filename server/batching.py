@@ -5,7 +5,8 @@ A batch leaves
     under load batches grow by themselves, because requests pile up while
     every worker is busy). The scheduler turns eagerness off while the
     frontend's event loop is saturated (loopload.py): then a batch waits to
-    fill like any other, since each batch sent costs the loop time;
+    fill like any other, since each batch sent costs the loop time, except
+    that a request with less time left than the delay is not kept waiting;
   * when it is full (no more rows or tokens fit) or has a preferred size, to
     fill a busy worker's staging credit so the worker never waits on a round
     trip between batches;
@@ -17,6 +18,7 @@ Which requests form the batch is planner.py's business.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from batchd.server.planner import Plan
@@ -48,6 +50,8 @@ def decide(
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s
+    if capacity.idle_worker:  # patient, but a worker is idle: let no request expire for it
+        due = min(due, min((r.deadline for r in plan.requests), default=math.inf) - max_delay_s)
     if now >= due:
         return Send(plan)
     return Wait(due)

@@ -46,6 +46,14 @@ def test_a_saturated_frontend_lets_batches_fill_even_for_an_idle_worker() -> Non
     assert decide(5.0, full, IDLE, 0.01, eager=False) == Send(full)
 
 
+def test_a_saturated_frontend_keeps_no_request_waiting_past_its_deadline() -> None:
+    cfg = model()
+    hurried = Plan([request(cfg, deadline=5.015)], 1, 0, False, False, 5.0)
+    assert decide(5.0, hurried, IDLE, 0.01, eager=False) == Wait(5.005)
+    assert decide(5.005, hurried, IDLE, 0.01, eager=False) == Send(hurried)
+    assert decide(5.005, hurried, BUSY_WITH_CREDIT, 0.01, eager=False) == Wait(5.01)
+
+
 def test_no_credit_means_wait_whatever_the_queue() -> None:
     assert decide(9.0, plan(64, full=True, oldest=1.0), FULL, 0.01) == Wait(None)
 
