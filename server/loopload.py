@@ -5,8 +5,8 @@ worker takes the queue at once: the lowest latency. Once it is saturated, each
 batch costs the loop time that requests need (join, send, receive, split) and
 the worker's hand-offs take CPU from it too, so the scheduler lets batches wait
 to fill (up to `max_queue_delay_us`, as Triton's batcher always does) instead.
-Measured on a 2-core machine: tiny at concurrency 32 went from batches of 2 to
-batches of 6-11 and +27-40% req/s.
+Measured on a 2-core machine: tiny at concurrency 32 went from batches of 1.9
+to 6.3 rows and from 1,985 to 2,628 req/s.
 
 `new_loop()` makes an event loop whose selector counts the time it blocks;
 `LoopLoad.current()` reads it (and /metrics shows it as

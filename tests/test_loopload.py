@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from batchd.server import loopload
 from batchd.server.loopload import LoopLoad, TimedSelector, new_loop
 
@@ -28,7 +30,7 @@ def test_saturation_turns_on_at_90_percent_busy_and_off_below_70() -> None:
     assert window(0.95)
     assert window(0.75)  # still busy enough: no flapping at the threshold
     assert not window(0.6)
-    assert load.busy == 0.6 or abs(load.busy - 0.6) < 1e-9
+    assert load.busy == pytest.approx(0.6)
 
 
 def test_the_load_is_measured_once_per_window() -> None:
