@@ -181,7 +181,7 @@ class Scheduler:
                 part.timer = loop.call_at(
                     loop.time() + (part.deadline - now), self._expire_queued, part
                 )
-        self.pump()
+        self.pump(q)
         if len(parts) == 1:
             return parts[0].future
         return asyncio.ensure_future(self._join(parts))
@@ -243,11 +243,16 @@ class Scheduler:
         if q is not None and not request.future.done() and request in q.levels[request.level]:
             _expire(request, self._clock())
 
-    def pump(self) -> None:
+    def pump(self, only: ModelQueue | None = None) -> None:
+        """Send every batch that should leave now and arm the timer for the next
+        decision. `only`: just that queue changed (a request came), so only it is
+        planned; a freed credit or a timer looks at every queue."""
         now = self._clock()
         wake = math.inf
         eager = not self._saturated()
-        for q in list(self._queues.values()):
+        for q in [only] if only is not None else list(self._queues.values()):
+            if not len(q):
+                continue
             while True:
                 capacity = self._dispatch.capacity(q.config.key)
                 plan = q.plan(now) if capacity.free_credit else None
@@ -259,10 +264,12 @@ class Scheduler:
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
-        self._arm(wake, now)
+        self._arm(wake, now, earlier_only=only is not None)
 
-    def _arm(self, wake: float, now: float) -> None:
-        if wake == self._timer_at:
+    def _arm(self, wake: float, now: float, earlier_only: bool = False) -> None:
+        # After one queue's pump the others' wake-ups are unknown: keep an earlier
+        # timer (when it fires, a full pump re-arms for all).
+        if wake == self._timer_at or (earlier_only and wake > self._timer_at):
             return
         if self._timer is not None:
             self._timer.cancel()

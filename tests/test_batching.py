@@ -177,6 +177,23 @@ def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
     run(body)
 
 
+def test_a_request_for_one_model_does_not_postpone_another_models_batch() -> None:
+    async def body() -> None:
+        dispatch = FakeDispatch(idle=0, credits=1)
+        s = Scheduler(dispatch)  # real clock: the timer must fire
+        quick = replace(model(delay_us=2_000), name="quick")
+        slow = replace(model(delay_us=5_000_000), name="slow")
+        s.add_model(quick)
+        s.add_model(slow)
+        first = request(quick)
+        s.submit(first)
+        s.submit(request(slow))  # pumps only its own queue; quick's timer must stand
+        await asyncio.sleep(0.05)
+        assert dispatch.sent == [[first]]
+
+    run(body)
+
+
 def test_full_queue_rejects_at_once_with_the_limit_and_a_pushback() -> None:
     async def body() -> None:
         s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
