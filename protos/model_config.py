@@ -109,25 +109,30 @@ class ModelConfig:
     instances: InstanceConfig = field(default_factory=InstanceConfig)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     version: str = "1"  # the frontend counts loads: "2" after the first reload
+    # Derived once (every request reads them):
+    key: str = field(init=False, repr=False, compare=False)  # names one loaded version:
+    # queues, workers and batches are keyed by it
+    batches: bool = field(init=False, repr=False, compare=False)  # max_batch_size > 0
+    ragged: bool = field(init=False, repr=False, compare=False)  # some input is ragged
+    _specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
+    _out_specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
 
-    @property
-    def key(self) -> str:
-        """Names one loaded version: queues, workers and batches are keyed by it."""
-        return model_key(self.name, self.version)
-
-    @property
-    def batches(self) -> bool:
-        return self.max_batch_size > 0
-
-    @property
-    def ragged(self) -> bool:
-        return any(t.ragged for t in self.inputs)
+    def __post_init__(self) -> None:
+        derived = {
+            "key": model_key(self.name, self.version),
+            "batches": self.max_batch_size > 0,
+            "ragged": any(t.ragged for t in self.inputs),
+            "_specs": {t.name: t for t in self.inputs},
+            "_out_specs": {t.name: t for t in self.outputs},
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def input(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.inputs if t.name == name), None)
+        return self._specs.get(name)
 
     def output(self, name: str) -> TensorSpec | None:
-        return next((t for t in self.outputs if t.name == name), None)
+        return self._out_specs.get(name)
 
 
 def model_key(name: str, version: str) -> str:

@@ -38,22 +38,25 @@ def _names(specs: Sequence[TensorSpec]) -> str:
 
 
 def _check_shape(spec: TensorSpec, model: ModelConfig, shape: tuple[int, ...]) -> None:
-    where = f"input {spec.name!r}"
-    declared = ([-1] if model.batches else []) + list(spec.shape)
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {list(shape)} has a negative dimension")
+    if min(shape, default=0) < 0:
+        raise InvalidInput(f"input {spec.name!r}: shape {list(shape)} has a negative dimension")
     if not model.batches:
         if not spec.accepts(shape):
-            raise InvalidInput(f"{where}: expected shape {declared}, got {list(shape)}")
+            raise InvalidInput(
+                f"input {spec.name!r}: expected shape {list(spec.shape)}, got {list(shape)}"
+            )
         return
     if len(shape) != len(spec.shape) + 1 or not spec.accepts(shape[1:]):
         raise InvalidInput(
-            f"{where}: expected shape {declared} (batch dim first), got {list(shape)}"
+            f"input {spec.name!r}: expected shape {[-1, *spec.shape]} (batch dim first), "
+            f"got {list(shape)}"
         )
     if shape[0] < 1:
-        raise InvalidInput(f"{where}: the batch dim must be at least 1, got {shape[0]}")
+        raise InvalidInput(f"input {spec.name!r}: the batch dim must be at least 1, got {shape[0]}")
     if spec.ragged and shape[1] < 1:
-        raise InvalidInput(f"{where}: a ragged input needs at least one element per row, got 0")
+        raise InvalidInput(
+            f"input {spec.name!r}: a ragged input needs at least one element per row, got 0"
+        )
 
 
 def _raw_data(spec: TensorSpec, shape: tuple[int, ...], data: bytes) -> bytes:
