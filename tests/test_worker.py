@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -12,12 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import load_model_config, model_key
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import load_model
+from batchd.worker import runner
 from batchd.worker.runner import Worker, WorkerOptions
 
 CPU = torch.device("cpu")
@@ -162,4 +166,56 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
         worker._unload(header)
         assert ref() is None  # ... until it is unloaded
     finally:
+        gc.unfreeze()
+
+
+THREAD_COUNTING_MODEL = """
+import os
+import torch
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+def load(device):
+    at_load = _threads()
+    def forward(x):
+        torch.nn.Linear(512, 2048)(torch.randn(4, 512))  # goes parallel where it may
+        return torch.full_like(x, float(_threads() - at_load))
+    return forward
+"""
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no team anyway")
+def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -> None:
+    # OpenMP keeps its thread count per thread: `--threads 1`, set in the main
+    # thread, must also hold in the compute thread, or a large op starts a team of
+    # one spinning thread per core there and takes the CPU the frontend needs.
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(THREAD_COUNTING_MODEL))
+    worker = Worker(WorkerOptions("w", "ipc://unused", CPU, tmp_path))
+    ctx: zmq.Context[Any] = zmq.Context()
+    results = ctx.socket(zmq.PAIR)
+    results.bind(runner._RESULTS)
+    configured = torch.get_num_threads()
+    torch.set_num_threads(1)  # what `batchd worker --threads 1` does before serving
+    compute = threading.Thread(target=worker._compute, args=(ctx,))
+    compute.start()
+    try:
+        worker._work.put((0, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1"), []))
+        loaded, _ = wire.unpack(results.recv_multipart()[1:])
+        assert loaded.error == ""
+        tensors, frames = batch(X)
+        header = wire.Header(
+            kind=wire.Header.BATCH, batch_id=1, model=d.name, version="1", tensors=tensors
+        )
+        worker._work.put((0, header, frames))
+        reply, out = wire.unpack(results.recv_multipart()[1:])
+        assert reply.error == ""
+        new_threads = from_raw(reply.tensors[0].datatype, reply.tensors[0].shape, bytes(out[0]))
+        assert new_threads.max() == 0
+    finally:
+        worker._work.put(None)
+        compute.join()
+        results.close(linger=0)
+        ctx.term()
+        torch.set_num_threads(configured)
         gc.unfreeze()

@@ -65,6 +65,11 @@ class Worker:
     # ---- compute thread ----
 
     def _compute(self, ctx: zmq.Context[Any]) -> None:
+        # OpenMP keeps its thread count per thread: `--threads`, set in the main thread,
+        # does not reach this one by itself. Without this, loading mlp and its batches
+        # of 4 to 8 rows started a team of one spinning thread per core here (2 cores
+        # used, not 1), taking CPU from the frontend beside it.
+        torch.set_num_threads(torch.get_num_threads())
         out = ctx.socket(zmq.PAIR)
         out.connect(_RESULTS)
         try:
