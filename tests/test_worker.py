@@ -19,9 +19,9 @@ import zmq
 from batchd.protos import wire
 from batchd.protos.model_config import load_model_config, model_key
 from batchd.protos.tensors import from_raw, to_raw
+from batchd.worker import runner
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import load_model
-from batchd.worker import runner
 from batchd.worker.runner import Worker, WorkerOptions
 
 CPU = torch.device("cpu")
