@@ -109,9 +109,9 @@ class ModelConfig:
     instances: InstanceConfig = field(default_factory=InstanceConfig)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
     version: str = "1"  # the frontend counts loads: "2" after the first reload
-    # Derived once (every request reads them):
-    key: str = field(init=False, repr=False, compare=False)  # names one loaded version:
-    # queues, workers and batches are keyed by it
+    # Derived once, in __post_init__ (every request reads them). `key` names one loaded
+    # version: queues, workers and batches are keyed by it.
+    key: str = field(init=False, repr=False, compare=False)
     batches: bool = field(init=False, repr=False, compare=False)  # max_batch_size > 0
     ragged: bool = field(init=False, repr=False, compare=False)  # some input is ragged
     _specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)

@@ -108,6 +108,16 @@ class FakeDispatch:
         self.idle = max(0, self.idle - 1)
 
 
+class SignallingDispatch(FakeDispatch):
+    def __init__(self, idle: int = 1, credits: int = 2) -> None:
+        super().__init__(idle, credits)
+        self.sent_one = asyncio.Event()
+
+    def send(self, model: ModelConfig, requests: list[Request]) -> None:
+        super().send(model, requests)
+        self.sent_one.set()
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -179,7 +189,7 @@ def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
 
 def test_a_request_for_one_model_does_not_postpone_another_models_batch() -> None:
     async def body() -> None:
-        dispatch = FakeDispatch(idle=0, credits=1)
+        dispatch = SignallingDispatch(idle=0, credits=1)
         s = Scheduler(dispatch)  # real clock: the timer must fire
         quick = replace(model(delay_us=2_000), name="quick")
         slow = replace(model(delay_us=5_000_000), name="slow")
@@ -188,7 +198,7 @@ def test_a_request_for_one_model_does_not_postpone_another_models_batch() -> Non
         first = request(quick)
         s.submit(first)
         s.submit(request(slow))  # pumps only its own queue; quick's timer must stand
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(dispatch.sent_one.wait(), 2)  # not after slow's 5 s
         assert dispatch.sent == [[first]]
 
     run(body)
