@@ -58,6 +58,8 @@ class TensorSpec:
     ragged_like: str | None = None  # outputs: cut back to this ragged input's length
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
+        if shape == self.shape:  # the common case, at C speed
+            return True
         return len(shape) == len(self.shape) and all(
             want in (-1, got) for want, got in zip(self.shape, shape, strict=True)
         )
@@ -114,6 +116,7 @@ class ModelConfig:
     key: str = field(init=False, repr=False, compare=False)
     batches: bool = field(init=False, repr=False, compare=False)  # max_batch_size > 0
     ragged: bool = field(init=False, repr=False, compare=False)  # some input is ragged
+    output_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
     _out_specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
 
@@ -122,6 +125,7 @@ class ModelConfig:
             "key": model_key(self.name, self.version),
             "batches": self.max_batch_size > 0,
             "ragged": any(t.ragged for t in self.inputs),
+            "output_names": tuple(t.name for t in self.outputs),
             "_specs": {t.name: t for t in self.inputs},
             "_out_specs": {t.name: t for t in self.outputs},
         }

@@ -40,13 +40,19 @@ class Wait:
     until: float | None  # monotonic seconds to decide again; None: until an event
 
 
+IDLE = Capacity(idle_worker=True, free_credit=True)
+BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
+NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
+UNTIL_AN_EVENT = Wait(None)  # decide() runs for every arrival: no new object for the usual answer
+
+
 def decide(
     now: float, plan: Plan | None, capacity: Capacity, max_delay_s: float, eager: bool = True
 ) -> Send | Wait:
     if plan is None or not capacity.free_credit:
-        return Wait(None)
+        return UNTIL_AN_EVENT
     if plan.suspect and not capacity.idle_worker:
-        return Wait(None)  # a retry after a failure runs only on a worker with nothing else
+        return UNTIL_AN_EVENT  # a retry after a failure runs only on a worker with nothing else
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s

@@ -195,20 +195,21 @@ def decode_request(
     limits: Limits = DEFAULT_LIMITS,
 ) -> Request:
     """Validate `msg` against `model`'s signature and build the internal Request."""
-    if len(msg.inputs) > limits.max_inputs:
+    count = len(msg.inputs)
+    if count > limits.max_inputs:
         raise InvalidInput(
-            f"the request has {len(msg.inputs)} inputs, more than the server's limit "
+            f"the request has {count} inputs, more than the server's limit "
             f"of {limits.max_inputs} (--max-inputs-per-request)"
         )
     raw = msg.raw_input_contents
-    if raw and len(raw) != len(msg.inputs):
+    if raw and len(raw) != count:
         raise InvalidInput(
-            f"raw_input_contents has {len(raw)} entries, expected one per input ({len(msg.inputs)})"
+            f"raw_input_contents has {len(raw)} entries, expected one per input ({count})"
         )
     by_name = _decode_inputs(msg, model, limits)
 
-    missing = [s.name for s in model.inputs if s.name not in by_name]
-    if missing:
+    if len(by_name) < len(model.inputs):  # each key is a distinct declared input
+        missing = [s.name for s in model.inputs if s.name not in by_name]
         raise InvalidInput(f"model {model.name!r} needs input(s) {missing}, the request lacks them")
     inputs = [by_name[s.name] for s in model.inputs]
     rows = inputs[0].shape[0] if model.batches else 1
@@ -219,13 +220,15 @@ def decode_request(
                 f"input {inputs[0].name!r} has {rows}; they must agree"
             )
 
-    outputs = tuple(o.name for o in msg.outputs) or tuple(o.name for o in model.outputs)
-    for name in outputs:
-        if model.output(name) is None:
-            raise InvalidInput(
-                f"unknown output {name!r} requested from model {model.name!r}; "
-                f"expected {_names(model.outputs)}"
-            )
+    outputs = model.output_names
+    if msg.outputs:
+        outputs = tuple(o.name for o in msg.outputs)
+        for name in outputs:
+            if model.output(name) is None:
+                raise InvalidInput(
+                    f"unknown output {name!r} requested from model {model.name!r}; "
+                    f"expected {_names(model.outputs)}"
+                )
     queue_deadline = _queue_deadline(msg, now, model.batching.default_timeout_us)
     return Request(
         model=model,
@@ -243,12 +246,12 @@ def encode_response(request: Request, results: Sequence[Tensor]) -> pb.ModelInfe
     """The response for `request`, holding the requested outputs in the order asked."""
     by_name = {t.name: t for t in results}
     chosen = [by_name[name] for name in request.outputs]
-    return pb.ModelInferResponse(
+    response = pb.ModelInferResponse(
         model_name=request.model.name,
         model_version=request.model.version,
         id=request.id,
-        outputs=[
-            pb.InferOutputTensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in chosen
-        ],
         raw_output_contents=[bytes(t.data) for t in chosen],
     )
+    for t in chosen:  # add() builds in place: cheaper than a list of InferOutputTensor
+        response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+    return response

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.server.batching import Capacity
+from batchd.server.batching import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
 from batchd.server.batchio import join_inputs, split_outputs
 from batchd.server.errors import ModelFailed
 from batchd.server.request import Request
@@ -38,7 +38,6 @@ from batchd.server.workers import Batch, Events, Worker
 
 log = logging.getLogger("batchd.dispatch")
 MAX_ATTEMPTS = 2  # a request rides on at most two batches that lose their worker
-NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
 
 
 class Dispatcher:
@@ -88,9 +87,9 @@ class Dispatcher:
         for w in self._order:
             if key in w.models and self._has_credit(w):
                 if not w.inflight:
-                    return Capacity(idle_worker=True, free_credit=True)
+                    return IDLE
                 free = True
-        return Capacity(idle_worker=False, free_credit=True) if free else NO_CAPACITY
+        return BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     # ---- sending ----
 

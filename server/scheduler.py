@@ -73,6 +73,8 @@ class ModelQueue:
         )
 
     def __len__(self) -> int:
+        if len(self.levels) == 1:  # no priority levels: asked on every arrival
+            return len(self.levels[0])
         return sum(len(q) for q in self.levels)
 
     @property
