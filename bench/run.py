@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from overload import rss_mb
+from overload import _ppid, rss_mb
 
 from batchd.client import Client
 
@@ -39,9 +40,33 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
-def perf_analyzer(pa: str, port: int, model: str, concurrency: int, interval_ms: int) -> dict:
-    """One perf_analyzer measurement; its CSV row as numbers (latencies in ms)."""
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid`, all its threads."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
+
+
+def perf_analyzer(
+    pa: str, port: int, model: str, concurrency: int, interval_ms: int, server: int | None = None
+) -> dict:
+    """One perf_analyzer measurement; its CSV row as numbers (latencies in ms).
+
+    With `server` (a pid): also the CPU each side used per request, in microseconds:
+    the server process ("frontend"), its children ("worker"), perf_analyzer itself
+    ("load"). Requests are counted as throughput x the whole run (perf_analyzer's
+    trials included), so these are close, not exact."""
     out = Path(f"/tmp/batchd-pa-{port}-{model}-{concurrency}.csv")
+    kids = children(server) if server else []
+    before = [cpu_s(p) for p in (server, *kids)] if server else []
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
     done = subprocess.run(
         [
             pa,
@@ -62,15 +87,28 @@ def perf_analyzer(pa: str, port: int, model: str, concurrency: int, interval_ms:
         capture_output=True,
         text=True,
     )
+    wall = time.monotonic() - start
     if done.returncode:
         raise RuntimeError(f"perf_analyzer failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     row = next(csv.DictReader(out.open()))
-    return {
+    result = {
         "concurrency": concurrency,
         "req_s": round(float(row["Inferences/Second"]), 1),
         "p50_ms": float(row["p50 latency"]) / 1e3,
         "p99_ms": float(row["p99 latency"]) / 1e3,
     }
+    if server:
+        after = [cpu_s(p) for p in (server, *kids)]
+        now = resource.getrusage(resource.RUSAGE_CHILDREN)
+        per_request = 1e6 / (result["req_s"] * wall)
+        result["cpu_us_per_request"] = {
+            "frontend": round((after[0] - before[0]) * per_request),
+            "worker": round((sum(after[1:]) - sum(before[1:])) * per_request),
+            "load": round(
+                (now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime) * per_request
+            ),
+        }
+    return result
 
 
 @contextmanager
@@ -145,8 +183,8 @@ def main() -> None:
     r: dict = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "machine_cores": os.cpu_count()}
 
     print("echo ceiling ...", flush=True)
-    with running([PY, "bench/echo_server.py", "--port", "18190"], 18190):
-        r["echo"] = {c: perf_analyzer(pa, 18190, "echo", c, ms) for c in (1, 32, 64)}
+    with running([PY, "bench/echo_server.py", "--port", "18190"], 18190) as echo:
+        r["echo"] = {c: perf_analyzer(pa, 18190, "echo", c, ms, echo.pid) for c in (1, 32, 64)}
     print("unbatched floor ...", flush=True)
     with running([PY, "bench/echo_server.py", "--port", "18193", "--mlp"], 18193):
         r["unbatched_mlp"] = {c: perf_analyzer(pa, 18193, "mlp", c, ms) for c in (1, 64)}
@@ -161,9 +199,9 @@ def main() -> None:
     ]
     with running(serve, 18191) as server:
         r["rss_idle_mb"] = rss_mb(server.pid)
-        r["mlp_c1"] = perf_analyzer(pa, 18191, "mlp", 1, ms)
-        r["mlp_c64"] = perf_analyzer(pa, 18191, "mlp", 64, ms)
-        r["tiny_c32"] = perf_analyzer(pa, 18191, "tiny", 32, ms)
+        r["mlp_c1"] = perf_analyzer(pa, 18191, "mlp", 1, ms, server.pid)
+        r["mlp_c64"] = perf_analyzer(pa, 18191, "mlp", 64, ms, server.pid)
+        r["tiny_c32"] = perf_analyzer(pa, 18191, "tiny", 32, ms, server.pid)
         r["rss_after_load_mb"] = rss_mb(server.pid)
         sweep_json = args.out / "mlp_sweep.json"
         subprocess.run(
@@ -190,6 +228,13 @@ def main() -> None:
         "mlp_c1_p50_vs_unbatched": round(
             r["mlp_c1"]["p50_ms"] / r["unbatched_mlp"][1]["p50_ms"], 2
         ),
+        # mlp is compute-bound: its own limit is the model at max_batch_size on one thread.
+        "mlp_c64_vs_raw_model_batch32": round(
+            r["mlp_c64"]["req_s"] / r["raw_model_mlp_rows_s"]["batch_32"], 3
+        ),
+    }
+    r["cpu_bound_req_s"] = {
+        name: cpu_bound(r[name], r["machine_cores"]) for name in ("mlp_c64", "tiny_c32")
     }
     (args.out / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(r))
@@ -214,6 +259,11 @@ def frontends_tiny(serve: list[str], frontends: int, out: Path) -> float:
         return float(json.loads(result.read_text())["levels"][0]["throughput"])
 
 
+def cpu_bound(m: dict, cores: int) -> int:
+    """The req/s at which the measured CPU per request would keep every core busy."""
+    return round(cores * 1e6 / sum(m["cpu_us_per_request"].values()))
+
+
 def markdown(r: dict) -> str:
     ratios = r["ratios"]
     rows = [
@@ -222,6 +272,11 @@ def markdown(r: dict) -> str:
         ("mlp c=64 p99 ms", r["mlp_c64"]["p99_ms"], "< 40"),
         ("mlp c=1 p50 ms", r["mlp_c1"]["p50_ms"], "≤ 2"),
         ("mlp c=1 p50 vs unbatched floor p50", ratios["mlp_c1_p50_vs_unbatched"], "—"),
+        (
+            "mlp c=64 req/s vs the model alone at batch 32",
+            ratios["mlp_c64_vs_raw_model_batch32"],
+            "—",
+        ),
         ("frontend + worker RSS MB", r["rss_after_load_mb"], "≤ 500"),
     ]
     lines = [
@@ -247,6 +302,32 @@ def markdown(r: dict) -> str:
         "tiny c=32 over 8 connections (batchd bench), by --frontends: "
         + ", ".join(f"{f}: {v:,.0f} req/s" for f, v in r["frontends_tiny_c32"].items())
     )
+    lines += [
+        "",
+        "CPU per request, microseconds (the frontend process, its worker, perf_analyzer), and the",
+        "throughput at which they would keep every core busy:",
+        "",
+        "| load | frontend | worker | load tool | bound req/s | measured |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, key in [
+        ("echo c=32", None),
+        ("batchd mlp c=64", "mlp_c64"),
+        ("batchd tiny c=32", "tiny_c32"),
+        ("batchd mlp c=1", "mlp_c1"),
+    ]:
+        m = r["echo"][32] if key is None else r[key]
+        cpu = m["cpu_us_per_request"]
+        lines.append(
+            f"| {label} | {cpu['frontend']} | {cpu['worker']} | {cpu['load']} "
+            f"| {cpu_bound(m, r['machine_cores']):,} | {m['req_s']:,.0f} |"
+        )
+    lines += [
+        "",
+        f"mlp c=64 by Little's law: 64 callers at {r['mlp_c64']['req_s']:,.0f} req/s wait "
+        f"{64e3 / r['mlp_c64']['req_s']:.1f} ms on average; a p99 under 40 ms needs more "
+        "than 1,600 req/s.",
+    ]
     raw = r["raw_model_mlp_rows_s"]
     lines += [
         "",
