@@ -63,10 +63,7 @@ max_queue_size = 64
 def rss_mb(pid: int) -> float:
     """RSS of `pid` and its children, in MB (from /proc)."""
     total = 0
-    pids = [pid] + [
-        int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid
-    ]
-    for p in pids:
+    for p in [pid, *children(pid)]:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
@@ -74,6 +71,11 @@ def rss_mb(pid: int) -> float:
         except OSError:
             pass
     return total / 1024
+
+
+def children(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (from /proc)."""
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
 
 
 def _ppid(proc: Path) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from overload import _ppid, rss_mb
+from overload import children, rss_mb
 
 from batchd.client import Client
 
@@ -47,10 +47,6 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children(pid: int) -> list[int]:
-    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
 
 
 def perf_analyzer(
