@@ -207,7 +207,9 @@ def _build(
     endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
     stats = Stats()
-    dispatcher = Dispatcher(router, stats, credits=cfg.credits_per_worker)
+    # The dispatcher uses the socket directly (the asyncio one serves CURVE's authenticator).
+    raw: zmq.Socket[bytes] = zmq.Socket.shadow(router.underlying)
+    dispatcher = Dispatcher(raw, stats, credits=cfg.credits_per_worker)
     load = LoopLoad.current()
     scheduler = Scheduler(dispatcher, saturated=load)
     control = ModelControl(

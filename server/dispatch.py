@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
-import zmq.asyncio
 from google.protobuf.message import DecodeError
 
 from batchd.protos import wire
@@ -38,12 +37,17 @@ from batchd.server.workers import Batch, Events, Worker
 
 log = logging.getLogger("batchd.dispatch")
 MAX_ATTEMPTS = 2  # a request rides on at most two batches that lose their worker
+DRAIN_MAX = 64  # messages read in one callback before the loop's other callbacks get a turn
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: zmq's flag enums are slow
 
 
 class Dispatcher:
     def __init__(
         self,
-        socket: zmq.asyncio.Socket,
+        # A plain socket, read by a reader callback and sent on without waiting:
+        # zmq.asyncio's futures cost the event loop more per message than the work
+        # they carry (see run() and _send()).
+        socket: zmq.Socket[bytes],
         stats: Stats,
         credits: int | None = None,  # None: 1 per CPU worker, 2 per GPU worker
         clock: Callable[[], float] = time.monotonic,
@@ -58,6 +62,8 @@ class Dispatcher:
         self._ids = itertools.count(1)
         self._events: Events | None = None
         self._stopping = False  # STOP was sent: workers leaving is expected, not a loss
+        self._drain_armed = False
+        self._crashed: asyncio.Future[None] | None = None
 
     def attach(self, events: Events) -> None:
         self._events = events
@@ -175,19 +181,19 @@ class Dispatcher:
         self.events.pump()
 
     def _send(self, worker: Worker, parts: list[Any], copy: bool = True) -> None:
-        fut = cast(
-            "asyncio.Future[Any]",
-            self._sock.send_multipart([worker.identity, *parts], copy=copy),
-        )
-        if fut.done():
-            self._check_sent(worker, fut)
-        else:
-            fut.add_done_callback(lambda f: self._check_sent(worker, f))
-
-    def _check_sent(self, worker: Worker, fut: asyncio.Future[Any]) -> None:
-        if fut.cancelled() or fut.exception() is None or self._stopping:
+        # Straight on the socket, never waiting: a worker holds at most a few batches
+        # and a heartbeat a second, far below the send high-water mark, so EAGAIN (its
+        # pipe full) and EHOSTUNREACH (ROUTER_MANDATORY: gone) both mean it is lost.
+        try:
+            self._sock.send_multipart([worker.identity, *parts], flags=zmq.NOBLOCK, copy=copy)
+        except zmq.ZMQError as e:
+            if not self._stopping:
+                self.lose(worker, f"send failed: {e}")
             return
-        self.lose(worker, f"send failed: {fut.exception()}")
+        # A send may consume the socket's edge-triggered FD signal for messages
+        # that have already arrived: look for them now rather than wait for the next.
+        if cast(int, self._sock.getsockopt(_EVENTS)) & _POLLIN:
+            self._drain_soon()
 
     def fail_inflight(self, error: Exception) -> None:
         """Answer every request still on a worker with `error` (shutdown)."""
@@ -258,22 +264,53 @@ class Dispatcher:
     # ---- receiving ----
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._receive_loop(), name="dispatch-receive")
-            tg.create_task(self._heartbeat_loop(), name="dispatch-heartbeat")
+        """Receive from the workers (a reader callback on the socket) and keep their
+        heartbeats, until cancelled; an unexpected error in a message handler ends it."""
+        loop = asyncio.get_running_loop()
+        self._crashed = loop.create_future()
+        fd = cast(int, self._sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._drain)
+        self._drain_soon()  # what came before the reader was added
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._heartbeat_loop(), name="dispatch-heartbeat")
+                await self._crashed
+        finally:
+            loop.remove_reader(fd)
 
-    async def _receive_loop(self) -> None:
-        while True:
-            parts = await self._sock.recv_multipart(copy=False)
-            identity = parts[0].bytes
-            try:
-                header, frames = wire.unpack(
-                    [p.bytes if i == 0 else p for i, p in enumerate(parts[1:])]
-                )
-            except (DecodeError, ValueError, IndexError) as e:
-                log.warning("dropping malformed message from %r: %s", identity, e)
-                continue
-            self._on_message(identity, header, frames)
+    def _drain_soon(self) -> None:
+        if not self._drain_armed:
+            self._drain_armed = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Every message waiting on the socket, one callback for all (the FD is
+        edge-triggered: it signals again only once the socket has been read dry)."""
+        self._drain_armed = False
+        if self._sock.closed:  # shut down after this call was scheduled
+            return
+        try:
+            for _ in range(DRAIN_MAX):
+                try:
+                    parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._receive(parts)
+            self._drain_soon()  # more may wait: let the loop's other callbacks run first
+        except Exception as e:  # a bug, not a worker's fault: end run() as a task would end
+            if self._crashed is not None and not self._crashed.done():
+                self._crashed.set_exception(e)
+
+    def _receive(self, parts: list[Any]) -> None:
+        identity = parts[0].bytes
+        try:
+            header, frames = wire.unpack(
+                [p.bytes if i == 0 else p for i, p in enumerate(parts[1:])]
+            )
+        except (DecodeError, ValueError, IndexError) as e:
+            log.warning("dropping malformed message from %r: %s", identity, e)
+            return
+        self._on_message(identity, header, frames)
 
     def _on_message(self, identity: bytes, header: wire.Header, frames: list[Any]) -> None:
         kind = header.kind

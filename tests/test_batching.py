@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
@@ -341,3 +342,46 @@ def test_cpu_workers_hold_one_batch_gpu_workers_two(
         info = wire.WorkerInfo(worker_id=name, device=device, protocol=wire.PROTOCOL_VERSION)
         d._on_message(name.encode(), wire.Header(kind=wire.Header.READY, worker=info), [])
     assert [w.credits for w in d.workers()] == expected
+
+
+class RecordingEvents(QuietEvents):
+    def __init__(self) -> None:
+        self.lost: list[tuple[str, str]] = []
+        self.requeued: list[Request] = []
+
+    def requeue(self, requests: list[Request]) -> None:
+        self.requeued.extend(requests)
+
+    def worker_lost(self, worker_id: str, reason: str) -> None:
+        self.lost.append((worker_id, reason))
+
+
+def test_a_send_the_socket_refuses_loses_the_worker_and_requeues_its_batch() -> None:
+    """The dispatcher sends without waiting; with ROUTER_MANDATORY a worker the
+    socket does not know fails the send at once, and its batch goes back."""
+
+    async def body() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.bind("inproc://batchd-test-refused-send")
+        try:
+            events = RecordingEvents()
+            d = Dispatcher(router, Stats())
+            d.attach(events)
+            info = wire.WorkerInfo(worker_id="gone", device="cpu", protocol=wire.PROTOCOL_VERSION)
+            d._on_message(b"gone", wire.Header(kind=wire.Header.READY, worker=info), [])
+            cfg = model()
+            d.workers()[0].models.add(cfg.key)
+            r = request(cfg)
+            r.future = asyncio.get_running_loop().create_future()
+            d.send(cfg, [r])
+            assert d.workers() == []
+            assert [w for w, _ in events.lost] == ["gone"]
+            assert "send failed" in events.lost[0][1]
+            assert events.requeued == [r] and r.suspect and r.attempts == 1
+        finally:
+            router.close(linger=0)
+            ctx.term()
+
+    run(body)
