@@ -298,8 +298,9 @@ class Dispatcher:
                 self._receive(parts)
             self._drain_soon()  # more may wait: let the loop's other callbacks run first
         except Exception as e:  # a bug, not a worker's fault: end run() as a task would end
-            if self._crashed is not None and not self._crashed.done():
-                self._crashed.set_exception(e)
+            if self._crashed is None or self._crashed.done():
+                raise  # no run() to end: the loop's exception handler reports it
+            self._crashed.set_exception(e)
 
     def _receive(self, parts: list[Any]) -> None:
         identity = parts[0].bytes

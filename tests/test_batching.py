@@ -1,5 +1,6 @@
 """The batching decision and the scheduler around it, with a fake clock and a
-fake dispatcher: no processes, no sockets, no sleeps."""
+fake dispatcher: no processes, no sleeps (one in-process socket, for a send
+the dispatcher's socket refuses)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,14 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
-from batchd.server.batching import Capacity, Send, Wait, decide
+from batchd.server.batching import BUSY_WITH_CREDIT, IDLE, Capacity, Send, Wait, decide
+from batchd.server.batching import NO_CAPACITY as FULL
 from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import DeadlineExceeded, QueueFull
 from batchd.server.planner import Plan
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
 from batchd.server.stats import Stats
-
-IDLE = Capacity(idle_worker=True, free_credit=True)
-BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
-FULL = Capacity(idle_worker=False, free_credit=False)
 
 
 def plan(rows: int = 1, full: bool = False, preferred: bool = False, oldest: float = 5.0) -> Plan:
