@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -78,11 +79,25 @@ def children(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid`, all its threads."""
+    try:
+        fields = _stat(Path(f"/proc/{pid}"))
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _ppid(proc: Path) -> int:
     try:
-        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        return int(_stat(proc)[1])
     except (OSError, IndexError, ValueError):
         return -1
+
+
+def _stat(proc: Path) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (which may hold spaces)."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -32,21 +32,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from overload import children, rss_mb
+from overload import children, cpu_s, rss_mb
 
 from batchd.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process `pid`, all its threads."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def perf_analyzer(
@@ -306,13 +297,12 @@ def markdown(r: dict) -> str:
         "| load | frontend | worker | load tool | bound req/s | measured |",
         "|---|---|---|---|---|---|",
     ]
-    for label, key in [
-        ("echo c=32", None),
-        ("batchd mlp c=64", "mlp_c64"),
-        ("batchd tiny c=32", "tiny_c32"),
-        ("batchd mlp c=1", "mlp_c1"),
+    for label, m in [
+        ("echo c=32", r["echo"][32]),
+        ("batchd mlp c=64", r["mlp_c64"]),
+        ("batchd tiny c=32", r["tiny_c32"]),
+        ("batchd mlp c=1", r["mlp_c1"]),
     ]:
-        m = r["echo"][32] if key is None else r[key]
         cpu = m["cpu_us_per_request"]
         lines.append(
             f"| {label} | {cpu['frontend']} | {cpu['worker']} | {cpu['load']} "
