@@ -10,6 +10,9 @@
    and 64, tiny at 32; the RSS of the frontend and its worker; then a
    `batchd bench` concurrency sweep of mlp (1..64) with its plot; then tiny
    with `--frontends 1` and `--frontends max(2, cores/2)`.
+4. bench/idle_latency.py: where one mlp caller's time goes outside gRPC, and
+   from it and the echo server what a server with no code of its own would
+   reach here (the limits the targets cannot beat on this machine).
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -177,6 +180,15 @@ def main() -> None:
         r["unbatched_mlp"] = {c: perf_analyzer(pa, 18193, "mlp", c, ms) for c in (1, 64)}
     print("raw model ...", flush=True)
     r["raw_model_mlp_rows_s"] = raw_model()
+    print("idle latency parts ...", flush=True)
+    idle_json = args.out / "idle_latency.json"
+    subprocess.run(
+        [PY, "bench/idle_latency.py", "--json", str(idle_json)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
+    r["idle_mlp"] = json.loads(idle_json.read_text())
 
     print("batchd ...", flush=True)
     serve = [
@@ -223,6 +235,7 @@ def main() -> None:
     r["cpu_bound_req_s"] = {
         name: cpu_bound(r[name], r["machine_cores"]) for name in ("mlp_c64", "tiny_c32")
     }
+    r["limits_without_batchd"] = limits_without_batchd(r)
     (args.out / "results.json").write_text(json.dumps(r, indent=2) + "\n")
     (args.out / "results.md").write_text(markdown(r))
     print(markdown(r))
@@ -246,6 +259,26 @@ def frontends_tiny(serve: list[str], frontends: int, out: Path) -> float:
         return float(json.loads(result.read_text())["levels"][0]["throughput"])
 
 
+def limits_without_batchd(r: dict) -> dict:
+    """What a server with no code of its own would reach on this machine: gRPC as
+    the echo server costs it, the model as it runs alone, ZeroMQ bare."""
+    echo, idle = r["echo"][64]["cpu_us_per_request"], r["idle_mlp"]
+    per_row_us = 1e6 / r["raw_model_mlp_rows_s"]["batch_32"]
+    mlp_c64 = r["machine_cores"] * 1e6 / (echo["frontend"] + echo["load"] + per_row_us)
+    c1_ms = (
+        r["echo"][1]["p50_ms"]
+        + (idle["model_alone"]["after_idle_us"] + idle["bare_zeromq_round_trip_us"]) / 1e3
+    )
+    echo_bound = r["machine_cores"] * 1e6 / (echo["frontend"] + echo["load"])
+    return {
+        "mlp_c64_req_s": round(mlp_c64),
+        "mlp_c64_vs_echo_c64": round(mlp_c64 / r["echo"][64]["req_s"], 3),
+        # the echo server itself leaves the cores partly idle: compare bound with bound
+        "mlp_c64_vs_echo_c64_bound": round(mlp_c64 / echo_bound, 3),
+        "mlp_c1_p50_ms": round(c1_ms, 2),
+    }
+
+
 def cpu_bound(m: dict, cores: int) -> int:
     """The req/s at which the measured CPU per request would keep every core busy."""
     return round(cores * 1e6 / sum(m["cpu_us_per_request"].values()))
@@ -264,7 +297,7 @@ def markdown(r: dict) -> str:
             ratios["mlp_c64_vs_raw_model_batch32"],
             "—",
         ),
-        ("frontend + worker RSS MB", r["rss_after_load_mb"], "≤ 500"),
+        ("frontend + worker RSS MB", round(r["rss_after_load_mb"], 1), "≤ 500"),
     ]
     lines = [
         f"# batchd bench, {r['when']} ({r['machine_cores']} cores)",
@@ -313,6 +346,27 @@ def markdown(r: dict) -> str:
         f"mlp c=64 by Little's law: 64 callers at {r['mlp_c64']['req_s']:,.0f} req/s wait "
         f"{64e3 / r['mlp_c64']['req_s']:.1f} ms on average; a p99 under 40 ms needs more "
         "than 1,600 req/s.",
+    ]
+    bare, idle = r["limits_without_batchd"], r["idle_mlp"]
+    worker = idle["worker"]
+    lines += [
+        "",
+        "Without any code of batchd's own (gRPC as the echo server's CPU, mlp as alone, every",
+        f"core busy), mlp c=64 would reach {bare['mlp_c64_req_s']:,} req/s, "
+        f"{bare['mlp_c64_vs_echo_c64']}x echo ({bare['mlp_c64_vs_echo_c64_bound']}x the echo "
+        "server's own bound); one mlp caller would wait",
+        f"{bare['mlp_c1_p50_ms']} ms (echo c=1 + the model after "
+        f"{idle['idle_ms']:g} ms idle + a bare ZeroMQ round trip).",
+        "",
+        f"mlp at one caller (bench/idle_latency.py, {idle['idle_ms']:g} ms between requests): "
+        f"the model alone {idle['model_alone']['after_idle_us']:,.0f} µs "
+        f"({idle['model_alone']['back_to_back_us']:,.0f} back to back); through a worker "
+        f"{worker['round_trip_us']:,.0f} µs round trip = compute "
+        f"{worker['worker_compute_us']:,.0f} + ZeroMQ and hand-offs "
+        f"{worker['transport_and_handoffs_us']:,.0f} (bare ZeroMQ "
+        f"{idle['bare_zeromq_round_trip_us']:,.0f}); parsing one wire header "
+        f"{idle['cold_python']['parse_header_back_to_back_us']} µs warm, "
+        f"{idle['cold_python']['parse_header_after_idle_us']} µs after the idle gap.",
     ]
     raw = r["raw_model_mlp_rows_s"]
     lines += [
