@@ -45,6 +45,7 @@ from batchd.worker.loader import load_model
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "examples" / "models"
 ns = time.perf_counter_ns
+TIMEOUT_MS = 60_000  # a worker or echo process that never answers fails the run, not hangs it
 
 
 def p50_us(samples: list[int]) -> float:
@@ -99,6 +100,7 @@ def _until(router: zmq.Socket, kind: int) -> tuple[bytes, wire.Header]:
 def through_worker(name: str, count: int, idle_s: float, endpoint: str) -> dict[str, float]:
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
     router.bind(endpoint)
     cmd = [sys.executable, "-m", "batchd.worker", "--connect", endpoint, "--threads", "1"]
     cmd += ["--model-repository", str(REPOSITORY), "--log-level", "WARNING"]
@@ -145,6 +147,7 @@ def _echo(endpoint: str) -> None:
 
 def bare_zeromq(count: int, idle_s: float, endpoint: str, size: int) -> float:
     router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
     router.bind(endpoint)
     echo = mp.get_context("spawn").Process(target=_echo, args=(endpoint,))
     echo.start()
