@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from batchd.protos import inference_pb2, inference_pb2_grpc
-from batchd.protos._pool import POOL
+from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
 from batchd.server.control import IndexEntry, ModelControl
 from batchd.server.dispatch import Dispatcher
@@ -324,6 +324,8 @@ async def serve(cfg: ServerConfig) -> None:
         ", ".join(repository) or "no models",
         "; model control explicit" if cfg.model_control == "explicit" else "",
     )
+    if (slow := slow_backend()) is not None:
+        log.warning("%s", slow)
     worker_auth = preflight(cfg.security, cfg.worker_endpoint)
     _check_frontends(cfg)
     with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:

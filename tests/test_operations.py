@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchd.client import Client, InvalidInput
+from batchd.protos._pool import slow_backend
 from tests.servers import EXAMPLES, ServerProcess
 
 
@@ -129,3 +130,19 @@ def test_bench_measures_closed_and_open_loop(example_server: ServerProcess, tmp_
             assert lv["ok"] > 0 and lv["errors"] == {} and lv["p50_ms"] > 0
             assert lv["server_avg_batch"] is not None and lv["server_avg_batch"] >= 1
         assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_the_protobuf_backend_is_checked() -> None:
+    assert slow_backend("upb") is None and slow_backend("cpp") is None
+    assert "'python' implementation" in str(slow_backend("python"))
+
+
+def test_a_pure_python_protobuf_is_named_at_start(
+    example_server: ServerProcess, tmp_path: Path
+) -> None:
+    env = {"PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
+    server = ServerProcess(EXAMPLES, log_dir=tmp_path, env=env).start(ready=False)
+    assert server.stop() == 0
+    warning = "protobuf runs its 'python' implementation (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="
+    assert warning in server.log()
+    assert "protobuf runs" not in example_server.log()  # upb, as installed: no warning
