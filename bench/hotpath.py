@@ -11,6 +11,9 @@ decides, measured steadily enough to compare two versions on a noisy machine.
 
 Requests arrive `--batch` at a time while the fake worker is busy, then the
 worker frees and takes them as one batch: the pattern of a saturated frontend.
+With `--filling` the worker is idle instead while a patient (saturated)
+scheduler lets the batch fill, and the arrival that fills it sends it: each
+arrival is a batching decision (set `--batch` to the model's max_batch_size).
 Prints microseconds per request (best of --rounds).
 """
 
@@ -74,7 +77,9 @@ class Core:
         self.scheduler.check_room(key)
 
 
-async def measure(cfg: ModelConfig, batch: int, saturated: bool, n: int) -> float:
+async def measure(
+    cfg: ModelConfig, batch: int, saturated: bool, n: int, filling: bool = False
+) -> float:
     worker = FakeWorker()
     now = [0.0]  # the scheduler's clock: each batch's window has run out when the worker frees
     scheduler = Scheduler(worker, clock=lambda: now[0], saturated=lambda: saturated)
@@ -95,17 +100,18 @@ async def measure(cfg: ModelConfig, batch: int, saturated: bool, n: int) -> floa
         response = await service.infer(msg, None)
         response.SerializeToString()
 
-    worker.batch = []  # busy: the first `batch` requests queue behind it
+    worker.batch = None if filling else []  # busy: the first `batch` requests queue behind it
     start = time.perf_counter()
     for _ in range(n // batch):
         tasks = [asyncio.ensure_future(one()) for _ in range(batch)]
         await asyncio.sleep(0)  # each task runs up to its await: all are queued
-        now[0] += 1.0
-        worker.batch = None  # the busy worker frees and takes the queue as one batch ...
-        scheduler.pump()
+        if not filling:  # (filling: the last arrival filled the batch and sent it)
+            now[0] += 1.0
+            worker.batch = None  # the busy worker frees and takes the queue as one batch ...
+            scheduler.pump()
         worker.reply(scheduler)  # ... which comes back at once
         await asyncio.gather(*tasks)
-        worker.batch = []
+        worker.batch = None if filling else []
     return (time.perf_counter() - start) / (n // batch * batch) * 1e6
 
 
@@ -114,15 +120,18 @@ def main() -> None:
     p.add_argument("--model", default="tiny", help="a model of examples/models with INPUT0 FP32")
     p.add_argument("--batch", type=int, default=24, help="requests per batch")
     p.add_argument("--saturated", action="store_true", help="the scheduler's patient mode")
+    p.add_argument("--filling", action="store_true", help="idle worker, batches fill (saturated)")
     p.add_argument("--requests", type=int, default=20_000)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     cfg = find_model(ROOT / "examples" / "models", args.model)
     best = min(
-        asyncio.run(measure(cfg, args.batch, args.saturated, args.requests))
+        asyncio.run(
+            measure(cfg, args.batch, args.saturated or args.filling, args.requests, args.filling)
+        )
         for _ in range(args.rounds)
     )
-    mode = "saturated" if args.saturated else "eager"
+    mode = "filling" if args.filling else "saturated" if args.saturated else "eager"
     print(f"{args.model}: {best:.1f} us per request (batches of {args.batch}, {mode})")
 
 

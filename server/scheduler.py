@@ -107,10 +107,13 @@ class ModelQueue:
             )
         return None
 
-    def plan(self, now: float) -> Plan | None:
+    def drop_dead_heads(self, now: float) -> None:
         for q in self.levels:  # dead heads go now; dead entries deeper are skipped, then compacted
             while q and _dead(q[0], now):
                 _expire(q.popleft(), now)
+
+    def plan(self, now: float) -> Plan | None:
+        self.drop_dead_heads(now)
         return plan_batch(self.levels, now, self.cap, self.config.batching, self.window)
 
     def take(self, plan: Plan) -> None:
@@ -252,6 +255,8 @@ class Scheduler:
         now = self._clock()
         wake = math.inf
         eager = not self._saturated()
+        if only is not None and self._arrival_changes_nothing(only, now, eager):
+            return
         for q in [only] if only is not None else list(self._queues.values()):
             if not len(q):
                 continue
@@ -267,6 +272,31 @@ class Scheduler:
                     wake = min(wake, decision.until)
                 break
         self._arm(wake, now, earlier_only=only is not None)
+
+    def _arrival_changes_nothing(self, q: ModelQueue, now: float, eager: bool) -> bool:
+        """Whether the request just queued at the tail of `q` leaves the decision the
+        last pump made for `q` standing, so the planner (a walk over the whole queue)
+        need not run for it. Holds for a plain FIFO queue (one level, no preferred
+        sizes, tokens or buckets) when no idle worker takes it eagerly, the queue
+        had a request before (so the armed timer is at or before its due time), that
+        timer is still ahead, the newcomer's deadline does not fall before it, and
+        the rows queued, dead entries counted, are fewer than a batch. Like
+        planning, it first answers expired heads. A patient scheduler filling a
+        batch for an idle worker decides on every arrival: bench/hotpath.py
+        --filling, batches of 32, went from 128-140 to 80-82 µs a request."""
+        b = q.config.batching
+        if len(q.levels) > 1 or b.preferred_batch_sizes or b.max_batch_tokens or b.bucket_by_length:
+            return False
+        capacity = self._dispatch.capacity(q.config.key)
+        if not capacity.free_credit or (eager and capacity.idle_worker):
+            return False  # no plan is made at all, or the worker takes the batch now
+        q.drop_dead_heads(now)  # as planning would: an expired head is answered now
+        level = q.levels[0]
+        if len(level) < 2 or now >= self._timer_at:
+            return False
+        if level[-1].deadline - q.delay_s() < self._timer_at:
+            return False  # its deadline may need the batch to leave before the timer fires
+        return sum(r.rows for r in level) < q.cap
 
     def _arm(self, wake: float, now: float, earlier_only: bool = False) -> None:
         # After one queue's pump the others' wake-ups are unknown: keep an earlier

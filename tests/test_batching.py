@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -170,6 +171,74 @@ def test_scheduler_holds_batches_for_an_idle_worker_while_the_loop_is_saturated(
     run(body)
 
 
+def _play(
+    events: list[tuple[str, float]], shortcut: bool
+) -> tuple[list[tuple[int, list[str]]], int]:
+    """Run `events` through a patient scheduler of two models; return (event index,
+    request ids) per batch, and how many arrivals skipped the planner."""
+    skipped = [0]
+
+    async def body() -> list[tuple[int, list[str]]]:
+        clock, dispatch, saturated = Clock(), FakeDispatch(idle=1, credits=1), [True]
+        s = Scheduler(dispatch, clock, saturated=lambda: saturated[0])
+        decides = s._arrival_changes_nothing
+
+        def counted(*args: object) -> bool:
+            skip = shortcut and decides(*args)  # type: ignore[arg-type]
+            skipped[0] += skip
+            return skip
+
+        s._arrival_changes_nothing = counted  # type: ignore[method-assign]
+        cfg = model(max_batch_size=8, queue=64, delay_us=20_000)
+        other = replace(model(max_batch_size=8, queue=64, delay_us=200_000), name="other")
+        s.add_model(cfg)
+        s.add_model(other)  # its timer may be the one armed when cfg's first request comes
+        sent: list[tuple[int, list[str]]] = []  # and rejections, as (i, ["full"])
+        futures, batches = [], []
+        for i, (kind, x) in enumerate(events):
+            if kind == "arrive":
+                r = request(other if int(x * 1000) % 4 == 0 else cfg, rows=1 if x < 0.8 else 2)
+                r.id = str(i)
+                if x < 0.2:
+                    r.deadline = clock.now + x * 0.05
+                try:
+                    futures.append(s.submit(r))
+                except QueueFull:
+                    sent.append((i, ["full"]))
+            elif kind == "tick":
+                clock.now += x * 0.002
+                if s._timer_at <= clock.now and x < 0.7:  # else a busy loop runs it late
+                    s._on_timer()
+            elif kind == "cancel" and s._queues[cfg.key].levels[0]:
+                s._queues[cfg.key].levels[0][0].future.cancel()
+            elif kind == "free":
+                dispatch.idle, dispatch.credits = 1, 1
+                s.pump()
+            elif kind == "flip":
+                saturated[0] = not saturated[0]
+            sent += [(i, [r.id for r in batch]) for batch in dispatch.sent[len(batches) :]]
+            batches = list(dispatch.sent)
+        expired = [f for f in futures if f.done() and not f.cancelled() and f.exception()]
+        assert all(isinstance(f.exception(), DeadlineExceeded) for f in expired)
+        return sent
+
+    return asyncio.run(body()), skipped[0]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_skipping_the_planner_on_arrival_sends_what_planning_would(seed: int) -> None:
+    """An arrival that cannot change the decision skips the planner
+    (Scheduler._arrival_changes_nothing): the same batches must leave at the same
+    events as when every arrival plans, through idle and busy workers, deadlines,
+    cancellations, two-row requests and the loop's saturation coming and going."""
+    rng = random.Random(seed)
+    kinds = ["arrive"] * 6 + ["tick"] * 2 + ["cancel"] + ["free"] * 3 + ["flip"]
+    events = [(rng.choice(kinds), rng.random()) for _ in range(300)]
+    with_shortcut, skipped = _play(events, shortcut=True)
+    assert len(with_shortcut) > 10 and skipped > 2  # batches left; arrivals skipped planning
+    assert with_shortcut == _play(events, shortcut=False)[0]
+
+
 def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
     async def body() -> None:
         clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)
@@ -186,7 +255,11 @@ def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
     run(body)
 
 
-def test_a_request_for_one_model_does_not_postpone_another_models_batch() -> None:
+@pytest.mark.parametrize("quick_first", [True, False])
+def test_a_request_for_one_model_does_not_postpone_another_models_batch(quick_first: bool) -> None:
+    """Each pump of one queue keeps an earlier timer of another; and a queue's first
+    request is planned (it arms its own timer) even behind another's later timer."""
+
     async def body() -> None:
         dispatch = SignallingDispatch(idle=0, credits=1)
         s = Scheduler(dispatch)  # real clock: the timer must fire
@@ -195,10 +268,28 @@ def test_a_request_for_one_model_does_not_postpone_another_models_batch() -> Non
         s.add_model(quick)
         s.add_model(slow)
         first = request(quick)
-        s.submit(first)
-        s.submit(request(slow))  # pumps only its own queue; quick's timer must stand
+        for r in [first, request(slow)] if quick_first else [request(slow), first]:
+            s.submit(r)
         await asyncio.wait_for(dispatch.sent_one.wait(), 2)  # not after slow's 5 s
         assert dispatch.sent == [[first]]
+
+    run(body)
+
+
+def test_an_arrival_after_the_delay_sends_the_batch_without_waiting_for_a_late_timer() -> None:
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        s = Scheduler(dispatch, clock, saturated=lambda: True)  # patient: batches fill
+        cfg = model(max_batch_size=8, delay_us=10_000)
+        s.add_model(cfg)
+        waiting = [request(cfg), request(cfg)]
+        for r in waiting:
+            s.submit(r)
+        assert dispatch.sent == []
+        clock.now += 0.011  # the delay ran out, but a busy loop has not run the timer yet
+        late = request(cfg)
+        s.submit(late)
+        assert dispatch.sent == [[*waiting, late]]
 
     run(body)
 
