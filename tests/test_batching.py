@@ -191,8 +191,11 @@ def _play(
         s._arrival_changes_nothing = counted  # type: ignore[method-assign]
         cfg = model(max_batch_size=8, queue=64, delay_us=20_000)
         other = replace(model(max_batch_size=8, queue=64, delay_us=200_000), name="other")
+        other = replace(other, batching=replace(other.batching, preferred_batch_sizes=(3,)))
         s.add_model(cfg)
-        s.add_model(other)  # its timer may be the one armed when cfg's first request comes
+        # Its timer may be the one armed when cfg's first request comes; its preferred
+        # size means an arrival may send a batch before it is full: never skipped.
+        s.add_model(other)
         sent: list[tuple[int, list[str]]] = []  # and rejections, as (i, ["full"])
         futures, batches = [], []
         for i, (kind, x) in enumerate(events):
