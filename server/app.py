@@ -122,8 +122,8 @@ class _Wiring:
     def batch_done(self, model: str, rows: int, compute_s: float) -> None:
         self.scheduler.observe(model, rows, compute_s)
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
-        if self.supervisor is not None and not reason.startswith("process exited"):
+    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None:
+        if self.supervisor is not None and stuck:
             self.supervisor.kill(worker_id)
 
 

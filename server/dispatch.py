@@ -210,8 +210,11 @@ class Dispatcher:
 
     # ---- losing a worker ----
 
-    def lose(self, worker: Worker, reason: str) -> None:
+    def lose(self, worker: Worker, reason: str, stuck: bool = True) -> None:
         """Forget `worker`; send its requests back to the queue (or fail the twice-sent).
+        `stuck`: its process may live on, useless (silent, hung past its execution
+        limit, its pipe full): a local one is killed. Not for a process that exited
+        or that another took the place of.
 
         Every request it held is charged an attempt and retried as a suspect:
         alone, on an idle worker that takes nothing else meanwhile. So an
@@ -250,16 +253,17 @@ class Dispatcher:
             len(back),
             extra={"worker": worker.name, "reason": reason},
         )
-        self.events.worker_lost(worker.name, reason)
+        self.events.worker_lost(worker.name, reason, stuck)
         self.events.workers_changed()
         for key in {r.model.key for r in back}:
             self.events.requeue([r for r in back if r.model.key == key])
         self.events.pump()
 
     def lose_by_name(self, name: str, reason: str) -> None:
+        """A worker's process exited (the supervisor saw it)."""
         for w in list(self._order):
             if w.name == name:
-                self.lose(w, reason)
+                self.lose(w, reason, stuck=False)
 
     # ---- receiving ----
 
@@ -283,14 +287,14 @@ class Dispatcher:
             self._drain_armed = True
             asyncio.get_running_loop().call_soon(self._drain)
 
-    def _drain(self) -> None:
+    def _drain(self, most: int = DRAIN_MAX) -> None:
         """Every message waiting on the socket, one callback for all (the FD is
         edge-triggered: it signals again only once the socket has been read dry)."""
         self._drain_armed = False
         if self._sock.closed:  # shut down after this call was scheduled
             return
         try:
-            for _ in range(DRAIN_MAX):
+            for _ in range(most):
                 try:
                     parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
@@ -328,6 +332,12 @@ class Dispatcher:
             self._on_loaded(worker, header)
 
     def _on_ready(self, identity: bytes, info: wire.WorkerInfo) -> None:
+        old = self._workers.get(identity)
+        if old is not None and old.info.pid == info.pid and old.info.device == info.device:
+            # The same process registering again: it heard nothing from us for a while
+            # (our loop was busy) and is alive, with its batches; keep it as it is.
+            old.last_seen = self._clock()
+            return
         if info.protocol != wire.PROTOCOL_VERSION:
             log.error(
                 "worker %s speaks wire protocol %d, this frontend %d; ignored",
@@ -341,9 +351,8 @@ class Dispatcher:
         if self._stopping:  # it started up while we shut down: it missed the STOP
             self._send(worker, wire.pack(wire.Header(kind=wire.Header.STOP)))
             return
-        old = self._workers.get(identity)
-        if old is not None:
-            self.lose(old, "it registered again")
+        if old is not None:  # another process under the same id: the old one is gone
+            self.lose(old, f"it registered again as pid {info.pid}", stuck=False)
         self._workers[identity] = worker
         self._order.append(worker)
         log.info(
@@ -437,28 +446,35 @@ class Dispatcher:
         )
 
     async def _heartbeat_loop(self) -> None:
-        beat = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
-        silence = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS
         while True:
             await asyncio.sleep(wire.HEARTBEAT_INTERVAL_S)
-            if self._stopping:
-                continue
-            now = self._clock()
-            for w in list(self._order):
-                overdue = [
-                    b
-                    for b in w.inflight.values()
-                    if now - b.sent_at > b.model.instances.execution_timeout_s
-                ]
-                if now - w.last_seen > silence:
-                    self.lose(w, f"no message for {now - w.last_seen:.1f} s")
-                elif overdue:
-                    self._send(w, wire.pack(wire.Header(kind=wire.Header.STOP)))  # if it can hear
-                    self.lose(
-                        w,
-                        f"batch {overdue[0].id} of model {overdue[0].model.name!r} ran "
-                        f"past execution_timeout_s "
-                        f"{overdue[0].model.instances.execution_timeout_s}",
-                    )
-                else:
-                    self._send(w, beat)
+            if not self._stopping:
+                self.keep_alive()
+
+    def keep_alive(self) -> None:
+        """Judge every worker once: lost if silent for LIVENESS heartbeats or holding a
+        batch past its execution limit, else sent a heartbeat. What has come in is
+        read first: after a busy spell of the event loop, the workers' heartbeats
+        wait unread on the socket, and silence is theirs only if nothing is there."""
+        self._drain(most=1 << 30)
+        beat = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
+        silence = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS
+        now = self._clock()
+        for w in list(self._order):
+            overdue = [
+                b
+                for b in w.inflight.values()
+                if now - b.sent_at > b.model.instances.execution_timeout_s
+            ]
+            if now - w.last_seen > silence:
+                self.lose(w, f"no message for {now - w.last_seen:.1f} s")
+            elif overdue:
+                self._send(w, wire.pack(wire.Header(kind=wire.Header.STOP)))  # if it can hear
+                self.lose(
+                    w,
+                    f"batch {overdue[0].id} of model {overdue[0].model.name!r} ran "
+                    f"past execution_timeout_s "
+                    f"{overdue[0].model.instances.execution_timeout_s}",
+                )
+            else:
+                self._send(w, beat)

@@ -23,7 +23,8 @@ class Events(Protocol):
 
     def worker_ready(self, worker: Worker) -> None: ...  # a worker registered: load its models
 
-    def worker_lost(self, worker_id: str, reason: str) -> None: ...  # e.g. kill a hung process
+    # stuck: its process may live on, useless (kill it if it is local)
+    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None: ...
 
     def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
 

@@ -24,6 +24,7 @@ from batchd.server.planner import Plan
 from batchd.server.request import Request, Tensor
 from batchd.server.scheduler import Scheduler
 from batchd.server.stats import Stats
+from batchd.server.workers import Batch
 
 
 def plan(rows: int = 1, full: bool = False, preferred: bool = False, oldest: float = 5.0) -> Plan:
@@ -419,7 +420,7 @@ class QuietEvents:
 
     def worker_ready(self, worker: object) -> None: ...
 
-    def worker_lost(self, worker_id: str, reason: str) -> None: ...
+    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None: ...
 
     def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
 
@@ -438,14 +439,14 @@ def test_cpu_workers_hold_one_batch_gpu_workers_two(
 
 class RecordingEvents(QuietEvents):
     def __init__(self) -> None:
-        self.lost: list[tuple[str, str]] = []
+        self.lost: list[tuple[str, str, bool]] = []
         self.requeued: list[Request] = []
 
     def requeue(self, requests: list[Request]) -> None:
         self.requeued.extend(requests)
 
-    def worker_lost(self, worker_id: str, reason: str) -> None:
-        self.lost.append((worker_id, reason))
+    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None:
+        self.lost.append((worker_id, reason, stuck))
 
 
 def test_a_send_the_socket_refuses_loses_the_worker_and_requeues_its_batch() -> None:
@@ -469,11 +470,78 @@ def test_a_send_the_socket_refuses_loses_the_worker_and_requeues_its_batch() -> 
             r.future = asyncio.get_running_loop().create_future()
             d.send(cfg, [r])
             assert d.workers() == []
-            assert [w for w, _ in events.lost] == ["gone"]
+            assert [(w, stuck) for w, _, stuck in events.lost] == [("gone", True)]
             assert "send failed" in events.lost[0][1]
             assert events.requeued == [r] and r.suspect and r.attempts == 1
         finally:
             router.close(linger=0)
             ctx.term()
+
+    run(body)
+
+
+def _ready(worker_id: str, pid: int) -> wire.Header:
+    info = wire.WorkerInfo(
+        worker_id=worker_id, device="cpu", pid=pid, protocol=wire.PROTOCOL_VERSION
+    )
+    return wire.Header(kind=wire.Header.READY, worker=info)
+
+
+def test_heartbeats_waiting_unread_after_a_busy_loop_keep_a_worker() -> None:
+    """A frontend whose loop was busy for longer than the liveness window reads what
+    came meanwhile before it judges: the worker's heartbeat, waiting on the socket,
+    keeps it. With nothing waiting, the same silence loses it."""
+
+    async def body() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind("inproc://batchd-test-busy-loop")
+        dealer.setsockopt(zmq.IDENTITY, b"w")
+        dealer.connect("inproc://batchd-test-busy-loop")
+        try:
+            clock, events = Clock(), RecordingEvents()
+            d = Dispatcher(router, Stats(), clock=clock)
+            d.attach(events)
+            dealer.send_multipart(wire.pack(_ready("w", 7)))
+            assert router.poll(5000)
+            d._drain()
+            assert [w.name for w in d.workers()] == ["w"]
+            clock.now += 10 * wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # the loop was busy
+            dealer.send_multipart(wire.pack(wire.Header(kind=wire.Header.HEARTBEAT)))
+            assert router.poll(5000)  # it came meanwhile, unread
+            d.keep_alive()
+            assert [w.name for w in d.workers()] == ["w"] and events.lost == []
+            clock.now += 10 * wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # truly silent
+            d.keep_alive()
+            assert d.workers() == [] and [(w, s) for w, _, s in events.lost] == [("w", True)]
+        finally:
+            router.close(linger=0)
+            dealer.close(linger=0)
+            ctx.term()
+
+    run(body)
+
+
+def test_a_worker_registering_again_from_the_same_process_keeps_its_batches() -> None:
+    """A worker that heard nothing from the frontend for a while says READY again;
+    the same process is kept as it is, its batch still in flight. Another process
+    under the same id replaces it, and the old one is not killed: it is gone."""
+
+    async def body() -> None:
+        events = RecordingEvents()
+        d = Dispatcher(None, Stats())  # type: ignore[arg-type]  # sends nothing here
+        d.attach(events)
+        d._on_message(b"w", _ready("w", 7), [])
+        first = d.workers()[0]
+        cfg = model()
+        r = request(cfg)
+        r.future = asyncio.get_running_loop().create_future()
+        first.inflight[1] = Batch(1, cfg, [r], 0.0)
+        d._on_message(b"w", _ready("w", 7), [])
+        assert d.workers() == [first] and 1 in first.inflight and events.lost == []
+        d._on_message(b"w", _ready("w", 8), [])
+        assert [w.info.pid for w in d.workers()] == [8]
+        assert [(w, s) for w, _, s in events.lost] == [("w", False)]
+        assert events.requeued == [r]
 
     run(body)
