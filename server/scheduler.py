@@ -148,6 +148,7 @@ class Scheduler:
         self._queues: dict[str, ModelQueue] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._turn = 0  # which queue a full pump offers capacity first: models take turns
 
     def add_model(self, config: ModelConfig) -> None:
         """Queue requests for one model version, keyed by `config.key`."""
@@ -261,7 +262,7 @@ class Scheduler:
         eager = not self._saturated()
         if only is not None and self._arrival_changes_nothing(only, now, eager):
             return
-        for q in [only] if only is not None else list(self._queues.values()):
+        for q in [only] if only is not None else self._in_turn():
             if not len(q):
                 continue
             while True:
@@ -271,11 +272,22 @@ class Scheduler:
                 if isinstance(decision, Send):
                     q.take(decision.plan)
                     self._dispatch.send(q.config, decision.plan.requests)
+                    if only is None:  # the next full pump offers the next model first
+                        self._turn = list(self._queues).index(q.config.key) + 1
                     continue
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
         self._arm(wake, now, earlier_only=only is not None)
+
+    def _in_turn(self) -> list[ModelQueue]:
+        """Every queue, from the one after the last that sent a batch in a full pump:
+        a freed worker goes to the models in turn, so one model's backlog (a
+        request of a thousand chunks) cannot keep the workers it shares from
+        another model's callers. A pump that sends nothing changes no turn."""
+        queues = list(self._queues.values())
+        k = self._turn % len(queues) if queues else 0
+        return queues[k:] + queues[:k]
 
     def _arrival_changes_nothing(self, q: ModelQueue, now: float, eager: bool) -> bool:
         """Whether the request just queued at the tail of `q` leaves the decision the

@@ -172,6 +172,28 @@ def test_scheduler_holds_batches_for_an_idle_worker_while_the_loop_is_saturated(
     run(body)
 
 
+def test_models_sharing_workers_take_turns_whatever_one_has_queued() -> None:
+    """One model's request of many chunks must not keep the shared worker from
+    another model's callers: each freed credit goes to the next model with work."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=0)
+        s = Scheduler(dispatch, clock)
+        big, small = model(max_batch_size=4, queue=64), replace(model(), name="small")
+        s.add_model(big)
+        s.add_model(small)
+        s.submit(request(big, rows=40))  # 10 chunks of 4 rows
+        order = []
+        for _ in range(6):
+            s.submit(request(small))  # a caller of the other model, while the worker is busy
+            dispatch.idle, dispatch.credits = 1, 1  # a batch finished
+            s.pump()
+            order.append(dispatch.sent[-1][0].model.name)
+        assert order == ["m", "small"] * 3
+
+    run(body)
+
+
 def _play(
     events: list[tuple[str, float]], shortcut: bool
 ) -> tuple[list[tuple[int, list[str]]], int]:
