@@ -3,7 +3,7 @@
     [model]                       # optional table; or these keys at top level
     max_batch_size = 32           # rows per batch; 0 = the model does not batch
     [[input]]        name, datatype ("FP32", ...), shape (no batch dim, -1 = variable),
-                     ragged, pad_value, padding_side ("right" | "left")
+                     ragged, pad_value, padding_side ("right" | "left"), max_length
     [[batch_input]]  name, kind ("mask" | "lengths"), source (a ragged input)
     [[output]]       name, datatype, shape, ragged_like (a ragged input)
     [batching]       max_queue_delay_us, max_queue_size, default_timeout_us,
@@ -34,6 +34,7 @@ from batchd.protos._toml_reader import ConfigError, Reader
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 
 __all__ = [
+    "MODEL_NAME",
     "ConfigError",
     "ModelConfig",
     "confined",
@@ -56,6 +57,7 @@ class TensorSpec:
     pad_value: float = 0
     padding_side: str = "right"
     ragged_like: str | None = None  # outputs: cut back to this ragged input's length
+    max_length: int = 0  # ragged inputs: the longest row a request may send; 0: no limit
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         if shape == self.shape:  # the common case, at C speed
@@ -138,6 +140,24 @@ class ModelConfig:
     def output(self, name: str) -> TensorSpec | None:
         return self._out_specs.get(name)
 
+    def rows_per_batch(self, length: int = 0) -> int:
+        """The most rows of a request whose ragged rows are `length` long that one
+        batch holds: a request of more is split into chunks of this many rows."""
+        rows = max(self.max_batch_size, 1)
+        tokens = self.batching.max_batch_tokens
+        if tokens and length:
+            rows = min(rows, max(1, tokens // length))
+        return rows
+
+    def length_limit(self, spec: TensorSpec) -> tuple[int, str]:
+        """The longest row a request may send for ragged input `spec`, and the
+        setting that says so: `max_batch_tokens` (one row of more could never be
+        batched) or the input's own `max_length`, whichever is smaller; 0: none."""
+        tokens, own = self.batching.max_batch_tokens, spec.max_length
+        if tokens and (not own or tokens <= own):
+            return tokens, "[batching] max_batch_tokens"
+        return own, f"[[input]] {spec.name!r} max_length"
+
 
 def model_key(name: str, version: str) -> str:
     """The key of one loaded version of a model, the same on both sides of the wire."""
@@ -166,7 +186,8 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
             raise r.fail("ragged", "a ragged input has shape = [-1] and a numeric datatype")
         pad = r.get("pad_value", (int, float), 0)
         side = r.choice("padding_side", ("right", "left"), "right")
-        spec = TensorSpec(name, datatype, spec.shape, True, pad, side)
+        longest = r.integer("max_length", 0)
+        spec = TensorSpec(name, datatype, spec.shape, True, pad, side, max_length=longest)
     elif kind == "output" and "ragged_like" in r.table:
         like = r.get("ragged_like", str)
         if not spec.shape or spec.shape[0] != -1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,56 +24,107 @@ def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def bytes_element_offsets(buf: bytes | memoryview) -> list[int]:
-    """Start offsets of every BYTES element in `buf`, plus len(buf) at the end.
+def bytes_row_offsets(buf: bytes | memoryview, rows: int, per_row: int = 1) -> np.ndarray:
+    """Where each of `rows` rows of `per_row` BYTES elements starts in `buf`, plus len(buf).
 
-    Raises ValueError naming the element whose length prefix or body is cut short.
+    One walk over the buffer that never reads more elements than `rows * per_row`:
+    a buffer holding more, fewer or cut-short elements raises ValueError as soon as
+    that is known, so the work is bounded by the count the header declared, not by
+    what the sender packed. Memory: 8 bytes a row. Elements of one length (the
+    densest framing, empty strings, among them) are checked with numpy at C speed.
     """
-    offsets = []
-    pos, end = 0, len(buf)
-    unpack = _LEN.unpack_from
-    while pos < end:
-        offsets.append(pos)
+    end, count = len(buf), rows * per_row
+    if count == 0:
+        if end:
+            raise ValueError(f"0 BYTES elements need 0 bytes, the buffer holds {end}")
+        return np.zeros(rows + 1, np.int64)
+    step, rest = divmod(end, count)
+    if not rest and step >= 4 and _uniform(buf, count, step):
+        return np.arange(0, end + 1, step * per_row, dtype=np.int64)
+    offsets, pos, i = array("q"), 0, 0
+    unpack, add = _LEN.unpack_from, offsets.append
+    try:
+        if per_row == 1:  # one loop, not two: twice as fast per element
+            for i in range(count):  # noqa: B007 - `i` names the element that failed
+                add(pos)
+                pos += 4 + unpack(buf, pos)[0]
+        else:
+            for i in range(0, count, per_row):  # noqa: B007 - names the failed row
+                add(pos)
+                for _ in range(per_row):
+                    pos += 4 + unpack(buf, pos)[0]
+    except struct.error:
+        raise _framing_error(buf, offsets[-1], i, count) from None
+    if pos != end:
+        raise _framing_error(buf, offsets[-1], i, count)
+    add(end)
+    return np.frombuffer(offsets, np.int64)
+
+
+def _uniform(buf: bytes | memoryview, count: int, step: int) -> bool:
+    """Whether `buf` is `count` elements of `step - 4` bytes each."""
+    prefixes = np.ndarray((count,), np.dtype("<u4"), buffer=buf, strides=(step,))
+    return bool((prefixes == step - 4).all())
+
+
+def _framing_error(buf: bytes | memoryview, pos: int, i: int, count: int) -> ValueError:
+    """What is wrong with `buf`, walking on from element `i` at `pos` (the start of the
+    row where the walk failed): at most one row is walked again."""
+    end = len(buf)
+    while i < count:
+        if pos == end:
+            return ValueError(f"{count} BYTES elements declared, the buffer holds only {i}")
         if pos + 4 > end:
-            raise ValueError(
-                f"BYTES element {len(offsets) - 1} is truncated: a 4-byte length prefix "
-                f"needs 4 bytes, {end - pos} remain"
+            return ValueError(
+                f"BYTES element {i} is truncated: a 4-byte length prefix needs 4 bytes, "
+                f"{end - pos} remain"
             )
-        (n,) = unpack(buf, pos)
-        pos += 4 + n
-        if pos > end:
-            raise ValueError(
-                f"BYTES element {len(offsets) - 1} is truncated: its prefix says {n} bytes, "
-                f"{end - (pos - n)} remain"
+        (n,) = _LEN.unpack_from(buf, pos)
+        if pos + 4 + n > end:
+            return ValueError(
+                f"BYTES element {i} is truncated: its prefix says {n} bytes, {end - pos - 4} remain"
             )
-    offsets.append(end)
-    return offsets
+        pos, i = pos + 4 + n, i + 1
+    return ValueError(
+        f"{count} BYTES elements declared, the buffer holds more ({end - pos} bytes after them)"
+    )
+
+
+def bytes_element_offsets(buf: bytes | memoryview, count: int) -> np.ndarray:
+    """Start offsets of the `count` BYTES elements of `buf`, plus len(buf) at the end."""
+    return bytes_row_offsets(buf, count, 1)
 
 
 def serialize_bytes(values: Any) -> bytes:
-    """Length-prefix every element of an array-like of bytes/str (flattened row-major)."""
-    flat = np.asarray(values, dtype=object).ravel()
-    parts = []
-    for v in flat:
+    """Length-prefix every element of an array-like of bytes/str (flattened row-major).
+    A flat sequence (a protobuf repeated field) is read one element at a time, so
+    its elements never all exist as Python objects at once."""
+    flat = isinstance(values, Sequence) and not (
+        len(values) and isinstance(values[0], (list, tuple, np.ndarray))
+    )
+    if not flat:  # an ndarray, or nested lists: flattened row-major
+        values = np.asarray(values, dtype=object).ravel()
+    out = bytearray()
+    pack = _LEN.pack
+    for v in values:
         b = v.encode() if isinstance(v, str) else bytes(v)
-        parts.append(_LEN.pack(len(b)))
-        parts.append(b)
-    return b"".join(parts)
+        out += pack(len(b))
+        out += b
+    return bytes(out)
 
 
 def deserialize_bytes(buf: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
     """A numpy object array of `bytes` with `shape` from a raw BYTES buffer."""
-    offsets = bytes_element_offsets(buf)
-    count = len(offsets) - 1
-    if count != element_count(shape):
-        raise ValueError(
-            f"BYTES tensor of shape {list(shape)} needs "
-            f"{element_count(shape)} elements, the buffer holds {count}"
-        )
+    count = element_count(shape)
+    try:
+        offsets = bytes_element_offsets(buf, count)
+    except ValueError as e:
+        raise ValueError(f"BYTES tensor of shape {list(shape)[:8]}: {e}") from None
     data = bytes(buf)
     out = np.empty(count, dtype=object)
+    starts = offsets.tolist()
     for i in range(count):
-        out[i] = data[offsets[i] + 4 : offsets[i + 1]]
+        out[i] = data[starts[i] + 4 : starts[i + 1]]
     return out.reshape(tuple(shape))
 
 
@@ -105,5 +157,5 @@ def contents_to_raw(datatype: str, values: Sequence[Any]) -> bytes:
     """Raw bytes of typed `InferTensorContents` values (the field for `datatype`)."""
     dt = DATATYPES[datatype]
     if dt.is_bytes:
-        return serialize_bytes(list(values))
+        return serialize_bytes(values)
     return np.asarray(values, dtype=dt.numpy).tobytes()

@@ -31,7 +31,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: BYTES outputs carry row_offsets
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -223,7 +224,7 @@ def _build(
         models,
         wiring,
         stats,
-        limits=cfg.security.limits,
+        limits=dataclasses.replace(cfg.security.limits, max_response_bytes=cfg.max_message_bytes),
         calls_per_connection=cfg.security.max_concurrent_streams,
     )
     health = HealthServicer()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -21,8 +20,7 @@ import numpy as np
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.protos.tensors import bytes_element_offsets
-from batchd.server.request import Request, Tensor
+from batchd.server.request import Request, RowOffsets, Tensor
 
 
 def _ragged_rows(requests: Sequence[Request], i: int) -> list[tuple[int, np.ndarray]]:
@@ -86,26 +84,33 @@ def join_inputs(requests: Sequence[Request]) -> tuple[list[wire.Tensor], list[An
     return headers, frames
 
 
-def _row_bounds(datatype: str, shape: Sequence[int], buf: memoryview) -> list[int]:
-    """Byte offset where each row of `buf` starts, plus the end."""
-    rows = shape[0]
-    per_row = math.prod(shape[1:])
-    dt = DATATYPES[datatype]
+def _output_bounds(h: wire.Tensor, buf: memoryview) -> RowOffsets:
+    """Byte offset where each row of a batch output starts, plus the end. Fixed-size
+    types by arithmetic; BYTES from the row offsets the worker sent (it walked the
+    elements when it serialized them: the frontend never walks them again)."""
+    shape = tuple(h.shape)
+    rows, per_row = shape[0], math.prod(shape[1:])
+    dt = DATATYPES[h.datatype]
     if not dt.is_bytes:
         if len(buf) != rows * per_row * dt.itemsize:
             raise ValueError(
-                f"{datatype} output of shape {list(shape)} needs "
+                f"{h.datatype} output of shape {list(shape)} needs "
                 f"{rows * per_row * dt.itemsize} bytes, the worker sent {len(buf)}"
             )
-        step = per_row * dt.itemsize
-        return [i * step for i in range(rows + 1)]
-    offsets = bytes_element_offsets(buf)
-    if len(offsets) - 1 != rows * per_row:
+        step = per_row * dt.itemsize  # no bytes at all: any cut will do
+        return range(0, len(buf) + 1, step) if step else range(rows + 1)
+    offsets = np.asarray(h.row_offsets, dtype=np.int64)
+    if (
+        len(offsets) != rows + 1
+        or offsets[0] != 0
+        or offsets[-1] != len(buf)
+        or (np.diff(offsets) < 0).any()
+    ):
         raise ValueError(
-            f"BYTES output of shape {list(shape)} needs {rows * per_row} "
-            f"elements, the worker sent {len(offsets) - 1}"
+            f"BYTES output {h.name!r} of {rows} rows came with {len(offsets)} row offsets "
+            f"that do not cut its {len(buf)} bytes into rows"
         )
-    return offsets[::per_row] if per_row else [0] * (rows + 1)
+    return offsets
 
 
 def _cut_ragged(
@@ -167,7 +172,7 @@ def split_outputs(
             for out, t in zip(results, _cut_ragged(model, spec, h, buf, requests), strict=True):
                 out.append(t)
             continue
-        bounds = _row_bounds(h.datatype, shape, buf)
+        bounds = _output_bounds(h, buf)
         row = 0
         for out, r in zip(results, requests, strict=True):
             data = buf[bounds[row] : bounds[row + r.rows]]
@@ -177,18 +182,28 @@ def split_outputs(
 
 
 def split_request(request: Request, max_rows: int) -> list[Request]:
-    """Row chunks of at most `max_rows` each; their data are views of the original."""
+    """Row chunks of at most `max_rows` each; their data are views of the original.
+    Linear in the request's rows: row offsets come from the decoder's walk (BYTES)
+    or arithmetic, never from walking the data again for each chunk."""
+    rows = request.rows
+    cuts: list[RowOffsets] = []
+    for t in request.inputs:
+        if t.row_offsets is not None:
+            cuts.append(t.row_offsets)
+        else:  # a fixed-size type: rows of equal byte length (no bytes at all: any cut)
+            step = len(t.data) // rows
+            cuts.append(range(0, len(t.data) + 1, step) if step else range(rows + 1))
+    views = [memoryview(t.data) for t in request.inputs]
     chunks = []
-    for start in range(0, request.rows, max_rows):
-        n = min(max_rows, request.rows - start)
-        inputs = []
-        for t in request.inputs:
-            buf = memoryview(t.data)
-            bounds = _row_bounds(t.datatype, t.shape, buf)
-            inputs.append(
-                replace(t, shape=(n, *t.shape[1:]), data=buf[bounds[start] : bounds[start + n]])
-            )
-        chunk = Request(request.model, request.id, inputs, request.outputs, n, request.deadline)
+    for start in range(0, rows, max_rows):
+        stop = min(start + max_rows, rows)
+        inputs = [
+            Tensor(t.name, t.datatype, (stop - start, *t.shape[1:]), v[c[start] : c[stop]])
+            for t, v, c in zip(request.inputs, views, cuts, strict=True)
+        ]
+        chunk = Request(
+            request.model, request.id, inputs, request.outputs, stop - start, request.deadline
+        )
         chunk.queue_timeout, chunk.level = request.queue_timeout, request.level
         chunks.append(chunk)
     return chunks
@@ -205,7 +220,7 @@ def join_results(parts: Sequence[Sequence[Tensor]]) -> list[Tensor]:
                 first.name,
                 first.datatype,
                 (rows, *first.shape[1:]),
-                b"".join(bytes(p.data) for p in pieces),
+                b"".join(p.data for p in pieces),
             )
         )
     return joined

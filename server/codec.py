@@ -1,9 +1,18 @@
 """ModelInferRequest -> Request (validated) and results -> ModelInferResponse.
 
 Pure functions, no I/O. Every rejection is InvalidInput with a message that
-names the input and says what was expected and what came. Raw tensor bytes
-are checked for size but never decoded into Python objects; typed contents are
+names the input and says what was expected and what came, quoting at most a
+short prefix of what the client sent (errors.clip). Raw tensor bytes are
+checked for size but never decoded into Python objects; typed contents are
 converted to the raw form once, here.
+
+Cost: every check that bounds work (input count, element counts, requested
+outputs, ragged lengths) reads the header first, so the work is linear in the
+request's size with a small constant. Only two paths touch elements one by one
+in Python: the walk over BYTES length prefixes (bounded by the element count the
+shape declares, so a buffer packed with more elements costs no more) and typed
+contents. `decode_work` counts those elements from the header alone, so the
+servicer can move a heavy request off the event loop before decoding it.
 """
 
 from __future__ import annotations
@@ -15,8 +24,8 @@ from dataclasses import dataclass
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.protos.tensors import bytes_element_offsets, contents_to_raw
-from batchd.server.errors import InvalidInput
+from batchd.protos.tensors import bytes_row_offsets, contents_to_raw
+from batchd.server.errors import InvalidInput, ResponseTooLarge, clip, clip_list
 from batchd.server.request import Request, Tensor
 
 _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
@@ -28,6 +37,7 @@ class Limits:
 
     max_inputs: int = 128  # --max-inputs-per-request
     max_tensor_elements: int = 64 * 1024 * 1024  # --max-tensor-elements
+    max_response_bytes: int = 64 * 1024 * 1024  # --max-message-bytes: a larger answer is refused
 
 
 DEFAULT_LIMITS = Limits()
@@ -39,48 +49,73 @@ def _names(specs: Sequence[TensorSpec]) -> str:
 
 def _check_shape(spec: TensorSpec, model: ModelConfig, shape: tuple[int, ...]) -> None:
     if min(shape, default=0) < 0:
-        raise InvalidInput(f"input {spec.name!r}: shape {list(shape)} has a negative dimension")
+        raise InvalidInput(
+            f"input {spec.name!r}: shape {clip_list(shape)} has a negative dimension"
+        )
     if not model.batches:
         if not spec.accepts(shape):
             raise InvalidInput(
-                f"input {spec.name!r}: expected shape {list(spec.shape)}, got {list(shape)}"
+                f"input {spec.name!r}: expected shape {list(spec.shape)}, got {clip_list(shape)}"
             )
         return
     if len(shape) != len(spec.shape) + 1 or not spec.accepts(shape[1:]):
         raise InvalidInput(
             f"input {spec.name!r}: expected shape {[-1, *spec.shape]} (batch dim first), "
-            f"got {list(shape)}"
+            f"got {clip_list(shape)}"
         )
     if shape[0] < 1:
         raise InvalidInput(f"input {spec.name!r}: the batch dim must be at least 1, got {shape[0]}")
-    if spec.ragged and shape[1] < 1:
+    if spec.ragged:
+        _check_length(spec, model, shape[1])
+    per_batch = model.rows_per_batch(shape[1] if spec.ragged else 0)
+    if shape[0] > (most := per_batch * model.batching.max_queue_size):
+        raise InvalidInput(
+            f"input {spec.name!r}: {shape[0]} rows would need more batches of {per_batch} "
+            f"than model {model.name!r} queues ({model.batching.max_queue_size}); "
+            f"send at most {most} rows a request"
+        )
+
+
+def _check_length(spec: TensorSpec, model: ModelConfig, length: int) -> None:
+    if length < 1:
         raise InvalidInput(
             f"input {spec.name!r}: a ragged input needs at least one element per row, got 0"
         )
-
-
-def _raw_data(spec: TensorSpec, shape: tuple[int, ...], data: bytes) -> bytes:
-    dt = DATATYPES[spec.datatype]
-    count = math.prod(shape)
-    if dt.is_bytes:
-        try:
-            found = len(bytes_element_offsets(data)) - 1
-        except ValueError as e:
-            raise InvalidInput(f"input {spec.name!r}: {e}") from None
-        if found != count:
-            raise InvalidInput(
-                f"input {spec.name!r}: shape {list(shape)} needs {count} BYTES "
-                f"elements, raw contents hold {found}"
-            )
-    elif len(data) != count * dt.itemsize:
+    limit, setting = model.length_limit(spec)
+    if limit and length > limit:
         raise InvalidInput(
-            f"input {spec.name!r}: {spec.datatype} shape {list(shape)} needs "
+            f"input {spec.name!r}: rows of {length} elements, more than model "
+            f"{model.name!r} takes ({setting} = {limit})"
+        )
+
+
+def _raw_data(spec: TensorSpec, shape: tuple[int, ...], data: bytes, batches: bool) -> Tensor:
+    dt = DATATYPES[spec.datatype]
+    if dt.is_bytes:
+        return _bytes_tensor(spec, shape, data, batches)
+    count = math.prod(shape)
+    if len(data) != count * dt.itemsize:
+        raise InvalidInput(
+            f"input {spec.name!r}: {spec.datatype} shape {clip_list(shape)} needs "
             f"{count * dt.itemsize} bytes ({count} x {dt.itemsize}), raw contents hold {len(data)}"
         )
-    return data
+    return Tensor(spec.name, spec.datatype, shape, data)
 
 
-def _typed_data(spec: TensorSpec, shape: tuple[int, ...], tensor: pb.InferInputTensor) -> bytes:
+def _bytes_tensor(spec: TensorSpec, shape: tuple[int, ...], data: bytes, batches: bool) -> Tensor:
+    """A BYTES tensor with its row offsets, found in the one walk that validates it."""
+    rows = shape[0] if batches else 1
+    per_row = math.prod(shape[1:] if batches else shape)
+    try:
+        offsets = bytes_row_offsets(data, rows, per_row)
+    except ValueError as e:
+        raise InvalidInput(f"input {spec.name!r} of shape {clip_list(shape)}: {e}") from None
+    return Tensor(spec.name, spec.datatype, shape, data, offsets)
+
+
+def _typed_data(
+    spec: TensorSpec, shape: tuple[int, ...], tensor: pb.InferInputTensor, batches: bool
+) -> Tensor:
     dt = DATATYPES[spec.datatype]
     where = f"input {spec.name!r}"
     if dt.contents_field is None:
@@ -99,13 +134,34 @@ def _typed_data(spec: TensorSpec, shape: tuple[int, ...], tensor: pb.InferInputT
     count = math.prod(shape)
     if len(values) != count:
         raise InvalidInput(
-            f"{where}: shape {list(shape)} needs {count} values, "
+            f"{where}: shape {clip_list(shape)} needs {count} values, "
             f"contents.{dt.contents_field} holds {len(values)}"
         )
     try:
-        return contents_to_raw(spec.datatype, values)
+        data = contents_to_raw(spec.datatype, values)
     except (OverflowError, ValueError) as e:
         raise InvalidInput(f"{where}: a value does not fit {spec.datatype}: {e}") from None
+    if dt.is_bytes:
+        return _bytes_tensor(spec, shape, data, batches)
+    return Tensor(spec.name, spec.datatype, shape, data)
+
+
+def decode_work(msg: pb.ModelInferRequest, limits: Limits = DEFAULT_LIMITS) -> int:
+    """How many elements decode_request would handle one by one in Python (BYTES
+    elements, typed values), read from the header alone: a request over the limits
+    counts 0, as it is refused before any such work."""
+    if len(msg.inputs) > limits.max_inputs:
+        return 0
+    work = 0
+    raw = bool(msg.raw_input_contents)
+    for t in msg.inputs:
+        if not raw:
+            c = t.contents
+            work += sum(len(getattr(c, f)) for f in _CONTENT_FIELDS)
+        elif t.datatype == "BYTES":
+            count = math.prod(t.shape)
+            work += count if 0 < count <= limits.max_tensor_elements else 0
+    return work
 
 
 def _int_param(msg: pb.ModelInferRequest, name: str, unit: str) -> int | None:
@@ -158,20 +214,21 @@ def _decode_inputs(
         spec = model.input(t.name)
         if spec is None:
             raise InvalidInput(
-                f"unknown input {t.name!r} for model {model.name!r}; "
+                f"unknown input {clip(t.name)} for model {model.name!r}; "
                 f"expected {_names(model.inputs)}"
             )
         if t.name in by_name:
             raise InvalidInput(f"input {t.name!r} appears twice")
         if t.datatype != spec.datatype:
             raise InvalidInput(
-                f"input {t.name!r}: expected datatype {spec.datatype}, got {t.datatype or 'none'!r}"
+                f"input {t.name!r}: expected datatype {spec.datatype}, "
+                f"got {clip(t.datatype) if t.datatype else 'none'}"
             )
         shape = tuple(t.shape)
         _check_shape(spec, model, shape)
         if (count := math.prod(shape)) > limits.max_tensor_elements:
             raise InvalidInput(
-                f"input {t.name!r}: shape {list(shape)} has {count} elements, more than "
+                f"input {t.name!r}: shape {clip_list(shape)} has {count} elements, more than "
                 f"the server's limit of {limits.max_tensor_elements} (--max-tensor-elements)"
             )
         if raw:
@@ -180,11 +237,32 @@ def _decode_inputs(
                     f"input {t.name!r} carries contents while the request "
                     "uses raw_input_contents; use one form for all inputs"
                 )
-            data = _raw_data(spec, shape, raw[i])
+            by_name[t.name] = _raw_data(spec, shape, raw[i], model.batches)
         else:
-            data = _typed_data(spec, shape, t)
-        by_name[t.name] = Tensor(t.name, spec.datatype, shape, data)
+            by_name[t.name] = _typed_data(spec, shape, t, model.batches)
     return by_name
+
+
+def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[str, ...]:
+    """The outputs asked for, each at most once: a response never repeats an output."""
+    if not msg.outputs:
+        return model.output_names
+    if len(msg.outputs) > len(model.outputs):
+        raise InvalidInput(
+            f"the request asks for {len(msg.outputs)} outputs; model {model.name!r} has "
+            f"{len(model.outputs)} ({_names(model.outputs)}), and each may be asked for once"
+        )
+    outputs = tuple(o.name for o in msg.outputs)
+    for name in outputs:
+        if model.output(name) is None:
+            raise InvalidInput(
+                f"unknown output {clip(name)} requested from model {model.name!r}; "
+                f"expected {_names(model.outputs)}"
+            )
+    if len(set(outputs)) != len(outputs):
+        twice = sorted({n for n in outputs if outputs.count(n) > 1})
+        raise InvalidInput(f"output(s) {twice} requested more than once; ask for each once")
+    return outputs
 
 
 def decode_request(
@@ -206,6 +284,8 @@ def decode_request(
         raise InvalidInput(
             f"raw_input_contents has {len(raw)} entries, expected one per input ({count})"
         )
+    if len(msg.outputs) > len(model.outputs):
+        _requested_outputs(msg, model)  # refuse before any tensor is read
     by_name = _decode_inputs(msg, model, limits)
 
     if len(by_name) < len(model.inputs):  # each key is a distinct declared input
@@ -220,15 +300,7 @@ def decode_request(
                 f"input {inputs[0].name!r} has {rows}; they must agree"
             )
 
-    outputs = model.output_names
-    if msg.outputs:
-        outputs = tuple(o.name for o in msg.outputs)
-        for name in outputs:
-            if model.output(name) is None:
-                raise InvalidInput(
-                    f"unknown output {name!r} requested from model {model.name!r}; "
-                    f"expected {_names(model.outputs)}"
-                )
+    outputs = _requested_outputs(msg, model)
     queue_deadline = _queue_deadline(msg, now, model.batching.default_timeout_us)
     return Request(
         model=model,
@@ -242,10 +314,23 @@ def decode_request(
     )
 
 
-def encode_response(request: Request, results: Sequence[Tensor]) -> pb.ModelInferResponse:
-    """The response for `request`, holding the requested outputs in the order asked."""
+def encode_response(
+    request: Request, results: Sequence[Tensor], max_bytes: int = DEFAULT_LIMITS.max_response_bytes
+) -> pb.ModelInferResponse:
+    """The response for `request`, holding the requested outputs in the order asked.
+
+    Each output at most once, and only this request's rows: the response is never
+    larger than what the model produced for it. One over `max_bytes` (gRPC would
+    refuse to send it) is refused before it is built.
+    """
     by_name = {t.name: t for t in results}
     chosen = [by_name[name] for name in request.outputs]
+    size = sum(len(t.data) for t in chosen)
+    if size > max_bytes:
+        raise ResponseTooLarge(
+            f"the outputs for this request hold {size} bytes, more than a response may "
+            f"carry ({max_bytes}, --max-message-bytes); ask for fewer rows or outputs"
+        )
     response = pb.ModelInferResponse(
         model_name=request.model.name,
         model_version=request.model.version,

@@ -19,9 +19,15 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchd.protos.model_config import ConfigError, ModelConfig, find_model, load_model_config
+from batchd.protos.model_config import (
+    MODEL_NAME,
+    ConfigError,
+    ModelConfig,
+    find_model,
+    load_model_config,
+)
 from batchd.server.dispatch import Dispatcher
-from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable
+from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
 from batchd.server.scheduler import Scheduler
 from batchd.server.workers import Worker
 
@@ -91,6 +97,11 @@ class ModelControl:
     async def load(self, name: str) -> ModelConfig:
         """Load `name` from the repository (again); swap it in once every worker has it."""
         self._allowed()
+        if not MODEL_NAME.fullmatch(name):  # before any message quotes it whole
+            raise InvalidInput(
+                f"cannot load model {clip(name)}: not a model name (1 to 128 letters, "
+                "digits, '_', '-' or '.', not starting with '.')"
+            )
         async with self._lock:
             try:
                 cfg = self._next_version(find_model(self.repository, name))

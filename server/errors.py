@@ -5,6 +5,7 @@
     ├── InvalidInput             INVALID_ARGUMENT
     ├── QueueFull                RESOURCE_EXHAUSTED  + grpc-retry-pushback-ms
     ├── TooManyCalls             RESOURCE_EXHAUSTED  (--max-concurrent-streams)
+    ├── ResponseTooLarge         RESOURCE_EXHAUSTED  (--max-message-bytes, outbound)
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
     ├── NotAllowed               FAILED_PRECONDITION
@@ -12,11 +13,35 @@
 
 The code lives on the class; service.py turns any BatchdError into a status in
 exactly one place. Nothing else in the server names a gRPC status code.
+
+A message quotes what the client sent through `clip`: a short prefix, never all
+of it (a name of megabytes would otherwise come back whole, and past the
+client's metadata limit turn into an unrelated error).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
+
+CLIP_CHARS = 40  # of a client-supplied string quoted in an error
+CLIP_ITEMS = 8  # of a client-supplied list (a shape) quoted in an error
+
+
+def clip(value: str) -> str:
+    """`repr` of a client-supplied string, cut to its first CLIP_CHARS characters."""
+    if len(value) <= CLIP_CHARS:
+        return repr(value)
+    return f"{value[:CLIP_CHARS]!r}... ({len(value)} characters)"
+
+
+def clip_list(values: Sequence[object]) -> str:
+    """A client-supplied list (a shape, names), cut to its first CLIP_ITEMS items."""
+    if len(values) <= CLIP_ITEMS:
+        return str(list(values))
+    shown = ", ".join(str(v) for v in values[:CLIP_ITEMS])
+    return f"[{shown}, ...] ({len(values)} items)"
 
 
 class BatchdError(Exception):
@@ -56,6 +81,11 @@ class QueueFull(BatchdError):
 class TooManyCalls(BatchdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "too_many_calls"
+
+
+class ResponseTooLarge(BatchdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "response_too_large"
 
 
 class DeadlineExceeded(BatchdError):

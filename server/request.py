@@ -5,9 +5,16 @@ through the queue to a worker and back. Tensor data stays `bytes` throughout.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batchd.protos.model_config import ModelConfig
+
+# Byte offsets where each row of a tensor starts, plus its length: a range for
+# fixed-size types, an array for BYTES.
+RowOffsets = Sequence[int] | np.ndarray
 
 
 # Treat as immutable. Not frozen: a frozen dataclass's __init__ costs 3x, and every
@@ -18,6 +25,9 @@ class Tensor:
     datatype: str
     shape: tuple[int, ...]  # full shape; batch dim first when the model batches
     data: bytes | memoryview  # raw form (PROTOCOL.md), already validated
+    # BYTES only: where each row starts in `data`, plus len(data) (from the walk that
+    # validated it), so splitting never walks the elements again.
+    row_offsets: RowOffsets | None = None
 
 
 @dataclass(eq=False, slots=True)

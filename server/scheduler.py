@@ -2,8 +2,10 @@
 around `planner.plan_batch` and `batching.decide`.
 
 Admission never waits: a full queue (or priority level) raises QueueFull at
-once. A request with more rows than `max_batch_size` is split into chunks that
-queue like any other request and are joined again for the caller. `pump()` is
+once. A request with more rows than one batch holds (`max_batch_size`, or
+fewer when its ragged rows are long under `max_batch_tokens`) is split by rows
+into chunks that queue like any other request and are joined again for the
+caller; the chunks are counted, and refused if too many, before any is made. `pump()` is
 synchronous and runs whenever something changes (a request arrives, a worker
 frees a credit or joins, a batch comes back for retry, a delay runs out). The
 scheduler owns the queues; nothing else touches them.
@@ -22,7 +24,7 @@ from typing import Protocol
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching import Capacity, Send, decide
 from batchd.server.batchio import join_results, split_request
-from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull
+from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull, clip
 from batchd.server.latency import LatencyTarget
 from batchd.server.planner import Plan, plan_batch
 from batchd.server.request import Request, Tensor
@@ -47,7 +49,8 @@ def _expire(request: Request, now: float) -> None:
         waited_ms = (now - request.arrival) * 1e3
         request.future.set_exception(
             DeadlineExceeded(
-                f"request {request.id or '(no id)'} to model {request.model.name!r} reached its "
+                f"request {clip(request.id) if request.id else '(no id)'} to model "
+                f"{request.model.name!r} reached its "
                 f"deadline after {waited_ms:.1f} ms in the queue, before a worker took it"
             )
         )
@@ -174,14 +177,16 @@ class Scheduler:
         """Admit `request` or raise QueueFull; never waits. Returns the result future."""
         q = self._queues[request.model.key]
         now = self._clock()
-        parts = split_request(request, q.max_rows) if request.rows > q.max_rows else [request]
-        if len(parts) > q.config.batching.max_queue_size:
+        per_batch = q.config.rows_per_batch(request.length)
+        count = -(-request.rows // per_batch)  # chunks, counted before any is made
+        if count > q.config.batching.max_queue_size:
             raise InvalidInput(
-                f"request of {request.rows} rows needs {len(parts)} batches of "
-                f"{q.max_rows}, more than model {q.config.name!r} queues "
+                f"request of {request.rows} rows needs {count} batches of "
+                f"{per_batch}, more than model {q.config.name!r} queues "
                 f"({q.config.batching.max_queue_size})"
             )
-        self._admit(q, request.level, len(parts), now)
+        self._admit(q, request.level, count, now)
+        parts = split_request(request, per_batch) if count > 1 else [request]
         loop = asyncio.get_running_loop()
         for part in parts:
             part.arrival = now

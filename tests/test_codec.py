@@ -6,15 +6,18 @@ shapes with variable dimensions."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import grpc
 import numpy as np
 import pytest
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import load_model_config
+from batchd.server.batchio import split_request
 from batchd.server.codec import decode_request, encode_response
-from batchd.server.errors import InvalidInput
+from batchd.server.errors import InvalidInput, ResponseTooLarge
 from batchd.server.request import Tensor
 from tests.servers import EXAMPLES
 
@@ -79,3 +82,55 @@ def test_a_variable_dimension_takes_any_length(length: int) -> None:
 def test_a_negative_dimension_is_refused_even_where_the_spec_says_minus_one() -> None:
     with pytest.raises(InvalidInput, match=r"shape \[1, -1\] has a negative dimension"):
         decode_request(_tokens([1, -1], 0), TEXTPOOL, now=0.0)
+
+
+def _token_rows(rows: int, length: int) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name="textpool")
+    msg.inputs.add(name="TOKENS", datatype="INT64", shape=[rows, length])
+    msg.raw_input_contents.append(np.ones((rows, length), np.int64).tobytes())
+    return msg
+
+
+def test_a_ragged_row_longer_than_the_token_budget_is_refused_naming_it() -> None:
+    """textpool's max_batch_tokens is 4096: one row of more could never be batched."""
+    assert decode_request(_token_rows(1, 4096), TEXTPOOL, now=0.0).length == 4096
+    with pytest.raises(InvalidInput) as e:
+        decode_request(_token_rows(1, 12_000), TEXTPOOL, now=0.0)
+    assert "rows of 12000 elements" in e.value.message
+    assert "[batching] max_batch_tokens = 4096" in e.value.message
+
+
+def test_max_length_limits_a_ragged_input_without_a_token_budget() -> None:
+    spec = dataclasses.replace(TEXTPOOL.inputs[0], max_length=100)
+    no_budget = dataclasses.replace(TEXTPOOL.batching, max_batch_tokens=0)
+    model = dataclasses.replace(TEXTPOOL, inputs=(spec,), batching=no_budget)
+    decode_request(_token_rows(2, 100), model, now=0.0)
+    with pytest.raises(InvalidInput, match=r"\[\[input\]\] 'TOKENS' max_length = 100"):
+        decode_request(_token_rows(2, 101), model, now=0.0)
+    both = dataclasses.replace(model, batching=TEXTPOOL.batching)  # budget 4096 > 100
+    with pytest.raises(InvalidInput, match="max_length = 100"):
+        decode_request(_token_rows(1, 101), both, now=0.0)
+
+
+def test_long_ragged_requests_split_by_rows_within_the_token_budget() -> None:
+    """8 rows of 1,000 tokens under a 4,096 budget: chunks of 4 rows, never a cut row."""
+    request = decode_request(_token_rows(8, 1000), TEXTPOOL, now=0.0)
+    assert TEXTPOOL.rows_per_batch(request.length) == 4
+    chunks = split_request(request, TEXTPOOL.rows_per_batch(request.length))
+    assert [(c.rows, c.inputs[0].shape) for c in chunks] == [(4, (4, 1000)), (4, (4, 1000))]
+
+
+def test_more_rows_than_the_queue_could_hold_are_refused_from_the_shape() -> None:
+    """embed queues 1,024 batches of 64 rows: a request of more rows is refused
+    before its BYTES are walked (here: a shape that lies about a tiny buffer)."""
+    msg = pb.ModelInferRequest(model_name="embed", raw_input_contents=[b"\0\0\0\0"])
+    msg.inputs.add(name="TEXT", datatype="BYTES", shape=[15_728_640, 1])
+    with pytest.raises(InvalidInput, match="send at most 65536 rows a request"):
+        decode_request(msg, EMBED, now=0.0)
+
+
+def test_a_response_larger_than_a_message_may_be_is_refused_before_it_is_built() -> None:
+    request = decode_request(_text_request(), EMBED, now=0.0)
+    with pytest.raises(ResponseTooLarge, match=r"264 bytes, more than a response may carry \(100"):
+        encode_response(request, _results(), max_bytes=100)
+    assert ResponseTooLarge.code == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -4,6 +4,7 @@ model repository format; and the import boundaries between the packages."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from batchd.protos.datatypes import DATATYPES, datatype_of
 from batchd.protos.model_config import ConfigError, load_model_config, load_repository
 from batchd.protos.tensors import (
     bytes_element_offsets,
+    bytes_row_offsets,
     contents_to_raw,
     deserialize_bytes,
     from_raw,
@@ -136,20 +138,53 @@ def test_typed_contents_give_the_same_bytes_as_raw(datatype: str) -> None:
 def test_bytes_layout_is_length_prefixed_little_endian() -> None:
     raw = serialize_bytes(["ab", b"c"])
     assert raw == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
-    assert bytes_element_offsets(raw) == [0, 6, 11]
+    assert bytes_element_offsets(raw, 2).tolist() == [0, 6, 11]
     assert deserialize_bytes(raw, [2]).tolist() == [b"ab", b"c"]
 
 
+def test_bytes_row_offsets_mark_where_each_row_starts() -> None:
+    raw = serialize_bytes([b"ab", b"c", b"", b"xyz"])
+    assert bytes_row_offsets(raw, 2, 2).tolist() == [0, 11, 22]
+    assert bytes_row_offsets(raw, 1, 4).tolist() == [0, 22]
+    same_length = serialize_bytes([b"ab"] * 6)  # the numpy path
+    assert bytes_row_offsets(same_length, 3, 2).tolist() == [0, 12, 24, 36]
+    assert bytes_row_offsets(b"", 5, 0).tolist() == [0] * 6
+
+
 @pytest.mark.parametrize(
-    ("raw", "message"),
+    ("raw", "count", "message"),
     [
-        (b"\x05\x00\x00\x00abc", "its prefix says 5 bytes, 3 remain"),
-        (b"\x01\x00\x00\x00a\x01\x00", "element 1 is truncated: a 4-byte length prefix"),
+        (b"\x05\x00\x00\x00abc", 1, "its prefix says 5 bytes, 3 remain"),
+        (b"\x01\x00\x00\x00a\x01\x00", 2, "element 1 is truncated: a 4-byte length prefix"),
+        (b"\x00\x00\x00\x00" * 3, 2, "2 BYTES elements declared, the buffer holds more"),
+        (b"\x00\x00\x00\x00" * 3, 4, "4 BYTES elements declared, the buffer holds only 3"),
+        (b"\x01\x00\x00\x00a\x00\x00\x00\x00\x09", 2, "holds more (1 bytes after them)"),
     ],
 )
-def test_truncated_bytes_are_named(raw: bytes, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        bytes_element_offsets(raw)
+def test_bad_bytes_framing_is_named(raw: bytes, count: int, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bytes_element_offsets(raw, count)
+
+
+def test_a_bytes_walk_stops_at_the_declared_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A buffer packed with a million elements for a shape that declares two is
+    refused after reading a few prefixes: the walk is bounded by the header's
+    count, not by what the sender packed."""
+    reads = []
+
+    class CountingPrefix:
+        def unpack_from(self, buf: bytes, pos: int) -> tuple[int]:
+            reads.append(pos)
+            return LEN.unpack_from(buf, pos)
+
+    import batchd.protos.tensors as tensors
+
+    raw = serialize_bytes([b"a", b"bc"]) + b"\x00\x00\x00\x00" * 1_000_000
+    LEN = tensors._LEN
+    monkeypatch.setattr(tensors, "_LEN", CountingPrefix())
+    with pytest.raises(ValueError, match="2 BYTES elements declared, the buffer holds more"):
+        bytes_row_offsets(raw, 2, 1)
+    assert len(reads) <= 4
 
 
 def test_datatype_of_numpy_arrays() -> None:
@@ -191,6 +226,25 @@ datatype = "FP32"
 shape = [2]
 """
 
+RAGGED = """max_batch_size = 4
+[[input]]
+name = "T"
+datatype = "INT64"
+shape = [-1]
+ragged = true
+max_length = 512
+[[output]]
+name = "Y"
+datatype = "FP32"
+shape = [2]
+"""
+
+
+def test_a_ragged_input_may_declare_its_longest_row(tmp_path: Path) -> None:
+    cfg = load_model_config(write_model(tmp_path, RAGGED))
+    assert cfg.inputs[0].max_length == 512
+    assert cfg.length_limit(cfg.inputs[0]) == (512, "[[input]] 'T' max_length")
+
 
 @pytest.mark.parametrize(
     ("toml", "message"),
@@ -205,6 +259,14 @@ shape = [2]
         (GOOD + GOOD.split("shape = [2]\n", 1)[1], "[[output]] names must be unique"),
         (GOOD.split("[[output]]")[0], "key 'output': expected at least one [[output]]"),
         ("max_batch_size = [", "not valid TOML"),
+        (
+            GOOD.replace("shape = [2]\n", "shape = [2]\nmax_length = 9\n", 1),
+            "unknown key(s): max_length",
+        ),
+        (
+            RAGGED.replace("max_length = 512", "max_length = -1"),
+            "key 'max_length': expected an integer",
+        ),
     ],
 )
 def test_config_errors_name_the_file_and_the_key(tmp_path: Path, toml: str, message: str) -> None:

@@ -10,6 +10,7 @@ arrays of `bytes`.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig
-from batchd.protos.tensors import from_raw, serialize_bytes
+from batchd.protos.tensors import bytes_row_offsets, from_raw, serialize_bytes
 from batchd.worker.loader import ModelFn
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -125,6 +126,11 @@ def run_batch(
             raise BatchError(
                 f"output {spec.name!r}: expected shape {declared}, the model returned {shape}"
             )
-        out_headers.append(wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape))
+        header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
+        if spec.datatype == "BYTES" and cfg.batches:  # the frontend cuts rows by these
+            header.row_offsets.extend(
+                bytes_row_offsets(frame, shape[0], math.prod(shape[1:])).tolist()
+            )
+        out_headers.append(header)
         out_frames.append(frame)
     return out_headers, out_frames
