@@ -1,7 +1,8 @@
 """The frontend's security settings and the pieces they switch on.
 
     gRPC port     TLS (--tls-cert/--tls-key), mutual TLS (--tls-client-ca),
-                  bearer tokens (--auth-token-file, server/auth.py), limits
+                  bearer tokens (--auth-token-file, server/auth.py), limits,
+                  connection reaping (idle, half-open, no handshake)
     worker port   CURVE encryption + a ZAP allow-list of worker keys (--worker-keys);
                   a tcp:// endpoint off loopback without keys is refused
 
@@ -32,6 +33,49 @@ from batchd.server.streams import DEFAULT_MAX_CONCURRENT_STREAMS
 log = logging.getLogger("batchd.server")
 
 
+STREAM_HEADROOM = 64  # HTTP/2 streams a connection may open beyond --max-concurrent-streams
+
+
+@dataclass(frozen=True)
+class Connections:
+    """How long a client connection may hold the server's resources doing nothing,
+    and how many calls may wait to be taken. Each a flag; 0 turns a timeout off."""
+
+    handshake_timeout_s: float = 20.0  # TCP accepted -> HTTP/2 (and TLS) set up, or closed
+    max_idle_s: float = 300.0  # no RPC open for this long: GOAWAY (clients reconnect)
+    keepalive_time_s: float = 60.0  # ping a connection silent this long...
+    keepalive_timeout_s: float = 20.0  # ...and close it if the ping goes unanswered
+    # Calls that have arrived but that the event loop has not taken yet, server-wide.
+    # gRPC sheds that backlog itself, answering CANCELLED (its own word, not ours):
+    # at random above this many, all of them above twice as many. Its default, 1000,
+    # shed calls of well-behaved clients whenever the loop fell behind a burst.
+    max_pending_calls: int = 16384
+
+    def grpc_options(self, streams_per_connection: int) -> list[tuple[str, int]]:
+        ms = [
+            ("grpc.server_handshake_timeout_ms", self.handshake_timeout_s),
+            ("grpc.max_connection_idle_ms", self.max_idle_s),
+            ("grpc.keepalive_time_ms", self.keepalive_time_s),
+            ("grpc.keepalive_timeout_ms", self.keepalive_timeout_s),
+            # The ping's own deadline: without it keepalive_timeout is not what closes
+            # a dead peer, grpc's 60 s ping timeout is.
+            ("grpc.http2.ping_timeout_ms", self.keepalive_timeout_s),
+        ]
+        return [(name, int(s * 1000)) for name, s in ms if s > 0] + [
+            ("grpc.server.max_pending_requests", self.max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * self.max_pending_calls),
+            # HTTP/2's own limit, a little above batchd's: a gRPC client queues its
+            # calls beyond it itself, so one connection holds at most this many places
+            # in the server-wide backlog above (another connection's call waits behind
+            # those, not behind thousands), while the servicer still answers a call
+            # over --max-concurrent-streams with RESOURCE_EXHAUSTED (streams.py).
+            ("grpc.max_concurrent_streams", streams_per_connection + STREAM_HEADROOM),
+            # Count a stream the client has reset as closed: else a client that
+            # cancels calls gets REFUSED_STREAM (UNAVAILABLE) for new ones.
+            ("grpc.http.overload_protection", 0),
+        ]
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
     tls_cert: Path | None = None  # PEM certificate chain of the gRPC port
@@ -41,6 +85,7 @@ class SecurityConfig:
     worker_keys: Path | None = None  # CURVE key directory (protos/keys.py)
     limits: Limits = field(default_factory=Limits)
     max_concurrent_streams: int = DEFAULT_MAX_CONCURRENT_STREAMS  # per client connection
+    connections: Connections = field(default_factory=Connections)
 
 
 def _positive(text: str) -> int:
@@ -48,6 +93,16 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
+_CONNECTIONS = Connections()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,6 +141,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_CONCURRENT_STREAMS,
         help=f"open RPCs per client connection (default {DEFAULT_MAX_CONCURRENT_STREAMS})",
     )
+    for flag, attr, what in (
+        ("--handshake-timeout", "handshake_timeout_s", "close a connection not set up (HTTP/2 "
+         "preface, TLS) within S seconds"),
+        ("--max-connection-idle", "max_idle_s", "GOAWAY to a connection with no RPC for S seconds"),
+        ("--keepalive-time", "keepalive_time_s", "ping a connection silent for S seconds"),
+        ("--keepalive-timeout", "keepalive_timeout_s", "close it if the ping is not answered "
+         "within S seconds"),
+    ):  # fmt: skip
+        default = getattr(_CONNECTIONS, attr)
+        g.add_argument(
+            flag,
+            type=_seconds,
+            default=default,
+            metavar="S",
+            help=f"{what} (default {default:g}; 0: never)",
+        )
+    g.add_argument(
+        "--max-pending-calls",
+        type=_positive,
+        default=_CONNECTIONS.max_pending_calls,
+        metavar="N",
+        help="calls arrived but not yet taken, server-wide, before gRPC sheds them with "
+        f"CANCELLED (default {_CONNECTIONS.max_pending_calls})",
+    )
 
 
 def from_args(args: argparse.Namespace) -> SecurityConfig:
@@ -97,6 +176,13 @@ def from_args(args: argparse.Namespace) -> SecurityConfig:
         worker_keys=args.worker_keys,
         limits=Limits(args.max_inputs_per_request, args.max_tensor_elements),
         max_concurrent_streams=args.max_concurrent_streams,
+        connections=Connections(
+            args.handshake_timeout,
+            args.max_connection_idle,
+            args.keepalive_time,
+            args.keepalive_timeout,
+            args.max_pending_calls,
+        ),
     )
 
 
@@ -124,7 +210,7 @@ def grpc_options(cfg: SecurityConfig) -> tuple[list[tuple[str, Any]], list[Any]]
     interceptors: list[Any] = (
         [] if cfg.auth_token_file is None else [TokenAuth(load_tokens(cfg.auth_token_file))]
     )
-    return [], interceptors
+    return cfg.connections.grpc_options(cfg.max_concurrent_streams), interceptors
 
 
 def _loopback(host: str) -> bool:

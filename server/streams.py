@@ -1,13 +1,14 @@
 """`--max-concurrent-streams`: at most N inference-service RPCs open at once
 per client connection.
 
-HTTP/2's own SETTINGS_MAX_CONCURRENT_STREAMS makes the server reset the
-streams over the limit (REFUSED_STREAM), which grpc clients report as
-UNAVAILABLE "Stream removed": unclear, and retried blindly. So the servicer
-counts open RPCs per connection (the peer address) itself and answers one
-too many with RESOURCE_EXHAUSTED, naming the limit. (A grpc.aio interceptor
-would do the same for every service, at ~9 % of tiny's throughput; health
-and reflection calls are small and stay uncounted.)
+The servicer counts open RPCs per connection (the peer address) itself and
+answers one too many with RESOURCE_EXHAUSTED, naming the limit. (A grpc.aio
+interceptor would do the same for every service, at ~9 % of tiny's
+throughput; health and reflection calls are small and stay uncounted.)
+HTTP/2's own SETTINGS_MAX_CONCURRENT_STREAMS is advertised a little above it
+(security.Connections): gRPC clients queue their calls beyond that themselves,
+so a burst of thousands of calls on one connection waits in its client, not in
+the server's backlog ahead of every other connection's calls.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections import Counter
 
 from batchd.server.errors import TooManyCalls
 
-DEFAULT_MAX_CONCURRENT_STREAMS = 4096  # RPCs open per connection; above: RESOURCE_EXHAUSTED
+DEFAULT_MAX_CONCURRENT_STREAMS = 1024  # RPCs open per connection; above: RESOURCE_EXHAUSTED
 
 
 class OpenCalls:
