@@ -9,7 +9,7 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: install protos check-protos serve test lint format bench clean
+.PHONY: install protos check-protos serve test lint format bench bench-hostile fuzz clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,18 @@ lint: install
 # The echo ceiling, the raw model and batchd side by side: bench/results/results.{json,md}, plots.
 bench: install
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+# Hostile requests: the frontend's cost per byte as each dimension grows 100x, and
+# issue 15's attacks against a real server with a probe alongside.
+bench-hostile: install
+	mkdir -p bench/results
+	$(BIN)/python bench/linearity.py --json bench/results/linearity.json
+	$(BIN)/python bench/attacks.py --json bench/results/attacks.json
+
+# The request-path fuzzer and the server-level one, far longer than `make test` runs them.
+fuzz: install
+	FUZZ_EXAMPLES=20000 HOSTILE_EXAMPLES=5000 $(BIN)/pytest -p no:cacheprovider \
+		tests/test_fuzz_codec.py tests/test_hostile.py -o timeout=3600
 
 format: install
 	$(BIN)/ruff check --fix .

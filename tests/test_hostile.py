@@ -8,6 +8,7 @@ well-formed client running alongside sees no error at all.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
@@ -199,7 +200,9 @@ def stub(example_server: ServerProcess) -> Iterator[pb_grpc.GRPCInferenceService
 
 
 @settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "400")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(msg=st.one_of(requests(), near_valid()))
 def test_malformed_requests_get_truthful_codes(stub, bystander, msg: pb.ModelInferRequest) -> None:  # type: ignore[no-untyped-def]
