@@ -284,8 +284,7 @@ def decode_request(
         raise InvalidInput(
             f"raw_input_contents has {len(raw)} entries, expected one per input ({count})"
         )
-    if len(msg.outputs) > len(model.outputs):
-        _requested_outputs(msg, model)  # refuse before any tensor is read
+    outputs = _requested_outputs(msg, model)  # counted before any tensor is read
     by_name = _decode_inputs(msg, model, limits)
 
     if len(by_name) < len(model.inputs):  # each key is a distinct declared input
@@ -300,7 +299,6 @@ def decode_request(
                 f"input {inputs[0].name!r} has {rows}; they must agree"
             )
 
-    outputs = _requested_outputs(msg, model)
     queue_deadline = _queue_deadline(msg, now, model.batching.default_timeout_us)
     return Request(
         model=model,
