@@ -37,7 +37,12 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import wire
 from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
 from batchd.protos.tensors import bytes_row_offsets, serialize_bytes
-from batchd.server.batchio import join_inputs, join_results, split_outputs, split_request
+from batchd.server.batching.split_join import (
+    join_inputs,
+    join_results,
+    split_outputs,
+    split_request,
+)
 from batchd.server.codec import Limits, decode_request, decode_work, encode_response
 from batchd.server.service import INLINE_WORK
 

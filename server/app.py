@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
+from batchd.server.batching.scheduler import Scheduler
 from batchd.server.control import IndexEntry, ModelControl
 from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import Unavailable
@@ -39,7 +40,6 @@ from batchd.server.frontends import Children, endpoints, watch_parent
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.request import Request, Tensor
-from batchd.server.scheduler import Scheduler
 from batchd.server.security import SecurityConfig, grpc_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats

@@ -26,9 +26,9 @@ from batchd.protos.model_config import (
     find_model,
     load_model_config,
 )
+from batchd.server.batching.scheduler import Scheduler
 from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
-from batchd.server.scheduler import Scheduler
 from batchd.server.workers import Worker
 
 log = logging.getLogger("batchd.control")

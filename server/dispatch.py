@@ -28,8 +28,8 @@ from google.protobuf.message import DecodeError
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.server.batching import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
-from batchd.server.batchio import join_inputs, split_outputs
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
+from batchd.server.batching.split_join import join_inputs, split_outputs
 from batchd.server.errors import ModelFailed
 from batchd.server.request import Request
 from batchd.server.stats import Stats

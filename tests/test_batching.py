@@ -16,13 +16,13 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
-from batchd.server.batching import BUSY_WITH_CREDIT, IDLE, Capacity, Send, Wait, decide
-from batchd.server.batching import NO_CAPACITY as FULL
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, Capacity, Send, Wait, decide
+from batchd.server.batching.decision import NO_CAPACITY as FULL
+from batchd.server.batching.plan import Plan
+from batchd.server.batching.scheduler import Scheduler
 from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import DeadlineExceeded, QueueFull
-from batchd.server.planner import Plan
 from batchd.server.request import Request, Tensor
-from batchd.server.scheduler import Scheduler
 from batchd.server.stats import Stats
 from batchd.server.workers import Batch
 

@@ -15,7 +15,7 @@ import pytest
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import load_model_config
-from batchd.server.batchio import split_request
+from batchd.server.batching.split_join import split_request
 from batchd.server.codec import decode_request, encode_response
 from batchd.server.errors import InvalidInput, ResponseTooLarge
 from batchd.server.request import Tensor

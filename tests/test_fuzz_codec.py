@@ -38,7 +38,12 @@ from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec, load_model_config
 from batchd.protos.tensors import bytes_row_offsets
-from batchd.server.batchio import join_inputs, join_results, split_outputs, split_request
+from batchd.server.batching.split_join import (
+    join_inputs,
+    join_results,
+    split_outputs,
+    split_request,
+)
 from batchd.server.codec import Limits, decode_request, encode_response
 from batchd.server.errors import InvalidInput
 from batchd.server.request import Request, Tensor

@@ -1,6 +1,6 @@
 """Issue 3's batching rules, each on the pure parts with a fake clock: the
 planner (priorities, starvation, shapes, token budget, bucketing, preferred
-sizes), the latency target, and ragged padding / splitting in batchio."""
+sizes), the latency target, and ragged padding / splitting in split_join."""
 
 from __future__ import annotations
 
@@ -17,9 +17,14 @@ import pytest
 from batchd.protos import wire
 from batchd.protos.model_config import BatchingConfig, BatchInputSpec, ModelConfig, TensorSpec
 from batchd.protos.tensors import from_raw
-from batchd.server.batchio import join_inputs, join_results, split_outputs, split_request
-from batchd.server.latency import LatencyTarget
-from batchd.server.planner import plan_batch
+from batchd.server.batching.latency import LatencyTarget
+from batchd.server.batching.plan import plan_batch
+from batchd.server.batching.split_join import (
+    join_inputs,
+    join_results,
+    split_outputs,
+    split_request,
+)
 from batchd.server.request import Request, Tensor
 
 NOW = 100.0

@@ -13,7 +13,7 @@ A batch leaves
   * when its oldest request has waited `max_queue_delay_us`.
 Otherwise the scheduler waits until the oldest request's delay runs out, or
 until something changes (a request arrives, a worker frees a credit).
-Which requests form the batch is planner.py's business.
+Which requests form the batch is plan.py's business.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from batchd.server.planner import Plan
+from batchd.server.batching.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)

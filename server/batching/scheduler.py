@@ -1,5 +1,5 @@
 """Admission and batch formation: the bounded per-model queues and the shell
-around `planner.plan_batch` and `batching.decide`.
+around `plan.plan_batch` and `decision.decide`.
 
 Admission never waits: a full queue (or priority level) raises QueueFull at
 once. A request with more rows than one batch holds (`max_batch_size`, or
@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching import Capacity, Send, decide
-from batchd.server.batchio import join_results, split_request
+from batchd.server.batching.decision import Capacity, Send, decide
+from batchd.server.batching.latency import LatencyTarget
+from batchd.server.batching.plan import Plan, plan_batch
+from batchd.server.batching.split_join import join_results, split_request
 from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull, clip
-from batchd.server.latency import LatencyTarget
-from batchd.server.planner import Plan, plan_batch
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
