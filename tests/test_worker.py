@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import gc
 import os
 import threading
@@ -19,10 +20,10 @@ import zmq
 from batchd.protos import wire
 from batchd.protos.model_config import load_model_config, model_key
 from batchd.protos.tensors import from_raw, to_raw
-from batchd.worker import runner
+from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import load_model
-from batchd.worker.runner import Worker, WorkerOptions
+from batchd.worker.runner import Runner, RunnerOptions
 
 CPU = torch.device("cpu")
 TOML = """max_batch_size = 8
@@ -156,14 +157,14 @@ def load(device):
 
 def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path) -> None:
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(CYCLIC_MODEL))
-    worker = Worker(WorkerOptions("w", "ipc://unused", CPU, tmp_path))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
     try:
-        reply, _ = wire.unpack(worker._load(header))
+        reply, _ = wire.unpack(runner._load(header))
         assert reply.error == ""
         assert gc.get_freeze_count() > 0  # the loaded model is out of the collector's sight
-        ref = weakref.ref(worker.models[model_key(d.name, "1")][1])
-        worker._unload(header)
+        ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
+        runner._unload(header)
         assert ref() is None  # ... until it is unloaded
     finally:
         gc.unfreeze()
@@ -191,31 +192,46 @@ def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -
     # thread, must also hold in the compute thread, or a large op starts a team of
     # one spinning thread per core there and takes the CPU the frontend needs.
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(THREAD_COUNTING_MODEL))
-    worker = Worker(WorkerOptions("w", "ipc://unused", CPU, tmp_path))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
     results = ctx.socket(zmq.PAIR)
-    results.bind(runner._RESULTS)
+    results.bind(runner_module._RESULTS)
     configured = torch.get_num_threads()
     torch.set_num_threads(1)  # what `batchd worker --threads 1` does before serving
-    compute = threading.Thread(target=worker._compute, args=(ctx,))
+    compute = threading.Thread(target=runner._compute, args=(ctx,))
     compute.start()
     try:
-        worker._work.put((0, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1"), []))
+        runner._work.put((0, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1"), []))
         loaded, _ = wire.unpack(results.recv_multipart()[1:])
         assert loaded.error == ""
         tensors, frames = batch(X)
         header = wire.Header(
             kind=wire.Header.BATCH, batch_id=1, model=d.name, version="1", tensors=tensors
         )
-        worker._work.put((0, header, frames))
+        runner._work.put((0, header, frames))
         reply, out = wire.unpack(results.recv_multipart()[1:])
         assert reply.error == ""
         new_threads = from_raw(reply.tensors[0].datatype, reply.tensors[0].shape, bytes(out[0]))
         assert new_threads.max() == 0
     finally:
-        worker._work.put(None)
+        runner._work.put(None)
         compute.join()
         results.close(linger=0)
         ctx.term()
         torch.set_num_threads(configured)
         gc.unfreeze()
+
+
+def test_no_worker_class_shares_a_name_with_a_server_class() -> None:
+    """A reader who meets `Runner` or `Batch` must know which side of the wire it is on."""
+    root = Path(__file__).resolve().parent.parent
+
+    def classes(package: str) -> set[str]:
+        return {
+            node.name
+            for path in (root / package).rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+        }
+
+    assert classes("worker") & classes("server") == set()

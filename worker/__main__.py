@@ -15,7 +15,7 @@ import torch
 from batchd.protos import keys
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
-from batchd.worker.runner import Worker, WorkerOptions, install_signal_handlers
+from batchd.worker.runner import Runner, RunnerOptions, install_signal_handlers
 
 log = logging.getLogger("batchd.worker")
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"batchd worker: {e}", file=sys.stderr)
         return 2
-    options = WorkerOptions(
+    options = RunnerOptions(
         worker_id,
         args.connect,
         device,
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         args.parent_pid,
         args.worker_keys,
     )
-    worker = Worker(options)
-    install_signal_handlers(worker)
-    worker.serve()
+    runner = Runner(options)
+    install_signal_handlers(runner)
+    runner.serve()
     return 0
 
 

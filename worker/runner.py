@@ -42,7 +42,7 @@ STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may ta
 
 
 @dataclass(frozen=True)
-class WorkerOptions:
+class RunnerOptions:
     worker_id: str
     endpoint: str  # one frontend, or several separated by commas
     device: torch.device
@@ -52,8 +52,12 @@ class WorkerOptions:
     keys: Path | None = None  # CURVE key directory (protos/keys.py); None: no encryption
 
 
-class Worker:
-    def __init__(self, options: WorkerOptions) -> None:
+class Runner:
+    """What a worker process runs: it registers with its frontends, loads the models
+    they ask for and runs their batches (the frontend's handle on a worker process
+    lives in the server package)."""
+
+    def __init__(self, options: RunnerOptions) -> None:
         self.options = options
         self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # by ModelConfig.key
         # (index of the frontend that sent it, header, frames)
@@ -271,13 +275,13 @@ class _IO:
     stop_at: float = 0.0
 
 
-def install_signal_handlers(worker: Worker) -> None:
+def install_signal_handlers(runner: Runner) -> None:
     """SIGTERM and SIGINT stop a worker started by hand. A worker its frontend started
     (--parent-pid) ignores them: a signal to the whole process group (Ctrl-C in a
     terminal, systemd stopping the unit) must not take the worker away while the
     frontend drains; STOP, or its parent's exit, ends it."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        if worker.options.parent_pid is None:
-            signal.signal(sig, lambda *_: worker.stop())
+        if runner.options.parent_pid is None:
+            signal.signal(sig, lambda *_: runner.stop())
         else:
             signal.signal(sig, signal.SIG_IGN)
