@@ -14,15 +14,19 @@ from batchd.client.errors import (
     ServerUnavailable,
     Unauthenticated,
 )
+from batchd.client.views import BatchStats, Duration, ModelStats
 
 __all__ = [
     "AsyncClient",
+    "BatchStats",
     "BatchdClientError",
     "Client",
     "DeadlineExceeded",
+    "Duration",
     "InferenceFailed",
     "InvalidInput",
     "ModelNotFound",
+    "ModelStats",
     "ServerBusy",
     "ServerUnavailable",
     "Unauthenticated",

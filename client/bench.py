@@ -152,15 +152,12 @@ def _process(
 
 
 def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
+    """(rows, batches) the server has run for `model`, if it keeps statistics."""
     try:
         if "statistics" not in client.server_metadata()["extensions"]:
             return None
-        from batchd.protos import inference_pb2 as pb
-
-        stats = client._call("ModelStatistics", pb.ModelStatisticsRequest(name=model)).model_stats[
-            0
-        ]
-        return int(stats.inference_count), int(stats.execution_count)
+        stats = client.model_statistics(model)[0]
+        return stats.inference_count, stats.execution_count
     except (BatchdClientError, IndexError):
         return None
 

@@ -13,104 +13,44 @@ A PEM is bytes (the PEM itself) or a str / Path (a file holding it).
 own_connection=True gives the client a TCP connection of its own (by default
 gRPC shares one among a process's channels to the same server), which is what
 spreads load over the processes of `batchd serve --frontends N`.
+
+Both clients are the same operations (client/core.py, written once as steps)
+driven over a channel: Client over a blocking gRPC channel, AsyncClient over
+grpc.aio. Their methods are that table; each is one operation of ClientCore.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import random
+import functools
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
-import numpy as np
 
-from batchd.client.codec import build_request, parse_response
-from batchd.client.errors import BatchdClientError, InvalidInput, from_rpc_error
+from batchd.client.core import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ClientCore,
+    Inputs,
+    Pem,
+    Rpc,
+    Security,
+    Steps,
+    channel_options,
+)
 from batchd.client.retry import RetryPolicy
-from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-Inputs = Mapping[str, Any] | np.ndarray
-Pem = bytes | str | os.PathLike[str]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "Inputs", "Pem"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class _Security:
-    tls: bool = False
-    ca_cert: Pem | None = None
-    client_cert: Pem | None = None
-    client_key: Pem | None = None
-    token: str | None = None
+class _Connection:
+    """The channel, its stub and the core: what both clients hold."""
 
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS credentials, or None for a plaintext channel."""
-        if (self.client_cert is None) != (self.client_key is None):
-            raise ValueError("client_cert and client_key go together")
-        if not (self.tls or self.ca_cert or self.client_cert):
-            return None
-        return grpc.ssl_channel_credentials(
-            root_certificates=_pem(self.ca_cert),
-            private_key=_pem(self.client_key),
-            certificate_chain=_pem(self.client_cert),
-        )
-
-    def call_kwargs(self) -> dict[str, Any]:
-        """What every call passes besides the message and the timeout: the token."""
-        if self.token is None:
-            return {}
-        return {"metadata": (("authorization", f"Bearer {self.token}"),)}
-
-
-def _pem(value: Pem | None) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    return Path(value).read_bytes()
-
-
-def _channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # gRPC shares one connection among a process's channels to the same target
-        # unless told otherwise; a server with --frontends N balances connections.
-        ("grpc.use_local_subchannel_pool", int(own_connection)),
-    ]
-
-
-def _metadata(msg: pb.ModelMetadataResponse) -> dict[str, Any]:
-    def tensors(ts: Sequence[pb.TensorMetadata]) -> list[dict[str, Any]]:
-        return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in ts]
-
-    return {
-        "name": msg.name,
-        "versions": list(msg.versions),
-        "platform": msg.platform,
-        "inputs": tensors(msg.inputs),
-        "outputs": tensors(msg.outputs),
-    }
-
-
-def _index_entry(m: pb.RepositoryIndexResponse.ModelIndex) -> dict[str, str]:
-    return {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
-
-
-def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
-    if not isinstance(inputs, np.ndarray):
-        return inputs
-    assert meta is not None
-    if len(meta["inputs"]) != 1:
-        names = [t["name"] for t in meta["inputs"]]
-        raise InvalidInput(f"model {meta['name']!r} has inputs {names}; pass a dict name->array")
-    return {meta["inputs"][0]["name"]: inputs}
-
-
-class _Base:
     def __init__(
         self,
         url: str = "127.0.0.1:8001",
@@ -125,133 +65,109 @@ class _Base:
         token: str | None = None,
         own_connection: bool = False,
     ) -> None:
-        security = _Security(tls, ca_cert, client_cert, client_key, token)
+        security = Security(tls, ca_cert, client_cert, client_key, token)
         self.url = url
-        self._call_kwargs = security.call_kwargs()
-        self.timeout = timeout
-        self.retry = RetryPolicy(retries)
-        self._rng = random.Random()
-        self._options = _channel_options(max_message_bytes, own_connection)
-        self._meta: dict[str, dict[str, Any]] = {}
-        self._channel = self._open(url, security.credentials())
+        self._core = ClientCore(timeout, retries, security.call_kwargs())
+        options = channel_options(max_message_bytes, own_connection)
+        self._channel = self._open(url, security.credentials(), options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
 
-    def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> Any:
+    def _open(
+        self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
+    ) -> Any:
         raise NotImplementedError  # a blocking or an asyncio channel
+
+    @property
+    def timeout(self) -> float | None:
+        """The default timeout of a call, in seconds, all its attempts together."""
+        return self._core.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._core.timeout = value
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The default retry policy (`retries=` sets how many extra attempts)."""
+        return self._core.retry
+
+    @retry.setter
+    def retry(self, value: RetryPolicy) -> None:
+        self._core.retry = value
 
     @property
     def call_kwargs(self) -> dict[str, Any]:
         """What a call through the raw `stub` passes to be let in (the token metadata)."""
-        return self._call_kwargs
+        return self._core.call_kwargs
 
-    def _plan(self, timeout: float | None, retries: int | None) -> tuple[float | None, RetryPolicy]:
-        """The call's absolute deadline (monotonic) and its retry policy."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        policy = self.retry if retries is None else replace(self.retry, retries=retries)
-        return deadline, policy
-
-    def _next_wait(
-        self, attempt: int, error: BatchdClientError, deadline: float | None, policy: RetryPolicy
-    ) -> float | None:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        return policy.delay(attempt, error, remaining, self._rng)
+    @property
+    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        """The raw generated stub, for callers that build messages themselves."""
+        return self._stub
 
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
+def _blocking(
+    op: Callable[Concatenate[ClientCore, P], Steps[T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """Client's method for one operation of the core."""
+
+    def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(op(self._core, *args, **kwargs))
+
+    functools.update_wrapper(method, op)
+    return method
 
 
-class Client(_Base):
+def _awaitable(
+    op: Callable[Concatenate[ClientCore, P], Steps[T]],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """AsyncClient's method for one operation of the core."""
+
+    async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return await self._run(op(self._core, *args, **kwargs))
+
+    functools.update_wrapper(method, op)
+    return method
+
+
+class Client(_Connection):
     """A blocking client. Thread-safe; reuse one per process."""
 
-    def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    def _open(
+        self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
+    ) -> grpc.Channel:
         if credentials is None:
-            return grpc.insecure_channel(url, options=self._options)
-        return grpc.secure_channel(url, credentials, options=self._options)
+            return grpc.insecure_channel(url, options=options)
+        return grpc.secure_channel(url, credentials, options=options)
 
-    def _call(
-        self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
-    ) -> Any:
-        deadline, policy = self._plan(timeout, retries)
-        attempt = 0
+    def _run(self, steps: Steps[T]) -> T:
+        """Drive an operation: make its calls, sleep its waits, return its result."""
+        reply: Any = None
         while True:
             try:
-                return getattr(self._stub, method)(
-                    msg, timeout=_remaining(deadline), **self._call_kwargs
-                )
-            except grpc.RpcError as e:
-                error = from_rpc_error(e)
-            wait = self._next_wait(attempt, error, deadline, policy)
-            if wait is None:
-                raise error
-            time.sleep(wait)
-            attempt += 1
+                step = steps.send(reply)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if isinstance(step, Rpc):
+                try:
+                    call = getattr(self._stub, step.method)
+                    reply = call(step.request, timeout=step.timeout, **self._core.call_kwargs)
+                except grpc.RpcError as e:
+                    reply = e
+            else:
+                time.sleep(step.seconds)
+                reply = None
 
-    def infer(
-        self,
-        model: str,
-        inputs: Inputs,
-        outputs: Sequence[str] | None = None,
-        timeout: float | None = None,
-        *,
-        request_id: str = "",
-        datatypes: Mapping[str, str] | None = None,
-        parameters: Mapping[str, Any] | None = None,
-        retries: int | None = None,
-    ) -> dict[str, np.ndarray]:
-        """Run `model` on `inputs` (name->array, or one array for a one-input model)."""
-        meta = self.model_metadata(model) if isinstance(inputs, np.ndarray) else None
-        msg = build_request(
-            model,
-            _named(inputs, meta),
-            outputs,
-            request_id=request_id,
-            datatypes=datatypes,
-            parameters=parameters,
-        )
-        return parse_response(self._call("ModelInfer", msg, timeout, retries))
-
-    def live(self) -> bool:
-        return bool(self._call("ServerLive", pb.ServerLiveRequest()).live)
-
-    def ready(self) -> bool:
-        """True when the server is ready; False when it is not, or cannot be reached."""
-        try:
-            return bool(self._call("ServerReady", pb.ServerReadyRequest()).ready)
-        except BatchdClientError:
-            return False
-
-    def model_ready(self, model: str) -> bool:
-        return bool(self._call("ModelReady", pb.ModelReadyRequest(name=model)).ready)
-
-    def server_metadata(self) -> dict[str, Any]:
-        m = self._call("ServerMetadata", pb.ServerMetadataRequest())
-        return {"name": m.name, "version": m.version, "extensions": list(m.extensions)}
-
-    def model_metadata(self, model: str) -> dict[str, Any]:
-        if model not in self._meta:
-            self._meta[model] = _metadata(
-                self._call("ModelMetadata", pb.ModelMetadataRequest(name=model))
-            )
-        return self._meta[model]
-
-    def load_model(self, model: str, timeout: float | None = None) -> None:
-        """Load, or load again, `model` from the server's repository (explicit model control).
-        Returns once the new version serves; the old one drains behind it."""
-        self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model), timeout)
-        self._meta.pop(model, None)
-
-    def unload_model(self, model: str, timeout: float | None = None) -> None:
-        """Stop serving `model`; returns once its admitted requests are answered."""
-        msg = pb.RepositoryModelUnloadRequest(model_name=model)
-        self._call("RepositoryModelUnload", msg, timeout)
-        self._meta.pop(model, None)
-
-    def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
-        """Every model of the server's repository: name, version, state, reason."""
-        index = self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready))
-        return [_index_entry(m) for m in index.models]
+    infer = _blocking(ClientCore.infer)
+    live = _blocking(ClientCore.live)
+    ready = _blocking(ClientCore.ready)
+    model_ready = _blocking(ClientCore.model_ready)
+    server_metadata = _blocking(ClientCore.server_metadata)
+    model_metadata = _blocking(ClientCore.model_metadata)
+    model_statistics = _blocking(ClientCore.model_statistics)
+    load_model = _blocking(ClientCore.load_model)
+    unload_model = _blocking(ClientCore.unload_model)
+    repository_index = _blocking(ClientCore.repository_index)
 
     def close(self) -> None:
         self._channel.close()
@@ -263,96 +179,44 @@ class Client(_Base):
         self.close()
 
 
-class AsyncClient(_Base):
+class AsyncClient(_Connection):
     """The asyncio twin of Client, over grpc.aio; same methods, awaited."""
 
-    def _open(self, url: str, credentials: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+    def _open(
+        self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
+    ) -> grpc.aio.Channel:
         if credentials is None:
-            return grpc.aio.insecure_channel(url, options=self._options)
-        return grpc.aio.secure_channel(url, credentials, options=self._options)
+            return grpc.aio.insecure_channel(url, options=options)
+        return grpc.aio.secure_channel(url, credentials, options=options)
 
-    @property
-    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
-        """The raw generated stub, for callers that build messages themselves."""
-        return self._stub
-
-    async def _call(
-        self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
-    ) -> Any:
-        deadline, policy = self._plan(timeout, retries)
-        attempt = 0
+    async def _run(self, steps: Steps[T]) -> T:
+        """Drive an operation: await its calls and its waits, return its result."""
+        reply: Any = None
         while True:
             try:
-                return await getattr(self._stub, method)(
-                    msg, timeout=_remaining(deadline), **self._call_kwargs
-                )
-            except grpc.RpcError as e:
-                error = from_rpc_error(e)
-            wait = self._next_wait(attempt, error, deadline, policy)
-            if wait is None:
-                raise error
-            await asyncio.sleep(wait)
-            attempt += 1
+                step = steps.send(reply)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if isinstance(step, Rpc):
+                try:
+                    call = getattr(self._stub, step.method)
+                    reply = await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
+                except grpc.RpcError as e:
+                    reply = e
+            else:
+                await asyncio.sleep(step.seconds)
+                reply = None
 
-    async def infer(
-        self,
-        model: str,
-        inputs: Inputs,
-        outputs: Sequence[str] | None = None,
-        timeout: float | None = None,
-        *,
-        request_id: str = "",
-        datatypes: Mapping[str, str] | None = None,
-        parameters: Mapping[str, Any] | None = None,
-        retries: int | None = None,
-    ) -> dict[str, np.ndarray]:
-        meta = await self.model_metadata(model) if isinstance(inputs, np.ndarray) else None
-        msg = build_request(
-            model,
-            _named(inputs, meta),
-            outputs,
-            request_id=request_id,
-            datatypes=datatypes,
-            parameters=parameters,
-        )
-        return parse_response(await self._call("ModelInfer", msg, timeout, retries))
-
-    async def live(self) -> bool:
-        return bool((await self._call("ServerLive", pb.ServerLiveRequest())).live)
-
-    async def ready(self) -> bool:
-        try:
-            return bool((await self._call("ServerReady", pb.ServerReadyRequest())).ready)
-        except BatchdClientError:
-            return False
-
-    async def model_ready(self, model: str) -> bool:
-        return bool((await self._call("ModelReady", pb.ModelReadyRequest(name=model))).ready)
-
-    async def server_metadata(self) -> dict[str, Any]:
-        m = await self._call("ServerMetadata", pb.ServerMetadataRequest())
-        return {"name": m.name, "version": m.version, "extensions": list(m.extensions)}
-
-    async def model_metadata(self, model: str) -> dict[str, Any]:
-        if model not in self._meta:
-            self._meta[model] = _metadata(
-                await self._call("ModelMetadata", pb.ModelMetadataRequest(name=model))
-            )
-        return self._meta[model]
-
-    async def load_model(self, model: str, timeout: float | None = None) -> None:
-        msg = pb.RepositoryModelLoadRequest(model_name=model)
-        await self._call("RepositoryModelLoad", msg, timeout)
-        self._meta.pop(model, None)
-
-    async def unload_model(self, model: str, timeout: float | None = None) -> None:
-        msg = pb.RepositoryModelUnloadRequest(model_name=model)
-        await self._call("RepositoryModelUnload", msg, timeout)
-        self._meta.pop(model, None)
-
-    async def repository_index(self, ready: bool = False) -> list[dict[str, str]]:
-        index = await self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready))
-        return [_index_entry(m) for m in index.models]
+    infer = _awaitable(ClientCore.infer)
+    live = _awaitable(ClientCore.live)
+    ready = _awaitable(ClientCore.ready)
+    model_ready = _awaitable(ClientCore.model_ready)
+    server_metadata = _awaitable(ClientCore.server_metadata)
+    model_metadata = _awaitable(ClientCore.model_metadata)
+    model_statistics = _awaitable(ClientCore.model_statistics)
+    load_model = _awaitable(ClientCore.load_model)
+    unload_model = _awaitable(ClientCore.unload_model)
+    repository_index = _awaitable(ClientCore.repository_index)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -1,8 +1,10 @@
-"""The client's retry behaviour: a pure policy, a fake stub, and a real server."""
+"""The clients: one core for both (its steps, retries and parity), statistics, and
+retries against a real server."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import threading
 
@@ -10,7 +12,16 @@ import grpc
 import numpy as np
 import pytest
 
-from batchd.client import AsyncClient, Client, InvalidInput, ServerBusy, ServerUnavailable
+from batchd.client import (
+    AsyncClient,
+    Client,
+    InvalidInput,
+    ModelNotFound,
+    ModelStats,
+    ServerBusy,
+    ServerUnavailable,
+)
+from batchd.client.core import ClientCore, Rpc, Wait
 from batchd.client.errors import from_rpc_error
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
@@ -75,6 +86,100 @@ def test_client_retries_when_asked_and_never_on_invalid_input() -> None:
         with pytest.raises(ServerUnavailable):
             c.infer("m", x, retries=1)
         assert c._stub.calls == 2  # type: ignore[attr-defined]
+
+
+def test_async_client_retries_as_the_blocking_one_does() -> None:
+    """The retry loop lives once, in the core: AsyncClient gets the same attempts."""
+
+    class FakeAsyncStub(FakeStub):
+        async def ModelInfer(  # type: ignore[override]
+            self,
+            msg: pb.ModelInferRequest,
+            timeout: float | None,  # noqa: ASYNC109 - the gRPC deadline, as the stub takes it
+        ) -> pb.ModelInferResponse:
+            return FakeStub.ModelInfer(self, msg, timeout)
+
+    async def scenario() -> None:
+        x = {"X": np.zeros((1, 1), np.float32)}
+        async with AsyncClient("127.0.0.1:1", retries=3) as c:
+            c._stub = FakeAsyncStub([grpc.StatusCode.RESOURCE_EXHAUSTED] * 2)  # type: ignore[assignment]
+            assert (await c.infer("m", x))["Y"][0, 0] == 3.0
+            assert c._stub.calls == 3  # type: ignore[attr-defined]
+            c._stub = FakeAsyncStub([grpc.StatusCode.INVALID_ARGUMENT])  # type: ignore[assignment]
+            with pytest.raises(InvalidInput):
+                await c.infer("m", x)
+            assert c._stub.calls == 1  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_core_steps_a_retried_call_without_io() -> None:
+    """An operation is a generator of steps: a refused call, a wait as long as the
+    server's pushback, the call again, then the result."""
+    core = ClientCore(timeout=None, retries=1, call_kwargs={})
+    steps = core.live()
+    first = next(steps)
+    assert isinstance(first, Rpc) and first.method == "ServerLive" and first.timeout is None
+    wait = steps.send(FakeRpcError(grpc.StatusCode.UNAVAILABLE, None))
+    assert isinstance(wait, Wait) and 0 <= wait.seconds <= core.retry.base_s
+    again = steps.send(None)
+    assert isinstance(again, Rpc) and again.method == "ServerLive"
+    with pytest.raises(StopIteration) as done:
+        steps.send(pb.ServerLiveResponse(live=True))
+    assert done.value.value is True
+
+
+def test_both_clients_offer_the_same_methods() -> None:
+    def public(cls: type) -> dict[str, inspect.Signature]:
+        return {
+            name: inspect.signature(getattr(cls, name))
+            for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name))
+        }
+
+    blocking, awaited = public(Client), public(AsyncClient)
+    assert blocking.keys() == awaited.keys()
+    assert {"infer", "model_statistics", "model_metadata", "ready", "close"} <= blocking.keys()
+    for name, signature in blocking.items():
+        assert awaited[name].parameters == signature.parameters, name
+        assert inspect.iscoroutinefunction(getattr(AsyncClient, name)), name
+    assert list(blocking["model_statistics"].parameters) == ["self", "model", "version"]
+
+
+def test_model_statistics_counts_requests_and_batches(
+    test_server: ServerProcess, gate: Gate
+) -> None:
+    """`limited` runs each of three sequential 2-row requests as its own batch."""
+    x = {"X": np.array([[1.0], [2.0]], np.float32)}
+    with Client(test_server.url) as c:
+        (before,) = c.model_statistics("limited")
+        for _ in range(3):
+            c.infer("limited", x, timeout=30)
+        (after,) = c.model_statistics("limited")
+        every = c.model_statistics()
+        with pytest.raises(ModelNotFound):
+            c.model_statistics("no-such-model")
+
+    def batches_of_2(s: ModelStats) -> int:
+        return sum(b.count for b in s.batches if b.batch_size == 2)
+
+    assert isinstance(after, ModelStats) and after.name == "limited" and after.version
+    assert after.inference_count - before.inference_count == 6
+    assert after.execution_count - before.execution_count == 3
+    assert after.success.count - before.success.count == 3
+    assert after.queue.count - before.queue.count == 3
+    assert batches_of_2(after) - batches_of_2(before) == 3
+    assert after.last_inference_ms >= before.last_inference_ms > 0 or before.execution_count == 0
+    assert after.average_batch_size == after.inference_count / after.execution_count
+    assert after.raw.name == "limited"
+    assert {"echo", "gated", "limited"} <= {s.name for s in every}
+
+    async def from_async() -> list[ModelStats]:
+        async with AsyncClient(test_server.url) as ac:
+            return await ac.model_statistics("limited", after.version)
+
+    (again,) = asyncio.run(from_async())
+    assert (again.name, again.inference_count) == ("limited", after.inference_count)
 
 
 def test_retrying_client_gets_through_once_the_queue_frees(
