@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -182,20 +183,45 @@ def test_model_statistics_counts_requests_and_batches(
     assert (again.name, again.inference_count) == ("limited", after.inference_count)
 
 
+class RecordingStub:
+    """The real aio stub, with each ModelInfer attempt's status code recorded and
+    `on_refused` called when the server refuses one for a full queue."""
+
+    def __init__(self, stub: Any, on_refused: Callable[[], None]) -> None:
+        self._stub, self._on_refused = stub, on_refused
+        self.codes: list[grpc.StatusCode] = []
+
+    def ModelInfer(self, msg: pb.ModelInferRequest, **kwargs: Any) -> Awaitable[Any]:
+        async def attempt() -> Any:
+            try:
+                reply = await self._stub.ModelInfer(msg, **kwargs)
+            except grpc.RpcError as e:
+                self.codes.append(e.code())
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._on_refused()
+                raise
+            self.codes.append(grpc.StatusCode.OK)
+            return reply
+
+        return attempt()
+
+
 def test_retrying_client_gets_through_once_the_queue_frees(
     test_server: ServerProcess, gate: Gate
 ) -> None:
-    """`limited` holds 4 queued and 8 running; a retrying caller beyond that
-    waits it out instead of failing."""
+    """`limited` holds 4 queued and 8 running; a retrying caller beyond that is
+    refused, waits it out and gets through on a later attempt instead of failing.
+    The gate opens only once that caller has been refused, so without retries it fails."""
     x = {"X": np.array([[5.0]], np.float32)}
 
-    async def scenario() -> float:
+    async def scenario() -> tuple[float, list[grpc.StatusCode]]:
         async with (
             AsyncClient(test_server.url) as busy,
             AsyncClient(test_server.url, retries=200) as patient,
         ):
             gate.close()
-            rejected = asyncio.Event()
+            rejected, refused = asyncio.Event(), asyncio.Event()
+            patient._stub = recorder = RecordingStub(patient._stub, refused.set)  # type: ignore[assignment]
 
             async def crowd(v: float) -> None:
                 try:
@@ -206,10 +232,13 @@ def test_retrying_client_gets_through_once_the_queue_frees(
             crowd_tasks = [asyncio.ensure_future(crowd(float(v))) for v in range(16)]
             await asyncio.wait_for(rejected.wait(), 30)  # the queue is full now
             retried = asyncio.ensure_future(patient.infer("limited", x, timeout=60))
-            await asyncio.sleep(0)
-            threading.Timer(0.3, gate.open).start()  # not an assertion: lets the retries run
+            await asyncio.wait_for(refused.wait(), 30)  # its first attempt was refused
+            gate.open()
             out = await retried
             await asyncio.gather(*crowd_tasks)
-            return float(out["Y"][0, 0])
+            return float(out["Y"][0, 0]), recorder.codes
 
-    assert asyncio.run(scenario()) == 10.0
+    value, codes = asyncio.run(scenario())
+    assert value == 10.0
+    assert codes[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert codes[-1] == grpc.StatusCode.OK and len(codes) >= 2  # it got through on a retry
