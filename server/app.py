@@ -1,9 +1,9 @@
-"""The composition root: build the pieces, wire them, run them, stop them.
+"""The composition root: build the pieces, run them, stop them.
 
-    gRPC servicer --submit--> Scheduler --send--> Dispatcher <--ZeroMQ--> workers
-         |                        ^                   |  ^                ^
-         |                        +---pump/requeue----+  |   Supervisor --+ (processes)
-         +--load/unload--> ModelControl --LOAD/UNLOAD----+
+    gRPC servicer (service.py) --submit / load / unload--> Core (core.py)
+    health, metrics ------------------- read ------------> Core
+    Core: Scheduler (batching/), WorkerPool, WorkerLink <--ZeroMQ--> workers,
+          ModelControl, Supervisor (their processes)
 
 Holds no logic of its own beyond start-up and shutdown order.
 """
@@ -32,19 +32,15 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
-from batchd.server.batching.scheduler import Scheduler
-from batchd.server.control import IndexEntry, ModelControl
-from batchd.server.dispatch import Dispatcher
+from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
-from batchd.server.request import Request, Tensor
 from batchd.server.security import SecurityConfig, grpc_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
-from batchd.server.supervisor import Supervisor, WorkerSpec, detect_devices, plan_workers
-from batchd.server.workers import Worker
+from batchd.server.supervisor import Launch, WorkerSpec, detect_devices, plan_workers
 
 log = logging.getLogger("batchd.server")
 
@@ -80,68 +76,15 @@ class ServerConfig:
         return [d.strip() for d in self.devices.split(",") if d.strip()]
 
 
-class _Wiring:
-    """Routes the dispatcher's events and the servicer's calls to their owners."""
-
-    def __init__(self, dispatcher: Dispatcher, scheduler: Scheduler, control: ModelControl) -> None:
-        self.dispatcher, self.scheduler, self.control = dispatcher, scheduler, control
-        self.supervisor: Supervisor | None = None
-        self.changed = asyncio.Event()
-
-    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
-        return self.scheduler.submit(request)
-
-    def model_ready(self, name: str) -> bool:
-        return self.control.ready(name)
-
-    def check_room(self, key: str) -> None:
-        self.scheduler.check_room(key)
-
-    async def load(self, name: str) -> ModelConfig:
-        return await self.control.load(name)
-
-    async def unload(self, name: str) -> None:
-        await self.control.unload(name)
-
-    def index(self) -> list[IndexEntry]:
-        return self.control.index()
-
-    def worker_ready(self, worker: Worker) -> None:
-        self.control.worker_ready(worker)
-        self.changed.set()
-        self.scheduler.pump()
-
-    def pump(self) -> None:
-        self.scheduler.pump()
-
-    def requeue(self, requests: list[Request]) -> None:
-        self.scheduler.requeue(requests)
-
-    def workers_changed(self) -> None:
-        self.changed.set()
-
-    def batch_done(self, model: str, rows: int, compute_s: float) -> None:
-        self.scheduler.observe(model, rows, compute_s)
-
-    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None:
-        if self.supervisor is not None and stuck:
-            self.supervisor.kill(worker_id)
-
-
-async def _track_health(
-    health: HealthServicer,
-    service: InferenceService,
-    models: dict[str, ModelConfig],  # the loaded ones; loads and unloads change it
-    wiring: _Wiring,
-) -> None:
+async def _track_health(health: HealthServicer, service: InferenceService, core: Core) -> None:
     serving, not_serving = (
         health_pb2.HealthCheckResponse.SERVING,
         health_pb2.HealthCheckResponse.NOT_SERVING,
     )
     announced: dict[str, bool] = {}
     while True:
-        for name in sorted(set(models) | announced.keys() - {""}):
-            ready = wiring.model_ready(name)
+        for name in sorted(set(core.models) | announced.keys() - {""}):
+            ready = core.model_ready(name)
             if announced.get(name) != ready:
                 log.info(
                     "model %s is %s",
@@ -155,8 +98,8 @@ async def _track_health(
         if announced.get("") != overall:
             await health.set("", serving if overall else not_serving)
             announced[""] = overall
-        await wiring.changed.wait()
-        wiring.changed.clear()
+        await core.changed.wait()
+        core.changed.clear()
 
 
 def _grpc_server(
@@ -187,17 +130,13 @@ def _grpc_server(
 
 @dataclass
 class _Parts:
-    """Everything serve() starts and later stops, wired together."""
+    """Everything serve() starts and later stops."""
 
-    stats: Stats
-    dispatcher: Dispatcher
-    scheduler: Scheduler
-    wiring: _Wiring
+    core: Core
     service: InferenceService
     health: HealthServicer
     server: grpc.aio.Server
     port: int
-    supervisor: Supervisor
     registry: CollectorRegistry
 
 
@@ -207,58 +146,46 @@ def _build(
     router: zmq.asyncio.Socket,
     endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
-    stats = Stats()
-    # The dispatcher uses the socket directly (the asyncio one serves CURVE's authenticator).
-    raw: zmq.Socket[bytes] = zmq.Socket.shadow(router.underlying)
-    dispatcher = Dispatcher(raw, stats, credits=cfg.credits_per_worker)
+    specs: list[WorkerSpec] = []
+    if cfg.local_workers and (repository or cfg.model_control == "explicit"):
+        specs = plan_workers(list(repository.values()), cfg.device_list(), cfg.threads_per_worker)
+    launch = Launch(
+        cfg.model_repository, tuple(specs), endpoint, cfg.log_level, cfg.log_format,
+        cfg.security.worker_keys,
+    )  # fmt: skip
     load = LoopLoad.current()
-    scheduler = Scheduler(dispatcher, saturated=load)
-    control = ModelControl(
-        cfg.model_repository, dispatcher, scheduler, explicit=cfg.model_control == "explicit"
+    core = Core(
+        # A plain socket for the link (the asyncio one serves CURVE's authenticator).
+        zmq.Socket.shadow(router.underlying),
+        Stats(),
+        cfg.model_repository,
+        explicit=cfg.model_control == "explicit",
+        launch=launch,
+        credits=cfg.credits_per_worker,
+        saturated=load,
     )
-    control.start_with(_models_at_start(cfg, repository))
-    models = control.current
-    wiring = _Wiring(dispatcher, scheduler, control)
-    dispatcher.attach(wiring)
+    core.control.start_with(_models_at_start(cfg, repository))
+    limits = dataclasses.replace(cfg.security.limits, max_response_bytes=cfg.max_message_bytes)
     service = InferenceService(
-        models,
-        wiring,
-        stats,
-        limits=dataclasses.replace(cfg.security.limits, max_response_bytes=cfg.max_message_bytes),
-        calls_per_connection=cfg.security.max_concurrent_streams,
+        core, limits=limits, calls_per_connection=cfg.security.max_concurrent_streams
     )
     health = HealthServicer()
     server, port = _grpc_server(cfg, service, health)
-    specs: list[WorkerSpec] = []
-    if cfg.local_workers and (repository or control.explicit):
-        specs = plan_workers(list(repository.values()), cfg.device_list(), cfg.threads_per_worker)
-    supervisor = Supervisor(
-        specs,
-        endpoint,
-        cfg.model_repository,
-        on_exit=dispatcher.lose_by_name,
-        log_level=cfg.log_level,
-        log_format=cfg.log_format,
-        worker_keys=cfg.security.worker_keys,
-    )
-    wiring.supervisor = supervisor
     registry = CollectorRegistry()  # this server's own: nothing is registered globally
     registry.register(
         Collector(
-            models,
-            stats,
-            scheduler.queued,
+            core.models,
+            core.stats,
+            core.scheduler.queued,
             lambda: [
                 WorkerView(w.name, w.name.split("#")[0], w.info.device, True)
-                for w in dispatcher.workers()
+                for w in core.pool.workers()
             ],
-            lambda: supervisor.restarts,
+            lambda: core.supervisor.restarts,
             load.busy_seconds,
         )
     )
-    return _Parts(
-        stats, dispatcher, scheduler, wiring, service, health, server, port, supervisor, registry
-    )
+    return _Parts(core, service, health, server, port, registry)
 
 
 def _models_at_start(
@@ -299,21 +226,19 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> 
     log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
     p.service.draining = True  # readiness and health say so at once
-    p.wiring.changed.set()
+    p.core.changed.set()
     await p.health.enter_graceful_shutdown()
     left = await p.service.drain(cfg.drain_timeout_s)
     if left:
         log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
-    stopped = Unavailable("the server stopped before this request could finish")
-    p.scheduler.fail_all(stopped)
-    p.dispatcher.fail_inflight(stopped)
+    p.core.fail_all(Unavailable("the server stopped before this request could finish"))
     await p.server.stop(grace=1.0)
     if others is not None:
         await others
     if cfg.frontend_index == 0:  # the others share its workers
-        p.dispatcher.stop_workers()
-    await p.supervisor.stop()
-    log.info("answered %d inference request(s)", p.stats.answered_total())
+        p.core.stop_workers()
+    await p.core.supervisor.stop()
+    log.info("answered %d inference request(s)", p.core.stats.answered_total())
 
 
 async def serve(cfg: ServerConfig) -> None:
@@ -353,7 +278,7 @@ async def serve(cfg: ServerConfig) -> None:
             cfg.host,
             p.port,
             endpoint,
-            len(p.supervisor.specs),
+            len(p.core.supervisor.specs),
             f"; frontend {cfg.frontend_index} of {cfg.frontends}" if cfg.frontends > 1 else "",
         )
         stop = asyncio.Event()
@@ -363,12 +288,8 @@ async def serve(cfg: ServerConfig) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
-                    tg.create_task(p.dispatcher.run(), name="dispatcher"),
-                    tg.create_task(p.supervisor.run(), name="supervisor"),
-                    tg.create_task(
-                        _track_health(p.health, p.service, p.wiring.control.current, p.wiring),
-                        name="health",
-                    ),
+                    tg.create_task(p.core.run(), name="core"),
+                    tg.create_task(_track_health(p.health, p.service, p.core), name="health"),
                 ]
                 if children is not None:
                     tasks.append(tg.create_task(children.run(p.port), name="frontends"))

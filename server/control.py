@@ -8,7 +8,9 @@ in-flight batches drain on the copies the workers still hold. When nothing of
 the old version is queued or running, the workers drop it. A failed load
 changes nothing: the old version keeps serving.
 
-Workers that register later are told to load the current versions.
+Workers that register later are told to load the current versions. The
+load protocol lives here too: LOAD to a worker, its LOADED (or the reason it
+could not), UNLOAD once a version has drained.
 """
 
 from __future__ import annotations
@@ -16,20 +18,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchd.protos import wire
 from batchd.protos.model_config import (
     MODEL_NAME,
     ConfigError,
     ModelConfig,
     find_model,
     load_model_config,
+    model_key,
 )
 from batchd.server.batching.scheduler import Scheduler
-from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
-from batchd.server.workers import Worker
+from batchd.server.link import WorkerLink
+from batchd.server.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("batchd.control")
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
@@ -47,15 +52,21 @@ class ModelControl:
     def __init__(
         self,
         repository: Path,
-        dispatcher: Dispatcher,
+        pool: WorkerPool,
+        link: WorkerLink,
         scheduler: Scheduler,
         explicit: bool,
+        changed: Callable[[], None],  # readiness may have changed
+        pump_soon: Callable[[], None],  # capacity changed: decide again, once, soon
     ) -> None:
         self.repository = repository
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
-        self._dispatcher = dispatcher
+        self._pool = pool
+        self._link = link
         self._scheduler = scheduler
+        self._changed = changed
+        self._pump_soon = pump_soon
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -77,13 +88,77 @@ class ModelControl:
 
     def ready(self, name: str) -> bool:
         cfg = self.current.get(name)
-        return cfg is not None and self._dispatcher.model_ready(cfg.key)
+        return cfg is not None and self._pool.model_ready(cfg.key)
 
-    def worker_ready(self, worker: Worker) -> None:
+    # ---- the load protocol ----
+
+    def worker_ready(self, worker: WorkerHandle) -> None:
         """A worker registered: have it load every current (and loading) version it may run."""
         for cfg in [*self.current.values(), *self._loading.values()]:
             if worker.accepts(cfg.name):
-                self._dispatcher.load(worker, cfg)
+                self._load_on(worker, cfg)
+        self._log_if_ready(worker)
+
+    def _load_on(self, worker: WorkerHandle, model: ModelConfig) -> asyncio.Future[str]:
+        """Ask `worker` to load `model`; the future gives "" once loaded, else why not."""
+        fut = worker.loads.get(model.key)
+        if fut is None:
+            fut = worker.loads[model.key] = asyncio.get_running_loop().create_future()
+            header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
+            self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
+        return fut
+
+    def on_loaded(self, worker: WorkerHandle, header: wire.Header) -> None:
+        key = model_key(header.model, header.version)
+        fut = worker.loads.get(key)
+        if fut is None or fut.done():
+            return
+        if header.error:
+            del worker.loads[key]
+            log.error(
+                "worker %s could not load model %s version %s: %s",
+                worker.name,
+                header.model,
+                header.version,
+                header.error,
+                extra={"worker": worker.name, "model": header.model},
+            )
+        else:
+            worker.models.add(key)
+        fut.set_result(header.error)
+        self._log_if_ready(worker)
+        self._changed()
+        self._pump_soon()
+
+    def worker_lost(self, worker: WorkerHandle, reason: str) -> None:
+        for fut in worker.loads.values():
+            if not fut.done():
+                fut.set_result(f"worker {worker.name} was lost while loading: {reason}")
+
+    def _unload_everywhere(self, model: ModelConfig) -> None:
+        """Every worker drops `model` (a version nothing is queued for or running)."""
+        header = wire.pack(
+            wire.Header(kind=wire.Header.UNLOAD, model=model.name, version=model.version)
+        )
+        for w in self._pool.workers():
+            fut = w.loads.pop(model.key, None)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(f"model {model.name!r} version {model.version} was unloaded")
+                w.models.discard(model.key)
+                self._link.send(w.identity, header)
+        self._changed()
+
+    def _log_if_ready(self, worker: WorkerHandle) -> None:
+        if all(f.done() for f in worker.loads.values()):
+            log.info(
+                "worker %s ready (pid %d, device %s) with models %s",
+                worker.name,
+                worker.info.pid,
+                worker.info.device,
+                ", ".join(sorted(worker.models)) or "none",
+                extra={"worker": worker.name, "device": worker.info.device},
+            )
 
     # ---- RepositoryModelLoad / RepositoryModelUnload ----
 
@@ -107,17 +182,17 @@ class ModelControl:
                 cfg = self._next_version(find_model(self.repository, name))
             except ConfigError as e:
                 raise InvalidInput(f"cannot load model {name!r}: {e}") from None
-            workers = [w for w in self._dispatcher.workers() if w.accepts(name)]
+            workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
                 raise Unavailable(f"no live worker may load model {name!r}; try again later")
             self._loading[name] = cfg
             try:
-                errors = await asyncio.gather(*(self._dispatcher.load(w, cfg) for w in workers))
+                errors = await asyncio.gather(*(self._load_on(w, cfg) for w in workers))
             finally:
                 del self._loading[name]
             failed = [f"{w.name}: {e}" for w, e in zip(workers, errors, strict=True) if e]
             if failed:
-                self._dispatcher.unload(cfg)
+                self._unload_everywhere(cfg)
                 raise ModelFailed(
                     f"model {name!r} failed to load; the version serving before stays: "
                     + "; ".join(failed)
@@ -132,7 +207,7 @@ class ModelControl:
                 f"; version {old.version} drains" if old else "",
                 extra={"model": name},
             )
-            self._dispatcher.events.workers_changed()
+            self._changed()
             if old is not None:
                 task = asyncio.create_task(self._retire(old), name=f"retire-{old.key}")
                 self._retiring.add(task)
@@ -147,12 +222,12 @@ class ModelControl:
             if cfg is None:
                 return  # not loaded: nothing to do (as Triton does)
             log.info("model %s version %s unloading", name, cfg.version, extra={"model": name})
-            self._dispatcher.events.workers_changed()
+            self._changed()
             await self._retire(cfg)
 
     async def _retire(self, cfg: ModelConfig) -> None:
-        while self._scheduler.queued_version(cfg.key) or self._dispatcher.inflight(cfg.key):
-            if not self._dispatcher.model_ready(cfg.key) and not self._dispatcher.inflight(cfg.key):
+        while self._scheduler.queued_version(cfg.key) or self._pool.inflight(cfg.key):
+            if not self._pool.model_ready(cfg.key) and not self._pool.inflight(cfg.key):
                 # Every worker holding this version was lost; new ones load only the current.
                 self._scheduler.fail_queued(
                     cfg.key,
@@ -164,7 +239,7 @@ class ModelControl:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)
-        self._dispatcher.unload(cfg)
+        self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
 
     # ---- RepositoryIndex ----
@@ -184,7 +259,7 @@ class ModelControl:
         for name, cfg in self.current.items():
             if name in self._loading:
                 continue
-            ready = self._dispatcher.model_ready(cfg.key)
+            ready = self._pool.model_ready(cfg.key)
             entries[name] = IndexEntry(
                 name,
                 cfg.version,

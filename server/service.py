@@ -59,7 +59,13 @@ HEAVY_WAITING = 64  # heavy requests waiting for the decode thread; more: RESOUR
 
 
 class Core(Protocol):
-    """What the servicer needs from the rest of the frontend."""
+    """What the servicer needs from the core (core.Core; a fake in tests)."""
+
+    @property
+    def models(self) -> Mapping[str, ModelConfig]: ...  # loaded, by name; changes on load
+
+    @property
+    def stats(self) -> Stats: ...
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
 
@@ -99,18 +105,16 @@ def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
-        models: Mapping[str, ModelConfig],
         core: Core,
-        stats: Stats,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits = DEFAULT_LIMITS,
         calls_per_connection: int = DEFAULT_MAX_CONCURRENT_STREAMS,
     ) -> None:
         self._limits = limits
         self._calls = OpenCalls(calls_per_connection)
-        self._models = models
+        self._models = core.models
         self._core = core
-        self._stats = stats
+        self._stats = core.stats
         self._open = 0  # inference requests admitted and not yet answered
         self._drained = asyncio.Event()
         self._clock = clock

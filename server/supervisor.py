@@ -67,25 +67,26 @@ def plan_workers(
     return [WorkerSpec(s.slot, s.device, s.models, per) for s in specs]
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How local workers are started."""
+
+    repository: Path
+    specs: tuple[WorkerSpec, ...] = ()  # none: no local workers
+    endpoint: str = ""  # what they connect to (several frontends: comma-separated)
+    log_level: str = "INFO"
+    log_format: str = "text"
+    worker_keys: Path | None = None  # CURVE key directory, passed on to them
+
+
 class Supervisor:
-    def __init__(
-        self,
-        specs: Sequence[WorkerSpec],
-        endpoint: str,
-        repository: Path,
-        on_exit: Callable[[str, str], None],
-        log_level: str = "INFO",
-        log_format: str = "text",
-        worker_keys: Path | None = None,
-    ) -> None:
-        self.specs = list(specs)
-        self._keys = [] if worker_keys is None else ["--worker-keys", str(worker_keys)]
+    def __init__(self, launch: Launch, on_exit: Callable[[str, str], None]) -> None:
+        self.specs = list(launch.specs)
+        self._launch = launch
+        keys = launch.worker_keys
+        self._keys = [] if keys is None else ["--worker-keys", str(keys)]
         self.restarts: dict[str, int] = {}  # by slot
-        self._log_format = log_format
-        self._endpoint = endpoint
-        self._repository = repository
         self._on_exit = on_exit
-        self._log_level = log_level
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         self._stopping = False
 
@@ -103,13 +104,13 @@ class Supervisor:
             "-m",
             "batchd.worker",
             "--connect",
-            self._endpoint,
+            self._launch.endpoint,
             "--device",
             spec.device,
             "--id",
             worker_id,
             "--model-repository",
-            str(self._repository),
+            str(self._launch.repository),
             "--models",
             ",".join(spec.models),
             "--threads",
@@ -117,9 +118,9 @@ class Supervisor:
             "--parent-pid",
             str(os.getpid()),
             "--log-level",
-            self._log_level,
+            self._launch.log_level,
             "--log-format",
-            self._log_format,
+            self._launch.log_format,
             *self._keys,
         )
 

@@ -1,15 +1,64 @@
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
+from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
+from batchd.server.request import Request, Tensor
 from tests.certs import make_certs, write_tokens
 from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
+
+T = TypeVar("T")
+
+# ---- helpers for unit tests of the frontend's pieces ----
+
+
+def model(
+    max_batch_size: int = 4, queue: int = 8, delay_us: int = 1000, shape: tuple[int, ...] = (2,)
+) -> ModelConfig:
+    """A model config with one FP32 input X and output Y, no files behind it."""
+    return ModelConfig(
+        name="m",
+        directory=Path("."),
+        artifact=Path("model.py"),
+        platform="python",
+        max_batch_size=max_batch_size,
+        inputs=(TensorSpec("X", "FP32", shape),),
+        outputs=(TensorSpec("Y", "FP32", shape),),
+        batching=BatchingConfig(max_queue_delay_us=delay_us, max_queue_size=queue),
+    )
+
+
+def request(cfg: ModelConfig, rows: int = 1, width: int = 2, deadline: float = math.inf) -> Request:
+    data = b"\0" * (rows * width * 4)
+    return Request(cfg, "", [Tensor("X", "FP32", (rows, width), data)], ("Y",), rows, deadline)
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await coro_fn()
+
+    return asyncio.run(main())
+
+
+# ---- the gated test models and the servers ----
 
 
 class Gate:

@@ -5,26 +5,20 @@ the dispatcher's socket refuses)."""
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-import zmq
 
-from batchd.protos import wire
-from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
+from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, Capacity, Send, Wait, decide
 from batchd.server.batching.decision import NO_CAPACITY as FULL
 from batchd.server.batching.plan import Plan
 from batchd.server.batching.scheduler import Scheduler
-from batchd.server.dispatch import Dispatcher
 from batchd.server.errors import DeadlineExceeded, QueueFull
-from batchd.server.request import Request, Tensor
-from batchd.server.stats import Stats
-from batchd.server.workers import Batch
+from batchd.server.request import Request
+from tests.conftest import Clock, model, request, run
 
 
 def plan(rows: int = 1, full: bool = False, preferred: bool = False, oldest: float = 5.0) -> Plan:
@@ -75,26 +69,6 @@ def test_busy_worker_gets_a_partial_batch_once_the_delay_ran_out() -> None:
 # ---- the queue and the scheduler ----
 
 
-def model(
-    max_batch_size: int = 4, queue: int = 8, delay_us: int = 1000, shape: tuple[int, ...] = (2,)
-) -> ModelConfig:
-    return ModelConfig(
-        name="m",
-        directory=Path("."),
-        artifact=Path("model.py"),
-        platform="python",
-        max_batch_size=max_batch_size,
-        inputs=(TensorSpec("X", "FP32", shape),),
-        outputs=(TensorSpec("Y", "FP32", shape),),
-        batching=BatchingConfig(max_queue_delay_us=delay_us, max_queue_size=queue),
-    )
-
-
-def request(cfg: ModelConfig, rows: int = 1, width: int = 2, deadline: float = math.inf) -> Request:
-    data = b"\0" * (rows * width * 4)
-    return Request(cfg, "", [Tensor("X", "FP32", (rows, width), data)], ("Y",), rows, deadline)
-
-
 class FakeDispatch:
     def __init__(self, idle: int = 1, credits: int = 2) -> None:
         self.idle, self.credits = idle, credits
@@ -117,18 +91,6 @@ class SignallingDispatch(FakeDispatch):
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         super().send(model, requests)
         self.sent_one.set()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def run(coro_fn):  # type: ignore[no-untyped-def]
-    return asyncio.run(coro_fn())
 
 
 def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it() -> None:
@@ -429,141 +391,5 @@ def test_each_priority_level_has_its_own_queue_limit() -> None:
                     s.submit(low)
             else:
                 s.submit(low)
-
-    run(body)
-
-
-class QuietEvents:
-    def pump(self) -> None: ...
-
-    def requeue(self, requests: list[Request]) -> None: ...
-
-    def workers_changed(self) -> None: ...
-
-    def worker_ready(self, worker: object) -> None: ...
-
-    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None: ...
-
-    def batch_done(self, model: str, rows: int, compute_s: float) -> None: ...
-
-
-@pytest.mark.parametrize(("credits", "expected"), [(None, [1, 2]), (3, [3, 3])])
-def test_cpu_workers_hold_one_batch_gpu_workers_two(
-    credits: int | None, expected: list[int]
-) -> None:
-    d = Dispatcher(None, Stats(), credits=credits)  # type: ignore[arg-type]  # sends nothing
-    d.attach(QuietEvents())
-    for name, device in (("a", "cpu"), ("b", "cuda:0")):
-        info = wire.WorkerInfo(worker_id=name, device=device, protocol=wire.PROTOCOL_VERSION)
-        d._on_message(name.encode(), wire.Header(kind=wire.Header.READY, worker=info), [])
-    assert [w.credits for w in d.workers()] == expected
-
-
-class RecordingEvents(QuietEvents):
-    def __init__(self) -> None:
-        self.lost: list[tuple[str, str, bool]] = []
-        self.requeued: list[Request] = []
-
-    def requeue(self, requests: list[Request]) -> None:
-        self.requeued.extend(requests)
-
-    def worker_lost(self, worker_id: str, reason: str, stuck: bool) -> None:
-        self.lost.append((worker_id, reason, stuck))
-
-
-def test_a_send_the_socket_refuses_loses_the_worker_and_requeues_its_batch() -> None:
-    """The dispatcher sends without waiting; with ROUTER_MANDATORY a worker the
-    socket does not know fails the send at once, and its batch goes back."""
-
-    async def body() -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.bind("inproc://batchd-test-refused-send")
-        try:
-            events = RecordingEvents()
-            d = Dispatcher(router, Stats())
-            d.attach(events)
-            info = wire.WorkerInfo(worker_id="gone", device="cpu", protocol=wire.PROTOCOL_VERSION)
-            d._on_message(b"gone", wire.Header(kind=wire.Header.READY, worker=info), [])
-            cfg = model()
-            d.workers()[0].models.add(cfg.key)
-            r = request(cfg)
-            r.future = asyncio.get_running_loop().create_future()
-            d.send(cfg, [r])
-            assert d.workers() == []
-            assert [(w, stuck) for w, _, stuck in events.lost] == [("gone", True)]
-            assert "send failed" in events.lost[0][1]
-            assert events.requeued == [r] and r.suspect and r.attempts == 1
-        finally:
-            router.close(linger=0)
-            ctx.term()
-
-    run(body)
-
-
-def _ready(worker_id: str, pid: int) -> wire.Header:
-    info = wire.WorkerInfo(
-        worker_id=worker_id, device="cpu", pid=pid, protocol=wire.PROTOCOL_VERSION
-    )
-    return wire.Header(kind=wire.Header.READY, worker=info)
-
-
-def test_heartbeats_waiting_unread_after_a_busy_loop_keep_a_worker() -> None:
-    """A frontend whose loop was busy for longer than the liveness window reads what
-    came meanwhile before it judges: the worker's heartbeat, waiting on the socket,
-    keeps it. With nothing waiting, the same silence loses it."""
-
-    async def body() -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
-        router.bind("inproc://batchd-test-busy-loop")
-        dealer.setsockopt(zmq.IDENTITY, b"w")
-        dealer.connect("inproc://batchd-test-busy-loop")
-        try:
-            clock, events = Clock(), RecordingEvents()
-            d = Dispatcher(router, Stats(), clock=clock)
-            d.attach(events)
-            dealer.send_multipart(wire.pack(_ready("w", 7)))
-            assert router.poll(5000)
-            d._drain()
-            assert [w.name for w in d.workers()] == ["w"]
-            clock.now += 10 * wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # the loop was busy
-            dealer.send_multipart(wire.pack(wire.Header(kind=wire.Header.HEARTBEAT)))
-            assert router.poll(5000)  # it came meanwhile, unread
-            d.keep_alive()
-            assert [w.name for w in d.workers()] == ["w"] and events.lost == []
-            clock.now += 10 * wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # truly silent
-            d.keep_alive()
-            assert d.workers() == [] and [(w, s) for w, _, s in events.lost] == [("w", True)]
-        finally:
-            router.close(linger=0)
-            dealer.close(linger=0)
-            ctx.term()
-
-    run(body)
-
-
-def test_a_worker_registering_again_from_the_same_process_keeps_its_batches() -> None:
-    """A worker that heard nothing from the frontend for a while says READY again;
-    the same process is kept as it is, its batch still in flight. Another process
-    under the same id replaces it, and the old one is not killed: it is gone."""
-
-    async def body() -> None:
-        events = RecordingEvents()
-        d = Dispatcher(None, Stats())  # type: ignore[arg-type]  # sends nothing here
-        d.attach(events)
-        d._on_message(b"w", _ready("w", 7), [])
-        first = d.workers()[0]
-        cfg = model()
-        r = request(cfg)
-        r.future = asyncio.get_running_loop().create_future()
-        first.inflight[1] = Batch(1, cfg, [r], 0.0)
-        d._on_message(b"w", _ready("w", 7), [])
-        assert d.workers() == [first] and 1 in first.inflight and events.lost == []
-        d._on_message(b"w", _ready("w", 8), [])
-        assert [w.info.pid for w in d.workers()] == [8]
-        assert [(w, s) for w, _, s in events.lost] == [("w", False)]
-        assert events.requeued == [r]
 
     run(body)

@@ -49,6 +49,10 @@ from tests.servers import EXAMPLES
 class _NoWorkers:
     """The core behind the servicer: no worker, so nothing is ever ready."""
 
+    def __init__(self) -> None:
+        self.models = load_repository(EXAMPLES)
+        self.stats = Stats()
+
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
         raise AssertionError("validation should have refused this request")
 
@@ -82,11 +86,8 @@ class GrpcServer:
 
     async def _start(self, security: SecurityConfig) -> int:
         cfg = ServerConfig(model_repository=EXAMPLES, grpc_port=0, security=security)
-        models = load_repository(EXAMPLES)
         service = InferenceService(
-            models,
             _NoWorkers(),
-            Stats(),
             limits=security.limits,
             calls_per_connection=security.max_concurrent_streams,
         )

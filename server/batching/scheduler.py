@@ -34,10 +34,12 @@ COMPACT_EVERY_S = 0.01  # a full queue is swept for dead entries at most this of
 
 
 class Dispatch(Protocol):
-    """What the scheduler needs from the dispatcher (a fake in unit tests)."""
+    """What the scheduler needs from the core (a fake in unit tests)."""
 
     def capacity(self, key: str) -> Capacity: ...
 
+    # Hand a batch to a worker. A send that fails puts the requests back with
+    # requeue() and schedules a pump later; it never calls pump() itself.
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
 
 
@@ -227,10 +229,11 @@ class Scheduler:
             )
 
     def requeue(self, requests: list[Request]) -> None:
-        """Put requests of a lost batch back at the front of their queue."""
-        if requests:
-            self._queues[requests[0].model.key].put_front(requests)
-            self.pump()
+        """Put requests back at the front of their queues (a lost or failed batch's).
+        Deciding what leaves next is the caller's to schedule: requeue never pumps,
+        so a failed send cannot re-enter the pump that made it."""
+        for key in dict.fromkeys(r.model.key for r in requests):
+            self._queues[key].put_front([r for r in requests if r.model.key == key])
 
     def observe(self, key: str, rows: int, compute_s: float) -> None:
         """A batch finished: feed the model's latency target, if it has one."""

@@ -1,0 +1,302 @@
+"""The core: one transport-agnostic object that owns the model queues, the worker
+pool, the link to the workers, their processes and model control.
+
+A transport (the gRPC servicer in service.py) converts a request and calls
+`submit`; it never sees a worker or a queue. Inside, the pieces do not call
+each other: the scheduler asks the core for capacity and hands it batches;
+the link reports messages, silences and ticks; the pool and recovery are pure.
+The core decides what follows each event. Sending and replying never re-enter
+the planner: a send that fails, a reply, a worker lost or loaded each put
+requests back or free a credit and schedule one deferred pump (`pump_soon`).
+
+    transport ──submit──▶ Scheduler (batching/) ──send──▶ Core ──▶ WorkerPool.hand
+                                                                 ──▶ WorkerLink.send
+    WorkerLink ──on_message / on_silent / on_tick──▶ Core ──▶ futures, recovery,
+                                                             ModelControl, pump_soon
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
+from batchd.server import recovery
+from batchd.server.batching.decision import Capacity
+from batchd.server.batching.scheduler import Scheduler
+from batchd.server.batching.split_join import join_inputs, split_outputs
+from batchd.server.control import IndexEntry, ModelControl
+from batchd.server.errors import ModelFailed
+from batchd.server.link import WorkerLink
+from batchd.server.pool import Batch, Joined, WorkerHandle, WorkerPool
+from batchd.server.request import Request, Tensor
+from batchd.server.stats import Stats
+from batchd.server.supervisor import Launch, Supervisor
+
+log = logging.getLogger("batchd.core")
+_STOP = wire.pack(wire.Header(kind=wire.Header.STOP))
+
+
+class Core:
+    def __init__(
+        self,
+        socket: zmq.Socket[bytes],
+        stats: Stats,
+        repository: Path,
+        *,
+        explicit: bool = False,  # --model-control explicit
+        launch: Launch | None = None,  # local worker processes; None: none
+        credits: int | None = None,  # batches a worker holds; None: 1 on CPU, 2 on GPU
+        clock: Callable[[], float] = time.monotonic,
+        saturated: Callable[[], bool] = lambda: False,  # loopload.LoopLoad in the server
+    ) -> None:
+        self.stats = stats
+        self.changed = asyncio.Event()  # readiness may have changed
+        self._clock = clock
+        self._stopping = False
+        self._pump_armed = False
+        self.pool = WorkerPool(credits)
+        self.link = WorkerLink(socket, self, clock)
+        self.scheduler = Scheduler(self, clock, saturated)
+        self.control = ModelControl(
+            repository, self.pool, self.link, self.scheduler, explicit,
+            self.changed.set, self.pump_soon,
+        )  # fmt: skip
+        self.supervisor = Supervisor(launch or Launch(repository=repository), self.worker_exited)
+
+    # ---- what a transport calls ----
+
+    @property
+    def models(self) -> dict[str, ModelConfig]:
+        """The version of each loaded model that new requests go to, by name."""
+        return self.control.current
+
+    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
+        return self.scheduler.submit(request)
+
+    def check_room(self, key: str) -> None:
+        self.scheduler.check_room(key)
+
+    def model_ready(self, name: str) -> bool:
+        return self.control.ready(name)
+
+    async def load(self, name: str) -> ModelConfig:
+        return await self.control.load(name)
+
+    async def unload(self, name: str) -> None:
+        await self.control.unload(name)
+
+    def index(self) -> list[IndexEntry]:
+        return self.control.index()
+
+    # ---- running and stopping ----
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.link.run(), name="link")
+            tg.create_task(self.supervisor.run(), name="supervisor")
+
+    def fail_all(self, error: Exception) -> None:
+        """Answer every queued and in-flight request with `error` (shutdown)."""
+        self.scheduler.fail_all(error)
+        for w in self.pool.workers():
+            for batch in w.inflight.values():
+                for r in batch.requests:
+                    if not r.future.done():
+                        r.future.set_exception(error)
+
+    def stop_workers(self) -> None:
+        """STOP to every worker; from now on one that registers is told to stop too."""
+        self._stopping = True
+        self.link.stop_peers()
+
+    def pump_soon(self) -> None:
+        """Decide again once the current callback is done: many events, one pump."""
+        if not self._pump_armed:
+            self._pump_armed = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_armed = False
+        self.scheduler.pump()
+
+    # ---- what the scheduler calls ----
+
+    def capacity(self, key: str) -> Capacity:
+        return self.pool.capacity(key)
+
+    def send(self, model: ModelConfig, requests: list[Request]) -> None:
+        worker = self.pool.choose(model.key, idle_only=any(r.suspect for r in requests))
+        if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
+            self.scheduler.requeue(requests)
+            self.pump_soon()
+            return
+        batch = self.pool.hand(worker, model, requests, self._clock())
+        tensors, frames = join_inputs(requests)
+        header = wire.Header(
+            kind=wire.Header.BATCH,
+            batch_id=batch.id,
+            model=model.name,
+            version=model.version,
+            tensors=tensors,
+        )
+        copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
+        failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
+        if failed:  # its requests go back to the queue, and a pump is scheduled: no recursion
+            self.lose(worker, failed)
+
+    # ---- what the link reports ----
+
+    def on_message(self, identity: bytes, header: wire.Header, frames: list[Any]) -> None:
+        kind = header.kind
+        if kind == wire.Header.READY:
+            self._on_ready(identity, header.worker)
+            return
+        worker = self.pool.get(identity)
+        if worker is None:
+            return  # a worker we already gave up on; it registers again when we stay silent
+        if kind in (wire.Header.RESULT, wire.Header.ERROR):
+            self._on_reply(worker, header, frames)
+        elif kind == wire.Header.LOADED:
+            self.control.on_loaded(worker, header)
+
+    def on_silent(self, identity: bytes, silent_s: float) -> None:
+        worker = self.pool.get(identity)
+        if worker is not None:
+            self.lose(worker, f"no message for {silent_s:.1f} s")
+
+    def on_tick(self, now: float) -> None:
+        for worker, batch in self.pool.overdue(now):
+            self.link.send(worker.identity, _STOP)  # if it can hear
+            limit = batch.model.instances.execution_timeout_s
+            self.lose(
+                worker,
+                f"batch {batch.id} of model {batch.model.name!r} ran past "
+                f"execution_timeout_s {limit}",
+            )
+
+    def worker_exited(self, name: str, reason: str) -> None:
+        """The supervisor saw a local worker's process exit."""
+        for w in self.pool.workers():
+            if w.name == name:
+                self.lose(w, reason, stuck=False)
+
+    # ---- workers joining and leaving ----
+
+    def _on_ready(self, identity: bytes, info: wire.WorkerInfo) -> None:
+        if info.protocol != wire.PROTOCOL_VERSION:
+            log.error(
+                "worker %s speaks wire protocol %d, this frontend %d; ignored",
+                info.worker_id,
+                info.protocol,
+                wire.PROTOCOL_VERSION,
+            )
+            return
+        if self._stopping:  # it started up while we shut down: it missed the STOP
+            self.link.send(identity, _STOP)
+            return
+        joined, worker = self.pool.join(identity, info)
+        if joined is Joined.AGAIN:
+            return  # the same process, which heard nothing from us for a while: kept as is
+        if joined is Joined.REPLACED:  # another process under the same id: the old one is gone
+            self.lose(worker, f"it registered again as pid {info.pid}", stuck=False)
+            joined, worker = self.pool.join(identity, info)
+        self.link.watch(identity)
+        log.info(
+            "worker %s registered (pid %d, device %s) for models %s",
+            info.worker_id,
+            info.pid,
+            info.device,
+            ", ".join(info.models) or "any",
+            extra={"worker": info.worker_id, "device": info.device},
+        )
+        self.control.worker_ready(worker)
+        self.changed.set()
+        self.pump_soon()
+
+    def lose(self, worker: WorkerHandle, reason: str, stuck: bool = True) -> None:
+        """Forget `worker`; its requests go back to the queue (recovery decides which).
+        `stuck`: its process may live on, useless (silent, hung, its pipe full): a
+        local one is killed. Not for a process that exited or was replaced."""
+        if self.pool.get(worker.identity) is not worker:
+            return
+        back = recovery.after_loss(self.pool.leave(worker), worker.name, reason)
+        self.link.forget(worker.identity)
+        self.control.worker_lost(worker, reason)
+        log.warning(
+            "worker %s lost: %s; %d request(s) requeued",
+            worker.name,
+            reason,
+            len(back),
+            extra={"worker": worker.name, "reason": reason},
+        )
+        if stuck:
+            self.supervisor.kill(worker.name)
+        self.changed.set()
+        self.scheduler.requeue(back)
+        self.pump_soon()
+
+    # ---- replies ----
+
+    def _on_reply(self, worker: WorkerHandle, header: wire.Header, frames: list[Any]) -> None:
+        batch = self.pool.finish(worker, header.batch_id)
+        if batch is None:
+            return
+        received = self._clock()
+        self.pump_soon()  # a credit is free
+        if header.kind == wire.Header.ERROR:
+            retry = recovery.after_error(batch, worker.name, header.error)
+            if retry:
+                log.warning(
+                    "batch %d of model %s failed on worker %s (%s); retrying its %d "
+                    "requests one by one",
+                    batch.id,
+                    batch.model.name,
+                    worker.name,
+                    header.error,
+                    len(retry),
+                    extra={"batch": batch.id, "model": batch.model.name, "worker": worker.name},
+                )
+                self.scheduler.requeue(retry)
+            return
+        try:
+            results = split_outputs(batch.requests, header.tensors, frames)
+        except ValueError as e:
+            error = ModelFailed(
+                f"model {batch.model.name!r} on worker {worker.name} returned bad outputs: {e}"
+            )
+            for r in batch.requests:
+                if not r.future.done():
+                    r.future.set_exception(error)
+            return
+        for r, result in zip(batch.requests, results, strict=True):
+            if not r.future.done():
+                r.future.set_result(result)
+        self._record(batch, received, header.compute_ns)
+
+    def _record(self, batch: Batch, received: float, infer_ns: int) -> None:
+        done = self._clock()
+        round_trip_ns = int((received - batch.sent_at) * 1e9)
+        rows = sum(r.rows for r in batch.requests)
+        if batch.model.ragged:
+            longest = max(r.length for r in batch.requests)
+            self.stats.padding(
+                batch.model.name, sum(r.rows * r.length for r in batch.requests), rows * longest
+            )
+        self.scheduler.observe(batch.model.key, rows, infer_ns / 1e9)
+        self.stats.batch_done(
+            batch.model.name,
+            rows=rows,
+            requests=len(batch.requests),
+            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) for r in batch.requests),
+            input_ns=max(0, round_trip_ns - infer_ns),
+            infer_ns=infer_ns,
+            output_ns=int((done - received) * 1e9),
+        )

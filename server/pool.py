@@ -1,0 +1,164 @@
+"""The worker pool: what the frontend knows of each worker and each batch it holds.
+
+Pure state, no socket and no clock of its own: the registry of workers (by
+their ZeroMQ identity), the models each has loaded, its credits (batches it
+may hold at once: one on a CPU, where a staged batch would be formed early
+and small and take CPU the frontend needs; two on a GPU, one running and one
+staged, so the device never waits), round-robin among the workers with a
+free credit (an idle one first), and the in-flight table (`batch id ->
+requests`, per worker), written before a batch is sent. The core asks and
+tells it; it calls nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
+from batchd.server.request import Request
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    id: int
+    model: ModelConfig
+    requests: list[Request]
+    sent_at: float
+    suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """The frontend's view of one worker process (it runs worker/runner.py)."""
+
+    identity: bytes
+    info: wire.WorkerInfo
+    models: set[str] = field(default_factory=set)  # ModelConfig.key of each loaded version
+    inflight: dict[int, Batch] = field(default_factory=dict)
+    loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
+    credits: int = 1  # batches it may hold at once
+
+    @property
+    def name(self) -> str:
+        return self.info.worker_id
+
+    def accepts(self, model: str) -> bool:
+        return not self.info.models or model in self.info.models
+
+    @property
+    def exclusive(self) -> bool:
+        """It runs a suspect: no other batch may be staged beside it."""
+        return any(b.suspect for b in self.inflight.values())
+
+    def has_credit(self) -> bool:
+        return len(self.inflight) < self.credits and not self.exclusive
+
+
+class Joined(enum.Enum):
+    NEW = "new"  # a worker the pool did not know
+    AGAIN = "again"  # the same process registering again: kept as it was
+    REPLACED = "replaced"  # another process under a known identity: the old one is gone
+
+
+class WorkerPool:
+    def __init__(self, credits: int | None = None) -> None:
+        self._credits = credits  # None: 1 per CPU worker, 2 per GPU worker
+        self._by_identity: dict[bytes, WorkerHandle] = {}
+        self._order: list[WorkerHandle] = []
+        self._rr = 0
+        self._next_id = 0
+
+    # ---- the registry ----
+
+    def workers(self) -> list[WorkerHandle]:
+        return list(self._order)
+
+    def get(self, identity: bytes) -> WorkerHandle | None:
+        return self._by_identity.get(identity)
+
+    def join(self, identity: bytes, info: wire.WorkerInfo) -> tuple[Joined, WorkerHandle]:
+        """Register the worker that said READY. AGAIN: it is the same process (same
+        pid and device) saying it again, and keeps its batches; REPLACED: the
+        handle returned is the old one, which the caller must `leave` first."""
+        old = self._by_identity.get(identity)
+        if old is not None:
+            same = old.info.pid == info.pid and old.info.device == info.device
+            return (Joined.AGAIN if same else Joined.REPLACED), old
+        credits = self._credits or (1 if info.device == "cpu" else 2)
+        worker = WorkerHandle(identity, info, credits=credits)
+        self._by_identity[identity] = worker
+        self._order.append(worker)
+        return Joined.NEW, worker
+
+    def leave(self, worker: WorkerHandle) -> list[Batch]:
+        """Forget `worker`; return the batches it held (empty if it was not known)."""
+        if self._by_identity.get(worker.identity) is not worker:
+            return []
+        del self._by_identity[worker.identity]
+        self._order.remove(worker)
+        batches = list(worker.inflight.values())
+        worker.inflight.clear()
+        return batches
+
+    # ---- capacity and choice ----
+
+    def model_ready(self, key: str) -> bool:
+        return any(key in w.models for w in self._order)
+
+    def inflight(self, key: str) -> int:
+        """Batches of model version `key` on workers now."""
+        return sum(b.model.key == key for w in self._order for b in w.inflight.values())
+
+    def capacity(self, key: str) -> Capacity:
+        free = False
+        for w in self._order:
+            if key in w.models and w.has_credit():
+                if not w.inflight:
+                    return IDLE
+                free = True
+        return BUSY_WITH_CREDIT if free else NO_CAPACITY
+
+    def choose(self, key: str, idle_only: bool = False) -> WorkerHandle | None:
+        """The next worker for a batch of `key`, round-robin: an idle one first, else
+        one with a free credit (none when `idle_only`)."""
+        order, n, busy = self._order, len(self._order), None
+        for k in range(n):
+            w = order[(self._rr + k) % n]
+            if key in w.models and w.has_credit():
+                if not w.inflight:
+                    self._rr = (self._rr + k + 1) % n
+                    return w
+                if busy is None and not idle_only:
+                    busy = (w, k)
+        if busy is None:
+            return None
+        self._rr = (self._rr + busy[1] + 1) % n
+        return busy[0]
+
+    # ---- the in-flight table ----
+
+    def hand(self, worker: WorkerHandle, model: ModelConfig, requests: list[Request],
+             now: float) -> Batch:  # fmt: skip
+        """Record a batch on `worker` before it is sent (its reply may race the send)."""
+        self._next_id += 1
+        batch = Batch(self._next_id, model, requests, now, any(r.suspect for r in requests))
+        worker.inflight[batch.id] = batch
+        return batch
+
+    def finish(self, worker: WorkerHandle, batch_id: int) -> Batch | None:
+        """The batch a reply answers, out of the table; None if it is no longer there."""
+        return worker.inflight.pop(batch_id, None)
+
+    def overdue(self, now: float) -> list[tuple[WorkerHandle, Batch]]:
+        """One batch per worker that has run past its model's execution_timeout_s."""
+        late = []
+        for w in self._order:
+            for b in w.inflight.values():
+                if now - b.sent_at > b.model.instances.execution_timeout_s:
+                    late.append((w, b))
+                    break
+        return late

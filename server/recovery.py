@@ -1,0 +1,64 @@
+"""Recovery: what becomes of the requests of a batch that failed or lost its worker.
+The policy has one owner, this module:
+
+  * A request rides on at most MAX_ATTEMPTS batches whose worker is lost (a crash,
+    silence, a batch past its execution limit); the last such loss fails it with
+    ModelFailed naming the cause. So a request runs at least once and at most
+    twice, counting only runs on a worker that was lost.
+  * Every request of a lost worker's batches, and of a batch of several whose
+    model raised, becomes a *suspect*: it is retried alone, on an idle worker
+    that takes nothing else meanwhile. An innocent request that shared a batch
+    with a poison one is charged once and its lone retry succeeds; the poison
+    request kills one more worker at most, then fails; a model error is pinned
+    on the request that causes it.
+  * A suspect that fails alone is answered with the failure.
+
+Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
+for an idle worker for it, pool.WorkerHandle.exclusive keeps a worker running
+one from taking a staged batch beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from batchd.server.errors import ModelFailed
+from batchd.server.pool import Batch
+from batchd.server.request import Request
+
+MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
+
+
+def after_loss(batches: Iterable[Batch], worker: str, reason: str) -> list[Request]:
+    """The lost worker's requests to retry, as suspects; those out of attempts fail."""
+    back: list[Request] = []
+    for batch in batches:
+        for r in batch.requests:
+            if r.future.done():
+                continue
+            r.attempts += 1
+            if r.attempts >= MAX_ATTEMPTS:
+                r.future.set_exception(
+                    ModelFailed(
+                        f"model {batch.model.name!r}: the worker running this request was lost "
+                        f"{r.attempts} times (last: {worker}: {reason}); not retried again"
+                    )
+                )
+            else:
+                r.suspect = True
+                back.append(r)
+    return back
+
+
+def after_error(batch: Batch, worker: str, error: str) -> list[Request]:
+    """A batch whose model raised: with several requests waiting, each is retried
+    alone (returned, as suspects); a lone one is answered with the error."""
+    pending = [r for r in batch.requests if not r.future.done()]
+    if len(pending) > 1:
+        for r in pending:
+            r.suspect = True
+        return pending
+    failed = ModelFailed(f"model {batch.model.name!r} raised on worker {worker}: {error}")
+    for r in pending:
+        r.future.set_exception(failed)
+    return []

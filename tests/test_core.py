@@ -1,0 +1,135 @@
+"""The core's decisions on the link's events, on an in-process socket, with no
+worker process: a worker here is a READY message the test sends."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from batchd.protos import wire
+from batchd.server.batching.scheduler import Scheduler
+from batchd.server.core import Core
+from batchd.server.errors import ModelFailed
+from batchd.server.pool import WorkerHandle
+from batchd.server.stats import Stats
+from tests.conftest import Clock, model, request, run
+
+
+@pytest.fixture
+def router() -> Iterator[zmq.Socket[bytes]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.bind("inproc://batchd-test-core")
+    yield sock
+    sock.close(linger=0)
+    ctx.term()
+
+
+def ready(worker_id: str, pid: int = 7) -> wire.Header:
+    info = wire.WorkerInfo(
+        worker_id=worker_id, device="cpu", pid=pid, protocol=wire.PROTOCOL_VERSION
+    )
+    return wire.Header(kind=wire.Header.READY, worker=info)
+
+
+def make_core(router: zmq.Socket[bytes], clock: Clock) -> tuple[Core, list[str]]:
+    """A core serving model "m" (conftest.model), recording the workers it kills."""
+    core = Core(router, Stats(), Path("."), clock=clock)
+    core.control.start_with({"m": model()})
+    killed: list[str] = []
+    core.supervisor.kill = killed.append  # type: ignore[method-assign]
+    return core, killed
+
+
+def register(core: Core, name: str, key: str, pid: int = 7) -> WorkerHandle:
+    """A worker that said READY and has `key` loaded (it never answers LOAD here)."""
+    core.on_message(name.encode(), ready(name, pid), [])
+    worker = core.pool.get(name.encode())
+    assert worker is not None
+    worker.models.add(key)
+    return worker
+
+
+def test_a_refused_send_does_not_reenter_the_pump(router: zmq.Socket[bytes]) -> None:
+    """The worker's identity is unknown to the socket (ROUTER_MANDATORY): the send
+    fails, the worker is lost and the request goes back, all without a nested pump;
+    the one pump scheduled for later finds no worker and leaves it queued."""
+
+    async def body() -> None:
+        core, killed = make_core(router, Clock())
+        cfg = core.models["m"]
+        register(core, "gone", cfg.key)
+        depth, deepest = [0], [0]
+        pump = Scheduler.pump
+
+        def counted(self: Scheduler, only: Any = None) -> None:
+            depth[0] += 1
+            deepest[0] = max(deepest[0], depth[0])
+            try:
+                pump(self, only)
+            finally:
+                depth[0] -= 1
+
+        Scheduler.pump = counted  # type: ignore[method-assign]
+        try:
+            r = request(cfg)
+            future = core.submit(r)
+            assert deepest[0] == 1 and core.pool.workers() == [] and killed == ["gone"]
+            assert r.suspect and r.attempts == 1 and core.scheduler.queued("m") == 1
+            await asyncio.sleep(0)  # the deferred pump runs
+            assert not future.done() and core.scheduler.queued("m") == 1
+        finally:
+            Scheduler.pump = pump  # type: ignore[method-assign]
+
+    run(body)
+
+
+def test_a_worker_registering_again_keeps_its_batch_and_is_not_killed(
+    router: zmq.Socket[bytes],
+) -> None:
+    """READY again from the same process: kept as it is. From another process under
+    the same id: the old one is gone, its requests retried, and nothing is killed
+    (the id now names the new process)."""
+
+    async def body() -> None:
+        core, killed = make_core(router, Clock())
+        cfg = core.models["m"]
+        worker = register(core, "w", cfg.key)
+        r = request(cfg)
+        r.future = asyncio.get_running_loop().create_future()
+        core.pool.hand(worker, cfg, [r], 0.0)
+        core.on_message(b"w", ready("w"), [])
+        assert core.pool.workers() == [worker] and len(worker.inflight) == 1
+        core.on_message(b"w", ready("w", pid=8), [])
+        assert [w.info.pid for w in core.pool.workers()] == [8]
+        assert killed == [] and r.suspect and r.attempts == 1
+
+    run(body)
+
+
+def test_a_batch_past_its_execution_limit_stops_and_loses_its_worker(
+    router: zmq.Socket[bytes],
+) -> None:
+    async def body() -> None:
+        clock = Clock()
+        core, killed = make_core(router, clock)
+        cfg = core.models["m"]
+        worker = register(core, "w", cfg.key)
+        r = request(cfg)
+        r.future = asyncio.get_running_loop().create_future()
+        r.attempts = 1  # its second loss: it fails
+        core.pool.hand(worker, cfg, [r], clock.now)
+        core.on_tick(clock.now + 1)
+        assert core.pool.workers() == [worker]
+        core.on_tick(clock.now + cfg.instances.execution_timeout_s + 1)
+        assert core.pool.workers() == [] and killed == ["w"]
+        assert isinstance(r.future.exception(), ModelFailed)
+        assert "execution_timeout_s" in str(r.future.exception())
+
+    run(body)

@@ -1,0 +1,88 @@
+"""The worker pool as pure state: no socket, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchd.protos import wire
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY
+from batchd.server.pool import Joined, WorkerHandle, WorkerPool
+from tests.conftest import model, request
+
+
+def info(name: str, device: str = "cpu", pid: int = 1) -> wire.WorkerInfo:
+    return wire.WorkerInfo(worker_id=name, device=device, pid=pid, protocol=wire.PROTOCOL_VERSION)
+
+
+def serving(pool: WorkerPool, *names: str, key: str) -> list[WorkerHandle]:
+    workers = []
+    for name in names:
+        _, w = pool.join(name.encode(), info(name))
+        w.models.add(key)
+        workers.append(w)
+    return workers
+
+
+@pytest.mark.parametrize(("credits", "expected"), [(None, [1, 2]), (3, [3, 3])])
+def test_cpu_workers_hold_one_batch_gpu_workers_two(
+    credits: int | None, expected: list[int]
+) -> None:
+    pool = WorkerPool(credits)
+    for name, device in (("a", "cpu"), ("b", "cuda:0")):
+        pool.join(name.encode(), info(name, device))
+    assert [w.credits for w in pool.workers()] == expected
+
+
+def test_an_idle_worker_is_chosen_first_then_round_robin_among_those_with_credit() -> None:
+    cfg = model()
+    pool = WorkerPool(credits=2)
+    a, b = serving(pool, "a", "b", key=cfg.key)
+    assert pool.capacity(cfg.key) == IDLE
+    assert pool.choose(cfg.key) is a
+    pool.hand(a, cfg, [request(cfg)], 0.0)
+    assert pool.choose(cfg.key) is b  # idle beats a's free credit
+    pool.hand(b, cfg, [request(cfg)], 0.0)
+    assert pool.capacity(cfg.key) == BUSY_WITH_CREDIT
+    assert pool.choose(cfg.key, idle_only=True) is None
+    assert pool.choose(cfg.key) in (a, b)
+    for w in (a, b):
+        pool.hand(w, cfg, [request(cfg)], 0.0)
+    assert pool.capacity(cfg.key) == NO_CAPACITY and pool.choose(cfg.key) is None
+
+
+def test_a_worker_running_a_suspect_takes_nothing_beside_it() -> None:
+    cfg = model()
+    pool = WorkerPool(credits=2)
+    (a,) = serving(pool, "a", key=cfg.key)
+    suspect = request(cfg)
+    suspect.suspect = True
+    batch = pool.hand(a, cfg, [suspect], 0.0)
+    assert batch.suspect and a.exclusive
+    assert pool.capacity(cfg.key) == NO_CAPACITY
+    assert pool.finish(a, batch.id) is batch and pool.finish(a, batch.id) is None
+    assert pool.capacity(cfg.key) == IDLE
+
+
+def test_joining_again_from_the_same_process_keeps_the_worker_and_its_batches() -> None:
+    cfg = model()
+    pool = WorkerPool()
+    (a,) = serving(pool, "a", key=cfg.key)
+    batch = pool.hand(a, cfg, [request(cfg)], 0.0)
+    assert pool.join(b"a", info("a")) == (Joined.AGAIN, a)
+    assert a.inflight == {batch.id: batch}
+    assert pool.join(b"a", info("a", pid=2)) == (Joined.REPLACED, a)
+    assert pool.leave(a) == [batch] and pool.workers() == []
+    assert pool.leave(a) == []  # already gone
+    joined, new = pool.join(b"a", info("a", pid=2))
+    assert joined is Joined.NEW and new is not a
+
+
+def test_batches_past_their_execution_limit_are_found() -> None:
+    cfg = model()
+    pool = WorkerPool(credits=2)
+    a, b = serving(pool, "a", "b", key=cfg.key)
+    late = pool.hand(a, cfg, [request(cfg)], 0.0)
+    pool.hand(b, cfg, [request(cfg)], 59.0)
+    limit = cfg.instances.execution_timeout_s  # 60 s by default
+    assert pool.overdue(limit + 0.5) == [(a, late)]
+    assert pool.inflight(cfg.key) == 2 and pool.model_ready(cfg.key)
