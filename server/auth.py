@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from batchd.protos.model_config import ConfigError
+from batchd.server.errors import Unauthenticated, grpc_status
 
 INFER, ADMIN = "infer", "admin"
 MIN_TOKEN_CHARS = 16
@@ -100,7 +101,8 @@ def bearer(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+    with grpc_status(context):
+        raise Unauthenticated(DENIED)
 
 
 # Refusals of each RPC shape; no request deserializer, so the message is never parsed.

@@ -9,10 +9,12 @@
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
     ├── NotAllowed               FAILED_PRECONDITION
+    ├── Unauthenticated          UNAUTHENTICATED  (auth.py)
     └── ModelFailed              INTERNAL
 
-The code lives on the class; service.py turns any BatchdError into a status in
-exactly one place. Nothing else in the server names a gRPC status code.
+The code lives on the class; `grpc_status` turns any BatchdError into the
+call's status, in one place, for every RPC, the stream and the token check.
+Nothing else in the server names a gRPC status code.
 
 A message quotes what the client sent through `clip`: a short prefix, never all
 of it (a name of megabytes would otherwise come back whole, and past the
@@ -22,6 +24,7 @@ client's metadata limit turn into an unrelated error).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -103,6 +106,41 @@ class NotAllowed(BatchdError):
     reason = "not_allowed"
 
 
+class Unauthenticated(BatchdError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    reason = "unauthenticated"
+
+
 class ModelFailed(BatchdError):
     code = grpc.StatusCode.INTERNAL
     reason = "model_failed"
+
+
+def set_status(context: Any, error: BatchdError) -> None:
+    """The status of a call that ends with `error`: code, details, trailers. Setting
+    them and returning costs a fraction of context.abort(), which raises through
+    grpc's machinery: rejections stay cheap in overload."""
+    context.set_code(error.code)
+    context.set_details(error.message)
+    if trailers := error.trailers():
+        context.set_trailing_metadata(trailers)
+
+
+class grpc_status:
+    """Answer a BatchdError raised in the block with its status (set_status); the
+    call then ends normally. A class, not @contextmanager: it runs on every RPC."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: Any) -> bool:  # fmt: skip
+        if isinstance(error, BatchdError):
+            set_status(self._context, error)
+            return True
+        return False

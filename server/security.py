@@ -27,8 +27,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from batchd.protos import keys
 from batchd.protos.model_config import ConfigError
 from batchd.server.auth import TokenAuth, load_tokens
+from batchd.server.calls import DEFAULT_MAX_CONCURRENT_STREAMS
 from batchd.server.codec import DEFAULT_LIMITS, Limits
-from batchd.server.streams import DEFAULT_MAX_CONCURRENT_STREAMS
 
 log = logging.getLogger("batchd.server")
 

@@ -1,6 +1,8 @@
 """The gRPC edge: `inference.GRPCInferenceService` methods, each convert -> core -> convert.
 
-BatchdError -> gRPC status happens here, in `_status`, and nowhere else.
+A BatchdError becomes the call's status through errors.grpc_status, for every
+unary RPC (`_status`), the stream and the token check alike; a request of the
+stream that fails becomes that response's `error_message`, as the protocol has it.
 
 A request whose decoding walks many elements one by one in Python (BYTES, typed
 contents: codec.decode_work) is decoded on one helper thread, not on the event
@@ -27,6 +29,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ModelConfig
 from batchd.server import __version__
+from batchd.server.calls import DEFAULT_MAX_CONCURRENT_STREAMS, CallLimiter
 from batchd.server.codec import (
     DEFAULT_LIMITS,
     Limits,
@@ -44,10 +47,10 @@ from batchd.server.errors import (
     Unavailable,
     clip,
     clip_list,
+    grpc_status,
 )
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
-from batchd.server.streams import DEFAULT_MAX_CONCURRENT_STREAMS, OpenCalls
 
 T = TypeVar("T")
 EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
@@ -81,23 +84,19 @@ class Core(Protocol):
 
 
 def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | None]]:
+    """A unary RPC of the inference service: counted against its connection's
+    limit, its BatchdError answered as a status."""
+
     @wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T | None:
-        peer: str = context.peer()
-        try:
+        with grpc_status(context):
+            peer: str = context.peer()
             self._calls.enter(peer)
             try:
                 return await method(self, request, context)
             finally:
                 self._calls.leave(peer)
-        except BatchdError as e:
-            # Setting the status and returning nothing costs a fraction of abort(),
-            # which raises through grpc's machinery: rejections stay cheap in overload.
-            context.set_code(e.code)
-            context.set_details(e.message)
-            if trailers := e.trailers():
-                context.set_trailing_metadata(trailers)
-            return None
+        return None
 
     return wrapper
 
@@ -111,7 +110,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         calls_per_connection: int = DEFAULT_MAX_CONCURRENT_STREAMS,
     ) -> None:
         self._limits = limits
-        self._calls = OpenCalls(calls_per_connection)
+        self._calls = CallLimiter(calls_per_connection)
         self._models = core.models
         self._core = core
         self._stats = core.stats
@@ -205,16 +204,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        peer: str = context.peer()
-        try:
+        with grpc_status(context):
+            peer: str = context.peer()
             self._calls.enter(peer)
-        except BatchdError as e:
-            await context.abort(e.code, e.message)
-        try:
-            async for out in self._stream(request_iterator):
-                yield out
-        finally:
-            self._calls.leave(peer)
+            try:
+                async for out in self._stream(request_iterator):
+                    yield out
+            finally:
+                self._calls.leave(peer)
 
     async def _stream(
         self, request_iterator: AsyncIterator[pb.ModelInferRequest]

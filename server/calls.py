@@ -1,5 +1,5 @@
-"""`--max-concurrent-streams`: at most N inference-service RPCs open at once
-per client connection.
+"""The call limiter (`--max-concurrent-streams`): at most N inference-service RPCs
+open at once per client connection.
 
 The servicer counts open RPCs per connection (the peer address) itself and
 answers one too many with RESOURCE_EXHAUSTED, naming the limit. (A grpc.aio
@@ -20,7 +20,7 @@ from batchd.server.errors import TooManyCalls
 DEFAULT_MAX_CONCURRENT_STREAMS = 1024  # RPCs open per connection; above: RESOURCE_EXHAUSTED
 
 
-class OpenCalls:
+class CallLimiter:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._open: Counter[str] = Counter()  # RPCs open, by connection
