@@ -34,8 +34,7 @@ import numpy as np
 from batchd.client.client import AsyncClient, Client
 from batchd.client.codec import build_request
 from batchd.client.errors import BatchdClientError
-
-RANDOM_DTYPES = {"BYTES": object, "BOOL": bool}
+from batchd.protos.datatypes import DATATYPES
 
 
 @dataclass
@@ -54,9 +53,25 @@ class Level:
     server_avg_batch: float | None = None
 
 
+def random_tensor(datatype: str, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """Random values of the numpy dtype that travels as `datatype` (BF16: uint16 bits)."""
+    if datatype == "BYTES":
+        return np.full(shape, b"batchd bench", dtype=object)
+    if datatype == "BOOL":
+        return rng.integers(0, 2, shape).astype(bool)
+    if datatype == "BF16":  # the upper half of FP32's bits
+        return (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    dtype = DATATYPES[datatype].numpy
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, 100, shape).astype(dtype)  # fits INT8 and every UINT
+
+
 def make_inputs(
     meta: dict[str, Any], batch: int, dim: int, files: dict[str, str]
 ) -> dict[str, Any]:
+    """One tensor per input of the model's metadata: read from its .npy file, or random,
+    `batch` rows with every other -1 dim as `dim`."""
     inputs: dict[str, Any] = {}
     rng = np.random.default_rng(0)
     for t in meta["inputs"]:
@@ -67,19 +82,13 @@ def make_inputs(
             batch if i == 0 and d == -1 else (dim if d == -1 else d)
             for i, d in enumerate(t["shape"])
         ]
-        if t["datatype"] == "BYTES":
-            inputs[t["name"]] = np.full(shape, b"batchd bench", dtype=object)
-        elif t["datatype"] == "BOOL":
-            inputs[t["name"]] = rng.integers(0, 2, shape).astype(bool)
-        elif t["datatype"].startswith(("FP", "BF")):
-            inputs[t["name"]] = rng.standard_normal(shape).astype(
-                np.float32 if t["datatype"] != "FP64" else np.float64
-            )
-        else:
-            inputs[t["name"]] = rng.integers(0, 100, shape).astype(
-                np.int64 if "64" in t["datatype"] else np.int32
-            )
+        inputs[t["name"]] = random_tensor(t["datatype"], shape, rng)
     return inputs
+
+
+def declared_datatypes(meta: dict[str, Any]) -> dict[str, str]:
+    """The datatypes a numpy array cannot name by itself (BF16 travels as uint16)."""
+    return {t["name"]: "BF16" for t in meta["inputs"] if t["datatype"] == "BF16"}
 
 
 async def _drive(
@@ -307,7 +316,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="FILE.png", help="draw throughput and p99 against the load")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     args = p.parse_args(argv)
-    args.datatype = {}
     args.quiet = args.quiet or not sys.stderr.isatty()  # progress only on a terminal
     return args
 
@@ -337,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     files = dict(item.split("=", 1) for item in args.input)
     inputs = make_inputs(meta, args.batch, args.dim, files)
+    args.datatype = declared_datatypes(meta)
     if args.warmup > 0:
         measure(
             argparse.Namespace(**{**vars(args), "duration": args.warmup, "quiet": True}),
