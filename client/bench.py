@@ -11,6 +11,8 @@ honestly. Load comes from `--processes` processes (default: the machine's
 cores) so that the tool is not the bottleneck. Inputs are random, shaped from
 the model's metadata (`--batch` rows, -1 dims as `--dim`), or read from .npy.
 When the server reports statistics, the table shows its average batch size.
+Failed requests are counted per status code, each with the first message the
+server gave for it (in the table and in --json).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Level:
     p90_ms: float = 0.0
     p99_ms: float = 0.0
     errors: dict[str, int] = field(default_factory=dict)
+    error_messages: dict[str, str] = field(default_factory=dict)  # the first one per code
     server_avg_batch: float | None = None
 
 
@@ -101,9 +104,10 @@ async def _drive(
     mode: str,
     load: float,
     seconds: float,
-) -> tuple[list[float], Counter[str]]:
+) -> tuple[list[float], Counter[str], dict[str, str]]:
     latencies: list[float] = []
     errors: Counter[str] = Counter()
+    messages: dict[str, str] = {}
     end = time.monotonic() + seconds
     # Built once and sent as is: the load generator spends its CPU on sending,
     # not on encoding the same tensors again (nor on decoding the answers).
@@ -116,6 +120,7 @@ async def _drive(
             latencies.append(time.monotonic() - start)
         except grpc.RpcError as e:
             errors[e.code().name] += 1
+            messages.setdefault(e.code().name, e.details() or "")
 
     clients = [AsyncClient(url, own_connection=True, **conn) for _ in range(max(1, connections))]
     try:
@@ -139,7 +144,7 @@ async def _drive(
     finally:
         for c in clients:
             await c.close()
-    return latencies, errors
+    return latencies, errors, messages
 
 
 def _process(
@@ -154,10 +159,10 @@ def _process(
     seconds: float,
     out: Any,
 ) -> None:
-    latencies, errors = asyncio.run(
+    latencies, errors, messages = asyncio.run(
         _drive(url, conn, connections, model, inputs, datatypes, mode, load, seconds)
     )
-    out.put((np.asarray(latencies, np.float64), dict(errors)))
+    out.put((np.asarray(latencies, np.float64), dict(errors), messages))
 
 
 def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
@@ -192,7 +197,7 @@ def measure(args: argparse.Namespace, inputs: dict[str, Any], mode: str, load: f
         started = time.monotonic()
         for w in workers:
             w.start()
-        results: list[tuple[np.ndarray, dict[str, int]]] = []
+        results: list[tuple[np.ndarray, dict[str, int], dict[str, str]]] = []
         while len(results) < procs:
             elapsed = time.monotonic() - started
             if not args.quiet:
@@ -213,17 +218,33 @@ def measure(args: argparse.Namespace, inputs: dict[str, Any], mode: str, load: f
         print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
     lat = np.sort(np.concatenate([r[0] for r in results])) * 1e3
     errors: Counter[str] = Counter()
-    for _, e in results:
+    messages: dict[str, str] = {}
+    for _, e, m in results:
         errors.update(e)
+        for code, message in m.items():
+            messages.setdefault(code, message)
     level = Level(mode, load, args.duration, len(lat), len(lat) / args.duration)
     if len(lat):
         level.p50_ms, level.p90_ms, level.p99_ms = (
             float(np.percentile(lat, q)) for q in (50, 90, 99)
         )
     level.errors = dict(errors)
+    level.error_messages = messages
     if before and after and after[1] > before[1]:
         level.server_avg_batch = (after[0] - before[0]) / (after[1] - before[1])
     return level
+
+
+def rows(lv: Level) -> list[str]:
+    """A level's line of the table, then the first message of each error code under it."""
+    load = f"{'c=' if lv.mode == 'concurrency' else 'r='}{lv.load:g}"
+    batch = f"{lv.server_avg_batch:.1f}" if lv.server_avg_batch else "-"
+    errs = ", ".join(f"{k} {v}" for k, v in sorted(lv.errors.items())) or "none"
+    line = (
+        f"{load:>10} {lv.throughput:>10.1f} {lv.p50_ms:>9.2f} {lv.p90_ms:>9.2f} "
+        f"{lv.p99_ms:>9.2f} {batch:>10}  {errs}"
+    )
+    return [line] + [f"{'':>10}   {k}: {m}" for k, m in sorted(lv.error_messages.items())]
 
 
 def table(levels: Sequence[Level]) -> str:
@@ -231,16 +252,10 @@ def table(levels: Sequence[Level]) -> str:
         f"{'load':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} "
         f"{'avg batch':>10}  errors"
     )
-    rows = [head, "-" * len(head)]
+    lines = [head, "-" * len(head)]
     for lv in levels:
-        load = f"{'c=' if lv.mode == 'concurrency' else 'r='}{lv.load:g}"
-        batch = f"{lv.server_avg_batch:.1f}" if lv.server_avg_batch else "-"
-        errs = ", ".join(f"{k} {v}" for k, v in sorted(lv.errors.items())) or "none"
-        rows.append(
-            f"{load:>10} {lv.throughput:>10.1f} {lv.p50_ms:>9.2f} {lv.p90_ms:>9.2f} "
-            f"{lv.p99_ms:>9.2f} {batch:>10}  {errs}"
-        )
-    return "\n".join(rows)
+        lines += rows(lv)
+    return "\n".join(lines)
 
 
 def plot(levels: Sequence[Level], path: str, title: str) -> None:
@@ -357,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     for load in levels_to_run:
         results.append(measure(args, inputs, mode, load))
         if not args.quiet:
-            print(table(results[-1:]).splitlines()[-1], file=sys.stderr)
+            print("\n".join(rows(results[-1])), file=sys.stderr)
     print(
         f"\n{args.model} @ {args.url}, {args.duration:g} s per level, "
         f"{args.batch} row(s) per request\n"
