@@ -12,157 +12,26 @@ cores) so that the tool is not the bottleneck. Inputs are random, shaped from
 the model's metadata (`--batch` rows, -1 dims as `--dim`), or read from .npy.
 When the server reports statistics, the table shows its average batch size.
 Failed requests are counted per status code, each with the first message the
-server gave for it (in the table and in --json).
+server gave for it (in the table and in --json). Exit status: 0, 1 when some
+requests failed, 2 when the bench could not run (no server, an input it
+cannot build, a load process that died).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import multiprocessing as mp
 import os
 import sys
-import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import grpc
-import numpy as np
-
-from batchd.client.client import AsyncClient, Client
+from batchd.client.client import Client
 from batchd.client.codec import build_request
 from batchd.client.errors import BatchdClientError
-from batchd.protos.datatypes import DATATYPES
-
-
-@dataclass
-class Level:
-    """One measured load level."""
-
-    mode: str  # "concurrency" or "rate"
-    load: float
-    seconds: float = 0.0
-    ok: int = 0
-    throughput: float = 0.0
-    p50_ms: float = 0.0
-    p90_ms: float = 0.0
-    p99_ms: float = 0.0
-    errors: dict[str, int] = field(default_factory=dict)
-    error_messages: dict[str, str] = field(default_factory=dict)  # the first one per code
-    server_avg_batch: float | None = None
-
-
-def random_tensor(datatype: str, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
-    """Random values of the numpy dtype that travels as `datatype` (BF16: uint16 bits)."""
-    if datatype == "BYTES":
-        return np.full(shape, b"batchd bench", dtype=object)
-    if datatype == "BOOL":
-        return rng.integers(0, 2, shape).astype(bool)
-    if datatype == "BF16":  # the upper half of FP32's bits
-        return (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    dtype = DATATYPES[datatype].numpy
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    return rng.integers(0, 100, shape).astype(dtype)  # fits INT8 and every UINT
-
-
-def make_inputs(
-    meta: dict[str, Any], batch: int, dim: int, files: dict[str, str]
-) -> dict[str, Any]:
-    """One tensor per input of the model's metadata: read from its .npy file, or random,
-    `batch` rows with every other -1 dim as `dim`."""
-    inputs: dict[str, Any] = {}
-    rng = np.random.default_rng(0)
-    for t in meta["inputs"]:
-        if t["name"] in files:
-            inputs[t["name"]] = np.load(files[t["name"]], allow_pickle=False)
-            continue
-        shape = [
-            batch if i == 0 and d == -1 else (dim if d == -1 else d)
-            for i, d in enumerate(t["shape"])
-        ]
-        inputs[t["name"]] = random_tensor(t["datatype"], shape, rng)
-    return inputs
-
-
-def declared_datatypes(meta: dict[str, Any]) -> dict[str, str]:
-    """The datatypes a numpy array cannot name by itself (BF16 travels as uint16)."""
-    return {t["name"]: "BF16" for t in meta["inputs"] if t["datatype"] == "BF16"}
-
-
-async def _drive(
-    url: str,
-    conn: dict[str, Any],
-    connections: int,
-    model: str,
-    inputs: dict[str, Any],
-    datatypes: dict[str, str],
-    mode: str,
-    load: float,
-    seconds: float,
-) -> tuple[list[float], Counter[str], dict[str, str]]:
-    latencies: list[float] = []
-    errors: Counter[str] = Counter()
-    messages: dict[str, str] = {}
-    end = time.monotonic() + seconds
-    # Built once and sent as is: the load generator spends its CPU on sending,
-    # not on encoding the same tensors again (nor on decoding the answers).
-    msg = build_request(model, inputs, datatypes=datatypes)
-
-    async def once(client: AsyncClient) -> None:
-        start = time.monotonic()
-        try:
-            await client.stub.ModelInfer(msg, timeout=30, **client.call_kwargs)
-            latencies.append(time.monotonic() - start)
-        except grpc.RpcError as e:
-            errors[e.code().name] += 1
-            messages.setdefault(e.code().name, e.details() or "")
-
-    clients = [AsyncClient(url, own_connection=True, **conn) for _ in range(max(1, connections))]
-    try:
-        if mode == "concurrency":
-
-            async def caller(c: AsyncClient) -> None:
-                while time.monotonic() < end:
-                    await once(c)
-
-            await asyncio.gather(*(caller(clients[k % len(clients)]) for k in range(int(load))))
-        else:
-            start, pending = time.monotonic(), set()
-            for i in range(int(load * seconds)):
-                delay = start + i / load - time.monotonic()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                task = asyncio.ensure_future(once(clients[i % len(clients)]))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
-            await asyncio.gather(*pending)
-    finally:
-        for c in clients:
-            await c.close()
-    return latencies, errors, messages
-
-
-def _process(
-    url: str,
-    conn: dict[str, Any],
-    connections: int,
-    model: str,
-    inputs: dict[str, Any],
-    datatypes: dict[str, str],
-    mode: str,
-    load: float,
-    seconds: float,
-    out: Any,
-) -> None:
-    latencies, errors, messages = asyncio.run(
-        _drive(url, conn, connections, model, inputs, datatypes, mode, load, seconds)
-    )
-    out.put((np.asarray(latencies, np.float64), dict(errors), messages))
+from batchd.client.loadgen import Level, LoadFailed, declared_datatypes, make_inputs, run_level
 
 
 def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
@@ -176,60 +45,33 @@ def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
         return None
 
 
-def measure(args: argparse.Namespace, inputs: dict[str, Any], mode: str, load: float) -> Level:
-    procs = max(1, min(args.processes, int(load) if mode == "concurrency" else args.processes))
-    share = load / procs
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+def measure(args: argparse.Namespace, msg: Any, mode: str, load: float) -> Level:
+    """One level, with the server's average batch size over it where it reports one."""
+
+    def progress(elapsed: float) -> None:
+        if not args.quiet:
+            shown = min(elapsed, args.duration)
+            line = f"\r  {mode} {load:g}: {shown:4.1f}/{args.duration:g} s"
+            print(line, end="", file=sys.stderr, flush=True)
+
     with Client(args.url, **connection(args)) as client:
         before = _server_batches(client, args.model)
-        workers = [
-            ctx.Process(
-                target=_process,
-                args=(
-                    *(args.url, connection(args), args.connections, args.model, inputs),
-                    args.datatype,
-                    *(mode, share, args.duration, out),
-                ),
+        try:
+            level = run_level(
+                args.url,
+                connection(args),
+                args.connections,
+                msg,
+                mode,
+                load,
+                args.duration,
+                args.processes,
+                progress,
             )
-            for _ in range(procs)
-        ]
-        started = time.monotonic()
-        for w in workers:
-            w.start()
-        results: list[tuple[np.ndarray, dict[str, int], dict[str, str]]] = []
-        while len(results) < procs:
-            elapsed = time.monotonic() - started
+        finally:
             if not args.quiet:
-                print(
-                    f"\r  {mode} {load:g}: {min(elapsed, args.duration):4.1f}/{args.duration:g} s",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            try:
-                results.append(out.get(timeout=0.5))
-            except Exception:  # queue.Empty: still running, show progress again
-                continue
-        for w in workers:
-            w.join()
+                print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
         after = _server_batches(client, args.model)
-    if not args.quiet:
-        print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-    lat = np.sort(np.concatenate([r[0] for r in results])) * 1e3
-    errors: Counter[str] = Counter()
-    messages: dict[str, str] = {}
-    for _, e, m in results:
-        errors.update(e)
-        for code, message in m.items():
-            messages.setdefault(code, message)
-    level = Level(mode, load, args.duration, len(lat), len(lat) / args.duration)
-    if len(lat):
-        level.p50_ms, level.p90_ms, level.p99_ms = (
-            float(np.percentile(lat, q)) for q in (50, 90, 99)
-        )
-    level.errors = dict(errors)
-    level.error_messages = messages
     if before and after and after[1] > before[1]:
         level.server_avg_batch = (after[0] - before[0]) / (after[1] - before[1])
     return level
@@ -349,30 +191,31 @@ def loads(args: argparse.Namespace) -> tuple[str, list[float]]:
     return "concurrency", [float(c) for c in spec.split(",")]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    mode, levels_to_run = loads(args)
-    try:
-        with Client(args.url, **connection(args)) as client:
-            meta = client.model_metadata(args.model)
-    except (BatchdClientError, OSError) as e:
-        print(f"batchd bench: {args.url}: {e}", file=sys.stderr)
-        return 2
+def request_for(args: argparse.Namespace, meta: dict[str, Any]) -> Any:
+    """The one request every load process sends, built from the model's metadata."""
     files = dict(item.split("=", 1) for item in args.input)
     inputs = make_inputs(meta, args.batch, args.dim, files)
-    args.datatype = declared_datatypes(meta)
+    return build_request(args.model, inputs, datatypes=declared_datatypes(meta))
+
+
+def run_levels(
+    args: argparse.Namespace, msg: Any, mode: str, levels_to_run: Sequence[float]
+) -> list[Level]:
     if args.warmup > 0:
-        measure(
-            argparse.Namespace(**{**vars(args), "duration": args.warmup, "quiet": True}),
-            inputs,
-            mode,
-            levels_to_run[0],
-        )
+        warmup = argparse.Namespace(**{**vars(args), "duration": args.warmup, "quiet": True})
+        measure(warmup, msg, mode, levels_to_run[0])
     results = []
     for load in levels_to_run:
-        results.append(measure(args, inputs, mode, load))
+        try:
+            results.append(measure(args, msg, mode, load))
+        except LoadFailed as e:
+            raise LoadFailed(f"{mode} {load:g}: {e}") from None
         if not args.quiet:
             print("\n".join(rows(results[-1])), file=sys.stderr)
+    return results
+
+
+def report(args: argparse.Namespace, results: Sequence[Level]) -> None:
     print(
         f"\n{args.model} @ {args.url}, {args.duration:g} s per level, "
         f"{args.batch} row(s) per request\n"
@@ -389,6 +232,25 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text + "\n")
     if args.plot:
         plot(results, args.plot, f"{args.model} @ {args.url}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0: every request answered; 1: some failed (see the table); 2: the bench could not run."""
+    args = parse_args(argv)
+    mode, levels_to_run = loads(args)
+    try:
+        with Client(args.url, **connection(args)) as client:
+            meta = client.model_metadata(args.model)
+    except (BatchdClientError, OSError) as e:
+        print(f"batchd bench: {args.url}: {e}", file=sys.stderr)
+        return 2
+    try:
+        msg = request_for(args, meta)
+        results = run_levels(args, msg, mode, levels_to_run)
+    except (LoadFailed, OSError, ValueError) as e:
+        print(f"batchd bench: {e}", file=sys.stderr)
+        return 2
+    report(args, results)
     return 1 if any(r.errors for r in results) else 0
 
 

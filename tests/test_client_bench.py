@@ -1,8 +1,14 @@
-"""`batchd bench` (client/bench.py): every datatype, and the server's error messages."""
+"""`batchd bench` (client/bench.py, client/loadgen.py): every datatype, the server's
+error messages, and a load process that dies."""
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +16,11 @@ import numpy as np
 import pytest
 
 from batchd.client import bench
-from batchd.client.bench import declared_datatypes, make_inputs
 from batchd.client.codec import build_request
+from batchd.client.loadgen import LoadFailed, _collect, declared_datatypes, make_inputs
 from batchd.protos.datatypes import DATATYPES
-from tests.servers import ServerProcess
+from tests.conftest import Gate
+from tests.servers import ROOT, ServerProcess, children, wait_for
 
 
 def run_bench(url: str, model: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -55,3 +62,70 @@ def test_bench_shows_the_servers_first_message_per_error_code(
     message = level["error_messages"]["INVALID_ARGUMENT"]
     assert "FP32" in message and "FP64" in message
     assert f"INVALID_ARGUMENT: {message}" in capsys.readouterr().out
+
+
+class FakeProcess:
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode, self.pid = exitcode, 4242
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "give_up_at", "why"),
+    [
+        (-signal.SIGKILL, 1e18, r"load process 4242 died \(killed by SIGKILL\)"),
+        (1, 1e18, r"died \(exit code 1\)"),
+        (0, 1e18, "exited without reporting"),
+        (None, 0.0, r"load process\(es\) \[4242\] did not report in time"),
+    ],
+)
+def test_collect_gives_up_on_a_report_that_cannot_come(
+    exitcode: int | None, give_up_at: float, why: str
+) -> None:
+    with pytest.raises(LoadFailed, match=why):
+        _collect([FakeProcess(exitcode)], queue.Queue(), give_up_at, lambda: None)  # type: ignore[list-item]
+
+
+def test_collect_reports_a_load_process_that_failed() -> None:
+    out: queue.Queue[str] = queue.Queue()
+    out.put("ValueError: no such input")
+    with pytest.raises(LoadFailed, match="a load process failed: ValueError: no such input"):
+        _collect([FakeProcess(None)], out, 1e18, lambda: None)  # type: ignore[list-item]
+
+
+def _load_processes(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of `pid` (not its resource tracker)."""
+    found = []
+    for child in children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+def test_bench_ends_with_an_error_when_a_load_process_dies(
+    test_server: ServerProcess, gate: Gate
+) -> None:
+    """The load process is killed while its request is held in the model; the bench
+    stops with a message naming it and exit status 2 instead of waiting forever."""
+    gate.close()
+    cmd = [sys.executable, "-m", "batchd.client.bench", "--url", test_server.url]
+    cmd += ["--model", "gated", "--concurrency", "1", "--duration", "600", "--warmup", "0"]
+    cmd += ["--processes", "1"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ)
+    )
+    try:
+        wait_for(lambda: gate.records("gated", log="entered"), 60, "the load to reach the model")
+        (load_pid,) = _load_processes(proc.pid)
+        os.kill(load_pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        gate.open()
+    assert proc.returncode == 2, err
+    assert f"load process {load_pid} died (killed by SIGKILL)" in err.decode()

@@ -1,0 +1,260 @@
+"""The load `batchd bench` sends: synthetic inputs, and one level measured by
+load processes whose results the parent collects.
+
+A load process reports exactly once: its latencies, its error counts and the
+first message of each error code, or why it could not run. The parent ends a
+level with LoadFailed, and stops the other load processes, as soon as one
+dies (killed, crashed) or fails, or when none has reported long after the
+level should have ended; it never waits for a result that cannot come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import signal
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import grpc
+import numpy as np
+
+from batchd.client.client import AsyncClient
+from batchd.protos.datatypes import DATATYPES
+
+REQUEST_TIMEOUT_S = 30.0  # each request's deadline
+START_GRACE_S = 60.0  # how long a load process may take to start and to hand its results over
+
+
+class LoadFailed(Exception):
+    """A load process died or failed: the level has no result."""
+
+
+@dataclass
+class Level:
+    """One measured load level."""
+
+    mode: str  # "concurrency" or "rate"
+    load: float
+    seconds: float = 0.0
+    ok: int = 0
+    throughput: float = 0.0
+    p50_ms: float = 0.0
+    p90_ms: float = 0.0
+    p99_ms: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+    error_messages: dict[str, str] = field(default_factory=dict)  # the first one per code
+    server_avg_batch: float | None = None
+
+
+def random_tensor(datatype: str, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """Random values of the numpy dtype that travels as `datatype` (BF16: uint16 bits)."""
+    if datatype == "BYTES":
+        return np.full(shape, b"batchd bench", dtype=object)
+    if datatype == "BOOL":
+        return rng.integers(0, 2, shape).astype(bool)
+    if datatype == "BF16":  # the upper half of FP32's bits
+        return (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    dtype = DATATYPES[datatype].numpy
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, 100, shape).astype(dtype)  # fits INT8 and every UINT
+
+
+def make_inputs(
+    meta: dict[str, Any], batch: int, dim: int, files: Mapping[str, str]
+) -> dict[str, Any]:
+    """One tensor per input of the model's metadata: read from its .npy file, or random,
+    `batch` rows with every other -1 dim as `dim`."""
+    inputs: dict[str, Any] = {}
+    rng = np.random.default_rng(0)
+    for t in meta["inputs"]:
+        if t["name"] in files:
+            inputs[t["name"]] = np.load(files[t["name"]], allow_pickle=False)
+            continue
+        shape = [
+            batch if i == 0 and d == -1 else (dim if d == -1 else d)
+            for i, d in enumerate(t["shape"])
+        ]
+        inputs[t["name"]] = random_tensor(t["datatype"], shape, rng)
+    return inputs
+
+
+def declared_datatypes(meta: dict[str, Any]) -> dict[str, str]:
+    """The datatypes a numpy array cannot name by itself (BF16 travels as uint16)."""
+    return {t["name"]: "BF16" for t in meta["inputs"] if t["datatype"] == "BF16"}
+
+
+@dataclass
+class _Report:
+    latencies: np.ndarray
+    errors: dict[str, int]
+    messages: dict[str, str]
+
+
+async def _drive(
+    url: str,
+    conn: dict[str, Any],
+    connections: int,
+    msg: Any,
+    mode: str,
+    load: float,
+    seconds: float,
+) -> _Report:
+    latencies: list[float] = []
+    errors: Counter[str] = Counter()
+    messages: dict[str, str] = {}
+    end = time.monotonic() + seconds
+
+    async def once(client: AsyncClient) -> None:
+        start = time.monotonic()
+        try:
+            await client.stub.ModelInfer(msg, timeout=REQUEST_TIMEOUT_S, **client.call_kwargs)
+            latencies.append(time.monotonic() - start)
+        except grpc.RpcError as e:
+            errors[e.code().name] += 1
+            messages.setdefault(e.code().name, e.details() or "")
+
+    clients = [AsyncClient(url, own_connection=True, **conn) for _ in range(max(1, connections))]
+    try:
+        if mode == "concurrency":
+
+            async def caller(c: AsyncClient) -> None:
+                while time.monotonic() < end:
+                    await once(c)
+
+            await asyncio.gather(*(caller(clients[k % len(clients)]) for k in range(int(load))))
+        else:
+            start, pending = time.monotonic(), set()
+            for i in range(int(load * seconds)):
+                delay = start + i / load - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.ensure_future(once(clients[i % len(clients)]))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            await asyncio.gather(*pending)
+    finally:
+        for c in clients:
+            await c.close()
+    return _Report(np.asarray(latencies, np.float64), dict(errors), messages)
+
+
+def _process(out: Any, *drive_args: Any) -> None:
+    """A load process: drive the load, then put one _Report, or a str saying why not."""
+    try:
+        report: _Report | str = asyncio.run(_drive(*drive_args))
+    except Exception as e:
+        traceback.print_exc()
+        report = f"{type(e).__name__}: {e}"
+    out.put(report)
+
+
+def _death(p: BaseProcess) -> str:
+    code = p.exitcode
+    assert code is not None
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _collect(
+    procs: Sequence[BaseProcess], out: Any, give_up_at: float, progress: Callable[[], None]
+) -> list[_Report]:
+    """One report from each load process, or LoadFailed as soon as one cannot come."""
+    reports: list[_Report] = []
+    while len(reports) < len(procs):
+        progress()
+        try:
+            item = out.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                p = dead[0]
+                raise LoadFailed(f"load process {p.pid} died ({_death(p)})") from None
+            if all(p.exitcode == 0 for p in procs):
+                try:  # a report written just before the exit is in the pipe by now
+                    item = out.get(timeout=0.5)
+                except queue.Empty:
+                    raise LoadFailed("a load process exited without reporting") from None
+            elif time.monotonic() > give_up_at:
+                late = [p.pid for p in procs if p.exitcode is None]
+                raise LoadFailed(f"load process(es) {late} did not report in time") from None
+            else:
+                continue
+        if isinstance(item, str):
+            raise LoadFailed(f"a load process failed: {item}")
+        reports.append(item)
+    return reports
+
+
+def _stop(procs: Sequence[BaseProcess], grace: float) -> None:
+    """Let the load processes exit for `grace` seconds, then end them."""
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    for p in procs:
+        p.join(5)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+def run_level(
+    url: str,
+    conn: dict[str, Any],
+    connections: int,
+    msg: Any,
+    mode: str,
+    load: float,
+    seconds: float,
+    processes: int,
+    progress: Callable[[float], None],
+) -> Level:
+    """Measure one level with `processes` load processes sharing `load`."""
+    procs_n = max(1, min(processes, int(load) if mode == "concurrency" else processes))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    drive = (url, conn, connections, msg, mode, load / procs_n, seconds)
+    procs = [ctx.Process(target=_process, args=(out, *drive)) for _ in range(procs_n)]
+    started = time.monotonic()
+    give_up_at = started + seconds + REQUEST_TIMEOUT_S + START_GRACE_S
+    reported = False
+    try:
+        for p in procs:
+            p.start()
+        reports = _collect(procs, out, give_up_at, lambda: progress(time.monotonic() - started))
+        reported = True
+    finally:
+        _stop(procs, grace=5.0 if reported else 0.0)
+    return _summary(mode, load, seconds, reports)
+
+
+def _summary(mode: str, load: float, seconds: float, reports: Sequence[_Report]) -> Level:
+    lat = np.sort(np.concatenate([r.latencies for r in reports])) * 1e3
+    errors: Counter[str] = Counter()
+    messages: dict[str, str] = {}
+    for r in reports:
+        errors.update(r.errors)
+        for code, message in r.messages.items():
+            messages.setdefault(code, message)
+    level = Level(mode, load, seconds, len(lat), len(lat) / seconds)
+    if len(lat):
+        level.p50_ms, level.p90_ms, level.p99_ms = (
+            float(np.percentile(lat, q)) for q in (50, 90, 99)
+        )
+    level.errors = dict(errors)
+    level.error_messages = messages
+    return level
