@@ -15,6 +15,7 @@ import torch
 from batchd.protos import keys
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
+from batchd.worker.log_tag import tag_log_lines
 from batchd.worker.runner import Runner, RunnerOptions, install_signal_handlers
 
 log = logging.getLogger("batchd.worker")
@@ -70,11 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.connect:
         print("batchd worker: --connect is required", file=sys.stderr)
         return 2
+    worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
     setup_logging(args.log_level, args.log_format)
+    tag_log_lines(worker_id)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
     if not args.model_repository.is_dir():
         print(f"batchd worker: {args.model_repository}: not a directory", file=sys.stderr)
         return 2

@@ -108,7 +108,7 @@ class Runner:
                     cfg.version,
                     cfg.artifact,
                     time.perf_counter() - start,
-                    extra={"model": cfg.name, "worker": self.options.worker_id},
+                    extra={"model": cfg.name},
                 )
         except Exception as e:  # a model that will not load is reply data too
             log.exception("cannot load model %s", header.model, extra={"model": header.model})
@@ -125,7 +125,7 @@ class Runner:
                 "unloaded model %s version %s",
                 header.model,
                 header.version,
-                extra={"model": header.model, "worker": self.options.worker_id},
+                extra={"model": header.model},
             )
 
     def _run(self, header: wire.Header, frames: list[Any]) -> list[Any]:
@@ -193,9 +193,7 @@ class Runner:
             compute.join(timeout=STOP_GRACE_S)
             if compute.is_alive():  # a hung model: no way to stop its thread but to leave
                 log.error(
-                    "worker %s: the model is still running after %.0f s; exiting without it",
-                    self.options.worker_id,
-                    STOP_GRACE_S,
+                    "the model is still running after %.0f s; exiting without it", STOP_GRACE_S
                 )
                 os._exit(3)
             results.close(linger=0)
@@ -230,7 +228,7 @@ class Runner:
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return  # the batch at hand will not finish: serve() leaves without it
             if self._parent_gone():
-                log.warning("worker %s: parent process exited; stopping", self.options.worker_id)
+                log.warning("parent process exited; stopping")
                 return
 
     def _keep_alive(self, io: _IO, dealers: list[zmq.Socket[Any]], now: float) -> None:
@@ -252,7 +250,7 @@ class Runner:
         elif header.kind == wire.Header.UNLOAD:
             self._work.put((i, header, frames))
         elif header.kind == wire.Header.STOP:
-            log.info("worker %s: STOP received", self.options.worker_id)
+            log.info("STOP received")
             io.stopping, io.stop_at = True, time.monotonic()
 
 

@@ -1,0 +1,153 @@
+"""A real `python -m batchd.worker` process against a frontend played by the test:
+a ROUTER socket that sends what it likes (garbage included) and reads the
+worker's replies and log lines."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from batchd.protos import wire
+from batchd.protos.tensors import from_raw, to_raw
+
+TOML = """max_batch_size = 4
+[[input]]
+name = "X"
+datatype = "FP32"
+shape = [2]
+[[output]]
+name = "Y"
+datatype = "FP32"
+shape = [2]
+"""
+WAIT_S = 60.0  # a bound on waiting for a worker that works; never reached when it does
+
+
+def _repository(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    for name, code in {
+        "plus1": "def load(device):\n    return lambda x: x + 1\n",
+        "broken": "def load(device):\n    raise RuntimeError('no weights here')\n",
+    }.items():
+        (repo / name).mkdir(parents=True)
+        (repo / name / "model.toml").write_text(TOML)
+        (repo / name / "model.py").write_text(code)
+    return repo
+
+
+class Frontend:
+    """The frontend's side of the wire, driven by hand, and one worker connected to it."""
+
+    def __init__(self, tmp_path: Path, worker_id: str, log_format: str = "text") -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.linger = 0
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.log_path = tmp_path / f"worker-{worker_id}.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "batchd.worker", "--connect", f"tcp://127.0.0.1:{port}",
+                 "--model-repository", str(_repository(tmp_path)), "--id", worker_id,
+                 "--threads", "1", "--log-format", log_format],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        ready = self.recv(wire.Header.READY)
+        assert ready.worker.worker_id == worker_id
+        self.identity = worker_id.encode()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def send(self, *parts: bytes) -> None:
+        self.router.send_multipart([self.identity, *parts])
+
+    def send_header(self, header: wire.Header, frames: tuple[bytes, ...] = ()) -> None:
+        self.send(*wire.pack(header, frames))
+
+    def recv(self, kind: int) -> wire.Header:
+        """The next message of `kind` from the worker (heartbeats are skipped)."""
+        return self.recv_with_frames(kind)[0]
+
+    def recv_with_frames(self, kind: int) -> tuple[wire.Header, list[bytes]]:
+        end = time.monotonic() + WAIT_S
+        while (left := end - time.monotonic()) > 0:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                raise AssertionError(f"the worker exited with {code}:\n{self.log()}")
+            if self.router.poll(int(min(left, 0.2) * 1000)):
+                _, *parts = self.router.recv_multipart()
+                header, frames = wire.unpack(parts)
+                if header.kind == kind:
+                    return header, frames
+                assert header.kind == wire.Header.HEARTBEAT, header
+        raise AssertionError(f"no {wire.Header.Kind.Name(kind)} within {WAIT_S} s:\n{self.log()}")
+
+    def load(self, model: str) -> wire.Header:
+        self.send_header(wire.Header(kind=wire.Header.LOAD, model=model, version="1"))
+        loaded = self.recv(wire.Header.LOADED)
+        assert loaded.model == model
+        return loaded
+
+    def infer(self, batch_id: int, x: np.ndarray) -> np.ndarray:
+        datatype, shape, raw = to_raw(x)
+        tensor = wire.Tensor(name="X", datatype=datatype, shape=shape)
+        self.send_header(
+            wire.Header(
+                kind=wire.Header.BATCH, batch_id=batch_id, model="plus1", version="1",
+                tensors=[tensor],
+            ),
+            (raw,),
+        )  # fmt: skip
+        reply, frames = self.recv_with_frames(wire.Header.RESULT)
+        assert reply.batch_id == batch_id
+        out = reply.tensors[0]
+        return from_raw(out.datatype, tuple(out.shape), frames[0])
+
+    def stop(self) -> int:
+        """STOP the worker; its exit code (it finishes at once: nothing is pending)."""
+        self.send_header(wire.Header(kind=wire.Header.STOP))
+        return self.proc.wait(WAIT_S)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.ctx.destroy(linger=0)
+
+
+_LOGGED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_every_worker_log_line_names_the_worker(tmp_path: Path, log_format: str) -> None:
+    worker_id = "cpu7#3"
+    frontend = Frontend(tmp_path, worker_id, log_format)
+    try:
+        assert frontend.load("plus1").error == ""
+        assert "no weights here" in frontend.load("broken").error
+        frontend.send_header(wire.Header(kind=wire.Header.UNLOAD, model="plus1", version="1"))
+        assert frontend.stop() == 0, frontend.log()
+    finally:
+        frontend.close()
+
+    log = frontend.log()
+    expected = ["loaded model plus1", "cannot load model broken", "unloaded model plus1",
+                "STOP received"]  # fmt: skip
+    if log_format == "json":
+        records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+        messages = [r["msg"] for r in records]
+        assert all(r.get("worker") == worker_id for r in records), log
+    else:
+        messages = [line for line in log.splitlines() if _LOGGED.match(line)]
+        assert all(f"[{worker_id}]" in line for line in messages), log
+    for text in expected:
+        assert any(text in m for m in messages), f"{text!r} not logged:\n{log}"
