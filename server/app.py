@@ -18,8 +18,7 @@ import logging
 import os
 import signal
 import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 import zmq
@@ -32,48 +31,18 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
+from batchd.server.config import ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
-from batchd.server.security import SecurityConfig, grpc_options, listen, preflight
+from batchd.server.security import grpc_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
-from batchd.server.supervisor import Launch, WorkerSpec, detect_devices, plan_workers
+from batchd.server.supervisor import Launch, WorkerSpec, plan_workers
 
 log = logging.getLogger("batchd.server")
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    model_repository: Path
-    host: str = "127.0.0.1"
-    grpc_port: int = 8001
-    workers: int | None = None  # N CPU workers; None: --devices decides
-    devices: str = "auto"  # "auto" or "cuda:0,cuda:1" or "cpu"
-    threads_per_worker: int | None = None
-    credits_per_worker: int | None = None  # batches a worker holds; None: 1 on CPU, 2 on GPU
-    worker_endpoint: str | None = None  # None: a private ipc:// socket
-    local_workers: bool = True  # False: only remote workers (batchd worker --connect)
-    metrics_port: int = 8002  # 0: a free port; negative: no metrics endpoint
-    max_message_bytes: int = 64 * 1024 * 1024
-    drain_timeout_s: float = 30.0
-    frontends: int = 1  # gRPC frontend processes on the port (server/frontends.py)
-    frontend_index: int = 0  # 0: the first, which owns the workers and the other frontends
-    argv: tuple[str, ...] = ()  # the serve arguments, for starting frontends 1..N-1
-    model_control: str = "none"  # or "explicit": RepositoryModelLoad/Unload allowed
-    load_models: tuple[str, ...] = ()  # explicit mode: what to load at start ("*": all)
-    log_level: str = "INFO"
-    log_format: str = "text"  # or "json": one JSON object per line
-    security: SecurityConfig = field(default_factory=SecurityConfig)
-
-    def device_list(self) -> list[str]:
-        if self.workers is not None:
-            return ["cpu"] * self.workers
-        if self.devices == "auto":
-            return detect_devices() or ["cpu"]
-        return [d.strip() for d in self.devices.split(",") if d.strip()]
 
 
 async def _track_health(health: HealthServicer, service: InferenceService, core: Core) -> None:
@@ -106,11 +75,11 @@ def _grpc_server(
     cfg: ServerConfig, service: InferenceService, health: HealthServicer
 ) -> tuple[grpc.aio.Server, int]:
     options = [
-        ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        ("grpc.max_send_message_length", cfg.max_message_bytes),
-        ("grpc.so_reuseport", int(cfg.frontends > 1)),
+        ("grpc.max_receive_message_length", cfg.network.max_message_bytes),
+        ("grpc.max_send_message_length", cfg.network.max_message_bytes),
+        ("grpc.so_reuseport", int(cfg.frontends.count > 1)),
     ]
-    more_options, interceptors = grpc_options(cfg.security)
+    more_options, interceptors = grpc_options(cfg)
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
     inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -122,9 +91,9 @@ def _grpc_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server, pool=POOL)
-    port = listen(server, cfg.host, cfg.grpc_port, cfg.security)
+    port = listen(server, cfg)
     if port == 0:
-        raise OSError(f"cannot listen on {cfg.host}:{cfg.grpc_port}")
+        raise OSError(f"cannot listen on {cfg.network.host}:{cfg.network.grpc_port}")
     return server, port
 
 
@@ -147,10 +116,11 @@ def _build(
     endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
     specs: list[WorkerSpec] = []
-    if cfg.local_workers and (repository or cfg.model_control == "explicit"):
-        specs = plan_workers(list(repository.values()), cfg.device_list(), cfg.threads_per_worker)
+    w = cfg.workers
+    if w.local and (repository or cfg.models.explicit):
+        specs = plan_workers(list(repository.values()), w.device_list(), w.threads)
     launch = Launch(
-        cfg.model_repository, tuple(specs), endpoint, cfg.log_level, cfg.log_format,
+        cfg.model_repository, tuple(specs), endpoint, cfg.logging.level, cfg.logging.format,
         cfg.security.worker_keys,
     )  # fmt: skip
     load = LoopLoad.current()
@@ -159,15 +129,15 @@ def _build(
         zmq.Socket.shadow(router.underlying),
         Stats(),
         cfg.model_repository,
-        explicit=cfg.model_control == "explicit",
+        explicit=cfg.models.explicit,
         launch=launch,
-        credits=cfg.credits_per_worker,
+        credits=w.credits,
         saturated=load,
     )
     core.control.start_with(_models_at_start(cfg, repository))
-    limits = dataclasses.replace(cfg.security.limits, max_response_bytes=cfg.max_message_bytes)
+    limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)
     service = InferenceService(
-        core, limits=limits, calls_per_connection=cfg.security.max_concurrent_streams
+        core, limits=limits, calls_per_connection=cfg.connections.max_concurrent_streams
     )
     health = HealthServicer()
     server, port = _grpc_server(cfg, service, health)
@@ -191,33 +161,15 @@ def _build(
 def _models_at_start(
     cfg: ServerConfig, repository: dict[str, ModelConfig]
 ) -> dict[str, ModelConfig]:
-    if cfg.model_control != "explicit":
+    if not cfg.models.explicit or "*" in cfg.models.load:
         return repository
-    if "*" in cfg.load_models:
-        return repository
-    unknown = [n for n in cfg.load_models if n not in repository]
+    unknown = [n for n in cfg.models.load if n not in repository]
     if unknown:
         raise ConfigError(
             f"--load-model {', '.join(unknown)}: not in {cfg.model_repository} "
             f"(it has: {', '.join(repository) or 'no models'})"
         )
-    return {n: repository[n] for n in cfg.load_models}
-
-
-def _check_frontends(cfg: ServerConfig) -> None:
-    if cfg.frontends < 2 or cfg.frontend_index:
-        return
-    problem = (
-        "--model-control explicit (each frontend would load its own versions)"
-        if cfg.model_control == "explicit"
-        else "--worker-endpoint (frontends use private ipc:// endpoints)"
-        if cfg.worker_endpoint
-        else "--no-local-workers (the first frontend starts the workers)"
-        if not cfg.local_workers
-        else None
-    )
-    if problem:
-        raise ConfigError(f"--frontends {cfg.frontends} does not work with {problem}")
+    return {n: repository[n] for n in cfg.models.load}
 
 
 async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> None:
@@ -235,7 +187,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> 
     await p.server.stop(grace=1.0)
     if others is not None:
         await others
-    if cfg.frontend_index == 0:  # the others share its workers
+    if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
     await p.core.supervisor.stop()
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
@@ -248,16 +200,17 @@ async def serve(cfg: ServerConfig) -> None:
         "model repository %s: %s%s",
         cfg.model_repository,
         ", ".join(repository) or "no models",
-        "; model control explicit" if cfg.model_control == "explicit" else "",
+        "; model control explicit" if cfg.models.explicit else "",
     )
     if (slow := slow_backend()) is not None:
         log.warning("%s", slow)
-    worker_auth = preflight(cfg.security, cfg.worker_endpoint)
-    _check_frontends(cfg)
+    cfg.check()
+    worker_auth = preflight(cfg)
+    fronts = cfg.frontends
     with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:
-        every = endpoints(tmp, cfg.frontends) if cfg.frontend_index == 0 else []
-        endpoint = cfg.worker_endpoint or every[0]
-        children = Children(cfg.argv, every) if len(every) > 1 else None
+        every = endpoints(tmp, fronts.count) if fronts.index == 0 else []
+        endpoint = cfg.workers.endpoint or every[0]
+        children = Children(fronts.argv, every) if len(every) > 1 else None
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -275,11 +228,11 @@ async def serve(cfg: ServerConfig) -> None:
         gc.freeze()
         log.info(
             "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
-            cfg.host,
+            cfg.network.host,
             p.port,
             endpoint,
             len(p.core.supervisor.specs),
-            f"; frontend {cfg.frontend_index} of {cfg.frontends}" if cfg.frontends > 1 else "",
+            f"; frontend {fronts.index} of {fronts.count}" if fronts.count > 1 else "",
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -293,12 +246,12 @@ async def serve(cfg: ServerConfig) -> None:
                 ]
                 if children is not None:
                     tasks.append(tg.create_task(children.run(p.port), name="frontends"))
-                if cfg.frontend_index:
+                if fronts.index:
                     tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
-                if cfg.metrics_port >= 0:
+                if (port := cfg.network.metrics_port) >= 0:
                     tasks.append(
                         tg.create_task(
-                            serve_metrics(p.registry, cfg.host, cfg.metrics_port), name="metrics"
+                            serve_metrics(p.registry, cfg.network.host, port), name="metrics"
                         )
                     )
                 await stop.wait()

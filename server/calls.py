@@ -17,8 +17,6 @@ from collections import Counter
 
 from batchd.server.errors import TooManyCalls
 
-DEFAULT_MAX_CONCURRENT_STREAMS = 1024  # RPCs open per connection; above: RESOURCE_EXHAUSTED
-
 
 class CallLimiter:
     def __init__(self, limit: int) -> None:

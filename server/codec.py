@@ -19,25 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import bytes_row_offsets, contents_to_raw
+from batchd.server.config import Limits
 from batchd.server.errors import InvalidInput, ResponseTooLarge, clip, clip_list
 from batchd.server.request import Request, Tensor
 
 _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Per-request caps, checked from the shapes alone before any tensor bytes are read."""
-
-    max_inputs: int = 128  # --max-inputs-per-request
-    max_tensor_elements: int = 64 * 1024 * 1024  # --max-tensor-elements
-    max_response_bytes: int = 64 * 1024 * 1024  # --max-message-bytes: a larger answer is refused
 
 
 DEFAULT_LIMITS = Limits()

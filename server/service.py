@@ -29,14 +29,14 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ModelConfig
 from batchd.server import __version__
-from batchd.server.calls import DEFAULT_MAX_CONCURRENT_STREAMS, CallLimiter
+from batchd.server.calls import CallLimiter
 from batchd.server.codec import (
     DEFAULT_LIMITS,
-    Limits,
     decode_request,
     decode_work,
     encode_response,
 )
+from batchd.server.config import Connections, Limits
 from batchd.server.control import IndexEntry
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import (
@@ -107,7 +107,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         core: Core,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits = DEFAULT_LIMITS,
-        calls_per_connection: int = DEFAULT_MAX_CONCURRENT_STREAMS,
+        calls_per_connection: int = Connections().max_concurrent_streams,
     ) -> None:
         self._limits = limits
         self._calls = CallLimiter(calls_per_connection)

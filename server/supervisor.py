@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -33,20 +32,6 @@ class WorkerSpec:
     device: str  # "cpu", "cuda:0"
     models: tuple[str, ...]
     threads: int
-
-
-def detect_devices() -> list[str]:
-    """Visible CUDA devices, asked of a worker interpreter (the frontend never imports torch)."""
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-m", "batchd.worker", "--list-devices"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    return [str(d) for d in json.loads(out)]
 
 
 def plan_workers(

@@ -31,13 +31,12 @@ from batchd.protos.model_config import (
     ModelConfig,
     load_repository,
 )
-from batchd.server.app import ServerConfig, _grpc_server
+from batchd.server.app import _grpc_server
 from batchd.server.auth import DENIED, load_tokens, scope_of
-from batchd.server.codec import Limits
+from batchd.server.config import Connections, Limits, Network, Security, ServerConfig
 from batchd.server.control import IndexEntry
 from batchd.server.errors import NotAllowed
 from batchd.server.request import Request, Tensor
-from batchd.server.security import SecurityConfig
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
@@ -75,21 +74,20 @@ class _NoWorkers:
 class GrpcServer:
     """app._grpc_server (options, interceptors, TLS) on a loop in a thread."""
 
-    def __init__(self, security: SecurityConfig) -> None:
+    def __init__(self, cfg: ServerConfig) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.port = self._run(self._start(security))
+        self.port = self._run(self._start(cfg))
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
-    async def _start(self, security: SecurityConfig) -> int:
-        cfg = ServerConfig(model_repository=EXAMPLES, grpc_port=0, security=security)
+    async def _start(self, cfg: ServerConfig) -> int:
         service = InferenceService(
             _NoWorkers(),
-            limits=security.limits,
-            calls_per_connection=security.max_concurrent_streams,
+            limits=cfg.limits,
+            calls_per_connection=cfg.connections.max_concurrent_streams,
         )
         health = HealthServicer()
         await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -115,8 +113,13 @@ def grpc_server(request: pytest.FixtureRequest) -> Iterator[GrpcServer]:
     server.stop()
 
 
-def _with(**kw: Any) -> Any:
-    return pytest.mark.parametrize("grpc_server", [SecurityConfig(**kw)], indirect=True)
+def server_config(**sections: Any) -> ServerConfig:
+    """The examples on a free port, with these sections of the config."""
+    return ServerConfig(model_repository=EXAMPLES, network=Network(grpc_port=0), **sections)
+
+
+def _with(**sections: Any) -> Any:
+    return pytest.mark.parametrize("grpc_server", [server_config(**sections)], indirect=True)
 
 
 # ---- tokens ----
@@ -165,7 +168,7 @@ def _raw_call(url: str, method: str, msg: Any, token: str | None = None, **kw: A
 
 @pytest.fixture(scope="module")
 def token_server(token_file: Path) -> Iterator[GrpcServer]:
-    server = GrpcServer(SecurityConfig(auth_token_file=token_file))
+    server = GrpcServer(server_config(security=Security(auth_token_file=token_file)))
     yield server
     server.stop()
 
@@ -221,7 +224,11 @@ def test_health_and_reflection_need_no_token(token_server: GrpcServer) -> None:
 
 @openssl
 def test_tls(certs: Path) -> None:
-    server = GrpcServer(SecurityConfig(tls_cert=certs / "server.pem", tls_key=certs / "server.key"))
+    server = GrpcServer(
+        server_config(
+            security=Security(tls_cert=certs / "server.pem", tls_key=certs / "server.key")
+        )
+    )
     try:
         with Client(server.url, ca_cert=certs / "ca.pem") as c:
             assert c.live()
@@ -241,10 +248,12 @@ def test_tls(certs: Path) -> None:
 @openssl
 def test_mutual_tls(certs: Path) -> None:
     server = GrpcServer(
-        SecurityConfig(
-            tls_cert=certs / "server.pem",
-            tls_key=certs / "server.key",
-            tls_client_ca=certs / "ca.pem",
+        server_config(
+            security=Security(
+                tls_cert=certs / "server.pem",
+                tls_key=certs / "server.key",
+                tls_client_ca=certs / "ca.pem",
+            )
         )
     )
     ca = certs / "ca.pem"
@@ -279,14 +288,16 @@ def test_mutual_tls(certs: Path) -> None:
 def test_tls_settings_are_checked_at_start_up(tmp_path: Path) -> None:
     from batchd.server.security import preflight
 
-    for cfg, expected in (
-        (SecurityConfig(tls_cert=tmp_path / "c.pem"), "go together"),
-        (SecurityConfig(tls_client_ca=tmp_path / "ca.pem"), "needs --tls-cert"),
-        (SecurityConfig(tls_cert=tmp_path / "c", tls_key=tmp_path / "k"), "cannot read"),
-        (SecurityConfig(auth_token_file=tmp_path / "none"), "cannot read the token file"),
+    for security, expected in (
+        (Security(tls_cert=tmp_path / "c.pem"), "go together"),
+        (Security(tls_client_ca=tmp_path / "ca.pem"), "needs --tls-cert"),
+        (Security(tls_cert=tmp_path / "c", tls_key=tmp_path / "k"), "cannot read"),
+        (Security(auth_token_file=tmp_path / "none"), "cannot read the token file"),
     ):
+        cfg = server_config(security=security)
         with pytest.raises(ConfigError, match=expected):
-            preflight(cfg, None)
+            cfg.check()
+            preflight(cfg)
 
 
 # ---- limits ----
@@ -317,8 +328,8 @@ def test_request_limits_name_the_limit_and_the_value(grpc_server: GrpcServer) ->
 
 
 def test_message_size_limit() -> None:
-    server = GrpcServer(SecurityConfig())
-    cfg_bytes = ServerConfig(model_repository=EXAMPLES).max_message_bytes
+    server = GrpcServer(server_config())
+    cfg_bytes = Network().max_message_bytes
     try:
         with (
             Client(server.url, max_message_bytes=2 * cfg_bytes) as c,
@@ -331,7 +342,7 @@ def test_message_size_limit() -> None:
         server.stop()
 
 
-@_with(max_concurrent_streams=1)
+@_with(connections=Connections(max_concurrent_streams=1))
 def test_max_concurrent_streams(grpc_server: GrpcServer) -> None:
     """A connection holding its one stream gets RESOURCE_EXHAUSTED for the next call,
     naming the limit; another connection is served, and so is this one once free."""

@@ -1,0 +1,325 @@
+"""The server's configuration: nested frozen dataclasses, the one source of every
+default. Each setting that is a flag says so on its field (`setting`), and the
+`batchd serve` command line is built from these fields (`add_arguments`,
+`from_arguments`); `ServerConfig.check` validates the whole, in one place.
+
+    ServerConfig    model_repository, drain_timeout_s
+    ├── network     host, ports, message size
+    ├── workers     how many, where, threads, credits, remote endpoint
+    ├── models      model control
+    ├── frontends   --frontends N
+    ├── logging     level, format
+    ├── security    TLS, tokens, CURVE keys (security.py puts them to work)
+    ├── limits      what one request may carry (codec.py checks them)
+    └── connections what one client connection may hold (security.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batchd.protos.model_config import ConfigError
+
+MiB = 1024 * 1024
+
+
+def setting(default: Any, flag: str, help: str, **argparse_kw: Any) -> Any:
+    """A field that is also a `batchd serve` flag; `help` gets the default added."""
+    meta = {"flag": flag, "help": help, **argparse_kw}
+    if default is dataclasses.MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type) -> Any:
+    return field(default_factory=cls, metadata={"section": cls})
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
+    return value
+
+
+@dataclass(frozen=True)
+class Network:
+    """network"""
+
+    host: str = setting("127.0.0.1", "--host", "address to listen on (0.0.0.0 exposes it)")
+    grpc_port: int = setting(8001, "--grpc-port", "gRPC port; 0 picks a free one", type=int)
+    metrics_port: int = setting(
+        8002, "--metrics-port", "Prometheus /metrics port on --host; 0: a free one; -1: off",
+        type=int,
+    )  # fmt: skip
+    max_message_bytes: int = setting(
+        64 * MiB, "--max-message-bytes", "largest gRPC message accepted or sent", type=positive
+    )
+
+
+@dataclass(frozen=True)
+class Workers:
+    """workers"""
+
+    count: int | None = setting(
+        None, "--workers", "run N CPU worker processes (instead of --devices)", type=positive,
+        metavar="N",
+    )  # fmt: skip
+    devices: str = setting(
+        "auto", "--devices", "auto (every visible GPU, else one CPU worker) or a list: "
+        "cuda:0,cuda:1",
+    )  # fmt: skip
+    threads: int | None = setting(
+        None, "--threads-per-worker", "torch threads per CPU worker (none: cores / workers)",
+        type=positive,
+    )  # fmt: skip
+    credits: int | None = setting(
+        None, "--credits-per-worker", "batches a worker holds at once: one running, the rest "
+        "staged (none: 1 on a CPU, where every batch then forms from the whole queue; 2 on a "
+        "GPU, which then never waits for its next batch)", type=positive,
+    )  # fmt: skip
+    endpoint: str | None = setting(
+        None, "--worker-endpoint", "ZeroMQ endpoint workers connect to (none: a private "
+        "ipc:// socket; tcp://0.0.0.0:5555 lets `batchd worker` join from other hosts)",
+    )  # fmt: skip
+    local: bool = setting(
+        True, "--no-local-workers", "start no workers; wait for `batchd worker --connect`",
+        action="store_false",
+    )  # fmt: skip
+
+    def device_list(self) -> list[str]:
+        if self.count is not None:
+            return ["cpu"] * self.count
+        if self.devices == "auto":
+            return _visible_gpus() or ["cpu"]
+        return [d.strip() for d in self.devices.split(",") if d.strip()]
+
+
+def _visible_gpus() -> list[str]:
+    """Asked of a worker interpreter: the frontend never imports torch."""
+    out = subprocess.run(
+        [sys.executable, "-m", "batchd.worker", "--list-devices"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return [str(d) for d in json.loads(out)]
+
+
+@dataclass(frozen=True)
+class Models:
+    """model control"""
+
+    control: str = setting(
+        "none", "--model-control", "none: serve every model of the repository, no "
+        "load/unload RPCs; explicit: start with the --load-model ones, RepositoryModelLoad/"
+        "Unload allowed", choices=["none", "explicit"],
+    )  # fmt: skip
+    load: tuple[str, ...] = setting(
+        (), "--load-model", "with --model-control explicit: load NAME at start (repeatable; "
+        "'*': all)", action="append", metavar="NAME",
+    )  # fmt: skip
+
+    @property
+    def explicit(self) -> bool:
+        return self.control == "explicit"
+
+
+@dataclass(frozen=True)
+class Frontends:
+    """frontends"""
+
+    count: int = setting(
+        1, "--frontends", "gRPC frontend processes sharing the port (SO_REUSEPORT) in front "
+        "of the same workers, for when one event loop is the ceiling", type=positive,
+        metavar="N",
+    )  # fmt: skip
+    index: int = setting(0, "--frontend-index", argparse.SUPPRESS, type=int)
+    argv: tuple[str, ...] = ()  # the serve arguments, for starting frontends 1..N-1
+
+
+@dataclass(frozen=True)
+class Logging:
+    """logging"""
+
+    level: str = setting(
+        "INFO", "--log-level", "log level", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    format: str = setting(
+        "text", "--log-format", "text, or one JSON object per line with model/worker/batch "
+        "fields", choices=["text", "json"],
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Security:
+    """security (see README, Security)"""
+
+    tls_cert: Path | None = setting(
+        None, "--tls-cert", "PEM certificate (chain): serve gRPC over TLS", type=Path
+    )
+    tls_key: Path | None = setting(None, "--tls-key", "PEM private key of --tls-cert", type=Path)
+    tls_client_ca: Path | None = setting(
+        None, "--tls-client-ca", "PEM CA: require client certificates it signed (mTLS)",
+        type=Path,
+    )  # fmt: skip
+    auth_token_file: Path | None = setting(
+        None, "--auth-token-file", "require bearer tokens: lines 'infer: <token>' / "
+        "'admin: <token>'", type=Path,
+    )  # fmt: skip
+    worker_keys: Path | None = setting(
+        None, "--worker-keys", "CURVE keys from `batchd keys generate DIR`: only authorized "
+        "workers may join", type=Path, metavar="DIR",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Limits:
+    """limits of one request, checked from its header before its tensors are read"""
+
+    max_inputs: int = setting(128, "--max-inputs-per-request", "inputs per request", type=positive)
+    max_tensor_elements: int = setting(
+        64 * MiB, "--max-tensor-elements", "elements per input tensor", type=positive
+    )
+    max_response_bytes: int = 64 * MiB  # the server sets it to --max-message-bytes
+
+
+@dataclass(frozen=True)
+class Connections:
+    """client connections: what one may hold, and for how long doing nothing (0: no limit)"""
+
+    max_concurrent_streams: int = setting(
+        1024, "--max-concurrent-streams", "open RPCs per client connection", type=positive
+    )
+    # Calls that have arrived but that the event loop has not taken yet, server-wide.
+    # gRPC sheds that backlog itself, answering CANCELLED (its own word, not ours):
+    # at random above this many, all of them above twice as many. Its default, 1000,
+    # shed calls of well-behaved clients whenever the loop fell behind a burst.
+    max_pending_calls: int = setting(
+        16384, "--max-pending-calls", "calls arrived but not yet taken, server-wide, before "
+        "gRPC sheds them with CANCELLED", type=positive, metavar="N",
+    )  # fmt: skip
+    handshake_timeout_s: float = setting(
+        20.0, "--handshake-timeout", "close a connection not set up (HTTP/2 preface, TLS) "
+        "within S seconds", type=seconds, metavar="S",
+    )  # fmt: skip
+    max_idle_s: float = setting(
+        300.0, "--max-connection-idle", "GOAWAY to a connection with no RPC for S seconds",
+        type=seconds, metavar="S",
+    )  # fmt: skip
+    keepalive_time_s: float = setting(
+        60.0, "--keepalive-time", "ping a connection silent for S seconds", type=seconds,
+        metavar="S",
+    )  # fmt: skip
+    keepalive_timeout_s: float = setting(
+        20.0, "--keepalive-timeout", "close it if the ping is not answered within S seconds",
+        type=seconds, metavar="S",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_repository: Path = setting(
+        dataclasses.MISSING, "--model-repository", "directory holding <model>/model.toml",
+        type=Path, required=True,
+    )  # fmt: skip
+    drain_timeout_s: float = setting(
+        30.0, "--drain-timeout", "seconds to finish admitted requests on SIGTERM", type=seconds
+    )
+    network: Network = section(Network)
+    workers: Workers = section(Workers)
+    models: Models = section(Models)
+    frontends: Frontends = section(Frontends)
+    logging: Logging = section(Logging)
+    security: Security = section(Security)
+    limits: Limits = section(Limits)
+    connections: Connections = section(Connections)
+
+    def check(self) -> None:
+        """Every rule that spans settings; raises ConfigError naming the flags."""
+        w, m, f, s = self.workers, self.models, self.frontends, self.security
+        if w.count is not None and w.devices != "auto":
+            raise ConfigError("--workers and --devices exclude each other: give one")
+        if m.load and not m.explicit:
+            raise ConfigError("--load-model needs --model-control explicit")
+        if (s.tls_cert is None) != (s.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if s.tls_client_ca is not None and s.tls_cert is None:
+            raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if f.count > 1 and not f.index:
+            clash = (
+                "--model-control explicit (each frontend would load its own versions)"
+                if m.explicit
+                else "--worker-endpoint (frontends use private ipc:// endpoints)"
+                if w.endpoint
+                else "--no-local-workers (the first frontend starts the workers)"
+                if not w.local
+                else None
+            )
+            if clash:
+                raise ConfigError(f"--frontends {f.count} does not work with {clash}")
+
+
+def _leaves(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field[Any]]]:
+    found = []
+    for f in dataclasses.fields(cls):
+        if "section" in f.metadata:
+            found += _leaves(f.metadata["section"], f"{prefix}{f.name}.")
+        elif "flag" in f.metadata:
+            found.append((prefix + f.name, f))
+    return found
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per setting of ServerConfig, grouped by section."""
+    groups: dict[str, Any] = {}
+    for path, f in _leaves(ServerConfig):
+        owner = path.rpartition(".")[0]
+        if owner and owner not in groups:
+            cls = ServerConfig.__dataclass_fields__[owner].metadata["section"]
+            groups[owner] = parser.add_argument_group((cls.__doc__ or owner).strip())
+        target = groups.get(owner, parser)
+        kw = {k: v for k, v in f.metadata.items() if k not in ("flag", "help")}
+        text = f.metadata["help"]
+        shown = f.default not in (dataclasses.MISSING, None, ())
+        if shown and text is not argparse.SUPPRESS and kw.get("action") != "store_false":
+            text = f"{text} (default {f.default})"
+        if "action" not in kw and "choices" not in kw:
+            kw.setdefault("metavar", f.metadata["flag"].lstrip("-").upper().replace("-", "_"))
+        default = None if kw.get("action") == "append" else f.default
+        if default is dataclasses.MISSING:
+            default = None
+        target.add_argument(f.metadata["flag"], dest=path, default=default, help=text, **kw)
+
+
+def from_arguments(args: argparse.Namespace, argv: tuple[str, ...] = ()) -> ServerConfig:
+    """The ServerConfig the parsed `batchd serve` arguments describe (not yet checked)."""
+    values = vars(args)
+
+    def build(cls: type, prefix: str) -> Any:
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if "section" in f.metadata:
+                kw[f.name] = build(f.metadata["section"], f"{prefix}{f.name}.")
+            elif "flag" in f.metadata:
+                value = values.get(prefix + f.name)
+                kw[f.name] = tuple(value or ()) if f.metadata.get("action") == "append" else value
+        return cls(**kw)
+
+    cfg: ServerConfig = build(ServerConfig, "")
+    return dataclasses.replace(cfg, frontends=dataclasses.replace(cfg.frontends, argv=argv))
