@@ -8,9 +8,11 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from batchd.protos.model_config import (
     model_directory,
 )
 from batchd.server.security import check_worker_endpoint
+from batchd.worker.frontend_link import RETRY_S
 from tests.certs import INFER_TOKEN, openssl
 from tests.servers import EXAMPLES, ROOT, ServerProcess, wait_for
 
@@ -281,3 +284,76 @@ def test_keys_cli(tmp_path: Path) -> None:
     again = subprocess.run([batchd, "keys", "generate", str(tmp_path / "k")], capture_output=True,
                            text=True, timeout=60)  # fmt: skip
     assert again.returncode == 2 and "not overwriting" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def keyed_frontend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, Path]]:
+    """(endpoint, key DIR, repository) of a frontend that requires CURVE worker keys."""
+    tmp_path = tmp_path_factory.mktemp("keyed")
+    repo, key_dir = _tiny_repo(tmp_path), tmp_path / "keys"
+    keys.generate(key_dir)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ServerProcess(
+        repo, "--no-local-workers", "--worker-endpoint", endpoint, "--worker-keys", str(key_dir),
+        log_dir=tmp_path,
+    ).start(ready=False)  # fmt: skip
+    try:
+        yield endpoint, key_dir, repo
+        assert "refused-" not in server.log()  # none of them ever registered
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize(
+    ("credentials", "reason"),
+    [
+        ("none", "a frontend started with --worker-keys accepts only workers started with"),
+        ("unauthorized", "refused this worker's CURVE key (ZAP status 400)"),
+        ("wrong-server-key", "the CURVE handshake failed (is"),
+    ],
+)
+def test_a_refused_worker_says_so_retries_and_stops_on_sigterm(
+    tmp_path: Path, keyed_frontend: tuple[str, Path, Path], credentials: str, reason: str
+) -> None:
+    """A worker the frontend will not accept logs why, once per retry interval, and a
+    SIGTERM ends it at once: no send may block its loop."""
+    endpoint, key_dir, repo = keyed_frontend
+    args: list[str] = []
+    if credentials != "none":
+        own = tmp_path / "keys"
+        keys.generate(own)  # a worker key the frontend does not list, and another server.key
+        if credentials == "unauthorized":
+            shutil.copyfile(key_dir / "server.key", own / "server.key")
+        args = ["--worker-keys", str(own)]
+    log_path = tmp_path / "worker.log"
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "batchd.worker", "--connect", endpoint,
+             "--model-repository", str(repo), "--id", f"refused-{credentials}",
+             "--threads", "1", *args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+
+        def warnings() -> list[str]:
+            text = log_path.read_text()
+            return [line for line in text.splitlines() if "not accepted by frontend" in line]
+
+        wait_for(lambda: len(warnings()) >= 2, 60, "two retries, each saying why")
+        lines = warnings()
+        assert len(lines) <= (time.monotonic() - started) / RETRY_S  # a line per retry, no more
+        assert all(" WARNING " in line and endpoint in line and reason in line for line in lines)
+
+        worker.send_signal(signal.SIGTERM)
+        try:
+            code = worker.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"SIGTERM did not stop a refused worker within 2 s:\n{log_path.read_text()}"
+            )
+        assert code == 0, log_path.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,42 @@ class Frontend:
         self.ctx.destroy(linger=0)
 
 
+@pytest.fixture
+def frontend(tmp_path: Path) -> Iterator[Frontend]:
+    f = Frontend(tmp_path, "w-garbage")
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+X = np.array([[1.0, 2.0]], np.float32)
+
+
+def test_a_malformed_frame_is_logged_once_per_kind_dropped_and_serving_goes_on(
+    frontend: Frontend,
+) -> None:
+    too_few_frames = wire.Header(
+        kind=wire.Header.BATCH, batch_id=7, model="plus1", version="1",
+        tensors=[wire.Tensor(name="X", datatype="FP32", shape=[1, 2])],
+    ).SerializeToString()  # one tensor declared, no frame for it  # fmt: skip
+    not_for_a_worker = wire.Header(kind=wire.Header.RESULT, batch_id=7).SerializeToString()
+    for _ in range(3):
+        frontend.send(b"\xff\xfe not a header")
+        frontend.send(too_few_frames)
+        frontend.send(not_for_a_worker)
+
+    assert frontend.load("plus1").error == ""  # the worker reads in order: all came before
+    assert frontend.infer(1, X).tolist() == (X + 1).tolist()
+
+    log = frontend.log()
+    for kind in ("DecodeError", "ValueError", "RESULT"):
+        lines = [line for line in log.splitlines() if "malformed" in line and kind in line]
+        assert len(lines) == 1, f"{kind}: {lines}\n{log}"
+        assert " WARNING " in lines[0] and "dropped" in lines[0]
+    assert frontend.stop() == 0, frontend.log()
+
+
 _LOGGED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")
 
 
@@ -135,13 +172,14 @@ def test_every_worker_log_line_names_the_worker(tmp_path: Path, log_format: str)
         assert frontend.load("plus1").error == ""
         assert "no weights here" in frontend.load("broken").error
         frontend.send_header(wire.Header(kind=wire.Header.UNLOAD, model="plus1", version="1"))
+        frontend.send(b"\xff")  # a malformed frame: logged, dropped
         assert frontend.stop() == 0, frontend.log()
     finally:
         frontend.close()
 
     log = frontend.log()
     expected = ["loaded model plus1", "cannot load model broken", "unloaded model plus1",
-                "STOP received"]  # fmt: skip
+                "malformed", "STOP received"]  # fmt: skip
     if log_format == "json":
         records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
         messages = [r["msg"] for r in records]

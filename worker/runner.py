@@ -1,15 +1,18 @@
 """The worker process: one I/O thread and one compute thread.
 
-The I/O thread (main) owns the DEALER sockets, one per frontend it serves
-(`--connect` takes a comma-separated list: `batchd serve --frontends N`
-runs N frontend processes in front of the same workers): it registers (READY), sends
-and checks heartbeats, hands batches, loads and unloads to the compute thread
-and forwards its replies. The compute thread loads and runs the models, in
-the order the frontend asked; it talks back over an inproc PAIR socket, so no
-ZeroMQ socket is ever shared between threads. Heartbeats keep flowing while a
-long batch or load runs. A model exception becomes an ERROR reply, a failed
-load a LOADED reply with the reason; the worker lives on. STOP, a vanished
-parent, or SIGTERM end it.
+The I/O thread (main) owns the links to the frontends, one per frontend it
+serves (`--connect` takes a comma-separated list: `batchd serve --frontends N`
+runs N frontend processes in front of the same workers; frontend_link.py
+registers, heartbeats, and never blocks on a send): it hands batches, loads
+and unloads to the compute thread and forwards its replies. It waits at most
+POLL_MS for anything, so a stop (SIGTERM, STOP, its parent's exit) is seen
+within that, whether or not a frontend ever accepted the worker.
+
+The compute thread loads and runs the models, in the order the frontend
+asked; it talks back over an inproc PAIR socket, so no ZeroMQ socket is ever
+shared between threads. Heartbeats keep flowing while a long batch or load
+runs. A model exception becomes an ERROR reply, a failed load a LOADED reply
+with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it.
 """
 
 from __future__ import annotations
@@ -30,14 +33,17 @@ from typing import Any
 import torch
 import zmq
 
-from batchd.protos import keys, wire
+from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, find_model, model_key
 from batchd.worker.execute import BatchError, run_batch
+from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.loader import ModelFn, load_model
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
-_BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
+# The longest the I/O loop waits for a message. A SIGTERM only sets a flag: the loop
+# reads it when it wakes, so this bounds how long a stop takes (exit well within 1 s).
+POLL_MS = 100
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 
 
@@ -173,21 +179,16 @@ class Runner:
     def serve(self) -> None:
         _settle_heap()
         ctx: zmq.Context[Any] = zmq.Context()
-        dealers = []
-        for endpoint in self.options.endpoint.split(","):
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.IDENTITY, self.options.worker_id.encode())
-            dealer.setsockopt(zmq.LINGER, 2000)
-            if self.options.keys is not None:
-                keys.make_curve_client(dealer, self.options.keys)
-            dealer.connect(endpoint)
-            dealers.append(dealer)
+        links = [
+            FrontendLink(ctx, endpoint, self.options.worker_id, self.options.keys, self._ready())
+            for endpoint in self.options.endpoint.split(",")
+        ]
         results = ctx.socket(zmq.PAIR)
         results.bind(_RESULTS)
         compute = threading.Thread(target=self._compute, args=(ctx,), name="compute", daemon=True)
         compute.start()
         try:
-            self._loop(dealers, results)
+            self._loop(links, results)
         finally:
             self._work.put(None)
             compute.join(timeout=STOP_GRACE_S)
@@ -197,51 +198,43 @@ class Runner:
                 )
                 os._exit(3)
             results.close(linger=0)
-            for dealer in dealers:
-                dealer.close()
+            now = time.monotonic()
+            for link in links:
+                link.close(now)
             ctx.term()
 
     def stop(self) -> None:
         self._stop.set()
 
-    def _loop(self, dealers: list[zmq.Socket[Any]], results: zmq.Socket[Any]) -> None:
-        poller = zmq.Poller()
-        for dealer in dealers:
-            poller.register(dealer, zmq.POLLIN)
-        poller.register(results, zmq.POLLIN)
-        for dealer in dealers:
-            dealer.send_multipart(self._ready())
-        io = _IO(heard=[time.monotonic()] * len(dealers))
-        interval = wire.HEARTBEAT_INTERVAL_S
+    def _loop(self, links: list[FrontendLink], results: zmq.Socket[Any]) -> None:
+        now = time.monotonic()
+        for link in links:
+            link.open(now)
+        poller = _poller(links, results)
+        io = _IO()
         while not (io.stopping and io.pending == 0) and not self._stop.is_set():
-            events = dict(poller.poll(timeout=int(interval * 1000 / 2)))
+            events = dict(poller.poll(timeout=POLL_MS))
             now = time.monotonic()
             if results in events:
                 to, *reply = results.recv_multipart(copy=False)
-                dealers[to.bytes[0]].send_multipart(reply, copy=False)
+                link = links[to.bytes[0]]
+                if not link.send(reply, copy=False):
+                    log.warning(
+                        "a reply to frontend %s is dropped: not connected (the frontend "
+                        "retries its batch once it counts this worker lost)",
+                        link.endpoint,
+                    )
                 io.pending -= 1
-            for i, dealer in enumerate(dealers):
-                if dealer in events:
-                    io.heard[i] = now
-                    self._from_frontend(io, i, *wire.unpack(dealer.recv_multipart(copy=False)))
-            self._keep_alive(io, dealers, now)
+            for i, link in enumerate(links):
+                if link.socket in events and (message := link.receive(now)) is not None:
+                    self._from_frontend(io, i, *message)
+            if any([link.tick(now) for link in links]):  # a link opened a new socket
+                poller = _poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return  # the batch at hand will not finish: serve() leaves without it
             if self._parent_gone():
                 log.warning("parent process exited; stopping")
                 return
-
-    def _keep_alive(self, io: _IO, dealers: list[zmq.Socket[Any]], now: float) -> None:
-        interval = wire.HEARTBEAT_INTERVAL_S
-        if now >= io.next_beat:
-            for dealer in dealers:
-                dealer.send_multipart(_BEAT)
-            io.next_beat = now + interval
-        for i, dealer in enumerate(dealers):
-            if now - io.heard[i] > interval * wire.LIVENESS:
-                # That frontend is gone or forgot us: register again; it requeued our batches.
-                dealer.send_multipart(self._ready())
-                io.heard[i] = now
 
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
         if header.kind in (wire.Header.BATCH, wire.Header.LOAD) and not io.stopping:
@@ -252,6 +245,14 @@ class Runner:
         elif header.kind == wire.Header.STOP:
             log.info("STOP received")
             io.stopping, io.stop_at = True, time.monotonic()
+
+
+def _poller(links: list[FrontendLink], results: zmq.Socket[Any]) -> zmq.Poller:
+    poller = zmq.Poller()
+    for link in links:
+        poller.register(link.socket, zmq.POLLIN)
+    poller.register(results, zmq.POLLIN)
+    return poller
 
 
 def _settle_heap() -> None:
@@ -266,8 +267,6 @@ def _settle_heap() -> None:
 class _IO:
     """The I/O thread's own state."""
 
-    heard: list[float]  # when each frontend was last heard from
-    next_beat: float = 0.0
     pending: int = 0  # batches and loads handed to the compute thread, not yet answered
     stopping: bool = False  # STOP came: finish what is pending, take nothing new
     stop_at: float = 0.0

@@ -1,0 +1,146 @@
+"""worker/frontend_link.py in-process: a ROUTER in the test plays the frontend, and
+the link's clock is the `now` the test passes, so a retry interval passes at once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from batchd.protos import wire
+from batchd.worker.frontend_link import RETRY_S, FrontendLink
+from tests.servers import wait_for
+
+READY = wire.pack(wire.Header(kind=wire.Header.READY))
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context[Any]]:
+    context: zmq.Context[Any] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def router(ctx: zmq.Context[Any]) -> Iterator[zmq.Socket[Any]]:
+    """The frontend's socket, bound on a free port."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    sock.bind("tcp://127.0.0.1:*")
+    yield sock
+    sock.close()
+
+
+@pytest.fixture
+def link(ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> Iterator[FrontendLink]:
+    """A worker's link to `router`, not yet open."""
+    frontend_link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, READY)
+    yield frontend_link
+    frontend_link.close()
+
+
+def _next_kind(router: zmq.Socket[Any], skip: int | None = None) -> int:
+    """The kind of the next message from the worker, but for those of kind `skip`."""
+    while True:
+        assert router.poll(30_000), "nothing came from the worker"
+        _, header, *_ = router.recv_multipart()
+        kind = int(wire.Header.FromString(header).kind)
+        if kind != skip:
+            return kind
+
+
+def _receive(link: FrontendLink, now: float) -> tuple[wire.Header, list[Any]] | None:
+    assert link.socket is not None and link.socket.poll(30_000), "nothing came from the frontend"
+    return link.receive(now)
+
+
+def test_a_frontend_that_went_silent_is_told_ready_again_on_the_same_socket(
+    router: zmq.Socket[Any], link: FrontendLink, caplog: pytest.LogCaptureFixture
+) -> None:
+    link.open(now=0.0)
+    assert _next_kind(router) == wire.Header.READY
+    router.send_multipart([b"w1", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
+    assert _receive(link, now=0.5) is None  # a heartbeat is no work, but it is an answer
+    assert link.accepted
+    first = link.socket
+
+    assert not link.tick(now=0.5 + RETRY_S / 2)  # heard recently: only a heartbeat
+    assert _next_kind(router) == wire.Header.HEARTBEAT
+    with caplog.at_level(logging.WARNING, "batchd.worker"):
+        assert not link.tick(now=0.5 + RETRY_S + 0.1)  # silent: READY again, same socket
+    assert link.socket is first
+    assert _next_kind(router, skip=wire.Header.HEARTBEAT) == wire.Header.READY
+    assert "silent for 3 s" in caplog.text and "saying READY again" in caplog.text
+
+
+def test_a_frontend_that_never_answers_gets_a_new_socket_each_retry(
+    router: zmq.Socket[Any], link: FrontendLink, caplog: pytest.LogCaptureFixture
+) -> None:
+    link.open(now=0.0)
+    first = link.socket
+    wait_for(lambda: router.poll(0), 30, "READY to arrive")  # connected and handshaken
+    with caplog.at_level(logging.WARNING, "batchd.worker"):
+        assert not link.tick(now=RETRY_S - 0.1)
+        assert caplog.text == ""
+        assert link.tick(now=RETRY_S)  # replaced: the caller polls the new socket
+    assert link.socket is not first and first is not None and first.closed
+    assert "not accepted by frontend" in caplog.text
+    assert "connected, but the frontend has not answered" in caplog.text
+    assert "trying again every 3 s" in caplog.text
+
+
+def test_no_frontend_at_all_is_said_plainly(
+    ctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    link = FrontendLink(ctx, "ipc://@batchd-test-link-nobody", "w3", None, READY)
+    link.open(now=0.0)
+    try:
+        with caplog.at_level(logging.WARNING, "batchd.worker"):
+            assert link.tick(now=RETRY_S)
+    finally:
+        link.close()
+    assert "no connection made (is a frontend listening there?)" in caplog.text
+
+
+def test_a_send_with_no_connection_to_queue_on_fails_at_once(
+    router: zmq.Socket[Any], link: FrontendLink
+) -> None:
+    link.open(now=0.0)
+    assert _next_kind(router) == wire.Header.READY
+    router.send_multipart([b"w1", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
+    assert _receive(link, now=0.5) is None and link.accepted
+    router.close()  # the frontend is gone: what is sent queues, up to the high-water mark
+    sent = [link.send(READY) for _ in range(10_000)]  # and then fails, never blocks
+    assert not all(sent) and link.broken
+    first = link.socket
+    assert link.tick(now=0.5 + RETRY_S)  # a broken socket is replaced at the retry
+    assert link.socket is not first
+
+
+def test_malformed_messages_are_dropped_and_logged_once_per_kind(
+    router: zmq.Socket[Any], link: FrontendLink, caplog: pytest.LogCaptureFixture
+) -> None:
+    link.open(now=0.0)
+    assert _next_kind(router) == wire.Header.READY
+    garbage = [
+        [b"\xff"],
+        [b"\xff\xfe"],
+        wire.pack(wire.Header(kind=wire.Header.LOAD, tensors=[wire.Tensor(name="X")])),
+        wire.pack(wire.Header(kind=wire.Header.LOADED)),
+        [wire.Header(kind=77).SerializeToString()],
+    ]
+    with caplog.at_level(logging.DEBUG, "batchd.worker"):
+        for parts in garbage * 2:
+            router.send_multipart([b"w1", *parts])
+            assert _receive(link, now=1.0) is None
+        stop = wire.pack(wire.Header(kind=wire.Header.STOP))
+        router.send_multipart([b"w1", *stop])
+        message = _receive(link, now=1.0)
+    assert message is not None and message[0].kind == wire.Header.STOP
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4, warnings  # DecodeError, ValueError, LOADED, unknown
+    assert all("malformed" in w and "dropped" in w for w in warnings)
+    assert sum("DecodeError" in w for w in warnings) == 1

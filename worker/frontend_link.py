@@ -1,0 +1,226 @@
+"""A worker's link to one frontend: a DEALER socket that never blocks the I/O loop.
+
+Registering: READY as soon as the socket is open, and again whenever the
+frontend has been silent for LIVENESS heartbeat intervals (it restarted, or
+forgot this worker). Heartbeats go out once the frontend has answered.
+
+A frontend may refuse the worker: one started with --worker-keys refuses a
+worker without keys, with a key not in its authorized/, or holding another
+frontend's server.key. It then never answers, and libzmq either drops the
+connection for good (a refused key: a send then finds no connection to queue
+on) or retries the handshake forever (queuing what is sent meanwhile). So:
+
+- every send is NOBLOCK; EAGAIN means "not connected", never a wait, and the
+  I/O loop goes on reading the stop flag, STOP and its parent's exit;
+- a socket the frontend has never answered, or one a send found unconnected,
+  is closed (dropping what it queued) and opened afresh each retry interval,
+  with one WARNING line saying why, as far as the handshake tells (a socket
+  monitor reports its outcome);
+- at exit, a socket whose frontend is not answering is closed at once; only a
+  frontend that answers gets time (LINGER_MS) to take the last replies.
+
+A message from the frontend that does not parse, or that a frontend never
+sends, is dropped: the first of each kind logged at WARNING, the rest at DEBUG.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from batchd.protos import keys, wire
+
+log = logging.getLogger("batchd.worker")
+RETRY_S = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # silence before registering again
+LINGER_MS = 2000  # at exit: how long an answering frontend has to take the last replies
+_BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
+_FROM_FRONTEND = frozenset(
+    {
+        wire.Header.HEARTBEAT,
+        wire.Header.BATCH,
+        wire.Header.LOAD,
+        wire.Header.UNLOAD,
+        wire.Header.STOP,
+    }
+)
+_KIND_NAMES = frozenset(wire.Header.Kind.values())
+_HANDSHAKE = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_MONITORED = _HANDSHAKE | zmq.EVENT_DISCONNECTED
+
+
+class FrontendLink:
+    """One frontend, as one worker sees it. Call open(), then feed the I/O loop's
+    events to receive() and call tick() on every turn of the loop."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[Any],
+        endpoint: str,
+        identity: str,
+        key_dir: Path | None,
+        ready: list[bytes],
+    ) -> None:
+        self.endpoint = endpoint
+        self._ctx, self._identity, self._key_dir, self._ready = ctx, identity, key_dir, ready
+        self.socket: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self._handshake: tuple[int, int] | None = None  # the last handshake event, its value
+        self._disconnected = False  # the connection closed since the last handshake
+        self._opened = 0  # sockets opened so far (names each one's monitor)
+        self._malformed: dict[str, int] = {}  # kind -> how many came
+        self.heard = 0.0  # when the frontend last sent anything
+        self.accepted = False  # the frontend has answered on this socket
+        self.broken = False  # a send found no connection to queue on
+        self._next_beat = 0.0
+        self._next_retry = 0.0
+
+    # ---- the socket ----
+
+    def open(self, now: float) -> None:
+        """Connect a new DEALER and say READY on it."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self._identity.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._key_dir is not None:
+            keys.make_curve_client(sock, self._key_dir)
+        self._opened += 1
+        self._monitor = sock.get_monitor_socket(
+            _MONITORED, f"inproc://batchd-link-{id(self)}-{self._opened}"
+        )
+        sock.connect(self.endpoint)
+        self.socket, self._handshake, self._disconnected = sock, None, False
+        self.accepted = self.broken = False
+        self._next_retry = now + RETRY_S
+        self.send(self._ready)
+
+    def close(self, now: float | None = None) -> None:
+        """Close the socket. With `now` (at exit), a frontend that is answering gets
+        LINGER_MS to take what is queued; otherwise what is queued is dropped."""
+        if self.socket is None:
+            return
+        answering = (
+            now is not None and self.accepted and not self.broken and now - self.heard <= RETRY_S
+        )
+        linger = LINGER_MS if answering else 0
+        self.socket.disable_monitor()
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+        self.socket.close(linger=linger)
+        self.socket = self._monitor = None
+
+    def send(self, parts: list[Any], copy: bool = True) -> bool:
+        """Queue a message without waiting; False if there is no connection to queue on."""
+        assert self.socket is not None
+        try:
+            self.socket.send_multipart(parts, zmq.NOBLOCK, copy=copy)
+        except zmq.Again:
+            self.broken = True
+            return False
+        return True
+
+    # ---- the loop's calls ----
+
+    def receive(self, now: float) -> tuple[wire.Header, list[Any]] | None:
+        """The message waiting on the socket, if it is work (BATCH, LOAD, UNLOAD, STOP).
+        Anything the frontend sends shows it is there; what does not parse is dropped."""
+        assert self.socket is not None
+        parts = self.socket.recv_multipart(copy=False)
+        self.heard, self.accepted = now, True
+        self._next_retry = now + RETRY_S
+        try:
+            header, frames = wire.unpack(parts)
+        except Exception as e:  # anything the frontend sends is data, never a reason to exit
+            self._drop(type(e).__name__, f"{type(e).__name__}: {e}")
+            return None
+        if header.kind not in _FROM_FRONTEND:  # unknown kinds count as one: a bounded log
+            known = header.kind in _KIND_NAMES
+            name = wire.Header.Kind.Name(header.kind) if known else "unknown"
+            self._drop(name, f"kind {name} ({header.kind}), which no frontend sends")
+            return None
+        return None if header.kind == wire.Header.HEARTBEAT else (header, frames)
+
+    def tick(self, now: float) -> bool:
+        """Heartbeat, and register again after a silence. True if the socket was
+        replaced (the caller polls the new one)."""
+        if self.accepted and now >= self._next_beat:
+            self.send(_BEAT)
+            self._next_beat = now + wire.HEARTBEAT_INTERVAL_S
+        if now < self._next_retry:
+            return False
+        why = self._why_silent()
+        if self.accepted and not self.broken:  # it answered on this socket before
+            log.warning(
+                "frontend %s silent for %.0f s (%s); saying READY again",
+                self.endpoint,
+                now - self.heard,
+                why,
+            )
+            self.send(self._ready)
+            self._next_retry = now + RETRY_S
+            return False
+        log.warning(
+            "not accepted by frontend %s: %s; trying again every %.0f s",
+            self.endpoint,
+            why,
+            RETRY_S,
+        )
+        self.close()
+        self.open(now)
+        return True
+
+    # ---- what to say ----
+
+    def _drop(self, kind: str, what: str) -> None:
+        seen = self._malformed[kind] = self._malformed.get(kind, 0) + 1
+        if seen == 1:
+            log.warning(
+                "frontend %s sent a malformed message (%s); dropped. Further ones of "
+                "this kind are counted at DEBUG",
+                self.endpoint,
+                what[:200],
+            )
+        else:
+            log.debug("malformed message %d of kind %s dropped: %s", seen, kind, what[:200])
+
+    def _why_silent(self) -> str:
+        """What the socket's monitor says about the last handshake."""
+        assert self._monitor is not None
+        while True:
+            try:
+                message = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            event = int(message["event"])
+            self._disconnected = event == zmq.EVENT_DISCONNECTED
+            if event & _HANDSHAKE:
+                self._handshake = (event, int(message["value"]))
+        if self._handshake is None:
+            return "no connection made (is a frontend listening there?)"
+        event, value = self._handshake
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._disconnected:
+            return "the connection was lost (is the frontend running?)"
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return "connected, but the frontend has not answered"
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (
+                f"it refused this worker's CURVE key (ZAP status {value}): the frontend "
+                "accepts only the worker keys in its --worker-keys DIR/authorized/"
+            )
+        if self._key_dir is None:
+            return (
+                "the handshake failed: a frontend started with --worker-keys accepts only "
+                "workers started with --worker-keys DIR"
+            )
+        return (
+            f"the CURVE handshake failed (is {self._key_dir / 'server.key'} the public key "
+            "of this frontend, and was it started with --worker-keys?)"
+        )
