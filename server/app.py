@@ -58,7 +58,9 @@ async def _track_health(health: HealthServicer, service: InferenceService, core:
                 log.info(
                     "model %s is %s",
                     name,
-                    "ready" if ready else "NOT ready (no live worker)",
+                    "ready"
+                    if ready
+                    else f"NOT ready ({core.load_error(name) or 'no live worker'})",
                     extra={"model": name},
                 )
                 await health.set(name, serving if ready else not_serving)

@@ -67,6 +67,7 @@ class ModelControl:
         self._scheduler = scheduler
         self._changed = changed
         self._pump_soon = pump_soon
+        self.broken: dict[str, str] = {}  # key -> why no worker could load that version
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -90,6 +91,26 @@ class ModelControl:
         cfg = self.current.get(name)
         return cfg is not None and self._pool.model_ready(cfg.key)
 
+    def load_error(self, name: str) -> str | None:
+        """Why model `name` cannot be served: every worker that may run its current
+        version tried to load it and failed (and none is still trying)."""
+        cfg = self.current.get(name)
+        return None if cfg is None else self.broken.get(cfg.key)
+
+    def _judge(self, key: str) -> None:
+        """Whether version `key` is broken: no worker has it, none is loading it, and
+        some worker said why it could not. Its queued requests then fail at once."""
+        workers = self._pool.workers()
+        errors = [f"{w.name}: {w.load_errors[key]}" for w in workers if key in w.load_errors]
+        loading = any(key in w.loads and not w.loads[key].done() for w in workers)
+        if errors and not loading and not self._pool.model_ready(key):
+            name = key.rpartition("@")[0]
+            self.broken[key] = f"model {name!r} could not be loaded: {'; '.join(errors)}"
+            if self._scheduler.has(key):
+                self._scheduler.fail_queued(key, Unavailable(self.broken[key]))
+        else:
+            self.broken.pop(key, None)
+
     # ---- the load protocol ----
 
     def worker_ready(self, worker: WorkerHandle) -> None:
@@ -97,6 +118,7 @@ class ModelControl:
         for cfg in [*self.current.values(), *self._loading.values()]:
             if worker.accepts(cfg.name):
                 self._load_on(worker, cfg)
+                self._judge(cfg.key)  # loading again: not broken while it tries
         self._log_if_ready(worker)
 
     def _load_on(self, worker: WorkerHandle, model: ModelConfig) -> asyncio.Future[str]:
@@ -115,6 +137,7 @@ class ModelControl:
             return
         if header.error:
             del worker.loads[key]
+            worker.load_errors[key] = header.error
             log.error(
                 "worker %s could not load model %s version %s: %s",
                 worker.name,
@@ -125,7 +148,9 @@ class ModelControl:
             )
         else:
             worker.models.add(key)
+            worker.load_errors.pop(key, None)
         fut.set_result(header.error)
+        self._judge(key)
         self._log_if_ready(worker)
         self._changed()
         self._pump_soon()
@@ -134,6 +159,8 @@ class ModelControl:
         for fut in worker.loads.values():
             if not fut.done():
                 fut.set_result(f"worker {worker.name} was lost while loading: {reason}")
+        for key in {*worker.loads, *worker.load_errors}:
+            self._judge(key)
 
     def _unload_everywhere(self, model: ModelConfig) -> None:
         """Every worker drops `model` (a version nothing is queued for or running)."""
@@ -191,13 +218,17 @@ class ModelControl:
             finally:
                 del self._loading[name]
             failed = [f"{w.name}: {e}" for w, e in zip(workers, errors, strict=True) if e]
+            old = self.current.get(name)
             if failed:
                 self._unload_everywhere(cfg)
-                raise ModelFailed(
-                    f"model {name!r} failed to load; the version serving before stays: "
-                    + "; ".join(failed)
+                for w in workers:
+                    w.load_errors.pop(cfg.key, None)  # that version is gone
+                before = (
+                    f"version {old.version} serving before stays"
+                    if old is not None
+                    else "no version of it serves"
                 )
-            old = self.current.get(name)
+                raise ModelFailed(f"model {name!r} failed to load; {before}: " + "; ".join(failed))
             self._install(cfg)
             log.info(
                 "model %s version %s loaded on %d worker(s)%s",
@@ -260,10 +291,8 @@ class ModelControl:
             if name in self._loading:
                 continue
             ready = self._pool.model_ready(cfg.key)
+            reason = "" if ready else self.broken.get(cfg.key, "no live worker serves it")
             entries[name] = IndexEntry(
-                name,
-                cfg.version,
-                "READY" if ready else "UNAVAILABLE",
-                "" if ready else "no live worker serves it",
+                name, cfg.version, "READY" if ready else "UNAVAILABLE", reason
             )
         return sorted(entries.values(), key=lambda e: e.name)

@@ -33,7 +33,7 @@ from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import join_inputs, split_outputs
 from batchd.server.control import IndexEntry, ModelControl
-from batchd.server.errors import ModelFailed
+from batchd.server.errors import ModelFailed, Unavailable
 from batchd.server.link import WorkerLink
 from batchd.server.pool import Batch, Joined, WorkerHandle, WorkerPool
 from batchd.server.request import Request, Tensor
@@ -82,10 +82,18 @@ class Core:
         return self.scheduler.submit(request)
 
     def check_room(self, key: str) -> None:
+        """Raise before any decoding if the request cannot be queued: the version is
+        broken (no worker could load it: UNAVAILABLE) or its queue is full."""
+        if (broken := self.control.broken.get(key)) is not None:
+            raise Unavailable(broken)
         self.scheduler.check_room(key)
 
     def model_ready(self, name: str) -> bool:
         return self.control.ready(name)
+
+    def load_error(self, name: str) -> str | None:
+        """Why `name` cannot be served, when no worker could load it; else None."""
+        return self.control.load_error(name)
 
     async def load(self, name: str) -> ModelConfig:
         return await self.control.load(name)

@@ -40,6 +40,7 @@ class WorkerHandle:
     models: set[str] = field(default_factory=set)  # ModelConfig.key of each loaded version
     inflight: dict[int, Batch] = field(default_factory=dict)
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
+    load_errors: dict[str, str] = field(default_factory=dict)  # key -> why it did not load
     credits: int = 1  # batches it may hold at once
 
     @property

@@ -76,6 +76,8 @@ class Core(Protocol):
 
     def model_ready(self, name: str) -> bool: ...
 
+    def load_error(self, name: str) -> str | None: ...  # why no worker could load it
+
     async def load(self, name: str) -> ModelConfig: ...
 
     async def unload(self, name: str) -> None: ...
@@ -133,7 +135,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return cfg
 
     def ready(self) -> bool:
-        return not self.draining and all(self._core.model_ready(n) for n in self._models)
+        """The server is ready when every model is ready or has failed to load for
+        good (it is unready on its own, in ModelReady and its health service): one
+        broken model must not take the healthy ones out of a load balancer."""
+        core = self._core
+        return not self.draining and all(
+            core.model_ready(n) or core.load_error(n) is not None for n in self._models
+        )
 
     async def infer(
         self, msg: pb.ModelInferRequest, time_remaining: float | None

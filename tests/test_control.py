@@ -155,7 +155,7 @@ def test_a_version_that_fails_to_load_changes_nothing(server: ServerProcess, rep
         (repo / "spare" / "scale.txt").write_text("-1")
         with pytest.raises(InferenceFailed, match="refuses to load") as e:
             c.load_model("spare")
-        assert "version serving before stays" in str(e.value)
+        assert f"version {version[0]} serving before stays" in str(e.value)
         assert y(c, "spare", 2.0) == 6.0
         assert c.model_metadata("spare")["versions"] == version
         (repo / "spare" / "scale.txt").write_text("3.0")
@@ -218,3 +218,44 @@ def test_load_model_needs_explicit_model_control(repo: Path) -> None:
     )
     assert done.returncode == 2
     assert "--load-model nope: not in" in done.stderr
+
+
+def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) -> None:
+    """In the default mode, a model whose load() raises is unready on its own: the
+    server stays ready for the healthy one, the index names the load error, and a
+    request to it (with no deadline) gets UNAVAILABLE at once, naming the error."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    make_model(tmp_path / "repo", "broken", -1.0)
+    s = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start(ready=False)
+    try:
+        with Client(s.url) as c, grpc.insecure_channel(s.url) as ch:
+            index = lambda: {m["name"]: m for m in c.repository_index()}  # noqa: E731
+            wait_for(lambda: index()["broken"]["reason"] != "no live worker serves it", 60,
+                     "the failed load to be known")  # fmt: skip
+            wait_for(c.ready, 60, "ServerReady")
+            assert y(c, "scaled", 1.0) == 2.0
+            assert index()["broken"]["state"] == "UNAVAILABLE"
+            assert "refuses to load" in index()["broken"]["reason"]
+            assert not c.model_ready("broken") and c.model_ready("scaled")
+            health = health_pb2_grpc.HealthStub(ch)
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert health.Check(health_pb2.HealthCheckRequest(service="")).status == serving
+            assert health.Check(health_pb2.HealthCheckRequest(service="broken")).status != serving
+            msg = pb.ModelInferRequest(model_name="broken", raw_input_contents=[bytes(4)])
+            msg.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(msg)  # no deadline
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "refuses to load" in (e.value.details() or "")
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def test_a_first_load_that_fails_does_not_speak_of_a_version_before(
+    server: ServerProcess, repo: Path
+) -> None:
+    make_model(repo, "fresh", -1.0)
+    with Client(server.url) as c, pytest.raises(InferenceFailed) as e:
+        c.load_model("fresh")
+    assert "refuses to load" in str(e.value) and "serving before" not in str(e.value)
+    assert "no version of it serves" in str(e.value)

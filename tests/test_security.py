@@ -61,6 +61,9 @@ class _NoWorkers:
     def model_ready(self, name: str) -> bool:
         return False
 
+    def load_error(self, name: str) -> str | None:
+        return None
+
     async def load(self, name: str) -> ModelConfig:
         raise NotAllowed("model control is disabled")
 

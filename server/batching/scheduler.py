@@ -168,6 +168,9 @@ class Scheduler:
         """Requests waiting for any version of `model`."""
         return sum(len(q) for q in self._queues.values() if q.config.name == model)
 
+    def has(self, key: str) -> bool:
+        return key in self._queues
+
     def queued_version(self, key: str) -> int:
         return len(self._queues[key])
 
