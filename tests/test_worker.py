@@ -18,7 +18,7 @@ import torch
 import zmq
 
 from batchd.protos import wire
-from batchd.protos.model_config import load_model_config, model_key
+from batchd.protos.model_config import find_model, load_model_config, model_key
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch
@@ -235,3 +235,54 @@ def test_no_worker_class_shares_a_name_with_a_server_class() -> None:
         }
 
     assert classes("worker") & classes("server") == set()
+
+
+BESIDE = """
+from pathlib import Path
+
+assert Path(__file__).is_absolute(), __file__  # documented: model.py's absolute path
+
+
+def load(device):
+    scale = float((Path(__file__).parent / "scale.txt").read_text())
+    return lambda x: x * scale
+"""
+RELATIVE = """
+def load(device):
+    with open("scale.txt") as f:  # resolves against the worker's working directory
+        scale = float(f.read())
+    return lambda x: x * scale
+"""
+
+
+def _scaled(repo: Path, name: str, code: str) -> None:
+    d = repo / name
+    d.mkdir(parents=True)
+    (d / "model.toml").write_text(TOML)
+    (d / "model.py").write_text(code)
+    (d / "scale.txt").write_text("3\n")
+
+
+def test_model_py_finds_the_files_beside_it_through___file__(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _scaled(tmp_path / "repo", "beside", BESIDE)
+    monkeypatch.chdir(tmp_path)  # the repository given relative, as `--model-repository repo`
+    cfg = find_model(Path("repo"), "beside")
+    tensors, frames = batch(X)
+    headers, out = run_batch(load_model(cfg, CPU), cfg, CPU, tensors, frames)
+    assert from_raw("FP32", headers[0].shape, bytes(out[0])).tolist() == (X * 3).tolist()
+
+
+def test_a_relative_path_that_misses_a_file_beside_model_py_says_how_to_find_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _scaled(tmp_path / "repo", "relative", RELATIVE)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # the worker's working directory
+    cfg = find_model(tmp_path / "repo", "relative")
+    with pytest.raises(FileNotFoundError) as info:
+        load_model(cfg, CPU)
+    message = str(info.value)
+    assert "'scale.txt'" in message and str(tmp_path / "elsewhere") in message
+    assert "Path(__file__).parent / 'scale.txt'" in message

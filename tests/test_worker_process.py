@@ -38,10 +38,17 @@ def _repository(tmp_path: Path) -> Path:
     for name, code in {
         "plus1": "def load(device):\n    return lambda x: x + 1\n",
         "broken": "def load(device):\n    raise RuntimeError('no weights here')\n",
+        # a data file beside model.py, read the documented way and by a relative path
+        "beside": "from pathlib import Path\n\ndef load(device):\n"
+        "    n = float((Path(__file__).parent / 'n.txt').read_text())\n"
+        "    return lambda x: x + n\n",
+        "relative": "def load(device):\n    n = float(open('n.txt').read())\n"
+        "    return lambda x: x + n\n",
     }.items():
         (repo / name).mkdir(parents=True)
         (repo / name / "model.toml").write_text(TOML)
         (repo / name / "model.py").write_text(code)
+        (repo / name / "n.txt").write_text("5")
     return repo
 
 
@@ -98,12 +105,12 @@ class Frontend:
         assert loaded.model == model
         return loaded
 
-    def infer(self, batch_id: int, x: np.ndarray) -> np.ndarray:
+    def infer(self, batch_id: int, x: np.ndarray, model: str = "plus1") -> np.ndarray:
         datatype, shape, raw = to_raw(x)
         tensor = wire.Tensor(name="X", datatype=datatype, shape=shape)
         self.send_header(
             wire.Header(
-                kind=wire.Header.BATCH, batch_id=batch_id, model="plus1", version="1",
+                kind=wire.Header.BATCH, batch_id=batch_id, model=model, version="1",
                 tensors=[tensor],
             ),
             (raw,),
@@ -158,6 +165,16 @@ def test_a_malformed_frame_is_logged_once_per_kind_dropped_and_serving_goes_on(
         lines = [line for line in log.splitlines() if "malformed" in line and kind in line]
         assert len(lines) == 1, f"{kind}: {lines}\n{log}"
         assert " WARNING " in lines[0] and "dropped" in lines[0]
+    assert frontend.stop() == 0, frontend.log()
+
+
+def test_model_py_reads_files_beside_it_by___file__(frontend: Frontend) -> None:
+    """The worker runs in the test's working directory, not the model's folder."""
+    assert frontend.load("beside").error == ""
+    assert frontend.infer(2, X, "beside").tolist() == (X + 5).tolist()
+    error = frontend.load("relative").error  # a relative path: the error says what to do
+    assert error.startswith("FileNotFoundError: ") and "not beside model.py" in error
+    assert "open Path(__file__).parent / 'n.txt'" in error
     assert frontend.stop() == 0, frontend.log()
 
 

@@ -1,6 +1,10 @@
 """Loading a model artifact into a callable on a device.
 
-    model.py   the operator's code: `load(device: torch.device) -> callable`
+    model.py   the operator's code: `load(device: torch.device) -> callable`.
+               Its `__file__` is its absolute path: files beside it are
+               `Path(__file__).parent / "weights.bin"`. A relative path resolves
+               against the worker's working directory, as anywhere in Python;
+               when a file missing there lies beside model.py, the error says so.
     model.pt   TorchScript (torch.jit.load)
     model.pt2  torch.export program (torch.export.load(...).module())
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,20 +37,43 @@ log = logging.getLogger("batchd.worker")
 
 def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     module_name = f"batchd_model_{cfg.name}"
-    spec = importlib.util.spec_from_file_location(module_name, cfg.artifact)
+    # __file__ is absolute whatever --model-repository was: Path(__file__).parent is
+    # the model's folder. The working directory is not changed for the load: it is
+    # the whole process's, and the I/O thread runs on while the compute thread loads
+    # (it reconnects relative ipc:// paths and re-reads --worker-keys DIR when it opens
+    # a new socket); the model's forward would also see another directory than load.
+    spec = importlib.util.spec_from_file_location(module_name, cfg.artifact.absolute())
     if spec is None or spec.loader is None:
         raise ImportError(f"{cfg.artifact}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    load = getattr(module, "load", None)
-    if not callable(load):
-        raise TypeError(f"{cfg.artifact}: defines no load(device) function")
-    fn = load(device)
+    try:
+        spec.loader.exec_module(module)
+        load = getattr(module, "load", None)
+        if not callable(load):
+            raise TypeError(f"{cfg.artifact}: defines no load(device) function")
+        fn = load(device)
+    except FileNotFoundError as e:
+        _explain_relative_path(cfg, e)
+        raise
     if not callable(fn):
         raise TypeError(
             f"{cfg.artifact}: load(device) returned {type(fn).__name__}, expected a callable"
         )
     return fn  # type: ignore[no-any-return]
+
+
+def _explain_relative_path(cfg: ModelConfig, e: FileNotFoundError) -> None:
+    """Raise a FileNotFoundError that says how to reach the file if model.py opened,
+    by a relative path, a file that is missing from the working directory but lies
+    beside model.py."""
+    name = e.filename
+    if not isinstance(name, str) or os.path.isabs(name):
+        return
+    if (cfg.artifact.parent / name).exists():
+        raise FileNotFoundError(
+            f"{cfg.artifact}: {name!r} was looked for in the worker's working directory "
+            f"{os.getcwd()}, not beside model.py; open Path(__file__).parent / {name!r}"
+        ) from e
 
 
 def _eval(module: Any) -> ModelFn:
