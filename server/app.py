@@ -148,7 +148,7 @@ def _build(
         Collector(
             core.models,
             core.stats,
-            core.scheduler.queued,
+            core.scheduler.pending,
             lambda: [
                 WorkerView(w.name, w.name.split("#")[0], w.info.device, True)
                 for w in core.pool.workers()

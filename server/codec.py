@@ -181,19 +181,26 @@ def _queue_deadline(msg: pb.ModelInferRequest, now: float, default_us: int) -> f
 
 
 def _level(msg: pb.ModelInferRequest, model: ModelConfig) -> int:
-    """The 0-based priority level: parameter `priority` 1 (highest) .. priority_levels."""
+    """The 0-based priority level from parameter `priority`: 0 (or none) is the model's
+    default_priority_level, 1 the highest, priority_levels the lowest. A model without
+    priority levels ignores it (as Triton does), but not a value that is no level."""
     levels = model.batching.priority_levels
-    value = _int_param(msg, "priority", "level")
+    if "priority" not in msg.parameters:
+        value = 0
+    else:
+        p = msg.parameters["priority"]
+        kind = p.WhichOneof("parameter_choice")
+        value = int(p.int64_param if kind == "int64_param" else p.uint64_param)
+        top = f"1 (highest) to {levels}" if levels else "1 (highest) and up"
+        if kind not in ("int64_param", "uint64_param") or value < 0 or (levels and value > levels):
+            got = value if kind in ("int64_param", "uint64_param") else kind or "nothing"
+            raise InvalidInput(
+                f"parameter 'priority': model {model.name!r} takes 0 (its default level, "
+                f"{model.batching.default_priority_level or 'none'}) or a level {top}, got {got}"
+            )
     if not levels:
-        return 0  # a model without priority levels ignores the parameter, as Triton does
-    if not value:
-        return model.batching.default_priority_level - 1
-    if value > levels:
-        raise InvalidInput(
-            f"parameter 'priority': model {model.name!r} has levels 1 (highest) to {levels}, "
-            f"got {value}"
-        )
-    return value - 1
+        return 0
+    return (value or model.batching.default_priority_level) - 1
 
 
 def _decode_inputs(

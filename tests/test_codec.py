@@ -134,3 +134,37 @@ def test_a_response_larger_than_a_message_may_be_is_refused_before_it_is_built()
     with pytest.raises(ResponseTooLarge, match=r"264 bytes, more than a response may carry \(100"):
         encode_response(request, _results(), max_bytes=100)
     assert ResponseTooLarge.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+PRIO = dataclasses.replace(
+    EMBED,
+    batching=dataclasses.replace(EMBED.batching, priority_levels=3, default_priority_level=2),
+)
+
+
+def _with_priority(value: int | None) -> pb.ModelInferRequest:
+    msg = _text_request()
+    if value is not None:
+        msg.parameters["priority"].int64_param = value
+    return msg
+
+
+@pytest.mark.parametrize(("value", "level"), [(None, 1), (0, 1), (1, 0), (3, 2)])
+def test_priority_0_or_none_is_the_default_level(value: int | None, level: int) -> None:
+    assert decode_request(_with_priority(value), PRIO, now=0.0).level == level
+
+
+@pytest.mark.parametrize("value", [-1, 4])
+def test_a_priority_that_is_no_level_is_refused_saying_what_is(value: int) -> None:
+    with pytest.raises(InvalidInput) as e:
+        decode_request(_with_priority(value), PRIO, now=0.0)
+    assert e.value.message == (
+        "parameter 'priority': model 'embed' takes 0 (its default level, 2) or a level "
+        f"1 (highest) to 3, got {value}"
+    )
+
+
+def test_a_model_without_levels_ignores_a_priority_but_not_a_negative_one() -> None:
+    assert decode_request(_with_priority(7), EMBED, now=0.0).level == 0
+    with pytest.raises(InvalidInput, match=r"takes 0 \(its default level, none\).*got -1"):
+        decode_request(_with_priority(-1), EMBED, now=0.0)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchd.client import Client, InvalidInput
+from batchd.client import Client, DeadlineExceeded, InvalidInput
 from batchd.protos._pool import slow_backend
-from tests.servers import EXAMPLES, ServerProcess
+from tests.conftest import Gate
+from tests.servers import EXAMPLES, ServerProcess, wait_for
 
 
 def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -54,11 +56,40 @@ def test_metrics_count_known_traffic_exactly(test_server: ServerProcess) -> None
     assert delta("batchd_batch_size_bucket", le="1.0", **m) == 5
     assert delta("batchd_batch_size_bucket", le="4.0", **m) == 6
     assert value(after, "batchd_inference_pending_request_count", **m) == 0
-    assert delta("batchd_inference_queue_duration_us_total", **m) >= 0
+    assert delta("batchd_inference_queue_duration_us_total", **m) > 0
     assert delta("batchd_inference_compute_infer_duration_us_total", **m) > 0
     up = [k for k, v in after.items() if k[0] == "batchd_worker_up" and v == 1.0]
     assert len(up) == 1
     assert delta("batchd_frontend_loop_busy_seconds_total") > 0  # the loop served all that
+
+
+def test_callers_whose_deadline_passed_are_counted_so_and_pending_no_more(
+    unstaged_server: ServerProcess, gate: Gate
+) -> None:
+    """Two callers give up (their 1 s deadline passes) while queued behind a held
+    batch: they count as `deadline` failures, not `cancelled`, and the pending
+    gauge drops to 0 at once, not when their dead entries are swept."""
+    m = {"model": "gated", "version": "1"}
+    before = scrape(unstaged_server)
+    gate.close()
+    with Client(unstaged_server.url) as c, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(c.infer, "gated", {"X": np.array([[1.0]], np.float32)}, timeout=60)
+        wait_for(lambda: len(gate.calls(log="entered")) == 1, 30, "the held batch to start")
+        for _ in range(2):
+            with pytest.raises(DeadlineExceeded):
+                c.infer("gated", {"X": np.array([[2.0]], np.float32)}, timeout=1.0)
+
+        def failed(reason: str) -> float:
+            after = scrape(unstaged_server)
+            return value(after, "batchd_inference_request_failure_total", reason=reason, **m) - (
+                value(before, "batchd_inference_request_failure_total", reason=reason, **m)
+            )
+
+        wait_for(lambda: failed("deadline") + failed("cancelled") == 2, 30, "both counted")
+        assert failed("deadline") == 2 and failed("cancelled") == 0
+        assert value(scrape(unstaged_server), "batchd_inference_pending_request_count", **m) == 0
+        gate.open()
+        assert held.result(60)["Y"][0, 0] == 2.0  # gated doubles X
 
 
 def test_metrics_endpoint_answers_only_metrics(test_server: ServerProcess) -> None:

@@ -165,8 +165,21 @@ class Scheduler:
         assert not len(q), f"{key} removed with {len(q)} requests queued"
 
     def queued(self, model: str) -> int:
-        """Requests waiting for any version of `model`."""
+        """Entries waiting for any version of `model` (cancelled or expired ones too,
+        until they are swept: cheap, for admission)."""
         return sum(len(q) for q in self._queues.values() if q.config.name == model)
+
+    def pending(self, model: str) -> int:
+        """Requests still waiting for any version of `model`: not those whose caller
+        left or whose deadline passed (a walk over the queue: for metrics)."""
+        now = self._clock()
+        return sum(
+            not _dead(r, now)
+            for q in self._queues.values()
+            if q.config.name == model
+            for level in q.levels
+            for r in level
+        )
 
     def has(self, key: str) -> bool:
         return key in self._queues
