@@ -4,7 +4,7 @@
 #
 #   bench/perf_analyzer.sh [MODEL] [CONCURRENCY_RANGE]     e.g. bench/perf_analyzer.sh mlp 1:32:31
 #
-# perf_analyzer comes from ../shared/tools/get-perf-analyzer (PA_DIR, default .perf_analyzer).
+# perf_analyzer comes from bench/get-perf-analyzer (PA_DIR, default .perf_analyzer).
 # Prints perf_analyzer's report, which includes the server's inference and execution
 # counts: average batch size = inference count / execution count.
 set -euo pipefail
@@ -13,7 +13,7 @@ MODEL=${1:-mlp}
 RANGE=${2:-1:32:31}
 PORT=${PORT:-18001}
 PA_DIR=${PA_DIR:-.perf_analyzer}
-PA=$(../shared/tools/get-perf-analyzer "$PA_DIR")
+PA=$(bench/get-perf-analyzer "$PA_DIR")
 make -s install
 .venv/bin/batchd serve --model-repository examples/models --workers 1 --threads-per-worker 1 \
     --grpc-port "$PORT" --log-level WARNING &

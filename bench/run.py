@@ -159,7 +159,7 @@ def main() -> None:
         args.pa
         or subprocess.run(
             [
-                str(ROOT.parent / "shared" / "tools" / "get-perf-analyzer"),
+                str(ROOT / "bench" / "get-perf-analyzer"),
                 str(ROOT / ".perf_analyzer"),
             ],
             check=True,
