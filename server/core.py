@@ -35,8 +35,8 @@ from batchd.server.batching.split_join import join_inputs, split_outputs
 from batchd.server.control import IndexEntry, ModelControl
 from batchd.server.errors import ModelFailed, Unavailable
 from batchd.server.link import WorkerLink
-from batchd.server.pool import Batch, Joined, WorkerHandle, WorkerPool
-from batchd.server.request import Request, Tensor
+from batchd.server.pool import Joined, WorkerHandle, WorkerPool
+from batchd.server.request import Batch, Request, Tensor
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Launch, Supervisor
 

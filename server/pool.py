@@ -19,16 +19,7 @@ from dataclasses import dataclass, field
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
-from batchd.server.request import Request
-
-
-@dataclass(eq=False, slots=True)
-class Batch:
-    id: int
-    model: ModelConfig
-    requests: list[Request]
-    sent_at: float
-    suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
+from batchd.server.request import Batch, Request
 
 
 @dataclass(eq=False)

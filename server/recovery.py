@@ -23,8 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from batchd.server.errors import ModelFailed
-from batchd.server.pool import Batch
-from batchd.server.request import Request
+from batchd.server.request import Batch, Request
 
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
 

@@ -64,3 +64,14 @@ class Request:
         self.length = max(
             (t.shape[1] for t, s in zip(self.inputs, specs, strict=True) if s.ragged), default=0
         )
+
+
+@dataclass(eq=False, slots=True)
+class Batch:
+    """Requests sent together to one worker: an entry of the pool's in-flight table."""
+
+    id: int
+    model: ModelConfig
+    requests: list[Request]
+    sent_at: float
+    suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
