@@ -7,10 +7,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from batchd.protos.model_config import ModelConfig
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
 
 # Byte offsets where each row of a tensor starts, plus its length: a range for
 # fixed-size types, an array for BYTES.
@@ -42,7 +48,7 @@ class Request:
     # deadline: gRPC does not enforce it, so the scheduler arms a timer.
     queue_timeout: bool = False
     arrival: float = 0.0  # monotonic seconds, set on admission
-    timer: asyncio.TimerHandle | None = None
+    timer: Cancellable | None = None  # its queue timeout's, while it is queued
     attempts: int = 0  # batches of this request whose worker was lost
     suspect: bool = False  # its batch failed: it rides alone until it is answered
     level: int = 0  # priority level index: 0 is priority 1, the highest

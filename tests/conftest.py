@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import math
 import shutil
@@ -8,9 +9,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 
-from batchd.protos.model_config import BatchingConfig, ModelConfig, TensorSpec
+from batchd.protos.model_config import BatchingConfig, BatchInputSpec, ModelConfig, TensorSpec
 from batchd.server.request import Request, Tensor
 from tests.certs import make_certs, write_tokens
 from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
@@ -51,11 +53,99 @@ class Clock:
         return self.now
 
 
+class FakeTimer:
+    """The scheduler's timers on a Clock the test moves: nothing fires by itself;
+    `run_due` runs what is due now, `advance` moves the clock and runs each timer
+    at its own time, in order."""
+
+    class _Handle:
+        def __init__(self) -> None:
+            self.cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._due: list[tuple[float, int, Callable[[], None], FakeTimer._Handle]] = []
+        self._seq = 0
+
+    def at(self, when: float, callback: Callable[[], None]) -> FakeTimer._Handle:
+        handle = FakeTimer._Handle()
+        self._seq += 1
+        heapq.heappush(self._due, (when, self._seq, callback, handle))
+        return handle
+
+    def pending(self) -> list[float]:
+        return sorted(when for when, _, _, h in self._due if not h.cancelled)
+
+    def run_due(self) -> int:
+        fired = 0
+        while self._due and self._due[0][0] <= self.clock.now:
+            _, _, callback, handle = heapq.heappop(self._due)
+            if not handle.cancelled:
+                fired += 1
+                callback()
+        return fired
+
+    def advance(self, seconds: float) -> None:
+        end = self.clock.now + seconds
+        while (due := self.pending()) and due[0] <= end:
+            self.clock.now = max(self.clock.now, due[0])
+            self.run_due()
+        self.clock.now = end
+
+
 def run(coro_fn: Callable[[], Awaitable[T]]) -> T:
     async def main() -> T:
         return await coro_fn()
 
     return asyncio.run(main())
+
+
+NOW = 100.0
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop that is not running: futures for requests built by hand."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def ragged_model(**batching: object) -> ModelConfig:
+    return ModelConfig(
+        name="text",
+        directory=Path("."),
+        artifact=Path("model.py"),
+        platform="python",
+        max_batch_size=8,
+        inputs=(TensorSpec("IDS", "INT64", (-1,), ragged=True, pad_value=0),),
+        outputs=(TensorSpec("OUT", "FP32", (-1,), ragged_like="IDS"),),
+        batching=BatchingConfig(**batching),  # type: ignore[arg-type]
+        batch_inputs=(
+            BatchInputSpec("MASK", "mask", "IDS"),
+            BatchInputSpec("LEN", "lengths", "IDS"),
+        ),
+    )
+
+
+def text(
+    cfg: ModelConfig,
+    loop: asyncio.AbstractEventLoop,
+    length: int,
+    rows: int = 1,
+    level: int = 0,
+    arrival: float = NOW,
+    start: int = 1,
+) -> Request:
+    ids = np.arange(start, start + rows * length, dtype=np.int64).reshape(rows, length)
+    r = Request(
+        cfg, "", [Tensor("IDS", "INT64", ids.shape, ids.tobytes())], ("OUT",), rows, math.inf
+    )
+    r.level, r.arrival, r.future = level, arrival, loop.create_future()
+    return r
 
 
 # ---- the gated test models and the servers ----

@@ -19,6 +19,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
@@ -31,6 +32,27 @@ from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
 COMPACT_EVERY_S = 0.01  # a full queue is swept for dead entries at most this often
+
+
+class Handle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timer(Protocol):
+    """Calls `callback` once the scheduler's clock reaches `when` (a fake in tests)."""
+
+    def at(self, when: float, callback: Callable[[], None]) -> Handle: ...
+
+
+class LoopTimer:
+    """The event loop's timers, on the scheduler's clock."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+
+    def at(self, when: float, callback: Callable[[], None]) -> Handle:
+        loop = asyncio.get_running_loop()
+        return loop.call_at(loop.time() + max(0.0, when - self._clock()), callback)
 
 
 class Dispatch(Protocol):
@@ -146,12 +168,14 @@ class Scheduler:
         dispatch: Dispatch,
         clock: Callable[[], float] = time.monotonic,
         saturated: Callable[[], bool] = lambda: False,  # loopload.LoopLoad in the server
+        timer: Timer | None = None,  # None: the event loop's, on `clock`
     ) -> None:
         self._dispatch = dispatch
         self._clock = clock
+        self._timers = timer or LoopTimer(clock)
         self._saturated = saturated
         self._queues: dict[str, ModelQueue] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: Handle | None = None
         self._timer_at = math.inf
         self._turn = 0  # which queue a full pump offers capacity first: models take turns
 
@@ -211,9 +235,7 @@ class Scheduler:
             part.future = loop.create_future()
             q.levels[part.level].append(part)
             if part.queue_timeout:
-                part.timer = loop.call_at(
-                    loop.time() + (part.deadline - now), self._expire_queued, part
-                )
+                part.timer = self._timers.at(part.deadline, partial(self._expire_queued, part))
         self.pump(q)
         if len(parts) == 1:
             return parts[0].future
@@ -302,7 +324,7 @@ class Scheduler:
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
-        self._arm(wake, now, earlier_only=only is not None)
+        self._arm(wake, earlier_only=only is not None)
 
     def _in_turn(self) -> list[ModelQueue]:
         """Every queue, from the one after the last that sent a batch in a full pump:
@@ -337,7 +359,7 @@ class Scheduler:
             return False  # its deadline may need the batch to leave before the timer fires
         return sum(r.rows for r in level) < q.cap
 
-    def _arm(self, wake: float, now: float, earlier_only: bool = False) -> None:
+    def _arm(self, wake: float, earlier_only: bool = False) -> None:
         # After one queue's pump the others' wake-ups are unknown: keep an earlier
         # timer (when it fires, a full pump re-arms for all).
         if wake == self._timer_at or (earlier_only and wake > self._timer_at):
@@ -347,8 +369,7 @@ class Scheduler:
             self._timer = None
         self._timer_at = wake
         if wake != math.inf:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(loop.time() + max(0.0, wake - now), self._on_timer)
+            self._timer = self._timers.at(wake, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, math.inf

@@ -1,72 +1,21 @@
-"""The batching decision and the scheduler around it, with a fake clock and a
-fake dispatcher: no processes, no sleeps (one in-process socket, for a send
-the dispatcher's socket refuses)."""
+"""scheduler.py: admission, the bounded queues and the shell around plan and
+decision, with a fake clock, fake timers and a fake core: no processes, no
+sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import replace
 
 import pytest
 
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, Capacity, Send, Wait, decide
-from batchd.server.batching.decision import NO_CAPACITY as FULL
-from batchd.server.batching.plan import Plan
+from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull
 from batchd.server.request import Request
-from tests.conftest import Clock, model, request, run
-
-
-def plan(rows: int = 1, full: bool = False, preferred: bool = False, oldest: float = 5.0) -> Plan:
-    return Plan([], rows, 0, full, preferred, oldest)
-
-
-def test_empty_queue_waits_for_an_event() -> None:
-    assert decide(5.0, None, IDLE, 0.01) == Wait(None)
-
-
-def test_idle_worker_takes_the_queue_at_once() -> None:
-    p = plan()
-    assert decide(5.0, p, IDLE, 0.01) == Send(p)
-
-
-def test_a_saturated_frontend_lets_batches_fill_even_for_an_idle_worker() -> None:
-    p, full = plan(3), plan(32, full=True)
-    assert decide(5.0, p, IDLE, 0.01, eager=False) == Wait(5.01)
-    assert decide(5.01, p, IDLE, 0.01, eager=False) == Send(p)
-    assert decide(5.0, full, IDLE, 0.01, eager=False) == Send(full)
-
-
-def test_a_saturated_frontend_keeps_no_request_waiting_past_its_deadline() -> None:
-    cfg = model()
-    hurried = Plan([request(cfg, deadline=5.015)], 1, 0, False, False, 5.0)
-    assert decide(5.0, hurried, IDLE, 0.01, eager=False) == Wait(5.005)
-    assert decide(5.005, hurried, IDLE, 0.01, eager=False) == Send(hurried)
-    assert decide(5.005, hurried, BUSY_WITH_CREDIT, 0.01, eager=False) == Wait(5.01)
-
-
-def test_no_credit_means_wait_whatever_the_queue() -> None:
-    assert decide(9.0, plan(64, full=True, oldest=1.0), FULL, 0.01) == Wait(None)
-
-
-def test_busy_worker_gets_a_staged_batch_only_when_full_or_preferred() -> None:
-    assert decide(5.0, plan(31), BUSY_WITH_CREDIT, 0.01) == Wait(5.01)
-    full, preferred = plan(32, full=True), plan(8, preferred=True)
-    assert decide(5.0, full, BUSY_WITH_CREDIT, 0.01) == Send(full)
-    assert decide(5.0, preferred, BUSY_WITH_CREDIT, 0.01) == Send(preferred)
-
-
-def test_busy_worker_gets_a_partial_batch_once_the_delay_ran_out() -> None:
-    p = plan(3)
-    assert decide(5.0099, p, BUSY_WITH_CREDIT, 0.01) == Wait(5.01)
-    assert decide(5.01, p, BUSY_WITH_CREDIT, 0.01) == Send(p)
-
-
-# ---- the queue and the scheduler ----
+from tests.conftest import Clock, FakeTimer, model, request, run
 
 
 class FakeDispatch:
@@ -81,16 +30,6 @@ class FakeDispatch:
         self.sent.append(requests)
         self.credits -= 1
         self.idle = max(0, self.idle - 1)
-
-
-class SignallingDispatch(FakeDispatch):
-    def __init__(self, idle: int = 1, credits: int = 2) -> None:
-        super().__init__(idle, credits)
-        self.sent_one = asyncio.Event()
-
-    def send(self, model: ModelConfig, requests: list[Request]) -> None:
-        super().send(model, requests)
-        self.sent_one.set()
 
 
 def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it() -> None:
@@ -165,7 +104,8 @@ def _play(
 
     async def body() -> list[tuple[int, list[str]]]:
         clock, dispatch, saturated = Clock(), FakeDispatch(idle=1, credits=1), [True]
-        s = Scheduler(dispatch, clock, saturated=lambda: saturated[0])
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, saturated=lambda: saturated[0], timer=timers)
         decides = s._arrival_changes_nothing
 
         def counted(*args: object) -> bool:
@@ -195,8 +135,8 @@ def _play(
                     sent.append((i, ["full"]))
             elif kind == "tick":
                 clock.now += x * 0.002
-                if s._timer_at <= clock.now and x < 0.7:  # else a busy loop runs it late
-                    s._on_timer()
+                if x < 0.7:  # else a busy loop runs what is due late
+                    timers.run_due()
             elif kind == "cancel" and s._queues[cfg.key].levels[0]:
                 s._queues[cfg.key].levels[0][0].future.cancel()
             elif kind == "free":
@@ -230,14 +170,16 @@ def test_skipping_the_planner_on_arrival_sends_what_planning_would(seed: int) ->
 def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
     async def body() -> None:
         clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)
-        s = Scheduler(dispatch, clock)
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, timer=timers)
         cfg = model(delay_us=10_000)
         s.add_model(cfg)
         r = request(cfg)
         s.submit(r)
+        assert dispatch.sent == [] and timers.pending() == [clock.now + 0.010]
+        timers.advance(0.009)
         assert dispatch.sent == []
-        clock.now += 0.010
-        s.pump()
+        timers.advance(0.001)  # the batch timer fires: nothing else happened
         assert dispatch.sent == [[r]]
 
     run(body)
@@ -249,8 +191,9 @@ def test_a_request_for_one_model_does_not_postpone_another_models_batch(quick_fi
     request is planned (it arms its own timer) even behind another's later timer."""
 
     async def body() -> None:
-        dispatch = SignallingDispatch(idle=0, credits=1)
-        s = Scheduler(dispatch)  # real clock: the timer must fire
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, timer=timers)
         quick = replace(model(delay_us=2_000), name="quick")
         slow = replace(model(delay_us=5_000_000), name="slow")
         s.add_model(quick)
@@ -258,8 +201,8 @@ def test_a_request_for_one_model_does_not_postpone_another_models_batch(quick_fi
         first = request(quick)
         for r in [first, request(slow)] if quick_first else [request(slow), first]:
             s.submit(r)
-        await asyncio.wait_for(dispatch.sent_one.wait(), 2)  # not after slow's 5 s
-        assert dispatch.sent == [[first]]
+        timers.advance(0.002)
+        assert dispatch.sent == [[first]]  # at quick's 2 ms, not slow's 5 s
 
     run(body)
 
@@ -333,13 +276,17 @@ def test_expired_and_cancelled_requests_never_reach_the_dispatcher() -> None:
 
 def test_queue_timeout_fires_without_any_other_event() -> None:
     async def body() -> None:
-        s = Scheduler(FakeDispatch(idle=0, credits=0))  # real clock: the timer must fire
+        clock = Clock()
+        timers = FakeTimer(clock)
+        s = Scheduler(FakeDispatch(idle=0, credits=0), clock, timer=timers)
         cfg = model()
         s.add_model(cfg)
-        r = request(cfg, deadline=time.monotonic() + 0.001)
+        r = request(cfg, deadline=clock.now + 0.001)
         r.queue_timeout = True
+        future = s.submit(r)
+        timers.advance(0.001)  # its own timer, and nothing else
         with pytest.raises(DeadlineExceeded):
-            await asyncio.wait_for(s.submit(r), 5)
+            future.result()
 
     run(body)
 

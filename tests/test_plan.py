@@ -1,0 +1,111 @@
+"""plan.py's rules on hand-built queues: priorities, starvation, shapes, the token
+budget, bucketing, preferred sizes."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+
+from batchd.protos.model_config import ModelConfig, TensorSpec
+from batchd.server.batching.plan import plan_batch
+from batchd.server.request import Request, Tensor
+from tests.conftest import NOW, ragged_model, text
+
+
+def levels_of(*requests: Request, count: int = 1) -> list[deque[Request]]:
+    levels: list[deque[Request]] = [deque() for _ in range(count)]
+    for r in requests:
+        levels[r.level].append(r)
+    return levels
+
+
+def replace_arrival(r: Request, arrival: float) -> Request:
+    r.arrival = arrival
+    return r
+
+
+def test_fifo_stops_at_the_first_request_that_does_not_fit(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model()
+    a, b, c = (text(cfg, loop, 4, rows) for rows in (5, 4, 1))
+    p = plan_batch(levels_of(a, b, c), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [a] and p.full  # c would fit, but not ahead of b
+
+
+def test_higher_priority_goes_first_fifo_within_a_level(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model(priority_levels=2, default_priority_level=2)
+    low = [text(cfg, loop, 4, level=1, arrival=NOW - 0.5 + i / 100) for i in range(3)]
+    high = [text(cfg, loop, 4, level=0, arrival=NOW - 0.2 + i / 100) for i in range(2)]
+    p = plan_batch(levels_of(*low, *high, count=2), NOW, 3, cfg.batching, 64)
+    assert p is not None and p.requests == [*high, low[0]]
+    assert p.oldest_arrival == high[0].arrival
+
+
+def test_a_starving_level_jumps_the_line(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model(priority_levels=2, default_priority_level=2, max_starvation_us=500_000)
+    starved = text(cfg, loop, 4, level=1, arrival=NOW - 0.6)
+    high = text(cfg, loop, 4, level=0, arrival=NOW - 0.1)
+    p = plan_batch(levels_of(starved, high, count=2), NOW, 1, cfg.batching, 64)
+    assert p is not None and p.requests == [starved]
+    fresh = replace_arrival(starved, NOW - 0.4)
+    p = plan_batch(levels_of(fresh, high, count=2), NOW, 1, cfg.batching, 64)
+    assert p is not None and p.requests == [high]
+
+
+def test_requests_of_other_shapes_never_join(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ModelConfig(
+        name="m",
+        directory=Path("."),
+        artifact=Path("model.py"),
+        platform="python",
+        max_batch_size=8,
+        inputs=(TensorSpec("X", "FP32", (-1,)),),
+        outputs=(TensorSpec("Y", "FP32", (-1,)),),
+    )
+
+    def req(width: int) -> Request:
+        r = Request(
+            cfg, "", [Tensor("X", "FP32", (1, width), b"\0" * 4 * width)], ("Y",), 1, math.inf
+        )
+        r.arrival, r.future = NOW, loop.create_future()
+        return r
+
+    a, b, c = req(2), req(3), req(2)
+    p = plan_batch(levels_of(a, b, c), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [a, c]
+
+
+def test_token_budget_bounds_rows_times_longest(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model(max_batch_tokens=40)
+    a, b, c = text(cfg, loop, 10), text(cfg, loop, 10), text(cfg, loop, 30)
+    p = plan_batch(levels_of(a, b, c), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [a, b] and p.full  # a+b+c: 3 x 30 = 90 > 40
+    alone = text(cfg, loop, 100)
+    p = plan_batch(levels_of(alone), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [alone]  # too long for the budget: it goes alone
+
+
+def test_bucketing_picks_the_nearest_lengths_to_the_oldest(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model(bucket_by_length=True, max_batch_tokens=4 * 50)
+    lengths = [50, 3, 200, 48, 7, 52, 49]
+    queue = [text(cfg, loop, n, arrival=NOW - 1 + i / 100) for i, n in enumerate(lengths)]
+    p = plan_batch(levels_of(*queue), NOW, 8, cfg.batching, 64)
+    assert p is not None
+    # 52 would make 4 x 52 > 200 tokens; 7 fits the budget but is not within 2x of 50
+    assert [r.length for r in p.requests] == [50, 49, 48]
+    assert p.padded_length == 50
+    fifo = plan_batch(levels_of(*queue), NOW, 8, replace(cfg.batching, bucket_by_length=False), 64)
+    assert fifo is not None and [r.length for r in fifo.requests] == [50, 3]
+
+
+def test_preferred_size_cuts_the_batch_and_may_leave_at_once(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    cfg = ragged_model(preferred_batch_sizes=(2, 4))
+    queue = [text(cfg, loop, 4) for _ in range(5)]
+    p = plan_batch(levels_of(*queue), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.preferred and p.rows == 4 and p.requests == queue[:4]
+    p = plan_batch(levels_of(queue[0]), NOW, 8, cfg.batching, 64)
+    assert p is not None and not p.preferred and p.rows == 1

@@ -1,0 +1,65 @@
+"""split_join.py: ragged padding with its mask and lengths, outputs cut back per
+request, big requests split by rows and joined again."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import numpy as np
+
+from batchd.protos import wire
+from batchd.protos.tensors import from_raw
+from batchd.server.batching.split_join import (
+    join_inputs,
+    join_results,
+    split_outputs,
+    split_request,
+)
+from batchd.server.request import Tensor
+from tests.conftest import ragged_model, text
+
+
+def test_ragged_inputs_are_padded_with_mask_and_lengths(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model()
+    a, b = text(cfg, loop, 2, start=1), text(cfg, loop, 4, rows=2, start=10)
+    headers, frames = join_inputs([a, b])
+    got = {
+        h.name: from_raw(h.datatype, h.shape, np.asarray(f).tobytes())
+        for h, f in zip(headers, frames, strict=True)
+    }
+    assert got["IDS"].tolist() == [[1, 2, 0, 0], [10, 11, 12, 13], [14, 15, 16, 17]]
+    assert got["MASK"].tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+    assert got["LEN"].tolist() == [2, 4, 4]
+    left = replace(cfg, inputs=(replace(cfg.inputs[0], padding_side="left", pad_value=-1),))
+    a2, b2 = text(left, loop, 2, start=1), text(left, loop, 3, start=5)
+    headers, frames = join_inputs([a2, b2])
+    ids = np.asarray(frames[0])
+    assert ids.tolist() == [[-1, 1, 2], [5, 6, 7]]
+    assert np.asarray(frames[1]).tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_ragged_outputs_are_cut_back_per_request(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model()
+    a, b = text(cfg, loop, 2), text(cfg, loop, 3)
+    out = np.arange(6, dtype=np.float32).reshape(2, 3)
+    results = split_outputs(
+        [a, b], [wire.Tensor(name="OUT", datatype="FP32", shape=[2, 3])], [out.tobytes()]
+    )
+    assert [r[0].shape for r in results] == [(1, 2), (1, 3)]
+    assert from_raw("FP32", (1, 2), bytes(results[0][0].data)).tolist() == [[0.0, 1.0]]
+
+
+def test_big_requests_split_and_join_back(loop: asyncio.AbstractEventLoop) -> None:
+    cfg = ragged_model()
+    big = text(cfg, loop, 3, rows=20)
+    chunks = split_request(big, 8)
+    assert [c.rows for c in chunks] == [8, 8, 4]
+    assert b"".join(bytes(c.inputs[0].data) for c in chunks) == big.inputs[0].data
+    parts = [
+        [Tensor("OUT", "FP32", (c.rows, 3), np.full((c.rows, 3), i, np.float32).tobytes())]
+        for i, c in enumerate(chunks)
+    ]
+    joined = join_results(parts)[0]
+    assert joined.shape == (20, 3)
+    assert from_raw("FP32", joined.shape, joined.data)[:, 0].tolist() == [0] * 8 + [1] * 8 + [2] * 4
