@@ -249,3 +249,183 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokens(tmp_path_factory.mktemp("tokens") / "tokens")
+
+
+# ==== shared helpers of several test files ====
+# Test files import these from here, never from each other.
+
+import urllib.request  # noqa: E402
+from collections.abc import Coroutine  # noqa: E402
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from batchd.client import ServerBusy  # noqa: E402
+
+# ---- a full queue (test_policies, test_failures) ----
+
+
+async def fill(make_call: Callable[[int], asyncio.Future[object]]) -> list[asyncio.Future[object]]:
+    """Start calls until one is turned away: then the queue is exactly full."""
+    calls: list[asyncio.Future[object]] = []
+    while not any(c.done() and isinstance(c.result(), ServerBusy) for c in calls):
+        calls.append(make_call(len(calls)))
+        await asyncio.wait(calls, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+    return calls
+
+
+async def outcome(call: Coroutine[Any, Any, T]) -> T | ServerBusy:
+    """The call's result, or the ServerBusy it was turned away with."""
+    try:
+        return await call
+    except ServerBusy as e:
+        return e
+
+
+# ---- one sample array of every datatype (test_contracts, test_processes) ----
+
+SAMPLES = {
+    "BOOL": np.array([[True, False]]),
+    "UINT8": np.array([[0, 255]], np.uint8),
+    "UINT16": np.array([[1, 65535]], np.uint16),
+    "UINT32": np.array([[1, 2**32 - 1]], np.uint32),
+    "UINT64": np.array([[1, 2**64 - 1]], np.uint64),
+    "INT8": np.array([[-128, 127]], np.int8),
+    "INT16": np.array([[-1, 2]], np.int16),
+    "INT32": np.array([[-(2**31), 7]], np.int32),
+    "INT64": np.array([[-(2**63), 7]], np.int64),
+    "FP16": np.array([[0.5, -2.0]], np.float16),
+    "FP32": np.array([[0.25, 1e30]], np.float32),
+    "FP64": np.array([[1e-300, -3.5]], np.float64),
+    "BF16": np.array([[0x3F80, 0xC000]], np.uint16),  # 1.0, -2.0
+    "BYTES": np.array([[b"", b"\x00\xffok"]], dtype=object),
+}
+
+# ---- a `scaled` model written into a test's own repository (test_control,
+# test_failures, test_processes) ----
+
+MODEL_TOML = """
+max_batch_size = 8
+
+[[input]]
+name = "X"
+datatype = "FP32"
+shape = [1]
+
+[[output]]
+name = "Y"
+datatype = "FP32"
+shape = [1]
+
+[batching]
+max_queue_delay_us = 2000
+"""
+
+# Y = X * the number in scale.txt, read when the module loads, so each version
+# answers differently; a negative scale refuses to load. Gates are files in the
+# model's folder: while `hold-load` exists load() waits, and while `hold-<scale>`
+# exists (see batch_gate) a batch of that version waits. The logs beside it:
+# loads.log (each load() call), entered.log (a batch started, before its gate),
+# calls.log (a batch ran); each line names the scale and the worker's pid.
+MODEL_PY = r"""
+import json
+import os
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SCALE = float((HERE / "scale.txt").read_text())
+
+
+def note(log, **record):
+    with open(HERE / log, "a") as f:
+        f.write(json.dumps({"scale": SCALE, "pid": os.getpid(), **record}) + "\n")
+
+
+def hold(gate):
+    while (HERE / gate).exists():
+        time.sleep(0.002)
+
+
+def load(device):
+    note("loads.log")
+    hold("hold-load")
+    if SCALE < 0:
+        raise RuntimeError(f"scale {SCALE} refuses to load")
+
+    def run(x):
+        values = x[:, 0].tolist()
+        note("entered.log", values=values)
+        hold(f"hold-{SCALE}")
+        note("calls.log", values=values)
+        return x * SCALE
+
+    return run
+"""
+
+
+def make_model(repo: Path, name: str, scale: float, toml: str = MODEL_TOML) -> Path:
+    d = repo / name
+    d.mkdir(parents=True)
+    (d / "model.toml").write_text(toml)
+    (d / "model.py").write_text(MODEL_PY)
+    (d / "scale.txt").write_text(str(scale))
+    return d
+
+
+def batch_gate(model_dir: Path, scale: float) -> Path:
+    """The file that holds the batches of the version with this scale while it exists."""
+    return model_dir / f"hold-{float(scale)}"
+
+
+def load_gate(model_dir: Path) -> Path:
+    """The file that holds every load() of the model while it exists."""
+    return model_dir / "hold-load"
+
+
+def model_log(model_dir: Path, log: str) -> list[dict[str, Any]]:
+    """The lines of loads.log, entered.log or calls.log, oldest first."""
+    path = model_dir / log
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def reset_model_logs(model_dir: Path) -> None:
+    for log in ("loads.log", "entered.log", "calls.log"):
+        (model_dir / log).unlink(missing_ok=True)
+
+
+# ---- asking a server's /metrics (test_operations, test_failures, test_processes) ----
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(server: ServerProcess) -> Samples:
+    with urllib.request.urlopen(server.metrics_url(), timeout=10) as reply:
+        assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of every sample of `name` whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= set(ls))
+
+
+def workers_up(server: ServerProcess) -> int:
+    """Workers registered with the server now (batchd_worker_up)."""
+    return sum(v == 1.0 for (n, _), v in scrape(server).items() if n == "batchd_worker_up")
+
+
+def worker_restarts(server: ServerProcess) -> float:
+    """Local worker restarts so far, over all slots (batchd_worker_restarts_total)."""
+    return total(scrape(server), "batchd_worker_restarts_total")

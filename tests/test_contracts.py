@@ -24,6 +24,7 @@ from batchd.protos.tensors import (
     serialize_bytes,
     to_raw,
 )
+from tests.conftest import SAMPLES
 from tests.servers import EXAMPLES, ROOT, TEST_MODELS
 
 
@@ -99,23 +100,6 @@ def test_frontend_and_client_never_import_torch() -> None:
 
 
 # ---- tensor codecs ----
-
-SAMPLES = {
-    "BOOL": np.array([[True, False]]),
-    "UINT8": np.array([[0, 255]], np.uint8),
-    "UINT16": np.array([[1, 65535]], np.uint16),
-    "UINT32": np.array([[1, 2**32 - 1]], np.uint32),
-    "UINT64": np.array([[1, 2**64 - 1]], np.uint64),
-    "INT8": np.array([[-128, 127]], np.int8),
-    "INT16": np.array([[-1, 2]], np.int16),
-    "INT32": np.array([[-(2**31), 7]], np.int32),
-    "INT64": np.array([[-(2**63), 7]], np.int64),
-    "FP16": np.array([[0.5, -2.0]], np.float16),
-    "FP32": np.array([[0.25, 1e30]], np.float32),
-    "FP64": np.array([[1e-300, -3.5]], np.float64),
-    "BF16": np.array([[0x3F80, 0xC000]], np.uint16),  # 1.0, -2.0
-    "BYTES": np.array([[b"", b"\x00\xffok"]], dtype=object),
-}
 
 
 @pytest.mark.parametrize("datatype", sorted(SAMPLES))

@@ -2,7 +2,8 @@
 with no failed request, a broken version changes nothing, Unload drains.
 
 `scaled` multiplies X by the number in its scale.txt, read when it loads, so
-each version answers differently; a negative scale refuses to load.
+each version answers differently; a negative scale refuses to load. Files in
+its folder hold its load() and each version's batches (conftest.make_model).
 """
 
 from __future__ import annotations
@@ -19,54 +20,35 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchd.client import AsyncClient, Client, InferenceFailed, InvalidInput, ModelNotFound
+from batchd.client import (
+    AsyncClient,
+    BatchdClientError,
+    Client,
+    InferenceFailed,
+    InvalidInput,
+    ModelNotFound,
+)
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from tests.conftest import (
+    batch_gate,
+    load_gate,
+    make_model,
+    model_log,
+    reset_model_logs,
+    scrape,
+    total,
+    workers_up,
+)
 from tests.servers import ServerProcess, wait_for
 
-MODEL_TOML = """
-max_batch_size = 8
-
-[[input]]
-name = "X"
-datatype = "FP32"
-shape = [1]
-
-[[output]]
-name = "Y"
-datatype = "FP32"
-shape = [1]
-
-[batching]
-max_queue_delay_us = 2000
-"""
-
-MODEL_PY = """
-import time
-from pathlib import Path
-
-SCALE = float((Path(__file__).parent / "scale.txt").read_text())
+WORKERS = 2
 
 
-def load(device):
-    if SCALE < 0:
-        raise RuntimeError(f"scale {SCALE} refuses to load")
-
-    def run(x):
-        time.sleep(0.005)  # a batch takes a while: a swap happens with batches in flight
-        return x * SCALE
-
-    return run
-"""
-
-
-def make_model(repo: Path, name: str, scale: float) -> Path:
-    d = repo / name
-    d.mkdir(parents=True)
-    (d / "model.toml").write_text(MODEL_TOML)
-    (d / "model.py").write_text(MODEL_PY)
-    (d / "scale.txt").write_text(str(scale))
-    return d
+def loaded_by(model_dir: Path, scale: float | None = None) -> int:
+    """How many worker processes called the model's load() (for this scale)."""
+    loads = model_log(model_dir, "loads.log")
+    return len({r["pid"] for r in loads if scale is None or r["scale"] == scale})
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +70,17 @@ def server(repo: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ser
         "scaled",
         "--load-model",
         "spare",
+        "--credits-per-worker",
+        "1",  # one batch staged per worker, as on CPU by default: the swap test counts on it
         log_dir=tmp_path_factory.mktemp("logs"),
-        workers=2,
+        workers=WORKERS,
     ).start()
     with Client(s.url) as c:
         assert c.model_ready("scaled") and c.model_ready("spare")
+    # ServerReady needs one worker per model; the tests rewrite scale.txt, which every
+    # worker must have read first (it is read before load() logs its call).
+    for d in (repo / "scaled", repo / "spare"):
+        wait_for(lambda d=d: loaded_by(d) == WORKERS, 60, f"every worker to load {d.name}")
     yield s
     assert s.stop() == 0, s.log()
 
@@ -113,18 +101,33 @@ def test_explicit_mode_loads_only_what_was_asked(server: ServerProcess) -> None:
         assert "model_repository" in c.server_metadata()["extensions"]
 
 
-def test_reload_under_load_fails_no_request(server: ServerProcess, repo: Path) -> None:
-    (repo / "scaled" / "scale.txt").write_text("2.0")
-    answers: list[tuple[bool, float, float]] = []  # (sent after the swap, x, y)
+def test_reload_lands_while_old_batches_are_in_flight(server: ServerProcess, repo: Path) -> None:
+    """A load under load: the swap happens while requests admitted to the old
+    version are unanswered; the old version answers them after the swap, the new
+    one answers everything sent after it, and no request fails."""
+    d = repo / "scaled"
+    reset_model_logs(d)
+    (d / "scale.txt").write_text("2.0")
+    old_batches, new_load = batch_gate(d, 1.0), load_gate(d)
+    answers: dict[float, tuple[bool, float]] = {}  # x -> (sent after the swap, y)
     warm, swapped = asyncio.Event(), asyncio.Event()
+    held_from: list[int] = []  # entered.log's length when the old version's gate closed
+    queued_at_swap: list[float] = []
+    callers = 40
+    with Client(server.url) as c:
+        (version,) = c.model_metadata("scaled")["versions"]
+    assert workers_up(server) == WORKERS
+
+    def queued() -> float:
+        return total(scrape(server), "batchd_inference_pending_request_count", model="scaled")
 
     async def caller(c: AsyncClient, k: int) -> None:
         i = sent_after = 0
         while sent_after < 10:
             after = swapped.is_set()
             v = float(k * 1000 + i)
-            out = await c.infer("scaled", {"X": np.array([[v]], np.float32)}, timeout=10)
-            answers.append((after, v, float(out["Y"][0, 0])))
+            out = await c.infer("scaled", {"X": np.array([[v]], np.float32)}, timeout=60)
+            answers[v] = (after, float(out["Y"][0, 0]))
             if len(answers) >= 80:  # the old version served under load first
                 warm.set()
             i += 1
@@ -132,21 +135,48 @@ def test_reload_under_load_fails_no_request(server: ServerProcess, repo: Path) -
 
     async def scenario() -> None:
         async with AsyncClient(server.url) as c:
-            callers = [asyncio.create_task(caller(c, k)) for k in range(8)]
-            await warm.wait()
-            await c.load_model("scaled")
+            tasks = [asyncio.create_task(caller(c, k)) for k in range(callers)]
+            await asyncio.wait_for(warm.wait(), 60)
+            new_load.touch()
+            load = asyncio.create_task(c.load_model("scaled"))
+            await asyncio.to_thread(
+                wait_for, lambda: loaded_by(d, 2.0) == WORKERS, 60, "every worker in the new load()"
+            )
+            # Nothing of the old version can finish from now until the swap is done.
+            old_batches.touch()
+            held_from.append(len(model_log(d, "entered.log")))
+            # Each caller has a request at the server: one batch (at most 8 rows) is
+            # staged behind each worker's load, the rest wait in the old version's queue.
+            enough = callers - WORKERS * 8
+            await asyncio.to_thread(wait_for, lambda: queued() >= enough, 60, "a queue")
+            assert not load.done()  # the swap waits for every worker's load
+            queued_at_swap.append(queued())  # old requests; none can leave before the swap
+            new_load.unlink()
+            await asyncio.wait_for(load, 60)
             swapped.set()
-            await asyncio.gather(*callers)  # any failed request raises here
+            old_batches.unlink()
+            await asyncio.wait_for(asyncio.gather(*tasks), 120)  # a failed request raises
 
-    asyncio.run(scenario())
-    before = [(v, out) for after, v, out in answers if not after]
-    after = [(v, out) for after, v, out in answers if after]
-    assert len(before) >= 80 and len(after) >= 80
-    assert all(out == 2 * v for v, out in after)  # only the new version answers after Load
-    assert any(out == v for v, out in before)
+    try:
+        asyncio.run(scenario())
+    finally:
+        old_batches.unlink(missing_ok=True)
+        new_load.unlink(missing_ok=True)
+    # Batches that started once the old gate was closed finished after the swap.
+    # The old version's were admitted before it, and it answered them: not moved, not failed.
+    late = model_log(d, "entered.log")[held_from[0] :]
+    late_old = [v for r in late if r["scale"] == 1.0 for v in r["values"]]
+    assert len(late_old) >= queued_at_swap[0] > 0, "the old version's queue did not stay with it"
+    assert all(answers[v] == (False, v) for v in late_old)
+    after = [(v, y) for v, (sent_after, y) in answers.items() if sent_after]
+    assert len(after) == callers * 10
+    assert all(y == 2 * v for v, y in after)  # only the new version answers after Load
+    new = str(int(version) + 1)
     with Client(server.url) as c:
-        assert c.model_metadata("scaled")["versions"] == ["2"]
-    wait_for(lambda: "model scaled version 1 unloaded" in server.log(), 10, "the old to drain")
+        assert c.model_metadata("scaled")["versions"] == [new]
+    wait_for(
+        lambda: f"model scaled version {version} unloaded" in server.log(), 30, "the old to drain"
+    )
 
 
 def test_a_version_that_fails_to_load_changes_nothing(server: ServerProcess, repo: Path) -> None:
@@ -198,9 +228,9 @@ def test_model_control_is_off_unless_enabled(tmp_path: Path, repo: Path) -> None
         with Client(s.url) as c:
             assert y(c, "idle", 1.0) == 5.0
             for call in (c.load_model, c.unload_model):
-                with pytest.raises(Exception, match="--model-control explicit") as e:
+                with pytest.raises(BatchdClientError, match="--model-control explicit") as e:
                     call("idle")
-                assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+                assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
             assert y(c, "idle", 1.0) == 5.0
     finally:
         assert s.stop() == 0, s.log()

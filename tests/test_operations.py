@@ -10,27 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from batchd.client import Client, DeadlineExceeded, InvalidInput
 from batchd.protos._pool import slow_backend
-from tests.conftest import Gate
+from tests.conftest import Gate, scrape, value
 from tests.servers import EXAMPLES, ServerProcess, wait_for
-
-
-def scrape(server: ServerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(server.metrics_url(), timeout=10) as reply:
-        assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def value(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_metrics_count_known_traffic_exactly(test_server: ServerProcess) -> None:

@@ -12,29 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 
 import numpy as np
 
 from batchd.client import AsyncClient, Client, ServerBusy
-from tests.conftest import Gate
+from tests.conftest import Gate, fill, outcome
 from tests.servers import ServerProcess, wait_for
-
-
-async def fill(make_call: Callable[[int], asyncio.Future[object]]) -> list[asyncio.Future[object]]:
-    """Start calls until one is turned away: then the queue is exactly full."""
-    calls: list[asyncio.Future[object]] = []
-    while not any(c.done() and isinstance(c.result(), ServerBusy) for c in calls):
-        calls.append(make_call(len(calls)))
-        await asyncio.wait(calls, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
-    return calls
-
-
-async def outcome(call: object) -> object:
-    try:
-        return await call  # type: ignore[misc]
-    except ServerBusy as e:
-        return e
 
 
 def occupy(
