@@ -3,6 +3,7 @@
     batchd bench --url 127.0.0.1:8001 --model mlp --concurrency 1,2,4,8,16,32,64
     batchd bench --model mlp --rate 500,1000,2000          # open loop: fixed request rates
     batchd bench --model mlp --input INPUT0=x.npy --json out.json --plot out.png
+    batchd bench --model decoder --stream --input MAX_NEW_TOKENS=n.npy  # a step-wise model
 
 Closed loop (`--concurrency`): N callers, each sending its next request when
 the last is answered. Open loop (`--rate`): requests leave on a fixed
@@ -15,6 +16,14 @@ Failed requests are counted per status code, each with the first message the
 server gave for it (in the table and in --json). Exit status: 0, 1 when some
 requests failed, 2 when the bench could not run (no server, an input it
 cannot build, a load process that died).
+
+`--stream` sends each request alone over ModelStreamInfer and reads it to its
+final response: for a step-wise (decoupled) model, whose outputs come one
+response per step. Each level then reports outputs per second besides requests
+per second, the time to first output (from sending the request) and the
+inter-output latency (between two outputs of one request), p50 and p99; both
+rates are over the time the level's load took, its last streams' tails
+included. A stream's error response counts under its status code.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import Any
 
 from batchd.client.client import Client
 from batchd.client.codec import build_request
+from batchd.client.core import STREAM_PARAMETERS
 from batchd.client.errors import BatchdClientError
 from batchd.client.loadgen import Level, LoadFailed, declared_datatypes, make_inputs, run_level
 
@@ -67,6 +77,7 @@ def measure(args: argparse.Namespace, msg: Any, mode: str, load: float) -> Level
                 args.duration,
                 args.processes,
                 progress,
+                stream=args.stream,
             )
         finally:
             if not args.quiet:
@@ -80,20 +91,33 @@ def measure(args: argparse.Namespace, msg: Any, mode: str, load: float) -> Level
 def rows(lv: Level) -> list[str]:
     """A level's line of the table, then the first message of each error code under it."""
     load = f"{'c=' if lv.mode == 'concurrency' else 'r='}{lv.load:g}"
-    batch = f"{lv.server_avg_batch:.1f}" if lv.server_avg_batch else "-"
     errs = ", ".join(f"{k} {v}" for k, v in sorted(lv.errors.items())) or "none"
-    line = (
-        f"{load:>10} {lv.throughput:>10.1f} {lv.p50_ms:>9.2f} {lv.p90_ms:>9.2f} "
-        f"{lv.p99_ms:>9.2f} {batch:>10}  {errs}"
-    )
+    if (s := lv.stream) is not None:
+        line = (
+            f"{load:>10} {lv.throughput:>9.1f} {s.outputs_per_s:>10.1f} {s.ttfo_p50_ms:>9.2f} "
+            f"{s.ttfo_p99_ms:>9.2f} {s.inter_output_p50_ms:>9.2f} "
+            f"{s.inter_output_p99_ms:>9.2f}  {errs}"
+        )
+    else:
+        batch = f"{lv.server_avg_batch:.1f}" if lv.server_avg_batch else "-"
+        line = (
+            f"{load:>10} {lv.throughput:>10.1f} {lv.p50_ms:>9.2f} {lv.p90_ms:>9.2f} "
+            f"{lv.p99_ms:>9.2f} {batch:>10}  {errs}"
+        )
     return [line] + [f"{'':>10}   {k}: {m}" for k, m in sorted(lv.error_messages.items())]
 
 
 def table(levels: Sequence[Level]) -> str:
-    head = (
-        f"{'load':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} "
-        f"{'avg batch':>10}  errors"
-    )
+    if levels and levels[0].stream is not None:
+        head = (
+            f"{'load':>10} {'req/s':>9} {'outputs/s':>10} {'TTFO p50':>9} {'TTFO p99':>9} "
+            f"{'ITL p50':>9} {'ITL p99':>9}  errors   (ms; ITL: between outputs)"
+        )
+    else:
+        head = (
+            f"{'load':>10} {'req/s':>10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} "
+            f"{'avg batch':>10}  errors"
+        )
     lines = [head, "-" * len(head)]
     for lv in levels:
         lines += rows(lv)
@@ -108,12 +132,21 @@ def plot(levels: Sequence[Level], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [lv.load for lv in levels]
-    ax.plot(x, [lv.throughput for lv in levels], "o-", color="tab:blue", label="throughput")
     ax.set_xlabel("concurrency" if levels[0].mode == "concurrency" else "offered rate (req/s)")
-    ax.set_ylabel("requests / s", color="tab:blue")
     ax2 = ax.twinx()
-    ax2.plot(x, [lv.p99_ms for lv in levels], "s--", color="tab:red", label="p99")
-    ax2.set_ylabel("p99 latency (ms)", color="tab:red")
+    streams = [lv.stream for lv in levels if lv.stream is not None]
+    if len(streams) == len(levels):  # outputs/s, and the time to first output
+        ax.plot(x, [s.outputs_per_s for s in streams], "o-", color="tab:blue")
+        ax.set_ylabel("outputs / s", color="tab:blue")
+        ax2.plot(x, [s.ttfo_p50_ms for s in streams], "^:", color="tab:red", label="p50")
+        ax2.plot(x, [s.ttfo_p99_ms for s in streams], "s--", color="tab:red", label="p99")
+        ax2.set_ylabel("time to first output (ms)", color="tab:red")
+        ax2.legend(loc="upper left")
+    else:
+        ax.plot(x, [lv.throughput for lv in levels], "o-", color="tab:blue", label="throughput")
+        ax.set_ylabel("requests / s", color="tab:blue")
+        ax2.plot(x, [lv.p99_ms for lv in levels], "s--", color="tab:red", label="p99")
+        ax2.set_ylabel("p99 latency (ms)", color="tab:red")
     if levels[0].mode == "concurrency":
         ax.set_xscale("log", base=2)
     ax.set_title(title)
@@ -150,6 +183,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=16, help="size of a -1 dim in random inputs")
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
     p.add_argument(
+        "--stream",
+        action="store_true",
+        help="each request over ModelStreamInfer, read to its final response (a step-wise "
+        "model): adds outputs/s, time to first output and inter-output latency",
+    )
+    p.add_argument(
         "--processes",
         type=int,
         default=max(1, (os.cpu_count() or 1) // 4),
@@ -170,7 +209,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sec.add_argument("--client-key", help="PEM key of --client-cert")
     sec.add_argument("--token-file", help="file holding the bearer token to send")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw throughput and p99 against the load")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw throughput and p99 (--stream: outputs/s and time to first output) "
+        "against the load",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     args = p.parse_args(argv)
     args.quiet = args.quiet or not sys.stderr.isatty()  # progress only on a terminal
@@ -195,7 +239,10 @@ def request_for(args: argparse.Namespace, meta: dict[str, Any]) -> Any:
     """The one request every load process sends, built from the model's metadata."""
     files = dict(item.split("=", 1) for item in args.input)
     inputs = make_inputs(meta, args.batch, args.dim, files)
-    return build_request(args.model, inputs, datatypes=declared_datatypes(meta))
+    parameters = STREAM_PARAMETERS if args.stream else None
+    return build_request(
+        args.model, inputs, datatypes=declared_datatypes(meta), parameters=parameters
+    )
 
 
 def run_levels(
@@ -216,14 +263,21 @@ def run_levels(
 
 
 def report(args: argparse.Namespace, results: Sequence[Level]) -> None:
+    how = ", streamed: each request read to its final response" if args.stream else ""
     print(
         f"\n{args.model} @ {args.url}, {args.duration:g} s per level, "
-        f"{args.batch} row(s) per request\n"
+        f"{args.batch} row(s) per request{how}\n"
     )
     print(table(results))
     if args.json:
         text = json.dumps(
-            {"model": args.model, "url": args.url, "levels": [asdict(r) for r in results]}, indent=2
+            {
+                "model": args.model,
+                "url": args.url,
+                "stream": args.stream,
+                "levels": [asdict(r) for r in results],
+            },
+            indent=2,
         )
         if args.json == "-":
             print(text)

@@ -17,6 +17,13 @@ spreads load over the processes of `batchd serve --frontends N`.
 Both clients are the same operations (client/core.py, written once as steps)
 driven over a channel: Client over a blocking gRPC channel, AsyncClient over
 grpc.aio. Their methods are that table; each is one operation of ClientCore.
+
+A decoupled (step-wise) model's outputs, one dict per step, as they come:
+    for out in c.stream("decoder", {"PROMPT": ids, "MAX_NEW_TOKENS": np.array([32])}):
+        out["TOKEN"]
+    async for out in ac.stream(...): ...
+Leaving the loop early (break, an exception, close(), the iterator collected)
+cancels the call, and with it the sequence on the server.
 """
 
 from __future__ import annotations
@@ -24,19 +31,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
+import numpy as np
 
 from batchd.client.core import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    END,
     ClientCore,
+    Emit,
     Inputs,
+    Open,
     Pem,
     Rpc,
     Security,
     Steps,
+    StreamSteps,
+    Wait,
     channel_options,
 )
 from batchd.client.retry import RetryPolicy
@@ -130,6 +143,33 @@ def _awaitable(
     return method
 
 
+Outputs = dict[str, np.ndarray]
+
+
+def _streaming(
+    op: Callable[Concatenate[ClientCore, P], StreamSteps],
+) -> Callable[Concatenate[Client, P], Iterator[Outputs]]:
+    """Client's iterator for one stream operation of the core."""
+
+    def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Iterator[Outputs]:
+        return self._drive_stream(op(self._core, *args, **kwargs))
+
+    functools.update_wrapper(method, op)
+    return method
+
+
+def _async_streaming(
+    op: Callable[Concatenate[ClientCore, P], StreamSteps],
+) -> Callable[Concatenate[AsyncClient, P], AsyncIterator[Outputs]]:
+    """AsyncClient's async iterator for one stream operation of the core."""
+
+    def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[Outputs]:
+        return self._drive_stream(op(self._core, *args, **kwargs))
+
+    functools.update_wrapper(method, op)
+    return method
+
+
 class Client(_Connection):
     """A blocking client. Thread-safe; reuse one per process."""
 
@@ -148,17 +188,53 @@ class Client(_Connection):
                 step = steps.send(reply)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
-            if isinstance(step, Rpc):
+            reply = self._do(step)
+
+    def _do(self, step: Rpc | Wait) -> Any:
+        """Make one call (its reply, or the grpc.RpcError it raised), or sleep one wait."""
+        if isinstance(step, Wait):
+            time.sleep(step.seconds)
+            return None
+        try:
+            call = getattr(self._stub, step.method)
+            return call(step.request, timeout=step.timeout, **self._core.call_kwargs)
+        except grpc.RpcError as e:
+            return e
+
+    def _drive_stream(self, steps: StreamSteps) -> Iterator[Outputs]:
+        """Drive a stream operation, yielding what it emits; cancel the call if it stops
+        before its end (the consumer left, or an error)."""
+        call: Any = None
+        reply: Any = None
+        try:
+            while True:
                 try:
-                    call = getattr(self._stub, step.method)
-                    reply = call(step.request, timeout=step.timeout, **self._core.call_kwargs)
-                except grpc.RpcError as e:
-                    reply = e
-            else:
-                time.sleep(step.seconds)
+                    step = steps.send(reply)
+                except StopIteration:
+                    return
                 reply = None
+                if isinstance(step, Emit):
+                    yield step.outputs
+                elif isinstance(step, Open):
+                    requests = iter((step.request,))
+                    method = getattr(self._stub, step.method)
+                    call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
+                elif isinstance(step, Rpc | Wait):
+                    reply = self._do(step)
+                else:  # Read
+                    try:
+                        reply = next(call)
+                    except StopIteration:
+                        reply = END
+                    except grpc.RpcError as e:
+                        reply = e
+        finally:
+            steps.close()
+            if call is not None:
+                call.cancel()  # nothing once the call has ended
 
     infer = _blocking(ClientCore.infer)
+    stream = _streaming(ClientCore.stream)
     live = _blocking(ClientCore.live)
     ready = _blocking(ClientCore.ready)
     model_ready = _blocking(ClientCore.model_ready)
@@ -197,17 +273,53 @@ class AsyncClient(_Connection):
                 step = steps.send(reply)
             except StopIteration as done:
                 return done.value  # type: ignore[no-any-return]
-            if isinstance(step, Rpc):
+            reply = await self._do(step)
+
+    async def _do(self, step: Rpc | Wait) -> Any:
+        """Make one call (its reply, or the grpc.RpcError it raised), or sleep one wait."""
+        if isinstance(step, Wait):
+            await asyncio.sleep(step.seconds)
+            return None
+        try:
+            call = getattr(self._stub, step.method)
+            return await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
+        except grpc.RpcError as e:
+            return e
+
+    async def _drive_stream(self, steps: StreamSteps) -> AsyncIterator[Outputs]:
+        """Client._drive_stream, awaited. An iterator left without aclose() is closed,
+        and its call cancelled, by asyncio once it is collected."""
+        call: Any = None
+        reply: Any = None
+        try:
+            while True:
                 try:
-                    call = getattr(self._stub, step.method)
-                    reply = await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
-                except grpc.RpcError as e:
-                    reply = e
-            else:
-                await asyncio.sleep(step.seconds)
+                    step = steps.send(reply)
+                except StopIteration:
+                    return
                 reply = None
+                if isinstance(step, Emit):
+                    yield step.outputs
+                elif isinstance(step, Open):
+                    requests = iter((step.request,))
+                    method = getattr(self._stub, step.method)
+                    call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
+                elif isinstance(step, Rpc | Wait):
+                    reply = await self._do(step)
+                else:  # Read
+                    try:
+                        reply = await call.read()
+                    except grpc.RpcError as e:
+                        reply = e
+                    if reply is grpc.aio.EOF:
+                        reply = END
+        finally:
+            steps.close()
+            if call is not None:
+                call.cancel()  # nothing once the call has ended
 
     infer = _awaitable(ClientCore.infer)
+    stream = _async_streaming(ClientCore.stream)
     live = _awaitable(ClientCore.live)
     ready = _awaitable(ClientCore.ready)
     model_ready = _awaitable(ClientCore.model_ready)

@@ -8,6 +8,14 @@ requests, the call's deadline shared by all its attempts, the retry policy
 (client/retry.py), turning a failed call into its typed error
 (client/errors.py), the metadata cache, and the token metadata.
 
+`stream` (a decoupled model's outputs, over ModelStreamInfer) has three more
+steps: `Open` (start the stream call with this one request), `Read` (resume me
+with its next response, END when it closed, or its grpc.RpcError) and `Emit`
+(hand these outputs to the caller, then resume me). It ends at the response
+flagged `triton_final_response`; the driver cancels the call whenever it stops
+before that (the caller left the loop, or an error), so the server frees the
+sequence.
+
 Client drives the steps with blocking gRPC and time.sleep, AsyncClient with
 grpc.aio and asyncio.sleep (client/client.py); neither holds any other logic.
 Why not one client over the other: a blocking wrapper that hands each call to
@@ -30,7 +38,13 @@ import numpy as np
 
 from batchd.client import views
 from batchd.client.codec import build_request, parse_response
-from batchd.client.errors import BatchdClientError, InvalidInput, from_rpc_error
+from batchd.client.errors import (
+    BatchdClientError,
+    InferenceFailed,
+    InvalidInput,
+    from_rpc_error,
+    from_status_name,
+)
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
 
@@ -56,7 +70,40 @@ class Wait:
     seconds: float
 
 
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Start the streaming call `method` sending `request` alone, with `timeout` for
+    the whole call; resume with None. The driver cancels it if the steps stop early."""
+
+    method: str
+    request: Any
+    timeout: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Resume with the open stream's next response, END once it closed, or its grpc.RpcError."""
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    """Hand `outputs` to the caller; resume with None once it asks for the next."""
+
+    outputs: dict[str, np.ndarray]
+
+
+END = object()  # what a Read resumes with when the stream closed normally
+READ = Read()
 Steps = Generator[Rpc | Wait, Any, T]
+StreamSteps = Generator[Rpc | Wait | Open | Read | Emit, Any, None]
+
+# Triton's decoupled protocol: the last response of a request says so; with the
+# request parameter set, the last one carries no outputs, so the end is always known.
+FINAL_RESPONSE = "triton_final_response"
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+STREAM_PARAMETERS: dict[str, bool] = {EMPTY_FINAL_RESPONSE: True}
+# An error response may name its gRPC status (a string parameter of its infer_response).
+ERROR_CODE = "error_code"
 
 
 @dataclass(frozen=True)
@@ -116,6 +163,36 @@ def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
     return {meta["inputs"][0]["name"]: inputs}
 
 
+def stream_error(msg: pb.ModelStreamInferResponse) -> BatchdClientError:
+    """The typed error of a stream response carrying `error_message`. Its status is the
+    response's `error_code` parameter, or a leading "STATUS_NAME: " in the message;
+    InferenceFailed when neither names one."""
+    text = msg.error_message
+    params = msg.infer_response.parameters
+    if ERROR_CODE in params:
+        return from_status_name(params[ERROR_CODE].string_param, text)
+    name, sep, rest = text.partition(": ")
+    if sep and name != "OK" and name in grpc.StatusCode.__members__:
+        return from_status_name(name, rest)
+    return InferenceFailed(text)
+
+
+def stream_read(reply: Any) -> tuple[pb.ModelInferResponse | None, bool]:
+    """What one Read of a stream resumed with, as (the response if it carries outputs,
+    whether it is the request's last). Raises the typed error of an error response, of
+    a failed call, or of a stream that closed before its final response."""
+    if reply is END:
+        raise InferenceFailed("the stream closed before the final response")
+    if isinstance(reply, grpc.RpcError):
+        raise from_rpc_error(reply)
+    if reply.error_message:
+        raise stream_error(reply)
+    response = reply.infer_response
+    params = response.parameters
+    final = FINAL_RESPONSE in params and params[FINAL_RESPONSE].bool_param
+    return (response if response.outputs else None), final
+
+
 class ClientCore:
     """The operations of both clients, as steps (see the module docstring)."""
 
@@ -169,6 +246,42 @@ class ClientCore:
             parameters=parameters,
         )
         return parse_response((yield from self.call("ModelInfer", msg, timeout, retries)))
+
+    def stream(
+        self,
+        model: str,
+        inputs: Inputs,
+        timeout: float | None = None,
+        *,
+        outputs: Sequence[str] | None = None,
+        request_id: str = "",
+        datatypes: Mapping[str, str] | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> StreamSteps:
+        """Send one request to a decoupled (step-wise) model over ModelStreamInfer and emit
+        each response's outputs, until its final response. `timeout`: the whole stream.
+        Not retried: outputs may have reached the caller."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        meta = (yield from self.model_metadata(model)) if isinstance(inputs, np.ndarray) else None
+        msg = build_request(
+            model,
+            _named(inputs, meta),
+            outputs,
+            request_id=request_id,
+            datatypes=datatypes,
+            parameters={**STREAM_PARAMETERS, **(parameters or {})},
+        )
+        yield Open("ModelStreamInfer", msg, _remaining(deadline))
+        while True:
+            response, final = stream_read((yield READ))
+            if response is not None:
+                yield Emit(parse_response(response))
+            if final:
+                # The call's end follows at once (our one request is answered and we
+                # half-closed): read it, so that a finished call is not cancelled.
+                yield READ
+                return
 
     def live(self) -> Steps[bool]:
         return bool((yield from self.call("ServerLive", pb.ServerLiveRequest())).live)

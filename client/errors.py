@@ -81,3 +81,13 @@ def from_rpc_error(error: grpc.RpcError) -> BatchdClientError:
             if key == "grpc-retry-pushback-ms" and str(value).isdigit():
                 exc.retry_after_ms = int(value)
     return exc
+
+
+def from_status_name(name: str, message: str) -> BatchdClientError:
+    """The typed exception for a failure that arrived as text in a response (a stream's
+    `error_message`) with the name of its gRPC status, e.g. "RESOURCE_EXHAUSTED";
+    InferenceFailed when the name is empty or names no failure status."""
+    code = grpc.StatusCode.__members__.get(name.upper())
+    if code is None or code == grpc.StatusCode.OK:
+        return InferenceFailed(message)
+    return _BY_CODE.get(code, BatchdClientError)(message, code)

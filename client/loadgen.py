@@ -6,6 +6,12 @@ first message of each error code, or why it could not run. The parent ends a
 level with LoadFailed, and stops the other load processes, as soon as one
 dies (killed, crashed) or fails, or when none has reported long after the
 level should have ended; it never waits for a result that cannot come.
+
+With `stream`, each request goes over ModelStreamInfer alone and is read to
+its final response (a decoupled model's outputs, one response per step). A
+load process also measures the time to each request's first output, the gaps
+between its outputs, and how many came; the rates of a streamed level are over
+the time its load took, the tails of its last streams included.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import grpc
 import numpy as np
 
 from batchd.client.client import AsyncClient
+from batchd.client.core import END, stream_read
+from batchd.client.errors import BatchdClientError
 from batchd.protos.datatypes import DATATYPES
 
 REQUEST_TIMEOUT_S = 30.0  # each request's deadline
@@ -34,6 +42,19 @@ START_GRACE_S = 60.0  # how long a load process may take to start and to hand it
 
 class LoadFailed(Exception):
     """A load process died or failed: the level has no result."""
+
+
+@dataclass
+class StreamMetrics:
+    """What a streamed level measures besides its requests."""
+
+    outputs: int = 0  # output responses received (the empty final ones not counted)
+    outputs_per_s: float = 0.0
+    ttfo_p50_ms: float = 0.0  # time to first output: from sending the request
+    ttfo_p99_ms: float = 0.0
+    inter_output_p50_ms: float = 0.0  # between two outputs of one request
+    inter_output_p99_ms: float = 0.0
+    elapsed_s: float = 0.0  # the longest load process's time, the last streams' tails included
 
 
 @dataclass
@@ -51,6 +72,7 @@ class Level:
     errors: dict[str, int] = field(default_factory=dict)
     error_messages: dict[str, str] = field(default_factory=dict)  # the first one per code
     server_avg_batch: float | None = None
+    stream: StreamMetrics | None = None  # --stream only; then throughput is over elapsed_s
 
 
 def random_tensor(datatype: str, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
@@ -93,9 +115,82 @@ def declared_datatypes(meta: dict[str, Any]) -> dict[str, str]:
 
 @dataclass
 class _Report:
-    latencies: np.ndarray
+    latencies: np.ndarray  # of the requests answered (streamed: to their final response)
     errors: dict[str, int]
     messages: dict[str, str]
+    elapsed: float  # from the first request sent to the last one answered
+    outputs: int  # streamed: output responses
+    ttfo: np.ndarray  # streamed: to each request's first output
+    gaps: np.ndarray  # streamed: between outputs of one request
+
+
+class _Tally:
+    """What one load process sees of its requests, each sent by `unary` or `streamed`."""
+
+    def __init__(self, msg: Any) -> None:
+        self.msg = msg
+        self.latencies: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.messages: dict[str, str] = {}
+        self.outputs = 0
+        self.ttfo: list[float] = []
+        self.gaps: list[float] = []
+
+    def failed(self, code: str, message: str) -> None:
+        self.errors[code] += 1
+        self.messages.setdefault(code, message)
+
+    async def unary(self, client: AsyncClient) -> None:
+        start = time.monotonic()
+        try:
+            await client.stub.ModelInfer(self.msg, timeout=REQUEST_TIMEOUT_S, **client.call_kwargs)
+            self.latencies.append(time.monotonic() - start)
+        except grpc.RpcError as e:
+            self.failed(e.code().name, e.details() or "")
+
+    async def streamed(self, client: AsyncClient) -> None:
+        """The request alone on a ModelStreamInfer call, read to its final response."""
+        n, start = 0, time.monotonic()
+        last = start
+        call = client.stub.ModelStreamInfer(
+            iter((self.msg,)), timeout=REQUEST_TIMEOUT_S, **client.call_kwargs
+        )
+        try:
+            while True:
+                try:
+                    reply = await call.read()
+                except grpc.RpcError as e:
+                    reply = e
+                try:
+                    response, final = stream_read(END if reply is grpc.aio.EOF else reply)
+                except BatchdClientError as e:
+                    self.failed(e.code.name, e.message)
+                    return
+                now = time.monotonic()
+                if response is not None:
+                    (self.gaps if n else self.ttfo).append(now - last)
+                    n, last = n + 1, now
+                if final:
+                    self.latencies.append(now - start)
+                    await call.code()  # its end follows: then the cancel below is a no-op
+                    return
+        finally:
+            self.outputs += n
+            call.cancel()
+
+    def report(self, elapsed: float) -> _Report:
+        def array(values: list[float]) -> np.ndarray:
+            return np.asarray(values, np.float64)
+
+        return _Report(
+            array(self.latencies),
+            dict(self.errors),
+            self.messages,
+            elapsed,
+            self.outputs,
+            array(self.ttfo),
+            array(self.gaps),
+        )
 
 
 async def _drive(
@@ -106,20 +201,11 @@ async def _drive(
     mode: str,
     load: float,
     seconds: float,
+    stream: bool = False,
 ) -> _Report:
-    latencies: list[float] = []
-    errors: Counter[str] = Counter()
-    messages: dict[str, str] = {}
+    tally = _Tally(msg)
+    once = tally.streamed if stream else tally.unary
     end = time.monotonic() + seconds
-
-    async def once(client: AsyncClient) -> None:
-        start = time.monotonic()
-        try:
-            await client.stub.ModelInfer(msg, timeout=REQUEST_TIMEOUT_S, **client.call_kwargs)
-            latencies.append(time.monotonic() - start)
-        except grpc.RpcError as e:
-            errors[e.code().name] += 1
-            messages.setdefault(e.code().name, e.details() or "")
 
     clients = [AsyncClient(url, own_connection=True, **conn) for _ in range(max(1, connections))]
     try:
@@ -140,10 +226,11 @@ async def _drive(
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             await asyncio.gather(*pending)
+        elapsed = time.monotonic() - (end - seconds)
     finally:
         for c in clients:
             await c.close()
-    return _Report(np.asarray(latencies, np.float64), dict(errors), messages)
+    return tally.report(elapsed)
 
 
 def _process(out: Any, *drive_args: Any) -> None:
@@ -222,12 +309,14 @@ def run_level(
     seconds: float,
     processes: int,
     progress: Callable[[float], None],
+    stream: bool = False,
 ) -> Level:
-    """Measure one level with `processes` load processes sharing `load`."""
+    """Measure one level with `processes` load processes sharing `load`; with `stream`,
+    over ModelStreamInfer (`msg` must then ask for the empty final response)."""
     procs_n = max(1, min(processes, int(load) if mode == "concurrency" else processes))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    drive = (url, conn, connections, msg, mode, load / procs_n, seconds)
+    drive = (url, conn, connections, msg, mode, load / procs_n, seconds, stream)
     procs = [ctx.Process(target=_process, args=(out, *drive)) for _ in range(procs_n)]
     started = time.monotonic()
     give_up_at = started + seconds + REQUEST_TIMEOUT_S + START_GRACE_S
@@ -239,7 +328,11 @@ def run_level(
         reported = True
     finally:
         _stop(procs, grace=5.0 if reported else 0.0)
-    return _summary(mode, load, seconds, reports)
+    level = _summary(mode, load, seconds, reports)
+    if stream:
+        level.stream = _stream_summary(reports)
+        level.throughput = sum(len(r.latencies) / r.elapsed for r in reports if r.elapsed > 0)
+    return level
 
 
 def _summary(mode: str, load: float, seconds: float, reports: Sequence[_Report]) -> Level:
@@ -258,3 +351,22 @@ def _summary(mode: str, load: float, seconds: float, reports: Sequence[_Report])
     level.errors = dict(errors)
     level.error_messages = messages
     return level
+
+
+def _ms(samples: Sequence[np.ndarray], q: float) -> float:
+    values = np.concatenate(samples)
+    return float(np.percentile(values, q)) * 1e3 if len(values) else 0.0
+
+
+def _stream_summary(reports: Sequence[_Report]) -> StreamMetrics:
+    """Outputs and their timing; the rates add up each load process's own, over its time."""
+    ttfo, gaps = [r.ttfo for r in reports], [r.gaps for r in reports]
+    return StreamMetrics(
+        outputs=sum(r.outputs for r in reports),
+        outputs_per_s=sum(r.outputs / r.elapsed for r in reports if r.elapsed > 0),
+        ttfo_p50_ms=_ms(ttfo, 50),
+        ttfo_p99_ms=_ms(ttfo, 99),
+        inter_output_p50_ms=_ms(gaps, 50),
+        inter_output_p99_ms=_ms(gaps, 99),
+        elapsed_s=max(r.elapsed for r in reports),
+    )
