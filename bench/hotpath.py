@@ -29,7 +29,8 @@ import numpy as np
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig, find_model
+from batchd.protos.model_config import ModelConfig
+from batchd.protos.repository import find_model
 from batchd.server.batching.decision import IDLE, NO_CAPACITY, Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import join_inputs, split_outputs

@@ -39,7 +39,7 @@ import torch
 import zmq
 
 from batchd.protos import wire
-from batchd.protos.model_config import find_model
+from batchd.protos.repository import find_model
 from batchd.worker.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,15 +11,15 @@
                      max_starvation_us, priority_queue_sizes, max_batch_tokens,
                      bucket_by_length, target_latency_ms
     [instances]      count (copies per device), execution_timeout_s
+    [generate]       max_active, max_steps, admission ("continuous" | "static"):
+                     a step-wise model (no batch dim; load() returns start/step/release)
 
 The artifact is exactly one of model.py (defines `load(device)`), model.pt
 (TorchScript) or model.pt2 (torch.export). Parsed once at start-up into frozen
 dataclasses; every error names the file and the key.
 
-Nothing is read from outside the repository: a model directory, model.toml or
-artifact that resolves elsewhere (a symlink out, `..`) is refused, and model
-names are plain (letters, digits, `_`, `-`, `.`; no leading dot), so a name can
-be turned into a directory with `model_directory` without escaping.
+Model names are plain (letters, digits, `_`, `-`, `.`; no leading dot), so a
+name can be turned into a directory without escaping (repository.py).
 """
 
 from __future__ import annotations
@@ -37,10 +37,7 @@ __all__ = [
     "MODEL_NAME",
     "ConfigError",
     "ModelConfig",
-    "confined",
     "load_model_config",
-    "load_repository",
-    "model_directory",
 ]
 
 ARTIFACTS = {"model.py": "python", "model.pt": "pytorch_libtorch", "model.pt2": "torch_export"}
@@ -92,12 +89,21 @@ class BatchingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerateConfig:
+    """A step-wise model: each request is one sequence, stepped with the others."""
+
+    max_active: int = 8  # sequences stepping together on one worker
+    max_steps: int = 256  # a sequence ends after this many steps at the latest
+    admission: str = "continuous"  # or "static": a batch admits nobody until it ends
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceConfig:
     count: int = 1  # copies of the model per device, each in its own worker process
     execution_timeout_s: float = 60.0
 
 
-_BATCHING, _INSTANCES = BatchingConfig(), InstanceConfig()
+_BATCHING, _INSTANCES, _GENERATE = BatchingConfig(), InstanceConfig(), GenerateConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,7 @@ class ModelConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)
     instances: InstanceConfig = field(default_factory=InstanceConfig)
     batch_inputs: tuple[BatchInputSpec, ...] = ()
+    generate: GenerateConfig | None = None  # set: a step-wise model
     version: str = "1"  # the frontend counts loads: "2" after the first reload
     # Derived once, in __post_init__ (every request reads them). `key` names one loaded
     # version: queues, workers and batches are keyed by it.
@@ -300,6 +307,7 @@ def load_model_config(directory: Path) -> ModelConfig:
                 f"got {o.ragged_like!r}"
             )
     batching = _batching(top.table_of("batching"), max_batch_size, ragged)
+    generate = _generate(top, max_batch_size, inputs, outputs) if "generate" in top.table else None
     i = top.table_of("instances")
     instances = InstanceConfig(
         count=i.integer("count", 1, 1),
@@ -324,59 +332,35 @@ def load_model_config(directory: Path) -> ModelConfig:
         batching=batching,
         instances=instances,
         batch_inputs=batch_inputs,
+        generate=generate,
     )
 
 
-def confined(root: Path, path: Path) -> Path:
-    """`path`, resolved, if it lies inside the repository `root`; else ConfigError."""
-    real = path.resolve()
-    if not real.is_relative_to(root.resolve()):
-        raise ConfigError(f"{path}: resolves to {real}, outside the model repository {root}")
-    return real
-
-
-def model_directory(root: Path, name: str) -> Path:
-    """The directory of model `name` in repository `root`, refusing names that would
-    leave it (`..`, `/`, absolute paths) and symlinks out of it."""
-    if not MODEL_NAME.fullmatch(name):
-        raise ConfigError(f"{name!r} is not a model name (letters, digits, '_', '-', '.')")
-    return confined(root, root / name)
-
-
-def _load_confined(root: Path, sub: Path) -> ModelConfig:
-    for path in (sub, sub / "model.toml"):
-        confined(root, path)
-    cfg = load_model_config(sub)
-    confined(root, cfg.artifact)
+def _generate(
+    top: Reader,
+    max_batch_size: int,
+    inputs: tuple[TensorSpec, ...],
+    outputs: tuple[TensorSpec, ...],
+) -> GenerateConfig:
+    r = top.table_of("generate")
+    if max_batch_size:
+        raise r.fail(
+            "max_active",
+            f"a step-wise model has no batch dim: leave max_batch_size out (got {max_batch_size})",
+        )
+    if any(t.ragged for t in inputs):
+        raise r.fail("max_active", "a step-wise model takes no ragged inputs")
+    flat = [o.name for o in outputs if not o.shape]
+    if flat:
+        raise r.fail(
+            "max_active",
+            f"outputs {flat} have shape []: a step's outputs need a first dim, along which "
+            "a unary ModelInfer joins the steps",
+        )
+    cfg = GenerateConfig(
+        max_active=r.integer("max_active", _GENERATE.max_active, 1),
+        max_steps=r.integer("max_steps", _GENERATE.max_steps, 1),
+        admission=r.choice("admission", ("continuous", "static"), "continuous"),
+    )
+    r.done()
     return cfg
-
-
-def find_model(root: Path, name: str) -> ModelConfig:
-    """Model `name` of repository `root`: `root/<name>/model.toml`, or the one
-    subdirectory whose model.toml declares that name. Raise ConfigError if none."""
-    model_directory(root, name)  # refuses names that would leave the repository
-    if (root / name / "model.toml").is_file():
-        cfg = _load_confined(root, root / name)
-        if cfg.name == name:
-            return cfg
-    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
-        try:
-            cfg = _load_confined(root, sub)
-        except ConfigError:
-            continue  # a broken neighbour does not stop this model from loading
-        if cfg.name == name:
-            return cfg
-    raise ConfigError(f"{root}: no model named {name!r} in the repository")
-
-
-def load_repository(root: Path) -> dict[str, ModelConfig]:
-    """Every model of a repository: each subdirectory holding a model.toml."""
-    if not root.is_dir():
-        raise ConfigError(f"{root}: model repository is not a directory")
-    models: dict[str, ModelConfig] = {}
-    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
-        cfg = _load_confined(root, sub)
-        if cfg.name in models:
-            raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used twice")
-        models[cfg.name] = cfg
-    return models

@@ -9,6 +9,9 @@
     worker  --RESULT(id, tensors) | ERROR(id, error)--> frontend
     frontend --UNLOAD(model, version)--> worker   once that version has drained
     frontend --STOP--> worker                     finish the batch at hand, exit
+    frontend --START(id, model, version, tensors)--> worker   a sequence joins a step loop
+    worker  --STEP(id, tensors, final | error)--> frontend    each step's outputs, streamed
+    frontend --CANCEL(id)--> worker               drop the sequence before its next step
 
 A peer silent for LIVENESS heartbeats is dead.
 """
@@ -31,7 +34,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 3  # 3: BYTES outputs carry row_offsets
+PROTOCOL_VERSION = 4  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it

@@ -34,7 +34,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version")
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "final", "active", "round")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Header.Kind]
@@ -47,6 +47,9 @@ class Header(_message.Message):
         LOAD: _ClassVar[Header.Kind]
         LOADED: _ClassVar[Header.Kind]
         UNLOAD: _ClassVar[Header.Kind]
+        START: _ClassVar[Header.Kind]
+        STEP: _ClassVar[Header.Kind]
+        CANCEL: _ClassVar[Header.Kind]
     KIND_UNSPECIFIED: Header.Kind
     READY: Header.Kind
     HEARTBEAT: Header.Kind
@@ -57,6 +60,9 @@ class Header(_message.Message):
     LOAD: Header.Kind
     LOADED: Header.Kind
     UNLOAD: Header.Kind
+    START: Header.Kind
+    STEP: Header.Kind
+    CANCEL: Header.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +71,9 @@ class Header(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     kind: Header.Kind
     batch_id: int
     model: str
@@ -73,4 +82,7 @@ class Header(_message.Message):
     worker: WorkerInfo
     compute_ns: int
     version: str
-    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    final: bool
+    active: int
+    round: int
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., final: _Optional[bool] = ..., active: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...

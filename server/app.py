@@ -30,7 +30,8 @@ from prometheus_client import CollectorRegistry
 
 from batchd.protos import inference_pb2, inference_pb2_grpc
 from batchd.protos._pool import POOL, slow_backend
-from batchd.protos.model_config import ConfigError, ModelConfig, load_repository
+from batchd.protos.model_config import ConfigError, ModelConfig
+from batchd.protos.repository import load_repository
 from batchd.server.config import ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
@@ -155,6 +156,9 @@ def _build(
             ],
             lambda: core.supervisor.restarts,
             load.busy_seconds,
+            lambda name: sum(
+                b.model.name == name for w in core.pool.workers() for b in w.sequences.values()
+            ),
         )
     )
     return _Parts(core, service, health, server, port, registry)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from batchd.protos import keys
 from batchd.protos.logs import setup_logging
-from batchd.protos.model_config import ConfigError, load_repository
+from batchd.protos.model_config import ConfigError
+from batchd.protos.repository import load_repository
 from batchd.server import __version__, config
 from batchd.server.app import serve
 from batchd.server.loopload import new_loop

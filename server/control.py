@@ -27,10 +27,10 @@ from batchd.protos.model_config import (
     MODEL_NAME,
     ConfigError,
     ModelConfig,
-    find_model,
     load_model_config,
     model_key,
 )
+from batchd.protos.repository import find_model
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
 from batchd.server.link import WorkerLink

@@ -11,6 +11,7 @@ requests back or free a credit and schedule one deferred pump (`pump_soon`).
 
     transport ──submit──▶ Scheduler (batching/) ──send──▶ Core ──▶ WorkerPool.hand
                                                                  ──▶ WorkerLink.send
+                                          (a step-wise model's: ──▶ Sequences.start)
     WorkerLink ──on_message / on_silent / on_tick──▶ Core ──▶ futures, recovery,
                                                              ModelControl, pump_soon
 """
@@ -37,6 +38,7 @@ from batchd.server.errors import ModelFailed, Unavailable
 from batchd.server.link import WorkerLink
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
 from batchd.server.request import Batch, Request, Tensor
+from batchd.server.sequences import Sequences
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Launch, Supervisor
 
@@ -70,6 +72,9 @@ class Core:
             self.changed.set, self.pump_soon,
         )  # fmt: skip
         self.supervisor = Supervisor(launch or Launch(repository=repository), self.worker_exited)
+        self.sequences = Sequences(
+            self.pool, self.link, self.scheduler, stats, clock, self.pump_soon, self.lose
+        )
 
     # ---- what a transport calls ----
 
@@ -104,6 +109,10 @@ class Core:
     def index(self) -> list[IndexEntry]:
         return self.control.index()
 
+    def cancel(self, request: Request) -> None:
+        """The caller of a step-wise request left: free its queue place or its slot."""
+        self.sequences.cancel(request)
+
     # ---- running and stopping ----
 
     async def run(self) -> None:
@@ -115,10 +124,12 @@ class Core:
         """Answer every queued and in-flight request with `error` (shutdown)."""
         self.scheduler.fail_all(error)
         for w in self.pool.workers():
-            for batch in w.inflight.values():
+            for batch in [*w.inflight.values(), *w.sequences.values()]:
                 for r in batch.requests:
                     if not r.future.done():
                         r.future.set_exception(error)
+                    if r.stream is not None:
+                        r.stream.close()
 
     def stop_workers(self) -> None:
         """STOP to every worker; from now on one that registers is told to stop too."""
@@ -137,10 +148,13 @@ class Core:
 
     # ---- what the scheduler calls ----
 
-    def capacity(self, key: str) -> Capacity:
-        return self.pool.capacity(key)
+    def capacity(self, model: ModelConfig) -> Capacity:
+        return self.pool.capacity(model)
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
+        if model.generate is not None:
+            self.sequences.start(model, requests)
+            return
         worker = self.pool.choose(model.key, idle_only=any(r.suspect for r in requests))
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
@@ -172,6 +186,8 @@ class Core:
             return  # a worker we already gave up on; it registers again when we stay silent
         if kind in (wire.Header.RESULT, wire.Header.ERROR):
             self._on_reply(worker, header, frames)
+        elif kind == wire.Header.STEP:
+            self.sequences.on_step(worker, header, frames)
         elif kind == wire.Header.LOADED:
             self.control.on_loaded(worker, header)
 
@@ -235,7 +251,9 @@ class Core:
         local one is killed. Not for a process that exited or was replaced."""
         if self.pool.get(worker.identity) is not worker:
             return
-        back = recovery.after_loss(self.pool.leave(worker), worker.name, reason)
+        batches, sequences = self.pool.leave(worker)
+        back = recovery.after_loss(batches, worker.name, reason)
+        back += recovery.after_sequence_loss(sequences, worker.name, reason)
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
         log.warning(

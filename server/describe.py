@@ -55,6 +55,6 @@ def model_config(cfg: ModelConfig) -> pb.ModelConfigResponse:
             )
             if cfg.batches
             else None,
-            model_transaction_policy=pb.ModelTransactionPolicy(decoupled=False),
+            model_transaction_policy=pb.ModelTransactionPolicy(decoupled=cfg.generate is not None),
         )
     )

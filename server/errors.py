@@ -6,6 +6,7 @@
     ├── QueueFull                RESOURCE_EXHAUSTED  + grpc-retry-pushback-ms
     ├── TooManyCalls             RESOURCE_EXHAUSTED  (--max-concurrent-streams)
     ├── ResponseTooLarge         RESOURCE_EXHAUSTED  (--max-message-bytes, outbound)
+    ├── StreamBehind             RESOURCE_EXHAUSTED  (a stream's caller does not read)
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
     ├── NotAllowed               FAILED_PRECONDITION
@@ -89,6 +90,11 @@ class TooManyCalls(BatchdError):
 class ResponseTooLarge(BatchdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "response_too_large"
+
+
+class StreamBehind(BatchdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "stream_behind"
 
 
 class DeadlineExceeded(BatchdError):

@@ -28,7 +28,7 @@ from prometheus_client.core import (
 )
 
 from batchd.protos.model_config import ModelConfig
-from batchd.server.stats import Duration, ModelStats, Stats
+from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
 
 log = logging.getLogger("batchd.metrics")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,8 +53,10 @@ class Collector:
         workers: Callable[[], list[WorkerView]],
         restarts: Callable[[], Mapping[str, int]],
         loop_busy_s: Callable[[], float | None] = lambda: None,
+        active: Callable[[str], int] = lambda model: 0,  # step-wise sequences on workers
     ) -> None:
         self._models, self._stats, self._pending = models, stats, pending
+        self._active = active
         self._workers, self._restarts = workers, restarts
         self._loop_busy_s = loop_busy_s
 
@@ -142,6 +144,7 @@ class Collector:
         yield self._per_model(
             "batchd_padded_tokens", "Tokens computed, padding included", lambda s: s.padded_tokens
         )
+        yield from self._stepwise()
         yield from self._worker_metrics()
         busy = self._loop_busy_s()
         if busy is not None:
@@ -152,6 +155,56 @@ class Collector:
                 "and batches wait up to max_queue_delay_us to fill)",
                 value=busy,
             )
+
+    def _stepwise(self) -> Iterator[Metric]:
+        """Step-wise models (model.toml [generate]) only."""
+        models = {m: cfg for m, cfg in self._models.items() if cfg.generate is not None}
+        active = GaugeMetricFamily(
+            "batchd_sequences_active",
+            "Sequences in a slot on a worker",
+            labels=["model", "version"],
+        )
+        outputs = CounterMetricFamily(
+            "batchd_outputs", "Outputs streamed by step-wise models", labels=["model", "version"]
+        )
+        for m, cfg in models.items():
+            active.add_metric([m, cfg.version], self._active(m))
+            outputs.add_metric([m, cfg.version], self._stats.model(m).outputs)
+        yield active
+        yield outputs
+        pickers: list[tuple[str, str, Callable[[ModelStats], Histogram]]] = [
+            ("batchd_time_to_first_output_us", "Admission to a sequence's first output",
+             lambda s: s.first_output),
+            ("batchd_inter_output_us", "One output of a sequence to its next",
+             lambda s: s.between_outputs),
+        ]  # fmt: skip
+        for name, doc, pick in pickers:
+            family = HistogramMetricFamily(name, doc, labels=["model", "version"])
+            for m, cfg in models.items():
+                h = pick(self._stats.model(m))
+                tops = [str(float(le)) for le in LATENCY_BUCKETS_US] + ["+Inf"]
+                running, buckets = 0, []
+                for le, n in zip(tops, h.counts, strict=True):
+                    running += n
+                    buckets.append((le, running))
+                family.add_metric([m, cfg.version], buckets, h.sum_us)
+            yield family
+        slots = HistogramMetricFamily(
+            "batchd_step_slots", "Sequences stepped together per step", labels=["model", "version"]
+        )
+        for m, cfg in models.items():
+            counts = self._stats.model(m).slots
+            bounds = (
+                [b for b in BATCH_BUCKETS if b <= 2 * cfg.generate.max_active]
+                if cfg.generate
+                else []
+            )
+            buckets = [
+                (str(float(le)), sum(n for a, n in counts.items() if a <= le)) for le in bounds
+            ]
+            buckets.append(("+Inf", sum(counts.values())))
+            slots.add_metric([m, cfg.version], buckets, sum(a * n for a, n in counts.items()))
+        yield slots
 
     def _batch_sizes(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(

@@ -1,5 +1,9 @@
 """The worker pool: what the frontend knows of each worker and each batch it holds.
 
+A step-wise model's sequences are held apart from batches: each worker has
+`max_active` slots per such model, and slots are its credits for it; a new
+sequence goes to the worker with the most free slots.
+
 Pure state, no socket and no clock of its own: the registry of workers (by
 their ZeroMQ identity), the models each has loaded, its credits (batches it
 may hold at once: one on a CPU, where a staged batch would be formed early
@@ -30,6 +34,8 @@ class WorkerHandle:
     info: wire.WorkerInfo
     models: set[str] = field(default_factory=set)  # ModelConfig.key of each loaded version
     inflight: dict[int, Batch] = field(default_factory=dict)
+    sequences: dict[int, Batch] = field(default_factory=dict)  # step-wise: one request each
+    progress: dict[str, float] = field(default_factory=dict)  # key -> its last STEP came
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
     load_errors: dict[str, str] = field(default_factory=dict)  # key -> why it did not load
     credits: int = 1  # batches it may hold at once
@@ -86,15 +92,16 @@ class WorkerPool:
         self._order.append(worker)
         return Joined.NEW, worker
 
-    def leave(self, worker: WorkerHandle) -> list[Batch]:
-        """Forget `worker`; return the batches it held (empty if it was not known)."""
+    def leave(self, worker: WorkerHandle) -> tuple[list[Batch], list[Batch]]:
+        """Forget `worker`; return the batches and the sequences it held."""
         if self._by_identity.get(worker.identity) is not worker:
-            return []
+            return [], []
         del self._by_identity[worker.identity]
         self._order.remove(worker)
-        batches = list(worker.inflight.values())
+        batches, sequences = list(worker.inflight.values()), list(worker.sequences.values())
         worker.inflight.clear()
-        return batches
+        worker.sequences.clear()
+        return batches, sequences
 
     # ---- capacity and choice ----
 
@@ -102,11 +109,18 @@ class WorkerPool:
         return any(key in w.models for w in self._order)
 
     def inflight(self, key: str) -> int:
-        """Batches of model version `key` on workers now."""
-        return sum(b.model.key == key for w in self._order for b in w.inflight.values())
+        """Batches and sequences of model version `key` on workers now."""
+        return sum(
+            b.model.key == key
+            for w in self._order
+            for held in (w.inflight, w.sequences)
+            for b in held.values()
+        )
 
-    def capacity(self, key: str) -> Capacity:
-        free = False
+    def capacity(self, model: ModelConfig) -> Capacity:
+        if model.generate is not None:
+            return self._slots(model)
+        key, free = model.key, False
         for w in self._order:
             if key in w.models and w.has_credit():
                 if not w.inflight:
@@ -131,6 +145,47 @@ class WorkerPool:
         self._rr = (self._rr + busy[1] + 1) % n
         return busy[0]
 
+    # ---- step-wise models: slots ----
+
+    def active(self, worker: WorkerHandle, key: str) -> int:
+        return sum(b.model.key == key for b in worker.sequences.values())
+
+    def _slots(self, model: ModelConfig) -> Capacity:
+        assert model.generate is not None
+        free = False
+        for w in self._order:
+            if (
+                model.key in w.models
+                and (n := self.active(w, model.key)) < model.generate.max_active
+            ):
+                if not n:
+                    return IDLE
+                free = True
+        return BUSY_WITH_CREDIT if free else NO_CAPACITY
+
+    def choose_slot(self, model: ModelConfig) -> WorkerHandle | None:
+        """The worker with the most free slots for `model` (None: no free slot)."""
+        assert model.generate is not None
+        best, most = None, 0
+        for w in self._order:
+            if model.key in w.models:
+                free = model.generate.max_active - self.active(w, model.key)
+                if free > most:
+                    best, most = w, free
+        return best
+
+    def start(self, worker: WorkerHandle, model: ModelConfig, request: Request,
+              now: float) -> Batch:  # fmt: skip
+        """Record a sequence on `worker` before its START is sent."""
+        self._next_id += 1
+        sequence = Batch(self._next_id, model, [request], now)
+        worker.sequences[sequence.id] = sequence
+        return sequence
+
+    def end(self, worker: WorkerHandle, seq_id: int) -> Batch | None:
+        """A sequence leaves its slot (it ended, failed, or its caller left)."""
+        return worker.sequences.pop(seq_id, None)
+
     # ---- the in-flight table ----
 
     def hand(self, worker: WorkerHandle, model: ModelConfig, requests: list[Request],
@@ -146,11 +201,16 @@ class WorkerPool:
         return worker.inflight.pop(batch_id, None)
 
     def overdue(self, now: float) -> list[tuple[WorkerHandle, Batch]]:
-        """One batch per worker that has run past its model's execution_timeout_s."""
+        """One batch (or sequence) per worker that has run past its model's
+        execution_timeout_s: a batch since it was sent; a sequence since it started
+        or since the last step of its model on that worker, whichever is later."""
         late = []
         for w in self._order:
-            for b in w.inflight.values():
-                if now - b.sent_at > b.model.instances.execution_timeout_s:
+            for b in [*w.inflight.values(), *w.sequences.values()]:
+                since = b.sent_at
+                if b.id in w.sequences:
+                    since = max(since, w.progress.get(b.model.key, since))
+                if now - since > b.model.instances.execution_timeout_s:
                     late.append((w, b))
                     break
         return late

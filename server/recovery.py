@@ -13,6 +13,11 @@ The policy has one owner, this module:
     on the request that causes it.
   * A suspect that fails alone is answered with the failure.
 
+  * A step-wise model's sequence on a lost worker is retried on another worker if
+    it has streamed nothing yet (attempts counted as above; never a suspect: it
+    shares no batch). One that has streamed fails with UNAVAILABLE naming how many
+    outputs its caller got: a sequence cannot resume where it was.
+
 Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
 for an idle worker for it, pool.WorkerHandle.exclusive keeps a worker running
 one from taking a staged batch beside it.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from batchd.server.errors import ModelFailed
+from batchd.server.errors import ModelFailed, Unavailable
 from batchd.server.request import Batch, Request
 
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
@@ -61,3 +66,33 @@ def after_error(batch: Batch, worker: str, error: str) -> list[Request]:
     for r in pending:
         r.future.set_exception(failed)
     return []
+
+
+def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str) -> list[Request]:
+    """A lost worker's sequences: those to start again elsewhere; the others fail."""
+    back: list[Request] = []
+    for seq in sequences:
+        r = seq.requests[0]
+        stream = r.stream
+        assert stream is not None, "a sequence always has its stream"
+        if r.future.done():
+            continue
+        r.attempts += 1
+        if stream.sent or r.attempts >= MAX_ATTEMPTS:
+            r.future.set_exception(
+                Unavailable(
+                    f"model {seq.model.name!r}: the worker running this sequence was lost "
+                    f"({worker}: {reason}) after {stream.sent} output(s) were streamed; a "
+                    "sequence cannot resume on another worker, retry it"
+                )
+                if stream.sent
+                else ModelFailed(
+                    f"model {seq.model.name!r}: the worker running this sequence was lost "
+                    f"{r.attempts} times (last: {worker}: {reason}); not retried again"
+                )
+            )
+            stream.close()
+        else:
+            stream.worker, stream.seq_id = None, 0
+            back.append(r)
+    return back

@@ -1,10 +1,17 @@
 """The frontend's internal request and result: what travels from the gRPC edge
 through the queue to a worker and back. Tensor data stays `bytes` throughout.
+
+A request to a step-wise model carries a StepStream: the outputs of its
+sequence on their way to the caller. The core pushes each step's outputs as
+the worker streams them; the transport takes them one at a time. The buffer is
+bounded: a caller that does not read cannot grow the server's memory; when it
+is full the push fails, and the core ends the sequence with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,6 +59,7 @@ class Request:
     attempts: int = 0  # batches of this request whose worker was lost
     suspect: bool = False  # its batch failed: it rides alone until it is answered
     level: int = 0  # priority level index: 0 is priority 1, the highest
+    stream: StepStream | None = None  # a step-wise model's: where its outputs go
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
     # Derived from the inputs, once:
     length: int = field(init=False)  # longest ragged length (0: the model has no ragged input)
@@ -81,3 +89,50 @@ class Batch:
     requests: list[Request]
     sent_at: float
     suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
+
+
+MAX_BUFFERED = 256  # outputs of one stream waiting for its caller
+
+
+class StepStream:
+    """The outputs of one sequence, in order, for its caller."""
+
+    def __init__(self, limit: int = MAX_BUFFERED) -> None:
+        self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
+        self._limit = limit
+        self._wake: asyncio.Future[None] | None = None
+        self.closed = False
+        self.sent = 0  # outputs pushed so far
+        # Where the sequence runs, once the core has started it: the worker's
+        # identity and the sequence's id there (to cancel it).
+        self.worker: bytes | None = None
+        self.seq_id = 0
+
+    def push(self, outputs: list[Tensor], final: bool = False) -> bool:
+        """One step's outputs (`final`: the sequence's last); False, and nothing kept,
+        when the caller is too far behind."""
+        if len(self._items) >= self._limit:
+            return False
+        self._items.append((outputs, final))
+        self.sent += 1
+        self._notify()
+        return True
+
+    def close(self) -> None:
+        """No more outputs will come (the sequence ended, failed or was dropped)."""
+        self.closed = True
+        self._notify()
+
+    async def next(self) -> tuple[list[Tensor], bool] | None:
+        """The next step's outputs and whether they are the last, or None once closed
+        and drained."""
+        while not self._items:
+            if self.closed:
+                return None
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        return self._items.popleft()
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)

@@ -49,12 +49,12 @@ from batchd.server.errors import (
     clip_list,
     grpc_status,
 )
-from batchd.server.request import Request, Tensor
+from batchd.server.request import Request, StepStream, Tensor
 from batchd.server.stats import Stats
+from batchd.server.streaming import join_steps, respond
 
 T = TypeVar("T")
 EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
-STREAM_WINDOW = 256  # requests of one stream in flight at once
 # Elements walked one by one (~0.1 us each) above which decoding leaves the event
 # loop: below it, a request costs the loop at most ~2 ms, less than the hand-off.
 INLINE_WORK = 16_384
@@ -88,6 +88,8 @@ class Core(Protocol):
 
     def index(self) -> list[IndexEntry]: ...
 
+    def cancel(self, request: Request) -> None: ...  # a step-wise request's caller left
+
 
 def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | None]]:
     """A unary RPC of the inference service: counted against its connection's
@@ -105,6 +107,40 @@ def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | 
         return None
 
     return wrapper
+
+
+class _Answering:
+    """One inference request being answered: counted open while it runs (a drain
+    waits for it), and counted in the statistics when it ends, with its failure's
+    reason: its error's, `deadline` when gRPC ended it at its deadline, `cancelled`
+    when its caller left."""
+
+    __slots__ = ("_cfg", "_service", "deadline", "now")
+
+    def __init__(self, service: InferenceService, cfg: ModelConfig,
+                 time_remaining: float | None) -> None:  # fmt: skip
+        self._service, self._cfg = service, cfg
+        self.now = service._clock()
+        self.deadline = math.inf if time_remaining is None else self.now + time_remaining
+
+    async def __aenter__(self) -> _Answering:
+        self._service._open += 1
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        tb: Any) -> None:  # fmt: skip
+        service = self._service
+        ended = service._clock()
+        if isinstance(error, BatchdError):
+            reason: str | None = error.reason
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):  # gRPC ended it
+            reason = "deadline" if ended >= self.deadline - DEADLINE_SLACK_S else "cancelled"
+        else:
+            reason = None if error is None else "internal"
+        service._stats.answered(self._cfg.name, int((ended - self.now) * 1e9), reason)
+        service._open -= 1
+        if service.draining and not service._open:
+            service._drained.set()
 
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
@@ -138,6 +174,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             )
         return cfg
 
+    def is_stepwise(self, msg: pb.ModelInferRequest) -> bool:
+        cfg = self._models.get(msg.model_name)
+        return cfg is not None and cfg.generate is not None
+
+    def max_response_bytes(self) -> int:
+        return self._limits.max_response_bytes
+
     def ready(self) -> bool:
         """The server is ready when every model is ready or has failed to load for
         good (it is unready on its own, in ModelReady and its health service): one
@@ -150,35 +193,57 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def infer(
         self, msg: pb.ModelInferRequest, time_remaining: float | None
     ) -> pb.ModelInferResponse:
+        """One request, one answer; a step-wise model's every output, joined."""
+        cfg = self._admissible(msg)
+        async with _Answering(self, cfg, time_remaining) as a:
+            request = await self._decode(msg, cfg, a.now, a.deadline)
+            if cfg.generate is None:
+                results = await self._core.submit(request)
+            else:
+                assert cfg.generate is not None
+                request.stream = StepStream(limit=cfg.generate.max_steps + 1)
+                steps = [outputs async for outputs, _ in self._follow(request)]
+                results = join_steps(steps)
+        return encode_response(request, results, self._limits.max_response_bytes)
+
+    async def sequence(
+        self, msg: pb.ModelInferRequest, time_remaining: float | None
+    ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]:
+        """A step-wise model's request: each output as it comes, and whether it is the
+        last. Leaving early (the caller went) frees its slot."""
+        cfg = self._admissible(msg)
+        async with _Answering(self, cfg, time_remaining) as a:
+            request = await self._decode(msg, cfg, a.now, a.deadline)
+            request.stream = StepStream()
+            async for outputs, final in self._follow(request):
+                yield request, outputs, final
+
+    def _admissible(self, msg: pb.ModelInferRequest) -> ModelConfig:
         if self.draining:
             raise Unavailable("the server is shutting down and takes no new requests")
-        cfg = self._model(msg.model_name, msg.model_version)
-        now = self._clock()
-        deadline = math.inf if time_remaining is None else now + time_remaining
-        self._open += 1
+        return self._model(msg.model_name, msg.model_version)
+
+    async def _decode(
+        self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float, deadline: float
+    ) -> Request:
+        self._core.check_room(cfg.key)
+        if decode_work(msg, self._limits) > INLINE_WORK:
+            return await self._decode_aside(msg, cfg, now, deadline)
+        return decode_request(msg, cfg, now, deadline, self._limits)
+
+    async def _follow(self, request: Request) -> AsyncIterator[tuple[list[Tensor], bool]]:
+        """Submit a step-wise request and take its outputs until its sequence ends;
+        its failure is raised then. Whatever ends the iteration early cancels it."""
+        stream = request.stream
+        assert stream is not None
+        future = self._core.submit(request)
         try:
-            self._core.check_room(cfg.key)
-            if decode_work(msg, self._limits) > INLINE_WORK:
-                request = await self._decode_aside(msg, cfg, now, deadline)
-            else:
-                request = decode_request(msg, cfg, now, deadline, self._limits)
-            results = await self._core.submit(request)
-        except BatchdError as e:
-            self._stats.answered(cfg.name, int((self._clock() - now) * 1e9), e.reason)
-            raise
-        except (
-            asyncio.CancelledError
-        ):  # gRPC ends the call: its deadline passed, or the client left
-            ended = self._clock()
-            reason = "deadline" if ended >= deadline - DEADLINE_SLACK_S else "cancelled"
-            self._stats.answered(cfg.name, int((ended - now) * 1e9), reason)
-            raise
+            while (item := await stream.next()) is not None:
+                yield item
+            await future
         finally:
-            self._open -= 1
-            if self.draining and not self._open:
-                self._drained.set()
-        self._stats.answered(cfg.name, int((self._clock() - now) * 1e9))
-        return encode_response(request, results, self._limits.max_response_bytes)
+            if not future.done() or stream.worker is not None:
+                self._core.cancel(request)
 
     async def _decode_aside(
         self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float, deadline: float
@@ -224,42 +289,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             peer: str = context.peer()
             self._calls.enter(peer)
             try:
-                async for out in self._stream(request_iterator):
+                async for out in respond(self, request_iterator):
                     yield out
             finally:
                 self._calls.leave(peer)
-
-    async def _stream(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest]
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
-        window = asyncio.Semaphore(STREAM_WINDOW)
-
-        async def one(msg: pb.ModelInferRequest) -> None:
-            try:
-                out = pb.ModelStreamInferResponse(infer_response=await self.infer(msg, None))
-            except BatchdError as e:
-                out = pb.ModelStreamInferResponse(
-                    error_message=e.message,
-                    infer_response=pb.ModelInferResponse(model_name=msg.model_name, id=msg.id),
-                )
-            responses.put_nowait(out)
-
-        async def read() -> None:
-            async with asyncio.TaskGroup() as tg:
-                async for msg in request_iterator:
-                    await window.acquire()
-                    tg.create_task(one(msg))
-            responses.put_nowait(None)
-
-        reader = asyncio.create_task(read())
-        try:
-            while (out := await responses.get()) is not None:
-                window.release()
-                yield out
-            await reader
-        finally:
-            reader.cancel()
 
     @_status
     async def ServerLive(

@@ -12,6 +12,10 @@
                      the histogram of batch sizes
     padding          ragged models: real tokens / padded tokens
     rejected         failed requests by reason (queue_full, invalid, deadline, ...)
+    step-wise models: each step round is an execution of its active sequences
+                     (so average batch size = average slots in use per step);
+                     outputs streamed, time to first output and between outputs
+                     (histograms), slots in use per step (histogram)
 
 Counts are per request for the per-request durations and per batch in
 batch_stats. One Stats object is created by the composition root and
@@ -40,6 +44,27 @@ class Duration:
         return pb.StatisticDuration(count=self.count, ns=self.ns)
 
 
+LATENCY_BUCKETS_US = (500, 1000, 2000, 5000, 10_000, 20_000, 50_000, 100_000, 200_000,
+                      500_000, 1_000_000, 2_000_000, 5_000_000)  # fmt: skip
+
+
+@dataclass(slots=True)
+class Histogram:
+    """Counts by upper bound (LATENCY_BUCKETS_US), with their sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_US) + 1))
+    sum_us: float = 0.0
+
+    def add(self, ns: int) -> None:
+        us = ns / 1000
+        self.sum_us += us
+        for i, le in enumerate(LATENCY_BUCKETS_US):
+            if us <= le:
+                self.counts[i] += 1
+                return
+        self.counts[-1] += 1
+
+
 @dataclass(slots=True)
 class BatchDurations:
     compute_input: Duration = field(default_factory=Duration)
@@ -62,6 +87,10 @@ class ModelStats:
     real_tokens: int = 0  # ragged models: tokens that carry data ...
     padded_tokens: int = 0  # ... and tokens the model computed (rows x longest length)
     rejected: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # by reason
+    outputs: int = 0  # step-wise: outputs streamed
+    first_output: Histogram = field(default_factory=Histogram)  # admission -> first output
+    between_outputs: Histogram = field(default_factory=Histogram)  # one output -> the next
+    slots: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # active -> steps
 
     def average_batch_size(self) -> float:
         return self.inference_count / self.execution_count if self.execution_count else 0.0
@@ -105,6 +134,28 @@ class Stats:
         b.compute_input.add(input_ns)
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
+
+    def started(self, model: str, queue_ns: int) -> None:
+        """A step-wise model's sequence left the queue for a slot after `queue_ns`."""
+        self._models[model].queue.add(queue_ns)
+
+    def step(self, model: str, active: int, infer_ns: int) -> None:
+        """A step-wise model's step round ran `active` sequences in `infer_ns`."""
+        m = self._models[model]
+        m.execution_count += 1
+        m.inference_count += active
+        m.compute_infer.add(infer_ns * active, active)  # per sequence-step, as batches
+        m.compute_input.add(0, active)  # (the three counts must agree: perf_analyzer)
+        m.compute_output.add(0, active)
+        m.slots[active] += 1
+        m.last_inference_ms = time.time_ns() // 1_000_000
+
+    def output(self, model: str, waited_ns: int, first: bool) -> None:
+        """A sequence's output reached the frontend `waited_ns` after its previous one
+        (or, `first`, after its admission)."""
+        m = self._models[model]
+        m.outputs += 1
+        (m.first_output if first else m.between_outputs).add(waited_ns)
 
     def padding(self, model: str, real_tokens: int, padded_tokens: int) -> None:
         m = self._models[model]

@@ -14,7 +14,8 @@ import pytest
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES, datatype_of
-from batchd.protos.model_config import ConfigError, load_model_config, load_repository
+from batchd.protos.model_config import ConfigError, load_model_config
+from batchd.protos.repository import load_repository
 from batchd.protos.tensors import (
     bytes_element_offsets,
     bytes_row_offsets,
@@ -183,7 +184,8 @@ def test_datatype_of_numpy_arrays() -> None:
 
 def test_example_and_test_repositories_load() -> None:
     examples = load_repository(EXAMPLES)
-    assert sorted(examples) == ["embed", "mlp", "textpool", "tiny"]
+    assert sorted(examples) == ["decoder", "embed", "mlp", "textpool", "tiny"]
+    assert examples["decoder"].generate is not None and examples["decoder"].generate.max_active == 8
     mlp = examples["mlp"]
     assert mlp.max_batch_size == 32 and mlp.platform == "python"
     assert mlp.inputs[0].shape == (512,) and examples["tiny"].platform == "torch_export"

@@ -27,10 +27,10 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             *("batching.decision", "batching.plan", "batching.latency"),
             *("batching.split_join", "batching.scheduler", "pool", "recovery"),
-            *("calls", "auth", "codec", "metrics", "security"),
+            *("calls", "auth", "codec", "metrics", "security", "streaming"),
         },
     ),
-    ("model control", {"control"}),
+    ("model control and sequences", {"control", "sequences"}),
     ("the core", {"core"}),
     ("transports", {"service"}),
     ("the composition root and the command", {"app", "cli", "__main__"}),

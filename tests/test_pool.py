@@ -37,17 +37,17 @@ def test_an_idle_worker_is_chosen_first_then_round_robin_among_those_with_credit
     cfg = model()
     pool = WorkerPool(credits=2)
     a, b = serving(pool, "a", "b", key=cfg.key)
-    assert pool.capacity(cfg.key) == IDLE
+    assert pool.capacity(cfg) == IDLE
     assert pool.choose(cfg.key) is a
     pool.hand(a, cfg, [request(cfg)], 0.0)
     assert pool.choose(cfg.key) is b  # idle beats a's free credit
     pool.hand(b, cfg, [request(cfg)], 0.0)
-    assert pool.capacity(cfg.key) == BUSY_WITH_CREDIT
+    assert pool.capacity(cfg) == BUSY_WITH_CREDIT
     assert pool.choose(cfg.key, idle_only=True) is None
     assert pool.choose(cfg.key) in (a, b)
     for w in (a, b):
         pool.hand(w, cfg, [request(cfg)], 0.0)
-    assert pool.capacity(cfg.key) == NO_CAPACITY and pool.choose(cfg.key) is None
+    assert pool.capacity(cfg) == NO_CAPACITY and pool.choose(cfg.key) is None
 
 
 def test_a_worker_running_a_suspect_takes_nothing_beside_it() -> None:
@@ -58,9 +58,9 @@ def test_a_worker_running_a_suspect_takes_nothing_beside_it() -> None:
     suspect.suspect = True
     batch = pool.hand(a, cfg, [suspect], 0.0)
     assert batch.suspect and a.exclusive
-    assert pool.capacity(cfg.key) == NO_CAPACITY
+    assert pool.capacity(cfg) == NO_CAPACITY
     assert pool.finish(a, batch.id) is batch and pool.finish(a, batch.id) is None
-    assert pool.capacity(cfg.key) == IDLE
+    assert pool.capacity(cfg) == IDLE
 
 
 def test_joining_again_from_the_same_process_keeps_the_worker_and_its_batches() -> None:
@@ -71,8 +71,8 @@ def test_joining_again_from_the_same_process_keeps_the_worker_and_its_batches() 
     assert pool.join(b"a", info("a")) == (Joined.AGAIN, a)
     assert a.inflight == {batch.id: batch}
     assert pool.join(b"a", info("a", pid=2)) == (Joined.REPLACED, a)
-    assert pool.leave(a) == [batch] and pool.workers() == []
-    assert pool.leave(a) == []  # already gone
+    assert pool.leave(a) == ([batch], []) and pool.workers() == []
+    assert pool.leave(a) == ([], [])  # already gone
     joined, new = pool.join(b"a", info("a", pid=2))
     assert joined is Joined.NEW and new is not a
 

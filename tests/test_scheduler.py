@@ -23,7 +23,7 @@ class FakeDispatch:
         self.idle, self.credits = idle, credits
         self.sent: list[list[Request]] = []
 
-    def capacity(self, model: str) -> Capacity:
+    def capacity(self, model: ModelConfig) -> Capacity:
         return Capacity(idle_worker=self.idle > 0, free_credit=self.credits > 0)
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:

@@ -26,11 +26,8 @@ from batchd.client import AsyncClient, Client, Unauthenticated
 from batchd.client.errors import BatchdClientError
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
-from batchd.protos.model_config import (
-    ConfigError,
-    ModelConfig,
-    load_repository,
-)
+from batchd.protos.model_config import ConfigError, ModelConfig
+from batchd.protos.repository import load_repository
 from batchd.server.app import _grpc_server
 from batchd.server.auth import DENIED, load_tokens, scope_of
 from batchd.server.config import Connections, Limits, Network, Security, ServerConfig
@@ -72,6 +69,9 @@ class _NoWorkers:
 
     def index(self) -> list[IndexEntry]:
         return [IndexEntry("tiny", "1", "UNAVAILABLE", "no live worker serves it")]
+
+    def cancel(self, request: Request) -> None:
+        raise AssertionError("nothing is ever admitted here")
 
 
 class GrpcServer:

@@ -23,12 +23,8 @@ import zmq
 
 from batchd.client import Client, DeadlineExceeded, Unauthenticated
 from batchd.protos import keys, wire
-from batchd.protos.model_config import (
-    ConfigError,
-    confined,
-    load_repository,
-    model_directory,
-)
+from batchd.protos.model_config import ConfigError
+from batchd.protos.repository import confined, load_repository, model_directory
 from batchd.server.security import check_worker_endpoint
 from batchd.worker.frontend_link import RETRY_S
 from tests.certs import INFER_TOKEN, openssl

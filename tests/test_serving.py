@@ -127,13 +127,14 @@ def test_stream_infer_answers_each_request(stub) -> None:  # type: ignore[no-unt
 def test_repository_index_lists_every_model(stub) -> None:  # type: ignore[no-untyped-def]
     index = stub.RepositoryIndex(pb.RepositoryIndexRequest())
     assert [(m.name, m.version, m.state) for m in index.models] == [
+        ("decoder", "1", "READY"),
         ("embed", "1", "READY"),
         ("mlp", "1", "READY"),
         ("textpool", "1", "READY"),
         ("tiny", "1", "READY"),
     ]
     ready_only = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
-    assert len(ready_only.models) == 4
+    assert len(ready_only.models) == 5
 
 
 def test_health_service_and_reflection(example_server: ServerProcess) -> None:

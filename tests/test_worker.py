@@ -18,7 +18,8 @@ import torch
 import zmq
 
 from batchd.protos import wire
-from batchd.protos.model_config import find_model, load_model_config, model_key
+from batchd.protos.model_config import load_model_config, model_key
+from batchd.protos.repository import find_model
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch

@@ -20,7 +20,7 @@ import torch
 
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import bytes_row_offsets, from_raw, serialize_bytes
 from batchd.worker.loader import ModelFn
 
@@ -119,18 +119,25 @@ def run_batch(
         result = fn(*args)
     out_headers, out_frames = [], []
     for spec, value in zip(cfg.outputs, _outputs_in_order(cfg, result), strict=True):
-        shape, frame = _encode(spec.name, spec.datatype, value)
-        inner = shape[1:] if cfg.batches else shape
-        if (rows is not None and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)):
-            declared = ([rows] if cfg.batches else []) + list(spec.shape)
-            raise BatchError(
-                f"output {spec.name!r}: expected shape {declared}, the model returned {shape}"
-            )
-        header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
-        if spec.datatype == "BYTES" and cfg.batches:  # the frontend cuts rows by these
-            header.row_offsets.extend(
-                bytes_row_offsets(frame, shape[0], math.prod(shape[1:])).tolist()
-            )
+        header, frame = encode_output(spec, value, cfg.batches, rows)
         out_headers.append(header)
         out_frames.append(frame)
     return out_headers, out_frames
+
+
+def encode_output(
+    spec: TensorSpec, value: Any, batches: bool, rows: int | None = None
+) -> tuple[wire.Tensor, Any]:
+    """One output, checked against its declaration: its wire header and raw frame.
+    `rows`: the batch's rows, when the model batches (dim 0 must match)."""
+    shape, frame = _encode(spec.name, spec.datatype, value)
+    inner = shape[1:] if batches else shape
+    if (batches and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)):
+        declared = ([rows] if batches else []) + list(spec.shape)
+        raise BatchError(
+            f"output {spec.name!r}: expected shape {declared}, the model returned {shape}"
+        )
+    header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
+    if spec.datatype == "BYTES" and batches:  # the frontend cuts rows by these
+        header.row_offsets.extend(bytes_row_offsets(frame, shape[0], math.prod(shape[1:])).tolist())
+    return header, frame

@@ -45,6 +45,8 @@ _FROM_FRONTEND = frozenset(
         wire.Header.LOAD,
         wire.Header.UNLOAD,
         wire.Header.STOP,
+        wire.Header.START,
+        wire.Header.CANCEL,
     }
 )
 _KIND_NAMES = frozenset(wire.Header.Kind.values())

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.export.passes import move_to_device_pass
 
-from batchd.protos.model_config import ModelConfig, confined
+from batchd.protos.model_config import ModelConfig
+from batchd.protos.repository import confined
 
 ModelFn = Callable[..., Any]
 log = logging.getLogger("batchd.worker")
@@ -55,6 +56,14 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     except FileNotFoundError as e:
         _explain_relative_path(cfg, e)
         raise
+    if cfg.generate is not None:  # a step-wise model: start / step (/ release)
+        missing = [m for m in ("start", "step") if not callable(getattr(fn, m, None))]
+        if missing:
+            raise TypeError(
+                f"{cfg.artifact}: [generate] declares a step-wise model, but what load(device) "
+                f"returned ({type(fn).__name__}) has no {' or '.join(missing)}() method"
+            )
+        return fn  # type: ignore[no-any-return]
     if not callable(fn):
         raise TypeError(
             f"{cfg.artifact}: load(device) returned {type(fn).__name__}, expected a callable"

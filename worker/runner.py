@@ -34,13 +34,18 @@ import torch
 import zmq
 
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig, find_model, model_key
+from batchd.protos.model_config import ModelConfig, model_key
+from batchd.protos.repository import find_model
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
+from batchd.worker.generate import Reply, StepLoop
 from batchd.worker.loader import ModelFn, load_model
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
+# What the compute thread owes an answer for: a STOP waits for those (a sequence
+# counts until its last STEP).
+_COUNTED = (wire.Header.BATCH, wire.Header.LOAD, wire.Header.START)
 # The longest the I/O loop waits for a message. A SIGTERM only sets a flag: the loop
 # reads it when it wakes, so this bounds how long a stop takes (exit well within 1 s).
 POLL_MS = 100
@@ -66,6 +71,7 @@ class Runner:
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
         self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # by ModelConfig.key
+        self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops, by key
         # (index of the frontend that sent it, header, frames)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None] = (
             queue.SimpleQueue()
@@ -82,18 +88,57 @@ class Runner:
         torch.set_num_threads(torch.get_num_threads())
         out = ctx.socket(zmq.PAIR)
         out.connect(_RESULTS)
+
+        def reply(frontend: int, parts: list[Any], ends: bool = True) -> None:
+            # To the I/O thread: which frontend, and whether this ends a unit of work
+            # it counts (a batch, a load, a sequence's last STEP).
+            out.send_multipart([bytes([frontend, ends]), *parts], copy=False)
+
         try:
-            while (item := self._work.get()) is not None:
+            while True:
+                busy = any(loop.busy for loop in self.loops.values())
+                try:  # while sequences step, take what has come without waiting
+                    item = self._work.get_nowait() if busy else self._work.get()
+                except queue.Empty:
+                    for loop in self.loops.values():
+                        if loop.busy:
+                            for frontend, parts, final in loop.round():
+                                reply(frontend, parts, final)
+                    continue
+                if item is None:
+                    return
                 frontend, header, frames = item
-                to = bytes([frontend])  # the I/O thread sends the reply back there
                 if header.kind == wire.Header.LOAD:
-                    out.send_multipart([to, *self._load(header)])
+                    reply(frontend, self._load(header))
                 elif header.kind == wire.Header.UNLOAD:
                     self._unload(header)
+                elif header.kind in (wire.Header.START, wire.Header.CANCEL):
+                    for to, parts, final in self._sequence(frontend, header, frames):
+                        reply(to, parts, final)
                 else:
-                    out.send_multipart([to, *self._run(header, frames)], copy=False)
+                    reply(frontend, self._run(header, frames))
         finally:
             out.close(linger=0)
+
+    def _sequence(self, frontend: int, header: wire.Header,
+                  frames: list[Any]) -> list[Reply]:  # fmt: skip
+        """START: a sequence waits for its loop's next step; CANCEL: it leaves."""
+        loop = self.loops.get(model_key(header.model, header.version))
+        if header.kind == wire.Header.CANCEL:
+            dropped = [each.cancel(frontend, header.batch_id) for each in self.loops.values()]
+            # Nothing goes back for a dropped sequence, but the I/O thread counted its
+            # START as owed: an empty reply settles it (a STOP waits for those).
+            return [(frontend, [], True)] if any(dropped) else []
+        if loop is None:
+            error = wire.Header(
+                kind=wire.Header.STEP,
+                batch_id=header.batch_id,
+                final=True,
+                error=f"model {header.model!r} version {header.version!r} is not loaded as a "
+                "step-wise model on this worker",
+            )
+            return [(frontend, wire.pack(error), True)]
+        return loop.add(frontend, header, frames, self.options.device)
 
     def _load(self, header: wire.Header) -> list[Any]:
         reply = wire.Header(kind=wire.Header.LOADED, model=header.model, version=header.version)
@@ -107,6 +152,8 @@ class Runner:
                 cfg = find_model(self.options.repository, header.model)
                 cfg = dataclasses.replace(cfg, version=header.version)
                 self.models[key] = (cfg, load_model(cfg, self.options.device))
+                if cfg.generate is not None:
+                    self.loops[key] = StepLoop(cfg, self.models[key][1])
                 _settle_heap()
                 log.info(
                     "loaded model %s version %s from %s in %.2f s",
@@ -122,7 +169,10 @@ class Runner:
         return wire.pack(reply)
 
     def _unload(self, header: wire.Header) -> None:
-        if self.models.pop(model_key(header.model, header.version), None) is not None:
+        key = model_key(header.model, header.version)
+        if (loop := self.loops.pop(key, None)) is not None:
+            loop.drop_all()
+        if self.models.pop(key, None) is not None:
             gc.unfreeze()  # the model's objects may be among the frozen: collect them now
             _settle_heap()
             if self.options.device.type == "cuda":
@@ -217,14 +267,17 @@ class Runner:
             now = time.monotonic()
             if results in events:
                 to, *reply = results.recv_multipart(copy=False)
-                link = links[to.bytes[0]]
+                frontend, ends = to.bytes
+                io.pending -= ends
+                if not reply:  # bookkeeping only: a cancelled sequence settled
+                    continue
+                link = links[frontend]
                 if not link.send(reply, copy=False):
                     log.warning(
                         "a reply to frontend %s is dropped: not connected (the frontend "
                         "retries its batch once it counts this worker lost)",
                         link.endpoint,
                     )
-                io.pending -= 1
             for i, link in enumerate(links):
                 if link.socket in events and (message := link.receive(now)) is not None:
                     self._from_frontend(io, i, *message)
@@ -237,10 +290,10 @@ class Runner:
                 return
 
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
-        if header.kind in (wire.Header.BATCH, wire.Header.LOAD) and not io.stopping:
+        if header.kind in _COUNTED and not io.stopping:
             self._work.put((i, header, frames))
             io.pending += 1
-        elif header.kind == wire.Header.UNLOAD:
+        elif header.kind in (wire.Header.UNLOAD, wire.Header.CANCEL):
             self._work.put((i, header, frames))
         elif header.kind == wire.Header.STOP:
             log.info("STOP received")

@@ -1,0 +1,71 @@
+"""A model repository: `DIR/<model>/model.toml` beside its artifact, one model per
+subdirectory (model_config.py parses one).
+
+Nothing is read from outside the repository: a model directory, model.toml or
+artifact that resolves elsewhere (a symlink out, `..`) is refused, and a model
+name received over the network maps onto a directory only inside it
+(`model_directory`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, load_model_config
+
+__all__ = ["confined", "find_model", "load_repository", "model_directory"]
+
+
+def confined(root: Path, path: Path) -> Path:
+    """`path`, resolved, if it lies inside the repository `root`; else ConfigError."""
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise ConfigError(f"{path}: resolves to {real}, outside the model repository {root}")
+    return real
+
+
+def model_directory(root: Path, name: str) -> Path:
+    """The directory of model `name` in repository `root`, refusing names that would
+    leave it (`..`, `/`, absolute paths) and symlinks out of it."""
+    if not MODEL_NAME.fullmatch(name):
+        raise ConfigError(f"{name!r} is not a model name (letters, digits, '_', '-', '.')")
+    return confined(root, root / name)
+
+
+def _load_confined(root: Path, sub: Path) -> ModelConfig:
+    for path in (sub, sub / "model.toml"):
+        confined(root, path)
+    cfg = load_model_config(sub)
+    confined(root, cfg.artifact)
+    return cfg
+
+
+def find_model(root: Path, name: str) -> ModelConfig:
+    """Model `name` of repository `root`: `root/<name>/model.toml`, or the one
+    subdirectory whose model.toml declares that name. Raise ConfigError if none."""
+    model_directory(root, name)  # refuses names that would leave the repository
+    if (root / name / "model.toml").is_file():
+        cfg = _load_confined(root, root / name)
+        if cfg.name == name:
+            return cfg
+    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+        try:
+            cfg = _load_confined(root, sub)
+        except ConfigError:
+            continue  # a broken neighbour does not stop this model from loading
+        if cfg.name == name:
+            return cfg
+    raise ConfigError(f"{root}: no model named {name!r} in the repository")
+
+
+def load_repository(root: Path) -> dict[str, ModelConfig]:
+    """Every model of a repository: each subdirectory holding a model.toml."""
+    if not root.is_dir():
+        raise ConfigError(f"{root}: model repository is not a directory")
+    models: dict[str, ModelConfig] = {}
+    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+        cfg = _load_confined(root, sub)
+        if cfg.name in models:
+            raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used twice")
+        models[cfg.name] = cfg
+    return models

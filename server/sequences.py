@@ -1,0 +1,147 @@
+"""Step-wise models' sequences, on the frontend: START, STEP, CANCEL.
+
+Each request to a step-wise model (model.toml [generate]) is one sequence. It
+queues and is admitted like any request (the scheduler's queues, limits,
+priorities and queue timeouts apply to the wait for a slot); its "batch" is a
+START to the worker with the most free slots (pool: slots are the credits for
+it). The worker streams one STEP per output; each goes into the request's
+StepStream (bounded: a caller too far behind ends the sequence with
+RESOURCE_EXHAUSTED), and the final one ends it and frees its slot. A caller
+that leaves frees the slot at once and the worker drops it before its next
+step. Lost workers: recovery.after_sequence_loss. Owned by the core, which
+hands it the messages; like the core's own paths, it never calls the planner:
+a freed slot schedules one pump.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.scheduler import Scheduler
+from batchd.server.errors import ModelFailed, StreamBehind
+from batchd.server.link import WorkerLink
+from batchd.server.pool import WorkerHandle, WorkerPool
+from batchd.server.request import MAX_BUFFERED, Batch, Request, Tensor
+from batchd.server.stats import Stats
+
+
+class Sequences:
+    def __init__(
+        self,
+        pool: WorkerPool,
+        link: WorkerLink,
+        scheduler: Scheduler,
+        stats: Stats,
+        clock: Callable[[], float],
+        pump_soon: Callable[[], None],
+        lose: Callable[[WorkerHandle, str], None],  # a worker the link could not reach
+    ) -> None:
+        self._pool, self._link, self._scheduler = pool, link, scheduler
+        self._stats, self._clock = stats, clock
+        self._pump_soon, self._lose = pump_soon, lose
+        self._rounds: dict[tuple[bytes, str], int] = {}  # last step round counted
+
+    def start(self, model: ModelConfig, requests: list[Request]) -> None:
+        """Each request is one sequence: a START to the worker with the most free slots."""
+        for r in requests:
+            worker = self._pool.choose_slot(model)
+            stream = r.stream
+            assert stream is not None, "a step-wise request has its stream"
+            if worker is None or r.future.done():  # no slot after all, or its caller left
+                if not r.future.done():
+                    self._scheduler.requeue([r])
+                    self._pump_soon()
+                continue
+            now = self._clock()
+            sequence = self._pool.start(worker, model, r, now)
+            stream.worker, stream.seq_id = worker.identity, sequence.id
+            self._stats.started(model.name, int((now - r.arrival) * 1e9))
+            header = wire.Header(
+                kind=wire.Header.START, batch_id=sequence.id, model=model.name,
+                version=model.version,
+            )  # fmt: skip
+            header.tensors.extend(
+                wire.Tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in r.inputs
+            )
+            frames = [t.data for t in r.inputs]
+            copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
+            failed = self._link.send(worker.identity, wire.pack(header, frames), copy=copy)
+            if failed:
+                self._lose(worker, failed)
+
+    def cancel(self, request: Request) -> None:
+        """The caller of a step-wise request left (cancelled, disconnected, its deadline
+        passed, or it stopped reading): drop it from its queue, or free its slot and
+        tell the worker, which drops it before its next step (within one step)."""
+        if not request.future.done():
+            request.future.cancel()
+        stream = request.stream
+        if stream is None or stream.worker is None:
+            return  # still queued: the scheduler sweeps the cancelled entry
+        worker = self._pool.get(stream.worker)
+        if worker is not None and self._pool.end(worker, stream.seq_id) is not None:
+            cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=stream.seq_id)
+            self._link.send(worker.identity, wire.pack(cancel))
+            self._pump_soon()  # a slot is free
+        stream.worker = None
+        stream.close()
+
+    def on_step(self, worker: WorkerHandle, header: wire.Header, frames: list[Any]) -> None:
+        sequence = worker.sequences.get(header.batch_id)
+        if header.round:
+            self._count_step(worker, header)
+        if sequence is None:
+            return  # its caller left and it was cancelled; the worker had already stepped it
+        now = self._clock()
+        model, r = sequence.model, sequence.requests[0]
+        worker.progress[model.key] = now
+        stream = r.stream
+        assert stream is not None
+        if header.error:
+            failed = ModelFailed(f"model {model.name!r} on worker {worker.name}: {header.error}")
+            self._end_sequence(worker, sequence, failed)
+            return
+        if header.tensors:
+            outputs = [
+                Tensor(h.name, h.datatype, tuple(h.shape), memoryview(f))
+                for h, f in zip(header.tensors, frames, strict=True)
+            ]
+            first = stream.sent == 0
+            if not stream.push(outputs, header.final):
+                cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=sequence.id)
+                self._link.send(worker.identity, wire.pack(cancel))
+                behind = StreamBehind(
+                    f"this stream's caller has not read its last {MAX_BUFFERED} outputs of "
+                    f"model {model.name!r}; the sequence was stopped after {stream.sent}"
+                )
+                self._end_sequence(worker, sequence, behind)
+                return
+            since = r.arrival if first else sequence.sent_at
+            self._stats.output(model.name, int((now - since) * 1e9), first)
+            sequence.sent_at = now  # the previous output's time, for the next gap
+        if header.final:
+            self._end_sequence(worker, sequence, None)
+
+    def _end_sequence(self, worker: WorkerHandle, sequence: Batch,
+                      error: Exception | None) -> None:  # fmt: skip
+        self._pool.end(worker, sequence.id)
+        r = sequence.requests[0]
+        if not r.future.done():
+            if error is None:
+                r.future.set_result([])
+            else:
+                r.future.set_exception(error)
+        if r.stream is not None:
+            r.stream.worker = None
+            r.stream.close()
+        self._pump_soon()  # a slot is free
+
+    def _count_step(self, worker: WorkerHandle, header: wire.Header) -> None:
+        """One step round per (worker, model, round): its STEP messages share it."""
+        key = (worker.identity, header.model)
+        if self._rounds.get(key) != header.round:
+            self._rounds[key] = header.round
+            self._stats.step(header.model, header.active, header.compute_ns)

@@ -1,0 +1,125 @@
+"""ModelStreamInfer: many requests on one bidirectional stream, answered as they
+finish, in Triton's decoupled way.
+
+Each request of the stream runs on its own (at most STREAM_WINDOW at once); a
+one-shot model's answer is one response, a step-wise model's every output is
+one, all carrying the request's `id` and the response parameter
+`triton_final_response` (true on the request's last response). A request that
+sets `triton_enable_empty_final_response` gets its outputs with final=false
+and an empty final response after them; one whose sequence ends with a step
+that yields nothing gets that empty final response too, so the end is always
+marked. A failure is a response with `error_message` (and its gRPC status name
+in the `error_code` parameter), and the stream goes on.
+Responses wait in a bounded queue: a client that does not read holds up its
+sequences, whose own buffers then fill (request.StepStream) and fail them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from batchd.protos import inference_pb2 as pb
+from batchd.server.codec import encode_response
+from batchd.server.errors import BatchdError
+from batchd.server.request import Request, Tensor
+
+STREAM_WINDOW = 256  # requests of one stream in flight at once
+QUEUED_RESPONSES = 256  # responses of one stream waiting for the client to take them
+FINAL, EMPTY_FINAL = "triton_final_response", "triton_enable_empty_final_response"
+
+
+class Answers(Protocol):
+    """What a stream needs from the servicer."""
+
+    def is_stepwise(self, msg: pb.ModelInferRequest) -> bool: ...
+
+    async def infer(
+        self, msg: pb.ModelInferRequest, time_remaining: float | None
+    ) -> pb.ModelInferResponse: ...
+
+    def sequence(
+        self, msg: pb.ModelInferRequest, time_remaining: float | None
+    ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]: ...
+
+    def max_response_bytes(self) -> int: ...
+
+
+def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelStreamInferResponse:
+    response.parameters[FINAL].bool_param = final
+    return pb.ModelStreamInferResponse(infer_response=response)
+
+
+def _empty_final(msg: pb.ModelInferRequest, request: Request | None) -> pb.ModelStreamInferResponse:
+    model = request.model if request is not None else None
+    response = pb.ModelInferResponse(
+        model_name=model.name if model else msg.model_name,
+        model_version=model.version if model else "",
+        id=msg.id,
+    )
+    return _final(response, True)
+
+
+async def _steps(service: Answers, msg: pb.ModelInferRequest,
+                 put: Any) -> None:  # fmt: skip
+    """A step-wise request's responses, one per output."""
+    empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
+    request, last = None, False
+    async for request, outputs, final in service.sequence(msg, None):
+        last = final and not empty_final
+        response = encode_response(request, outputs, service.max_response_bytes())
+        await put(_final(response, last))
+    if not last:
+        await put(_empty_final(msg, request))
+
+
+async def respond(
+    service: Answers, requests: AsyncIterator[pb.ModelInferRequest]
+) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(QUEUED_RESPONSES)
+    window = asyncio.Semaphore(STREAM_WINDOW)
+
+    async def one(msg: pb.ModelInferRequest) -> None:
+        try:
+            try:
+                if service.is_stepwise(msg):
+                    await _steps(service, msg, responses.put)
+                else:
+                    await responses.put(_final(await service.infer(msg, None), True))
+            except BatchdError as e:
+                error = pb.ModelInferResponse(model_name=msg.model_name[:200], id=msg.id)
+                error.parameters["error_code"].string_param = e.code.name  # for typed errors
+                await responses.put(
+                    pb.ModelStreamInferResponse(error_message=e.message, infer_response=error)
+                )
+        finally:
+            window.release()
+
+    async def read() -> None:
+        async with asyncio.TaskGroup() as tg:
+            async for msg in requests:
+                await window.acquire()
+                tg.create_task(one(msg))
+        await responses.put(None)
+
+    reader = asyncio.create_task(read())
+    try:
+        while (out := await responses.get()) is not None:
+            yield out
+        await reader
+    finally:
+        reader.cancel()
+
+
+def join_steps(steps: Sequence[list[Tensor]]) -> list[Tensor]:
+    """Every step's outputs joined along their first dim: a unary answer."""
+    if not steps:
+        return []
+    joined = []
+    for pieces in zip(*steps, strict=True):
+        first = pieces[0]
+        rows = sum(p.shape[0] for p in pieces)
+        data = b"".join(p.data for p in pieces)
+        joined.append(Tensor(first.name, first.datatype, (rows, *first.shape[1:]), data))
+    return joined

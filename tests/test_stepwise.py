@@ -1,0 +1,255 @@
+"""Step-wise models against real processes: streamed outputs and continuous
+batching over ModelStreamInfer, on the `stepper` test model (its call log shows
+which sequences stepped together) and the example `decoder`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+from tests.conftest import Gate, scrape, value
+from tests.servers import TEST_MODELS, ServerProcess, wait_for
+
+OWN = [("grpc.use_local_subchannel_pool", 1)]
+
+
+def stepper(seq: int, steps: int, empty_final: bool = True) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name="stepper", id=str(seq))
+    for name, number in (("ID", seq), ("STEPS", steps)):
+        msg.inputs.add(name=name, datatype="INT64", shape=[1])
+        msg.raw_input_contents.append(np.array([number], np.int64).tobytes())
+    if empty_final:
+        msg.parameters["triton_enable_empty_final_response"].bool_param = True
+    return msg
+
+
+def decoder(prompt: list[int], new: int, rid: str = "") -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name="decoder", id=rid)
+    msg.inputs.add(name="PROMPT", datatype="INT64", shape=[len(prompt)])
+    msg.inputs.add(name="MAX_NEW_TOKENS", datatype="INT64", shape=[1])
+    msg.raw_input_contents.extend(
+        [np.array(prompt, np.int64).tobytes(), np.array([new], np.int64).tobytes()]
+    )
+    return msg
+
+
+def values(response: pb.ModelStreamInferResponse) -> list[int]:
+    raw = response.infer_response.raw_output_contents
+    return [int(v) for r in raw for v in np.frombuffer(r, np.int64)]
+
+
+def final(response: pb.ModelStreamInferResponse) -> bool:
+    return response.infer_response.parameters["triton_final_response"].bool_param
+
+
+@pytest.fixture
+def stub(test_server: ServerProcess) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(test_server.url, options=OWN) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def records(gate: Gate, kind: str) -> list[dict[str, Any]]:
+    return [r for r in gate.records("stepper") if kind in r]
+
+
+def test_a_sequence_streams_each_step_and_marks_its_end(stub: Any, gate: Gate) -> None:
+    out = list(stub.ModelStreamInfer(iter([stepper(7, 3)]), timeout=30))
+    assert [values(r) for r in out] == [[7001], [7002], [7003], []]
+    assert [final(r) for r in out] == [False, False, False, True]
+    assert {r.infer_response.id for r in out} == {"7"}
+    out = list(stub.ModelStreamInfer(iter([stepper(8, 2, empty_final=False)]), timeout=30))
+    assert [(values(r), final(r)) for r in out] == [([8001], False), ([8002], True)]
+    joined = stub.ModelInfer(stepper(9, 4), timeout=30)  # unary: every step, joined
+    assert np.frombuffer(joined.raw_output_contents[0], np.int64).tolist() == [
+        9001, 9002, 9003, 9004,
+    ]  # fmt: skip
+    assert list(joined.outputs[0].shape) == [4]
+    config = stub.ModelConfig(pb.ModelConfigRequest(name="stepper")).config
+    assert config.model_transaction_policy.decoupled
+
+
+def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
+    stub: Any, gate: Gate
+) -> None:
+    ends: list[str] = []
+    long_stream = stub.ModelStreamInfer(iter([stepper(21, 40)]), timeout=60)
+    first = next(long_stream)
+    assert values(first) == [21001]  # it has started
+
+    def read(stream: Any, name: str) -> None:
+        for _ in stream:
+            pass
+        ends.append(name)
+
+    reader = threading.Thread(target=read, args=(long_stream, "long"))
+    reader.start()
+    read(stub.ModelStreamInfer(iter([stepper(22, 2)]), timeout=60), "short")
+    reader.join(60)
+    assert ends == ["short", "long"]
+    together = [r["stepped"] for r in records(gate, "stepped") if 22 in r["stepped"]]
+    assert together and all(21 in ids for ids in together)  # it joined the running batch
+
+
+def test_a_cancelled_sequence_frees_its_slot_and_is_not_stepped_again(
+    stub: Any, gate: Gate
+) -> None:
+    """stepper has 3 slots: 3 long sequences fill them; cancelling one lets a
+    fourth start while the other two still step, and the model never steps the
+    cancelled one after it released it."""
+    streams = [stub.ModelStreamInfer(iter([stepper(s, 45)]), timeout=60) for s in (31, 32, 33)]
+    for s in streams:
+        next(s)
+    streams[0].cancel()
+    wait_for(lambda: any(31 in r["released"] for r in records(gate, "released")), 30,
+             "the worker to release sequence 31")  # fmt: skip
+    fourth = stub.ModelStreamInfer(iter([stepper(34, 2)]), timeout=60)
+    assert [values(r) for r in fourth] == [[34001], [34002], []]
+    log = gate.records("stepper")
+    released = next(i for i, r in enumerate(log) if 31 in r.get("released", []))
+    assert not any(31 in r.get("stepped", []) for r in log[released:])
+    for s in streams[1:]:
+        s.cancel()
+
+
+def test_a_full_queue_rejects_a_sequence_at_once(stub: Any, gate: Gate) -> None:
+    gate.close()  # steps hold: 3 sequences fill the slots, 2 more fill the queue
+    streams = [stub.ModelStreamInfer(iter([stepper(s, 2)]), timeout=60) for s in range(41, 46)]
+    wait_for(lambda: len(gate.records("stepper", log="entered")) >= 1, 30, "the first step")
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(stepper(46, 2), timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queue_size 2" in (e.value.details() or "")
+    finally:
+        gate.open()
+    assert all([values(r) for r in s][-1] == [] for s in streams)  # each ends normally
+
+
+def test_model_errors_fail_only_their_sequences(stub: Any, gate: Gate) -> None:
+    fine = stub.ModelStreamInfer(iter([stepper(51, 30)]), timeout=60)
+    next(fine)
+    (refused,) = list(stub.ModelStreamInfer(iter([stepper(-1, 3)]), timeout=30))
+    assert "start() raised: ValueError: sequence -1 refuses to start" in refused.error_message
+    assert refused.infer_response.id == "-1"
+    assert values(next(fine)) != []  # 51 steps on: start() failed only the joiner
+    fine.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(stepper(-2, 5), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "step() raised: ValueError: sequence -2 fails at its second step" in (
+        e.value.details() or ""
+    )
+    assert [values(r) for r in stub.ModelStreamInfer(iter([stepper(52, 1)]), timeout=30)] == [
+        [52001], [],
+    ]  # fmt: skip
+
+
+def test_a_sequence_in_a_mixed_batch_equals_the_same_sequence_alone(
+    example_server: ServerProcess,
+) -> None:
+    """The example decoder: continuous batching stacks the KV caches of sequences of
+    every length, joining and leaving; each sequence's tokens are those it gets
+    alone."""
+    cases = [([5, 6, 7], 12), ([9], 3), ([40, 41, 42, 43, 44, 45], 20), ([200, 3], 7), ([17], 15)]
+    with grpc.insecure_channel(example_server.url, options=OWN) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        alone = []
+        for prompt, new in cases:
+            r = stub.ModelInfer(decoder(prompt, new), timeout=60)
+            alone.append(np.frombuffer(r.raw_output_contents[0], np.int64).tolist())
+        requests = [decoder(p, n, str(i)) for i, (p, n) in enumerate(cases)]
+        mixed: dict[str, list[int]] = {str(i): [] for i in range(len(cases))}
+        for response in stub.ModelStreamInfer(iter(requests), timeout=120):
+            assert not response.error_message, response.error_message
+            mixed[response.infer_response.id] += values(response)
+    assert [mixed[str(i)] for i in range(len(cases))] == alone
+    assert [len(t) for t in alone] == [n for _, n in cases]
+
+
+@pytest.fixture
+def two_workers(state_dir: Any, tmp_path: Any) -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        TEST_MODELS, log_dir=tmp_path, workers=2, env={"BATCHD_TEST_DIR": str(state_dir)}
+    ).start()
+    # Both workers have loaded their models (ServerReady needs only one per model).
+    wait_for(lambda: server.log().count(" ready (pid ") >= 2, 60, "both workers ready")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_a_lost_worker_retries_sequences_that_streamed_nothing_and_fails_the_others(
+    two_workers: ServerProcess, gate: Gate
+) -> None:
+    """Sequences go to the worker with the most free slots: 61 to the first, 62 to
+    the second, 63 to the first again. 61 and 62 each stream two outputs, then
+    their workers hold in the next step (hold-61, hold-62), so 63 waits behind 61.
+    SIGKILL of the first worker: 61 has streamed and fails with UNAVAILABLE saying
+    how much; 63 has streamed nothing and runs again on the live worker, to its
+    end; 62 is untouched."""
+    holds = [gate.state / "hold-61", gate.state / "hold-62"]  # each stops after 2 outputs
+    for hold in holds:
+        hold.touch()
+    try:
+        with grpc.insecure_channel(two_workers.url, options=OWN) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            streamed = stub.ModelStreamInfer(iter([stepper(61, 40)]), timeout=60)
+            assert [values(next(streamed)), values(next(streamed))] == [[61001], [61002]]
+            other = stub.ModelStreamInfer(iter([stepper(62, 5)]), timeout=60)
+            fresh = stub.ModelStreamInfer(iter([stepper(63, 3)]), timeout=60)
+            active = {"model": "stepper", "version": "1"}
+            wait_for(
+                lambda: value(scrape(two_workers), "batchd_sequences_active", **active) == 3,
+                30, "61, 62 and 63 in their slots",
+            )  # fmt: skip
+            (first,) = {r["pid"] for r in records(gate, "started") if 61 in r["started"]}
+            os.kill(first, signal.SIGKILL)
+            (failed,) = list(streamed)  # a stream carries errors as responses
+            assert "after 2 output(s) were streamed" in failed.error_message
+            code = failed.infer_response.parameters["error_code"].string_param
+            assert code == "UNAVAILABLE" and failed.infer_response.id == "61"
+            holds[1].unlink()
+            assert [values(r) for r in fresh] == [[63001], [63002], [63003], []]
+            assert [values(r) for r in other] == [[62000 + k] for k in range(1, 6)] + [[]]
+    finally:
+        for hold in holds:
+            hold.unlink(missing_ok=True)
+    ran = {r["pid"] for r in records(gate, "stepped") if 63 in r["stepped"]}
+    assert first not in ran and ran  # it ran, on a live worker
+    assert "1 request(s) requeued" in two_workers.log()  # 63: it had streamed nothing
+
+
+def test_perf_analyzer_streams_against_the_example(example_server: ServerProcess,
+                                                   tmp_path: Any) -> None:  # fmt: skip
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    got = subprocess.run(
+        [str(root / "bench" / "get-perf-analyzer"), str(root / ".perf_analyzer")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if got.returncode != 0 or not shutil.which(got.stdout.strip().splitlines()[-1]):
+        pytest.skip(f"perf_analyzer could not be installed here: {got.stderr[-300:]}")
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps({"data": [{"PROMPT": [5, 6, 7], "MAX_NEW_TOKENS": [8]}]}))
+    done = subprocess.run(
+        [
+            got.stdout.strip().splitlines()[-1], "-i", "grpc", "--streaming",
+            "-u", example_server.url, "-m", "decoder", "--input-data", str(data),
+            "--shape", "PROMPT:3", "--concurrency-range", "2", "--measurement-interval", "2000",
+        ],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Concurrency: 2" in done.stdout and "throughput" in done.stdout

@@ -1,0 +1,221 @@
+"""Step-wise models: the worker's continuous-batching loop.
+
+A step-wise model (model.toml `[generate]`) is an object with
+`start(requests) -> states`, `step(states) -> [(outputs | None, done)]` and,
+optionally, `release(state)`. Each request is one sequence. The frontend sends
+a START per sequence (at most `max_active` per worker: slots are its credits)
+and a CANCEL when the caller leaves. Before every step the loop drops the
+cancelled sequences, admits waiting ones into free slots with one `start`, then
+runs one `step` for every active sequence and sends each one's outputs back at
+once, a STEP message per sequence, `final` when it ended (done, or max_steps).
+
+With `admission = "static"` a batch admits nobody until every member ended: the
+static batching continuous batching is measured against.
+
+Failures are reply data: `start` raising fails the joining sequences only,
+`step` raising fails the sequences of that step; the loop and the worker go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
+from batchd.worker.execute import BatchError, encode_output, to_model_input
+
+log = logging.getLogger("batchd.worker")
+Reply = tuple[int, list[Any], bool]  # to which frontend, the message, whether it is final
+
+
+@dataclass(eq=False)
+class Running:
+    """One sequence on this worker."""
+
+    seq_id: int
+    frontend: int  # which frontend sent it (replies go back there)
+    inputs: dict[str, Any]
+    state: Any = None
+    steps: int = 0
+
+
+@dataclass
+class StepLoop:
+    """The sequences of one loaded step-wise model version."""
+
+    cfg: ModelConfig
+    model: Any  # what load() returned: start / step / release
+    waiting: list[Running] = field(default_factory=list)
+    active: list[Running] = field(default_factory=list)
+    rounds: int = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def add(self, frontend: int, header: wire.Header, frames: list[Any],
+            device: torch.device) -> list[Reply]:  # fmt: skip
+        """A sequence joins (it waits for the next step); or fails at once when its
+        inputs are not what the model declares."""
+        try:
+            pairs = zip(header.tensors, frames, strict=True)
+            inputs = {t.name: to_model_input(t, f, device) for t, f in pairs}
+        except Exception as e:  # its inputs: that sequence's failure only
+            return [self._end(Running(header.batch_id, frontend, {}), f"bad inputs: {e}")]
+        self.waiting.append(Running(header.batch_id, frontend, inputs))
+        return []
+
+    def cancel(self, frontend: int, seq_id: int) -> bool:
+        """Drop a sequence before its next step (its caller left); no message goes back.
+        Ids are per frontend: several frontends may share this worker. Whether it
+        was here (it may have ended already)."""
+        same = [
+            s for s in self.waiting + self.active if (s.frontend, s.seq_id) == (frontend, seq_id)
+        ]
+        for s in same:
+            if s in self.active:
+                self.active.remove(s)
+                self._release(s)
+            else:
+                self.waiting.remove(s)
+        return bool(same)
+
+    def drop_all(self) -> None:
+        for s in self.active:
+            self._release(s)
+        self.waiting, self.active = [], []
+
+    def round(self) -> list[Reply]:
+        """Admit, then one step for every active sequence: the messages to send."""
+        out = self._admit()
+        if not self.active:
+            return out
+        self.rounds += 1
+        start = time.perf_counter_ns()
+        try:
+            results = self.model.step([s.state for s in self.active])
+            if len(results) != len(self.active):
+                raise BatchError(
+                    f"step() returned {len(results)} results for {len(self.active)} sequences"
+                )
+        except Exception as e:  # the model's failure: these sequences'
+            why = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
+            out += [self._end(s, f"step() raised: {why}") for s in self.active]
+            for s in self.active:
+                self._release(s)
+            self.active = []
+            return out
+        took = time.perf_counter_ns() - start
+        still = []
+        for s, result in zip(self.active, results, strict=True):
+            s.steps += 1
+            try:
+                outputs, done = result
+                final = bool(done) or s.steps >= self._max_steps()
+                message = self._step(s, outputs, final, took)
+            except Exception as e:  # a bad output fails its sequence only
+                message, final = self._end(s, f"step() returned {e}"), True
+            out.append(message)
+            if final:
+                self._release(s)
+            else:
+                still.append(s)
+        self.active = still
+        return out
+
+    def _max_steps(self) -> int:
+        assert self.cfg.generate is not None
+        return self.cfg.generate.max_steps
+
+    def _admit(self) -> list[Reply]:
+        assert self.cfg.generate is not None
+        g = self.cfg.generate
+        free = g.max_active - len(self.active)
+        if g.admission == "static" and self.active:
+            free = 0
+        joining, self.waiting = self.waiting[:free], self.waiting[free:]
+        if not joining:
+            return []
+        try:
+            states = self._start(joining)
+        except Exception as e:  # fails the joining sequences only
+            if len(joining) == 1:
+                why = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
+                return [self._end(joining[0], f"start() raised: {why}")]
+            # One of them may be at fault: each starts alone, so only it fails.
+            out: list[Reply] = []
+            for s in joining:
+                self.waiting.insert(0, s)
+                self.waiting, first = self.waiting[1:], self.waiting[0]
+                out += self._admit_one(first)
+            return out
+        for s, state in zip(joining, states, strict=True):
+            s.state, s.inputs = state, {}
+            self.active.append(s)
+        return []
+
+    def _start(self, joining: list[Running]) -> list[Any]:
+        states = self.model.start([s.inputs for s in joining])
+        if len(states) != len(joining):
+            raise BatchError(f"start() returned {len(states)} states for {len(joining)}")
+        return list(states)
+
+    def _admit_one(self, s: Running) -> list[Reply]:
+        try:
+            (s.state,) = self._start([s])
+        except Exception as e:  # its failure only
+            why = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
+            return [self._end(s, f"start() raised: {why}")]
+        s.inputs = {}
+        self.active.append(s)
+        return []
+
+    def _step(self, s: Running, outputs: dict[str, Any] | None, final: bool,
+              took_ns: int) -> Reply:  # fmt: skip
+        header = wire.Header(
+            kind=wire.Header.STEP,
+            batch_id=s.seq_id,
+            model=self.cfg.name,
+            final=final,
+            active=len(self.active),
+            round=self.rounds,
+            compute_ns=took_ns,
+        )
+        frames: list[Any] = []
+        if outputs is not None:
+            header.tensors.extend(self._encode(outputs, frames))
+        return s.frontend, wire.pack(header, frames), final
+
+    def _encode(self, outputs: dict[str, Any], frames: list[Any]) -> Sequence[wire.Tensor]:
+        if not isinstance(outputs, dict):
+            raise BatchError(f"outputs as {type(outputs).__name__}, expected a dict by name")
+        tensors = []
+        for spec in self.cfg.outputs:
+            if spec.name not in outputs:
+                raise BatchError(f"outputs without {spec.name!r}; got {sorted(map(str, outputs))}")
+            tensor, frame = encode_output(spec, outputs[spec.name], batches=False)
+            tensors.append(tensor)
+            frames.append(frame)
+        return tensors
+
+    def _end(self, s: Running, error: str) -> Reply:
+        header = wire.Header(
+            kind=wire.Header.STEP, batch_id=s.seq_id, model=self.cfg.name, final=True, error=error
+        )
+        return s.frontend, wire.pack(header), True
+
+    def _release(self, s: Running) -> None:
+        release = getattr(self.model, "release", None)
+        if release is None or s.state is None:
+            return
+        try:
+            release(s.state)
+        except Exception:  # a release that fails frees nothing more; the loop goes on
+            log.exception("model %s: release() raised", self.cfg.name)
+        s.state = None
