@@ -110,7 +110,7 @@ def test_padding_changes_nothing_and_the_cache_matches_a_full_recompute(
         assert torch.equal(out_a["TOKEN"], out_b["TOKEN"]) and done_a == done_b
     # Padded keys add exactly 0; only BLAS's summation order by shape moves the last bits.
     assert a.length == b.length == len(prompt) - 1 + 8
-    torch.testing.assert_close(a.cache, b.cache, rtol=0, atol=1e-12)
+    torch.testing.assert_close(model.cache(a), model.cache(b), rtol=0, atol=1e-12)
 
     # Without any cache: the whole sequence through the net again for every new token.
     net, sequence = model.net, list(prompt)
@@ -118,7 +118,7 @@ def test_padding_changes_nothing_and_the_cache_matches_a_full_recompute(
         for _ in range(8):
             tokens = torch.tensor([sequence])
             n = tokens.shape[1]
-            cache = torch.zeros(1, n, decoder.LAYERS, 2, decoder.WIDTH, dtype=torch.float64)
+            cache = torch.zeros(decoder.LAYERS, 2, 1, decoder.HEADS, n, decoder.HEAD).double()
             causal = torch.ones(n, n, dtype=torch.bool).tril()[None]
             hidden = net(tokens, torch.arange(n)[None], cache, causal)
             sequence.append(int(net.logits(hidden[:, -1]).argmax()))
@@ -176,14 +176,35 @@ def test_one_forward_per_step_and_per_start(model: Any) -> None:
     assert calls == []
 
 
-def test_release_drops_the_cache(model: Any) -> None:
-    first, second = model.start([request([1, 2, 3], 5), request([4], 5)])
-    model.step([first, second])
+def test_release_frees_the_slot_and_the_last_live_sequence_moves_into_it(model: Any) -> None:
+    first, second, third = model.start([request([1, 2, 3], 5), request([4], 5), request([9, 8], 5)])
+    model.step([first, second, third])
+    third_cache = model.cache(third).clone()
     model.release(first)
-    assert first.cache is None and model.released == [first.id]
-    model.step([second])  # the others step on
+    assert first.slot is None and model.released == [first.id]
+    assert (second.slot, third.slot) == (1, 0) and torch.equal(model.cache(third), third_cache)
+    model.step([second, third])  # the others step on, a view of slots 0..1 again
+    model.release(first)  # twice is once
     model.release(second)
-    assert model.released == [first.id, second.id]
+    model.release(third)
+    assert model.released == [first.id, second.id, third.id] and model.live == []
+
+
+def test_the_stack_grows_past_its_first_slots(model: Any) -> None:
+    jobs = jobs_of(4, 20)
+    alone = [run_alone(model, *job) for job in jobs]
+    states = model.start([request(*job) for job in jobs])  # 20 live: more than 8 slots
+    assert model.kv.shape[2] >= 20 and [s.slot for s in states] == list(range(20))
+    tokens: list[list[int]] = [[] for _ in jobs]
+    live = list(range(20))
+    while live:
+        results = model.step([states[i] for i in live])
+        for i, (out, done) in zip(list(live), results, strict=True):
+            tokens[i].append(int(out["TOKEN"][0]))
+            if done:
+                model.release(states[i])
+                live.remove(i)
+    assert tokens == alone
 
 
 @pytest.mark.parametrize(

@@ -4,16 +4,18 @@ Weights come from seed 0 (vocab 256, width 64, 2 layers, 4 heads, sinusoidal pos
 512); everything runs in float64. `start` prefills the joining prompts together, and `step`
 runs ONE batched forward for every active sequence, whatever their lengths.
 
-The KV cache. Each state owns its cache, one buffer [capacity, LAYERS, 2 (K, V), 64] with
-capacity = prompt length - 1 + MAX_NEW_TOKENS, zeros at first; its first `length` rows hold
-its tokens so far. A step stacks the states' first `length + 1` rows, zero-padded to the
-longest, into [batch, longest + 1, LAYERS, 2, 64] (one copy), and feeds each sequence's last
-token at its own position, `length`: the forward writes that token's K and V into row
-`length` of the stack, and the token attends to rows 0..length, its cache and itself. The
-padding is masked with -inf, so its softmax weight is exactly 0 and it adds exactly 0 (0 x a
-zero value). Row `length` is then copied back into the state's own buffer. A sequence
-therefore yields the same tokens alone as in any mix of prompt lengths, joining and leaving
-between steps.
+The KV cache is one buffer stacked across sequences, [LAYERS, 2 (K, V), slots, HEADS, 512,
+WIDTH/HEADS]: a sequence owns a slot, and its first `length` rows hold its tokens so far.
+Live sequences occupy slots 0..n-1: when one is released the last slot's rows move into its
+hole (one copy per sequence that leaves, none per step), and the buffer doubles when more
+sequences are live than it has slots. So when `step` gets every live sequence (as the worker's
+loop gives it) the stack is a view, `kv[..., :n, :, :longest + 1, :]`, with no copy: the
+forward writes each sequence's new K and V into its row `length` in place, and each token
+attends to rows 0..length of its own slot, its cache and itself. The rows beyond are masked
+with -inf, so their softmax weight is exactly 0 and they add exactly 0 (0 x a finite value).
+A step given only some of the live sequences gathers their slots and writes the new rows back.
+A sequence therefore yields the same tokens alone as in any mix of prompt lengths, joining
+and leaving between steps.
 
 The prefill runs the prompt without its last token (right-padded, causal and padding masks);
 the first step feeds that last token and emits the first generated token, so `start` returns
@@ -36,6 +38,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 VOCAB, WIDTH, LAYERS, HEADS, MAX_LEN = 256, 64, 2, 4, 512
+HEAD = WIDTH // HEADS
 END = 0
 END_BIAS = 2.0  # subtracted from END's logit (see the module docstring)
 DTYPE = torch.float64
@@ -51,8 +54,8 @@ class Block(torch.nn.Module):
         )
 
 
-def heads(x: torch.Tensor) -> torch.Tensor:  # [B, T, WIDTH] -> [B, HEADS, T, WIDTH/HEADS]
-    return x.unflatten(-1, (HEADS, WIDTH // HEADS)).transpose(1, 2)
+def heads(x: torch.Tensor) -> torch.Tensor:  # [B, S, WIDTH] -> [B, HEADS, S, HEAD]
+    return x.unflatten(-1, (HEADS, HEAD)).transpose(1, 2)
 
 
 class Net(torch.nn.Module):
@@ -68,18 +71,20 @@ class Net(torch.nn.Module):
         self.end_bias = END_BIAS
 
     def forward(self, tokens, positions, cache, allowed):
-        """tokens, positions: [B, S]. cache: [B, T, LAYERS, 2, WIDTH], the stacked caches; this
-        writes the new tokens' K and V into it at `positions`. allowed: bool [B, S, T], the keys
-        each query may see. Returns the hidden states [B, S, WIDTH]."""
+        """tokens, positions: [B, S]. cache: [LAYERS, 2, B, HEADS, T, HEAD], the stacked
+        caches (a view is fine); this writes the new tokens' K and V into it at `positions`.
+        allowed: bool [B, S, T], the keys each query may see. Returns the hidden states
+        [B, S, WIDTH]."""
         x = self.embed(tokens) + self.pos[positions]
         rows = torch.arange(len(tokens), device=tokens.device)[:, None]
         for layer, block in enumerate(self.blocks):
             q, k, v = block.qkv(block.ln1(x)).chunk(3, dim=-1)
-            cache[rows, positions, layer] = torch.stack([k, v], dim=2)
-            k_all, v_all = cache[:, :, layer, 0], cache[:, :, layer, 1]
-            scores = heads(q) @ heads(k_all).transpose(-1, -2) / math.sqrt(WIDTH // HEADS)
+            keys, values = cache[layer, 0], cache[layer, 1]  # [B, HEADS, T, HEAD]
+            keys[rows, :, positions] = k.unflatten(-1, (HEADS, HEAD))
+            values[rows, :, positions] = v.unflatten(-1, (HEADS, HEAD))
+            scores = heads(q) @ keys.transpose(-1, -2) / math.sqrt(HEAD)
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            attended = torch.softmax(scores, dim=-1) @ heads(v_all)  # [B, HEADS, S, WIDTH/HEADS]
+            attended = torch.softmax(scores, dim=-1) @ values  # [B, HEADS, S, HEAD]
             x = x + block.proj(attended.transpose(1, 2).flatten(2))
             x = x + block.mlp(block.ln2(x))
         return x
@@ -95,7 +100,7 @@ class Sequence:
     id: int
     max_new: int
     last: int  # the token the next step feeds
-    cache: torch.Tensor | None  # [capacity, LAYERS, 2, WIDTH]; None once released
+    slot: int | None  # its slot in the stacked cache; None once released
     length: int  # rows of the cache in use: the tokens fed so far
     generated: int = 0
 
@@ -107,7 +112,18 @@ class Decoder:
             self.net = Net().to(device=device, dtype=DTYPE).eval().requires_grad_(False)
         self.device = device
         self.ids = itertools.count()
+        with torch.inference_mode():  # so start, step and release may write it in place
+            self.kv = self._zeros(8, MAX_LEN)  # grows as more sequences are live
+        self.live: list[Sequence] = []  # by slot
         self.released: list[int] = []  # ids of released sequences
+
+    def _zeros(self, batch: int, length: int) -> torch.Tensor:
+        return torch.zeros(LAYERS, 2, batch, HEADS, length, HEAD, dtype=DTYPE, device=self.device)
+
+    def cache(self, state: Sequence) -> torch.Tensor:
+        """A live sequence's K and V so far: [LAYERS, 2, HEADS, length, HEAD] (a view)."""
+        assert state.slot is not None, "released"
+        return self.kv[:, :, state.slot, :, : state.length]
 
     def _prompt(self, request: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         if "PROMPT" not in request or "MAX_NEW_TOKENS" not in request:
@@ -123,16 +139,18 @@ class Decoder:
             raise ValueError(f"PROMPT length + MAX_NEW_TOKENS must be at most {MAX_LEN}")
         return prompt.to(self.device, torch.int64), int(max_new[0])
 
-    def _zeros(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(*shape, LAYERS, 2, WIDTH, dtype=DTYPE, device=self.device)
-
     @torch.inference_mode()
     def start(self, requests: list[dict[str, torch.Tensor]]) -> list[Sequence]:
         prompts = [self._prompt(r) for r in requests]  # validate all before any work
-        states = [
-            Sequence(next(self.ids), n, int(p[-1]), self._zeros(len(p) - 1 + n), len(p) - 1)
-            for p, n in prompts
-        ]
+        needed = len(self.live) + len(prompts)
+        if needed > self.kv.shape[2]:  # double the stack, moving the live caches over
+            grown = self._zeros(max(needed, 2 * self.kv.shape[2]), MAX_LEN)
+            grown[:, :, : len(self.live)] = self.kv[:, :, : len(self.live)]
+            self.kv = grown
+        states = []
+        for p, n in prompts:
+            states.append(Sequence(next(self.ids), n, int(p[-1]), len(self.live), len(p) - 1))
+            self.live.append(states[-1])
         joining = [s for s in states if s.length]  # a one-token prompt has nothing to prefill
         if not joining:
             return states
@@ -145,30 +163,47 @@ class Decoder:
         cache = self._zeros(*tokens.shape)
         self.net(tokens, ar.expand_as(tokens), cache, allowed)
         for row, s in enumerate(joining):
-            s.cache[: s.length] = cache[row, : s.length]
+            self.kv[:, :, s.slot, :, : s.length] = cache[:, :, row, :, : s.length]
         return states
 
     @torch.inference_mode()
     def step(self, states: list[Sequence]) -> list[tuple[dict[str, torch.Tensor] | None, bool]]:
-        if any(s.generated >= s.max_new for s in states):
+        if any(s.slot is None or s.generated >= s.max_new for s in states):
             raise RuntimeError("step() on a sequence that has already finished")
-        lengths = torch.tensor([s.length for s in states], device=self.device)
-        tokens = torch.tensor([[s.last] for s in states], device=self.device)  # [B, 1]
-        # Each cache and the row its next token fills, zero-padded: [B, T, LAYERS, 2, WIDTH].
-        cache = pad_sequence([s.cache[: s.length + 1] for s in states], batch_first=True)
-        allowed = (torch.arange(cache.shape[1], device=self.device) <= lengths[:, None])[:, None]
+        order = sorted(range(len(states)), key=lambda i: states[i].slot)  # by slot
+        ordered = [states[i] for i in order]
+        slots = [s.slot for s in ordered]
+        lengths = torch.tensor([s.length for s in ordered], device=self.device)
+        tokens = torch.tensor([[s.last] for s in ordered], device=self.device)  # [B, 1]
+        longest = max(s.length for s in ordered) + 1
+        contiguous = slots == list(range(slots[0], slots[0] + len(slots)))
+        if contiguous:  # the usual case, every live sequence: a view of the stack
+            cache = self.kv[:, :, slots[0] : slots[0] + len(slots), :, :longest]
+        else:
+            cache = self.kv[:, :, slots, :, :longest]  # a copy; the new rows go back below
+        allowed = (torch.arange(longest, device=self.device) <= lengths[:, None])[:, None]
         hidden = self.net(tokens, lengths[:, None], cache, allowed)
+        if not contiguous:
+            rows = torch.arange(len(slots), device=self.device)
+            self.kv[:, :, slots, :, lengths] = cache[:, :, rows, :, lengths]
         chosen = self.net.logits(hidden[:, -1]).argmax(dim=-1).tolist()
-        results: list[tuple[dict[str, torch.Tensor] | None, bool]] = []
-        for row, (s, token) in enumerate(zip(states, chosen, strict=True)):
-            s.cache[s.length] = cache[row, s.length]
+        results: list[tuple[dict[str, torch.Tensor] | None, bool]] = [(None, False)] * len(states)
+        for i, s, token in zip(order, ordered, chosen, strict=True):
             s.length, s.last, s.generated = s.length + 1, token, s.generated + 1
             done = token == END or s.generated >= s.max_new
-            results.append(({"TOKEN": torch.tensor([token], dtype=torch.int64)}, done))
+            results[i] = ({"TOKEN": torch.tensor([token], dtype=torch.int64)}, done)
         return results
 
+    @torch.inference_mode()
     def release(self, state: Sequence) -> None:
-        state.cache = None
+        """Free its slot: the last live sequence moves into it, so live slots stay 0..n-1."""
+        if state.slot is None:
+            return  # released already
+        hole, last = state.slot, self.live.pop()
+        if last is not state:
+            self.kv[:, :, hole, :, : last.length] = self.kv[:, :, last.slot, :, : last.length]
+            last.slot, self.live[hole] = hole, last
+        state.slot = None
         self.released.append(state.id)
 
 
