@@ -10,7 +10,8 @@
     frontend --UNLOAD(model, version)--> worker   once that version has drained
     frontend --STOP--> worker                     finish the batch at hand, exit
     frontend --START(id, model, version, tensors)--> worker   a sequence joins a step loop
-    worker  --STEP(id, tensors, final | error)--> frontend    each step's outputs, streamed
+    worker  --STEP(round, steps: [id, tensors, final | error])--> frontend
+                                                  each step round's outputs, streamed
     frontend --CANCEL(id)--> worker               drop the sequence before its next step
 
 A peer silent for LIVENESS heartbeats is dead.
@@ -21,13 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from batchd.protos.wire_pb2 import Header, Tensor, WorkerInfo
+from batchd.protos.wire_pb2 import Header, Step, Tensor, WorkerInfo
 
 __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "LIVENESS",
     "PROTOCOL_VERSION",
     "Header",
+    "Step",
     "Tensor",
     "WorkerInfo",
     "pack",

@@ -34,7 +34,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "final", "active", "round")
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Header.Kind]
@@ -71,9 +71,9 @@ class Header(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    FINAL_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     kind: Header.Kind
     batch_id: int
     model: str
@@ -82,7 +82,19 @@ class Header(_message.Message):
     worker: WorkerInfo
     compute_ns: int
     version: str
-    final: bool
     active: int
     round: int
-    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., final: _Optional[bool] = ..., active: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    steps: _containers.RepeatedCompositeFieldContainer[Step]
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("id", "tensors", "final", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    tensors: int
+    final: bool
+    error: str
+    def __init__(self, id: _Optional[int] = ..., tensors: _Optional[int] = ..., final: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

@@ -99,7 +99,7 @@ class StepStream:
 
     def __init__(self, limit: int = MAX_BUFFERED) -> None:
         self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
-        self._limit = limit
+        self.limit = limit  # outputs held for a caller that has not read them
         self._wake: asyncio.Future[None] | None = None
         self.closed = False
         self.sent = 0  # outputs pushed so far
@@ -111,7 +111,7 @@ class StepStream:
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
         when the caller is too far behind."""
-        if len(self._items) >= self._limit:
+        if len(self._items) >= self.limit:
             return False
         self._items.append((outputs, final))
         self.sent += 1

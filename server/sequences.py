@@ -4,9 +4,10 @@ Each request to a step-wise model (model.toml [generate]) is one sequence. It
 queues and is admitted like any request (the scheduler's queues, limits,
 priorities and queue timeouts apply to the wait for a slot); its "batch" is a
 START to the worker with the most free slots (pool: slots are the credits for
-it). The worker streams one STEP per output; each goes into the request's
-StepStream (bounded: a caller too far behind ends the sequence with
-RESOURCE_EXHAUSTED), and the final one ends it and frees its slot. A caller
+it). The worker sends a STEP message per step round, with an entry per
+sequence; each output goes into its request's StepStream (bounded: a caller
+too far behind ends the sequence with RESOURCE_EXHAUSTED), and the final one
+ends it and frees its slot. A caller
 that leaves frees the slot at once and the worker drops it before its next
 step. Lost workers: recovery.after_sequence_loss. Owned by the core, which
 hands it the messages; like the core's own paths, it never calls the planner:
@@ -15,7 +16,7 @@ a freed slot schedules one pump.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from batchd.protos import wire
@@ -24,7 +25,7 @@ from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import ModelFailed, StreamBehind
 from batchd.server.link import WorkerLink
 from batchd.server.pool import WorkerHandle, WorkerPool
-from batchd.server.request import MAX_BUFFERED, Batch, Request, Tensor
+from batchd.server.request import Batch, Request, Tensor
 from batchd.server.stats import Stats
 
 
@@ -90,31 +91,46 @@ class Sequences:
         stream.close()
 
     def on_step(self, worker: WorkerHandle, header: wire.Header, frames: list[Any]) -> None:
-        sequence = worker.sequences.get(header.batch_id)
+        """One step round's outputs from `worker`: an entry per sequence of this frontend."""
         if header.round:
             self._count_step(worker, header)
-        if sequence is None:
-            return  # its caller left and it was cancelled; the worker had already stepped it
-        now = self._clock()
+        now, at = self._clock(), 0
+        for step in header.steps:
+            tensors = header.tensors[at : at + step.tensors]
+            mine = frames[at : at + step.tensors]
+            at += step.tensors
+            sequence = worker.sequences.get(step.id)
+            if sequence is not None:  # else its caller left; the worker had stepped it already
+                self._on_output(worker, sequence, step, tensors, mine, now)
+
+    def _on_output(
+        self,
+        worker: WorkerHandle,
+        sequence: Batch,
+        step: wire.Step,
+        tensors: Sequence[wire.Tensor],
+        frames: list[Any],
+        now: float,
+    ) -> None:
         model, r = sequence.model, sequence.requests[0]
         worker.progress[model.key] = now
         stream = r.stream
         assert stream is not None
-        if header.error:
-            failed = ModelFailed(f"model {model.name!r} on worker {worker.name}: {header.error}")
+        if step.error:
+            failed = ModelFailed(f"model {model.name!r} on worker {worker.name}: {step.error}")
             self._end_sequence(worker, sequence, failed)
             return
-        if header.tensors:
+        if tensors:
             outputs = [
                 Tensor(h.name, h.datatype, tuple(h.shape), memoryview(f))
-                for h, f in zip(header.tensors, frames, strict=True)
+                for h, f in zip(tensors, frames, strict=True)
             ]
             first = stream.sent == 0
-            if not stream.push(outputs, header.final):
+            if not stream.push(outputs, step.final):
                 cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=sequence.id)
                 self._link.send(worker.identity, wire.pack(cancel))
                 behind = StreamBehind(
-                    f"this stream's caller has not read its last {MAX_BUFFERED} outputs of "
+                    f"this stream's caller has not read its last {stream.limit} outputs of "
                     f"model {model.name!r}; the sequence was stopped after {stream.sent}"
                 )
                 self._end_sequence(worker, sequence, behind)
@@ -122,7 +138,7 @@ class Sequences:
             since = r.arrival if first else sequence.sent_at
             self._stats.output(model.name, int((now - since) * 1e9), first)
             sequence.sent_at = now  # the previous output's time, for the next gap
-        if header.final:
+        if step.final:
             self._end_sequence(worker, sequence, None)
 
     def _end_sequence(self, worker: WorkerHandle, sequence: Batch,
@@ -140,7 +156,8 @@ class Sequences:
         self._pump_soon()  # a slot is free
 
     def _count_step(self, worker: WorkerHandle, header: wire.Header) -> None:
-        """One step round per (worker, model, round): its STEP messages share it."""
+        """One step round per (worker, model, round): its STEP messages (one per frontend
+        the worker serves) share it."""
         key = (worker.identity, header.model)
         if self._rounds.get(key) != header.round:
             self._rounds[key] = header.round

@@ -12,7 +12,13 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from batchd.protos.model_config import BatchingConfig, BatchInputSpec, ModelConfig, TensorSpec
+from batchd.protos.model_config import (
+    BatchingConfig,
+    BatchInputSpec,
+    GenerateConfig,
+    ModelConfig,
+    TensorSpec,
+)
 from batchd.server.request import Request, Tensor
 from tests.certs import make_certs, write_tokens
 from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
@@ -35,6 +41,22 @@ def model(
         inputs=(TensorSpec("X", "FP32", shape),),
         outputs=(TensorSpec("Y", "FP32", shape),),
         batching=BatchingConfig(max_queue_delay_us=delay_us, max_queue_size=queue),
+    )
+
+
+def stepwise_model(
+    name: str = "fake", max_active: int = 2, max_steps: int = 10, admission: str = "continuous"
+) -> ModelConfig:
+    """A step-wise model config: input N INT64 [1] -> output OUT INT64 [1] per step."""
+    return ModelConfig(
+        name=name,
+        directory=Path("."),
+        artifact=Path("model.py"),
+        platform="python",
+        max_batch_size=0,
+        inputs=(TensorSpec("N", "INT64", (1,)),),
+        outputs=(TensorSpec("OUT", "INT64", (1,)),),
+        generate=GenerateConfig(max_active, max_steps, admission),
     )
 
 

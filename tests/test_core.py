@@ -4,20 +4,23 @@ worker process: a worker here is a READY message the test sends."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import zmq
 
 from batchd.protos import wire
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.core import Core
-from batchd.server.errors import ModelFailed
+from batchd.server.errors import ModelFailed, StreamBehind
 from batchd.server.pool import WorkerHandle
+from batchd.server.request import Request, StepStream, Tensor
 from batchd.server.stats import Stats
-from tests.conftest import Clock, model, request, run
+from tests.conftest import Clock, model, request, run, stepwise_model
 
 
 @pytest.fixture
@@ -131,5 +134,54 @@ def test_a_batch_past_its_execution_limit_stops_and_loses_its_worker(
         assert core.pool.workers() == [] and killed == ["w"]
         assert isinstance(r.future.exception(), ModelFailed)
         assert "execution_timeout_s" in str(r.future.exception())
+
+    run(body)
+
+
+def test_a_stream_too_far_behind_is_stopped_and_its_slot_freed(router: zmq.Socket[bytes]) -> None:
+    """A caller that does not read its stream: the outputs buffered for it stop at
+    the stream's bound, the sequence fails with StreamBehind (RESOURCE_EXHAUSTED,
+    saying why), the worker is told to drop it, and its slot is free again."""
+
+    async def body() -> None:
+        worker_side = router.context.socket(zmq.DEALER)
+        worker_side.setsockopt(zmq.IDENTITY, b"w")
+        worker_side.connect("inproc://batchd-test-core")
+        try:
+            core = Core(router, Stats(), Path("."), clock=Clock())
+            cfg = stepwise_model("gen")
+            core.control.start_with({"gen": cfg})
+            worker = register(core, "w", cfg.key)
+            r = Request(cfg, "", [Tensor("N", "INT64", (1,), bytes(8))], ("OUT",), 1, math.inf)
+            r.stream = StepStream(limit=4)
+            future = core.submit(r)
+
+            def received(kind: int) -> wire.Header:  # skipping the LOAD it was sent
+                while (header := wire.unpack(worker_side.recv_multipart())[0]).kind != kind:
+                    assert header.kind == wire.Header.LOAD
+                return header
+
+            start = received(wire.Header.START)
+            assert len(worker.sequences) == 1
+
+            def step(k: int) -> None:
+                header = wire.Header(kind=wire.Header.STEP, model="gen", active=1, round=k)
+                header.steps.add(id=start.batch_id, tensors=1)
+                header.tensors.add(name="OUT", datatype="INT64", shape=[1])
+                core.on_message(b"w", header, [k.to_bytes(8, "little")])
+
+            for k in range(1, 5):  # the bound: kept for the caller
+                step(k)
+            assert not future.done() and r.stream.sent == 4
+            step(5)  # one too many
+            with pytest.raises(StreamBehind, match="has not read its last 4 outputs"):
+                future.result()
+            assert StreamBehind.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert received(wire.Header.CANCEL).batch_id == start.batch_id
+            assert worker.sequences == {} and r.stream.closed
+            kept = [int.from_bytes(out[0].data, "little") for out, _ in r.stream._items]
+            assert kept == [1, 2, 3, 4]  # what it had, in order; nothing past the bound
+        finally:
+            worker_side.close(linger=0)
 
     run(body)

@@ -9,23 +9,16 @@ import numpy as np
 import torch
 
 from batchd.protos import wire
-from batchd.protos.model_config import GenerateConfig, ModelConfig, TensorSpec
+from batchd.protos.model_config import ModelConfig
+from batchd.worker.check import check_model
 from batchd.worker.generate import StepLoop
+from tests.conftest import stepwise_model
 
 CPU = torch.device("cpu")
 
 
 def config(max_active: int = 2, max_steps: int = 10, admission: str = "continuous") -> ModelConfig:
-    return ModelConfig(
-        name="fake",
-        directory=Path("."),
-        artifact=Path("model.py"),
-        platform="python",
-        max_batch_size=0,
-        inputs=(TensorSpec("N", "INT64", (1,)),),
-        outputs=(TensorSpec("OUT", "INT64", (1,)),),
-        generate=GenerateConfig(max_active, max_steps, admission),
-    )
+    return stepwise_model("fake", max_active, max_steps, admission)
 
 
 class Counter:
@@ -58,20 +51,25 @@ class Counter:
         self.released.append(state["n"])
 
 
-def add(loop: StepLoop, seq: int, n: int) -> list[Any]:
+def add(loop: StepLoop, seq: int, n: int, frontend: int = 0) -> list[Any]:
     header = wire.Header(kind=wire.Header.START, batch_id=seq, model="fake")
     header.tensors.add(name="N", datatype="INT64", shape=[1])
-    return loop.add(0, header, [np.array([n], np.int64).tobytes()], CPU)
+    return loop.add(frontend, header, [np.array([n], np.int64).tobytes()], CPU)
 
 
 def replies(loop: StepLoop) -> list[tuple[int, list[int], bool, str]]:
-    """One round: (sequence, values, final, error) per message."""
+    """One round: (sequence, values, final, error) per sequence, from its one message
+    per frontend."""
     out = []
-    for _, parts, final in loop.round():
+    for _, parts, ends in loop.round():
         header, frames = wire.unpack(parts)
-        values = [int(v) for f in frames for v in np.frombuffer(bytes(f), np.int64)]
-        assert header.final == final
-        out.append((header.batch_id, values, final, header.error))
+        assert header.kind == wire.Header.STEP and ends == sum(s.final for s in header.steps)
+        at = 0
+        for step in header.steps:
+            mine, at = frames[at : at + step.tensors], at + step.tensors
+            values = [int(v) for f in mine for v in np.frombuffer(bytes(f), np.int64)]
+            out.append((step.id, values, step.final, step.error))
+        assert at == len(frames)
     return out
 
 
@@ -87,6 +85,21 @@ def test_sequences_join_and_leave_between_steps() -> None:
     assert replies(loop) == [(1, [303], True, ""), (3, [202], True, "")]
     assert model.starts == [[3, 1], [2]] and not loop.busy
     assert model.released == [1, 3, 2]
+
+
+def test_a_round_is_one_message_per_frontend() -> None:
+    loop = StepLoop(config(max_active=3), Counter())
+    add(loop, 1, 2)
+    add(loop, 2, 1)
+    add(loop, 1, 3, frontend=1)  # ids are per frontend: another frontend's sequence 1
+    messages = loop.round()
+    assert [(to, ends) for to, _, ends in messages] == [(0, 1), (1, 0)]
+    first, _ = wire.unpack(messages[0][1])
+    assert [(s.id, s.final) for s in first.steps] == [(1, False), (2, True)]
+    assert (first.active, first.round) == (3, 1) and first.compute_ns > 0
+    other, frames = wire.unpack(messages[1][1])
+    assert [(s.id, s.tensors) for s in other.steps] == [(1, 1)]
+    assert np.frombuffer(bytes(frames[0]), np.int64).tolist() == [301]
 
 
 def test_static_admission_waits_for_the_whole_batch() -> None:
@@ -158,3 +171,36 @@ def test_an_output_that_is_not_what_the_model_declares_fails_its_sequence() -> N
     add(loop, 1, 3)
     ((seq, _, final, error),) = replies(loop)
     assert seq == 1 and final and "declared INT64" in error
+
+
+def test_models_check_runs_a_step_wise_model_through_the_loop(tmp_path: Path) -> None:
+    """`batchd models DIR --check` on step-wise models: a sequence of zeros runs to its
+    end; one whose outputs are not as declared fails; one whose start() refuses zeros
+    is ok, with a note that its outputs were not checked."""
+    toml = (
+        '[[input]]\nname = "N"\ndatatype = "INT64"\nshape = [1]\n'
+        '[[output]]\nname = "OUT"\ndatatype = "{out}"\nshape = [1]\n'
+        "[generate]\nmax_active = 2\nmax_steps = 3\n"
+    )
+    model = (
+        "import torch\n"
+        "class M:\n"
+        "    def start(self, requests):\n"
+        "        if {refuse}:\n"
+        "            raise ValueError('N must be >= 1')\n"
+        "        return [0 for _ in requests]\n"
+        "    def step(self, states):\n"
+        "        return [({{'OUT': torch.tensor([7])}}, False) for _ in states]\n"
+        "def load(device):\n"
+        "    return M()\n"
+    )
+    for name, out, refuse in (("good", "INT64", False), ("wrong", "FP32", False),
+                              ("picky", "INT64", True)):  # fmt: skip
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.toml").write_text(toml.format(out=out))
+        (tmp_path / name / "model.py").write_text(model.format(refuse=refuse))
+    rows = {r.model: r for r in (check_model(tmp_path / n) for n in ("good", "wrong", "picky"))}
+    assert rows["good"].problem is None and rows["good"].note == "a sequence of zeros ran 3 step(s)"
+    assert "declared FP32" in (rows["wrong"].problem or "")
+    assert rows["picky"].problem is None
+    assert "refused (start() raised: ValueError: N must be >= 1)" in (rows["picky"].note or "")

@@ -6,8 +6,9 @@ optionally, `release(state)`. Each request is one sequence. The frontend sends
 a START per sequence (at most `max_active` per worker: slots are its credits)
 and a CANCEL when the caller leaves. Before every step the loop drops the
 cancelled sequences, admits waiting ones into free slots with one `start`, then
-runs one `step` for every active sequence and sends each one's outputs back at
-once, a STEP message per sequence, `final` when it ended (done, or max_steps).
+runs one `step` for every active sequence and sends the outputs back at once:
+one STEP message per frontend per step, an entry of `steps` per sequence,
+`final` when it ended (done, or max_steps).
 
 With `admission = "static"` a batch admits nobody until every member ended: the
 static batching continuous batching is measured against.
@@ -31,7 +32,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.worker.execute import BatchError, encode_output, to_model_input
 
 log = logging.getLogger("batchd.worker")
-Reply = tuple[int, list[Any], bool]  # to which frontend, the message, whether it is final
+Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends
 
 
 @dataclass(eq=False)
@@ -43,6 +44,41 @@ class Running:
     inputs: dict[str, Any]
     state: Any = None
     steps: int = 0
+
+
+class Replies:
+    """STEP messages being built: one per frontend, an entry per sequence."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.round: tuple[int, int, int] | None = None  # active, round, compute_ns
+        self.messages: dict[int, tuple[wire.Header, list[Any], list[int]]] = {}
+
+    def add(self, s: Running, tensors: Sequence[wire.Tensor] = (), frames: Sequence[Any] = (),
+            final: bool = True, error: str = "") -> None:  # fmt: skip
+        if s.frontend not in self.messages:
+            self.messages[s.frontend] = (
+                wire.Header(kind=wire.Header.STEP, model=self.model),
+                [],
+                [0],
+            )
+        header, all_frames, ends = self.messages[s.frontend]
+        header.steps.add(id=s.seq_id, tensors=len(tensors), final=final, error=error)
+        header.tensors.extend(tensors)
+        all_frames.extend(frames)
+        ends[0] += final
+
+    def stepped(self, active: int, round: int, compute_ns: int) -> None:
+        """The messages carry a step round (for its statistics, counted once)."""
+        self.round = (active, round, compute_ns)
+
+    def send(self) -> list[Reply]:
+        out = []
+        for to, (header, frames, (ends,)) in self.messages.items():
+            if self.round is not None:
+                header.active, header.round, header.compute_ns = self.round
+            out.append((to, wire.pack(header, frames), ends))
+        return out
 
 
 @dataclass
@@ -67,7 +103,9 @@ class StepLoop:
             pairs = zip(header.tensors, frames, strict=True)
             inputs = {t.name: to_model_input(t, f, device) for t, f in pairs}
         except Exception as e:  # its inputs: that sequence's failure only
-            return [self._end(Running(header.batch_id, frontend, {}), f"bad inputs: {e}")]
+            out = Replies(self.cfg.name)
+            out.add(Running(header.batch_id, frontend, {}), error=f"bad inputs: {e}")
+            return out.send()
         self.waiting.append(Running(header.batch_id, frontend, inputs))
         return []
 
@@ -93,9 +131,10 @@ class StepLoop:
 
     def round(self) -> list[Reply]:
         """Admit, then one step for every active sequence: the messages to send."""
-        out = self._admit()
+        out = Replies(self.cfg.name)
+        self._admit(out)
         if not self.active:
-            return out
+            return out.send()
         self.rounds += 1
         start = time.perf_counter_ns()
         try:
@@ -105,35 +144,36 @@ class StepLoop:
                     f"step() returned {len(results)} results for {len(self.active)} sequences"
                 )
         except Exception as e:  # the model's failure: these sequences'
-            why = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
-            out += [self._end(s, f"step() raised: {why}") for s in self.active]
             for s in self.active:
+                out.add(s, error=f"step() raised: {_why(e)}")
                 self._release(s)
             self.active = []
-            return out
-        took = time.perf_counter_ns() - start
+            return out.send()
+        out.stepped(len(self.active), self.rounds, time.perf_counter_ns() - start)
         still = []
         for s, result in zip(self.active, results, strict=True):
             s.steps += 1
             try:
                 outputs, done = result
                 final = bool(done) or s.steps >= self._max_steps()
-                message = self._step(s, outputs, final, took)
+                frames: list[Any] = []
+                tensors = self._encode(outputs, frames) if outputs is not None else ()
+                out.add(s, tensors, frames, final)
             except Exception as e:  # a bad output fails its sequence only
-                message, final = self._end(s, f"step() returned {e}"), True
-            out.append(message)
+                out.add(s, error=f"step() returned {e}")
+                final = True
             if final:
                 self._release(s)
             else:
                 still.append(s)
         self.active = still
-        return out
+        return out.send()
 
     def _max_steps(self) -> int:
         assert self.cfg.generate is not None
         return self.cfg.generate.max_steps
 
-    def _admit(self) -> list[Reply]:
+    def _admit(self, out: Replies) -> None:
         assert self.cfg.generate is not None
         g = self.cfg.generate
         free = g.max_active - len(self.active)
@@ -141,24 +181,20 @@ class StepLoop:
             free = 0
         joining, self.waiting = self.waiting[:free], self.waiting[free:]
         if not joining:
-            return []
+            return
         try:
             states = self._start(joining)
         except Exception as e:  # fails the joining sequences only
             if len(joining) == 1:
-                why = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
-                return [self._end(joining[0], f"start() raised: {why}")]
+                out.add(joining[0], error=f"start() raised: {_why(e)}")
+                return
             # One of them may be at fault: each starts alone, so only it fails.
-            out: list[Reply] = []
             for s in joining:
-                self.waiting.insert(0, s)
-                self.waiting, first = self.waiting[1:], self.waiting[0]
-                out += self._admit_one(first)
-            return out
+                self._admit_one(s, out)
+            return
         for s, state in zip(joining, states, strict=True):
             s.state, s.inputs = state, {}
             self.active.append(s)
-        return []
 
     def _start(self, joining: list[Running]) -> list[Any]:
         states = self.model.start([s.inputs for s in joining])
@@ -166,31 +202,14 @@ class StepLoop:
             raise BatchError(f"start() returned {len(states)} states for {len(joining)}")
         return list(states)
 
-    def _admit_one(self, s: Running) -> list[Reply]:
+    def _admit_one(self, s: Running, out: Replies) -> None:
         try:
             (s.state,) = self._start([s])
         except Exception as e:  # its failure only
-            why = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
-            return [self._end(s, f"start() raised: {why}")]
+            out.add(s, error=f"start() raised: {_why(e)}")
+            return
         s.inputs = {}
         self.active.append(s)
-        return []
-
-    def _step(self, s: Running, outputs: dict[str, Any] | None, final: bool,
-              took_ns: int) -> Reply:  # fmt: skip
-        header = wire.Header(
-            kind=wire.Header.STEP,
-            batch_id=s.seq_id,
-            model=self.cfg.name,
-            final=final,
-            active=len(self.active),
-            round=self.rounds,
-            compute_ns=took_ns,
-        )
-        frames: list[Any] = []
-        if outputs is not None:
-            header.tensors.extend(self._encode(outputs, frames))
-        return s.frontend, wire.pack(header, frames), final
 
     def _encode(self, outputs: dict[str, Any], frames: list[Any]) -> Sequence[wire.Tensor]:
         if not isinstance(outputs, dict):
@@ -204,12 +223,6 @@ class StepLoop:
             frames.append(frame)
         return tensors
 
-    def _end(self, s: Running, error: str) -> Reply:
-        header = wire.Header(
-            kind=wire.Header.STEP, batch_id=s.seq_id, model=self.cfg.name, final=True, error=error
-        )
-        return s.frontend, wire.pack(header), True
-
     def _release(self, s: Running) -> None:
         release = getattr(self.model, "release", None)
         if release is None or s.state is None:
@@ -219,3 +232,7 @@ class StepLoop:
         except Exception:  # a release that fails frees nothing more; the loop goes on
             log.exception("model %s: release() raised", self.cfg.name)
         s.state = None
+
+
+def _why(e: Exception) -> str:
+    return str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"

@@ -89,10 +89,10 @@ class Runner:
         out = ctx.socket(zmq.PAIR)
         out.connect(_RESULTS)
 
-        def reply(frontend: int, parts: list[Any], ends: bool = True) -> None:
-            # To the I/O thread: which frontend, and whether this ends a unit of work
-            # it counts (a batch, a load, a sequence's last STEP).
-            out.send_multipart([bytes([frontend, ends]), *parts], copy=False)
+        def reply(frontend: int, parts: list[Any], ends: int = 1) -> None:
+            # To the I/O thread: which frontend, and how many units of work it counts
+            # this ends (a batch, a load, the sequences a STEP message ends).
+            out.send_multipart([bytes([frontend]) + ends.to_bytes(4, "little"), *parts], copy=False)
 
         try:
             while True:
@@ -102,8 +102,8 @@ class Runner:
                 except queue.Empty:
                     for loop in self.loops.values():
                         if loop.busy:
-                            for frontend, parts, final in loop.round():
-                                reply(frontend, parts, final)
+                            for frontend, parts, ends in loop.round():
+                                reply(frontend, parts, ends)
                     continue
                 if item is None:
                     return
@@ -113,8 +113,8 @@ class Runner:
                 elif header.kind == wire.Header.UNLOAD:
                     self._unload(header)
                 elif header.kind in (wire.Header.START, wire.Header.CANCEL):
-                    for to, parts, final in self._sequence(frontend, header, frames):
-                        reply(to, parts, final)
+                    for to, parts, ends in self._sequence(frontend, header, frames):
+                        reply(to, parts, ends)
                 else:
                     reply(frontend, self._run(header, frames))
         finally:
@@ -128,16 +128,16 @@ class Runner:
             dropped = [each.cancel(frontend, header.batch_id) for each in self.loops.values()]
             # Nothing goes back for a dropped sequence, but the I/O thread counted its
             # START as owed: an empty reply settles it (a STOP waits for those).
-            return [(frontend, [], True)] if any(dropped) else []
+            return [(frontend, [], 1)] if any(dropped) else []
         if loop is None:
-            error = wire.Header(
-                kind=wire.Header.STEP,
-                batch_id=header.batch_id,
+            error = wire.Header(kind=wire.Header.STEP, model=header.model)
+            error.steps.add(
+                id=header.batch_id,
                 final=True,
                 error=f"model {header.model!r} version {header.version!r} is not loaded as a "
                 "step-wise model on this worker",
             )
-            return [(frontend, wire.pack(error), True)]
+            return [(frontend, wire.pack(error), 1)]
         return loop.add(frontend, header, frames, self.options.device)
 
     def _load(self, header: wire.Header) -> list[Any]:
@@ -267,7 +267,7 @@ class Runner:
             now = time.monotonic()
             if results in events:
                 to, *reply = results.recv_multipart(copy=False)
-                frontend, ends = to.bytes
+                frontend, ends = to.bytes[0], int.from_bytes(to.bytes[1:], "little")
                 io.pending -= ends
                 if not reply:  # bookkeeping only: a cancelled sequence settled
                     continue
