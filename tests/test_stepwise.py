@@ -78,13 +78,30 @@ def test_a_sequence_streams_each_step_and_marks_its_end(stub: Any, gate: Gate) -
     assert config.model_transaction_policy.decoupled
 
 
+def active(server: ServerProcess) -> float:
+    return value(scrape(server), "batchd_sequences_active", model="stepper", version="1")
+
+
+def hold_steps(gate: Gate) -> None:
+    """Close the gate and wait until the model waits at it: the loop is held."""
+    gate.close()
+    wait_for(lambda: len(gate.records("stepper", log="entered")) > len(gate.records("stepper")),
+             30, "a step to wait at the gate")  # fmt: skip
+
+
+def started(stub: Any) -> int:
+    """Sequences of stepper that left the queue for a slot (its queue statistics)."""
+    stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="stepper"))
+    return int(stats.model_stats[0].inference_stats.queue.count)
+
+
 def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
-    stub: Any, gate: Gate
+    stub: Any, gate: Gate, test_server: ServerProcess
 ) -> None:
     ends: list[str] = []
-    long_stream = stub.ModelStreamInfer(iter([stepper(21, 40)]), timeout=60)
-    first = next(long_stream)
-    assert values(first) == [21001]  # it has started
+    long_stream = stub.ModelStreamInfer(iter([stepper(21, 50)]), timeout=60)
+    assert values(next(long_stream)) == [21001]  # it has started
+    hold_steps(gate)  # 21 waits in a step, so 22 joins while it runs
 
     def read(stream: Any, name: str) -> None:
         for _ in stream:
@@ -93,38 +110,57 @@ def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
 
     reader = threading.Thread(target=read, args=(long_stream, "long"))
     reader.start()
-    read(stub.ModelStreamInfer(iter([stepper(22, 2)]), timeout=60), "short")
+    short = threading.Thread(
+        target=read, args=(stub.ModelStreamInfer(iter([stepper(22, 2)]), timeout=60), "short")
+    )
+    short.start()
+    wait_for(lambda: active(test_server) == 2, 30, "22 in a slot beside 21")
+    gate.open()
+    short.join(60)
     reader.join(60)
     assert ends == ["short", "long"]
     together = [r["stepped"] for r in records(gate, "stepped") if 22 in r["stepped"]]
-    assert together and all(21 in ids for ids in together)  # it joined the running batch
+    assert together == [[21, 22], [21, 22]]  # it joined the running batch
 
 
 def test_a_cancelled_sequence_frees_its_slot_and_is_not_stepped_again(
     stub: Any, gate: Gate
 ) -> None:
     """stepper has 3 slots: 3 long sequences fill them; cancelling one lets a
-    fourth start while the other two still step, and the model never steps the
-    cancelled one after it released it."""
-    streams = [stub.ModelStreamInfer(iter([stepper(s, 45)]), timeout=60) for s in (31, 32, 33)]
+    fourth start while the other two are held mid-sequence, and the model never
+    steps the cancelled one after it released it."""
+    streams = [stub.ModelStreamInfer(iter([stepper(s, 50)]), timeout=60) for s in (31, 32, 33)]
     for s in streams:
         next(s)
+    hold_steps(gate)  # nobody ends by itself now
+    before = started(stub)
+    fourth = stub.ModelStreamInfer(iter([stepper(34, 2)]), timeout=60)
     streams[0].cancel()
+    # Only 31's slot can take 34 while the steps wait: the frontend starts it at once.
+    wait_for(lambda: started(stub) == before + 1, 30, "34 to take 31's slot")
+    gate.open()
+    assert [values(r) for r in fourth] == [[34001], [34002], []]
     wait_for(lambda: any(31 in r["released"] for r in records(gate, "released")), 30,
              "the worker to release sequence 31")  # fmt: skip
-    fourth = stub.ModelStreamInfer(iter([stepper(34, 2)]), timeout=60)
-    assert [values(r) for r in fourth] == [[34001], [34002], []]
     log = gate.records("stepper")
     released = next(i for i, r in enumerate(log) if 31 in r.get("released", []))
     assert not any(31 in r.get("stepped", []) for r in log[released:])
+    assert any(34 in r.get("stepped", []) for r in log[released:])
     for s in streams[1:]:
         s.cancel()
+    wait_for(lambda: {32, 33} <= {i for r in records(gate, "released") for i in r["released"]},
+             30, "the others released")  # fmt: skip
 
 
-def test_a_full_queue_rejects_a_sequence_at_once(stub: Any, gate: Gate) -> None:
+def test_a_full_queue_rejects_a_sequence_at_once(
+    stub: Any, gate: Gate, test_server: ServerProcess
+) -> None:
     gate.close()  # steps hold: 3 sequences fill the slots, 2 more fill the queue
     streams = [stub.ModelStreamInfer(iter([stepper(s, 2)]), timeout=60) for s in range(41, 46)]
-    wait_for(lambda: len(gate.records("stepper", log="entered")) >= 1, 30, "the first step")
+    labels = {"model": "stepper", "version": "1"}
+    queued = "batchd_inference_pending_request_count"
+    wait_for(lambda: active(test_server) == 3 and value(scrape(test_server), queued, **labels) == 2,
+             30, "3 sequences in their slots and 2 queued")  # fmt: skip
     try:
         with pytest.raises(grpc.RpcError) as e:
             stub.ModelInfer(stepper(46, 2), timeout=30)
@@ -253,3 +289,37 @@ def test_perf_analyzer_streams_against_the_example(example_server: ServerProcess
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Concurrency: 2" in done.stdout and "throughput" in done.stdout
+
+
+def test_metrics_and_statistics_count_steps_outputs_and_latencies(
+    stub: Any, gate: Gate, test_server: ServerProcess
+) -> None:
+    labels = {"model": "stepper", "version": "1"}
+
+    def counts() -> dict[str, float]:
+        m = scrape(test_server)
+        stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="stepper")).model_stats[0]
+        return {
+            "outputs": value(m, "batchd_outputs_total", **labels),
+            "first": value(m, "batchd_time_to_first_output_us_count", **labels),
+            "between": value(m, "batchd_inter_output_us_count", **labels),
+            "between_us": value(m, "batchd_inter_output_us_sum", **labels),
+            "steps": value(m, "batchd_step_slots_count", **labels),
+            "slots": value(m, "batchd_step_slots_sum", **labels),
+            "executions": stats.execution_count,
+            "sequence_steps": stats.inference_count,
+        }
+
+    before = counts()
+    assert [values(r) for r in stub.ModelStreamInfer(iter([stepper(91, 3)]), timeout=30)] == [
+        [91001], [91002], [91003], [],
+    ]  # fmt: skip
+    after = counts()
+    grew = {k: after[k] - before[k] for k in after}
+    assert grew["between_us"] > 0
+    del grew["between_us"]
+    assert grew == {
+        "outputs": 3, "first": 1, "between": 2, "steps": 3, "slots": 3,
+        "executions": 3, "sequence_steps": 3,
+    }  # fmt: skip
+    assert active(test_server) == 0
