@@ -1,6 +1,12 @@
 """`batchd models DIR --check`: load every model of a repository once on the
 CPU, run one batch of zeros through it, and check what comes back against the
-declared signature (the same checks a serving worker applies)."""
+declared signature (the same checks a serving worker applies).
+
+A step-wise model (model.toml [generate]) runs one sequence of zeros through a
+worker's step loop to its end (max_steps at most). Zeros may not be an input it
+takes (a token count of 0): when start() refuses them the model is still
+reported ok, loaded and with its start/step contract in place, but with a note
+that its outputs were not checked."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ConfigError, ModelConfig, load_model_config
 from batchd.protos.tensors import to_raw
 from batchd.worker.execute import run_batch
+from batchd.worker.generate import StepLoop
 from batchd.worker.loader import load_model
 
 CPU = torch.device("cpu")
@@ -31,6 +38,7 @@ class Row:
     load_ms: float = 0.0
     run_ms: float = 0.0
     problem: str | None = None
+    note: str | None = None
 
 
 def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
@@ -71,11 +79,36 @@ def check_model(directory: Path) -> Row:
         row.load_ms = (time.perf_counter() - start) * 1e3
         headers, frames = zeros_batch(cfg)
         start = time.perf_counter()
-        run_batch(fn, cfg, CPU, headers, frames)
+        if cfg.generate is None:
+            run_batch(fn, cfg, CPU, headers, frames)
+        else:
+            row.note = run_sequence(fn, cfg, headers, frames)
         row.run_ms = (time.perf_counter() - start) * 1e3
     except Exception as e:  # the report is the point: every failure becomes a line
         row.problem = f"{type(e).__name__}: {e}"
     return row
+
+
+def run_sequence(model: Any, cfg: ModelConfig, headers: list[wire.Tensor],
+                 frames: list[Any]) -> str | None:  # fmt: skip
+    """One sequence of zeros through a step loop, as a worker runs it. Raises what
+    fails it after it started; returns a note when start() refused the zeros."""
+    assert cfg.generate is not None
+    loop = StepLoop(cfg, model)
+    start = wire.Header(kind=wire.Header.START, batch_id=1, model=cfg.name)
+    start.tensors.extend(headers)
+    replies = loop.add(0, start, frames, CPU)
+    steps = 0
+    while not replies and loop.busy:
+        replies = [r for r in loop.round() if r[2]]  # the message that ends it
+        steps += 1
+    ((_, parts, _),) = replies
+    (step,) = wire.unpack(parts)[0].steps
+    if step.error.startswith("start() raised") or step.error.startswith("bad inputs"):
+        return f"a sequence of zeros was refused ({step.error}): outputs not checked"
+    if step.error:
+        raise RuntimeError(step.error)
+    return f"a sequence of zeros ran {steps} step(s)"
 
 
 def check_repository(root: Path) -> int:
@@ -95,6 +128,8 @@ def check_repository(root: Path) -> int:
         print(f"       {r.signature}")
         if r.problem:
             print(f"       {r.problem}")
+        elif r.note:
+            print(f"       {r.note}")
     failed = sum(r.problem is not None for r in rows)
     print(f"\n{len(rows) - failed} ok, {failed} failed")
     return failed
