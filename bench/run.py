@@ -13,6 +13,9 @@
 4. bench/idle_latency.py: where one mlp caller's time goes outside gRPC, and
    from it and the echo server what a server with no code of its own would
    reach here (the limits the targets cannot beat on this machine).
+5. bench/stepwise.py: the step-wise decoder with continuous against static
+   batching on skewed lengths (issue 17), with 8 callers (its max_active) and
+   with 16.
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -35,6 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import stepwise
 from overload import children, cpu_s, rss_mb
 
 from batchd.client import Client
@@ -153,6 +157,7 @@ def main() -> None:
     p.add_argument("--pa", help="perf_analyzer (default: installed into .perf_analyzer)")
     p.add_argument("--interval-ms", type=int, default=4000, help="perf_analyzer window")
     p.add_argument("--sweep-seconds", type=float, default=4.0, help="batchd bench per level")
+    p.add_argument("--stepwise-seconds", type=float, default=10.0, help="bench/stepwise.py runs")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pa = (
@@ -218,6 +223,11 @@ def main() -> None:
     r["frontends_tiny_c32"] = {
         f: frontends_tiny(serve, f, args.out)
         for f in sorted({1, max(2, (os.cpu_count() or 2) // 2)})
+    }
+    print("step-wise: continuous against static batching ...", flush=True)
+    r["stepwise"] = {
+        callers: stepwise.main(["--callers", str(callers), "--seconds", str(args.stepwise_seconds)])
+        for callers in (8, 16)
     }
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
@@ -375,6 +385,9 @@ def markdown(r: dict) -> str:
         + ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in raw.items()),
         "",
     ]
+    for callers, result in r.get("stepwise", {}).items():
+        lines += [f"Step-wise decoder, continuous against static batching, {callers} callers:", ""]
+        lines += [stepwise.markdown(result), ""]
     return "\n".join(lines)
 
 
