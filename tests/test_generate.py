@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +10,10 @@ import numpy as np
 import torch
 
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, load_model_config
 from batchd.worker.check import check_model
 from batchd.worker.generate import StepLoop
+from batchd.worker.loader import load_model
 from tests.conftest import stepwise_model
 
 CPU = torch.device("cpu")
@@ -155,6 +157,27 @@ def test_step_raising_fails_the_sequences_of_that_step_and_the_loop_goes_on() ->
     assert replies(loop) == [(3, [101], True, "")]
 
 
+def test_the_model_runs_under_inference_mode() -> None:
+    modes: list[bool] = []
+
+    class Watched(Counter):
+        def start(self, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, int]]:
+            modes.append(torch.is_inference_mode_enabled())
+            return super().start(requests)
+
+        def step(self, states: list[dict[str, int]]) -> list[tuple[dict[str, Any] | None, bool]]:
+            modes.append(torch.is_inference_mode_enabled())
+            return super().step(states)
+
+        def release(self, state: dict[str, int]) -> None:
+            modes.append(torch.is_inference_mode_enabled())
+
+    loop = StepLoop(config(), Watched())
+    add(loop, 1, 1)
+    replies(loop)
+    assert modes == [True, True, True]
+
+
 def test_max_steps_ends_a_sequence_the_model_would_not() -> None:
     loop = StepLoop(config(max_steps=2), Counter())
     add(loop, 1, 9)
@@ -204,3 +227,38 @@ def test_models_check_runs_a_step_wise_model_through_the_loop(tmp_path: Path) ->
     assert "declared FP32" in (rows["wrong"].problem or "")
     assert rows["picky"].problem is None
     assert "refused (start() raised: ValueError: N must be >= 1)" in (rows["picky"].note or "")
+
+
+def test_the_readme_step_wise_example_runs(tmp_path: Path) -> None:
+    """The README's step-wise model.toml and model.py, as written there: `--check`
+    runs them, and sequences of several lengths step together to their ends."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("\n## Step-wise models\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```(\w+)\n(.*?)```", section, re.S)
+    toml = next(code for lang, code in blocks if lang == "toml")
+    source = next(code for lang, code in blocks if lang == "python" and "def load" in code)
+    (tmp_path / "gru").mkdir()
+    (tmp_path / "gru" / "model.toml").write_text(toml)
+    (tmp_path / "gru" / "model.py").write_text(source)
+    row = check_model(tmp_path / "gru")
+    assert row.problem is None and row.note == "a sequence of zeros ran 1 step(s)", row
+
+    cfg = load_model_config(tmp_path / "gru")
+    loop = StepLoop(cfg, load_model(cfg, CPU))
+    for seq, (prompt, new) in enumerate([([5, 6, 7], 4), ([9], 2), ([1, 2, 3, 4, 5], 3)]):
+        header = wire.Header(kind=wire.Header.START, batch_id=seq, model="gru")
+        header.tensors.add(name="PROMPT", datatype="INT64", shape=[len(prompt)])
+        header.tensors.add(name="MAX_NEW_TOKENS", datatype="INT64", shape=[1])
+        frames = [np.array(prompt, np.int64).tobytes(), np.array([new], np.int64).tobytes()]
+        assert loop.add(0, header, frames, CPU) == []
+    tokens: dict[int, int] = {}
+    sizes = []
+    while loop.busy:
+        for _, parts, _ in loop.round():
+            message, _ = wire.unpack(parts)
+            sizes.append(message.active)
+            for step in message.steps:
+                assert not step.error, step.error
+                tokens[step.id] = tokens.get(step.id, 0) + 1
+    assert sizes[0] == 3  # one forward for all three
+    assert tokens == {0: 4, 1: 2, 2: 3}  # MAX_NEW_TOKENS each (END did not come)

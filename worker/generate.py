@@ -13,6 +13,9 @@ one STEP message per frontend per step, an entry of `steps` per sequence,
 With `admission = "static"` a batch admits nobody until every member ended: the
 static batching continuous batching is measured against.
 
+The model's calls run under torch.inference_mode(), as a one-shot model's do:
+a state carried from step to step never holds an autograd graph.
+
 Failures are reply data: `start` raising fails the joining sequences only,
 `step` raising fails the sequences of that step; the loop and the worker go on.
 """
@@ -138,7 +141,8 @@ class StepLoop:
         self.rounds += 1
         start = time.perf_counter_ns()
         try:
-            results = self.model.step([s.state for s in self.active])
+            with torch.inference_mode():
+                results = self.model.step([s.state for s in self.active])
             if len(results) != len(self.active):
                 raise BatchError(
                     f"step() returned {len(results)} results for {len(self.active)} sequences"
@@ -197,7 +201,8 @@ class StepLoop:
             self.active.append(s)
 
     def _start(self, joining: list[Running]) -> list[Any]:
-        states = self.model.start([s.inputs for s in joining])
+        with torch.inference_mode():
+            states = self.model.start([s.inputs for s in joining])
         if len(states) != len(joining):
             raise BatchError(f"start() returned {len(states)} states for {len(joining)}")
         return list(states)
@@ -228,7 +233,8 @@ class StepLoop:
         if release is None or s.state is None:
             return
         try:
-            release(s.state)
+            with torch.inference_mode():
+                release(s.state)
         except Exception:  # a release that fails frees nothing more; the loop goes on
             log.exception("model %s: release() raised", self.cfg.name)
         s.state = None
