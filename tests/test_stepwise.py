@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -82,11 +83,15 @@ def active(server: ServerProcess) -> float:
     return value(scrape(server), "batchd_sequences_active", model="stepper", version="1")
 
 
-def hold_steps(gate: Gate) -> None:
-    """Close the gate and wait until the model waits at it: the loop is held."""
-    gate.close()
-    wait_for(lambda: len(gate.records("stepper", log="entered")) > len(gate.records("stepper")),
-             30, "a step to wait at the gate")  # fmt: skip
+@contextmanager
+def held(gate: Gate, seq: int) -> Iterator[None]:
+    """While in it, sequence `seq` (and the others on its worker) stops after two outputs."""
+    hold = gate.state / f"hold-{seq}"
+    hold.touch()
+    try:
+        yield
+    finally:
+        hold.unlink(missing_ok=True)
 
 
 def started(stub: Any) -> int:
@@ -99,23 +104,21 @@ def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
     stub: Any, gate: Gate, test_server: ServerProcess
 ) -> None:
     ends: list[str] = []
-    long_stream = stub.ModelStreamInfer(iter([stepper(21, 50)]), timeout=60)
-    assert values(next(long_stream)) == [21001]  # it has started
-    hold_steps(gate)  # 21 waits in a step, so 22 joins while it runs
 
     def read(stream: Any, name: str) -> None:
         for _ in stream:
             pass
         ends.append(name)
 
+    with held(gate, 21):  # 21's third step waits: 22 is sent and started meanwhile
+        long_stream = stub.ModelStreamInfer(iter([stepper(21, 50)]), timeout=60)
+        assert [values(next(long_stream)) for _ in range(2)] == [[21001], [21002]]
+        short_stream = stub.ModelStreamInfer(iter([stepper(22, 2)]), timeout=60)
+        short = threading.Thread(target=read, args=(short_stream, "short"))
+        short.start()
+        wait_for(lambda: active(test_server) == 2, 30, "22 in a slot beside 21")
     reader = threading.Thread(target=read, args=(long_stream, "long"))
     reader.start()
-    short = threading.Thread(
-        target=read, args=(stub.ModelStreamInfer(iter([stepper(22, 2)]), timeout=60), "short")
-    )
-    short.start()
-    wait_for(lambda: active(test_server) == 2, 30, "22 in a slot beside 21")
-    gate.open()
     short.join(60)
     reader.join(60)
     assert ends == ["short", "long"]
@@ -124,29 +127,30 @@ def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
 
 
 def test_a_cancelled_sequence_frees_its_slot_and_is_not_stepped_again(
-    stub: Any, gate: Gate
+    stub: Any, gate: Gate, test_server: ServerProcess
 ) -> None:
-    """stepper has 3 slots: 3 long sequences fill them; cancelling one lets a
-    fourth start while the other two are held mid-sequence, and the model never
-    steps the cancelled one after it released it."""
-    streams = [stub.ModelStreamInfer(iter([stepper(s, 50)]), timeout=60) for s in (31, 32, 33)]
-    for s in streams:
-        next(s)
-    hold_steps(gate)  # nobody ends by itself now
-    before = started(stub)
-    fourth = stub.ModelStreamInfer(iter([stepper(34, 2)]), timeout=60)
-    streams[0].cancel()
-    # Only 31's slot can take 34 while the steps wait: the frontend starts it at once.
-    wait_for(lambda: started(stub) == before + 1, 30, "34 to take 31's slot")
-    gate.open()
+    """stepper has 3 slots: 3 long sequences fill them, held so none can end;
+    cancelling one lets a fourth start, and the model never steps the cancelled
+    one after it released it."""
+    with held(gate, 31):  # 31's worker waits in 31's third step, the others with it
+        first = stub.ModelStreamInfer(iter([stepper(31, 50)]), timeout=60)
+        assert [values(next(first)) for _ in range(2)] == [[31001], [31002]]
+        others = [stub.ModelStreamInfer(iter([stepper(s, 50)]), timeout=60) for s in (32, 33)]
+        wait_for(lambda: active(test_server) == 3, 30, "3 sequences in the 3 slots")
+        before = started(stub)
+        fourth = stub.ModelStreamInfer(iter([stepper(34, 2)]), timeout=60)
+        first.cancel()
+        # Only 31's slot can take 34 while nobody steps: the frontend starts it at once.
+        wait_for(lambda: started(stub) == before + 1, 30, "34 to take 31's slot")
     assert [values(r) for r in fourth] == [[34001], [34002], []]
     wait_for(lambda: any(31 in r["released"] for r in records(gate, "released")), 30,
              "the worker to release sequence 31")  # fmt: skip
     log = gate.records("stepper")
     released = next(i for i, r in enumerate(log) if 31 in r.get("released", []))
+    assert any(31 in r.get("stepped", []) for r in log[:released])
     assert not any(31 in r.get("stepped", []) for r in log[released:])
     assert any(34 in r.get("stepped", []) for r in log[released:])
-    for s in streams[1:]:
+    for s in others:
         s.cancel()
     wait_for(lambda: {32, 33} <= {i for r in records(gate, "released") for i in r["released"]},
              30, "the others released")  # fmt: skip
