@@ -4,11 +4,13 @@ which sequences stepped together) and the example `decoder`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -214,6 +216,66 @@ def test_a_sequence_in_a_mixed_batch_equals_the_same_sequence_alone(
             mixed[response.infer_response.id] += values(response)
     assert [mixed[str(i)] for i in range(len(cases))] == alone
     assert [len(t) for t in alone] == [n for _, n in cases]
+
+
+def test_tritonclient_streams_a_step_wise_model_unchanged(example_server: ServerProcess) -> None:
+    """tritonclient's own streaming API, sync (start_stream, async_stream_infer) and
+    asyncio (stream_infer), against the decoder: one response per token, the final
+    flag on the empty last one, the decoupled policy in its config."""
+    with warnings.catch_warnings():  # tritonclient's own imports warn on new Python/protobuf
+        warnings.simplefilter("ignore")
+        import tritonclient.grpc as triton
+        import tritonclient.grpc.aio as triton_aio
+
+    def inputs(module: Any, prompt: list[int], new: int) -> list[Any]:
+        p = module.InferInput("PROMPT", [len(prompt)], "INT64")
+        p.set_data_from_numpy(np.array(prompt, np.int64))
+        n = module.InferInput("MAX_NEW_TOKENS", [1], "INT64")
+        n.set_data_from_numpy(np.array([new], np.int64))
+        return [p, n]
+
+    with grpc.insecure_channel(example_server.url) as channel:
+        alone = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(decoder([5, 6, 7], 6))
+    want = np.frombuffer(alone.raw_output_contents[0], np.int64).tolist()
+    client = triton.InferenceServerClient(example_server.url)
+    config = client.get_model_config("decoder").config
+    assert config.model_transaction_policy.decoupled
+    got: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        got.append(error if error is not None else result)
+        response = result.get_response() if error is None else None
+        if response is not None and response.parameters["triton_final_response"].bool_param:
+            done.set()
+
+    client.start_stream(callback=callback)
+    client.async_stream_infer(
+        "decoder", inputs(triton, [5, 6, 7], 6), request_id="t1", enable_empty_final_response=True
+    )
+    assert done.wait(60)
+    client.stop_stream()
+    client.close()
+    assert all(not isinstance(r, Exception) for r in got), got
+    tokens = [int(r.as_numpy("TOKEN")[0]) for r in got if r.as_numpy("TOKEN") is not None]
+    assert tokens == want and len(got) == len(want) + 1
+    assert {r.get_response().id for r in got} == {"t1"}
+
+    async def aio() -> list[int]:
+        async with triton_aio.InferenceServerClient(example_server.url) as c:
+
+            async def requests() -> AsyncIterator[dict[str, Any]]:
+                yield {"model_name": "decoder", "inputs": inputs(triton_aio, [5, 6, 7], 6)}
+
+            out = []
+            async for result, error in c.stream_infer(requests()):
+                assert error is None, error
+                out.append(int(result.as_numpy("TOKEN")[0]))
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            return out
+
+    assert asyncio.run(aio()) == want
 
 
 @pytest.fixture
