@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, BinaryIO, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import numpy as np
 
+from batchd.client import jobs as job_ops
 from batchd.client.core import (
     DEFAULT_MAX_MESSAGE_BYTES,
     END,
@@ -52,8 +54,11 @@ from batchd.client.core import (
     Wait,
     channel_options,
 )
+from batchd.client.errors import from_rpc_error
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos import jobs_pb2 as jobs_pb
+from batchd.protos import jobs_pb2_grpc as jobs_grpc
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "Inputs", "Pem"]
 
@@ -84,6 +89,10 @@ class _Connection:
         options = channel_options(max_message_bytes, own_connection)
         self._channel = self._open(url, security.credentials(), options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._stubs: dict[str, Any] = {
+            "inference": self._stub,
+            "jobs": jobs_grpc.JobsStub(self._channel),
+        }
 
     def _open(
         self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
@@ -196,7 +205,7 @@ class Client(_Connection):
             time.sleep(step.seconds)
             return None
         try:
-            call = getattr(self._stub, step.method)
+            call = getattr(self._stubs[step.service], step.method)
             return call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
@@ -233,6 +242,23 @@ class Client(_Connection):
             if call is not None:
                 call.cancel()  # nothing once the call has ended
 
+    def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
+        """Write the job's results (all of them once it has ended; those kept so far
+        while it runs) to `out`, a path or a binary file. Returns the lines written."""
+        with job_ops.ResultsFile(out) as f:
+            try:
+                for piece in self._stubs["jobs"].JobResults(
+                    jobs_pb.JobResultsRequest(id=job_id), **self._core.results_kwargs()
+                ):
+                    f.write(piece.data)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+        return f.lines
+
+    submit_job = _blocking(job_ops.submit_job)
+    job = _blocking(job_ops.job)
+    jobs = _blocking(job_ops.jobs)
+    cancel_job = _blocking(job_ops.cancel_job)
     infer = _blocking(ClientCore.infer)
     stream = _streaming(ClientCore.stream)
     live = _blocking(ClientCore.live)
@@ -281,7 +307,7 @@ class AsyncClient(_Connection):
             await asyncio.sleep(step.seconds)
             return None
         try:
-            call = getattr(self._stub, step.method)
+            call = getattr(self._stubs[step.service], step.method)
             return await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
@@ -318,6 +344,22 @@ class AsyncClient(_Connection):
             if call is not None:
                 call.cancel()  # nothing once the call has ended
 
+    async def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
+        """Client.job_results, awaited (the file is written from the event loop)."""
+        with job_ops.ResultsFile(out) as f:
+            try:
+                async for piece in self._stubs["jobs"].JobResults(
+                    jobs_pb.JobResultsRequest(id=job_id), **self._core.results_kwargs()
+                ):
+                    f.write(piece.data)
+            except grpc.RpcError as e:
+                raise from_rpc_error(e) from None
+        return f.lines
+
+    submit_job = _awaitable(job_ops.submit_job)
+    job = _awaitable(job_ops.job)
+    jobs = _awaitable(job_ops.jobs)
+    cancel_job = _awaitable(job_ops.cancel_job)
     infer = _awaitable(ClientCore.infer)
     stream = _async_streaming(ClientCore.stream)
     live = _awaitable(ClientCore.live)

@@ -56,11 +56,14 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Rpc:
-    """Call `method` of the inference service; resume with its reply or its grpc.RpcError."""
+    """Call `method` of `service` ("inference", or "jobs": batchd's jobs service); resume
+    with its reply or its grpc.RpcError. A client-streaming method's `request` is an
+    iterator of messages."""
 
     method: str
     request: Any
     timeout: float | None
+    service: str = "inference"
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,8 +206,17 @@ class ClientCore:
         self._rng = random.Random()
         self._meta: dict[str, dict[str, Any]] = {}
 
+    def results_kwargs(self) -> dict[str, Any]:
+        """What a streaming call the steps do not drive passes: the timeout, the token."""
+        return {"timeout": self.timeout, **self.call_kwargs}
+
     def call(
-        self, method: str, msg: Any, timeout: float | None = None, retries: int | None = None
+        self,
+        method: str,
+        msg: Any,
+        timeout: float | None = None,
+        retries: int | None = None,
+        service: str = "inference",
     ) -> Steps[Any]:
         """One RPC, retried by the policy within one deadline; its typed error if it fails."""
         timeout = self.timeout if timeout is None else timeout
@@ -212,7 +224,7 @@ class ClientCore:
         policy = self.retry if retries is None else replace(self.retry, retries=retries)
         attempt = 0
         while True:
-            reply = yield Rpc(method, msg, _remaining(deadline))
+            reply = yield Rpc(method, msg, _remaining(deadline), service)
             if not isinstance(reply, grpc.RpcError):
                 return reply
             error = from_rpc_error(reply)

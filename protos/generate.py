@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PROTOS = ("inference.proto", "wire.proto")
+PROTOS = ("inference.proto", "jobs.proto", "wire.proto")
 VIRTUAL_ROOT = "batchd/protos"  # the proto import path matches the Python package
 POOL_IMPORT = "from batchd.protos._pool import POOL as _batchd_pool\n"
 

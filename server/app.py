@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import signal
+import sqlite3
 import tempfile
 from dataclasses import dataclass
 
@@ -28,14 +29,18 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from batchd.protos import inference_pb2, inference_pb2_grpc
+from batchd.protos import inference_pb2, inference_pb2_grpc, jobs_pb2, jobs_pb2_grpc
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
-from batchd.server.config import ServerConfig
+from batchd.server.auth import load_tokens
+from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
+from batchd.server.jobs.runner import Jobs
+from batchd.server.jobs.service import JobsService
+from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
 from batchd.server.security import grpc_options, listen, preflight
@@ -75,7 +80,7 @@ async def _track_health(health: HealthServicer, service: InferenceService, core:
 
 
 def _grpc_server(
-    cfg: ServerConfig, service: InferenceService, health: HealthServicer
+    cfg: ServerConfig, service: InferenceService, health: HealthServicer, jobs: JobsService
 ) -> tuple[grpc.aio.Server, int]:
     options = [
         ("grpc.max_receive_message_length", cfg.network.max_message_bytes),
@@ -86,11 +91,13 @@ def _grpc_server(
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
     inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    jobs_pb2_grpc.add_JobsServicer_to_server(jobs, server)
     with contextlib.suppress(TypeError):  # already there when serve() runs twice in one process
         POOL.AddSerializedFile(health_pb2.DESCRIPTOR.serialized_pb)
     names = (
         inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        jobs_pb2.DESCRIPTOR.services_by_name["Jobs"].full_name,
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server, pool=POOL)
@@ -110,6 +117,7 @@ class _Parts:
     server: grpc.aio.Server
     port: int
     registry: CollectorRegistry
+    jobs: Jobs | None
 
 
 def _build(
@@ -143,8 +151,13 @@ def _build(
         core, limits=limits, calls_per_connection=cfg.connections.max_concurrent_streams
     )
     health = HealthServicer()
-    server, port = _grpc_server(cfg, service, health)
+    jobs, off = _jobs(cfg, core, limits)
+    tokens = cfg.security.auth_token_file
+    jobs_service = JobsService(jobs, off, None if tokens is None else load_tokens(tokens))
+    server, port = _grpc_server(cfg, service, health, jobs_service)
     registry = CollectorRegistry()  # this server's own: nothing is registered globally
+    if jobs is not None:
+        registry.register(jobs)
     registry.register(
         Collector(
             core.models,
@@ -161,7 +174,26 @@ def _build(
             ),
         )
     )
-    return _Parts(core, service, health, server, port, registry)
+    return _Parts(core, service, health, server, port, registry, jobs)
+
+
+def _jobs(cfg: ServerConfig, core: Core, limits: Limits) -> tuple[Jobs | None, str]:
+    """The jobs of this server, or None and why they are off. The first frontend runs
+    them and holds --jobs-dir; the others take jobs in and answer about them."""
+    j = cfg.jobs
+    first = cfg.frontends.index == 0
+    try:
+        if not first and Store.holder(j.directory) != os.getppid():
+            raise InUse(f"{j.directory} is not held by this server's first frontend")
+        store = Store(j.directory, lock=first)
+    except (InUse, OSError, sqlite3.Error) as e:
+        log.warning("batch jobs are off: %s", e)
+        return None, str(e)
+    jobs = Jobs(
+        store, core, limits, max_file_bytes=j.max_file_bytes, max_open=j.max_open,
+        retention_s=j.retention_hours * 3600, runs=first,
+    )  # fmt: skip
+    return jobs, ""
 
 
 def _models_at_start(
@@ -182,6 +214,8 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> 
     """Refuse new work, drain the admitted, answer leftovers, then stop workers
     (after the other frontends, which need them to drain)."""
     log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
+    if p.jobs is not None:  # first: failing the queues below would answer their lines
+        await p.jobs.stop()
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
     p.service.draining = True  # readiness and health say so at once
     p.core.changed.set()
@@ -252,6 +286,8 @@ async def serve(cfg: ServerConfig) -> None:
                 ]
                 if children is not None:
                     tasks.append(tg.create_task(children.run(p.port), name="frontends"))
+                if p.jobs is not None:
+                    tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
                 if fronts.index:
                     tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
                 if (port := cfg.network.metrics_port) >= 0:
@@ -271,4 +307,6 @@ async def serve(cfg: ServerConfig) -> None:
                 worker_auth.stop()
             router.close(linger=0)
             ctx.term()
+            if p.jobs is not None:
+                p.jobs.store.close()
             log.info("stopped (pid %d)", os.getpid())

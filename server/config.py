@@ -11,6 +11,7 @@ default. Each setting that is a flag says so on its field (`setting`), and the
     ├── logging     level, format
     ├── security    TLS, tokens, CURVE keys (security.py puts them to work)
     ├── limits      what one request may carry (codec.py checks them)
+    ├── jobs        batch jobs: where they are kept, how many, how long
     └── connections what one client connection may hold (security.py)
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -199,6 +201,30 @@ class Limits:
     max_response_bytes: int = 64 * MiB  # the server sets it to --max-message-bytes
 
 
+def _state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "batchd" / "jobs"
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """batch jobs"""
+
+    directory: Path = setting(
+        _state_dir(), "--jobs-dir", "where jobs, their inputs and results are kept (one "
+        "server per directory)", type=Path,
+    )  # fmt: skip
+    retention_hours: float = setting(
+        168.0, "--jobs-retention-hours", "remove a job this long after it ended", type=seconds
+    )
+    max_file_bytes: int = setting(
+        1024 * MiB, "--jobs-max-file-bytes", "largest job file accepted", type=positive
+    )
+    max_open: int = setting(
+        64, "--jobs-max-open", "jobs validating, queued or running at once", type=positive
+    )
+
+
 @dataclass(frozen=True)
 class Connections:
     """client connections: what one may hold, and for how long doing nothing (0: no limit)"""
@@ -249,6 +275,7 @@ class ServerConfig:
     security: Security = section(Security)
     limits: Limits = section(Limits)
     connections: Connections = section(Connections)
+    jobs: Jobs = section(Jobs)
 
     def check(self) -> None:
         """Every rule that spans settings; raises ConfigError naming the flags."""

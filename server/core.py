@@ -155,7 +155,9 @@ class Core:
         if model.generate is not None:
             self.sequences.start(model, requests)
             return
-        worker = self.pool.choose(model.key, idle_only=any(r.suspect for r in requests))
+        # A retry after a failure, and a job's batch, go only to an idle worker.
+        idle_only = any(r.suspect or r.background for r in requests)
+        worker = self.pool.choose(model.key, idle_only=idle_only)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
             self.pump_soon()

@@ -7,6 +7,7 @@
     ├── TooManyCalls             RESOURCE_EXHAUSTED  (--max-concurrent-streams)
     ├── ResponseTooLarge         RESOURCE_EXHAUSTED  (--max-message-bytes, outbound)
     ├── StreamBehind             RESOURCE_EXHAUSTED  (a stream's caller does not read)
+    ├── LimitExceeded            RESOURCE_EXHAUSTED  (a job over --jobs-max-* limits)
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
     ├── NotAllowed               FAILED_PRECONDITION
@@ -95,6 +96,11 @@ class ResponseTooLarge(BatchdError):
 class StreamBehind(BatchdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "stream_behind"
+
+
+class LimitExceeded(BatchdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "limit"
 
 
 class DeadlineExceeded(BatchdError):

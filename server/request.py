@@ -60,6 +60,7 @@ class Request:
     suspect: bool = False  # its batch failed: it rides alone until it is answered
     level: int = 0  # priority level index: 0 is priority 1, the highest
     stream: StepStream | None = None  # a step-wise model's: where its outputs go
+    background: bool = False  # a batch job's: it waits in the job lane (scheduler.py)
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
     # Derived from the inputs, once:
     length: int = field(init=False)  # longest ragged length (0: the model has no ragged input)

@@ -91,6 +91,8 @@ class ServerProcess:
             "1",
             *self.args,
         ]
+        if "--jobs-dir" not in self.args:  # its own: one server per jobs directory
+            cmd += ["--jobs-dir", str(self.log_dir / f"jobs-{time.monotonic_ns()}")]
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(
                 cmd,

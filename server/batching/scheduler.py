@@ -9,6 +9,13 @@ caller; the chunks are counted, and refused if too many, before any is made. `pu
 synchronous and runs whenever something changes (a request arrives, a worker
 frees a credit or joins, a batch comes back for retry, a delay runs out). The
 scheduler owns the queues; nothing else touches them.
+
+Batch jobs' requests (`Request.background`) wait in a model's job lane, apart
+from its online levels: they hold no place of `max_queue_size`, never join an
+online request's batch, and leave only when no online request of the model
+waits and a worker is idle, so online traffic keeps every queue place and
+every busy worker. An online request can still find a worker running a job's
+batch: it then waits for that one batch, not for the job.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from batchd.server.batching.decision import Capacity, Send, decide
 from batchd.server.batching.latency import LatencyTarget
 from batchd.server.batching.plan import Plan, plan_batch
 from batchd.server.batching.split_join import join_results, split_request
-from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull, clip
+from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull, Unavailable, clip
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
@@ -91,6 +98,7 @@ class ModelQueue:
         self.config = config
         b = config.batching
         self.levels: list[deque[Request]] = [deque() for _ in range(max(1, b.priority_levels))]
+        self.jobs: deque[Request] = deque()  # the job lane: batch jobs' requests
         self.limits = b.priority_queue_sizes or (0,) * len(self.levels)
         self.max_rows = max(config.max_batch_size, 1)
         self.compacted_at = -math.inf
@@ -159,7 +167,17 @@ class ModelQueue:
 
     def put_front(self, requests: Iterable[Request]) -> None:
         for r in reversed([r for r in requests if not r.future.done()]):
-            self.levels[r.level].appendleft(r)
+            (self.jobs if r.background else self.levels[r.level]).appendleft(r)
+
+    def plan_jobs(self, now: float) -> Plan | None:
+        """The next batch of the job lane: its requests in order, up to a full batch."""
+        while self.jobs and self.jobs[0].future.done():
+            self.jobs.popleft()  # a cancelled job's
+        return plan_batch([self.jobs], now, self.max_rows, self.config.batching, self.window)
+
+    def take_jobs(self, plan: Plan) -> None:
+        chosen = {id(r) for r in plan.requests}
+        self.jobs = deque(r for r in self.jobs if id(r) not in chosen)
 
 
 class Scheduler:
@@ -184,9 +202,14 @@ class Scheduler:
         self._queues[config.key] = ModelQueue(config)
 
     def remove_model(self, key: str) -> None:
-        """Forget a drained version's queue (nothing queued, nothing in flight)."""
+        """Forget a drained version's queue (nothing queued online, nothing in flight);
+        what its job lane still holds is failed."""
         q = self._queues.pop(key)
         assert not len(q), f"{key} removed with {len(q)} requests queued"
+        gone = Unavailable(f"model {q.config.name!r} version {q.config.version} was unloaded")
+        for r in q.jobs:
+            if not r.future.done():
+                r.future.set_exception(gone)
 
     def queued(self, model: str) -> int:
         """Entries waiting for any version of `model` (cancelled or expired ones too,
@@ -227,13 +250,14 @@ class Scheduler:
                 f"{per_batch}, more than model {q.config.name!r} queues "
                 f"({q.config.batching.max_queue_size})"
             )
-        self._admit(q, request.level, count, now)
+        if not request.background:  # the job lane is bounded by its runner
+            self._admit(q, request.level, count, now)
         parts = split_request(request, per_batch) if count > 1 else [request]
         loop = asyncio.get_running_loop()
         for part in parts:
             part.arrival = now
             part.future = loop.create_future()
-            q.levels[part.level].append(part)
+            (q.jobs if part.background else q.levels[part.level]).append(part)
             if part.queue_timeout:
                 part.timer = self._timers.at(part.deadline, partial(self._expire_queued, part))
         self.pump(q)
@@ -286,7 +310,8 @@ class Scheduler:
 
     def fail_queued(self, key: str, error: Exception) -> None:
         """Answer every request queued for model version `key` with `error`."""
-        for level in self._queues[key].levels:
+        q = self._queues[key]
+        for level in [*q.levels, q.jobs]:
             for r in level:
                 if not r.future.done():
                     r.future.set_exception(error)
@@ -309,9 +334,7 @@ class Scheduler:
         if only is not None and self._arrival_changes_nothing(only, now, eager):
             return
         for q in [only] if only is not None else self._in_turn():
-            if not len(q):
-                continue
-            while True:
+            while len(q):
                 capacity = self._dispatch.capacity(q.config)
                 plan = q.plan(now) if capacity.free_credit else None
                 decision = decide(now, plan, capacity, q.delay_s(), eager)
@@ -324,7 +347,18 @@ class Scheduler:
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
+            if q.jobs and not len(q):
+                self._pump_jobs(q, now)
         self._arm(wake, earlier_only=only is not None)
+
+    def _pump_jobs(self, q: ModelQueue, now: float) -> None:
+        """Send job batches to idle workers while no online request of `q` waits."""
+        while q.jobs and self._dispatch.capacity(q.config).idle_worker:
+            plan = q.plan_jobs(now)
+            if plan is None:
+                return
+            q.take_jobs(plan)
+            self._dispatch.send(q.config, plan.requests)
 
     def _in_turn(self) -> list[ModelQueue]:
         """Every queue, from the one after the last that sent a batch in a full pump:

@@ -1,0 +1,140 @@
+"""Batch jobs from the clients: the operations, as steps (client/core.py), and Job.
+
+    with Client("127.0.0.1:8001") as c:
+        job = c.submit_job("mlp", "requests.jsonl")   # or an iterable of dict lines
+        c.job(job.id).status                           # "queued", "running", ...
+        c.jobs()                                       # this token's jobs, newest first
+        c.cancel_job(job.id)
+        c.job_results(job.id, "results.jsonl")         # the results so far; lines written
+
+A request line: {"custom_id": "...", "inputs": [{"name", "datatype", "shape",
+"data"}], "parameters": {...}, "outputs": [{"name": ...}]} (KServe v2 JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from batchd.client.core import ClientCore, Steps
+from batchd.protos import jobs_pb2 as pb
+
+PIECE = 1024 * 1024  # bytes of the job file per SubmitJobRequest
+ENDED = ("completed", "failed", "cancelled")
+Source = str | os.PathLike[str] | Iterable[Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A job as the server last saw it. Times are Unix seconds (0: not yet)."""
+
+    id: str
+    model: str
+    version: str
+    status: str
+    total: int
+    completed: int
+    failed: int
+    created_at: float
+    started_at: float
+    finished_at: float
+    rows_per_second: float
+    eta_seconds: float | None  # None: unknown
+    error: str
+    input_bytes: int
+    results_bytes: int
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+    @staticmethod
+    def from_pb(m: pb.Job) -> Job:
+        return Job(
+            m.id, m.model_name, m.model_version, m.status, m.total, m.completed, m.failed,
+            m.created_at, m.started_at, m.finished_at, m.rows_per_second,
+            None if m.eta_seconds < 0 else m.eta_seconds, m.error, m.input_bytes,
+            m.results_bytes,
+        )  # fmt: skip
+
+
+def _pieces(model: str, version: str, source: Source) -> Iterator[pb.SubmitJobRequest]:
+    yield pb.SubmitJobRequest(model_name=model, model_version=version)
+    if isinstance(source, str | os.PathLike):
+        with Path(source).open("rb") as f:
+            while piece := f.read(PIECE):
+                yield pb.SubmitJobRequest(data=piece)
+        return
+    buffer: list[bytes] = []
+    size = 0
+    for line in source:
+        encoded = json.dumps(line, separators=(",", ":")).encode() + b"\n"
+        buffer.append(encoded)
+        size += len(encoded)
+        if size >= PIECE:
+            yield pb.SubmitJobRequest(data=b"".join(buffer))
+            buffer, size = [], 0
+    if buffer:
+        yield pb.SubmitJobRequest(data=b"".join(buffer))
+
+
+def submit_job(
+    core: ClientCore, model: str, source: Source, version: str = "", timeout: float | None = None
+) -> Steps[Job]:
+    """Upload a job: `source` is a JSONL file's path, or an iterable of request lines
+    (dicts). Returns once the server has stored and checked it (status "queued");
+    duplicate custom_ids raise InvalidInput naming the lines. Not retried."""
+    pieces = _pieces(model, version, source)
+    reply = yield from core.call("SubmitJob", pieces, timeout, retries=0, service="jobs")
+    return Job.from_pb(reply)
+
+
+def job(core: ClientCore, job_id: str) -> Steps[Job]:
+    """The job `job_id` now: status, counts, times, rate and ETA."""
+    return Job.from_pb(
+        (yield from core.call("GetJob", pb.GetJobRequest(id=job_id), service="jobs"))
+    )
+
+
+def jobs(core: ClientCore, status: str = "", limit: int = 0) -> Steps[list[Job]]:
+    """This token's jobs (every job for an admin token), newest first; `status` filters."""
+    msg = pb.ListJobsRequest(status=status, limit=limit)
+    reply = yield from core.call("ListJobs", msg, service="jobs")
+    return [Job.from_pb(j) for j in reply.jobs]
+
+
+def cancel_job(core: ClientCore, job_id: str) -> Steps[Job]:
+    """Stop the job; the results it has are kept. An ended job is left as it is."""
+    msg = pb.CancelJobRequest(id=job_id)
+    return Job.from_pb((yield from core.call("CancelJob", msg, service="jobs")))
+
+
+class ResultsFile:
+    """Where job_results writes: a path (opened and closed here) or a binary file."""
+
+    def __init__(self, out: str | os.PathLike[str] | BinaryIO) -> None:
+        self._mine = isinstance(out, str | os.PathLike)
+        if isinstance(out, str | os.PathLike):
+            self.file: BinaryIO = Path(out).open("wb")  # noqa: SIM115 (closed in __exit__)
+        else:
+            self.file = out
+        self.lines = 0
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.lines += data.count(b"\n")
+
+    def __enter__(self) -> ResultsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mine:
+            self.file.close()

@@ -1,0 +1,392 @@
+"""Running jobs: read a job's lines, hand them to the core in the job lane, write
+their answers in input order, checkpoint.
+
+    Jobs.run ──claim──▶ JobRun (one per running job; at most one per model)
+    JobRun:   input.jsonl ──read + parse + decode (a thread)──▶ Chunk
+              Chunk's requests ──Core.submit (background)──▶ the model's job lane
+              the oldest chunk, all answered ──encode (a thread)──▶ results.jsonl
+              every CHECKPOINT_S: flush + fsync results, then commit offsets (store.py)
+
+A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input; at most DEPTH chunks
+are in the core at once, so a job holds a bounded amount of memory whatever its
+size, and the job lane a bounded number of requests. Lines are decoded by
+codec.decode_request exactly as online requests are, and answered one request
+per line (the scheduler batches them). A line that does not parse, is refused
+by the codec or fails in the model becomes that line's error line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from batchd.protos.model_config import ModelConfig
+from batchd.server.codec import decode_request
+from batchd.server.config import Limits
+from batchd.server.errors import BatchdError
+from batchd.server.jobs import lines
+from batchd.server.jobs.store import JobRow, Store
+from batchd.server.request import Request, Tensor
+
+log = logging.getLogger("batchd.jobs")
+CHUNK_LINES = 256
+CHUNK_BYTES = 4 * 1024 * 1024
+DEPTH = 4  # chunks in the core at once
+CHECKPOINT_S = 1.0
+POLL_S = 1.0  # how often the runner looks for queued jobs another frontend took in
+EXPIRE_EVERY_S = 60.0
+
+
+class JobCore(Protocol):
+    @property
+    def models(self) -> Mapping[str, ModelConfig]: ...
+
+    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
+
+
+class JobFailed(Exception):
+    """The job cannot go on (its model is gone): it ends `failed` with this message."""
+
+
+def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:
+    """The model a job's lines go to; JobFailed saying why there is none."""
+    cfg = models.get(name)
+    if cfg is None:
+        known = ", ".join(sorted(models)) or "none"
+        raise JobFailed(f"model {name!r} is not loaded (loaded: {known})")
+    if version and version != cfg.version:
+        raise JobFailed(
+            f"model {name!r} has no version {version!r} loaded (it has {cfg.version!r})"
+        )
+    if cfg.generate is not None:
+        raise JobFailed(f"model {name!r} is step-wise (decoupled); jobs run one-shot models only")
+    return cfg
+
+
+@dataclass(slots=True)
+class Line:
+    number: int  # 1-based, in the file
+    custom_id: str | None
+    request: Request | None = None
+    error: lines.LineError | None = None
+    future: asyncio.Future[list[Tensor]] | None = None
+
+
+@dataclass(slots=True)
+class Chunk:
+    lines: list[Line]
+    end_offset: int  # input bytes consumed through this chunk
+    lines_read: int  # physical lines consumed through this chunk
+    futures: list[asyncio.Future[list[Tensor]]] = field(default_factory=list)
+
+
+class Reader:
+    """The job's input from a byte offset on, a chunk at a time (called in a thread)."""
+
+    def __init__(self, path: Path, offset: int, lines_read: int, max_line: int) -> None:
+        self._file = path.open("rb")
+        self._file.seek(offset)
+        self.offset, self.lines_read, self._max_line = offset, lines_read, max_line
+        self.eof = False
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _skip_rest(self) -> int:
+        skipped = 0
+        while True:
+            piece = self._file.readline(1 << 20)
+            skipped += len(piece)
+            if not piece or piece.endswith(b"\n"):
+                return skipped
+
+    def read(self, model: ModelConfig, limits: Limits) -> Chunk:
+        out: list[Line] = []
+        size = 0
+        while len(out) < CHUNK_LINES and size < CHUNK_BYTES:
+            raw = self._file.readline(self._max_line + 1)
+            if not raw:
+                self.eof = True
+                break
+            self.offset += len(raw)
+            self.lines_read += 1
+            size += len(raw)
+            if len(raw) > self._max_line and not raw.endswith(b"\n"):
+                self.offset += self._skip_rest()
+                error = lines.LineError(None, f"the line is over {self._max_line} bytes")
+                out.append(Line(self.lines_read, None, error=error))
+                continue
+            if raw.strip():
+                out.append(_decode(raw, self.lines_read, model, limits))
+        return Chunk(out, self.offset, self.lines_read)
+
+
+def _decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
+    cid: str | None = None
+    try:
+        doc = lines.load(raw)
+        cid = lines.custom_id_of(doc)
+        msg = lines.parse(doc, model.name, model.version)
+        request = decode_request(msg, model, time.monotonic(), limits=limits)
+    except ValueError as e:
+        return Line(number, cid, error=lines.LineError(cid, str(e)))
+    except BatchdError as e:
+        return Line(number, cid, error=lines.LineError(cid, e.message, e.code.name))
+    request.background = True
+    request.id = cid
+    return Line(number, cid, request)
+
+
+def _encode(chunk: Chunk, results: list[Any]) -> tuple[bytes, int, int]:
+    """The chunk's results lines, and how many answered and failed."""
+    parts, ok, failed = [], 0, 0
+    for line, result in zip(chunk.lines, results, strict=True):
+        if isinstance(result, list):
+            assert line.custom_id is not None and line.request is not None
+            by_name = {t.name: t for t in result}
+            chosen = [by_name[n] for n in line.request.outputs]
+            parts.append(lines.encode_outputs(line.custom_id, chosen))
+            ok += 1
+            continue
+        if isinstance(result, lines.LineError):
+            code, message = result.code, result.message
+        elif isinstance(result, BatchdError):
+            code, message = result.code.name, result.message
+        else:
+            code, message = "INTERNAL", f"{type(result).__name__}: {result}"
+        parts.append(lines.encode_error(line.custom_id, code, message, line.number))
+        failed += 1
+    return b"".join(parts), ok, failed
+
+
+class JobRun:
+    """One job, running in this process."""
+
+    def __init__(self, row: JobRow, store: Store, core: JobCore, limits: Limits,
+                 on_lines: Callable[[str, int, int], None]) -> None:  # fmt: skip
+        self.row, self._store, self._core, self._limits = row, store, core, limits
+        self._on_lines = on_lines  # (model, answered, failed): for the metrics
+        self.cancelling = False
+        self._inflight: deque[Chunk] = deque()
+        self._wake = asyncio.Event()
+        self.completed, self.failed = row.completed, row.failed
+        self.rate = 0.0
+        self._written = Chunk([], row.input_offset, row.lines_read)  # the last chunk written
+
+    def cancel(self) -> None:
+        self.cancelling = True
+        for chunk in self._inflight:
+            for f in chunk.futures:
+                f.cancel()
+        self._wake.set()
+
+    async def run(self) -> None:
+        row = self.row
+        try:
+            status, error = await self._run()
+        except JobFailed as e:
+            status, error = "failed", str(e)
+        except Exception as e:  # a bug or a disk error: the job fails, the server lives
+            log.exception("job %s failed", row.id)
+            status, error = "failed", f"{type(e).__name__}: {e}"
+        finally:
+            self.cancel()
+        self._store.finish(row.id, status, error)
+        log.info(
+            "job %s %s: %d answered, %d failed%s", row.id, status, self.completed, self.failed,
+            f" ({error})" if error else "", extra={"job": row.id, "model": row.model},
+        )  # fmt: skip
+
+    async def _run(self) -> tuple[str, str]:
+        row, store = self.row, self._store
+        model = job_model(self._core.models, row.model, row.version)
+        results = store.results_path(row.id)
+        results.touch()
+        max_line = self._limits.max_response_bytes
+        reader = Reader(store.input_path(row.id), row.input_offset, row.lines_read, max_line)
+        with results.open("r+b") as out:
+            out.truncate(row.results_bytes)  # what came after the last checkpoint goes
+            out.seek(row.results_bytes)
+            try:
+                return await self._loop(model, reader, out)
+            finally:
+                reader.close()
+
+    async def _loop(self, model: ModelConfig, reader: Reader, out: BinaryIO) -> tuple[str, str]:
+        self._written = Chunk([], self.row.input_offset, self.row.lines_read)
+        try:
+            return await self._steps(model, reader, out)
+        except asyncio.CancelledError:  # the server stops: keep what is written, run on later
+            out.flush()
+            os.fsync(out.fileno())
+            self._save(out)
+            raise
+
+    async def _steps(self, model: ModelConfig, reader: Reader, out: BinaryIO) -> tuple[str, str]:
+        started, start_done = time.monotonic(), self.completed + self.failed
+        saved_at = started
+        while True:
+            while not reader.eof and len(self._inflight) < DEPTH and not self.cancelling:
+                model = job_model(self._core.models, self.row.model, self.row.version)
+                chunk = await asyncio.to_thread(reader.read, model, self._limits)
+                self._submit(chunk)
+                self._inflight.append(chunk)
+            if self.cancelling or not self._inflight:
+                break
+            head = self._inflight[0]
+            answers = await asyncio.gather(*head.futures, return_exceptions=True)
+            if self.cancelling:
+                break
+            job_model(self._core.models, self.row.model, self.row.version)  # not unloaded
+            self._inflight.popleft()
+            it = iter(answers)
+            got = [line.error if line.future is None else next(it) for line in head.lines]
+            data, ok, failed = await asyncio.to_thread(_encode, head, got)
+            out.write(data)
+            self.completed, self.failed, self._written = (
+                self.completed + ok, self.failed + failed, head,
+            )  # fmt: skip
+            self._on_lines(model.name, ok, failed)
+            now = time.monotonic()
+            self.rate = (self.completed + self.failed - start_done) / max(now - started, 1e-3)
+            if now - saved_at >= CHECKPOINT_S:
+                saved_at = now
+                await self._checkpoint(out)
+        await self._checkpoint(out)
+        self.rate = 0.0
+        return ("cancelled", "") if self.cancelling else ("completed", "")
+
+    def _submit(self, chunk: Chunk) -> None:
+        for line in chunk.lines:
+            if line.request is None:
+                continue
+            try:
+                line.future = self._core.submit(line.request)
+            except BatchdError as e:
+                line.error = lines.LineError(line.custom_id, e.message, e.code.name)
+                continue
+            chunk.futures.append(line.future)
+
+    async def _checkpoint(self, out: BinaryIO) -> None:
+        """Results to disk first, then the offsets that cover them (store.py)."""
+        out.flush()
+        await asyncio.to_thread(os.fsync, out.fileno())
+        self._save(out)
+        current = self._store.get(self.row.id)
+        if current is not None and current.status == "cancelling":  # another frontend's cancel
+            self.cancel()
+
+    def _save(self, out: BinaryIO) -> None:
+        w = self._written
+        self._store.checkpoint(self.row.id, w.end_offset, w.lines_read, out.tell(),
+                               self.completed, self.failed)  # fmt: skip
+
+
+class Jobs:
+    """The jobs of this server: the store, and (in the frontend that runs jobs) the
+    runner that takes queued jobs in order, one per model at a time."""
+
+    def __init__(self, store: Store, core: JobCore, limits: Limits, *, max_file_bytes: int,
+                 max_open: int, retention_s: float, runs: bool = True) -> None:  # fmt: skip
+        self.store, self._core, self._limits = store, core, limits
+        self.max_file_bytes, self.max_open, self.retention_s = max_file_bytes, max_open, retention_s
+        self.runs = runs  # False in frontends 1..N-1: they take jobs in and answer about them
+        self.running: dict[str, JobRun] = {}
+        self.answered: dict[tuple[str, str], int] = {}  # (model, "completed" | "failed")
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def rate(self, job_id: str) -> float:
+        run = self.running.get(job_id)
+        return run.rate if run is not None else 0.0
+
+    def cancel(self, job_id: str) -> None:
+        self.store.cancel(job_id)
+        run = self.running.get(job_id)
+        if run is not None:
+            run.cancel()
+
+    def _count(self, model: str, ok: int, failed: int) -> None:
+        for outcome, n in (("completed", ok), ("failed", failed)):
+            self.answered[model, outcome] = self.answered.get((model, outcome), 0) + n
+
+    @property
+    def models(self) -> Mapping[str, ModelConfig]:
+        return self._core.models
+
+    async def run(self) -> None:
+        """Run queued jobs until stop(); the interrupted ones first (store.recover)."""
+        if not self.runs:
+            return
+        for job_id in self.store.recover():
+            log.warning("job %s: its upload was cut short by a restart; removed", job_id)
+        expired_at = -math.inf
+        while not self._stopped:
+            if time.monotonic() - expired_at > EXPIRE_EVERY_S:
+                expired_at = time.monotonic()
+                for job_id in self.store.expire(self.retention_s):
+                    log.info("job %s: past --jobs-retention-hours; removed", job_id)
+            busy = {r.row.model for r in self.running.values()}
+            row = self.store.claim(exclude_models=busy)
+            if row is None:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), POLL_S)
+                continue
+            log.info("job %s of model %s: running from line %d", row.id, row.model,
+                     row.lines_read + 1, extra={"job": row.id, "model": row.model})  # fmt: skip
+            run = JobRun(row, self.store, self._core, self._limits, self._count)
+            self.running[row.id] = run
+            task = asyncio.create_task(run.run(), name=f"job {row.id}")
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._ended, row.id))
+
+    async def stop(self) -> None:
+        """Stop running jobs where they are (each keeps its checkpoint and runs on at the
+        next start); before the core fails what is queued, which would answer their lines."""
+        self._stopped = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _ended(self, job_id: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.running.pop(job_id, None)
+        self._wake.set()
+
+    def collect(self) -> Iterator[Metric]:
+        """Prometheus metrics (the registry calls it on a scrape)."""
+        status = GaugeMetricFamily("batchd_jobs", "Batch jobs by status", labels=["status"])
+        for name, n in self.store.by_status().items():
+            status.add_metric([name], n)
+        yield status
+        answered = CounterMetricFamily(
+            "batchd_job_requests", "Lines of batch jobs answered, by outcome",
+            labels=["model", "outcome"],
+        )  # fmt: skip
+        for (model, outcome), n in sorted(self.answered.items()):
+            answered.add_metric([model, outcome], n)
+        yield answered
+        rate = GaugeMetricFamily(
+            "batchd_job_rows_per_second", "Lines per second of the jobs running", labels=["model"]
+        )
+        for run in self.running.values():
+            rate.add_metric([run.row.model], run.rate)
+        yield rate

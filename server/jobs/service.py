@@ -1,0 +1,215 @@
+"""The gRPC edge of jobs: `batchd.jobs.v1.Jobs` (protos/jobs.proto).
+
+A job belongs to the token that submitted it (a digest of it is kept, never the
+token): another infer token gets NOT_FOUND for it, exactly as for a job that does
+not exist, and an admin token sees and cancels every job. Without
+--auth-token-file there is one owner. The upload is written to disk as it comes,
+bounded by --jobs-max-file-bytes; once it is whole its custom_ids are checked for
+duplicates on a thread against a scratch SQLite table on disk, so neither the
+upload nor the check holds the file in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sqlite3
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from batchd.protos import jobs_pb2 as pb
+from batchd.protos import jobs_pb2_grpc as pb_grpc
+from batchd.server.auth import ADMIN, Tokens, bearer
+from batchd.server.errors import (
+    InvalidInput,
+    LimitExceeded,
+    ModelNotFound,
+    NotAllowed,
+    clip,
+    grpc_status,
+)
+from batchd.server.jobs import lines
+from batchd.server.jobs.runner import JobFailed, Jobs, job_model
+from batchd.server.jobs.store import OPEN, STATUSES, JobRow
+
+READ_PIECE = 1024 * 1024  # bytes of results per JobResults message
+SHOWN_DUPLICATES = 5
+
+
+def check_ids(path: Path, scratch: Path) -> int:
+    """The number of request lines in the job file at `path`; InvalidInput naming the
+    lines of duplicate custom_ids. Runs on a thread; memory does not grow with the file."""
+    total = 0
+    db = sqlite3.connect(scratch)
+    try:
+        db.execute("CREATE TABLE ids (cid TEXT, line INTEGER)")
+        batch: list[tuple[str, int]] = []
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                total += 1
+                try:
+                    batch.append((lines.custom_id_of(lines.load(raw)), number))
+                except ValueError:
+                    continue  # it becomes an error line when the job runs
+                if len(batch) >= 10_000:
+                    db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
+                    batch.clear()
+        db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
+        twice = db.execute(
+            "SELECT cid, group_concat(line, ', ') FROM ids GROUP BY cid HAVING count(*) > 1 "
+            f"ORDER BY min(line) LIMIT {SHOWN_DUPLICATES + 1}"
+        ).fetchall()
+    finally:
+        db.close()
+        scratch.unlink(missing_ok=True)
+    if twice:
+        shown = "; ".join(f"{clip(cid)} on lines {at}" for cid, at in twice[:SHOWN_DUPLICATES])
+        more = " (and more)" if len(twice) > SHOWN_DUPLICATES else ""
+        raise InvalidInput(f"duplicate custom_id: {shown}{more}; each must be unique")
+    return total
+
+
+class JobsService(pb_grpc.JobsServicer):
+    def __init__(self, jobs: Jobs | None, off: str = "", tokens: Tokens | None = None) -> None:
+        self._jobs = jobs
+        self._off = off  # why jobs are off, when they are
+        self._tokens = tokens
+
+    def _on(self) -> Jobs:
+        if self._jobs is None:
+            raise NotAllowed(f"batch jobs are off in this server: {self._off}")
+        return self._jobs
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> tuple[str, bool]:
+        """(owner, sees every job)."""
+        if self._tokens is None:
+            return "", True
+        token = bearer(context.invocation_metadata()) or b""
+        return hashlib.sha256(token).hexdigest()[:32], self._tokens.allows(ADMIN, token)
+
+    def _job(self, job_id: str, context: grpc.aio.ServicerContext) -> JobRow:
+        row = self._on().store.get(job_id)
+        owner, every = self._caller(context)
+        if row is None or not (every or row.owner == owner):
+            raise ModelNotFound(f"no job {clip(job_id)}")
+        return row
+
+    def _message(self, row: JobRow) -> pb.Job:
+        jobs = self._on()
+        run = jobs.running.get(row.id)
+        done, completed, failed = row.done, row.completed, row.failed
+        rate = 0.0
+        if run is not None:
+            completed, failed, rate = run.completed, run.failed, run.rate
+            done = completed + failed
+        elif row.status == "running" and row.resumed_at:  # run by another frontend
+            rate = (row.done - row.resumed_done) / max(time.time() - row.resumed_at, 1e-3)
+        eta = (row.total - done) / rate if rate > 0 else (0.0 if row.ended else -1.0)
+        return pb.Job(
+            id=row.id, model_name=row.model, model_version=row.version, status=row.status,
+            total=row.total, completed=completed, failed=failed, created_at=row.created_at,
+            started_at=row.started_at, finished_at=row.finished_at, rows_per_second=rate,
+            eta_seconds=eta, error=row.error, input_bytes=row.input_bytes,
+            results_bytes=row.results_bytes,
+        )  # fmt: skip
+
+    # ---- RPCs ----
+
+    async def SubmitJob(
+        self, request_iterator: AsyncIterator[pb.SubmitJobRequest], context: Any
+    ) -> pb.Job | None:
+        with grpc_status(context):
+            jobs = self._on()
+            first = await anext(aiter(request_iterator), None)
+            if first is None or not first.model_name:
+                raise InvalidInput("the first SubmitJobRequest must name the model (model_name)")
+            try:
+                job_model(jobs.models, first.model_name, first.model_version)
+            except JobFailed as e:
+                raise ModelNotFound(f"{e}") from None
+            if (n := jobs.store.count(OPEN)) >= jobs.max_open:
+                raise LimitExceeded(
+                    f"{n} jobs are open, the most this server keeps (--jobs-max-open "
+                    f"{jobs.max_open}); wait for one to end or cancel one"
+                )
+            owner, _ = self._caller(context)
+            row = jobs.store.create(owner, first.model_name, first.model_version)
+            try:
+                size = await self._upload(jobs, row, first, request_iterator)
+                scratch = jobs.store.folder(row.id) / "ids.sqlite"
+                total = await asyncio.to_thread(check_ids, jobs.store.input_path(row.id), scratch)
+            except BaseException:
+                jobs.store.delete(row.id)
+                raise
+            jobs.store.queue(row.id, total, size)
+            jobs.wake()
+            return self._message(self._job(row.id, context))
+        return None
+
+    async def _upload(self, jobs: Jobs, row: JobRow, first: pb.SubmitJobRequest,
+                      rest: AsyncIterator[pb.SubmitJobRequest]) -> int:  # fmt: skip
+        size = 0
+        with jobs.store.input_path(row.id).open("wb") as f:
+            piece: pb.SubmitJobRequest | None = first
+            while piece is not None:
+                size += len(piece.data)
+                if size > jobs.max_file_bytes:
+                    raise LimitExceeded(
+                        f"the job file is over {jobs.max_file_bytes} bytes "
+                        "(--jobs-max-file-bytes); split it into several jobs"
+                    )
+                f.write(piece.data)
+                piece = await anext(rest, None)
+        return size
+
+    async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job | None:
+        with grpc_status(context):
+            return self._message(self._job(request.id, context))
+        return None
+
+    async def ListJobs(
+        self, request: pb.ListJobsRequest, context: Any
+    ) -> pb.ListJobsResponse | None:
+        with grpc_status(context):
+            jobs = self._on()
+            if request.status and request.status not in STATUSES:
+                raise InvalidInput(
+                    f"unknown status {clip(request.status)}; expected one of {', '.join(STATUSES)}"
+                )
+            owner, every = self._caller(context)
+            limit = min(request.limit or 1000, 1000)
+            rows = jobs.store.select(None if every else owner, request.status, limit)
+            return pb.ListJobsResponse(jobs=[self._message(r) for r in rows])
+        return None
+
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job | None:
+        with grpc_status(context):
+            row = self._job(request.id, context)
+            self._on().cancel(row.id)
+            return self._message(self._job(row.id, context))
+        return None
+
+    async def JobResults(
+        self, request: pb.JobResultsRequest, context: Any
+    ) -> AsyncIterator[pb.JobResultsChunk]:
+        with grpc_status(context):
+            row = self._job(request.id, context)
+            path = self._on().store.results_path(row.id)
+            at, end = request.offset, row.results_bytes
+            if at > end:
+                raise InvalidInput(f"offset {at} is past the results' {end} bytes")
+            if end:
+                with path.open("rb") as f:
+                    f.seek(at)
+                    while at < end:
+                        data = f.read(min(READ_PIECE, end - at))
+                        if not data:
+                            break
+                        at += len(data)
+                        yield pb.JobResultsChunk(data=data)
