@@ -34,7 +34,6 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from batchd.client.client import Client
@@ -42,6 +41,7 @@ from batchd.client.codec import build_request
 from batchd.client.core import STREAM_PARAMETERS
 from batchd.client.errors import BatchdClientError
 from batchd.client.loadgen import Level, LoadFailed, declared_datatypes, make_inputs, run_level
+from batchd.client.options import add_security, connection
 
 
 def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
@@ -154,18 +154,6 @@ def plot(levels: Sequence[Level], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def connection(args: argparse.Namespace) -> dict[str, Any]:
-    """Client keyword arguments for the server's TLS and token settings."""
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
-    return {
-        "tls": args.tls,
-        "ca_cert": args.ca_cert,
-        "client_cert": args.client_cert,
-        "client_key": args.client_key,
-        "token": token,
-    }
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="batchd bench", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="127.0.0.1:8001")
@@ -202,12 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="TCP connections per load process (default 1; a server with --frontends N "
         "spreads connections, not requests, over its processes)",
     )
-    sec = p.add_argument_group("a secured server (see README, Security)")
-    sec.add_argument("--tls", action="store_true", help="TLS, verified against the system's CAs")
-    sec.add_argument("--ca-cert", help="PEM CA to verify the server against (implies --tls)")
-    sec.add_argument("--client-cert", help="PEM client certificate (mutual TLS)")
-    sec.add_argument("--client-key", help="PEM key of --client-cert")
-    sec.add_argument("--token-file", help="file holding the bearer token to send")
+    add_security(p)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
     p.add_argument(
         "--plot",

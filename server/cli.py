@@ -1,4 +1,4 @@
-"""The `batchd` command: `batchd serve ...` and `batchd worker ...`."""
+"""The `batchd` command: `batchd serve ...`, and `worker`, `bench`, `jobs`, `models`, `keys`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ from batchd.protos.repository import load_repository
 from batchd.server import __version__, config
 from batchd.server.app import serve
 from batchd.server.loopload import new_loop
+
+_ELSEWHERE = {
+    "worker": "batchd.worker",
+    "bench": "batchd.client.bench",
+    "jobs": "batchd.client.jobs_cli",
+}
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -69,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "bench", help="load-test an OIP server (see `batchd bench --help`)", add_help=False
     )
+    sub.add_parser(
+        "jobs", help="submit, watch and fetch batch jobs (see `batchd jobs --help`)",
+        add_help=False,
+    )  # fmt: skip
     models = sub.add_parser("models", help="list a model repository, or --check it")
     models.add_argument("directory", type=Path)
     models.add_argument(
@@ -78,10 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     raw = sys.argv[1:] if argv is None else argv
     args, rest = parser.parse_known_args(raw)
-    if args.command in ("worker", "bench"):
+    if args.command in _ELSEWHERE:
         # Their own interpreters: the frontend never imports torch, nor the client.
-        module = "batchd.worker" if args.command == "worker" else "batchd.client.bench"
-        os.execv(sys.executable, [sys.executable, "-m", module, *rest])
+        os.execv(sys.executable, [sys.executable, "-m", _ELSEWHERE[args.command], *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "models":

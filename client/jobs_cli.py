@@ -1,0 +1,178 @@
+"""`batchd jobs`: submit a JSONL file of requests to a server, watch it, fetch its results.
+
+    batchd jobs submit --url HOST:PORT --model NAME FILE.jsonl   # prints the job id only
+    batchd jobs status ID [--json]
+    batchd jobs list [--status S] [--json]
+    batchd jobs wait ID          # a progress bar on a terminal; exit 0 iff completed
+    batchd jobs results ID -o OUT.jsonl
+    batchd jobs cancel ID
+
+Exit status: 0 done (for `wait`: the job completed), 1 the job failed or was
+cancelled (`wait`), 2 a usage error or an error from the server (on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from batchd.client.client import Client
+from batchd.client.errors import BatchdClientError
+from batchd.client.jobs import Job
+from batchd.client.options import add_security, connection
+
+POLL_S = 0.5
+PLAIN_EVERY_S = 30.0  # a progress line this often when stderr is not a terminal
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batchd jobs", description=__doc__.splitlines()[0])
+    verbs = p.add_subparsers(dest="verb", required=True)
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:
+        v = verbs.add_parser(name, help=help)
+        v.add_argument("--url", default="127.0.0.1:8001", help="the server (HOST:PORT)")
+        v.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+        add_security(v)
+        return v
+
+    s = verb("submit", "upload a JSONL file of requests; prints the job id")
+    s.add_argument("--model", required=True)
+    s.add_argument("--model-version", default="", help="a version ('': the loaded one)")
+    s.add_argument("file", metavar="FILE.jsonl")
+    s.set_defaults(timeout=None)  # an upload takes as long as the file
+    for name, what in (
+        ("status", "a job's status, counts, rate and ETA"),
+        ("cancel", "stop a job, keeping its results"),
+    ):
+        v = verb(name, what)
+        v.add_argument("id")
+        v.add_argument("--json", action="store_true", help="print the job as JSON")
+    ls = verb("list", "your jobs, newest first")
+    ls.add_argument("--status", default="", help="only jobs in this status")
+    ls.add_argument("--json", action="store_true", help="print JSON lines")
+    w = verb("wait", "follow a job until it ends; exit 0 iff it completed")
+    w.add_argument("id")
+    r = verb("results", "download a job's results (so far, while it runs)")
+    r.add_argument("id")
+    r.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="'-': stdout")
+    return p
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def describe(job: Job) -> str:
+    lines = [
+        f"id        {job.id}",
+        f"model     {job.model}{' version ' + job.version if job.version else ''}",
+        f"status    {job.status}{': ' + job.error if job.error else ''}",
+        f"progress  {job.done:,} of {job.total:,} ({job.completed:,} answered, "
+        f"{job.failed:,} failed)",
+        f"created   {_when(job.created_at)}",
+        f"started   {_when(job.started_at)}",
+        f"finished  {_when(job.finished_at)}",
+    ]
+    if job.status == "running":
+        lines.append(
+            f"rate      {job.rows_per_second:,.0f} lines/s, ETA {_duration(job.eta_seconds)}"
+        )
+    return "\n".join(lines)
+
+
+def bar(job: Job, width: int = 30) -> str:
+    share = job.done / job.total if job.total else 1.0
+    filled = int(share * width)
+    return (
+        f"[{'#' * filled}{'.' * (width - filled)}] {share:6.1%} {job.done:,}/{job.total:,} "
+        f"{job.rows_per_second:,.0f}/s ETA {_duration(job.eta_seconds)} {job.status}"
+    )
+
+
+def wait(client: Client, job_id: str, out: TextIO) -> Job:
+    """Poll until the job ends, drawing a bar on a terminal (a line now and then elsewhere)."""
+    tty = out.isatty()
+    shown = -PLAIN_EVERY_S
+    while True:
+        job = client.job(job_id)
+        now = time.monotonic()
+        if tty:
+            out.write("\r\033[K" + bar(job))
+            out.flush()
+        elif job.ended or now - shown >= PLAIN_EVERY_S:
+            shown = now
+            out.write(bar(job) + "\n")
+        if job.ended:
+            if tty:
+                out.write("\n")
+            return job
+        time.sleep(POLL_S)
+
+
+def _print_job(job: Job, as_json: bool) -> None:
+    print(json.dumps(dataclasses.asdict(job)) if as_json else describe(job))
+
+
+def _list(jobs: list[Job], as_json: bool) -> None:
+    for job in jobs:
+        if as_json:
+            print(json.dumps(dataclasses.asdict(job)))
+            continue
+        done = f"{job.done:>10,}/{job.total:<10,}"
+        print(f"{job.id}  {job.status:10}  {job.model:16}  {done}  {_when(job.created_at)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    with Client(args.url, timeout=args.timeout, **connection(args)) as c:
+        if args.verb == "submit":
+            print(c.submit_job(args.model, args.file, version=args.model_version).id)
+        elif args.verb == "status":
+            _print_job(c.job(args.id), args.json)
+        elif args.verb == "cancel":
+            _print_job(c.cancel_job(args.id), args.json)
+        elif args.verb == "list":
+            _list(c.jobs(status=args.status), args.json)
+        elif args.verb == "wait":
+            job = wait(c, args.id, sys.stderr)
+            if job.status != "completed":
+                why = f": {job.error}" if job.error else ""
+                print(f"job {job.id} {job.status}{why}", file=sys.stderr)
+                return 1
+        elif args.verb == "results":
+            out: Any = sys.stdout.buffer if args.output == "-" else args.output
+            count = c.job_results(args.id, out)
+            if args.output != "-":
+                print(f"{count:,} lines written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return run(args)
+    except BatchdClientError as e:
+        print(f"batchd jobs {args.verb}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"batchd jobs {args.verb}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if args.verb == "wait":
+            print(f"\nstopped watching; job {args.id} goes on", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
