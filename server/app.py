@@ -172,6 +172,7 @@ def _build(
             lambda name: sum(
                 b.model.name == name for w in core.pool.workers() for b in w.sequences.values()
             ),
+            core.scheduler.pending_jobs,
         )
     )
     return _Parts(core, service, health, server, port, registry, jobs)

@@ -54,7 +54,9 @@ class Collector:
         restarts: Callable[[], Mapping[str, int]],
         loop_busy_s: Callable[[], float | None] = lambda: None,
         active: Callable[[str], int] = lambda model: 0,  # step-wise sequences on workers
+        jobs_pending: Callable[[str], int] = lambda model: 0,  # batch jobs' requests waiting
     ) -> None:
+        self._jobs_pending = jobs_pending
         self._models, self._stats, self._pending = models, stats, pending
         self._active = active
         self._workers, self._restarts = workers, restarts
@@ -111,6 +113,14 @@ class Collector:
         for m, cfg in self._models.items():
             pending.add_metric([m, cfg.version], self._pending(m))
         yield pending
+        jobs = GaugeMetricFamily(
+            "batchd_job_pending_request_count",
+            "Batch jobs' requests waiting in the model's job lane, behind every online one",
+            labels=["model", "version"],
+        )
+        for m, cfg in self._models.items():
+            jobs.add_metric([m, cfg.version], self._jobs_pending(m))
+        yield jobs
         yield self._durations(
             "batchd_inference_request_duration_us",
             "Time from admission to answer, successful requests",

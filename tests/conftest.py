@@ -19,6 +19,7 @@ from batchd.protos.model_config import (
     ModelConfig,
     TensorSpec,
 )
+from batchd.server.batching.decision import Capacity
 from batchd.server.request import Request, Tensor
 from tests.certs import make_certs, write_tokens
 from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
@@ -63,6 +64,22 @@ def stepwise_model(
 def request(cfg: ModelConfig, rows: int = 1, width: int = 2, deadline: float = math.inf) -> Request:
     data = b"\0" * (rows * width * 4)
     return Request(cfg, "", [Tensor("X", "FP32", (rows, width), data)], ("Y",), rows, deadline)
+
+
+class FakeDispatch:
+    """The scheduler's view of the core: capacity the test sets, the batches it sent."""
+
+    def __init__(self, idle: int = 1, credits: int = 2) -> None:
+        self.idle, self.credits = idle, credits
+        self.sent: list[list[Request]] = []
+
+    def capacity(self, model: ModelConfig) -> Capacity:
+        return Capacity(idle_worker=self.idle > 0, free_credit=self.credits > 0)
+
+    def send(self, model: ModelConfig, requests: list[Request]) -> None:
+        self.sent.append(requests)
+        self.credits -= 1
+        self.idle = max(0, self.idle - 1)
 
 
 class Clock:

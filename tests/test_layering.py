@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "pure pieces and the edge's helpers",
         {
             *("batching.decision", "batching.plan", "batching.latency"),
-            *("batching.split_join", "batching.scheduler", "pool", "recovery"),
+            *("batching.split_join", "batching.queues", "batching.scheduler", "pool", "recovery"),
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
         },
     ),

@@ -10,26 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull
-from batchd.server.request import Request
-from tests.conftest import Clock, FakeTimer, model, request, run
-
-
-class FakeDispatch:
-    def __init__(self, idle: int = 1, credits: int = 2) -> None:
-        self.idle, self.credits = idle, credits
-        self.sent: list[list[Request]] = []
-
-    def capacity(self, model: ModelConfig) -> Capacity:
-        return Capacity(idle_worker=self.idle > 0, free_credit=self.credits > 0)
-
-    def send(self, model: ModelConfig, requests: list[Request]) -> None:
-        self.sent.append(requests)
-        self.credits -= 1
-        self.idle = max(0, self.idle - 1)
+from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run
 
 
 def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it() -> None:

@@ -24,17 +24,15 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import Capacity, Send, decide
-from batchd.server.batching.latency import LatencyTarget
-from batchd.server.batching.plan import Plan, plan_batch
+from batchd.server.batching.queues import ModelQueue, dead, expire
 from batchd.server.batching.split_join import join_results, split_request
-from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull, Unavailable, clip
+from batchd.server.errors import InvalidInput, QueueFull, Unavailable
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
@@ -70,114 +68,6 @@ class Dispatch(Protocol):
     # Hand a batch to a worker. A send that fails puts the requests back with
     # requeue() and schedules a pump later; it never calls pump() itself.
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
-
-
-def _expire(request: Request, now: float) -> None:
-    if request.timer is not None:
-        request.timer.cancel()
-        request.timer = None
-    if not request.future.done():
-        waited_ms = (now - request.arrival) * 1e3
-        request.future.set_exception(
-            DeadlineExceeded(
-                f"request {clip(request.id) if request.id else '(no id)'} to model "
-                f"{request.model.name!r} reached its "
-                f"deadline after {waited_ms:.1f} ms in the queue, before a worker took it"
-            )
-        )
-
-
-def _dead(r: Request, now: float) -> bool:
-    return r.future.done() or r.deadline <= now
-
-
-class ModelQueue:
-    """One model's waiting requests: a FIFO per priority level."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        b = config.batching
-        self.levels: list[deque[Request]] = [deque() for _ in range(max(1, b.priority_levels))]
-        self.jobs: deque[Request] = deque()  # the job lane: batch jobs' requests
-        self.limits = b.priority_queue_sizes or (0,) * len(self.levels)
-        self.max_rows = max(config.max_batch_size, 1)
-        self.compacted_at = -math.inf
-        self.window = max(64, 4 * self.max_rows)  # how far bucketing looks into each level
-        # One FIFO whose batches only rows bound: an arrival may skip the planner.
-        self.plain = len(self.levels) == 1 and not (
-            b.preferred_batch_sizes or b.max_batch_tokens or b.bucket_by_length
-        )
-        self.target = (
-            LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
-        )
-
-    def __len__(self) -> int:
-        if len(self.levels) == 1:  # no priority levels: asked on every arrival
-            return len(self.levels[0])
-        return sum(len(q) for q in self.levels)
-
-    @property
-    def cap(self) -> int:
-        return self.target.cap if self.target else self.max_rows
-
-    def delay_s(self) -> float:
-        configured = self.config.batching.max_queue_delay_us / 1e6
-        return self.target.delay_s(configured) if self.target else configured
-
-    def compact(self, now: float) -> None:
-        """Drop every finished (cancelled, expired) entry; used when the queue looks full."""
-        self.compacted_at = now
-        for i, q in enumerate(self.levels):
-            for r in q:
-                if r.deadline <= now:
-                    _expire(r, now)
-            self.levels[i] = deque(r for r in q if not _dead(r, now))
-
-    def room(self, level: int, count: int) -> str | None:
-        """Why `count` more requests at `level` do not fit, or None if they do."""
-        limit = self.config.batching.max_queue_size
-        if len(self) + count > limit:
-            return f"{len(self)} requests waiting, max_queue_size {limit}"
-        level_limit = self.limits[level]
-        if level_limit and len(self.levels[level]) + count > level_limit:
-            return (
-                f"{len(self.levels[level])} requests waiting at priority {level + 1}, "
-                f"its limit {level_limit}"
-            )
-        return None
-
-    def drop_dead_heads(self, now: float) -> None:
-        for q in self.levels:  # dead heads go now; dead entries deeper are skipped, then compacted
-            while q and _dead(q[0], now):
-                _expire(q.popleft(), now)
-
-    def plan(self, now: float) -> Plan | None:
-        self.drop_dead_heads(now)
-        return plan_batch(self.levels, now, self.cap, self.config.batching, self.window)
-
-    def take(self, plan: Plan) -> None:
-        chosen = {id(r) for r in plan.requests}
-        for i, q in enumerate(self.levels):
-            if any(id(r) in chosen for r in q):
-                self.levels[i] = deque(r for r in q if id(r) not in chosen)
-        for r in plan.requests:
-            if r.timer is not None:
-                r.timer.cancel()
-                r.timer = None
-
-    def put_front(self, requests: Iterable[Request]) -> None:
-        for r in reversed([r for r in requests if not r.future.done()]):
-            (self.jobs if r.background else self.levels[r.level]).appendleft(r)
-
-    def plan_jobs(self, now: float) -> Plan | None:
-        """The next batch of the job lane: its requests in order, up to a full batch."""
-        while self.jobs and self.jobs[0].future.done():
-            self.jobs.popleft()  # a cancelled job's
-        return plan_batch([self.jobs], now, self.max_rows, self.config.batching, self.window)
-
-    def take_jobs(self, plan: Plan) -> None:
-        chosen = {id(r) for r in plan.requests}
-        self.jobs = deque(r for r in self.jobs if id(r) not in chosen)
 
 
 class Scheduler:
@@ -221,11 +111,20 @@ class Scheduler:
         left or whose deadline passed (a walk over the queue: for metrics)."""
         now = self._clock()
         return sum(
-            not _dead(r, now)
+            not dead(r, now)
             for q in self._queues.values()
             if q.config.name == model
             for level in q.levels
             for r in level
+        )
+
+    def pending_jobs(self, model: str) -> int:
+        """Batch jobs' requests waiting in `model`'s job lanes (for metrics)."""
+        return sum(
+            not r.future.done()
+            for q in self._queues.values()
+            if q.config.name == model
+            for r in q.jobs
         )
 
     def has(self, key: str) -> bool:
@@ -322,7 +221,7 @@ class Scheduler:
         request.timer = None
         q = self._queues.get(request.model.key)
         if q is not None and not request.future.done() and request in q.levels[request.level]:
-            _expire(request, self._clock())
+            expire(request, self._clock())
 
     def pump(self, only: ModelQueue | None = None) -> None:
         """Send every batch that should leave now and arm the timer for the next

@@ -184,6 +184,7 @@ class JobRun:
         self.completed, self.failed = row.completed, row.failed
         self.rate = 0.0
         self._written = Chunk([], row.input_offset, row.lines_read)  # the last chunk written
+        self._saved = row.input_offset  # the input offset of the last checkpoint
 
     def cancel(self) -> None:
         self.cancelling = True
@@ -246,7 +247,12 @@ class JobRun:
             if self.cancelling or not self._inflight:
                 break
             head = self._inflight[0]
-            answers = await asyncio.gather(*head.futures, return_exceptions=True)
+            answered = asyncio.gather(*head.futures, return_exceptions=True)
+            while not (await asyncio.wait([answered], timeout=CHECKPOINT_S))[0]:
+                if self._written.end_offset != self._saved:  # a slow model: save meanwhile
+                    saved_at = time.monotonic()
+                    await self._checkpoint(out)
+            answers = answered.result()
             if self.cancelling:
                 break
             job_model(self._core.models, self.row.model, self.row.version)  # not unloaded
@@ -290,6 +296,7 @@ class JobRun:
 
     def _save(self, out: BinaryIO) -> None:
         w = self._written
+        self._saved = w.end_offset
         self._store.checkpoint(self.row.id, w.end_offset, w.lines_read, out.tell(),
                                self.completed, self.failed)  # fmt: skip
 

@@ -5,7 +5,8 @@ test can hold the worker busy and build a backlog deterministically. Every
 batch appends a JSON line to $BATCHD_TEST_DIR/calls.log so a test can see
 exactly which rows reached the model, batched how; entered.log gets the same
 line when a batch starts, before the gate. A negative value makes the batch
-raise. Other test models reuse `checkpoint` through runpy.
+raise. While $BATCHD_TEST_DIR/hold-<V> exists, a batch holding the value V
+waits (after the gate). Other test models reuse `checkpoint` through runpy.
 """
 
 import json
@@ -34,6 +35,9 @@ def load(device: torch.device):
     def run(x: torch.Tensor) -> torch.Tensor:
         values = x[:, 0].tolist()
         checkpoint({"values": values})
+        state = Path(os.environ["BATCHD_TEST_DIR"])
+        while any((state / f"hold-{int(v)}").exists() for v in values):
+            time.sleep(0.002)
         if any(v < 0 for v in values):
             raise ValueError(f"negative input {min(values)}")
         return x * 2

@@ -1,0 +1,290 @@
+"""The pieces of batch jobs without a server: the job lane of the scheduler, the
+lines codec (with hostile lines), the store, and a run cut short after its
+last checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.scheduler import Scheduler
+from batchd.server.codec import decode_request
+from batchd.server.config import Limits
+from batchd.server.errors import BatchdError, Unavailable
+from batchd.server.jobs import lines, runner
+from batchd.server.jobs.runner import JobRun
+from batchd.server.jobs.store import InUse, Store
+from batchd.server.request import Request, Tensor
+from tests.conftest import Clock, FakeDispatch, model, request, run
+
+
+def job_request(cfg: ModelConfig) -> Request:
+    r = request(cfg)
+    r.background = True
+    return r
+
+
+# ---- the job lane ----
+
+
+def test_job_requests_wait_while_online_requests_do_and_never_share_their_batch() -> None:
+    async def body() -> None:
+        dispatch = FakeDispatch(idle=0, credits=0)  # the worker is busy
+        s = Scheduler(dispatch, Clock())
+        cfg = model(max_batch_size=4, queue=2)
+        s.add_model(cfg)
+        jobs = [job_request(cfg) for _ in range(6)]
+        for r in jobs:
+            s.submit(r)  # the job lane holds no place of max_queue_size 2
+        online = [request(cfg), request(cfg)]
+        for r in online:
+            s.submit(r)
+        assert s.pending_jobs("m") == 6 and s.pending("m") == 2
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert dispatch.sent == [online]  # the online pair first, alone
+        dispatch.credits = 1  # staging room, but no idle worker: the job lane waits
+        s.pump()
+        assert len(dispatch.sent) == 1
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert dispatch.sent[1] == jobs[:4]  # a full batch of the job lane, in order
+        assert s.pending_jobs("m") == 2
+
+    run(body)
+
+
+def test_a_lost_job_batch_goes_back_to_the_lane_and_an_unload_fails_the_lane() -> None:
+    async def body() -> None:
+        dispatch = FakeDispatch(idle=1, credits=1)
+        s = Scheduler(dispatch, Clock())
+        cfg = model(max_batch_size=4)
+        s.add_model(cfg)
+        r = job_request(cfg)
+        s.submit(r)
+        assert dispatch.sent == [[r]]
+        s.requeue([r])  # its worker was lost
+        assert s.pending_jobs("m") == 1 and s.pending("m") == 0
+        s.remove_model(cfg.key)
+        with pytest.raises(Unavailable, match="was unloaded"):
+            await r.future
+
+    run(body)
+
+
+# ---- lines ----
+
+
+def fp32_model() -> ModelConfig:
+    return model(max_batch_size=4, shape=(3,))
+
+
+def decoded(doc: dict[str, Any], cfg: ModelConfig) -> Request:
+    return decode_request(lines.parse(doc, cfg.name, cfg.version), cfg, 0.0)
+
+
+def test_a_line_decodes_as_the_same_request_as_online() -> None:
+    cfg = fp32_model()
+    doc = {"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32", "shape": [2, 3],
+                                          "data": [[1, 2, 3], [4, 5.5, 6]]}]}  # fmt: skip
+    r = decoded(doc, cfg)
+    assert r.rows == 2 and r.outputs == ("Y",)
+    assert np.frombuffer(r.inputs[0].data, "<f4").tolist() == [1, 2, 3, 4, 5.5, 6]
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "expected"),
+    [
+        ("INT64", [1, -2], np.array([1, -2], "<i8").tobytes()),
+        ("BOOL", [True, False], b"\x01\x00"),
+        ("FP16", [0.5, 2], np.array([0.5, 2], "<f2").tobytes()),
+        ("BF16", [1.0, -2.0], np.array([0x3F80, 0xC000], "<u2").tobytes()),
+        ("BYTES", ["ab", ""], struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0)),
+    ],
+)
+def test_each_datatype_becomes_its_raw_form(
+    datatype: str, data: list[Any], expected: bytes
+) -> None:
+    doc = {
+        "custom_id": "a",
+        "inputs": [{"name": "X", "datatype": datatype, "shape": [2], "data": data}],
+    }
+    assert lines.parse(doc, "m", "").raw_input_contents[0] == expected
+
+
+@pytest.mark.parametrize(
+    ("datatype", "data", "message"),
+    [
+        ("INT32", [1.5, 2], "INT32 data must be integers"),
+        ("BOOL", [2, 0], "BOOL data must be true or false"),
+        ("FP32", ["1", "2"], "FP32 data must be numbers"),
+        ("FP32", [None, 2], "must be numbers"),
+        ("BYTES", [1, 2], "BYTES elements are strings"),
+        ("FP32", [1.0], "holds 2 elements, data has 1"),
+        ("FP33", [1.0, 2.0], "unknown datatype 'FP33'"),
+    ],
+)
+def test_bad_data_is_named(datatype: str, data: list[Any], message: str) -> None:
+    doc = {
+        "custom_id": "a",
+        "inputs": [{"name": "X", "datatype": datatype, "shape": [2], "data": data}],
+    }
+    with pytest.raises(ValueError, match=message):
+        lines.parse(doc, "m", "")
+
+
+def test_outputs_are_written_as_v2_json() -> None:
+    f = Tensor("Y", "FP32", (1, 2), np.array([0.1, 2], "<f4").tobytes())
+    raw = struct.pack("<I", 2) + b"\xff\xfe"
+    b = Tensor("T", "BYTES", (1, 1), raw)
+    out = json.loads(lines.encode_outputs("x", [f, b]))
+    assert out["outputs"][0] == {
+        "name": "Y",
+        "datatype": "FP32",
+        "shape": [1, 2],
+        "data": [0.1, 2.0],
+    }
+    assert out["outputs"][1]["data"] == ["//4="] and out["outputs"][1]["parameters"] == {
+        "content_type": "base64"
+    }
+    err = json.loads(lines.encode_error(None, "INVALID_ARGUMENT", "no", 7))
+    assert err == {
+        "custom_id": None,
+        "error": {"code": "INVALID_ARGUMENT", "message": "no"},
+        "line": 7,
+    }
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+tensors = st.fixed_dictionaries(
+    {},
+    optional={
+        "name": st.sampled_from(["X", "Z", ""]) | json_values,
+        "datatype": st.sampled_from(["FP32", "INT8", "BYTES", "BOOL", "BF16"]) | json_values,
+        "shape": st.lists(st.integers(-2, 4), max_size=3) | json_values,
+        "data": st.lists(json_values, max_size=8) | json_values,
+    },
+)
+hostile_lines = st.fixed_dictionaries(
+    {"custom_id": st.text(min_size=1, max_size=8)},
+    optional={"inputs": st.lists(tensors, max_size=3) | json_values, "outputs": json_values,
+              "parameters": json_values},
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(hostile_lines)
+def test_a_hostile_line_is_refused_with_a_reason_never_a_crash(doc: dict[str, Any]) -> None:
+    cfg = fp32_model()
+    raw = json.dumps(doc).encode()
+    try:
+        decoded(lines.load(raw), cfg)
+    except ValueError as e:
+        assert str(e)
+    except BatchdError as e:
+        assert e.message
+
+
+# ---- the store ----
+
+
+def test_the_store_claims_checkpoints_recovers_and_expires(tmp_path: Path) -> None:
+    clock = [1000.0]
+    store = Store(tmp_path, clock=lambda: clock[0])
+    with pytest.raises(InUse, match="in use by another batchd"):
+        Store(tmp_path)
+    a = store.create("", "m", "")
+    store.queue(a.id, total=10, input_bytes=100)
+    b = store.create("", "m", "")  # an upload the crash cut short
+    running = store.claim()
+    assert running is not None and running.id == a.id and running.started_at == 1000.0
+    assert store.claim(exclude_models={"m"}) is None
+    store.checkpoint(a.id, input_offset=40, lines_read=4, results_bytes=90, completed=3, failed=1)
+    assert store.recover() == [b.id]  # a crash: a runs on from its checkpoint, b is gone
+    row = store.get(a.id)
+    assert row is not None and (row.status, row.input_offset, row.done) == ("queued", 40, 4)
+    assert store.get(b.id) is None and not store.folder(b.id).exists()
+    store.cancel(a.id)
+    assert store.get(a.id).status == "cancelled"  # type: ignore[union-attr]
+    clock[0] += 3600
+    assert store.expire(retention_s=7200) == []
+    clock[0] += 3601
+    assert store.expire(retention_s=7200) == [a.id]
+    store.close()
+    Store(tmp_path).close()  # the lock went with the store
+
+
+# ---- a run cut short ----
+
+
+class FakeCore:
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.models: Mapping[str, ModelConfig] = {cfg.name: cfg}
+
+    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
+        f: asyncio.Future[list[Tensor]] = asyncio.get_running_loop().create_future()
+        x = np.frombuffer(request.inputs[0].data, "<f4")
+        f.set_result([Tensor("Y", "FP32", request.inputs[0].shape, (2 * x).tobytes())])
+        return f
+
+
+def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> None:
+    """The crash left results written after the last checkpoint: they are cut off and
+    those lines answered again, once."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = Store(tmp_path)
+    row = store.create("", cfg.name, "")
+    text = "".join(
+        json.dumps({"custom_id": f"c{i}", "inputs": [{"name": "X", "datatype": "FP32",
+                    "shape": [1, 1], "data": [i]}]}) + "\n"
+        for i in range(1000)
+    )  # fmt: skip
+    store.input_path(row.id).write_text(text)
+    store.queue(row.id, 1000, len(text))
+    first_ten = text.splitlines(keepends=True)[:10]
+    done = "".join(
+        lines.encode_outputs(
+            f"c{i}", [Tensor("Y", "FP32", (1, 1), np.float32([2 * i]).tobytes())]
+        ).decode()
+        for i in range(10)
+    )
+    store.results_path(row.id).write_text(done + '{"custom_id":"c10","outputs":[]}\n{"cust')
+    offset = sum(len(x) for x in first_ten)
+    store.checkpoint(row.id, offset, 10, len(done), 10, 0)
+    claimed = store.claim()
+    assert claimed is not None
+    counted: list[tuple[str, int, int]] = []
+
+    async def body() -> None:
+        await JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: counted.append(a)).run()
+
+    run(body)
+    got = [json.loads(x) for x in store.results_path(row.id).read_text().splitlines()]
+    assert [r["custom_id"] for r in got] == [f"c{i}" for i in range(1000)]
+    assert all(r["outputs"][0]["data"] == [2.0 * i] for i, r in enumerate(got))
+    final = store.get(row.id)
+    assert final is not None and (final.status, final.completed, final.failed) == (
+        "completed",
+        1000,
+        0,
+    )
+    assert sum(c[1] for c in counted) == 990  # the ten answered before are not counted again
+    assert runner.CHUNK_LINES < 990  # several chunks ran
+    assert not math.isnan(final.finished_at)
