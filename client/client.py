@@ -89,10 +89,7 @@ class _Connection:
         options = channel_options(max_message_bytes, own_connection)
         self._channel = self._open(url, security.credentials(), options)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        self._stubs: dict[str, Any] = {
-            "inference": self._stub,
-            "jobs": jobs_grpc.JobsStub(self._channel),
-        }
+        self._jobs_stub: Any = jobs_grpc.JobsStub(self._channel)
 
     def _open(
         self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
@@ -205,7 +202,9 @@ class Client(_Connection):
             time.sleep(step.seconds)
             return None
         try:
-            call = getattr(self._stubs[step.service], step.method)
+            call = getattr(
+                self._stub if step.service == "inference" else self._jobs_stub, step.method
+            )
             return call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
@@ -247,7 +246,7 @@ class Client(_Connection):
         while it runs) to `out`, a path or a binary file. Returns the lines written."""
         with job_ops.ResultsFile(out) as f:
             try:
-                for piece in self._stubs["jobs"].JobResults(
+                for piece in self._jobs_stub.JobResults(
                     jobs_pb.JobResultsRequest(id=job_id), **self._core.results_kwargs()
                 ):
                     f.write(piece.data)
@@ -307,7 +306,9 @@ class AsyncClient(_Connection):
             await asyncio.sleep(step.seconds)
             return None
         try:
-            call = getattr(self._stubs[step.service], step.method)
+            call = getattr(
+                self._stub if step.service == "inference" else self._jobs_stub, step.method
+            )
             return await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
@@ -348,7 +349,7 @@ class AsyncClient(_Connection):
         """Client.job_results, awaited (the file is written from the event loop)."""
         with job_ops.ResultsFile(out) as f:
             try:
-                async for piece in self._stubs["jobs"].JobResults(
+                async for piece in self._jobs_stub.JobResults(
                     jobs_pb.JobResultsRequest(id=job_id), **self._core.results_kwargs()
                 ):
                     f.write(piece.data)

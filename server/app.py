@@ -80,7 +80,10 @@ async def _track_health(health: HealthServicer, service: InferenceService, core:
 
 
 def _grpc_server(
-    cfg: ServerConfig, service: InferenceService, health: HealthServicer, jobs: JobsService
+    cfg: ServerConfig,
+    service: InferenceService,
+    health: HealthServicer,
+    jobs: JobsService | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     options = [
         ("grpc.max_receive_message_length", cfg.network.max_message_bytes),
@@ -91,7 +94,7 @@ def _grpc_server(
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
     inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    jobs_pb2_grpc.add_JobsServicer_to_server(jobs, server)
+    jobs_pb2_grpc.add_JobsServicer_to_server(jobs or JobsService(None, "not set up"), server)
     with contextlib.suppress(TypeError):  # already there when serve() runs twice in one process
         POOL.AddSerializedFile(health_pb2.DESCRIPTOR.serialized_pb)
     names = (

@@ -1,0 +1,223 @@
+"""Batch jobs (issue 18): a job's rows per second against the same rows sent by
+`batchd bench`, the online p99 with and without a job running, and the
+frontend's memory as a job grows from 100k to 1M lines.
+
+One server over examples/models (one worker, one torch thread, as in make bench)
+with its own --jobs-dir. In order, alternating the systems --rounds times:
+  1. `batchd bench` mlp at --concurrency (its best is taken), then a --lines mlp
+     job alone: rows/s is its lines over its finished - started time;
+  2. the online mlp p99 at a moderate open-loop rate (--moderate of the best
+     req/s), alone and with an mlp job running in the lane behind it;
+  3. the frontend's RSS (the server process, not its worker) sampled every
+     100 ms through a tiny job of 100k lines and one of 1M lines.
+
+    .venv/bin/python bench/jobs.py [--lines 100000] [--rounds 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from batchd.client import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+PORT = 18195
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def write_job(path: Path, name: str, width: int, lines: int) -> Path:
+    """`lines` request lines of one FP32 row each, values with 3 decimals."""
+    rng = np.random.default_rng(0)
+    with path.open("wb") as f:
+        for start in range(0, lines, 10_000):
+            rows = np.round(rng.random((min(10_000, lines - start), width), np.float32), 3)
+            f.write(b"".join(
+                orjson.dumps({"custom_id": f"r{start + i}", "inputs": [{"name": name,
+                              "datatype": "FP32", "shape": [1, width], "data": row}]},
+                             option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE)
+                for i, row in enumerate(rows)
+            ))  # fmt: skip
+    return path
+
+
+def vm_kb(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class Peak:
+    """The highest RSS of `pid` while the block runs, sampled every 100 ms."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.mb, self._stop = pid, 0.0, threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.1):
+            self.mb = max(self.mb, vm_kb(self.pid, "VmRSS") / 1024)
+
+    def __enter__(self) -> Peak:
+        self.mb = vm_kb(self.pid, "VmRSS") / 1024
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_job(c: Client, model: str, path: Path, cancel_after: bool = False) -> dict[str, Any]:
+    t0 = time.monotonic()
+    job = c.submit_job(model, path, timeout=600)
+    submitted = time.monotonic() - t0
+    while not (job := c.job(job.id)).ended:
+        time.sleep(0.2)
+    rows_s = job.done / max(job.finished_at - job.started_at, 1e-9)
+    return {"lines": job.total, "status": job.status, "submit_s": round(submitted, 2),
+            "run_s": round(job.finished_at - job.started_at, 2), "rows_s": round(rows_s)}  # fmt: skip
+
+
+def bench(url: str, args: list[str], seconds: float) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        [sys.executable, "-m", "batchd.client.bench", "--url", url, "--model", "mlp", *args,
+         "--duration", str(seconds), "--warmup", "1", "--json", "-", "--quiet"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    return list(json.loads(out)["levels"])
+
+
+def online_with_job(c: Client, url: str, job_file: Path, rate: float, seconds: float) -> float:
+    """The online p99 at `rate` while an mlp job runs behind it (cancelled after)."""
+    job = c.submit_job("mlp", job_file, timeout=600)
+    while c.job(job.id).status != "running":
+        time.sleep(0.05)
+    level = bench(url, ["--rate", str(rate)], seconds)[0]
+    running = c.job(job.id)
+    c.cancel_job(job.id)
+    assert running.status == "running", "the job ended before the online load did"
+    return float(level["p99_ms"])
+
+
+def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    mlp = write_job(tmp / "mlp.jsonl", "INPUT0", 512, args.lines)
+    r: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "lines": args.lines,
+        "mlp_file_mb": round(mlp.stat().st_size / 2**20),
+    }
+    serve = [
+        sys.executable, "-m", "batchd.server", "--model-repository", "examples/models",
+        "--workers", "1", "--threads-per-worker", "1", "--grpc-port", str(PORT),
+        "--metrics-port", "-1", "--log-level", "WARNING", "--jobs-dir", str(tmp / "jobs"),
+        "--jobs-max-file-bytes", str(8 * 2**30),
+    ]  # fmt: skip
+    url = f"127.0.0.1:{PORT}"
+    proc = subprocess.Popen(serve, cwd=ROOT)
+    try:
+        with Client(url) as c:
+            while not c.ready():
+                time.sleep(0.1)
+            rounds = []
+            for _ in range(args.rounds):
+                levels = bench(url, ["--concurrency", args.concurrency], args.seconds)
+                best = max(levels, key=lambda lv: lv["throughput"])
+                with Peak(proc.pid) as peak:
+                    job = run_job(c, "mlp", mlp)
+                rounds.append({"bench_best_req_s": round(best["throughput"]),
+                               "bench_best_concurrency": best["load"], "job": job,
+                               "job_rss_peak_mb": round(peak.mb), "ratio": round(job["rows_s"] / best["throughput"], 3)})  # fmt: skip
+            r["throughput"] = rounds
+            best = statistics.mean(x["bench_best_req_s"] for x in rounds)
+            rate = round(best * args.moderate)
+            online = []
+            for _ in range(args.rounds):
+                alone = bench(url, ["--rate", str(rate)], args.seconds)[0]["p99_ms"]
+                online.append(
+                    {
+                        "alone_p99_ms": alone,
+                        "with_job_p99_ms": online_with_job(c, url, mlp, rate, args.seconds),
+                    }
+                )
+            r["online"] = {"rate": rate, "rounds": online}
+            idle = vm_kb(proc.pid, "VmRSS") / 1024
+            memory = {"idle_mb": round(idle)}
+            for lines in (100_000, 1_000_000):
+                tiny = write_job(tmp / f"tiny{lines}.jsonl", "INPUT0", 16, lines)
+                with Peak(proc.pid) as peak:
+                    job = run_job(c, "tiny", tiny)
+                memory[str(lines)] = {"peak_mb": round(peak.mb), "rows_s": job["rows_s"],
+                                      "file_mb": round(tiny.stat().st_size / 2**20)}  # fmt: skip
+                tiny.unlink()
+            r["memory"] = memory
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return r
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [
+        f"Batch jobs on {r['cpu']}: an mlp job of {r['lines']:,} lines ({r['mlp_file_mb']} MB) "
+        "against `batchd bench` at its best concurrency, alternating:",
+        "",
+        "| round | bench best req/s (c) | job rows/s | job / bench | job submit s | frontend RSS peak MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, x in enumerate(r["throughput"], 1):
+        lines.append(
+            f"| {i} | {x['bench_best_req_s']:,} ({x['bench_best_concurrency']:g}) | "
+            f"{x['job']['rows_s']:,} | {x['ratio']:.2f} | {x['job']['submit_s']} | {x['job_rss_peak_mb']} |"
+        )
+    o = r["online"]
+    lines += ["", f"Online mlp p99 at {o['rate']:,} req/s (open loop), alone and with a job running:", "",
+              "| round | alone p99 ms | with a job p99 ms |", "|---|---|---|"]  # fmt: skip
+    for i, x in enumerate(o["rounds"], 1):
+        lines.append(f"| {i} | {x['alone_p99_ms']:.2f} | {x['with_job_p99_ms']:.2f} |")
+    m = r["memory"]
+    lines += ["", f"Frontend RSS, idle {m['idle_mb']} MB; peak during a tiny job of:", "",
+              "| lines | file MB | peak RSS MB | rows/s |", "|---|---|---|---|"]  # fmt: skip
+    for n in ("100000", "1000000"):
+        lines.append(f"| {int(n):,} | {m[n]['file_mb']} | {m[n]['peak_mb']} | {m[n]['rows_s']:,} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lines", type=int, default=100_000, help="lines of the mlp job")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=5.0, help="per batchd bench level")
+    p.add_argument("--concurrency", default="16,32,64", help="batchd bench levels")
+    p.add_argument("--moderate", type=float, default=0.5, help="share of the best req/s")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="batchd-jobs-bench-") as tmp:
+        r = measure(args, Path(tmp))
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2) + "\n")
+    print(markdown(r))
+    return r
+
+
+if __name__ == "__main__":
+    main()
