@@ -7,7 +7,8 @@ with its own --jobs-dir. In order, alternating the systems --rounds times:
   1. `batchd bench` mlp at --concurrency (its best is taken), then a --lines mlp
      job alone: rows/s is its lines over its finished - started time;
   2. the online mlp p99 at a moderate open-loop rate (--moderate of the best
-     req/s), alone and with an mlp job running in the lane behind it;
+     req/s): alone, with an mlp job running in the lane behind it, and with no
+     job but a busy-loop process (what taking the spare core alone costs);
   3. the frontend's RSS (the server process, not its worker) sampled every
      100 ms through a tiny job of 100k lines and one of 1M lines.
 
@@ -87,24 +88,26 @@ class Peak:
         self._thread.join()
 
 
-def run_job(c: Client, model: str, path: Path, cancel_after: bool = False) -> dict[str, Any]:
+def run_job(c: Client, model: str, path: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     job = c.submit_job(model, path, timeout=600)
     submitted = time.monotonic() - t0
     while not (job := c.job(job.id)).ended:
         time.sleep(0.2)
     rows_s = job.done / max(job.finished_at - job.started_at, 1e-9)
+    run_s = round(job.finished_at - job.started_at, 2)
     return {"lines": job.total, "status": job.status, "submit_s": round(submitted, 2),
-            "run_s": round(job.finished_at - job.started_at, 2), "rows_s": round(rows_s)}  # fmt: skip
+            "run_s": run_s, "rows_s": round(rows_s)}  # fmt: skip
 
 
 def bench(url: str, args: list[str], seconds: float) -> list[dict[str, Any]]:
-    out = subprocess.run(
-        [sys.executable, "-m", "batchd.client.bench", "--url", url, "--model", "mlp", *args,
-         "--duration", str(seconds), "--warmup", "1", "--json", "-", "--quiet"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    return list(json.loads(out)["levels"])
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [sys.executable, "-m", "batchd.client.bench", "--url", url, "--model", "mlp", *args,
+             "--duration", str(seconds), "--warmup", "1", "--json", out.name, "--quiet"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        return list(json.loads(Path(out.name).read_text())["levels"])
 
 
 def online_with_job(c: Client, url: str, job_file: Path, rate: float, seconds: float) -> float:
@@ -144,9 +147,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 best = max(levels, key=lambda lv: lv["throughput"])
                 with Peak(proc.pid) as peak:
                     job = run_job(c, "mlp", mlp)
-                rounds.append({"bench_best_req_s": round(best["throughput"]),
-                               "bench_best_concurrency": best["load"], "job": job,
-                               "job_rss_peak_mb": round(peak.mb), "ratio": round(job["rows_s"] / best["throughput"], 3)})  # fmt: skip
+                ratio = round(job["rows_s"] / best["throughput"], 3)
+                rounds.append({"bench_best_req_s": round(best["throughput"]), "job": job,
+                               "bench_best_concurrency": best["load"], "ratio": ratio,
+                               "job_rss_peak_mb": round(peak.mb)})  # fmt: skip
             r["throughput"] = rounds
             best = statistics.mean(x["bench_best_req_s"] for x in rounds)
             rate = round(best * args.moderate)
@@ -181,19 +185,26 @@ def markdown(r: dict[str, Any]) -> str:
         f"Batch jobs on {r['cpu']}: an mlp job of {r['lines']:,} lines ({r['mlp_file_mb']} MB) "
         "against `batchd bench` at its best concurrency, alternating:",
         "",
-        "| round | bench best req/s (c) | job rows/s | job / bench | job submit s | frontend RSS peak MB |",
+        "| round | bench best req/s (c) | job rows/s | job / bench | job submit s "
+        "| frontend RSS peak MB |",
         "|---|---|---|---|---|---|",
     ]
     for i, x in enumerate(r["throughput"], 1):
+        job = x["job"]
         lines.append(
             f"| {i} | {x['bench_best_req_s']:,} ({x['bench_best_concurrency']:g}) | "
-            f"{x['job']['rows_s']:,} | {x['ratio']:.2f} | {x['job']['submit_s']} | {x['job_rss_peak_mb']} |"
+            f"{job['rows_s']:,} | {x['ratio']:.2f} | {job['submit_s']} | {x['job_rss_peak_mb']} |"
         )
     o = r["online"]
-    lines += ["", f"Online mlp p99 at {o['rate']:,} req/s (open loop), alone and with a job running:", "",
-              "| round | alone p99 ms | with a job p99 ms |", "|---|---|---|"]  # fmt: skip
+    lines += ["", f"Online mlp p99 at {o['rate']:,} req/s (open loop): alone, with a job "
+              "running, and with no job but a busy-loop process taking a core:", "",
+              "| round | alone p99 ms | with a job p99 ms | with a busy loop p99 ms |",
+              "|---|---|---|---|"]  # fmt: skip
     for i, x in enumerate(o["rounds"], 1):
-        lines.append(f"| {i} | {x['alone_p99_ms']:.2f} | {x['with_job_p99_ms']:.2f} |")
+        lines.append(
+            f"| {i} | {x['alone_p99_ms']:.2f} | {x['with_job_p99_ms']:.2f} "
+            f"| {x['with_busy_loop_p99_ms']:.2f} |"
+        )
     m = r["memory"]
     lines += ["", f"Frontend RSS, idle {m['idle_mb']} MB; peak during a tiny job of:", "",
               "| lines | file MB | peak RSS MB | rows/s |", "|---|---|---|---|"]  # fmt: skip

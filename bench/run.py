@@ -16,6 +16,9 @@
 5. bench/stepwise.py: the step-wise decoder with continuous against static
    batching on skewed lengths (issue 17), with 8 callers (its max_active) and
    with 16.
+6. bench/jobs.py: batch jobs (issue 18): a 100,000-line mlp job's rows/s
+   against `batchd bench` at its best concurrency, the online mlp p99 with and
+   without a job running, and the frontend's RSS through 100k- and 1M-line jobs.
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -38,6 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import jobs
 import stepwise
 from overload import children, cpu_s, rss_mb
 
@@ -158,6 +162,7 @@ def main() -> None:
     p.add_argument("--interval-ms", type=int, default=4000, help="perf_analyzer window")
     p.add_argument("--sweep-seconds", type=float, default=4.0, help="batchd bench per level")
     p.add_argument("--stepwise-seconds", type=float, default=10.0, help="bench/stepwise.py runs")
+    p.add_argument("--job-lines", type=int, default=100_000, help="bench/jobs.py's mlp job")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pa = (
@@ -229,6 +234,8 @@ def main() -> None:
         callers: stepwise.main(["--callers", str(callers), "--seconds", str(args.stepwise_seconds)])
         for callers in (8, 16)
     }
+    print("batch jobs ...", flush=True)
+    r["jobs"] = jobs.main(["--lines", str(args.job_lines)])
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
@@ -388,6 +395,8 @@ def markdown(r: dict) -> str:
     for callers, result in r.get("stepwise", {}).items():
         lines += [f"Step-wise decoder, continuous against static batching, {callers} callers:", ""]
         lines += [stepwise.markdown(result), ""]
+    if "jobs" in r:
+        lines += [jobs.markdown(r["jobs"]), ""]
     return "\n".join(lines)
 
 
