@@ -122,6 +122,16 @@ def online_with_job(c: Client, url: str, job_file: Path, rate: float, seconds: f
     return float(level["p99_ms"])
 
 
+def busy_loop(url: str, rate: float, seconds: float) -> float:
+    """The online p99 at `rate` with no job, while another process spins on a core."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        return float(bench(url, ["--rate", str(rate)], seconds)[0]["p99_ms"])
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     mlp = write_job(tmp / "mlp.jsonl", "INPUT0", 512, args.lines)
     r: dict[str, Any] = {
@@ -157,12 +167,10 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             online = []
             for _ in range(args.rounds):
                 alone = bench(url, ["--rate", str(rate)], args.seconds)[0]["p99_ms"]
-                online.append(
-                    {
-                        "alone_p99_ms": alone,
-                        "with_job_p99_ms": online_with_job(c, url, mlp, rate, args.seconds),
-                    }
-                )
+                with_job = online_with_job(c, url, mlp, rate, args.seconds)
+                hogged = busy_loop(url, rate, args.seconds)
+                online.append({"alone_p99_ms": alone, "with_job_p99_ms": with_job,
+                               "with_busy_loop_p99_ms": hogged})  # fmt: skip
             r["online"] = {"rate": rate, "rounds": online}
             idle = vm_kb(proc.pid, "VmRSS") / 1024
             memory = {"idle_mb": round(idle)}

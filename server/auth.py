@@ -5,10 +5,11 @@ The token file holds one `<scope>: <token>` per line; `#` starts a comment:
     infer: 3f1c...   # may call the inference RPCs
     admin: 9b7e...   # may call those and the Repository* RPCs
 
-Every RPC of GRPCInferenceService needs `authorization: Bearer <token>` in its
-metadata: the Repository* RPCs (model control) an admin token, all others an
-infer or an admin token. The health service and server reflection stay open,
-for orchestrators' probes. A missing, malformed or wrong token is
+Every RPC of GRPCInferenceService and of batchd.jobs.v1.Jobs needs
+`authorization: Bearer <token>` in its metadata: the Repository* RPCs (model
+control) an admin token, all others an infer or an admin token (jobs/service.py
+then keeps a job to the token that submitted it). The health service and server
+reflection stay open, for orchestrators' probes. A missing, malformed or wrong token is
 UNAUTHENTICATED with the same detail every time. Tokens are compared as
 SHA-256 digests with hmac.compare_digest: the time taken says nothing about
 how much of a token was right, nor its length.

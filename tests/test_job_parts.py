@@ -5,6 +5,7 @@ last checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
 import struct
@@ -61,6 +62,20 @@ def test_job_requests_wait_while_online_requests_do_and_never_share_their_batch(
         s.pump()
         assert dispatch.sent[1] == jobs[:4]  # a full batch of the job lane, in order
         assert s.pending_jobs("m") == 2
+
+    run(body)
+
+
+def test_a_job_line_of_more_rows_than_a_batch_splits_into_the_lane() -> None:
+    async def body() -> None:
+        dispatch = FakeDispatch(idle=0, credits=0)
+        s = Scheduler(dispatch, Clock())
+        cfg = model(max_batch_size=4, queue=3)
+        s.add_model(cfg)
+        big = request(cfg, rows=10)
+        big.background = True
+        s.submit(big)
+        assert (s.pending_jobs("m"), s.pending("m")) == (3, 0)  # 4 + 4 + 2 rows, all lane
 
     run(body)
 
@@ -288,3 +303,11 @@ def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> N
     assert sum(c[1] for c in counted) == 990  # the ten answered before are not counted again
     assert runner.CHUNK_LINES < 990  # several chunks ran
     assert not math.isnan(final.finished_at)
+
+
+def test_a_line_over_the_limit_is_skipped_in_bounded_pieces() -> None:
+    f = io.BytesIO(b"x" * 10 + b"\nok\n" + b"y" * 9)
+    assert lines.read_line(f, limit=4) == (b"xxxx", 11, True)
+    assert lines.read_line(f, limit=4) == (b"ok\n", 3, False)
+    assert lines.read_line(f, limit=4) == (b"yyyy", 9, True)  # the last line has no newline
+    assert lines.read_line(f, limit=4) == (b"", 0, False)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchd.client import AsyncClient, Client, InvalidInput, ModelNotFound
+from batchd.client import AsyncClient, Client, InvalidInput, ModelNotFound, ServerBusy
 from tests.conftest import Gate, scrape, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 
@@ -146,8 +146,12 @@ def _gated_server(tmp: Path, state: Path, jobs_dir: Path, *args: str,
         log_dir=tmp, env={"BATCHD_TEST_DIR": str(state)},
     ).start(ready=token is None)  # fmt: skip
     if token is not None:
-        with Client(server.url, token=token) as c:
-            wait_for(c.ready, 90, "ServerReady")
+        try:
+            with Client(server.url, token=token) as c:
+                wait_for(c.ready, 90, "ServerReady")
+        except BaseException:
+            server.stop()
+            raise
     return server
 
 
@@ -324,3 +328,41 @@ def test_job_metrics(example_server: ServerProcess) -> None:
     samples = scrape(example_server)
     assert value(samples, "batchd_job_requests_total", model="tiny", outcome="failed") == before + 1
     assert value(samples, "batchd_jobs", status="completed") >= 1
+
+
+def test_with_several_frontends_any_takes_a_job_in_and_the_first_runs_it(
+    gate: Gate, tmp_path: Path
+) -> None:
+    server = _gated_server(tmp_path, gate.state, tmp_path / "jobs", "--frontends", "2")
+    try:
+        clients = [Client(server.url, own_connection=True) for _ in range(6)]
+        jobs = [c.submit_job("gated", gated_lines(range(1, 21))) for c in clients]
+        for c, job in zip(clients, jobs, strict=True):
+            assert ended(c, job.id).status == "completed"
+            assert len(results(c, job.id, tmp_path)) == 20
+            c.close()
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "batch jobs are off" not in server.log()
+
+
+def test_limits_on_file_size_and_open_jobs_refuse_with_the_flag(gate: Gate, tmp_path: Path) -> None:
+    server = _gated_server(
+        tmp_path, gate.state, tmp_path / "jobs", "--jobs-max-file-bytes", "2000",
+        "--jobs-max-open", "1",
+    )  # fmt: skip
+    held = gate.state / "hold-1"
+    held.touch()  # the first job stays open
+    try:
+        with Client(server.url) as c:
+            with pytest.raises(ServerBusy, match=r"over 2000 bytes \(--jobs-max-file-bytes\)"):
+                c.submit_job("gated", gated_lines(range(1, 101)))
+            first = c.submit_job("gated", gated_lines(range(1, 3)))
+            with pytest.raises(ServerBusy, match=r"1 jobs are open.*--jobs-max-open 1"):
+                c.submit_job("gated", gated_lines(range(1, 3)))
+            held.unlink()
+            assert ended(c, first.id).status == "completed"
+            assert c.submit_job("gated", gated_lines(range(1, 3))).status == "queued"
+    finally:
+        held.unlink(missing_ok=True)
+        assert server.stop() == 0, server.log()

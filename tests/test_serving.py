@@ -150,19 +150,13 @@ def test_health_service_and_reflection(example_server: ServerProcess) -> None:
             )
         )
         names = {s.name for s in reply.list_services_response.service}
-        assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
-        reply = next(
-            refl.ServerReflectionInfo(
-                iter(
-                    [
-                        reflection_pb2.ServerReflectionRequest(
-                            file_containing_symbol="inference.GRPCInferenceService"
-                        )
-                    ]
-                )
-            )
-        )
-        assert reply.file_descriptor_response.file_descriptor_proto
+        assert {
+            "inference.GRPCInferenceService", "grpc.health.v1.Health", "batchd.jobs.v1.Jobs"
+        } <= names  # fmt: skip
+        for symbol in ("inference.GRPCInferenceService", "batchd.jobs.v1.Jobs"):
+            ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)
+            reply = next(refl.ServerReflectionInfo(iter([ask])))
+            assert reply.file_descriptor_response.file_descriptor_proto
 
 
 def _input(

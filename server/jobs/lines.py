@@ -23,7 +23,7 @@ from __future__ import annotations
 import base64
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import orjson
@@ -34,6 +34,9 @@ from batchd.server.errors import clip
 from batchd.server.request import Tensor
 
 MAX_CUSTOM_ID_CHARS = 512
+# The longest line read: parsed, a line of numbers takes ~16x its size in Python
+# objects, so this bounds one line's memory (~130 MB); longer lines are error lines.
+MAX_LINE_BYTES = 8 * 1024 * 1024
 # The numpy kinds a JSON list may parse to, per kind of the input's dtype: an
 # integer input takes no 1.5, a boolean one only true and false.
 _KINDS = {"b": "b", "u": "ui", "i": "ui", "f": "uif"}
@@ -59,6 +62,21 @@ def custom_id_of(doc: Any) -> str:
     if len(cid) > MAX_CUSTOM_ID_CHARS:
         raise ValueError(f"custom_id {clip(cid)} is over {MAX_CUSTOM_ID_CHARS} characters")
     return cid
+
+
+def read_line(f: BinaryIO, limit: int = MAX_LINE_BYTES) -> tuple[bytes, int, bool]:
+    """The next line of `f` (b"" at the end), its length in the file, and whether it was
+    over `limit` bytes (then only its first `limit` bytes are returned, the rest skipped
+    in pieces: memory stays bounded whatever the file holds)."""
+    raw = f.readline(limit + 1)
+    if len(raw) <= limit or raw.endswith(b"\n"):
+        return raw, len(raw), False
+    size = len(raw)
+    while True:
+        piece = f.readline(1 << 20)
+        size += len(piece)
+        if not piece or piece.endswith(b"\n"):
+            return raw[:limit], size, True
 
 
 def load(line: bytes) -> Any:

@@ -95,40 +95,30 @@ class Chunk:
 class Reader:
     """The job's input from a byte offset on, a chunk at a time (called in a thread)."""
 
-    def __init__(self, path: Path, offset: int, lines_read: int, max_line: int) -> None:
+    def __init__(self, path: Path, offset: int, lines_read: int) -> None:
         self._file = path.open("rb")
         self._file.seek(offset)
-        self.offset, self.lines_read, self._max_line = offset, lines_read, max_line
+        self.offset, self.lines_read = offset, lines_read
         self.eof = False
 
     def close(self) -> None:
         self._file.close()
 
-    def _skip_rest(self) -> int:
-        skipped = 0
-        while True:
-            piece = self._file.readline(1 << 20)
-            skipped += len(piece)
-            if not piece or piece.endswith(b"\n"):
-                return skipped
-
     def read(self, model: ModelConfig, limits: Limits) -> Chunk:
         out: list[Line] = []
         size = 0
         while len(out) < CHUNK_LINES and size < CHUNK_BYTES:
-            raw = self._file.readline(self._max_line + 1)
-            if not raw:
+            raw, length, too_long = lines.read_line(self._file)
+            if not length:
                 self.eof = True
                 break
-            self.offset += len(raw)
+            self.offset += length
             self.lines_read += 1
             size += len(raw)
-            if len(raw) > self._max_line and not raw.endswith(b"\n"):
-                self.offset += self._skip_rest()
-                error = lines.LineError(None, f"the line is over {self._max_line} bytes")
+            if too_long:
+                error = lines.LineError(None, f"the line is over {lines.MAX_LINE_BYTES} bytes")
                 out.append(Line(self.lines_read, None, error=error))
-                continue
-            if raw.strip():
+            elif raw.strip():
                 out.append(_decode(raw, self.lines_read, model, limits))
         return Chunk(out, self.offset, self.lines_read)
 
@@ -215,8 +205,7 @@ class JobRun:
         model = job_model(self._core.models, row.model, row.version)
         results = store.results_path(row.id)
         results.touch()
-        max_line = self._limits.max_response_bytes
-        reader = Reader(store.input_path(row.id), row.input_offset, row.lines_read, max_line)
+        reader = Reader(store.input_path(row.id), row.input_offset, row.lines_read)
         with results.open("r+b") as out:
             out.truncate(row.results_bytes)  # what came after the last checkpoint goes
             out.seek(row.results_bytes)

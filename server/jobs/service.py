@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from batchd.server.jobs.store import OPEN, STATUSES, JobRow
 
 READ_PIECE = 1024 * 1024  # bytes of results per JobResults message
 SHOWN_DUPLICATES = 5
+MIN_FREE_BYTES = 256 * 1024 * 1024  # an upload stops before the jobs disk has less free
 
 
 def check_ids(path: Path, scratch: Path) -> int:
@@ -49,14 +51,21 @@ def check_ids(path: Path, scratch: Path) -> int:
         db.execute("CREATE TABLE ids (cid TEXT, line INTEGER)")
         batch: list[tuple[str, int]] = []
         with path.open("rb") as f:
-            for number, raw in enumerate(f, 1):
+            number = 0
+            while True:
+                raw, length, too_long = lines.read_line(f)
+                if not length:
+                    break
+                number += 1
                 if not raw.strip():
                     continue
                 total += 1
+                if too_long:
+                    continue  # it becomes an error line when the job runs
                 try:
                     batch.append((lines.custom_id_of(lines.load(raw)), number))
                 except ValueError:
-                    continue  # it becomes an error line when the job runs
+                    continue  # so does this one
                 if len(batch) >= 10_000:
                     db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
                     batch.clear()
@@ -163,6 +172,11 @@ class JobsService(pb_grpc.JobsServicer):
                     raise LimitExceeded(
                         f"the job file is over {jobs.max_file_bytes} bytes "
                         "(--jobs-max-file-bytes); split it into several jobs"
+                    )
+                if shutil.disk_usage(f.name).free - len(piece.data) < MIN_FREE_BYTES:
+                    raise LimitExceeded(
+                        f"the disk of --jobs-dir would have less than {MIN_FREE_BYTES >> 20} MiB "
+                        "free; remove ended jobs or give the server more room"
                     )
                 f.write(piece.data)
                 piece = await anext(rest, None)
