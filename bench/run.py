@@ -51,16 +51,24 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
+def cpu_model_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def perf_analyzer(
-    pa: str, port: int, model: str, concurrency: int, interval_ms: int, server: int | None = None
-) -> dict:
+    pa: str, port: int | str, model: str, concurrency: int, interval_ms: int,
+    server: int | None = None,
+) -> dict:  # fmt: skip
     """One perf_analyzer measurement; its CSV row as numbers (latencies in ms).
 
     With `server` (a pid): also the CPU each side used per request, in microseconds:
     the server process ("frontend"), its children ("worker"), perf_analyzer itself
     ("load"). Requests are counted as throughput x the whole run (perf_analyzer's
     trials included), so these are close, not exact."""
-    out = Path(f"/tmp/batchd-pa-{port}-{model}-{concurrency}.csv")
+    out = Path(f"/tmp/batchd-pa-{str(port).replace(':', '_')}-{model}-{concurrency}.csv")
     kids = children(server) if server else []
     before = [cpu_s(p) for p in (server, *kids)] if server else []
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -71,7 +79,7 @@ def perf_analyzer(
             "-i",
             "grpc",
             "-u",
-            f"127.0.0.1:{port}",
+            port if isinstance(port, str) else f"127.0.0.1:{port}",  # a URL, or a local port
             "-m",
             model,
             "--concurrency-range",

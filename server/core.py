@@ -66,6 +66,7 @@ class Core:
         self._pump_armed = False
         self.pool = WorkerPool(credits)
         self.link = WorkerLink(socket, self, clock)
+        self._saturated = saturated
         self.scheduler = Scheduler(self, clock, saturated)
         self.control = ModelControl(
             repository, self.pool, self.link, self.scheduler, explicit,
@@ -162,6 +163,7 @@ class Core:
             self.scheduler.requeue(requests)
             self.pump_soon()
             return
+        loaded = self._loaded(model, requests)
         batch = self.pool.hand(worker, model, requests, self._clock())
         tensors, frames = join_inputs(requests)
         header = wire.Header(
@@ -170,11 +172,20 @@ class Core:
             model=model.name,
             version=model.version,
             tensors=tensors,
+            loaded=loaded,
         )
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
         if failed:  # its requests go back to the queue, and a pump is scheduled: no recursion
             self.lose(worker, failed)
+
+    def _loaded(self, model: ModelConfig, requests: list[Request]) -> bool:
+        """Whether `model` is under load (wire.proto, Header.loaded): anything but a
+        lone online request with nothing else of its model waiting or running, and a
+        frontend with time to spare. Then the worker leaves a core to the frontend."""
+        if len(requests) > 1 or requests[0].background or self._saturated():
+            return True
+        return bool(self.scheduler.queued_version(model.key) or self.pool.inflight(model.key))
 
     # ---- what the link reports ----
 

@@ -185,3 +185,36 @@ def test_a_stream_too_far_behind_is_stopped_and_its_slot_freed(router: zmq.Socke
             worker_side.close(linger=0)
 
     run(body)
+
+
+def test_a_batch_says_whether_its_model_is_under_load(router: zmq.Socket[bytes]) -> None:
+    """A lone request with nothing else of its model waiting or running: not loaded
+    (the worker uses all its threads: one caller's latency); a batch of two, or a
+    request while another batch runs: loaded (the worker leaves a core to the frontend)."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        cfg = core.models["m"]
+        register(core, "w", cfg.key).credits = 4
+        sent: list[wire.Header] = []
+
+        def send(identity: bytes, parts: list[Any], copy: bool = True) -> None:
+            sent.append(wire.unpack(parts)[0])
+
+        core.link.send = send  # type: ignore[method-assign]
+
+        def submitted(n: int = 1) -> list[Request]:
+            rs = [request(cfg) for _ in range(n)]
+            for r in rs:
+                r.future = asyncio.get_running_loop().create_future()
+            return rs
+
+        core.send(cfg, submitted())
+        core.send(cfg, submitted())  # the first batch is still running
+        core.pool.workers()[0].inflight.clear()
+        core.send(cfg, submitted(2))
+        core.pool.workers()[0].inflight.clear()
+        core.send(cfg, submitted())
+        assert [h.loaded for h in sent] == [False, True, True, False]
+
+    run(body)

@@ -1,0 +1,156 @@
+"""batchd against other OIP servers in one run (issue 19), with untuned models.
+
+Serves examples' mlp and tiny from a copy WITHOUT their `[batching]` tables (a
+user's model.toml, not one tuned for this benchmark) with batchd's default flags,
+beside the echo ceiling (bench/echo_server.py) and every `--peer NAME=URL`
+already serving the same models (PyTriton: ../shared/peers/pytriton/serve.sh).
+For each point (tiny c=32, mlp c=64, mlp c=1) the systems are measured one after
+another under perf_analyzer, in a new order each round, --rounds times. With
+each figure: the CPU each process used per request (the server, its children,
+perf_analyzer), and the CPU limit those figures imply on this machine:
+cores / (CPU per request of all processes together).
+
+    .venv/bin/python bench/peers.py --pa PATH [--peer pytriton=127.0.0.1:18001] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from run import cpu_model_name, perf_analyzer, running
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+POINTS = (("tiny", 32), ("mlp", 64), ("mlp", 1))
+TIMES = "\u00d7"  # the multiplication sign of "1.2x" in the tables
+
+
+def untuned(into: Path) -> Path:
+    """examples' mlp and tiny, their `[batching]` tables removed."""
+    for name in ("mlp", "tiny"):
+        shutil.copytree(ROOT / "examples" / "models" / name, into / name)
+        toml = into / name / "model.toml"
+        text = re.sub(r"(?ms)^\[batching\].*?(?=^\[|\Z)", "", toml.read_text())
+        toml.write_text(text)
+    return into
+
+
+def listening_pid(port: int) -> int | None:
+    """The pid of the process listening on 127.0.0.1:`port` (from `ss`), if any."""
+    out = subprocess.run(["ss", "-ltnpH", f"sport = :{port}"], capture_output=True, text=True)
+    m = re.search(r"pid=(\d+)", out.stdout)
+    return int(m.group(1)) if m else None
+
+
+def measure(pa: str, url: str, model: str, c: int, ms: int, pid: int | None) -> dict[str, Any]:
+    r = perf_analyzer(pa, url, model, c, ms, pid)
+    if pid is not None:
+        cpu = r["cpu_us_per_request"]
+        total = sum(cpu.values())
+        r["cpu_limit_req_s"] = round((os.cpu_count() or 1) * 1e6 / total) if total else None
+    return r
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pa", required=True, help="perf_analyzer")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--interval-ms", type=int, default=4000)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    peers = dict(x.split("=", 1) for x in args.peer)
+    r: dict[str, Any] = {"cpu": cpu_model_name(), "cores": os.cpu_count(), "when":
+                         time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": []}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="batchd-peers-") as tmp:
+        repo = untuned(Path(tmp) / "models")
+        serve = [PY, "-m", "batchd.server", "--model-repository", str(repo), "--grpc-port",
+                 "18191", "--metrics-port", "-1", "--log-level", "WARNING",
+                 "--jobs-dir", str(Path(tmp) / "jobs")]  # fmt: skip
+        echo = [PY, "bench/echo_server.py", "--port", "18190"]
+        with running(echo, 18190) as e, running(serve, 18191) as b:
+            systems = {"echo": ("127.0.0.1:18190", e.pid), "batchd": ("127.0.0.1:18191", b.pid)}
+            for name, url in peers.items():
+                systems[name] = (url, listening_pid(int(url.rsplit(":", 1)[1])))
+            for n in range(args.rounds):
+                order = list(systems)[n % len(systems) :] + list(systems)[: n % len(systems)]
+                round_: dict[str, Any] = {}
+                for model, c in POINTS:
+                    point = round_.setdefault(f"{model}_c{c}", {})
+                    for name in order:
+                        if name == "echo" and c == 1:
+                            continue
+                        url, pid = systems[name]
+                        point[name] = measure(args.pa, url, "echo" if name == "echo" else model,
+                                              c, args.interval_ms, pid)  # fmt: skip
+                        print(f"round {n + 1} {model} c={c} {name}: {point[name]['req_s']:,.0f} "
+                              f"req/s p50 {point[name]['p50_ms']:.2f} ms", flush=True)  # fmt: skip
+                r["rounds"].append(round_)
+    if args.json:
+        args.json.write_text(json.dumps(r, indent=2) + "\n")
+    print(markdown(r))
+    return r
+
+
+def _mean(r: dict[str, Any], point: str, system: str, key: str) -> float | None:
+    values = [x[point][system][key] for x in r["rounds"] if system in x[point]]
+    return sum(values) / len(values) if values else None
+
+
+def markdown(r: dict[str, Any]) -> str:
+    systems = list(dict.fromkeys(s for x in r["rounds"] for p in x.values() for s in p))
+    peers = [s for s in systems if s not in ("echo", "batchd")]
+    lines = [
+        f"batchd (untuned models: no `[batching]` table; default flags) against "
+        f"{', '.join(peers) or 'no peer'} and the echo ceiling; {r['cpu']}, {r['cores']} "
+        f"cores; {len(r['rounds'])} rounds, alternating; req/s per round (p50 ms at c=1).",
+        "",
+        "| point | " + " | ".join(systems) + " | batchd / echo | "
+        + " | ".join(f"batchd / {p}" for p in peers) + " |",
+        "|---" * (len(systems) + 2 + len(peers)) + "|",
+    ]  # fmt: skip
+    for point in r["rounds"][0]:
+        key = "p50_ms" if point.endswith("_c1") else "req_s"
+        cells = []
+        for s in systems:
+            got = [x[point][s][key] for x in r["rounds"] if s in x[point]]
+            cells.append(
+                " / ".join(f"{v:,.2f}" if key == "p50_ms" else f"{v:,.0f}" for v in got) or "-"
+            )
+        b, e = _mean(r, point, "batchd", key), _mean(r, point, "echo", key)
+        ratios = [f"{b / e:.2f}{TIMES}" if b and e else "-"]
+        ratios += [
+            f"{b / m:.2f}{TIMES}" if b and (m := _mean(r, point, p, key)) else "-" for p in peers
+        ]
+        lines.append(f"| {point.replace('_c', ' c=')} | " + " | ".join(cells + ratios) + " |")
+    lines += ["", "CPU per request (µs: server / its children / perf_analyzer) and the limit it "
+              "implies (cores / their sum), first round:", "",
+              "| point | " + " | ".join(systems) + " |",
+              "|---" * (len(systems) + 1) + "|"]  # fmt: skip
+    for point, by in r["rounds"][0].items():
+        cells = []
+        for s in systems:
+            m = by.get(s)
+            cpu = m and m.get("cpu_us_per_request")
+            cells.append(
+                f"{cpu['frontend']} / {cpu['worker']} / {cpu['load']} "
+                f"(limit {m['cpu_limit_req_s']:,})"
+                if cpu
+                else "-"
+            )
+        lines.append(f"| {point.replace('_c', ' c=')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
