@@ -73,9 +73,14 @@ class BatchInputSpec:
     source: str
 
 
+AUTO_DELAY_MAX_US = 20_000  # the longest an automatic queue delay waits
+
+
 @dataclass(frozen=True, slots=True)
 class BatchingConfig:
-    max_queue_delay_us: int = 1000
+    # None: automatic (server/batching/queues.py): the time a full batch takes to
+    # arrive at the model's measured arrival rate, at most AUTO_DELAY_MAX_US.
+    max_queue_delay_us: int | None = None
     max_queue_size: int = 1024  # requests waiting, per model
     default_timeout_us: int = 0  # 0 = only the caller's deadline
     preferred_batch_sizes: tuple[int, ...] = ()
@@ -256,7 +261,9 @@ def _batching(r: Reader, max_batch_size: int, ragged: bool) -> BatchingConfig:
             f"expected one size per level ({levels}), got {len(level_sizes)}",
         )
     cfg = BatchingConfig(
-        max_queue_delay_us=r.integer("max_queue_delay_us", d.max_queue_delay_us),
+        max_queue_delay_us=(
+            r.integer("max_queue_delay_us", 0) if "max_queue_delay_us" in r.table else None
+        ),
         max_queue_size=r.integer("max_queue_size", d.max_queue_size, 1),
         default_timeout_us=r.integer("default_timeout_us", 0),
         preferred_batch_sizes=tuple(sorted(set(preferred))),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import AUTO_DELAY_MAX_US, ModelConfig
 
 
 def model_metadata(cfg: ModelConfig) -> pb.ModelMetadataResponse:
@@ -48,7 +48,10 @@ def model_config(cfg: ModelConfig) -> pb.ModelConfigResponse:
                 for t in cfg.outputs
             ],
             dynamic_batching=pb.ModelDynamicBatching(
-                max_queue_delay_microseconds=cfg.batching.max_queue_delay_us,
+                # automatic: its ceiling (the delay itself follows the arrival rate)
+                max_queue_delay_microseconds=AUTO_DELAY_MAX_US
+                if cfg.batching.max_queue_delay_us is None
+                else cfg.batching.max_queue_delay_us,
                 preferred_batch_size=cfg.batching.preferred_batch_sizes,
                 priority_levels=cfg.batching.priority_levels,
                 default_priority_level=cfg.batching.default_priority_level,

@@ -9,11 +9,14 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import AUTO_DELAY_MAX_US, ModelConfig
 from batchd.server.batching.latency import LatencyTarget
 from batchd.server.batching.plan import Plan, plan_batch
 from batchd.server.errors import DeadlineExceeded, clip
 from batchd.server.request import Request
+
+RATE_WINDOW_S = 0.05  # arrivals are counted over windows of this length
+AUTO_DELAY_MIN_S = 0.001  # the automatic delay before any rate is measured
 
 
 def expire(request: Request, now: float) -> None:
@@ -54,6 +57,8 @@ class ModelQueue:
         self.target = (
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
         )
+        self.rate = 0.0  # rows arriving per second, measured (for the automatic delay)
+        self._window_at, self._window_rows = -math.inf, 0
 
     def __len__(self) -> int:
         if len(self.levels) == 1:  # no priority levels: asked on every arrival
@@ -64,8 +69,28 @@ class ModelQueue:
     def cap(self) -> int:
         return self.target.cap if self.target else self.max_rows
 
+    def arrived(self, now: float, rows: int) -> None:
+        """Count an arrival for the measured arrival rate (rows per second)."""
+        self._window_rows += rows
+        elapsed = now - self._window_at
+        if elapsed >= RATE_WINDOW_S:
+            rate = self._window_rows / elapsed
+            self.rate = rate if elapsed > 4 * RATE_WINDOW_S else 0.5 * self.rate + 0.5 * rate
+            self._window_at, self._window_rows = now, 0
+
     def delay_s(self) -> float:
-        configured = self.config.batching.max_queue_delay_us / 1e6
+        """How long a partial batch may wait to fill (when waiting is on at all: the
+        worker is busy, or the frontend's loop saturated; decision.py). Configured
+        (`max_queue_delay_us`), or automatic: the time a full batch takes to arrive at
+        the measured rate, at most AUTO_DELAY_MAX_US. Waiting longer cannot fill it,
+        waiting less sends it part empty while more requests are on their way."""
+        configured_us = self.config.batching.max_queue_delay_us
+        if configured_us is not None:
+            configured = configured_us / 1e6
+        elif self.rate > 0:
+            configured = min(AUTO_DELAY_MAX_US / 1e6, self.cap / self.rate)
+        else:
+            configured = AUTO_DELAY_MIN_S
         return self.target.delay_s(configured) if self.target else configured
 
     def compact(self, now: float) -> None:

@@ -151,6 +151,7 @@ class Scheduler:
             )
         if not request.background:  # the job lane is bounded by its runner
             self._admit(q, request.level, count, now)
+            q.arrived(now, request.rows)
         parts = split_request(request, per_batch) if count > 1 else [request]
         loop = asyncio.get_running_loop()
         for part in parts:
