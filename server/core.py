@@ -173,6 +173,7 @@ class Core:
             version=model.version,
             tensors=tensors,
             loaded=loaded,
+            alone=batch.suspect,
         )
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
@@ -318,9 +319,9 @@ class Core:
         for r, result in zip(batch.requests, results, strict=True):
             if not r.future.done():
                 r.future.set_result(result)
-        self._record(batch, received, header.compute_ns)
+        self._record(batch, received, header.compute_ns, header.forward_rows)
 
-    def _record(self, batch: Batch, received: float, infer_ns: int) -> None:
+    def _record(self, batch: Batch, received: float, infer_ns: int, forward_rows: int) -> None:
         done = self._clock()
         round_trip_ns = int((received - batch.sent_at) * 1e9)
         rows = sum(r.rows for r in batch.requests)
@@ -338,4 +339,5 @@ class Core:
             input_ns=max(0, round_trip_ns - infer_ns),
             infer_ns=infer_ns,
             output_ns=int((done - received) * 1e9),
+            forward_rows=forward_rows,
         )

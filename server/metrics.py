@@ -105,6 +105,11 @@ class Collector:
         yield self._per_model(
             "batchd_inference_exec_count", "Batches executed", lambda s: s.execution_count
         )
+        yield self._per_model(
+            "batchd_forward_rows",
+            "Rows of the forwards that ran this frontend's batches (other frontends' merged in)",
+            lambda s: s.forward_rows,
+        )
         pending = GaugeMetricFamily(
             "batchd_inference_pending_request_count",
             "Requests waiting in the model's queue",

@@ -91,6 +91,9 @@ class ModelStats:
     first_output: Histogram = field(default_factory=Histogram)  # admission -> first output
     between_outputs: Histogram = field(default_factory=Histogram)  # one output -> the next
     slots: dict[int, int] = field(default_factory=lambda: defaultdict(int))  # active -> steps
+    # Rows of the forwards that ran this frontend's batches: with --frontends N a
+    # worker merges the batches of several frontends (worker/merge.py).
+    forward_rows: int = 0
 
     def average_batch_size(self) -> float:
         return self.inference_count / self.execution_count if self.execution_count else 0.0
@@ -120,9 +123,12 @@ class Stats:
         input_ns: int,
         infer_ns: int,
         output_ns: int,
+        forward_rows: int = 0,
     ) -> None:
-        """A batch came back with results; `queue_ns` is summed over its requests."""
+        """A batch came back with results; `queue_ns` is summed over its requests;
+        `forward_rows`: the rows of the forward that ran it (0: its own)."""
         m = self._models[model]
+        m.forward_rows += forward_rows or rows
         m.inference_count += rows
         m.execution_count += 1
         m.last_inference_ms = time.time_ns() // 1_000_000

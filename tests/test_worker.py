@@ -287,3 +287,43 @@ def test_a_relative_path_that_misses_a_file_beside_model_py_says_how_to_find_it(
     message = str(info.value)
     assert "'scale.txt'" in message and str(tmp_path / "elsewhere") in message
     assert "Path(__file__).parent / 'scale.txt'" in message
+
+
+COUNTING_MODEL = """
+def load(device):
+    def forward(x):
+        return x * 0 + x.shape[0]  # every row says how many rows its forward had
+    return forward
+"""
+
+
+def test_batches_waiting_from_several_frontends_run_as_one_forward(tmp_path: Path) -> None:
+    """Three batches of one model wait (frontends 0, 1, 0) with a retry marked alone
+    behind them: the first three run as one forward of 1 + 2 + 3 rows, each answered
+    to its own frontend with its own rows; the alone one runs by itself."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(COUNTING_MODEL))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    ctx: zmq.Context[Any] = zmq.Context()
+    results = ctx.socket(zmq.PAIR)
+    results.bind(runner_module._RESULTS)
+    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+    try:
+        assert wire.unpack(runner._load(header))[0].error == ""
+        for batch_id, (frontend, rows) in enumerate([(0, 1), (1, 2), (0, 3), (1, 1)], 1):
+            tensors, frames = batch(np.full((rows, 4), batch_id, np.float32))
+            h = wire.Header(kind=wire.Header.BATCH, batch_id=batch_id, model=d.name,
+                            version="1", tensors=tensors, alone=batch_id == 4)  # fmt: skip
+            runner._work.put((frontend, h, frames))
+        runner._work.put(None)
+        runner._compute(ctx)  # runs what is queued, then stops at None
+        got = {}
+        for _ in range(4):
+            first, *parts = results.recv_multipart()
+            reply, out = wire.unpack(parts)
+            y = from_raw(reply.tensors[0].datatype, reply.tensors[0].shape, bytes(out[0]))
+            got[reply.batch_id] = (first[0], y.shape[0], float(y.max()), reply.forward_rows)
+    finally:
+        results.close(linger=0)
+        ctx.term()
+        gc.unfreeze()
+    assert got == {1: (0, 1, 6.0, 6), 2: (1, 2, 6.0, 6), 3: (0, 3, 6.0, 6), 4: (1, 1, 1.0, 1)}

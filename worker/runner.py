@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ import zmq
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.protos.repository import find_model
+from batchd.worker import merge
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.generate import Reply, StepLoop
@@ -95,31 +97,46 @@ class Runner:
             # this ends (a batch, a load, the sequences a STEP message ends).
             out.send_multipart([bytes([frontend]) + ends.to_bytes(4, "little"), *parts], copy=False)
 
+        held: merge.Item | None = None  # taken while gathering a forward, not merged
         try:
             while True:
-                busy = any(loop.busy for loop in self.loops.values())
-                try:  # while sequences step, take what has come without waiting
-                    item = self._work.get_nowait() if busy else self._work.get()
-                except queue.Empty:
-                    for loop in self.loops.values():
-                        if loop.busy:
-                            for frontend, parts, ends in loop.round():
-                                reply(frontend, parts, ends)
-                    continue
+                item: merge.Item | None
+                if held is not None:
+                    item, held = held, None
+                elif any(loop.busy for loop in self.loops.values()):
+                    try:  # while sequences step, take what has come without waiting
+                        item = self._work.get_nowait()
+                    except queue.Empty:
+                        for loop in self.loops.values():
+                            if loop.busy:
+                                for frontend, parts, ends in loop.round():
+                                    reply(frontend, parts, ends)
+                        continue
+                else:
+                    item = self._work.get()
                 if item is None:
                     return
-                frontend, header, frames = item
-                if header.kind == wire.Header.LOAD:
-                    reply(frontend, self._load(header))
-                elif header.kind == wire.Header.UNLOAD:
-                    self._unload(header)
-                elif header.kind in (wire.Header.START, wire.Header.CANCEL):
-                    for to, parts, ends in self._sequence(frontend, header, frames):
-                        reply(to, parts, ends)
-                else:
-                    reply(frontend, self._run(header, frames))
+                held = self._handle(item, reply)
         finally:
             out.close(linger=0)
+
+    def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
+        """Do one piece of work from a frontend; returns an item taken but not done
+        (a batch that could not join the forward gathered here), to do next."""
+        frontend, header, frames = item
+        if header.kind == wire.Header.LOAD:
+            reply(frontend, self._load(header))
+        elif header.kind == wire.Header.UNLOAD:
+            self._unload(header)
+        elif header.kind in (wire.Header.START, wire.Header.CANCEL):
+            for to, parts, ends in self._sequence(frontend, header, frames):
+                reply(to, parts, ends)
+        else:
+            group, held = self._gather(item)
+            for to, parts in self._run(group):
+                reply(to, parts)
+            return held
+        return None
 
     def _sequence(self, frontend: int, header: wire.Header,
                   frames: list[Any]) -> list[Reply]:  # fmt: skip
@@ -185,8 +202,30 @@ class Runner:
                 extra={"model": header.model},
             )
 
-    def _run(self, header: wire.Header, frames: list[Any]) -> list[Any]:
-        reply = wire.Header(kind=wire.Header.RESULT, batch_id=header.batch_id, model=header.model)
+    def _gather(self, first: merge.Item) -> tuple[list[merge.Item], merge.Item | None]:
+        """`first` and the batches waiting behind it that one forward can take with it
+        (merge.py); and the item taken that could not join, to run next."""
+        group, header = [first], first[1]
+        entry = self.models.get(model_key(header.model, header.version))
+        if entry is None:
+            return group, None
+        rows = merge.rows_of(header)
+        while True:
+            try:
+                item = self._work.get_nowait()
+            except queue.Empty:
+                return group, None
+            if item is None:  # a stop: it comes back after this forward
+                self._work.put(None)
+                return group, None
+            if not merge.can_merge(entry[0], header, item[1], rows):
+                return group, item
+            group.append(item)
+            rows += merge.rows_of(item[1])
+
+    def _run(self, group: list[merge.Item]) -> list[tuple[int, list[Any]]]:
+        """One forward for the batches of `group`; a reply for each, to its frontend."""
+        header = group[0][1]
         entry = self.models.get(model_key(header.model, header.version))
         try:
             if entry is None:
@@ -196,22 +235,29 @@ class Runner:
                 )
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
+            tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
             start = time.perf_counter_ns()
-            tensors, out_frames = run_batch(fn, cfg, self.options.device, header.tensors, frames)
-            reply.compute_ns = time.perf_counter_ns() - start
-            reply.tensors.extend(tensors)
-            return wire.pack(reply, out_frames)
+            out_tensors, out_frames = run_batch(fn, cfg, self.options.device, tensors, frames)
+            compute_ns = time.perf_counter_ns() - start
         except Exception as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
             message = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
-            return wire.pack(
-                wire.Header(
-                    kind=wire.Header.ERROR,
-                    batch_id=header.batch_id,
-                    model=header.model,
-                    error=message,
-                )
-            )
+            return [
+                (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
+                                          model=h.model, error=message)))
+                for f, h, _ in group
+            ]  # fmt: skip
+        rows = [merge.rows_of(h) for _, h, _ in group]
+        parts = merge.split(out_tensors, out_frames, rows) if len(group) > 1 else None
+        replies = []
+        for n, (f, h, _) in enumerate(group):
+            ts, fs = parts[n] if parts else (out_tensors, out_frames)
+            reply = wire.Header(
+                kind=wire.Header.RESULT, batch_id=h.batch_id, model=h.model,
+                compute_ns=compute_ns, forward_rows=sum(rows), tensors=ts,
+            )  # fmt: skip
+            replies.append((f, wire.pack(reply, fs)))
+        return replies
 
     def _use_threads(self, threads: int) -> None:
         """Run the next batches with `threads` intra-op threads (the frontend says with
