@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +62,44 @@ def measure(pa: str, url: str, model: str, c: int, ms: int, pid: int | None) -> 
     return r
 
 
+def scrape(port: int, name: str, model: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search(rf'^{name}{{model="{model}",version="1"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def frontends(repo: Path, tmp: Path, count: int, seconds: float) -> dict[str, Any]:
+    """tiny at concurrency 32 over 8 connections (the kernel spreads connections over
+    the frontends) with `--frontends count`; batches as the first frontend saw them:
+    its own rows per batch, and the rows of the forwards that ran them."""
+    serve = [PY, "-m", "batchd.server", "--model-repository", str(repo), "--grpc-port",
+             "18191", "--metrics-port", "18192", "--log-level", "WARNING",
+             "--jobs-dir", str(tmp / f"jobs-f{count}"), "--frontends", str(count)]  # fmt: skip
+    with running(serve, 18191), tempfile.NamedTemporaryFile(suffix=".json") as out:
+        names = ("inference_count", "inference_exec_count", "forward_rows")
+        before = [scrape(18192, f"batchd_{n}_total", "tiny") for n in names]
+        subprocess.run(
+            [PY, "-m", "batchd.client.bench", "--url", "127.0.0.1:18191", "--model", "tiny",
+             "--concurrency", "32", "--connections", "8", "--duration", str(seconds),
+             "--json", out.name, "--quiet"],
+            cwd=ROOT, check=True, capture_output=True,
+        )  # fmt: skip
+        rows, batches, forward = (
+            scrape(18192, f"batchd_{n}_total", "tiny") - b
+            for n, b in zip(names, before, strict=True)
+        )
+        req_s = float(json.loads(Path(out.name).read_text())["levels"][0]["throughput"])
+    return {"frontends": count, "req_s": round(req_s), "own_batch": round(rows / batches, 1),
+            "forward_batch": round(forward / batches, 1)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pa", required=True, help="perf_analyzer")
     p.add_argument("--peer", action="append", default=[], metavar="NAME=URL")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--interval-ms", type=int, default=4000)
+    p.add_argument("--frontends", default="1,2,4", help="--frontends N to measure tiny with")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     peers = dict(x.split("=", 1) for x in args.peer)
@@ -96,6 +129,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         print(f"round {n + 1} {model} c={c} {name}: {point[name]['req_s']:,.0f} "
                               f"req/s p50 {point[name]['p50_ms']:.2f} ms", flush=True)  # fmt: skip
                 r["rounds"].append(round_)
+        counts = [int(n) for n in args.frontends.split(",") if n]
+        r["frontends"] = [
+            frontends(repo, Path(tmp), n, 5.0) for _ in range(args.rounds) for n in counts
+        ]
     if args.json:
         args.json.write_text(json.dumps(r, indent=2) + "\n")
     print(markdown(r))
@@ -149,6 +186,16 @@ def markdown(r: dict[str, Any]) -> str:
                 else "-"
             )
         lines.append(f"| {point.replace('_c', ' c=')} | " + " | ".join(cells) + " |")
+    if r.get("frontends"):
+        lines += ["", "tiny c=32 over 8 connections (`batchd bench`), `--frontends N`; rows per "
+                  "batch as the first frontend sent them, and per forward (batches several "
+                  "frontends sent at once run as one):", "",
+                  "| N | req/s | rows per batch | rows per forward |",
+                  "|---|---|---|---|"]  # fmt: skip
+        for f in r["frontends"]:
+            lines.append(
+                f"| {f['frontends']} | {f['req_s']:,} | {f['own_batch']} | {f['forward_batch']} |"
+            )
     return "\n".join(lines)
 
 

@@ -19,6 +19,10 @@
 6. bench/jobs.py: batch jobs (issue 18): a 100,000-line mlp job's rows/s
    against `batchd bench` at its best concurrency, the online mlp p99 with and
    without a job running, and the frontend's RSS through 100k- and 1M-line jobs.
+7. bench/peers.py: batchd with UNTUNED models (no `[batching]` table) and default
+   flags against the echo ceiling and every `--peer NAME=URL` (e.g. PyTriton from
+   ../shared/peers/pytriton/serve.sh), alternating, 2 rounds, CPU per request by
+   process; and tiny with `--frontends 1, 2, 4`: batch and forward sizes.
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -171,6 +175,10 @@ def main() -> None:
     p.add_argument("--sweep-seconds", type=float, default=4.0, help="batchd bench per level")
     p.add_argument("--stepwise-seconds", type=float, default=10.0, help="bench/stepwise.py runs")
     p.add_argument("--job-lines", type=int, default=100_000, help="bench/jobs.py's mlp job")
+    p.add_argument(
+        "--peer", action="append", default=[], metavar="NAME=URL",
+        help="another OIP server serving mlp and tiny, measured beside batchd (repeatable)",
+    )  # fmt: skip
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pa = (
@@ -244,6 +252,11 @@ def main() -> None:
     }
     print("batch jobs ...", flush=True)
     r["jobs"] = jobs.main(["--lines", str(args.job_lines)])
+    print("untuned models against the peers ...", flush=True)
+    import peers  # it imports this module's perf_analyzer and running
+
+    peer_args = [x for peer in args.peer for x in ("--peer", peer)]
+    r["peers"] = peers.main(["--pa", pa, *peer_args, "--json", str(args.out / "peers.json")])
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
@@ -405,6 +418,10 @@ def markdown(r: dict) -> str:
         lines += [stepwise.markdown(result), ""]
     if "jobs" in r:
         lines += [jobs.markdown(r["jobs"]), ""]
+    if "peers" in r:
+        import peers
+
+        lines += [peers.markdown(r["peers"]), ""]
     return "\n".join(lines)
 
 
