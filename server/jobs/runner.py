@@ -170,7 +170,6 @@ class JobRun:
         self._on_lines = on_lines  # (model, answered, failed): for the metrics
         self.cancelling = False
         self._inflight: deque[Chunk] = deque()
-        self._wake = asyncio.Event()
         self.completed, self.failed = row.completed, row.failed
         self.rate = 0.0
         self._written = Chunk([], row.input_offset, row.lines_read)  # the last chunk written
@@ -181,7 +180,6 @@ class JobRun:
         for chunk in self._inflight:
             for f in chunk.futures:
                 f.cancel()
-        self._wake.set()
 
     async def run(self) -> None:
         row = self.row
@@ -215,7 +213,6 @@ class JobRun:
                 reader.close()
 
     async def _loop(self, model: ModelConfig, reader: Reader, out: BinaryIO) -> tuple[str, str]:
-        self._written = Chunk([], self.row.input_offset, self.row.lines_read)
         try:
             return await self._steps(model, reader, out)
         except asyncio.CancelledError:  # the server stops: keep what is written, run on later
@@ -307,10 +304,6 @@ class Jobs:
 
     def wake(self) -> None:
         self._wake.set()
-
-    def rate(self, job_id: str) -> float:
-        run = self.running.get(job_id)
-        return run.rate if run is not None else 0.0
 
     def cancel(self, job_id: str) -> None:
         self.store.cancel(job_id)
