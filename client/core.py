@@ -235,6 +235,27 @@ class ClientCore:
             yield Wait(wait)
             attempt += 1
 
+    def _request(
+        self,
+        model: str,
+        inputs: Inputs,
+        outputs: Sequence[str] | None,
+        request_id: str,
+        datatypes: Mapping[str, str] | None,
+        parameters: Mapping[str, Any] | None,
+    ) -> Steps[pb.ModelInferRequest]:
+        """The ModelInferRequest for `inputs`; a bare array is named from the model's
+        metadata (one input)."""
+        meta = (yield from self.model_metadata(model)) if isinstance(inputs, np.ndarray) else None
+        return build_request(
+            model,
+            _named(inputs, meta),
+            outputs,
+            request_id=request_id,
+            datatypes=datatypes,
+            parameters=parameters,
+        )
+
     def infer(
         self,
         model: str,
@@ -248,15 +269,7 @@ class ClientCore:
         retries: int | None = None,
     ) -> Steps[dict[str, np.ndarray]]:
         """Run `model` on `inputs` (name->array, or one array for a one-input model)."""
-        meta = (yield from self.model_metadata(model)) if isinstance(inputs, np.ndarray) else None
-        msg = build_request(
-            model,
-            _named(inputs, meta),
-            outputs,
-            request_id=request_id,
-            datatypes=datatypes,
-            parameters=parameters,
-        )
+        msg = yield from self._request(model, inputs, outputs, request_id, datatypes, parameters)
         return parse_response((yield from self.call("ModelInfer", msg, timeout, retries)))
 
     def stream(
@@ -275,15 +288,8 @@ class ClientCore:
         Not retried: outputs may have reached the caller."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        meta = (yield from self.model_metadata(model)) if isinstance(inputs, np.ndarray) else None
-        msg = build_request(
-            model,
-            _named(inputs, meta),
-            outputs,
-            request_id=request_id,
-            datatypes=datatypes,
-            parameters={**STREAM_PARAMETERS, **(parameters or {})},
-        )
+        parameters = {**STREAM_PARAMETERS, **(parameters or {})}
+        msg = yield from self._request(model, inputs, outputs, request_id, datatypes, parameters)
         yield Open("ModelStreamInfer", msg, _remaining(deadline))
         while True:
             response, final = stream_read((yield READ))
