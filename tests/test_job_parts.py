@@ -25,6 +25,7 @@ from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import lines, runner
 from batchd.server.jobs.runner import JobRun
+from batchd.server.jobs.service import check_ids
 from batchd.server.jobs.store import InUse, Store
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, request, run
@@ -311,3 +312,15 @@ def test_a_line_over_the_limit_is_skipped_in_bounded_pieces() -> None:
     assert lines.read_line(f, limit=4) == (b"ok\n", 3, False)
     assert lines.read_line(f, limit=4) == (b"yyyy", 9, True)  # the last line has no newline
     assert lines.read_line(f, limit=4) == (b"", 0, False)
+
+
+def test_a_duplicate_repeated_on_every_line_is_named_briefly(tmp_path: Path) -> None:
+    path = tmp_path / "in.jsonl"
+    path.write_text(
+        "".join('{"custom_id": "same"}\n' for _ in range(10_000)) + '{"custom_id": "x"}\n'
+    )
+    with pytest.raises(BatchdError) as refused:
+        check_ids(path, tmp_path / "ids.sqlite")
+    assert refused.value.message == (
+        "duplicate custom_id: 'same' on lines 1, 2, 3, 4, ... (10000 lines); each must be unique"
+    )

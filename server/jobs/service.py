@@ -38,8 +38,19 @@ from batchd.server.jobs.runner import JobFailed, Jobs, job_model
 from batchd.server.jobs.store import OPEN, STATUSES, JobRow
 
 READ_PIECE = 1024 * 1024  # bytes of results per JobResults message
-SHOWN_DUPLICATES = 5
+SHOWN_DUPLICATES = 5  # custom_ids named in a duplicates error ...
+SHOWN_LINES = 4  # ... and line numbers for each
 MIN_FREE_BYTES = 256 * 1024 * 1024  # an upload stops before the jobs disk has less free
+
+
+def _first_lines(db: sqlite3.Connection, cid: str, count: int) -> str:
+    """The first SHOWN_LINES line numbers of `cid` (of its `count`): a message stays short
+    whatever the file repeats."""
+    found = db.execute(
+        f"SELECT line FROM ids WHERE cid = ? ORDER BY line LIMIT {SHOWN_LINES}", (cid,)
+    )
+    at = ", ".join(str(n) for (n,) in found)
+    return at if count <= SHOWN_LINES else f"{at}, ... ({count} lines)"
 
 
 def check_ids(path: Path, scratch: Path) -> int:
@@ -71,14 +82,17 @@ def check_ids(path: Path, scratch: Path) -> int:
                     batch.clear()
         db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
         twice = db.execute(
-            "SELECT cid, group_concat(line, ', ') FROM ids GROUP BY cid HAVING count(*) > 1 "
+            "SELECT cid, count(*) FROM ids GROUP BY cid HAVING count(*) > 1 "
             f"ORDER BY min(line) LIMIT {SHOWN_DUPLICATES + 1}"
         ).fetchall()
+        shown = "; ".join(
+            f"{clip(cid)} on lines {_first_lines(db, cid, n)}"
+            for cid, n in twice[:SHOWN_DUPLICATES]
+        )
     finally:
         db.close()
         scratch.unlink(missing_ok=True)
     if twice:
-        shown = "; ".join(f"{clip(cid)} on lines {at}" for cid, at in twice[:SHOWN_DUPLICATES])
         more = " (and more)" if len(twice) > SHOWN_DUPLICATES else ""
         raise InvalidInput(f"duplicate custom_id: {shown}{more}; each must be unique")
     return total
