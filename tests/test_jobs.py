@@ -132,6 +132,9 @@ def test_submission_is_refused_with_the_reason(example_server: ServerProcess,
             c.submit_job("tiny", lines)
         with pytest.raises(ModelNotFound, match="model 'nope' is not loaded"):
             c.submit_job("nope", lines[:1])
+        with pytest.raises(ModelNotFound, match=r"'nnnn.*\.\.\. \(100000 characters\)") as e:
+            c.submit_job("n" * 100_000, lines[:1])
+        assert len(str(e.value)) < 300  # quoted short, not echoed whole
         with pytest.raises(ModelNotFound, match="step-wise"):
             c.submit_job("decoder", lines[:1])
         with pytest.raises(ModelNotFound, match="no job 'job-0'"):

@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
-from batchd.server.errors import BatchdError
+from batchd.server.errors import BatchdError, clip
 from batchd.server.jobs import lines
 from batchd.server.jobs.store import JobRow, Store
 from batchd.server.request import Request, Tensor
@@ -65,10 +65,10 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
     cfg = models.get(name)
     if cfg is None:
         known = ", ".join(sorted(models)) or "none"
-        raise JobFailed(f"model {name!r} is not loaded (loaded: {known})")
+        raise JobFailed(f"model {clip(name)} is not loaded (loaded: {known})")
     if version and version != cfg.version:
         raise JobFailed(
-            f"model {name!r} has no version {version!r} loaded (it has {cfg.version!r})"
+            f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
         )
     if cfg.generate is not None:
         raise JobFailed(f"model {name!r} is step-wise (decoupled); jobs run one-shot models only")
