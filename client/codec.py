@@ -9,7 +9,7 @@ import numpy as np
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
-from batchd.protos.tensors import from_raw, to_raw
+from batchd.protos.tensors import from_raw, set_parameter, to_raw
 
 
 def build_request(
@@ -30,15 +30,8 @@ def build_request(
     for name in outputs or ():
         msg.outputs.add(name=name)
     for key, v in (parameters or {}).items():
-        p = msg.parameters[key]
-        if isinstance(v, bool):
-            p.bool_param = v
-        elif isinstance(v, int):
-            p.int64_param = v
-        elif isinstance(v, float):
-            p.double_param = v
-        else:
-            p.string_param = str(v)
+        if not set_parameter(msg.parameters[key], v):
+            msg.parameters[key].string_param = str(v)
     return msg
 
 

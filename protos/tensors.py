@@ -159,3 +159,21 @@ def contents_to_raw(datatype: str, values: Sequence[Any]) -> bytes:
     if dt.is_bytes:
         return serialize_bytes(values)
     return np.asarray(values, dtype=dt.numpy).tobytes()
+
+
+def set_parameter(target: Any, value: Any) -> bool:
+    """Fill an InferParameter from a Python bool, int, float or str; False (and
+    nothing set) for any other value or an int beyond 64 bits."""
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int) and -(1 << 63) <= value < 1 << 63:
+        target.int64_param = value
+    elif isinstance(value, int) and 0 <= value < 1 << 64:
+        target.uint64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    elif isinstance(value, str):
+        target.string_param = value
+    else:
+        return False
+    return True

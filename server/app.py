@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import grpc
 import zmq
 import zmq.asyncio
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from batchd.protos import inference_pb2, inference_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+from batchd.protos import inference_pb2, inference_pb2_grpc, jobs_pb2, jobs_pb2_grpc, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
@@ -43,7 +44,8 @@ from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
-from batchd.server.security import grpc_options, listen, preflight
+from batchd.server.rest import RestApi, serve_rest
+from batchd.server.security import grpc_options, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Launch, WorkerSpec, plan_workers
@@ -121,6 +123,8 @@ class _Parts:
     port: int
     registry: CollectorRegistry
     jobs: Jobs | None
+    rest: RestApi
+    http: web.AppRunner | None = None  # serving `rest`, once started
 
 
 def _build(
@@ -135,7 +139,7 @@ def _build(
         specs = plan_workers(list(repository.values()), w.device_list(), w.threads)
     launch = Launch(
         cfg.model_repository, tuple(specs), endpoint, cfg.logging.level, cfg.logging.format,
-        cfg.security.worker_keys,
+        cfg.security.worker_keys, cfg.tracing.otlp_endpoint,
     )  # fmt: skip
     load = LoopLoad.current()
     core = Core(
@@ -150,14 +154,21 @@ def _build(
     )
     core.control.start_with(_models_at_start(cfg, repository))
     limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)
+    otlp = traces.endpoint(cfg.tracing.otlp_endpoint)
     service = InferenceService(
-        core, limits=limits, calls_per_connection=cfg.connections.max_concurrent_streams
-    )
+        core, limits=limits, calls_per_connection=cfg.connections.max_concurrent_streams,
+        tracing=None if otlp is None else traces.Tracing.start("frontend", otlp),
+    )  # fmt: skip
     health = HealthServicer()
     jobs, off = _jobs(cfg, core, limits)
     tokens = cfg.security.auth_token_file
     jobs_service = JobsService(jobs, off, None if tokens is None else load_tokens(tokens))
     server, port = _grpc_server(cfg, service, health, jobs_service)
+    rest = RestApi(
+        service, core, jobs_service, None if tokens is None else load_tokens(tokens),
+        max_body_bytes=cfg.network.max_message_bytes,
+        body_timeout_s=cfg.connections.handshake_timeout_s,
+    )  # fmt: skip
     registry = CollectorRegistry()  # this server's own: nothing is registered globally
     if jobs is not None:
         registry.register(jobs)
@@ -178,7 +189,7 @@ def _build(
             core.scheduler.pending_jobs,
         )
     )
-    return _Parts(core, service, health, server, port, registry, jobs)
+    return _Parts(core, service, health, server, port, registry, jobs, rest)
 
 
 def _jobs(cfg: ServerConfig, core: Core, limits: Limits) -> tuple[Jobs | None, str]:
@@ -214,6 +225,19 @@ def _models_at_start(
     return {n: repository[n] for n in cfg.models.load}
 
 
+async def _start_http(cfg: ServerConfig, p: _Parts) -> int:
+    """Serve the REST API on --http-port; its port, or -1 when it is off."""
+    if cfg.network.http_port < 0:
+        return -1
+    p.http, port = await serve_rest(
+        p.rest, cfg.network.host, cfg.network.http_port,
+        ssl_context=ssl_context(cfg.security), reuse_port=cfg.frontends.count > 1,
+        header_timeout_s=cfg.connections.handshake_timeout_s,
+    )  # fmt: skip
+    log.info("serving HTTP on %s:%d", cfg.network.host, port)
+    return port
+
+
 async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> None:
     """Refuse new work, drain the admitted, answer leftovers, then stop workers
     (after the other frontends, which need them to drain)."""
@@ -229,11 +253,15 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> 
         log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
     p.core.fail_all(Unavailable("the server stopped before this request could finish"))
     await p.server.stop(grace=1.0)
+    if p.http is not None:
+        await p.http.cleanup()
     if others is not None:
         await others
     if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
     await p.core.supervisor.stop()
+    if p.service.tracing is not None:  # export the spans left
+        await asyncio.to_thread(p.service.tracing.shutdown)
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
 
 
@@ -264,6 +292,7 @@ async def serve(cfg: ServerConfig) -> None:
         router.bind(endpoint)
         p = _build(cfg, repository, router, ",".join(every) or endpoint)
         await p.server.start()
+        http_port = await _start_http(cfg, p)
         # Everything built so far (modules, configs, grpc's and protobuf's objects) lives
         # as long as the process: out of the collector's sight, a full collection walks
         # only what requests create. Measured under load: 15 full collections in 35 s,
@@ -289,7 +318,7 @@ async def serve(cfg: ServerConfig) -> None:
                     tg.create_task(_track_health(p.health, p.service, p.core), name="health"),
                 ]
                 if children is not None:
-                    tasks.append(tg.create_task(children.run(p.port), name="frontends"))
+                    tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))
                 if p.jobs is not None:
                     tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
                 if fronts.index:

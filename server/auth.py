@@ -101,6 +101,12 @@ def bearer(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
     return None
 
 
+def bearer_header(value: str) -> bytes | None:
+    """The token of an HTTP `Authorization: Bearer <token>` header, if any."""
+    kind, _, token = value.partition(" ")
+    return token.strip().encode() if kind.lower() == "bearer" and token.strip() else None
+
+
 async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     with grpc_status(context):
         raise Unauthenticated(DENIED)

@@ -64,6 +64,10 @@ class Network:
 
     host: str = setting("127.0.0.1", "--host", "address to listen on (0.0.0.0 exposes it)")
     grpc_port: int = setting(8001, "--grpc-port", "gRPC port; 0 picks a free one", type=int)
+    http_port: int = setting(
+        8000, "--http-port", "KServe v2 REST port, served by the same process; 0: a free one; "
+        "-1: off", type=int,
+    )  # fmt: skip
     metrics_port: int = setting(
         8002, "--metrics-port", "Prometheus /metrics port on --host; 0: a free one; -1: off",
         type=int,
@@ -259,6 +263,17 @@ class Connections:
 
 
 @dataclass(frozen=True)
+class Tracing:
+    """OpenTelemetry traces, off unless an endpoint is given here or in OTEL_EXPORTER_OTLP_*"""
+
+    otlp_endpoint: str | None = setting(
+        None, "--otlp-endpoint", "export traces by OTLP/gRPC to this collector, e.g. "
+        "http://127.0.0.1:4317 (also: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; sampling: "
+        "OTEL_TRACES_SAMPLER)", metavar="URL",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model_repository: Path = setting(
         dataclasses.MISSING, "--model-repository", "directory holding <model>/model.toml",
@@ -276,6 +291,7 @@ class ServerConfig:
     limits: Limits = section(Limits)
     connections: Connections = section(Connections)
     jobs: Jobs = section(Jobs)
+    tracing: Tracing = section(Tracing)
 
     def check(self) -> None:
         """Every rule that spans settings; raises ConfigError naming the flags."""

@@ -29,7 +29,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
-from batchd.server import recovery
+from batchd.server import recovery, tracing
 from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import join_inputs, split_outputs
@@ -166,6 +166,12 @@ class Core:
         loaded = self._loaded(model, requests)
         batch = self.pool.hand(worker, model, requests, self._clock())
         tensors, frames = join_inputs(requests)
+        traceparent = ""
+        if traces := [r.trace for r in requests if r.trace is not None]:
+            rows = sum(r.rows for r in requests)
+            batch.span, traceparent = tracing.start_batch(
+                traces, model.name, batch.id, worker.name, rows
+            )
         header = wire.Header(
             kind=wire.Header.BATCH,
             batch_id=batch.id,
@@ -174,6 +180,7 @@ class Core:
             tensors=tensors,
             loaded=loaded,
             alone=batch.suspect,
+            traceparent=traceparent,
         )
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
@@ -266,6 +273,8 @@ class Core:
         if self.pool.get(worker.identity) is not worker:
             return
         batches, sequences = self.pool.leave(worker)
+        for b in batches:
+            tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
         back = recovery.after_loss(batches, worker.name, reason)
         back += recovery.after_sequence_loss(sequences, worker.name, reason)
         self.link.forget(worker.identity)
@@ -291,6 +300,10 @@ class Core:
             return
         received = self._clock()
         self.pump_soon()  # a credit is free
+        if batch.span is not None:
+            tracing.end_batch(batch.span, header.error, **{
+                "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,
+            })  # fmt: skip
         if header.kind == wire.Header.ERROR:
             retry = recovery.after_error(batch, worker.name, header.error)
             if retry:

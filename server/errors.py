@@ -16,7 +16,9 @@
 
 The code lives on the class; `grpc_status` turns any BatchdError into the
 call's status, in one place, for every RPC, the stream and the token check.
-Nothing else in the server names a gRPC status code.
+Nothing else in the server names a gRPC status code. HTTP (http.py) answers
+with HTTP_STATUS of that same code and the same message: 400 invalid, 404
+unknown, 429 full (with Retry-After), 503 unavailable, 504 deadline.
 
 A message quotes what the client sent through `clip`: a short prefix, never all
 of it (a name of megabytes would otherwise come back whole, and past the
@@ -126,6 +128,29 @@ class Unauthenticated(BatchdError):
 class ModelFailed(BatchdError):
     code = grpc.StatusCode.INTERNAL
     reason = "model_failed"
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(error: BatchdError) -> tuple[int, dict[str, str]]:
+    """The HTTP status and headers of a BatchdError: its gRPC code's (HTTP_STATUS); a
+    full queue's retry-after in whole seconds, as Retry-After takes it."""
+    headers: dict[str, str] = {}
+    if isinstance(error, QueueFull):
+        headers["Retry-After"] = str(max(1, -(-error.retry_after_ms // 1000)))
+    elif isinstance(error, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
+    return HTTP_STATUS.get(error.code, 500), headers
 
 
 def set_status(context: Any, error: BatchdError) -> None:

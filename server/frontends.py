@@ -1,7 +1,7 @@
 """`--frontends N`: more gRPC frontend processes on the same port, in front of
 the same workers, for when one event loop is the ceiling.
 
-Every frontend binds the gRPC port with SO_REUSEPORT, so the kernel spreads
+Every frontend binds the gRPC port (and the HTTP one) with SO_REUSEPORT, so the kernel spreads
 client connections across them; each runs the whole frontend (validation,
 queues, batching, dispatch) on its own ZeroMQ endpoint, and every worker
 connects to all of them (`--connect ep0,ep1,...`) and answers each on its
@@ -44,22 +44,24 @@ class Children:
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
 
-    def _command(self, i: int, port: int) -> list[str]:
+    def _command(self, i: int, port: int, http_port: int) -> list[str]:
         return [
             *(sys.executable, "-m", "batchd.server", *self._argv),
-            *("--grpc-port", str(port), "--metrics-port", "-1", "--no-local-workers"),
+            *("--grpc-port", str(port), "--http-port", str(http_port)),
+            *("--metrics-port", "-1", "--no-local-workers"),
             *("--worker-endpoint", self._endpoints[i], "--frontend-index", str(i)),
         ]
 
-    async def run(self, port: int) -> None:
+    async def run(self, port: int, http_port: int) -> None:
+        """Keep frontends 1..N-1 running on the first's gRPC and HTTP ports (-1: off)."""
         async with asyncio.TaskGroup() as tg:
             for i in range(1, len(self._endpoints)):
-                tg.create_task(self._keep_running(i, port), name=f"frontend-{i}")
+                tg.create_task(self._keep_running(i, port, http_port), name=f"frontend-{i}")
 
-    async def _keep_running(self, i: int, port: int) -> None:
+    async def _keep_running(self, i: int, port: int, http_port: int) -> None:
         backoff = BACKOFF_FIRST_S
         while not self._stopping:
-            proc = await asyncio.create_subprocess_exec(*self._command(i, port))
+            proc = await asyncio.create_subprocess_exec(*self._command(i, port, http_port))
             self._procs[i] = proc
             log.info("started frontend %d (pid %d)", i, proc.pid)
             code = await proc.wait()

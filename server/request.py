@@ -14,7 +14,7 @@ import asyncio
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -61,6 +61,7 @@ class Request:
     level: int = 0  # priority level index: 0 is priority 1, the highest
     stream: StepStream | None = None  # a step-wise model's: where its outputs go
     background: bool = False  # a batch job's: it waits in the job lane (scheduler.py)
+    trace: Any = None  # its tracing.RequestTrace, when tracing is on and it is sampled
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
     # Derived from the inputs, once:
     length: int = field(init=False)  # longest ragged length (0: the model has no ragged input)
@@ -90,6 +91,7 @@ class Batch:
     requests: list[Request]
     sent_at: float
     suspect: bool = False  # a retry after a failure: its worker takes nothing else meanwhile
+    span: Any = None  # its tracing span, when a request it carries is traced
 
 
 MAX_BUFFERED = 256  # outputs of one stream waiting for its caller

@@ -1,6 +1,6 @@
 """What the security and connection settings (config.py) switch on.
 
-    gRPC port     TLS (--tls-cert/--tls-key), mutual TLS (--tls-client-ca),
+    gRPC, HTTP    TLS (--tls-cert/--tls-key), mutual TLS (--tls-client-ca),
                   bearer tokens (--auth-token-file, server/auth.py),
                   connection reaping (idle, half-open, no handshake), backlog
     worker port   CURVE encryption + a ZAP allow-list of worker keys (--worker-keys);
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,21 @@ def _credentials(cfg: Security) -> grpc.ServerCredentials | None:
     pair = (_read(cfg.tls_key, "TLS key"), _read(cfg.tls_cert, "TLS certificate"))
     ca = None if cfg.tls_client_ca is None else _read(cfg.tls_client_ca, "client CA")
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=bool(ca))
+
+
+def ssl_context(cfg: Security) -> ssl.SSLContext | None:
+    """The HTTP port's TLS, from the same files as gRPC's (mutual when --tls-client-ca)."""
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        if cfg.tls_client_ca is not None:
+            context.load_verify_locations(cfg.tls_client_ca)
+            context.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"cannot load the TLS files for HTTP: {e}") from e
+    return context
 
 
 def grpc_options(cfg: ServerConfig) -> tuple[list[tuple[str, Any]], list[Any]]:

@@ -28,7 +28,8 @@ import grpc
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ModelConfig
-from batchd.server import __version__
+from batchd.protos.traces import Tracing
+from batchd.server import __version__, tracing
 from batchd.server.calls import CallLimiter
 from batchd.server.codec import (
     DEFAULT_LIMITS,
@@ -52,8 +53,10 @@ from batchd.server.errors import (
 from batchd.server.request import Request, StepStream, Tensor
 from batchd.server.stats import Stats
 from batchd.server.streaming import join_steps, respond
+from batchd.server.tracing import RequestTrace
 
 T = TypeVar("T")
+Carrier = Mapping[str, str]  # where a call's W3C trace context is: HTTP headers, gRPC metadata
 EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
 # Elements walked one by one (~0.1 us each) above which decoding leaves the event
 # loop: below it, a request costs the loop at most ~2 ms, less than the hand-off.
@@ -115,11 +118,11 @@ class _Answering:
     reason: its error's, `deadline` when gRPC ended it at its deadline, `cancelled`
     when its caller left."""
 
-    __slots__ = ("_cfg", "_service", "deadline", "now")
+    __slots__ = ("_cfg", "_service", "deadline", "now", "trace")
 
-    def __init__(self, service: InferenceService, cfg: ModelConfig,
-                 time_remaining: float | None) -> None:  # fmt: skip
-        self._service, self._cfg = service, cfg
+    def __init__(self, service: InferenceService, cfg: ModelConfig, time_remaining: float | None,
+                 trace: RequestTrace | None) -> None:  # fmt: skip
+        self._service, self._cfg, self.trace = service, cfg, trace
         self.now = service._clock()
         self.deadline = math.inf if time_remaining is None else self.now + time_remaining
 
@@ -138,6 +141,8 @@ class _Answering:
         else:
             reason = None if error is None else "internal"
         service._stats.answered(self._cfg.name, int((ended - self.now) * 1e9), reason)
+        if self.trace is not None:
+            self.trace.end(error)
         service._open -= 1
         if service.draining and not service._open:
             service._drained.set()
@@ -150,8 +155,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         clock: Callable[[], float] = time.monotonic,
         limits: Limits = DEFAULT_LIMITS,
         calls_per_connection: int = Connections().max_concurrent_streams,
+        tracing: Tracing | None = None,
     ) -> None:
         self._limits = limits
+        self.tracing = tracing
         self._calls = CallLimiter(calls_per_connection)
         self._models = core.models
         self._core = core
@@ -191,12 +198,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def infer(
-        self, msg: pb.ModelInferRequest, time_remaining: float | None
+        self,
+        msg: pb.ModelInferRequest,
+        time_remaining: float | None,
+        carrier: Carrier | None = None,
     ) -> pb.ModelInferResponse:
         """One request, one answer; a step-wise model's every output, joined."""
         cfg = self._admissible(msg)
-        async with _Answering(self, cfg, time_remaining) as a:
-            request = await self._decode(msg, cfg, a.now, a.deadline)
+        trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
+        async with _Answering(self, cfg, time_remaining, trace) as a:
+            request = await self._decode(msg, cfg, a.now, a.deadline, trace)
             if cfg.generate is None:
                 results = await self._core.submit(request)
             else:
@@ -204,16 +215,25 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 request.stream = StepStream(limit=cfg.generate.max_steps + 1)
                 steps = [outputs async for outputs, _ in self._follow(request)]
                 results = join_steps(steps)
-        return encode_response(request, results, self._limits.max_response_bytes)
+            if trace is not None:
+                trace.mark = tracing.now_ns()
+            response = encode_response(request, results, self._limits.max_response_bytes)
+            if trace is not None:
+                trace.phase("response")
+            return response
 
     async def sequence(
-        self, msg: pb.ModelInferRequest, time_remaining: float | None
+        self,
+        msg: pb.ModelInferRequest,
+        time_remaining: float | None,
+        carrier: Carrier | None = None,
     ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]:
         """A step-wise model's request: each output as it comes, and whether it is the
         last. Leaving early (the caller went) frees its slot."""
         cfg = self._admissible(msg)
-        async with _Answering(self, cfg, time_remaining) as a:
-            request = await self._decode(msg, cfg, a.now, a.deadline)
+        trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
+        async with _Answering(self, cfg, time_remaining, trace) as a:
+            request = await self._decode(msg, cfg, a.now, a.deadline, a.trace)
             request.stream = StepStream()
             async for outputs, final in self._follow(request):
                 yield request, outputs, final
@@ -223,13 +243,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise Unavailable("the server is shutting down and takes no new requests")
         return self._model(msg.model_name, msg.model_version)
 
-    async def _decode(
-        self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float, deadline: float
-    ) -> Request:
+    async def _decode(self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float,
+                      deadline: float, trace: RequestTrace | None = None) -> Request:  # fmt: skip
         self._core.check_room(cfg.key)
         if decode_work(msg, self._limits) > INLINE_WORK:
-            return await self._decode_aside(msg, cfg, now, deadline)
-        return decode_request(msg, cfg, now, deadline, self._limits)
+            request = await self.aside(decode_request, msg, cfg, now, deadline, self._limits)
+        else:
+            request = decode_request(msg, cfg, now, deadline, self._limits)
+        if trace is not None:
+            trace.phase("admission")
+            request.trace = trace
+        return request
 
     async def _follow(self, request: Request) -> AsyncIterator[tuple[list[Tensor], bool]]:
         """Submit a step-wise request and take its outputs until its sequence ends;
@@ -245,9 +269,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if not future.done() or stream.worker is not None:
                 self._core.cancel(request)
 
-    async def _decode_aside(
-        self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float, deadline: float
-    ) -> Request:
+    async def aside(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the decode thread, for work that walks many elements in
+        Python (a heavy request's decoding, a large REST body's JSON)."""
         if self._heavy >= HEAVY_WAITING:
             raise QueueFull(
                 f"{self._heavy} large requests are being decoded (the most that wait, "
@@ -256,10 +280,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             )
         self._heavy += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(
-                self._decoder, decode_request, msg, cfg, now, deadline, self._limits
-            )
+            return await asyncio.get_running_loop().run_in_executor(self._decoder, fn, *args)
         finally:
             self._heavy -= 1
 
@@ -278,7 +299,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        return await self.infer(request, context.time_remaining())
+        if self.tracing is None:
+            return await self.infer(request, context.time_remaining())
+        carrier = dict(context.invocation_metadata() or ())
+        return await self.infer(request, context.time_remaining(), carrier)
 
     async def ModelStreamInfer(
         self,

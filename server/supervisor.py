@@ -62,6 +62,7 @@ class Launch:
     log_level: str = "INFO"
     log_format: str = "text"
     worker_keys: Path | None = None  # CURVE key directory, passed on to them
+    otlp_endpoint: str | None = None  # --otlp-endpoint, passed on (OTEL_* pass by the environment)
 
 
 class Supervisor:
@@ -70,6 +71,8 @@ class Supervisor:
         self._launch = launch
         keys = launch.worker_keys
         self._keys = [] if keys is None else ["--worker-keys", str(keys)]
+        if launch.otlp_endpoint:
+            self._keys += ["--otlp-endpoint", launch.otlp_endpoint]
         self.restarts: dict[str, int] = {}  # by slot
         self._on_exit = on_exit
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}

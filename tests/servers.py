@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
 TEST_MODELS = Path(__file__).resolve().parent / "models"
 _LISTENING = re.compile(r"serving gRPC on [^:]+:(\d+)")
+_HTTP = re.compile(r"serving HTTP on [^:]+:(\d+)")
 _METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 
 
@@ -65,11 +66,16 @@ class ServerProcess:
         self.new_session = new_session
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.http_port = 0  # once started, unless --http-port -1
         self.log_path = log_dir / f"server-{time.monotonic_ns()}.log"
 
     @property
     def url(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -83,6 +89,7 @@ class ServerProcess:
             str(self.repo),
             "--grpc-port",
             "0",
+            *(() if "--http-port" in self.args else ("--http-port", "0")),
             "--metrics-port",
             "0",
             "--workers",
@@ -106,9 +113,12 @@ class ServerProcess:
             assert self.proc is not None
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            m = _LISTENING.search(self.log())
+            text = self.log()
+            m = _LISTENING.search(text)
             if m:
                 self.port = int(m.group(1))
+            if h := _HTTP.search(text):
+                self.http_port = int(h.group(1))
             return bool(m)
 
         wait_for(listening, timeout, "the server to listen")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from batchd.protos import keys
+from batchd.protos import keys, traces
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
 from batchd.worker.log_tag import tag_log_lines
@@ -43,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="CURVE keys (worker.key_secret, server.key) for a frontend started with --worker-keys",
     )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="export compute spans by OTLP/gRPC (also OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)",
+    )
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", default="text", choices=["text", "json"])
     p.add_argument(
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.connect:
         print("batchd worker: --connect is required", file=sys.stderr)
         return 2
+    endpoint = traces.endpoint(args.otlp_endpoint)
     worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
     setup_logging(args.log_level, args.log_format)
     tag_log_lines(worker_id)
@@ -95,10 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         tuple(m for m in args.models.split(",") if m),
         args.parent_pid,
         args.worker_keys,
+        None if endpoint is None else traces.Tracing.start("worker", endpoint),
     )
     runner = Runner(options)
     install_signal_handlers(runner)
-    runner.serve()
+    try:
+        runner.serve()
+    finally:
+        if options.tracing is not None:
+            options.tracing.shutdown()
     return 0
 
 

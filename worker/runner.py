@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import zmq
 
-from batchd.protos import wire
+from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.protos.repository import find_model
 from batchd.worker import merge
@@ -63,6 +63,7 @@ class RunnerOptions:
     allowed: tuple[str, ...] = ()  # models it may load; empty: any in the repository
     parent_pid: int | None = None
     keys: Path | None = None  # CURVE key directory (protos/keys.py); None: no encryption
+    tracing: traces.Tracing | None = None  # on: a compute span per traced batch
 
 
 class Runner:
@@ -236,7 +237,7 @@ class Runner:
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
-            start = time.perf_counter_ns()
+            start, wall = time.perf_counter_ns(), time.time_ns()
             out_tensors, out_frames = run_batch(fn, cfg, self.options.device, tensors, frames)
             compute_ns = time.perf_counter_ns() - start
         except Exception as e:  # any model failure is reply data, never a dead worker
@@ -248,6 +249,7 @@ class Runner:
                 for f, h, _ in group
             ]  # fmt: skip
         rows = [merge.rows_of(h) for _, h, _ in group]
+        traces.compute_spans(self.options.tracing, [h for _, h, _ in group], wall, compute_ns)
         parts = merge.split(out_tensors, out_frames, rows) if len(group) > 1 else None
         replies = []
         for n, (f, h, _) in enumerate(group):

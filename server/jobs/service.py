@@ -98,6 +98,9 @@ def check_ids(path: Path, scratch: Path) -> int:
     return total
 
 
+Caller = tuple[str, bool]  # (owner: a digest of the token, sees every job: an admin token)
+
+
 class JobsService(pb_grpc.JobsServicer):
     def __init__(self, jobs: Jobs | None, off: str = "", tokens: Tokens | None = None) -> None:
         self._jobs = jobs
@@ -109,16 +112,19 @@ class JobsService(pb_grpc.JobsServicer):
             raise NotAllowed(f"batch jobs are off in this server: {self._off}")
         return self._jobs
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> tuple[str, bool]:
-        """(owner, sees every job)."""
+    def caller(self, token: bytes | None) -> Caller:
+        """(owner, sees every job) of a caller with this bearer token (HTTP or gRPC)."""
         if self._tokens is None:
             return "", True
-        token = bearer(context.invocation_metadata()) or b""
+        token = token or b""
         return hashlib.sha256(token).hexdigest()[:32], self._tokens.allows(ADMIN, token)
 
-    def _job(self, job_id: str, context: grpc.aio.ServicerContext) -> JobRow:
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        return self.caller(bearer(context.invocation_metadata()))
+
+    def _job(self, job_id: str, caller: Caller) -> JobRow:
         row = self._on().store.get(job_id)
-        owner, every = self._caller(context)
+        owner, every = caller
         if row is None or not (every or row.owner == owner):
             raise ModelNotFound(f"no job {clip(job_id)}")
         return row
@@ -142,102 +148,133 @@ class JobsService(pb_grpc.JobsServicer):
             results_bytes=row.results_bytes,
         )  # fmt: skip
 
+    # ---- what gRPC (below) and HTTP (http.py) call ----
+
+    async def submit(
+        self, caller: Caller, model_name: str, model_version: str, pieces: AsyncIterator[bytes]
+    ) -> pb.Job:
+        """A job from its file's `pieces`, once the whole file is on disk and checked."""
+        jobs = self._on()
+        if not model_name:
+            raise InvalidInput("a job must name its model (model_name)")
+        try:
+            job_model(jobs.models, model_name, model_version)
+        except JobFailed as e:
+            raise ModelNotFound(f"{e}") from None
+        if (n := jobs.store.count(OPEN)) >= jobs.max_open:
+            raise LimitExceeded(
+                f"{n} jobs are open, the most this server keeps (--jobs-max-open "
+                f"{jobs.max_open}); wait for one to end or cancel one"
+            )
+        row = jobs.store.create(caller[0], model_name, model_version)
+        try:
+            size = await self._upload(jobs, row, pieces)
+            scratch = jobs.store.folder(row.id) / "ids.sqlite"
+            total = await asyncio.to_thread(check_ids, jobs.store.input_path(row.id), scratch)
+        except BaseException:
+            jobs.store.delete(row.id)
+            raise
+        jobs.store.queue(row.id, total, size)
+        jobs.wake()
+        return self._message(self._job(row.id, caller))
+
+    async def _upload(self, jobs: Jobs, row: JobRow, pieces: AsyncIterator[bytes]) -> int:
+        size = 0
+        with jobs.store.input_path(row.id).open("wb") as f:
+            async for data in pieces:
+                size += len(data)
+                if size > jobs.max_file_bytes:
+                    raise LimitExceeded(
+                        f"the job file is over {jobs.max_file_bytes} bytes "
+                        "(--jobs-max-file-bytes); split it into several jobs"
+                    )
+                if shutil.disk_usage(f.name).free - len(data) < MIN_FREE_BYTES:
+                    raise LimitExceeded(
+                        f"the disk of --jobs-dir would have less than {MIN_FREE_BYTES >> 20} MiB "
+                        "free; remove ended jobs or give the server more room"
+                    )
+                f.write(data)
+        return size
+
+    def get(self, caller: Caller, job_id: str) -> pb.Job:
+        return self._message(self._job(job_id, caller))
+
+    def listing(self, caller: Caller, status: str = "", limit: int = 0) -> pb.ListJobsResponse:
+        jobs = self._on()
+        if status and status not in STATUSES:
+            raise InvalidInput(
+                f"unknown status {clip(status)}; expected one of {', '.join(STATUSES)}"
+            )
+        owner, every = caller
+        rows = jobs.store.select(None if every else owner, status, min(limit or 1000, 1000))
+        return pb.ListJobsResponse(jobs=[self._message(r) for r in rows])
+
+    def cancel(self, caller: Caller, job_id: str) -> pb.Job:
+        row = self._job(job_id, caller)
+        self._on().cancel(row.id)
+        return self._message(self._job(row.id, caller))
+
+    def results(self, caller: Caller, job_id: str, offset: int = 0) -> AsyncIterator[bytes]:
+        """The results file from `offset`, in pieces; checked before the first piece."""
+        row = self._job(job_id, caller)
+        path = self._on().store.results_path(row.id)
+        end = row.results_bytes
+        if offset > end:
+            raise InvalidInput(f"offset {offset} is past the results' {end} bytes")
+        return _read(path, offset, end)
+
     # ---- RPCs ----
 
     async def SubmitJob(
         self, request_iterator: AsyncIterator[pb.SubmitJobRequest], context: Any
     ) -> pb.Job | None:
         with grpc_status(context):
-            jobs = self._on()
             first = await anext(aiter(request_iterator), None)
             if first is None or not first.model_name:
                 raise InvalidInput("the first SubmitJobRequest must name the model (model_name)")
-            try:
-                job_model(jobs.models, first.model_name, first.model_version)
-            except JobFailed as e:
-                raise ModelNotFound(f"{e}") from None
-            if (n := jobs.store.count(OPEN)) >= jobs.max_open:
-                raise LimitExceeded(
-                    f"{n} jobs are open, the most this server keeps (--jobs-max-open "
-                    f"{jobs.max_open}); wait for one to end or cancel one"
-                )
-            owner, _ = self._caller(context)
-            row = jobs.store.create(owner, first.model_name, first.model_version)
-            try:
-                size = await self._upload(jobs, row, first, request_iterator)
-                scratch = jobs.store.folder(row.id) / "ids.sqlite"
-                total = await asyncio.to_thread(check_ids, jobs.store.input_path(row.id), scratch)
-            except BaseException:
-                jobs.store.delete(row.id)
-                raise
-            jobs.store.queue(row.id, total, size)
-            jobs.wake()
-            return self._message(self._job(row.id, context))
-        return None
 
-    async def _upload(self, jobs: Jobs, row: JobRow, first: pb.SubmitJobRequest,
-                      rest: AsyncIterator[pb.SubmitJobRequest]) -> int:  # fmt: skip
-        size = 0
-        with jobs.store.input_path(row.id).open("wb") as f:
-            piece: pb.SubmitJobRequest | None = first
-            while piece is not None:
-                size += len(piece.data)
-                if size > jobs.max_file_bytes:
-                    raise LimitExceeded(
-                        f"the job file is over {jobs.max_file_bytes} bytes "
-                        "(--jobs-max-file-bytes); split it into several jobs"
-                    )
-                if shutil.disk_usage(f.name).free - len(piece.data) < MIN_FREE_BYTES:
-                    raise LimitExceeded(
-                        f"the disk of --jobs-dir would have less than {MIN_FREE_BYTES >> 20} MiB "
-                        "free; remove ended jobs or give the server more room"
-                    )
-                f.write(piece.data)
-                piece = await anext(rest, None)
-        return size
+            async def pieces() -> AsyncIterator[bytes]:
+                yield first.data
+                async for piece in request_iterator:
+                    yield piece.data
+
+            caller = self._caller(context)
+            return await self.submit(caller, first.model_name, first.model_version, pieces())
+        return None
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job | None:
         with grpc_status(context):
-            return self._message(self._job(request.id, context))
+            return self.get(self._caller(context), request.id)
         return None
 
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: Any
     ) -> pb.ListJobsResponse | None:
         with grpc_status(context):
-            jobs = self._on()
-            if request.status and request.status not in STATUSES:
-                raise InvalidInput(
-                    f"unknown status {clip(request.status)}; expected one of {', '.join(STATUSES)}"
-                )
-            owner, every = self._caller(context)
-            limit = min(request.limit or 1000, 1000)
-            rows = jobs.store.select(None if every else owner, request.status, limit)
-            return pb.ListJobsResponse(jobs=[self._message(r) for r in rows])
+            return self.listing(self._caller(context), request.status, request.limit)
         return None
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job | None:
         with grpc_status(context):
-            row = self._job(request.id, context)
-            self._on().cancel(row.id)
-            return self._message(self._job(row.id, context))
+            return self.cancel(self._caller(context), request.id)
         return None
 
     async def JobResults(
         self, request: pb.JobResultsRequest, context: Any
     ) -> AsyncIterator[pb.JobResultsChunk]:
         with grpc_status(context):
-            row = self._job(request.id, context)
-            path = self._on().store.results_path(row.id)
-            at, end = request.offset, row.results_bytes
-            if at > end:
-                raise InvalidInput(f"offset {at} is past the results' {end} bytes")
-            if end:
-                with path.open("rb") as f:
-                    f.seek(at)
-                    while at < end:
-                        data = f.read(min(READ_PIECE, end - at))
-                        if not data:
-                            break
-                        at += len(data)
-                        yield pb.JobResultsChunk(data=data)
+            async for data in self.results(self._caller(context), request.id, request.offset):
+                yield pb.JobResultsChunk(data=data)
+
+
+async def _read(path: Path, at: int, end: int) -> AsyncIterator[bytes]:
+    if not end:
+        return
+    with path.open("rb") as f:
+        f.seek(at)
+        while at < end:
+            data = f.read(min(READ_PIECE, end - at))
+            if not data:
+                break
+            at += len(data)
+            yield data

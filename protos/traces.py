@@ -1,0 +1,97 @@
+"""OpenTelemetry set-up, shared by the frontend and its workers.
+
+Tracing is off unless an OTLP endpoint is given: `--otlp-endpoint` (a worker gets
+it from its frontend) or the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
+OTEL_EXPORTER_OTLP_ENDPOINT; OTEL_SDK_DISABLED=true turns it off whatever is set.
+Off, the SDK is not even imported. On, each process has one TracerProvider that
+exports by OTLP/gRPC from a background thread (BatchSpanProcessor), and the SDK
+reads the rest of the standard variables itself: OTEL_TRACES_SAMPLER[_ARG],
+OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS, ...
+
+The trace context crosses the wire (wire.proto, Header.traceparent) as a W3C
+`traceparent` string.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+
+def endpoint(flag: str | None, env: Mapping[str, str] = os.environ) -> str | None:
+    """Where traces go, or None: tracing is off."""
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    return flag or next((env[k] for k in ENDPOINT_VARIABLES if env.get(k)), None)
+
+
+class Tracing:
+    """One process's tracer and its provider (to flush at exit)."""
+
+    def __init__(self, tracer: Any, provider: Any = None) -> None:
+        self.tracer = tracer
+        self._provider = provider
+
+    @classmethod
+    def start(cls, process: str, endpoint: str, exporter: Any = None) -> Tracing:
+        """A provider exporting to `endpoint` (or to `exporter`, e.g. the SDK's
+        in-memory one in tests); spans carry `batchd.process`."""
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=endpoint)
+        resource = Resource.create(
+            {
+                "service.name": os.environ.get("OTEL_SERVICE_NAME", "batchd"),
+                "batchd.process": process,
+            }
+        )
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        return cls(provider.get_tracer("batchd"), provider)
+
+    def shutdown(self) -> None:
+        """Export what is left."""
+        if self._provider is not None:
+            self._provider.shutdown()
+
+
+def inject(span: Any) -> str:
+    """The W3C traceparent of `span`."""
+    ctx = span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def extract(carrier: Mapping[str, Any] | None) -> Any:
+    """The OpenTelemetry context of a carrier's `traceparent` (and `tracestate`), if any."""
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    if not carrier:
+        return None
+    return TraceContextTextMapPropagator().extract(carrier)
+
+
+def compute_spans(tracing: Tracing | None, headers: Sequence[Any], start_ns: int,
+                  compute_ns: int) -> None:  # fmt: skip
+    """A worker's `compute` span under each traced BATCH of one forward (several when
+    batches of several frontends were merged), from its wall-clock start."""
+    if tracing is None:
+        return
+    rows = sum(h.tensors[0].shape[0] if h.tensors and h.tensors[0].shape else 1 for h in headers)
+    for h in headers:
+        if h.traceparent:
+            span = tracing.tracer.start_span(
+                "compute",
+                context=extract({"traceparent": h.traceparent}),
+                start_time=start_ns,
+                attributes={"batchd.model": h.model, "batchd.batch_id": h.batch_id,
+                            "batchd.forward_rows": rows, "batchd.merged": len(headers)},
+            )  # fmt: skip
+            span.end(end_time=start_ns + compute_ns)

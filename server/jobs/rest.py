@@ -1,0 +1,97 @@
+"""Batch jobs over HTTP: the same calls as `batchd.jobs.v1.Jobs` (jobs/service.py),
+with the same owners, limits and messages.
+
+    POST /v2/jobs?model=M[&version=V]   body: the JSONL job file, streamed to disk;
+                                        201 and the job
+    GET  /v2/jobs[?status=S&limit=N]    {"jobs": [...]}, newest first
+    GET  /v2/jobs/{id}                  the job
+    POST /v2/jobs/{id}/cancel           the job, cancelled
+    GET  /v2/jobs/{id}/results[?offset=B]  the results' JSON lines (application/x-ndjson)
+
+A job is the JSON of protos/jobs.proto's Job, integers as numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+from google.protobuf.message import Message
+
+from batchd.server.auth import bearer_header
+from batchd.server.errors import InvalidInput, clip
+from batchd.server.jobs.service import Caller, JobsService
+from batchd.server.rest_codec import as_json
+
+UPLOAD_PIECE = 1024 * 1024  # bytes of an upload read and written at a time
+
+
+def _job(job: Message, status: int = 200) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps(as_json(job, defaults=True)),
+        content_type="application/json",
+    )  # fmt: skip
+
+
+def _int(request: web.Request, key: str) -> int:
+    raw = request.query.get(key, "0")
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidInput(f"{key} must be an integer, got {clip(raw)}") from None
+
+
+class JobRoutes:
+    def __init__(self, jobs: JobsService, body_timeout_s: float) -> None:
+        self._jobs = jobs
+        self._timeout_s = body_timeout_s  # for each piece of an upload
+
+    def add_to(self, router: web.UrlDispatcher) -> None:
+        router.add_route("POST", "/v2/jobs", self.submit)
+        router.add_route("GET", "/v2/jobs", self.listing)
+        router.add_route("GET", "/v2/jobs/{job}", self.get)
+        router.add_route("POST", "/v2/jobs/{job}/cancel", self.cancel)
+        router.add_route("GET", "/v2/jobs/{job}/results", self.results)
+
+    def _caller(self, request: web.Request) -> Caller:
+        return self._jobs.caller(bearer_header(request.headers.get("Authorization", "")))
+
+    async def submit(self, request: web.Request) -> web.Response:
+        async def pieces() -> AsyncIterator[bytes]:
+            while True:
+                async with asyncio.timeout(self._timeout_s):
+                    data = await request.content.read(UPLOAD_PIECE)
+                if not data:
+                    return
+                yield data
+
+        query = request.query
+        job = await self._jobs.submit(
+            self._caller(request), query.get("model", ""), query.get("version", ""), pieces()
+        )
+        return _job(job, 201)
+
+    async def listing(self, request: web.Request) -> web.Response:
+        found = self._jobs.listing(
+            self._caller(request), request.query.get("status", ""), _int(request, "limit")
+        )
+        jobs = [as_json(j, defaults=True) for j in found.jobs]
+        return web.Response(body=orjson.dumps({"jobs": jobs}), content_type="application/json")
+
+    async def get(self, request: web.Request) -> web.Response:
+        return _job(self._jobs.get(self._caller(request), request.match_info["job"]))
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        return _job(self._jobs.cancel(self._caller(request), request.match_info["job"]))
+
+    async def results(self, request: web.Request) -> web.StreamResponse:
+        offset = max(_int(request, "offset"), 0)
+        pieces = self._jobs.results(self._caller(request), request.match_info["job"], offset)
+        stream = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await stream.prepare(request)
+        async for data in pieces:
+            await stream.write(data)
+        await stream.write_eof()
+        return stream

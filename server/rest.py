@@ -1,0 +1,345 @@
+"""The HTTP edge: the KServe v2 REST protocol, served by aiohttp on the frontend's
+own event loop, beside grpc.aio (one process, one core, no proxy).
+
+Each route converts and calls the same code the gRPC servicer does: an inference
+body becomes a ModelInferRequest (rest_codec.py) and goes through
+InferenceService.infer, so validation, limits, queues, statistics and messages
+are gRPC's. A BatchdError is answered with errors.http_status of its gRPC code and
+`{"error": "<the gRPC message>"}`.
+
+    GET  /v2                                     server metadata
+    GET  /v2/health/live | /v2/health/ready      open, for load balancers
+    GET  /v2/models/{m}[/versions/{v}]           metadata; .../ready, .../config, .../stats
+    POST /v2/models/{m}[/versions/{v}]/infer     JSON tensors, or Triton's binary extension
+    POST /v2/models/{m}[/versions/{v}]/generate  JSON in and out; /generate_stream: SSE
+    GET  /v2/models/stats                        every model's statistics
+    POST /v2/repository/index                    model control (admin token)
+    POST /v2/repository/models/{m}/load | /unload
+    /v2/jobs...                                  batch jobs (jobs/rest.py)
+
+Bodies over --max-message-bytes are refused (413) before they are read whole; a
+body must arrive within --handshake-timeout, and so must a request's headers (the
+keep-alive timer closes a connection that has not sent a whole request by then).
+A body above INLINE_BYTES is parsed on the decode thread, as a heavy gRPC request
+is decoded, so the loop keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from batchd.protos import inference_pb2 as pb
+from batchd.protos.model_config import ModelConfig
+from batchd.server import __version__
+from batchd.server.auth import ADMIN, DENIED, INFER, Tokens, bearer_header
+from batchd.server.describe import model_config, model_metadata
+from batchd.server.errors import (
+    BatchdError,
+    InvalidInput,
+    ModelNotFound,
+    Unauthenticated,
+    clip,
+    clip_list,
+    http_status,
+)
+from batchd.server.jobs.rest import JobRoutes
+from batchd.server.jobs.service import JobsService
+from batchd.server.rest_codec import (
+    HEADER_LENGTH,
+    as_json,
+    generate_response,
+    infer_response,
+    load_json,
+    parse_generate,
+    parse_infer,
+    tensors,
+)
+from batchd.server.service import EXTENSIONS, Core, InferenceService
+
+log = logging.getLogger("batchd.server")
+INLINE_BYTES = 256 * 1024  # a larger body is parsed off the event loop
+REST_EXTENSIONS = sorted([*EXTENSIONS, "binary_tensor_data", "generate"])
+JSON = "application/json"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(
+    status: int, message: str, headers: Mapping[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        status=status, body=orjson.dumps({"error": message}), content_type=JSON, headers=headers
+    )
+
+
+def json_response(value: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(value), content_type=JSON)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as `{"error": ...}` with its status: a BatchdError's from its
+    gRPC code, aiohttp's own (404 route, 405, 413 body) with their text."""
+    try:
+        return await handler(request)
+    except BatchdError as e:
+        status, headers = http_status(e)
+        return error_response(status, e.message, headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        allow = e.headers.get("Allow")
+        return error_response(e.status, e.text or e.reason, {"Allow": allow} if allow else None)
+    except TimeoutError:
+        return error_response(408, "the request body did not arrive in time")
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, clip(request.path))
+        return error_response(500, "internal error; the server log has the details")
+
+
+class RestApi:
+    """The routes; everything they call is the gRPC edge's."""
+
+    def __init__(
+        self,
+        service: InferenceService,
+        core: Core,
+        jobs: JobsService,
+        tokens: Tokens | None,
+        max_body_bytes: int,
+        body_timeout_s: float,
+    ) -> None:
+        self._service, self._core = service, core
+        self._tokens = tokens
+        self._body_timeout_s = body_timeout_s
+        self.app = web.Application(
+            client_max_size=max_body_bytes, middlewares=[_errors, self._auth]
+        )
+        add = self.app.router.add_route
+        add("GET", "/v2", self.server_metadata)
+        add("GET", "/v2/health/live", self.live)
+        add("GET", "/v2/health/ready", self.ready)
+        add("GET", "/v2/models/stats", self.stats)
+        for m in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            add("GET", m, self.metadata)
+            add("GET", m + "/ready", self.model_ready)
+            add("GET", m + "/config", self.config)
+            add("GET", m + "/stats", self.stats)
+            add("POST", m + "/infer", self.infer)
+            add("POST", m + "/generate", self.generate)
+            add("POST", m + "/generate_stream", self.generate_stream)
+        add("POST", "/v2/repository/index", self.index)
+        add("POST", "/v2/repository/models/{model}/load", self.load)
+        add("POST", "/v2/repository/models/{model}/unload", self.unload)
+        JobRoutes(jobs, body_timeout_s).add_to(self.app.router)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """--auth-token-file, as on gRPC: health is open, model control needs an admin
+        token, the rest an infer or admin one; one answer for every refusal."""
+        path = request.path
+        if self._tokens is not None and not path.startswith("/v2/health/"):
+            scope = ADMIN if path.startswith("/v2/repository") else INFER
+            token = bearer_header(request.headers.get("Authorization", ""))
+            if not self._tokens.allows(scope, token):
+                raise Unauthenticated(DENIED)
+        return await handler(request)
+
+    # ---- helpers ----
+
+    async def _body(self, request: web.Request) -> bytes:
+        async with asyncio.timeout(self._body_timeout_s):
+            return await request.read()
+
+    def _model(self, request: web.Request) -> ModelConfig:
+        name = request.match_info["model"]
+        version = request.match_info.get("version", "")
+        cfg = self._core.models.get(name)
+        if cfg is None:
+            known = ", ".join(sorted(self._core.models)) or "none"
+            raise ModelNotFound(f"unknown model {clip(name)}; this server serves: {known}")
+        if version and version != cfg.version:
+            raise ModelNotFound(
+                f"model {name!r} has no version {clip(version)}; available: {cfg.version!r}"
+            )
+        return cfg
+
+    async def _parse(self, body: bytes, fn: Callable[..., Any], *args: Any) -> Any:
+        if len(body) > INLINE_BYTES:
+            return await self._service.aside(fn, body, *args)
+        return fn(body, *args)
+
+    # ---- health and metadata ----
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return json_response(
+            {"name": "batchd", "version": __version__, "extensions": REST_EXTENSIONS}
+        )
+
+    async def live(self, request: web.Request) -> web.Response:
+        return json_response({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ready = self._service.ready()
+        return json_response({"ready": ready}, 200 if ready else 503)
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        cfg = self._model(request)
+        ready = not self._service.draining and self._core.model_ready(cfg.name)
+        return json_response({"name": cfg.name, "ready": ready}, 200 if ready else 503)
+
+    async def metadata(self, request: web.Request) -> web.Response:
+        return json_response(as_json(model_metadata(self._model(request)), defaults=True))
+
+    async def config(self, request: web.Request) -> web.Response:
+        return json_response(as_json(model_config(self._model(request)).config))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        models = self._core.models
+        names = [self._model(request).name] if "model" in request.match_info else list(models)
+        stats = self._core.stats
+        response = pb.ModelStatisticsResponse(
+            model_stats=[stats.to_pb(n, models[n].version) for n in names]
+        )
+        return json_response(as_json(response))
+
+    # ---- inference ----
+
+    async def infer(self, request: web.Request) -> web.Response:
+        cfg = self._model(request)
+        body = await self._body(request)
+        header = request.headers.get(HEADER_LENGTH)
+        try:
+            length = None if header is None else int(header)
+        except ValueError:
+            raise InvalidInput(
+                f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
+            ) from None
+        msg, wanted = await self._parse(body, parse_infer, length, cfg.name, cfg.version)
+        response = await self._service.infer(msg, None, request.headers)
+        if sum(len(r) for r in response.raw_output_contents) > INLINE_BYTES:
+            text, json_length = await self._service.aside(infer_response, response, wanted)
+        else:
+            text, json_length = infer_response(response, wanted)
+        if json_length is None:
+            return web.Response(body=text, content_type=JSON)
+        return web.Response(
+            body=text,
+            content_type="application/octet-stream",
+            headers={HEADER_LENGTH: str(json_length)},
+        )
+
+    async def generate(self, request: web.Request) -> web.Response:
+        cfg = self._model(request)
+        msg = await self._parse(await self._body(request), parse_generate, cfg)
+        response = await self._service.infer(msg, None, request.headers)
+        return web.Response(
+            body=generate_response(cfg, msg.id, tensors(response)), content_type=JSON
+        )
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-Sent Events: one `data:` event per output, then `event: final` (or
+        `event: error` if the sequence fails after its first output). A failure
+        before the first output is an HTTP error, as on /generate."""
+        cfg = self._model(request)
+        msg = await self._parse(await self._body(request), parse_generate, cfg)
+        events = self._events(cfg, msg, request.headers)
+        first = await anext(events)  # raises before any byte is sent
+        stream = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await stream.prepare(request)
+        count = 0
+        try:
+            event: bytes | None = first
+            while event is not None:
+                await stream.write(b"data: " + event + b"\n\n")
+                count += 1
+                event = await anext(events, None)
+            final = {"model_name": cfg.name, "id": msg.id, "outputs": count}
+            await stream.write(b"event: final\ndata: " + orjson.dumps(final) + b"\n\n")
+        except BatchdError as e:
+            error = {"error": e.message, "code": e.code.name}
+            await stream.write(b"event: error\ndata: " + orjson.dumps(error) + b"\n\n")
+        finally:
+            await events.aclose()
+        await stream.write_eof()
+        return stream
+
+    async def _events(
+        self, cfg: ModelConfig, msg: pb.ModelInferRequest, headers: Mapping[str, str]
+    ) -> AsyncGenerator[bytes]:
+        if cfg.generate is None:  # a one-shot model: one output
+            response = await self._service.infer(msg, None, headers)
+            yield generate_response(cfg, msg.id, tensors(response))
+            return
+        async for r, outputs, _final in self._service.sequence(msg, None, headers):
+            chosen = [t for t in outputs if t.name in r.outputs]
+            yield generate_response(cfg, msg.id, chosen)
+
+    # ---- model control ----
+
+    async def index(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        ready = load_json(body).get("ready", False) if body.strip() else False
+        return json_response(
+            [
+                {"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
+                for e in self._core.index()
+                if ready is not True or e.state == "READY"
+            ]
+        )
+
+    async def load(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        params = load_json(body).get("parameters") if body.strip() else None
+        if params:
+            got = clip_list([clip(str(k)) for k in params]) if isinstance(params, dict) else "?"
+            raise InvalidInput(
+                "a model load takes no parameters: batchd loads models only from its "
+                f"repository on disk, never from the request; got {got}"
+            )
+        await self._core.load(request.match_info["model"])
+        return json_response({})
+
+    async def unload(self, request: web.Request) -> web.Response:
+        await self._core.unload(request.match_info["model"])
+        return json_response({})
+
+
+async def serve_rest(
+    api: RestApi,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None,
+    reuse_port: bool,
+    header_timeout_s: float,
+) -> tuple[web.AppRunner, int]:
+    """Start serving `api` on host:port; returns the runner (to stop it) and the port."""
+    runner = web.AppRunner(
+        api.app,
+        access_log=None,
+        handle_signals=False,
+        # A caller that leaves cancels its request, as a gRPC cancel does.
+        handler_cancellation=True,
+        # Closes a connection that has not sent a whole request by then: slow headers
+        # (slow loris) and idle keep-alive connections alike.
+        keepalive_timeout=header_timeout_s,
+        max_line_size=8190,
+        max_field_size=8190,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port)
+    await site.start()
+    sockets = getattr(site._server, "sockets", None)
+    assert sockets
+    return runner, int(sockets[0].getsockname()[1])
