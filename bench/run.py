@@ -64,7 +64,7 @@ def cpu_model_name() -> str:
 
 def perf_analyzer(
     pa: str, port: int | str, model: str, concurrency: int, interval_ms: int,
-    server: int | None = None,
+    server: int | None = None, protocol: str = "grpc",
 ) -> dict:  # fmt: skip
     """One perf_analyzer measurement; its CSV row as numbers (latencies in ms).
 
@@ -72,7 +72,7 @@ def perf_analyzer(
     the server process ("frontend"), its children ("worker"), perf_analyzer itself
     ("load"). Requests are counted as throughput x the whole run (perf_analyzer's
     trials included), so these are close, not exact."""
-    out = Path(f"/tmp/batchd-pa-{str(port).replace(':', '_')}-{model}-{concurrency}.csv")
+    out = Path(f"/tmp/batchd-pa-{str(port).replace(':', '_')}-{model}-{concurrency}-{protocol}.csv")
     kids = children(server) if server else []
     before = [cpu_s(p) for p in (server, *kids)] if server else []
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -81,7 +81,7 @@ def perf_analyzer(
         [
             pa,
             "-i",
-            "grpc",
+            protocol,
             "-u",
             port if isinstance(port, str) else f"127.0.0.1:{port}",  # a URL, or a local port
             "-m",
@@ -122,8 +122,13 @@ def perf_analyzer(
 
 
 @contextmanager
-def running(cmd: list[str], port: int, timeout: float = 120.0) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def running(
+    cmd: list[str], port: int, timeout: float = 120.0, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env},
+    )  # fmt: skip
     try:
         with Client(f"127.0.0.1:{port}") as c:
             end = time.monotonic() + timeout
