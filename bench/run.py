@@ -23,6 +23,9 @@
    flags against the echo ceiling and every `--peer NAME=URL` (e.g. PyTriton from
    ../shared/peers/pytriton/serve.sh), alternating, 2 rounds, CPU per request by
    process; and tiny with `--frontends 1, 2, 4`: batch and forward sizes.
+8. bench/rest.py: HTTP against gRPC on tiny (perf_analyzer -i http and -i grpc),
+   gRPC with the HTTP port off and on (idle), tracing on; with `--http-baseline
+   REV`, also that revision from a git worktree (what tracing costs when off).
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -184,6 +187,7 @@ def main() -> None:
         "--peer", action="append", default=[], metavar="NAME=URL",
         help="another OIP server serving mlp and tiny, measured beside batchd (repeatable)",
     )  # fmt: skip
+    p.add_argument("--http-baseline", metavar="REV", help="bench/rest.py --baseline REV")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     pa = (
@@ -262,6 +266,11 @@ def main() -> None:
 
     peer_args = [x for peer in args.peer for x in ("--peer", peer)]
     r["peers"] = peers.main(["--pa", pa, *peer_args, "--json", str(args.out / "peers.json")])
+    print("HTTP and tracing ...", flush=True)
+    import rest
+
+    base = ["--baseline", args.http_baseline] if args.http_baseline else []
+    r["rest"] = rest.main(["--pa", pa, *base, "--json", str(args.out / "rest.json")])
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
@@ -427,6 +436,10 @@ def markdown(r: dict) -> str:
         import peers
 
         lines += [peers.markdown(r["peers"]), ""]
+    if "rest" in r:
+        import rest
+
+        lines += [rest.markdown(r["rest"]), ""]
     return "\n".join(lines)
 
 

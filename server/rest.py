@@ -46,7 +46,6 @@ from batchd.server.errors import (
     ModelNotFound,
     Unauthenticated,
     clip,
-    clip_list,
     http_status,
 )
 from batchd.server.jobs.rest import JobRoutes
@@ -59,11 +58,26 @@ from batchd.server.rest_codec import (
     load_json,
     parse_generate,
     parse_infer,
+    parse_load,
     tensors,
 )
 from batchd.server.service import EXTENSIONS, Core, InferenceService
 
 log = logging.getLogger("batchd.server")
+# aiohttp reports every malformed request a client sends (bad request line, a negative
+# Content-Length) as an ERROR with a traceback: a log flood any client can cause. The
+# client gets its 400; here such a report is one DEBUG line. batchd's own failures are
+# logged by _errors.
+protocol_log = logging.getLogger("batchd.server.http")
+
+
+def _client_error(record: logging.LogRecord) -> bool:
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    record.exc_info = record.exc_text = None
+    return True
+
+
+protocol_log.addFilter(_client_error)
 INLINE_BYTES = 256 * 1024  # a larger body is parsed off the event loop
 REST_EXTENSIONS = sorted([*EXTENSIONS, "binary_tensor_data", "generate"])
 JSON = "application/json"
@@ -300,14 +314,7 @@ class RestApi:
 
     async def load(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        params = load_json(body).get("parameters") if body.strip() else None
-        if params:
-            got = clip_list([clip(str(k)) for k in params]) if isinstance(params, dict) else "?"
-            raise InvalidInput(
-                "a model load takes no parameters: batchd loads models only from its "
-                f"repository on disk, never from the request; got {got}"
-            )
-        await self._core.load(request.match_info["model"])
+        await self._service.load(parse_load(body, request.match_info["model"]))
         return json_response({})
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -329,6 +336,7 @@ async def serve_rest(
         api.app,
         access_log=None,
         handle_signals=False,
+        logger=protocol_log,
         # A caller that leaves cancels its request, as a gRPC cancel does.
         handler_cancellation=True,
         # Closes a connection that has not sent a whole request by then: slow headers

@@ -15,6 +15,7 @@ nesting is walked level by level (at most MAX_DEPTH levels), each in one pass.
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from collections.abc import Iterable, Sequence
@@ -35,7 +36,9 @@ from batchd.server.request import Tensor
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DEPTH = 32  # nesting levels of a tensor's `data`
 MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real tensor
-_INT_LIMITS = {k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu"}
+_INT_LIMITS = {  # BF16 travels as uint16 bits, but its JSON values are numbers
+    k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu" and k != "BF16"
+}
 
 
 def as_json(msg: Message, defaults: bool = False) -> dict[str, Any]:
@@ -135,6 +138,8 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
     except (ValueError, TypeError, OverflowError):
         arr = np.asarray([], dtype=object)
     kind = arr.dtype.kind
+    if datatype in _INT_LIMITS and kind in "fO" and all(type(v) is int for v in values):
+        arr, kind = np.asarray(values, dtype=object), "i"  # ints past int64 beside small ones
     if datatype == "BOOL":
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data holds true and false only")
@@ -222,9 +227,14 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
     shape = _shape(_field(item, "shape", list, where, []), where)
     size = _field(item, "parameters", dict, where, {}).get("binary_data_size")
     if size is not None:
-        if type(size) is not int or size < 0 or at + size > len(binary):
+        if type(size) is not int or size < 0:
             raise InvalidInput(
-                f"{where}: binary_data_size {clip(repr(size))} does not fit the "
+                f"{where}: binary_data_size must be a non-negative integer, got {_kind(size)} "
+                f"{clip(str(size))}"
+            )
+        if at + size > len(binary):
+            raise InvalidInput(
+                f"{where}: binary_data_size {size} does not fit the "
                 f"{len(binary) - at} binary bytes left after the header"
             )
         raw = bytes(binary[at : at + size])
@@ -256,6 +266,15 @@ def _wanted(msg: pb.ModelInferRequest, head: dict[str, Any], default: bool) -> W
         named[name] = params.get("binary_data", default) is True
         msg.outputs.add(name=name)
     return Wanted(default, named)
+
+
+def parse_load(body: bytes, model: str) -> pb.RepositoryModelLoadRequest:
+    """A model-control load body (empty, or `{"parameters": {...}}`)."""
+    msg = pb.RepositoryModelLoadRequest(model_name=model)
+    if body.strip():
+        params = _field(load_json(body), "parameters", dict, "the request", {})
+        _parameters(msg.parameters, params, "the request")
+    return msg
 
 
 def parse_generate(body: bytes, cfg: ModelConfig) -> pb.ModelInferRequest:
@@ -304,6 +323,16 @@ def values(t: Tensor) -> Any:
     return arr
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` for orjson, which writes inf and nan as null: floats that are not finite
+    go as Python's json writes them (Infinity, -Infinity, NaN, which Python's json, and
+    so tritonclient.http, reads back), never silently changed."""
+    floats = isinstance(value, np.ndarray | np.floating) and value.dtype.kind == "f"
+    if floats and not np.isfinite(value).all():
+        return orjson.Fragment(json.dumps(value.tolist()).encode())
+    return value
+
+
 def tensors(response: pb.ModelInferResponse) -> list[Tensor]:
     """A response's outputs as Tensors (no copy of their data)."""
     return [
@@ -324,7 +353,7 @@ def infer_response(response: pb.ModelInferResponse, wanted: Wanted) -> tuple[byt
             out["parameters"] = {"binary_data_size": len(t.data)}
             parts.append(bytes(t.data))
         else:
-            out["data"] = values(t)
+            out["data"] = _json_safe(values(t))
         outputs.append(out)
     head: dict[str, Any] = {
         "model_name": response.model_name,
@@ -346,5 +375,5 @@ def generate_response(model: ModelConfig, request_id: str, results: Sequence[Ten
         body["id"] = request_id
     for t in results:
         v = values(t)
-        body[t.name] = v[0] if len(v) == 1 else v
+        body[t.name] = _json_safe(v[0] if len(v) == 1 else v)
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

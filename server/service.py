@@ -378,6 +378,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryModelLoadResponse:
+        await self.load(request)
+        return pb.RepositoryModelLoadResponse()
+
+    async def load(self, request: pb.RepositoryModelLoadRequest) -> None:
         if request.parameters:
             raise InvalidInput(
                 "RepositoryModelLoad takes no parameters: batchd loads models only from its "
@@ -385,7 +389,6 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 + clip_list([clip(k) for k in sorted(request.parameters)])
             )
         await self._core.load(request.model_name)
-        return pb.RepositoryModelLoadResponse()
 
     @_status
     async def RepositoryModelUnload(

@@ -80,7 +80,11 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
-    def start(self, timeout: float = 90.0, ready: bool = True) -> ServerProcess:
+    def start(
+        self, timeout: float = 90.0, ready: bool = True, token: str | None = None
+    ) -> ServerProcess:
+        """Start it; wait for its port and, with `ready`, for ServerReady (asked with
+        `token` when the server wants one). A server that never gets ready is stopped."""
         cmd = [
             sys.executable,
             "-m",
@@ -123,8 +127,12 @@ class ServerProcess:
 
         wait_for(listening, timeout, "the server to listen")
         if ready:
-            with Client(self.url) as c:
-                wait_for(c.ready, timeout, "ServerReady")
+            try:
+                with Client(self.url, token=token) as c:
+                    wait_for(c.ready, timeout, "ServerReady")
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def metrics_url(self) -> str:

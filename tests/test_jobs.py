@@ -147,14 +147,7 @@ def _gated_server(tmp: Path, state: Path, jobs_dir: Path, *args: str,
     server = ServerProcess(
         TEST_MODELS, "--credits-per-worker", "1", "--jobs-dir", str(jobs_dir), *args,
         log_dir=tmp, env={"BATCHD_TEST_DIR": str(state)},
-    ).start(ready=token is None)  # fmt: skip
-    if token is not None:
-        try:
-            with Client(server.url, token=token) as c:
-                wait_for(c.ready, 90, "ServerReady")
-        except BaseException:
-            server.stop()
-            raise
+    ).start(token=token)  # fmt: skip
     return server
 
 

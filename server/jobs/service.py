@@ -205,6 +205,8 @@ class JobsService(pb_grpc.JobsServicer):
             raise InvalidInput(
                 f"unknown status {clip(status)}; expected one of {', '.join(STATUSES)}"
             )
+        if limit < 0:
+            raise InvalidInput(f"limit must be 0 (the most, 1000) or more, got {limit}")
         owner, every = caller
         rows = jobs.store.select(None if every else owner, status, min(limit or 1000, 1000))
         return pb.ListJobsResponse(jobs=[self._message(r) for r in rows])

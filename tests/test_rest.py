@@ -1,0 +1,1172 @@
+"""The KServe v2 REST edge (server/rest.py) against real servers over real sockets.
+
+Everything HTTP answers is compared with what gRPC answers on the same server:
+tritonclient.http (JSON and binary tensors) against tritonclient.grpc for every
+example model, hand-written curl-style bodies, metadata and model control, every
+error's status and message, Server-Sent Events against the gRPC stream, batch jobs,
+and hostile bodies and connections (the server answers 4xx and keeps serving).
+
+Servers: the shared `example_server` and `test_server` (conftest.py), a `strict`
+one (tokens, a 64 KiB message limit, a 1 s handshake timeout, explicit model
+control) and, for draining, one of the test's own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+import shutil
+import signal
+import socket
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import json_format
+
+from batchd.client import Client
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos import jobs_pb2, jobs_pb2_grpc
+from batchd.protos.datatypes import DATATYPES
+from batchd.protos.tensors import serialize_bytes
+from tests.certs import ADMIN_TOKEN, INFER_TOKEN
+from tests.conftest import Gate, scrape, value
+from tests.servers import TEST_MODELS, ServerProcess, wait_for
+
+with warnings.catch_warnings():  # tritonclient's own imports warn on new Python/protobuf
+    warnings.simplefilter("ignore")
+    import tritonclient.grpc as triton_grpc
+    import tritonclient.http as triton_http
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+INFER = {"Authorization": f"Bearer {INFER_TOKEN}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+MAX_BODY = 65536  # the strict server's --max-message-bytes
+DENIED = "missing or invalid token"
+INFER_MD = [("authorization", f"Bearer {INFER_TOKEN}")]  # as gRPC metadata
+ADMIN_MD = [("authorization", f"Bearer {ADMIN_TOKEN}")]
+
+# ---- HTTP and gRPC helpers ----
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def error(self) -> str:
+        """The `{"error": ...}` message of a refusal (and that it is JSON)."""
+        assert self.headers["Content-Type"] == "application/json", self.headers
+        message = self.json()["error"]
+        assert isinstance(message, str)
+        return message
+
+
+def call(
+    server: ServerProcess,
+    method: str,
+    path: str,
+    body: bytes | str | dict[str, Any] | list[Any] | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> Reply:
+    """One request on its own connection; a dict or list body is sent as JSON."""
+    if isinstance(body, dict | list):
+        body = json.dumps(body)
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return Reply(r.status, r.headers, r.read())
+    finally:
+        conn.close()
+
+
+def grpc_error(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> grpc.RpcError:
+    """The error a gRPC call fails with (it must fail)."""
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, timeout=60, **kwargs)
+    return info.value
+
+
+def tensor(name: str, datatype: str, shape: list[int], data: Any) -> dict[str, Any]:
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+def tiny_body(v: float = 1.0, **extra: Any) -> dict[str, Any]:
+    return {"inputs": [tensor("INPUT0", "FP32", [1, 16], [v] * 16)], **extra}
+
+
+def x_body(v: float, **extra: Any) -> dict[str, Any]:
+    """A body for the gated test models (X FP32 [1, 1])."""
+    return {"inputs": [tensor("X", "FP32", [1, 1], [v])], **extra}
+
+
+def x_request(model: str, v: float, **params: int) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name=model)
+    msg.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+    msg.raw_input_contents.append(np.array([[v]], np.float32).tobytes())
+    for key, number in params.items():
+        msg.parameters[key].int64_param = number
+    return msg
+
+
+def bin_input(name: str, datatype: str, shape: list[int], size: Any) -> dict[str, Any]:
+    """An input whose bytes follow the JSON header (Triton's binary extension)."""
+    return {"name": name, "datatype": datatype, "shape": shape,
+            "parameters": {"binary_data_size": size}}  # fmt: skip
+
+
+def binary_body(head: dict[str, Any], *parts: bytes) -> tuple[bytes, dict[str, str]]:
+    """Triton's binary extension: the JSON header, then the tensors' bytes."""
+    text = json.dumps(head).encode()
+    return text + b"".join(parts), {HEADER_LENGTH: str(len(text))}
+
+
+def assert_serving(server: ServerProcess, headers: dict[str, str] | None = None) -> None:
+    """A normal request is answered: the server is up and well."""
+    if server.repo == TEST_MODELS or (server.repo / "gated").exists():
+        r = call(server, "POST", "/v2/models/gated/infer", x_body(21.0), headers)
+        assert r.status == 200, r.body
+        assert r.json()["outputs"][0]["data"] == [42.0]
+    else:
+        r = call(server, "POST", "/v2/models/tiny/infer", tiny_body(), headers)
+        assert r.status == 200, r.body
+        assert r.json()["outputs"][0]["shape"] == [1, 16]
+
+
+def events(body: bytes) -> list[tuple[str, Any]]:
+    """Server-Sent Events: (event name, its JSON data) in order."""
+    out = []
+    for block in body.decode().split("\n\n"):
+        if not block.strip():
+            continue
+        kind, data = "message", []
+        for line in block.split("\n"):
+            field, _, text = line.partition(": ")
+            if field == "event":
+                kind = text
+            elif field == "data":
+                data.append(text)
+        out.append((kind, json.loads("\n".join(data))))
+    return out
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One HTTP/1.1 response read off a raw socket: its status and body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a whole response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed mid-body"
+        body += chunk
+    return int(head.split()[1]), body
+
+
+def until_eof(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+# ---- servers ----
+
+
+@pytest.fixture(scope="module")
+def stub(example_server: ServerProcess) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(example_server.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def models_stub(test_server: ServerProcess) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(test_server.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def small_repo(root: Path, *models: str) -> Path:
+    """A repository holding copies of some tests/models (those that stand alone)."""
+    for m in models:
+        shutil.copytree(TEST_MODELS / m, root / m)
+    return root
+
+
+@pytest.fixture(scope="module")
+def strict(token_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Tokens, --max-message-bytes 64 KiB, --handshake-timeout 1 and explicit model
+    control over `gated` (loaded) and `echo` (not)."""
+    state = tmp_path_factory.mktemp("strict-state")
+    server = ServerProcess(
+        small_repo(tmp_path_factory.mktemp("strict-repo"), "gated", "echo"),
+        "--auth-token-file", str(token_file), "--max-message-bytes", str(MAX_BODY),
+        "--handshake-timeout", "1", "--model-control", "explicit", "--load-model", "gated",
+        log_dir=tmp_path_factory.mktemp("logs"), env={"BATCHD_TEST_DIR": str(state)},
+    ).start(token=INFER_TOKEN)  # fmt: skip
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def strict_stub(strict: ServerProcess) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(strict.url) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+# ==== 1. tritonclient.http gets what tritonclient.grpc gets, for every example ====
+
+RNG = np.random.default_rng(11)
+EXAMPLE_CALLS: list[tuple[str, dict[str, tuple[str, np.ndarray]], list[str]]] = [
+    ("tiny", {"INPUT0": ("FP32", RNG.standard_normal((3, 16), dtype=np.float32))}, ["OUTPUT0"]),
+    ("mlp", {"INPUT0": ("FP32", RNG.standard_normal((2, 512), dtype=np.float32))}, ["OUTPUT0"]),
+    (
+        "embed",
+        {"TEXT": ("BYTES", np.array([[b"hello"], ["ünïcode ✓".encode()], [b""]], dtype=object))},
+        ["EMBEDDING", "LENGTH"],
+    ),
+    *[
+        ("textpool", {"TOKENS": ("INT64", RNG.integers(1, 8000, (rows, n)))}, ["EMBEDDING"])
+        for rows, n in ((1, 1), (1, 7), (2, 5), (1, 40))
+    ],
+    *[
+        (
+            "decoder",
+            {
+                "PROMPT": ("INT64", np.array(prompt, np.int64)),
+                "MAX_NEW_TOKENS": ("INT64", np.array([new], np.int64)),
+            },
+            ["TOKEN"],
+        )
+        for prompt, new in (([5, 6, 7], 6), ([200], 3))
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def tritons(example_server: ServerProcess) -> Iterator[tuple[Any, Any]]:
+    h = triton_http.InferenceServerClient(f"127.0.0.1:{example_server.http_port}")
+    g = triton_grpc.InferenceServerClient(example_server.url)
+    yield h, g
+    h.close()
+    g.close()
+
+
+@pytest.mark.parametrize(
+    ("binary_in", "binary_out"),
+    [(False, False), (True, True), (False, True), (True, False)],
+    ids=["json", "binary", "json-in-binary-out", "binary-in-json-out"],
+)
+def test_tritonclient_http_equals_grpc_for_every_example_model(
+    tritons: tuple[Any, Any], binary_in: bool, binary_out: bool
+) -> None:
+    """Every example model (textpool at several ragged lengths, the step-wise decoder
+    joined by a unary infer) answers tritonclient.http exactly what it answers
+    tritonclient.grpc, with tensors as JSON or binary in each direction."""
+    h, g = tritons
+    assert h.is_server_live() and h.is_server_ready()
+    for i, (model, arrays, outputs) in enumerate(EXAMPLE_CALLS):
+        http_inputs, grpc_inputs = [], []
+        for name, (datatype, array) in arrays.items():
+            hi = triton_http.InferInput(name, list(array.shape), datatype)
+            hi.set_data_from_numpy(array, binary_data=binary_in)
+            http_inputs.append(hi)
+            gi = triton_grpc.InferInput(name, list(array.shape), datatype)
+            gi.set_data_from_numpy(array)
+            grpc_inputs.append(gi)
+        wanted = [triton_http.InferRequestedOutput(o, binary_data=binary_out) for o in outputs]
+        got = h.infer(model, http_inputs, outputs=wanted, request_id=f"r{i}")
+        want = g.infer(model, grpc_inputs, request_id=f"r{i}")
+        assert got.get_response()["id"] == f"r{i}"
+        assert got.get_response()["model_name"] == model
+        for o in outputs:
+            sent = got.get_output(o)
+            assert ("binary_data_size" in sent.get("parameters", {})) == binary_out, sent
+            assert ("data" in sent) != binary_out
+            a, b = got.as_numpy(o), want.as_numpy(o)
+            assert a.dtype == b.dtype and a.shape == b.shape, (model, o, a.shape, b.shape)
+            np.testing.assert_array_equal(a, b, err_msg=f"{model} {o}")
+
+
+# ==== 2. curl-style JSON, metadata, model control ====
+
+
+def test_hand_written_json_nested_and_flat_and_binary_output(
+    example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """Plain JSON bodies as curl would send them: `data` nested or flat gives the same
+    answer as gRPC; `outputs` filters; the request-level binary_data_output parameter
+    answers with the JSON header and raw bytes, as gRPC's raw_output_contents."""
+    rows = np.arange(32, dtype=np.float32).reshape(2, 16) / 7
+    grpc_answer = stub.ModelInfer(
+        pb.ModelInferRequest(
+            model_name="tiny",
+            inputs=[pb.InferInputTensor(name="INPUT0", datatype="FP32", shape=[2, 16])],
+            raw_input_contents=[rows.tobytes()],
+        )
+    )
+    want = np.frombuffer(grpc_answer.raw_output_contents[0], np.float32).reshape(2, 16)
+    for data in (rows.tolist(), rows.ravel().tolist()):
+        r = call(example_server, "POST", "/v2/models/tiny/infer", {
+            "id": "curl-1", "inputs": [tensor("INPUT0", "FP32", [2, 16], data)],
+        })  # fmt: skip
+        assert r.status == 200 and r.headers["Content-Type"] == "application/json", r.body
+        answer = r.json()
+        assert (answer["model_name"], answer["model_version"], answer["id"]) == (
+            "tiny", "1", "curl-1",
+        )  # fmt: skip
+        (out,) = answer["outputs"]
+        assert (out["name"], out["datatype"], out["shape"]) == ("OUTPUT0", "FP32", [2, 16])
+        np.testing.assert_array_equal(np.array(out["data"], np.float32).reshape(2, 16), want)
+    versioned = call(example_server, "POST", "/v2/models/tiny/versions/1/infer", {
+        "inputs": [tensor("INPUT0", "FP32", [2, 16], rows.tolist())],
+        "parameters": {"binary_data_output": True},
+    })  # fmt: skip
+    assert versioned.status == 200, versioned.body
+    assert versioned.headers["Content-Type"] == "application/octet-stream"
+    length = int(versioned.headers[HEADER_LENGTH])
+    head = json.loads(versioned.body[:length])
+    assert head["outputs"][0]["parameters"] == {"binary_data_size": 128}
+    assert versioned.body[length:] == grpc_answer.raw_output_contents[0]
+
+    texts = [["hello"], ["a longer sentence"]]
+    r = call(example_server, "POST", "/v2/models/embed/infer", {
+        "inputs": [tensor("TEXT", "BYTES", [2, 1], texts)], "outputs": [{"name": "LENGTH"}],
+    })  # fmt: skip
+    assert r.status == 200, r.body
+    assert r.json()["outputs"] == [
+        {"name": "LENGTH", "datatype": "INT64", "shape": [2, 1], "data": [5, 17]}
+    ]
+    r = call(example_server, "POST", "/v2/models/textpool/infer", {
+        "inputs": [tensor("TOKENS", "INT64", [2, 3], [[1, 2, 3], [4, 5, 6]])],
+    })  # fmt: skip
+    assert r.status == 200 and r.json()["outputs"][0]["shape"] == [2, 64], r.body
+
+
+ECHO_TYPES: dict[str, list[Any]] = {
+    "BOOL": [True, False, True],
+    "UINT8": [0, 255, 7],
+    "UINT16": [0, 65535, 7],
+    "UINT32": [0, 2**32 - 1, 7],
+    "UINT64": [2**64 - 1, 2**63, 2**64 - 2],
+    "INT8": [-128, 127, 0],
+    "INT16": [-32768, 32767, 0],
+    "INT32": [-(2**31), 2**31 - 1, 0],
+    "INT64": [-(2**63), 2**63 - 1, 0],
+    "FP16": [0.5, -2.0, 65504.0],
+    "FP32": [0.25, 1e30, -3.5],
+    "FP64": [1e-300, -3.5, 1e300],
+    "BF16": [1, 2, 3],  # whole numbers only: see test_bf16_json_data_takes_fractions_and_signs
+}
+
+
+def echo(server: ServerProcess, **data: list[Any]) -> Reply:
+    """The `echo` test model, every input as JSON; `data` replaces some datatypes' values."""
+    values = {**ECHO_TYPES, **data}
+    inputs = [tensor(f"IN_{k}", k, [1, 3], v) for k, v in values.items()]
+    inputs.append(tensor("IN_BYTES", "BYTES", [1, 2], ["héllo ✓", ""]))
+    return call(server, "POST", "/v2/models/echo/infer", {"inputs": inputs})
+
+
+def test_every_datatype_round_trips_through_json(test_server: ServerProcess) -> None:
+    """JSON values of every datatype, at their limits, come back as they went (the echo
+    model returns its inputs), BYTES as UTF-8 strings."""
+    r = echo(test_server)
+    assert r.status == 200, r.body
+    got = {o["name"]: o for o in r.json()["outputs"]}
+    for datatype, sent in [*ECHO_TYPES.items(), ("BYTES", ["héllo ✓", ""])]:
+        out = got[f"OUT_{datatype}"]
+        assert out["datatype"] == datatype
+        assert out["data"] == sent, datatype
+
+
+def test_uint64_json_data_above_int64_beside_small_values(test_server: ServerProcess) -> None:
+    """UINT64 values spanning the whole range ([0, 2**64-1, 7]) are valid data."""
+    r = echo(test_server, UINT64=[0, 2**64 - 1, 7])
+    assert r.status == 200, r.body
+    got = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert got["OUT_UINT64"] == [0, 2**64 - 1, 7]
+
+
+def test_bf16_json_data_takes_fractions_and_signs(test_server: ServerProcess) -> None:
+    """BF16 JSON data are numbers, as the JSON answer gives them back."""
+    r = echo(test_server, BF16=[1.0, -2.0, 0.5])
+    assert r.status == 200, r.body
+    got = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert got["OUT_BF16"] == [1.0, -2.0, 0.5]
+
+
+def msg_with_all(msg: pb.ModelInferRequest) -> pb.ModelInferRequest:
+    """`msg` for echo, completed with every other input (raw), from ECHO_TYPES."""
+    for k, v in ECHO_TYPES.items():
+        if k == "FP32":
+            continue
+        msg.inputs.add(name=f"IN_{k}", datatype=k, shape=[1, 3])
+        msg.raw_input_contents.append(np.array([v], DATATYPES[k].numpy).tobytes())
+    msg.inputs.add(name="IN_BYTES", datatype="BYTES", shape=[1, 1])
+    msg.raw_input_contents.append(serialize_bytes([b"x"]))
+    return msg
+
+
+def test_json_output_of_infinities_is_not_silently_changed(
+    test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """An FP32 output holding inf, -inf and nan is given as gRPC gives it, or refused with
+    a message naming binary_data (as a BYTES output that is not UTF-8 is): never changed."""
+    special = np.array([[np.inf, -np.inf, np.nan]], np.float32)
+    inputs = [tensor(f"IN_{k}", k, [1, 3], v) for k, v in ECHO_TYPES.items() if k != "FP32"]
+    inputs.append(tensor("IN_BYTES", "BYTES", [1, 1], ["x"]))
+    inputs.append(bin_input("IN_FP32", "FP32", [1, 3], 12))
+    body, headers = binary_body({"inputs": inputs, "outputs": [{"name": "OUT_FP32"}]},
+                                special.tobytes())  # fmt: skip
+    r = call(test_server, "POST", "/v2/models/echo/infer", body, headers)
+    msg = pb.ModelInferRequest(
+        model_name="echo", outputs=[pb.InferRequestedOutputTensor(name="OUT_FP32")]
+    )
+    msg.inputs.add(name="IN_FP32", datatype="FP32", shape=[1, 3])
+    msg.raw_input_contents.append(special.tobytes())
+    want = np.frombuffer(models_stub.ModelInfer(msg_with_all(msg)).raw_output_contents[0], "<f4")
+    if r.status != 200:
+        assert r.status == 400 and "binary_data" in r.error
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = np.array(r.json()["outputs"][0]["data"], dtype=np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_metadata_config_ready_live_and_stats_match_grpc(
+    example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """Server metadata, health, model metadata (also by version), config, readiness,
+    statistics (one model's and all) and the repository index are gRPC's answers as
+    JSON; an HTTP inference is counted in the statistics gRPC reports."""
+    meta = call(example_server, "GET", "/v2").json()
+    grpc_meta = stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert (meta["name"], meta["version"]) == (grpc_meta.name, grpc_meta.version)
+    assert set(meta["extensions"]) == {*grpc_meta.extensions, "binary_tensor_data", "generate"}
+    assert call(example_server, "GET", "/v2/health/live").json() == {"live": True}
+    ready = call(example_server, "GET", "/v2/health/ready")
+    assert (ready.status, ready.json()) == (200, {"ready": True})
+
+    for model in ("tiny", "mlp", "embed", "textpool", "decoder"):
+        for prefix in (f"/v2/models/{model}", f"/v2/models/{model}/versions/1"):
+            got = json_format.ParseDict(
+                call(example_server, "GET", prefix).json(), pb.ModelMetadataResponse()
+            )
+            assert got == stub.ModelMetadata(pb.ModelMetadataRequest(name=model)), model
+            config = json_format.ParseDict(
+                call(example_server, "GET", f"{prefix}/config").json(), pb.ModelConfig()
+            )
+            assert config == stub.ModelConfig(pb.ModelConfigRequest(name=model)).config
+            r = call(example_server, "GET", f"{prefix}/ready")
+            assert (r.status, r.json()) == (200, {"name": model, "ready": True})
+
+    def stats(path: str, name: str = "") -> tuple[pb.ModelStatisticsResponse, ...]:
+        via_http = json_format.ParseDict(
+            call(example_server, "GET", path).json(), pb.ModelStatisticsResponse()
+        )
+        return via_http, stub.ModelStatistics(pb.ModelStatisticsRequest(name=name))
+
+    before, _ = stats("/v2/models/tiny/stats", "tiny")
+    assert call(example_server, "POST", "/v2/models/tiny/infer", tiny_body()).status == 200
+    wait_for(lambda: (s := stats("/v2/models/tiny/stats", "tiny"))[0] == s[1], 10,
+             "HTTP and gRPC statistics to agree")  # fmt: skip
+    after, _ = stats("/v2/models/tiny/versions/1/stats", "tiny")
+    old, new = before.model_stats[0], after.model_stats[0]
+    assert new.inference_stats.success.count == old.inference_stats.success.count + 1
+    assert new.inference_count == old.inference_count + 1
+    wait_for(lambda: (s := stats("/v2/models/stats"))[0] == s[1], 10, "all models' statistics")
+    every, _ = stats("/v2/models/stats")
+    assert sorted(m.name for m in every.model_stats) == [
+        "decoder", "embed", "mlp", "textpool", "tiny",
+    ]  # fmt: skip
+
+    for body, ready_only in ((None, False), ({"ready": True}, True)):
+        index = call(example_server, "POST", "/v2/repository/index", body).json()
+        grpc_index = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=ready_only))
+        assert index == [
+            {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
+            for m in grpc_index.models
+        ]
+        assert len(index) == 5
+
+
+def test_unknown_routes_and_methods_answer_json(example_server: ServerProcess) -> None:
+    """aiohttp's own refusals come as `{"error": ...}` too: 404 for a route that is not
+    there, 405 with Allow for a method a route does not take."""
+    missing = call(example_server, "GET", "/v2/nowhere")
+    assert missing.status == 404 and "Not Found" in missing.error
+    wrong = call(example_server, "DELETE", "/v2/models/tiny")
+    assert wrong.status == 405 and "Method Not Allowed" in wrong.error
+    assert wrong.headers["Allow"] == "GET"
+
+
+def test_load_and_unload_over_http_with_an_admin_token(
+    strict: ServerProcess, strict_stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """With --model-control explicit: the index (as gRPC's), load, unload; model control
+    needs an admin token, an infer token gets gRPC's refusal."""
+
+    def index() -> list[dict[str, str]]:
+        r = call(strict, "POST", "/v2/repository/index", None, ADMIN)
+        grpc_index = strict_stub.RepositoryIndex(pb.RepositoryIndexRequest(), metadata=ADMIN_MD)
+        assert r.json() == [
+            {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
+            for m in grpc_index.models
+        ]
+        return r.json()  # type: ignore[no-any-return]
+
+    assert {m["name"]: m["state"] for m in index()} == {"echo": "UNAVAILABLE", "gated": "READY"}
+    refused = call(strict, "POST", "/v2/repository/models/echo/load", None, INFER)
+    e = grpc_error(strict_stub.RepositoryModelLoad,
+                   pb.RepositoryModelLoadRequest(model_name="echo"), metadata=INFER_MD)  # fmt: skip
+    assert (refused.status, refused.error) == (401, e.details())
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert call(strict, "GET", "/v2/models/echo", None, INFER).status == 404
+
+    loaded = call(strict, "POST", "/v2/repository/models/echo/load", None, ADMIN)
+    assert (loaded.status, loaded.json()) == (200, {})
+    assert {m["name"]: m["state"] for m in index()} == {"echo": "READY", "gated": "READY"}
+    r = call(strict, "GET", "/v2/models/echo/ready", None, INFER)
+    assert (r.status, r.json()) == (200, {"name": "echo", "ready": True})
+    assert call(strict, "POST", "/v2/repository/index", {"ready": True}, ADMIN).json() == [
+        m for m in index() if m["state"] == "READY"
+    ]
+
+    unloaded = call(strict, "POST", "/v2/repository/models/echo/unload", None, ADMIN)
+    assert (unloaded.status, unloaded.json()) == (200, {})
+    gone = call(strict, "GET", "/v2/models/echo", None, INFER)
+    e = grpc_error(strict_stub.ModelMetadata, pb.ModelMetadataRequest(name="echo"),
+                   metadata=INFER_MD)  # fmt: skip
+    assert (gone.status, gone.error) == (404, e.details())
+    missing = call(strict, "POST", "/v2/repository/models/nope/load", None, ADMIN)
+    e = grpc_error(strict_stub.RepositoryModelLoad,
+                   pb.RepositoryModelLoadRequest(model_name="nope"), metadata=ADMIN_MD)  # fmt: skip
+    assert (missing.status, missing.error) == (400, e.details())
+
+
+def test_a_load_with_parameters_gets_the_grpc_message(
+    strict: ServerProcess, strict_stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """A load that carries parameters is refused over HTTP with gRPC's message."""
+    r = call(strict, "POST", "/v2/repository/models/echo/load",
+             {"parameters": {"file:x": "y", "config": "{}"}}, ADMIN)  # fmt: skip
+    msg = pb.RepositoryModelLoadRequest(model_name="echo")
+    msg.parameters["file:x"].string_param = "y"
+    msg.parameters["config"].string_param = "{}"
+    e = grpc_error(strict_stub.RepositoryModelLoad, msg, metadata=ADMIN_MD)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert r.status == 400
+    assert r.error == e.details()
+
+
+def test_model_control_when_disabled_is_409_with_the_grpc_message(
+    example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """Without --model-control explicit, load and unload are FAILED_PRECONDITION: 409."""
+    e = grpc_error(stub.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="tiny"))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+    for action in ("load", "unload"):
+        r = call(example_server, "POST", f"/v2/repository/models/tiny/{action}")
+        assert (r.status, r.error) == (409, e.details())
+    assert call(example_server, "GET", "/v2/models/tiny/ready").status == 200
+
+
+# ==== 3. every error: its HTTP status and gRPC's message ====
+
+ZEROS = np.zeros((1, 16), np.float32).tobytes()
+
+
+def _tiny(shape: list[int], datatype: str = "FP32", raw: bytes = ZEROS, name: str = "INPUT0",
+          **fields: Any) -> pb.ModelInferRequest:  # fmt: skip
+    return pb.ModelInferRequest(
+        model_name="tiny",
+        inputs=[pb.InferInputTensor(name=name, datatype=datatype, shape=shape)],
+        raw_input_contents=[raw],
+        **fields,
+    )
+
+
+TRUNCATED = serialize_bytes([b"hello"])[:-2]  # a BYTES element 2 bytes short
+
+# case: (model, HTTP body (JSON, or binary and its headers), the same request for gRPC)
+# fmt: off
+INVALID: dict[str, tuple[str, Any, pb.ModelInferRequest]] = {
+    "unknown input": ("tiny", {"inputs": [tensor("INPUT9", "FP32", [1, 16], [0.0] * 16)]},
+                      _tiny([1, 16], name="INPUT9")),
+    "missing input": ("tiny", {"inputs": []}, pb.ModelInferRequest(model_name="tiny")),
+    "wrong datatype": ("tiny", {"inputs": [tensor("INPUT0", "FP64", [1, 16], [0.0] * 16)]},
+                       _tiny([1, 16], "FP64", np.zeros(16, np.float64).tobytes())),
+    "wrong shape": ("tiny", {"inputs": [tensor("INPUT0", "FP32", [1, 15], [0.0] * 15)]},
+                    _tiny([1, 15], raw=ZEROS[:60])),
+    "zero rows": ("tiny", {"inputs": [tensor("INPUT0", "FP32", [0, 16], [])]},
+                  _tiny([0, 16], raw=b"")),
+    "unknown output": ("tiny", tiny_body(0.0, outputs=[{"name": "OUT9"}]),
+                       _tiny([1, 16], outputs=[pb.InferRequestedOutputTensor(name="OUT9")])),
+    "timeout of wrong type": (
+        "tiny", tiny_body(0.0, parameters={"timeout": "1s"}),
+        _tiny([1, 16], parameters={"timeout": pb.InferParameter(string_param="1s")})),
+    "priority out of range": (
+        "tiny", tiny_body(0.0, parameters={"priority": -3}),
+        _tiny([1, 16], parameters={"priority": pb.InferParameter(int64_param=-3)})),
+    "binary bytes do not match the shape": (
+        "tiny", binary_body({"inputs": [bin_input("INPUT0", "FP32", [2, 16], 64)]}, ZEROS),
+        _tiny([2, 16])),
+    "binary BYTES element truncated": (
+        "embed", binary_body({"inputs": [bin_input("TEXT", "BYTES", [1, 1], 7)]}, TRUNCATED),
+        pb.ModelInferRequest(
+            model_name="embed", raw_input_contents=[TRUNCATED],
+            inputs=[pb.InferInputTensor(name="TEXT", datatype="BYTES", shape=[1, 1])])),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_requests_are_400_with_the_grpc_message(
+    example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub, case: str
+) -> None:
+    """The same bad request over gRPC (INVALID_ARGUMENT) and over HTTP (400, JSON or
+    binary): the HTTP error is gRPC's details, word for word."""
+    model, body, msg = INVALID[case]
+    e = grpc_error(stub.ModelInfer, msg)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+    if isinstance(body, tuple):
+        r = call(example_server, "POST", f"/v2/models/{model}/infer", body[0], body[1])
+    else:
+        r = call(example_server, "POST", f"/v2/models/{model}/infer", body)
+    assert (r.status, r.error) == (400, e.details())
+
+
+def test_unknown_model_and_version_are_404_with_the_grpc_message(
+    example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """Every route naming a model that is not served, or a version it does not have, is
+    404 with gRPC's NOT_FOUND details (a long name quoted short)."""
+    long_name = "n" * 1000
+    for name, version in (("nope", ""), ("tiny", "7"), (long_name, "")):
+        prefix = f"/v2/models/{name}" + (f"/versions/{version}" if version else "")
+        msg = pb.ModelInferRequest(model_name=name, model_version=version)
+        infer = grpc_error(stub.ModelInfer, msg)
+        assert infer.code() == grpc.StatusCode.NOT_FOUND
+        assert len(infer.details()) < 300
+        for route in ("infer", "generate", "generate_stream"):
+            r = call(example_server, "POST", f"{prefix}/{route}", tiny_body())
+            assert (r.status, r.error) == (404, infer.details()), route
+        for path, rpc, request in (
+            (prefix, stub.ModelMetadata, pb.ModelMetadataRequest),
+            (f"{prefix}/config", stub.ModelConfig, pb.ModelConfigRequest),
+            (f"{prefix}/ready", stub.ModelReady, pb.ModelReadyRequest),
+            (f"{prefix}/stats", stub.ModelStatistics, pb.ModelStatisticsRequest),
+        ):
+            e = grpc_error(rpc, request(name=name, version=version))
+            r = call(example_server, "GET", path)
+            assert (r.status, r.error) == (404, e.details()), path
+
+
+def test_a_model_failure_is_500_with_the_grpc_message(
+    test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub, gate: Gate
+) -> None:
+    """The model raising is INTERNAL over gRPC and 500 over HTTP, the same message."""
+    e = grpc_error(models_stub.ModelInfer, x_request("gated", -1.0))
+    assert e.code() == grpc.StatusCode.INTERNAL
+    assert "ValueError: negative input -1.0" in e.details()
+    r = call(test_server, "POST", "/v2/models/gated/infer", x_body(-1.0))
+    assert (r.status, r.error) == (500, e.details())
+    assert_serving(test_server)
+
+
+def pending(server: ServerProcess, model: str) -> float:
+    labels = {"model": model, "version": "1"}
+    return value(scrape(server), "batchd_inference_pending_request_count", **labels)
+
+
+def test_a_full_queue_is_429_with_retry_after_and_the_grpc_message(
+    test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub, gate: Gate
+) -> None:
+    """`isolate` (max_queue_size 4): its worker held at the gate on one request, four
+    more queued over HTTP; the next is RESOURCE_EXHAUSTED over gRPC and 429 over HTTP,
+    the same message, Retry-After the pushback in whole seconds. Opened, every admitted
+    request is answered."""
+    gate.close()
+    with ThreadPoolExecutor(5) as pool:
+        try:
+
+            def send(v: float) -> Future[Reply]:
+                return pool.submit(call, test_server, "POST", "/v2/models/isolate/infer",
+                                   x_body(v))  # fmt: skip
+
+            first = send(1000.0)
+            wait_for(lambda: gate.calls("isolate", "entered") == [[1000.0]], 30, "the first batch")
+            queued = [send(float(v)) for v in range(1, 5)]
+            wait_for(lambda: pending(test_server, "isolate") == 4, 30, "4 queued")
+            e = grpc_error(models_stub.ModelInfer, x_request("isolate", 9.0))
+            r = call(test_server, "POST", "/v2/models/isolate/infer", x_body(9.0))
+        finally:
+            gate.open()
+        answers = [f.result(60) for f in (first, *queued)]
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (r.status, r.error) == (429, e.details())
+    assert "max_queue_size 4" in r.error
+    pushback_ms = int(dict(e.trailing_metadata())["grpc-retry-pushback-ms"])
+    retry_after = int(r.headers["Retry-After"])
+    assert retry_after >= 1 and abs(retry_after - max(1, math.ceil(pushback_ms / 1000))) <= 1
+    assert [a.status for a in answers] == [200] * 5
+    assert [a.json()["outputs"][0]["data"] for a in answers] == [
+        [2000.0], [2.0], [4.0], [6.0], [8.0],
+    ]  # fmt: skip
+
+
+def test_the_timeout_parameter_expires_in_the_queue_as_504_with_the_grpc_message(
+    test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub, gate: Gate
+) -> None:
+    """The `timeout` parameter (µs) on a request queued behind a held batch: gRPC says
+    DEADLINE_EXCEEDED, HTTP 504 with the same message (but for the milliseconds it
+    waited), and neither reached the model."""
+    gate.close()
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            first = pool.submit(call, test_server, "POST", "/v2/models/gated/infer",
+                                x_body(1.0))  # fmt: skip
+            wait_for(lambda: gate.calls("gated", "entered") == [[1.0]], 30, "the first batch")
+            msg = x_request("gated", 2.0, timeout=50_000)
+            msg.id = "late"
+            e = grpc_error(models_stub.ModelInfer, msg)
+            r = call(test_server, "POST", "/v2/models/gated/infer",
+                     x_body(3.0, id="late", parameters={"timeout": 50_000}))  # fmt: skip
+        finally:
+            gate.open()
+        assert first.result(60).json()["outputs"][0]["data"] == [2.0]
+    assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert r.status == 504
+
+    def waited(message: str) -> str:
+        return re.sub(r"after [0-9.]+ ms", "after N ms", message)
+
+    assert "reached its deadline" in r.error
+    assert waited(r.error) == waited(e.details())
+    assert_serving(test_server)
+    assert gate.calls("gated") == [[1.0], [21.0]]
+
+
+def test_tokens_are_401_with_the_grpc_message_and_health_stays_open(
+    strict: ServerProcess, strict_stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """With --auth-token-file: no token, a wrong one or another scheme is 401 with
+    WWW-Authenticate and gRPC's UNAUTHENTICATED details, on every route but health;
+    /v2/health/live and /ready answer without one; the infer token is served."""
+    e = grpc_error(strict_stub.ModelInfer, x_request("gated", 1.0))
+    assert (e.code(), e.details()) == (grpc.StatusCode.UNAUTHENTICATED, DENIED)
+    wrong = grpc_error(strict_stub.ModelInfer, x_request("gated", 1.0),
+                       metadata=[("authorization", "Bearer not-the-token-0123456789")])  # fmt: skip
+    assert wrong.details() == e.details()
+    refusals = ["", "Bearer not-the-token-0123456789", f"Basic {INFER_TOKEN}", "Bearer"]
+    for headers in [{"Authorization": a} if a else {} for a in refusals]:
+        for method, path, body in (
+            ("POST", "/v2/models/gated/infer", x_body(1.0)),
+            ("POST", "/v2/models/gated/generate", {"X": 1.0}),
+            ("GET", "/v2", None),
+            ("GET", "/v2/models/gated", None),
+            ("GET", "/v2/models/stats", None),
+            ("GET", "/v2/jobs", None),
+            ("POST", "/v2/repository/index", None),
+        ):
+            r = call(strict, method, path, body, headers)
+            assert (r.status, r.error) == (401, e.details()), (headers, path)
+            assert r.headers["WWW-Authenticate"] == "Bearer"
+    for path in ("/v2/health/live", "/v2/health/ready"):
+        assert call(strict, "GET", path).status == 200
+    assert_serving(strict, INFER)
+    assert call(strict, "GET", "/v2/models/gated/ready", None, ADMIN).status == 200
+
+
+def test_a_draining_server_is_503_with_the_grpc_message(tmp_path: Path) -> None:
+    """SIGTERM while a request is held: readiness turns 503 at once, a new request is
+    UNAVAILABLE over gRPC and 503 over HTTP with the same message, and the held
+    request is still answered before the server exits cleanly."""
+    state = tmp_path / "state"
+    state.mkdir()
+    gate = Gate(state)
+    server = ServerProcess(small_repo(tmp_path / "repo", "gated"), log_dir=tmp_path,
+                           env={"BATCHD_TEST_DIR": str(state)}).start()  # fmt: skip
+    try:
+        gate.close()
+        with ThreadPoolExecutor(1) as pool, grpc.insecure_channel(server.url) as channel:
+            held = pool.submit(call, server, "POST", "/v2/models/gated/infer", x_body(5.0))
+            wait_for(lambda: gate.calls("gated", "entered") == [[5.0]], 30, "the held batch")
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: call(server, "GET", "/v2/health/ready").status == 503, 30,
+                     "readiness to turn 503")  # fmt: skip
+            e = grpc_error(pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer,
+                           x_request("gated", 6.0))  # fmt: skip
+            r = call(server, "POST", "/v2/models/gated/infer", x_body(6.0))
+            ready = call(server, "GET", "/v2/models/gated/ready")
+            gate.open()
+            answer = held.result(60)
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+        assert (r.status, r.error) == (503, e.details())
+        assert "shutting down" in r.error
+        assert (ready.status, ready.json()) == (503, {"name": "gated", "ready": False})
+        assert (answer.status, answer.json()["outputs"][0]["data"]) == (200, [10.0])
+        assert server.proc.wait(60) == 0, server.log()
+    finally:
+        gate.open()
+        server.stop()
+    assert gate.calls("gated") == [[5.0]]
+
+
+# ==== 4. generate and Server-Sent Events ====
+
+
+def test_generate_stream_gives_the_grpc_streams_tokens(example_server: ServerProcess) -> None:
+    """/generate_stream on the decoder: one `data:` event per TOKEN, the tokens of the
+    gRPC stream for each prompt, then `event: final` counting them; /generate gives
+    them joined; a one-shot model streams its one answer."""
+    cases = [([5, 6, 7], 6), ([9], 3), ([40, 41, 42, 43, 44, 45], 10)]
+    with Client(example_server.url) as c:
+        for i, (prompt, new) in enumerate(cases):
+            inputs = {"PROMPT": np.array(prompt, np.int64),
+                      "MAX_NEW_TOKENS": np.array([new], np.int64)}  # fmt: skip
+            want = [int(o["TOKEN"][0]) for o in c.stream("decoder", inputs, timeout=60)]
+            assert len(want) == new
+            body = {"id": f"g{i}", "PROMPT": prompt, "MAX_NEW_TOKENS": new}
+            r = call(example_server, "POST", "/v2/models/decoder/generate_stream", body)
+            assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+            got = events(r.body)
+            assert [k for k, _ in got] == ["message"] * new + ["final"]
+            assert [d["TOKEN"] for _, d in got[:-1]] == want
+            assert all((d["model_name"], d["id"]) == ("decoder", f"g{i}") for _, d in got[:-1])
+            assert got[-1][1] == {"model_name": "decoder", "id": f"g{i}", "outputs": new}
+            joined = call(example_server, "POST", "/v2/models/decoder/generate", body)
+            assert joined.status == 200, joined.body
+            assert joined.json() == {
+                "model_name": "decoder", "model_version": "1", "id": f"g{i}", "TOKEN": want,
+            }  # fmt: skip
+        x = np.linspace(-1, 1, 16, dtype=np.float32)
+        want_tiny = c.infer("tiny", x[None], timeout=60)["OUTPUT0"][0]
+    one = call(example_server, "POST", "/v2/models/tiny/generate_stream", {"INPUT0": x.tolist()})
+    assert [k for k, _ in events(one.body)] == ["message", "final"]
+    np.testing.assert_array_equal(np.float32(events(one.body)[0][1]["OUTPUT0"]), want_tiny)
+    plain = call(example_server, "POST", "/v2/models/tiny/generate", {"INPUT0": x.tolist()})
+    np.testing.assert_array_equal(np.float32(plain.json()["OUTPUT0"]), want_tiny)
+    unknown = call(example_server, "POST", "/v2/models/decoder/generate", {"PROMT": [1]})
+    assert unknown.status == 400
+    assert unknown.error == (
+        "unknown input 'PROMT' for model 'decoder'; expected 'PROMPT', 'MAX_NEW_TOKENS'"
+    )
+
+
+def test_a_sequence_failing_after_its_first_output_ends_with_an_error_event(
+    test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub, gate: Gate
+) -> None:
+    """`stepper` sequence -2 fails at its second step: the SSE stream has its first
+    output, then `event: error` with gRPC's stream error and code; sequence -1 fails
+    before any output, which is a plain HTTP 500 with gRPC's message."""
+
+    def stepper(seq: int) -> pb.ModelInferRequest:
+        msg = pb.ModelInferRequest(model_name="stepper")
+        for name, number in (("ID", seq), ("STEPS", 5)):
+            msg.inputs.add(name=name, datatype="INT64", shape=[1])
+            msg.raw_input_contents.append(np.array([number], np.int64).tobytes())
+        return msg
+
+    grpc_stream = list(models_stub.ModelStreamInfer(iter([stepper(-2)]), timeout=60))
+    assert [bool(m.error_message) for m in grpc_stream] == [False, True]
+    r = call(test_server, "POST", "/v2/models/stepper/generate_stream", {"ID": -2, "STEPS": 5})
+    assert r.status == 200
+    got = events(r.body)
+    assert [k for k, _ in got] == ["message", "error"]
+    assert got[0][1]["VALUE"] == -1999
+    assert got[1][1] == {"error": grpc_stream[1].error_message, "code": "INTERNAL"}
+    (refused,) = list(models_stub.ModelStreamInfer(iter([stepper(-1)]), timeout=60))
+    r = call(test_server, "POST", "/v2/models/stepper/generate_stream", {"ID": -1, "STEPS": 5})
+    assert (r.status, r.error) == (500, refused.error_message)
+    assert "refuses to start" in r.error
+
+
+# ==== 5. batch jobs over HTTP ====
+
+
+def job_line(cid: str, data: Any) -> str:
+    return json.dumps({"custom_id": cid, "inputs": [tensor("INPUT0", "FP32", [1, 16], data)]})
+
+
+def test_a_job_over_http_matches_the_grpc_view_of_it(
+    example_server: ServerProcess, tmp_path: Path
+) -> None:
+    """POST /v2/jobs takes a JSONL file (201); GET polls it to completed; the job, the
+    listing and the results are what the gRPC Jobs service gives; cancelling an ended
+    job leaves it; an unknown job or model is 404 with gRPC's message."""
+    lines = [job_line(f"j{i}", [float(i)] * 16) for i in range(6)]
+    lines.insert(3, job_line("bad", [1.0, 2.0]))
+    body = "\n".join(lines) + "\n"
+    submitted = call(example_server, "POST", "/v2/jobs?model=tiny", body)
+    assert submitted.status == 201, submitted.body
+    job = submitted.json()
+    assert (job["model_name"], job["total"], job["status"]) == ("tiny", 7, "queued")
+    path = f"/v2/jobs/{job['id']}"
+    wait_for(lambda: call(example_server, "GET", path).json()["status"] == "completed", 60,
+             "the job to complete")  # fmt: skip
+    with grpc.insecure_channel(example_server.url) as channel:
+        jobs = jobs_pb2_grpc.JobsStub(channel)
+        done = call(example_server, "GET", path).json()
+        assert json_format.ParseDict(done, jobs_pb2.Job()) == jobs.GetJob(
+            jobs_pb2.GetJobRequest(id=job["id"])
+        )
+        assert (done["completed"], done["failed"]) == (6, 1)
+        listed = call(example_server, "GET", "/v2/jobs?status=completed&limit=1000").json()
+        grpc_listed = jobs.ListJobs(jobs_pb2.ListJobsRequest(status="completed"))
+        assert [j["id"] for j in listed["jobs"]] == [j.id for j in grpc_listed.jobs]
+        assert job["id"] in [j["id"] for j in listed["jobs"]]
+        e = grpc_error(jobs.GetJob, jobs_pb2.GetJobRequest(id="job-nope"))
+        for method, route in (("GET", ""), ("POST", "/cancel"), ("GET", "/results")):
+            r = call(example_server, method, f"/v2/jobs/job-nope{route}")
+            assert (r.status, r.error) == (404, e.details()), route
+        e = grpc_error(jobs.SubmitJob, iter([jobs_pb2.SubmitJobRequest(model_name="nope")]))
+        r = call(example_server, "POST", "/v2/jobs?model=nope", body)
+        assert (r.status, r.error) == (404, e.details())
+    results = call(example_server, "GET", f"{path}/results")
+    assert results.status == 200
+    assert results.headers["Content-Type"] == "application/x-ndjson"
+    with Client(example_server.url) as c:
+        c.job_results(job["id"], tmp_path / "via-grpc.jsonl")
+    assert results.body == (tmp_path / "via-grpc.jsonl").read_bytes()
+    got = {r["custom_id"]: r for r in map(json.loads, results.body.splitlines())}
+    assert got["bad"]["error"]["code"] == "INVALID_ARGUMENT"
+    assert got["j2"]["outputs"][0]["shape"] == [1, 16]
+    tail = call(example_server, "GET", f"{path}/results?offset=10").body
+    assert tail == results.body[10:]
+    cancelled = call(example_server, "POST", f"{path}/cancel")
+    assert (cancelled.status, cancelled.json()["status"]) == (200, "completed")
+
+
+def test_cancel_a_running_job_over_http(test_server: ServerProcess, gate: Gate) -> None:
+    """A job held at the gate mid-way is cancelled over HTTP; it ends `cancelled` with
+    the results it had, fewer than its lines."""
+    lines = "".join(json.dumps({"custom_id": f"c{v}", "inputs": [tensor("X", "FP32", [1, 1],
+                    [float(v)])]}) + "\n" for v in range(1, 201))  # fmt: skip
+    gate.close()
+    try:
+        submitted = call(test_server, "POST", "/v2/jobs?model=gated", lines)
+        assert submitted.status == 201, submitted.body
+        path = f"/v2/jobs/{submitted.json()['id']}"
+        wait_for(lambda: gate.calls("gated", "entered"), 30, "a batch of the job")
+        cancelling = call(test_server, "POST", f"{path}/cancel")
+        assert cancelling.status == 200
+        assert cancelling.json()["status"] in ("cancelling", "cancelled")
+    finally:
+        gate.open()
+    wait_for(lambda: call(test_server, "GET", path).json()["status"] == "cancelled", 60,
+             "the job to end cancelled")  # fmt: skip
+    done = call(test_server, "GET", path).json()
+    assert done["completed"] < 200 and done["failed"] == 0
+    results = call(test_server, "GET", f"{path}/results").body.splitlines()
+    assert len(results) == done["completed"]
+
+
+# ==== 6. hostile input: a 4xx with a clear message, and the server keeps serving ====
+
+TINY, TEXTPOOL = "/v2/models/tiny/infer", "/v2/models/textpool/infer"
+HEAD = json.dumps({"inputs": [bin_input("INPUT0", "FP32", [1, 16], 64)]}).encode()
+AT = {HEADER_LENGTH: str(len(HEAD))}  # the header's true length
+
+
+def one(name: str, datatype: str, shape: list[int], data: Any) -> str:
+    """A body of one JSON input."""
+    return json.dumps({"inputs": [tensor(name, datatype, shape, data)]})
+
+
+def nested(depth: int) -> str:
+    """A body of one FP32 input whose `data` nests `depth` lists deep."""
+    data = "[" * depth + "1" + "]" * depth
+    return f'{{"inputs": [{{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": {data}}}]}}'
+
+
+# case: (path, body, headers, a part of the error message)
+# fmt: off
+HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
+    "malformed JSON": (TINY, '{"inputs": [}', {}, "the inference header is not valid JSON"),
+    "truncated JSON": (TINY, json.dumps(tiny_body())[:-7], {}, "is not valid JSON"),
+    "empty body": (TINY, b"", {}, "the inference header is not valid JSON"),
+    "not an object": (TINY, "[1, 2]", {}, "must be a JSON object, got a list"),
+    "inputs not a list": (TINY, '{"inputs": 3}', {}, "'inputs' must be a list, got a number"),
+    "strings in FP32": (TINY, one("INPUT0", "FP32", [1, 2], ["a", "b"]), {},
+                        "input 'INPUT0': FP32 data holds numbers only"),
+    "floats in INT64": (TEXTPOOL, one("TOKENS", "INT64", [1, 3], [1.5, 2, 3]), {},
+                        "input 'TOKENS': INT64 data holds integers only"),
+    "out-of-range INT8": (TEXTPOOL, one("TOKENS", "INT8", [1, 2], [300, 2]), {},
+                          "input 'TOKENS': INT8 holds -128 to 127, got 300"),
+    "shape and data disagree": (TINY, one("INPUT0", "FP32", [1, 16], [1.0] * 15), {},
+                                "shape [1, 16] needs 16 values, 'data' holds 15"),
+    "rows of unequal length": (TINY, one("INPUT0", "FP32", [2, 2], [[1.0, 2.0], [3.0]]), {},
+                               "'data' nests lists of unequal lengths"),
+    "nesting 100 levels": (TINY, nested(100), {}, "'data' nests deeper than 32 levels"),
+    "nesting 100000 levels": (TINY, nested(100_000), {}, "is not valid JSON: depth limit"),
+    "header length past the body": (
+        TINY, HEAD + ZEROS, {HEADER_LENGTH: str(len(HEAD) + 65)},
+        f"{HEADER_LENGTH} is {len(HEAD) + 65}, but the body holds {len(HEAD) + 64} bytes"),
+    "negative header length": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "-5"},
+                               f"{HEADER_LENGTH} is -5, but the body holds"),
+    "non-numeric header length": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "lots"},
+                                  f"{HEADER_LENGTH} must be an integer, got 'lots'"),
+    "header length cutting the JSON": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "10"},
+                                       "the inference header is not valid JSON"),
+    "binary_data_size past the body": (
+        TINY, HEAD + ZEROS[:60], AT,
+        "binary_data_size 64 does not fit the 60 binary bytes left after the header"),
+    "binary bytes left over": (
+        TINY, HEAD + ZEROS + b"tail", AT, "the body holds 68 bytes after the header; the "
+        "inputs' binary_data_size parameters add up to 64"),
+    "negative binary_data_size": (
+        TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], -1)]}, ZEROS),
+        "binary_data_size must be a non-negative integer, got a number '-1'"),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_bodies_get_400_and_the_server_keeps_serving(
+    example_server: ServerProcess, case: str
+) -> None:
+    """Each malformed body is a 400 naming what is wrong; the next request is served."""
+    path, body, headers, message = HOSTILE[case]
+    r = call(example_server, "POST", path, body, headers)
+    assert r.status == 400, r.body[:300]
+    assert message in r.error
+    assert len(r.error) < 300  # quoted short, never echoed whole
+    assert_serving(example_server)
+
+
+@pytest.mark.parametrize("size", ["64", 64.0])
+def test_a_binary_data_size_of_the_wrong_type_says_so(
+    example_server: ServerProcess, size: Any
+) -> None:
+    """A binary_data_size that is no integer is refused as such, not as too long."""
+    head = {"inputs": [bin_input("INPUT0", "FP32", [1, 16], size)]}
+    r = call(example_server, "POST", TINY, *binary_body(head, ZEROS))
+    assert r.status == 400
+    assert "integer" in r.error and "does not fit" not in r.error
+
+
+@pytest.mark.parametrize("leave", ["half-close", "close"])
+def test_a_content_length_longer_than_the_body_then_the_client_leaves(
+    example_server: ServerProcess, leave: str
+) -> None:
+    """A request promising 1000 bytes that sends 12 and leaves (half-closing or closing):
+    the server closes, or answers 400/408, and stays up for everyone else."""
+    before = len(example_server.log())
+    with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
+        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"inputs\": [")  # fmt: skip
+        if leave == "half-close":
+            s.shutdown(socket.SHUT_WR)
+            answer = until_eof(s)
+            assert answer == b"" or answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 408")), answer
+    assert_serving(example_server)
+    assert "Traceback" not in example_server.log()[before:]
+
+
+def test_malformed_http_from_a_client_is_not_logged_as_a_server_error(
+    example_server: ServerProcess,
+) -> None:
+    """Garbage on the wire is the client's error: 400, and no traceback in the log."""
+    before = len(example_server.log())
+    for raw in (b"GARBAGE\r\n\r\n",
+                b"POST /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"):  # fmt: skip
+        with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
+            s.sendall(raw)
+            assert until_eof(s).startswith((b"HTTP/1.0 400", b"HTTP/1.1 400"))
+    assert_serving(example_server)
+    log = example_server.log()[before:]
+    assert "Traceback" not in log and " ERROR " not in log, log[-2000:]
+
+
+def test_a_body_over_max_message_bytes_is_413(
+    strict: ServerProcess, strict_stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """--max-message-bytes 65536: a larger body is 413 with a message naming the limit,
+    refused before it is read whole; gRPC refuses the same size too."""
+    big = json.dumps(x_body(1.0, id="x" * (MAX_BODY * 2)))
+    r = call(strict, "POST", "/v2/models/gated/infer", big, INFER)
+    assert r.status == 413 and str(MAX_BODY) in r.error, r.body
+    e = grpc_error(strict_stub.ModelInfer, pb.ModelInferRequest(model_name="gated", id="x" * (
+        MAX_BODY * 2)), metadata=INFER_MD)  # fmt: skip
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_serving(strict, INFER)
+
+
+def test_a_body_that_stops_arriving_is_408(strict: ServerProcess) -> None:
+    """--handshake-timeout 1: headers promising 1000 bytes, 12 sent, then nothing: 408
+    with a message once the second is up; another client is served meanwhile."""
+    with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
+        started = time.monotonic()
+        auth = f"Authorization: Bearer {INFER_TOKEN}\r\n".encode()
+        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n" + auth
+                  + b"Content-Length: 1000\r\n\r\n{\"inputs\": [")  # fmt: skip
+        assert_serving(strict, INFER)
+        status, body = read_response(s)
+        elapsed = time.monotonic() - started
+    assert status == 408 and json.loads(body) == {
+        "error": "the request body did not arrive in time"
+    }
+    assert 0.9 <= elapsed < 10
+    assert_serving(strict, INFER)
+
+
+@pytest.mark.parametrize("part", ["request line", "headers"])
+def test_slow_loris_is_closed_after_the_handshake_timeout(strict: ServerProcess, part: str) -> None:
+    """--handshake-timeout 1: a client that keeps sending its request line or headers a
+    few bytes at a time, never finishing them, is disconnected about a second in, though
+    it never went quiet; another client is served normally meanwhile."""
+    with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
+        started = time.monotonic()
+        if part == "headers":
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+            pieces = (b"X-Slow-%d: y\r\n" % i for i in range(1_000_000))
+        else:
+            s.sendall(b"GET /v2/health/live?")
+            pieces = (b"a" for _ in range(1_000_000))
+        s.settimeout(0.05)  # pacing: a piece every 50 ms, far inside the 1 s timeout
+        sent, served, closed = 0, False, None
+        while closed is None and time.monotonic() - started < 15:
+            try:
+                s.sendall(next(pieces))
+                sent += 1
+                data = s.recv(4096)
+            except TimeoutError:
+                data = None
+            except OSError:  # reset, or a broken pipe: closed by the server
+                data = b""
+            if data == b"":
+                closed = time.monotonic() - started
+            assert not data, f"the server answered an unfinished request: {data!r}"
+            if not served:
+                assert_serving(strict, INFER)
+                served = True
+    assert closed is not None, "the server kept a slow-loris connection open 15 s"
+    assert 0.9 <= closed < 6 and sent >= 10, (closed, sent)
+    assert_serving(strict, INFER)
