@@ -114,11 +114,14 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
     if not _loopback(host):
         if creds is None:
             log.warning(
-                "gRPC on %s without TLS: requests and tokens cross the network in clear", host
+                "gRPC and HTTP on %s without TLS: requests and tokens cross the network in clear",
+                host,
             )
         if security.auth_token_file is None and security.tls_client_ca is None:
             log.warning(
-                "gRPC on %s without --auth-token-file: anyone who reaches it may call it", host
+                "gRPC and HTTP on %s without --auth-token-file: anyone who reaches them may call "
+                "them",
+                host,
             )
     if creds is None:
         return int(server.add_insecure_port(address))

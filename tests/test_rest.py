@@ -20,7 +20,10 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import time
+import urllib.error
+import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,9 +42,9 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
-from tests.certs import ADMIN_TOKEN, INFER_TOKEN
+from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
 from tests.conftest import Gate, scrape, value
-from tests.servers import TEST_MODELS, ServerProcess, wait_for
+from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess, wait_for
 
 with warnings.catch_warnings():  # tritonclient's own imports warn on new Python/protobuf
     warnings.simplefilter("ignore")
@@ -1170,3 +1173,43 @@ def test_slow_loris_is_closed_after_the_handshake_timeout(strict: ServerProcess,
     assert closed is not None, "the server kept a slow-loris connection open 15 s"
     assert 0.9 <= closed < 6 and sent >= 10, (closed, sent)
     assert_serving(strict, INFER)
+
+
+# ---- TLS ----
+
+
+@openssl
+def test_http_takes_the_grpc_port_s_tls_and_client_certificates(
+    certs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """--tls-cert/--tls-key/--tls-client-ca apply to HTTP as to gRPC: HTTPS with the CA
+    works, a client certificate is required, plaintext and strangers are refused."""
+    server = ServerProcess(
+        EXAMPLES, "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
+        "--tls-client-ca", str(certs / "ca.pem"), log_dir=tmp_path_factory.mktemp("tls"),
+    ).start(ready=False)  # fmt: skip
+    try:
+        url = f"https://localhost:{server.http_port}/v2/health/ready"
+        context = ssl.create_default_context(cafile=certs / "ca.pem")
+        context.load_cert_chain(certs / "client.pem", certs / "client.key")
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(url, context=context, timeout=10) as r:
+                    return bool(json.loads(r.read())["ready"])
+            except urllib.error.HTTPError as e:
+                if e.code == 503:  # until the models are loaded
+                    return False
+                raise
+
+        wait_for(ready, 90, "HTTPS readiness")
+        no_client_cert = ssl.create_default_context(cafile=certs / "ca.pem")
+        stranger = ssl.create_default_context(cafile=certs / "ca.pem")
+        stranger.load_cert_chain(certs / "stranger.pem", certs / "stranger.key")
+        for refused in (no_client_cert, stranger, ssl.create_default_context()):
+            with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+                urllib.request.urlopen(url, context=refused, timeout=10).read()
+        with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+            urllib.request.urlopen(url.replace("https", "http"), timeout=10).read()
+    finally:
+        server.stop()
