@@ -68,8 +68,10 @@ class FakeWorker:
 
 
 class Core:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, cfg: ModelConfig, stats: Stats) -> None:
         self.scheduler = scheduler
+        self.models = {cfg.name: cfg}
+        self.stats = stats
 
     def submit(self, request: Request) -> asyncio.Future:
         return self.scheduler.submit(request)
@@ -87,7 +89,7 @@ async def measure(
     scheduler.add_model(cfg)
     stats = Stats()
     stats.model(cfg.name)
-    service = InferenceService({cfg.name: cfg}, Core(scheduler), stats)  # type: ignore[arg-type]
+    service = InferenceService(Core(scheduler, cfg, stats))  # type: ignore[arg-type]
     width = math.prod(cfg.inputs[0].shape)
     wire_msg = pb.ModelInferRequest(
         model_name=cfg.name,

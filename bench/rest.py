@@ -6,8 +6,10 @@ Servers, each serving examples/models with one worker and one torch thread:
     grpc-only   this build, --http-port -1
     default     this build as shipped: HTTP on (idle while gRPC is measured)
     http        the same server, measured over HTTP (perf_analyzer -i http)
-    traced      this build, tracing on: --otlp-endpoint to a collector (rotel, with
-                its blackhole exporter) when one is installed, every request sampled
+    traced      this build, tracing on (OTEL_EXPORTER_OTLP_ENDPOINT) to a collector
+                (rotel, with its blackhole exporter) when one is installed, every
+                request sampled
+    traced-1%   the same, sampling 1% of requests (OTEL_TRACES_SAMPLER=traceidratio)
     base        with --baseline REV: that revision (before HTTP and tracing existed),
                 run from a git worktree; the "off costs nothing" comparison
 
@@ -92,7 +94,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "grpc-only": (_serve(18281, -1, tmp / "j1"), 18281, None),
             "default": (_serve(18282, 18283, tmp / "j2"), 18282, None),
             "traced": (_serve(18284, -1, tmp / "j3"), 18284, traced_env),
-        }
+            "traced-1%": (_serve(18286, -1, tmp / "j5"), 18286, {
+                **traced_env, "OTEL_TRACES_SAMPLER": "traceidratio",
+                "OTEL_TRACES_SAMPLER_ARG": "0.01"}),
+        }  # fmt: skip
         if args.baseline:
             env = _baseline(args.baseline, tmp / "base")
             stack.callback(lambda: subprocess.run(
@@ -100,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 capture_output=True))  # fmt: skip
             servers["base"] = (_serve(18285, None, tmp / "j4"), 18285, env)
         if collector is None:
-            del servers["traced"]
+            del servers["traced"], servers["traced-1%"]
         pids: dict[str, int] = {}
         for name, (cmd, port, env) in servers.items():
             pids[name] = stack.enter_context(running(cmd, port, env=env)).pid
