@@ -20,8 +20,25 @@ from batchd.protos.datatypes import DATATYPES, datatype_of
 _LEN = struct.Struct("<I")
 
 
+MAX_DIMS = 32  # dimensions of a tensor a client may send: more are refused unread
+
+
 def element_count(shape: Sequence[int]) -> int:
     return math.prod(shape)
+
+
+def bounded_count(shape: Sequence[int], limit: int) -> int:
+    """prod(shape), or limit + 1 as soon as it passes `limit` (or the shape has more
+    than MAX_DIMS dimensions): a hostile shape of many huge dimensions would otherwise
+    make a product thousands of digits long, in time quadratic in its length."""
+    if len(shape) > MAX_DIMS:
+        return limit + 1
+    count = 1
+    for d in shape:
+        count *= d
+        if count > limit:
+            return limit + 1
+    return count
 
 
 def bytes_row_offsets(buf: bytes | memoryview, rows: int, per_row: int = 1) -> np.ndarray:

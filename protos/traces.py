@@ -15,6 +15,7 @@ The trace context crosses the wire (wire.proto, Header.traceparent) as a W3C
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -57,10 +58,13 @@ class Tracing:
         provider.add_span_processor(BatchSpanProcessor(exporter))
         return cls(provider.get_tracer("batchd"), provider)
 
-    def shutdown(self) -> None:
-        """Export what is left."""
+    def shutdown(self, timeout_s: float = 3.0) -> None:
+        """Export what is left, for at most `timeout_s`: a collector that is down must
+        not hold the process's stop (its exporter retries for many seconds)."""
         if self._provider is not None:
-            self._provider.shutdown()
+            done = threading.Thread(target=self._provider.shutdown, daemon=True)
+            done.start()
+            done.join(timeout_s)
 
 
 def inject(span: Any) -> str:

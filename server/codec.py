@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.protos.tensors import bytes_row_offsets, contents_to_raw
+from batchd.protos.tensors import bounded_count, bytes_row_offsets, contents_to_raw
 from batchd.server.config import Limits
 from batchd.server.errors import InvalidInput, ResponseTooLarge, clip, clip_list
 from batchd.server.request import Request, Tensor
@@ -150,7 +150,7 @@ def decode_work(msg: pb.ModelInferRequest, limits: Limits = DEFAULT_LIMITS) -> i
             c = t.contents
             work += sum(len(getattr(c, f)) for f in _CONTENT_FIELDS)
         elif t.datatype == "BYTES":
-            count = math.prod(t.shape)
+            count = bounded_count(t.shape, limits.max_tensor_elements)
             work += count if 0 < count <= limits.max_tensor_elements else 0
     return work
 

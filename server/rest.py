@@ -72,6 +72,8 @@ protocol_log = logging.getLogger("batchd.server.http")
 
 
 def _client_error(record: logging.LogRecord) -> bool:
+    if not log.isEnabledFor(logging.DEBUG):
+        return False
     record.levelno, record.levelname = logging.DEBUG, "DEBUG"
     record.exc_info = record.exc_text = None
     return True
@@ -134,6 +136,7 @@ class RestApi:
         self._service, self._core = service, core
         self._tokens = tokens
         self._body_timeout_s = body_timeout_s
+        self._max_body = max_body_bytes
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[_errors, self._auth]
         )
@@ -170,6 +173,11 @@ class RestApi:
     # ---- helpers ----
 
     async def _body(self, request: web.Request) -> bytes:
+        """The whole body: one that says it is over the limit is refused before a byte
+        of it is read; one that does not come within --handshake-timeout, 408."""
+        limit = self._max_body
+        if (declared := request.content_length or 0) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
         async with asyncio.timeout(self._body_timeout_s):
             return await request.read()
 
@@ -207,7 +215,7 @@ class RestApi:
 
     async def model_ready(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
-        ready = not self._service.draining and self._core.model_ready(cfg.name)
+        ready = not self._service.leaving and self._core.model_ready(cfg.name)
         return json_response({"name": cfg.name, "ready": ready}, 200 if ready else 503)
 
     async def metadata(self, request: web.Request) -> web.Response:
@@ -339,6 +347,9 @@ async def serve_rest(
         logger=protocol_log,
         # A caller that leaves cancels its request, as a gRPC cancel does.
         handler_cancellation=True,
+        # On shutdown, after the drain: a caller that does not read its answer holds
+        # the stop at most this long (aiohttp's default: 60 s, twice).
+        shutdown_timeout=1.0,
         # Closes a connection that has not sent a whole request by then: slow headers
         # (slow loris) and idle keep-alive connections alike.
         keepalive_timeout=header_timeout_s,

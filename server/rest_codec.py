@@ -29,12 +29,13 @@ from google.protobuf.message import Message
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 from batchd.protos.model_config import ModelConfig
-from batchd.protos.tensors import deserialize_bytes, set_parameter
+from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
 from batchd.server.errors import InvalidInput, clip
 from batchd.server.request import Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DEPTH = 32  # nesting levels of a tensor's `data`
+MAX_JSON_BYTES = 8 * 1024 * 1024  # of JSON in one body: tensors beyond go in binary form
 MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real tensor
 _INT_LIMITS = {  # BF16 travels as uint16 bits, but its JSON values are numbers
     k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu" and k != "BF16"
@@ -72,11 +73,25 @@ def _kind(value: Any) -> str:
 
 
 def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[str, Any]:
-    """A JSON object, or InvalidInput saying where the JSON broke."""
+    """A JSON object, or InvalidInput saying where the JSON broke. At most MAX_JSON_BYTES:
+    parsing holds the GIL (about 0.3 s per 20 MB here, more for deep nesting), so larger
+    tensors must come in binary form. NaN and Infinity, which Python's json (and so
+    tritonclient.http) writes, are read too."""
+    if len(body) > MAX_JSON_BYTES:
+        raise InvalidInput(
+            f"{what} is {len(body)} bytes of JSON, more than {MAX_JSON_BYTES}: send large "
+            "tensors in binary form (binary_data_size, Inference-Header-Content-Length)"
+        )
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise InvalidInput(f"{what} is not valid JSON: {e}") from None
+        raw = bytes(body)
+        try:  # orjson refuses NaN and Infinity; Python's json takes them
+            value = json.loads(raw) if b"NaN" in raw or b"Infinity" in raw else None
+        except ValueError:
+            value = None
+        if value is None:
+            raise InvalidInput(f"{what} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise InvalidInput(f"{what} must be a JSON object, got {_kind(value)}")
     return value
@@ -93,6 +108,8 @@ def _field(obj: dict[str, Any], key: str, kind: type, where: str, default: Any =
 
 
 def _shape(value: list[Any], where: str) -> list[int]:
+    if len(value) > MAX_DIMS:
+        raise InvalidInput(f"{where}: 'shape' has {len(value)} dimensions, at most {MAX_DIMS}")
     for d in value:
         if type(d) is not int or not 0 <= d <= MAX_DIM:
             raise InvalidInput(f"{where}: 'shape' holds non-negative integers, got {clip(repr(d))}")

@@ -36,11 +36,11 @@ class Answers(Protocol):
     def is_stepwise(self, msg: pb.ModelInferRequest) -> bool: ...
 
     async def infer(
-        self, msg: pb.ModelInferRequest, time_remaining: float | None
+        self, msg: pb.ModelInferRequest, time_remaining: float | None, carrier: Any = None
     ) -> pb.ModelInferResponse: ...
 
     def sequence(
-        self, msg: pb.ModelInferRequest, time_remaining: float | None
+        self, msg: pb.ModelInferRequest, time_remaining: float | None, carrier: Any = None
     ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]: ...
 
     def max_response_bytes(self) -> int: ...
@@ -61,12 +61,12 @@ def _empty_final(msg: pb.ModelInferRequest, request: Request | None) -> pb.Model
     return _final(response, True)
 
 
-async def _steps(service: Answers, msg: pb.ModelInferRequest,
-                 put: Any) -> None:  # fmt: skip
+async def _steps(service: Answers, msg: pb.ModelInferRequest, put: Any,
+                 carrier: Any) -> None:  # fmt: skip
     """A step-wise request's responses, one per output."""
     empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
     request, last = None, False
-    async for request, outputs, final in service.sequence(msg, None):
+    async for request, outputs, final in service.sequence(msg, None, carrier):
         last = final and not empty_final
         response = encode_response(request, outputs, service.max_response_bytes())
         await put(_final(response, last))
@@ -75,8 +75,10 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest,
 
 
 async def respond(
-    service: Answers, requests: AsyncIterator[pb.ModelInferRequest]
+    service: Answers, requests: AsyncIterator[pb.ModelInferRequest], carrier: Any = None
 ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """The stream's responses; `carrier`: its metadata, where a traceparent is read from
+    (every request of the stream is a child of it)."""
     responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(QUEUED_RESPONSES)
     window = asyncio.Semaphore(STREAM_WINDOW)
 
@@ -84,9 +86,10 @@ async def respond(
         try:
             try:
                 if service.is_stepwise(msg):
-                    await _steps(service, msg, responses.put)
+                    await _steps(service, msg, responses.put, carrier)
                 else:
-                    await responses.put(_final(await service.infer(msg, None), True))
+                    response = await service.infer(msg, None, carrier)
+                    await responses.put(_final(response, True))
             except BatchdError as e:
                 error = pb.ModelInferResponse(model_name=msg.model_name[:200], id=msg.id)
                 error.parameters["error_code"].string_param = e.code.name  # for typed errors

@@ -1213,3 +1213,57 @@ def test_http_takes_the_grpc_port_s_tls_and_client_certificates(
             urllib.request.urlopen(url.replace("https", "http"), timeout=10).read()
     finally:
         server.stop()
+
+
+# ---- found in review: costs that a small request must not be able to cause ----
+
+
+def test_a_shape_of_many_huge_dimensions_is_refused_unread(example_server: ServerProcess) -> None:
+    """40,000 dimensions of 2**62 (an 840 KB body): multiplied out, a product of 750,000
+    digits that froze the process for seconds. Refused on the dimension count, over
+    HTTP and over gRPC (BYTES, whose decode cost is estimated from the shape)."""
+    dims = [1 << 62] * 40_000
+    r = call(example_server, "POST", TINY, {"inputs": [tensor("INPUT0", "FP32", dims, [1])]})
+    assert r.status == 400 and "40000 dimensions, at most 32" in r.error, r.error
+    msg = pb.ModelInferRequest(model_name="embed")
+    msg.inputs.add(name="TEXT", datatype="BYTES", shape=dims)
+    msg.raw_input_contents.append(b"")
+    with grpc.insecure_channel(example_server.url) as channel, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(msg, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert_serving(example_server)
+
+
+def test_json_over_8_mib_is_refused_and_binary_is_the_way(example_server: ServerProcess) -> None:
+    """Parsing JSON holds the GIL: a body of more than 8 MiB of it is refused with a message
+    pointing to the binary form, which carries the same tensor."""
+    rows = 9 * 1024 * 1024 // (16 * 4)  # > 8 MiB of "0.5, "
+    big = {"inputs": [tensor("INPUT0", "FP32", [rows, 16], [0.5] * (rows * 16))]}
+    r = call(example_server, "POST", TINY, big)
+    assert r.status == 400 and "binary form" in r.error, r.error
+    assert_serving(example_server)
+
+
+def test_a_declared_body_over_the_limit_is_413_before_it_is_read(strict: ServerProcess) -> None:
+    """Content-Length of 1 GB: 413 at once, not after reading (or waiting for) the body."""
+    with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
+        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n"
+                  b"Authorization: Bearer " + INFER_TOKEN.encode() + b"\r\n"
+                  b"Content-Length: 1000000000\r\n\r\n")  # fmt: skip
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def test_nan_and_infinity_in_json_input_are_read(test_server: ServerProcess) -> None:
+    """tritonclient.http writes NaN and Infinity (Python's json) in JSON tensors; they are
+    read as the floats they are, as gRPC carries them."""
+    values = {**ECHO_TYPES, "FP32": ["nan", "inf", "-inf"]}
+    inputs = [tensor(f"IN_{k}", k, [1, 3], v) for k, v in values.items()]
+    inputs.append(tensor("IN_BYTES", "BYTES", [1, 1], ["x"]))
+    body = json.dumps({"inputs": inputs})
+    for word, token in (('"nan"', "NaN"), ('"-inf"', "-Infinity"), ('"inf"', "Infinity")):
+        body = body.replace(word, token)
+    r = call(test_server, "POST", "/v2/models/echo/infer", body)
+    assert r.status == 200, r.body
+    got = {o["name"]: o["data"] for o in json.loads(r.body)["outputs"]}["OUT_FP32"]
+    assert math.isnan(got[0]) and got[1:] == [math.inf, -math.inf]

@@ -288,3 +288,37 @@ def test_a_server_without_an_endpoint_never_loads_the_sdk(tmp_path: Path) -> Non
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_a_request_split_into_batches_traces_each_batch(
+    traced: ServerProcess, receiver: tuple[Receiver, int]
+) -> None:
+    """40 rows of tiny (max_batch_size 32) go as two batches: both are in the request's
+    trace, each with the worker's compute span under it."""
+    trace_id = os.urandom(16).hex()
+    client = tc_grpc.InferenceServerClient(traced.url)
+    x = tc_grpc.InferInput("INPUT0", [40, 16], "FP32")
+    x.set_data_from_numpy(np.ones((40, 16), np.float32))
+    client.infer("tiny", [x], headers={"traceparent": _traceparent(trace_id)})
+    client.close()
+
+    def both() -> bool:
+        names = [s.name for _, s in receiver[0].of_trace(trace_id)]
+        return names.count("compute") == 2 and "response" in names
+
+    wait_for(both, 30, "two batches' spans")
+    spans = [s for _, s in receiver[0].of_trace(trace_id)]
+    batches = {s.span_id for s in spans if s.name == "batch"}
+    assert len(batches) == 2
+    assert {s.parent_span_id for s in spans if s.name == "compute"} == batches
+
+
+def test_a_collector_that_is_down_does_not_hold_the_stop(tmp_path: Path) -> None:
+    """Spans that cannot be exported are given up at shutdown (a few seconds), not
+    retried while the process is asked to stop; serving is unaffected meanwhile."""
+    server = ServerProcess(
+        EXAMPLES, "--otlp-endpoint", f"http://127.0.0.1:{_free_port()}", log_dir=tmp_path,
+        env=FAST_EXPORT,
+    ).start()  # fmt: skip
+    _infer_over_grpc(server.url)
+    assert server.stop(timeout=20) == 0, server.log()

@@ -21,6 +21,7 @@ strings; BYTES that are not UTF-8 as base64 with `"parameters":
 from __future__ import annotations
 
 import base64
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -30,6 +31,7 @@ import orjson
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
+from batchd.protos.tensors import MAX_DIMS
 from batchd.server.errors import clip
 from batchd.server.request import Tensor
 
@@ -142,10 +144,12 @@ def _input(i: int, t: Any) -> tuple[pb.InferInputTensor, bytes]:
         raise ValueError(f"input {clip(name)}: unknown datatype {clip(datatype)}")
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise ValueError(f'input {clip(name)}: "shape" must be a list of integers >= 0')
+    if len(shape) > MAX_DIMS:
+        raise ValueError(
+            f'input {clip(name)}: "shape" has {len(shape)} dimensions, at most {MAX_DIMS}'
+        )
     values = _flat(t.get("data"))
-    count = 1
-    for d in shape:
-        count *= d
+    count = math.prod(shape)  # at most MAX_DIMS factors
     if len(values) != count:
         raise ValueError(
             f"input {clip(name)}: shape {shape[:8]} holds {count} elements, data has {len(values)}"
