@@ -53,11 +53,17 @@ from batchd.server.supervisor import Launch, WorkerSpec, plan_workers
 log = logging.getLogger("batchd.server")
 
 
+LIVENESS = "batchd.liveness"  # SERVING from start-up until the process stops (a liveness probe)
+
+
 async def _track_health(health: HealthServicer, service: InferenceService, core: Core) -> None:
+    """The health service: "" is readiness (every model ready, not stopping), each model
+    its own, LIVENESS the process."""
     serving, not_serving = (
         health_pb2.HealthCheckResponse.SERVING,
         health_pb2.HealthCheckResponse.NOT_SERVING,
     )
+    await health.set(LIVENESS, serving)
     announced: dict[str, bool] = {}
     while True:
         for name in sorted(set(core.models) | announced.keys() - {""}):
@@ -244,17 +250,26 @@ async def _start_http(cfg: ServerConfig, p: _Parts) -> int:
     return port
 
 
-async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> None:
-    """Refuse new work, drain the admitted, answer leftovers, then stop workers
+async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float) -> None:
+    """Say not ready and keep serving for `notice` seconds (balancers stop sending),
+    then refuse new work, drain the admitted, answer leftovers, then stop workers
     (after the other frontends, which need them to drain)."""
-    log.info("stopping: draining for up to %.0f s", cfg.drain_timeout_s)
+    notice = min(notice, cfg.drain_timeout_s)
+    log.info(
+        "stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
+        "draining for up to %.1f s",
+        notice,
+        cfg.drain_timeout_s - notice,
+    )
     if p.jobs is not None:  # first: failing the queues below would answer their lines
         await p.jobs.stop()
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
-    p.service.draining = True  # readiness and health say so at once
+    p.service.leaving = True  # readiness and health say so at once
     p.core.changed.set()
     await p.health.enter_graceful_shutdown()
-    left = await p.service.drain(cfg.drain_timeout_s)
+    if notice:
+        await asyncio.sleep(notice)
+    left = await p.service.drain(cfg.drain_timeout_s - notice)
     if left:
         log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
     p.core.fail_all(Unavailable("the server stopped before this request could finish"))
@@ -269,6 +284,20 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None) -> 
     if p.service.tracing is not None:  # export the spans left
         await asyncio.to_thread(p.service.tracing.shutdown)
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
+
+
+def _on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
+    """SIGINT and SIGTERM set `stop`; the list returned says which came (SIGTERM, from
+    a service manager or Kubernetes, drains with the notice; SIGINT without)."""
+    got: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        got.append(sig)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return got
 
 
 async def serve(cfg: ServerConfig) -> None:
@@ -315,8 +344,7 @@ async def serve(cfg: ServerConfig) -> None:
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        got = _on_signals(loop, stop)
         try:
             async with asyncio.TaskGroup() as tg:
                 tasks = [
@@ -336,7 +364,8 @@ async def serve(cfg: ServerConfig) -> None:
                         )
                     )
                 await stop.wait()
-                await _shutdown(cfg, p, children)
+                notice = cfg.drain_notice_s if signal.SIGTERM in got else 0.0
+                await _shutdown(cfg, p, children, notice)
                 for t in tasks:
                     t.cancel()
         finally:

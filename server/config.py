@@ -51,6 +51,11 @@ def positive(text: str) -> int:
     return value
 
 
+def duration(default: float, flag: str, help: str) -> Any:
+    """A setting in seconds (>= 0)."""
+    return setting(default, flag, help, type=seconds, metavar="S")
+
+
 def seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -244,21 +249,30 @@ class Connections:
         16384, "--max-pending-calls", "calls arrived but not yet taken, server-wide, before "
         "gRPC sheds them with CANCELLED", type=positive, metavar="N",
     )  # fmt: skip
-    handshake_timeout_s: float = setting(
+    handshake_timeout_s: float = duration(
         20.0, "--handshake-timeout", "close a connection not set up (HTTP/2 preface, TLS) "
-        "within S seconds", type=seconds, metavar="S",
+        "within S seconds"
     )  # fmt: skip
-    max_idle_s: float = setting(
-        300.0, "--max-connection-idle", "GOAWAY to a connection with no RPC for S seconds",
-        type=seconds, metavar="S",
+    max_idle_s: float = duration(
+        300.0, "--max-connection-idle", "GOAWAY to a connection with no RPC for S seconds"
     )  # fmt: skip
-    keepalive_time_s: float = setting(
-        60.0, "--keepalive-time", "ping a connection silent for S seconds", type=seconds,
-        metavar="S",
+    max_age_s: float = duration(
+        300.0, "--max-connection-age", "GOAWAY to a connection S seconds old (gRPC adds +-10%% "
+        "jitter): its client reconnects, so load spreads onto replicas started since"
     )  # fmt: skip
-    keepalive_timeout_s: float = setting(
-        20.0, "--keepalive-timeout", "close it if the ping is not answered within S seconds",
-        type=seconds, metavar="S",
+    max_age_grace_s: float = duration(
+        120.0, "--max-connection-age-grace", "then S more seconds for its open calls before "
+        "it closes"
+    )  # fmt: skip
+    keepalive_permit_s: float = duration(
+        10.0, "--keepalive-permit-time", "the shortest keepalive ping interval a client may "
+        "use (more often: GOAWAY too_many_pings)"
+    )  # fmt: skip
+    keepalive_time_s: float = duration(
+        60.0, "--keepalive-time", "ping a connection silent for S seconds"
+    )  # fmt: skip
+    keepalive_timeout_s: float = duration(
+        20.0, "--keepalive-timeout", "close it if the ping is not answered within S seconds"
     )  # fmt: skip
 
 
@@ -279,9 +293,14 @@ class ServerConfig:
         dataclasses.MISSING, "--model-repository", "directory holding <model>/model.toml",
         type=Path, required=True,
     )  # fmt: skip
-    drain_timeout_s: float = setting(
-        30.0, "--drain-timeout", "seconds to finish admitted requests on SIGTERM", type=seconds
+    drain_timeout_s: float = duration(
+        30.0, "--drain-timeout", "seconds to finish admitted requests on SIGTERM"
     )
+    drain_notice_s: float = duration(
+        3.0, "--drain-notice", "on SIGTERM, first S seconds (of --drain-timeout) of still "
+        "serving new requests while health and readiness say not ready, so load balancers "
+        "stop sending before any is refused (SIGINT: none)"
+    )  # fmt: skip
     network: Network = section(Network)
     workers: Workers = section(Workers)
     models: Models = section(Models)

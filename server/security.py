@@ -38,6 +38,10 @@ def connection_options(c: Connections) -> list[tuple[str, int]]:
     ms = [
         ("grpc.server_handshake_timeout_ms", c.handshake_timeout_s),
         ("grpc.max_connection_idle_ms", c.max_idle_s),
+        ("grpc.max_connection_age_ms", c.max_age_s),
+        ("grpc.max_connection_age_grace_ms", c.max_age_grace_s),
+        # Clients (and balancers) may keep idle connections alive with pings this often.
+        ("grpc.http2.min_ping_interval_without_data_ms", c.keepalive_permit_s),
         ("grpc.keepalive_time_ms", c.keepalive_time_s),
         ("grpc.keepalive_timeout_ms", c.keepalive_timeout_s),
         # The ping's own deadline: without it keepalive_timeout is not what closes
@@ -45,6 +49,7 @@ def connection_options(c: Connections) -> list[tuple[str, int]]:
         ("grpc.http2.ping_timeout_ms", c.keepalive_timeout_s),
     ]
     return [(name, int(s * 1000)) for name, s in ms if s > 0] + [
+        ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.server.max_pending_requests", c.max_pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", 2 * c.max_pending_calls),
         # HTTP/2's own limit, a little above batchd's: a gRPC client queues its calls

@@ -166,7 +166,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._open = 0  # inference requests admitted and not yet answered
         self._drained = asyncio.Event()
         self._clock = clock
-        self.draining = False
+        self.draining = False  # new requests are refused
+        self.leaving = False  # stopping: unready to health checks (still admitting at first)
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="batchd-decode")
         self._heavy = 0  # requests waiting for or on the decode thread
 
@@ -193,7 +194,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         good (it is unready on its own, in ModelReady and its health service): one
         broken model must not take the healthy ones out of a load balancer."""
         core = self._core
-        return not self.draining and all(
+        return not self.leaving and all(
             core.model_ready(n) or core.load_error(n) is not None for n in self._models
         )
 
@@ -287,7 +288,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests; wait up to `timeout_s` for the admitted ones to be
         answered. Returns how many are still open."""
-        self.draining = True
+        self.leaving = self.draining = True
         if self._open:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), timeout_s)
@@ -299,10 +300,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        if self.tracing is None:
-            return await self.infer(request, context.time_remaining())
-        carrier = dict(context.invocation_metadata() or ())
-        return await self.infer(request, context.time_remaining(), carrier)
+        return await self.infer(request, context.time_remaining(), self._carrier(context))
+
+    def _carrier(self, context: grpc.aio.ServicerContext) -> Carrier | None:
+        """A call's metadata, where its traceparent is, when tracing is on."""
+        return None if self.tracing is None else dict(context.invocation_metadata() or ())
 
     async def ModelStreamInfer(
         self,
@@ -313,7 +315,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             peer: str = context.peer()
             self._calls.enter(peer)
             try:
-                async for out in respond(self, request_iterator):
+                async for out in respond(self, request_iterator, self._carrier(context)):
                     yield out
             finally:
                 self._calls.leave(peer)
@@ -335,7 +337,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
         cfg = self._model(request.name, request.version)
-        return pb.ModelReadyResponse(ready=not self.draining and self._core.model_ready(cfg.name))
+        return pb.ModelReadyResponse(ready=not self.leaving and self._core.model_ready(cfg.name))
 
     @_status
     async def ServerMetadata(

@@ -102,6 +102,8 @@ class ServerProcess:
             "1",
             *self.args,
         ]
+        if "--drain-notice" not in self.args:  # tests that stop a server wait for no balancer
+            cmd += ["--drain-notice", "0"]
         if "--jobs-dir" not in self.args:  # its own: one server per jobs directory
             cmd += ["--jobs-dir", str(self.log_dir / f"jobs-{time.monotonic_ns()}")]
         with self.log_path.open("wb") as out:

@@ -1,0 +1,455 @@
+"""Replicas behind real load balancers: three batchd servers on loopback with haproxy
+(and nginx) in front, configured by deploy/render.py, as deploy/ ships them.
+
+haproxy and nginx come from the distribution's packages: installed here when the
+test runs as root with apt-get, skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.client import BatchdClientError, Client
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+from tests.conftest import Gate
+from tests.servers import EXAMPLES, ROOT, TEST_MODELS, ServerProcess, wait_for
+
+sys.path.insert(0, str(ROOT / "deploy"))
+import render
+
+pytestmark = pytest.mark.slow
+TINY = np.zeros((1, 16), np.float32)
+LOAD_THREADS = 8  # callers sending at once while a replica is killed or drained
+SLOW_LOAD = """
+import os, time
+from pathlib import Path
+import torch
+
+def load(device):
+    while (Path(os.environ["BATCHD_TEST_DIR"]) / "load-closed").exists():
+        time.sleep(0.01)
+    return lambda x: x
+"""
+
+
+def distro_binary(binary: str, package: str) -> str:
+    """The path of a distribution package's binary: installed now if this runs as root
+    with apt-get, or the test is skipped saying why."""
+    if found := shutil.which(binary) or shutil.which(f"/usr/sbin/{binary}"):
+        return found
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"{binary} is not installed and apt-get cannot install {package} here")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for step in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600)
+        if done.returncode:
+            pytest.skip(f"cannot install {package}: {done.stderr.strip()[-300:]}")
+    found = shutil.which(binary) or shutil.which(f"/usr/sbin/{binary}")
+    if found is None:
+        pytest.skip(f"{package} installed no {binary}")
+    return found
+
+
+def _repo(root: Path) -> Path:
+    """examples' tiny and tests' gated and limited: every replica serves the same."""
+    shutil.copytree(EXAMPLES / "tiny", root / "tiny")
+    for m in ("gated", "limited"):
+        shutil.copytree(TEST_MODELS / m, root / m)
+    return root
+
+
+class Cluster:
+    """Three replicas (one worker each) of one repository, sharing one gate."""
+
+    def __init__(self, repo: Path, state: Path, logs: Path) -> None:
+        self.repo, self.state, self.logs = repo, state, logs
+        self.replicas: list[ServerProcess] = []
+
+    def replica(self, *args: str, repo: Path | None = None) -> ServerProcess:
+        return ServerProcess(
+            repo or self.repo, "--drain-notice", "3", *args, log_dir=self.logs,
+            env={"BATCHD_TEST_DIR": str(self.state)},
+        )  # fmt: skip
+
+    def start(self, count: int = 3) -> None:
+        with ThreadPoolExecutor(count) as pool:
+            self.replicas = list(pool.map(lambda _: self.replica().start(), range(count)))
+
+    def counts(self, model: str = "tiny") -> list[int]:
+        """Rows each replica inferred for `model` (its own statistics)."""
+        out = []
+        for r in self.replicas:
+            with Client(r.url) as c:
+                out.append(c.model_statistics(model)[0].inference_count)
+        return out
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                r.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    state = tmp_path_factory.mktemp("cluster-state")
+    c = Cluster(_repo(tmp_path_factory.mktemp("repo")), state, tmp_path_factory.mktemp("logs"))
+    c.start()
+    yield c
+    Gate(state).open()
+    c.stop()
+
+
+class Haproxy:
+    """haproxy with deploy/render.py's configuration and an admin socket."""
+
+    def __init__(self, binary: str, cluster: Cluster, workdir: Path) -> None:
+        self.binary, self.cluster, self.workdir = binary, cluster, workdir
+        self.port = _free_port()
+        self.socket = workdir / "admin.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Haproxy:
+        cfg = render.haproxy(
+            f"127.0.0.1:{self.port}", [r.url for r in self.cluster.replicas]
+        ).replace("global\n", f"global\n    stats socket {self.socket} level admin\n", 1)
+        (self.workdir / "haproxy.cfg").write_text(cfg)
+        with (self.workdir / "haproxy.log").open("wb") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "-db", "-f", str(self.workdir / "haproxy.cfg")],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        wait_for(lambda: self.states() == ["UP"] * len(self.cluster.replicas), 30,
+                 "haproxy to see every replica UP")  # fmt: skip
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _ask(self, command: str) -> str:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(self.socket))
+            s.sendall(command.encode() + b"\n")
+            return b"".join(iter(lambda: s.recv(65536), b"")).decode()
+
+    def stat(self) -> list[dict[str, str]]:
+        """`show stat`: one row per server of the backend."""
+        if not self.socket.exists():
+            return []
+        lines = self._ask("show stat").splitlines()
+        head = lines[0].lstrip("# ").split(",")
+        rows = [dict(zip(head, line.split(","), strict=False)) for line in lines[1:] if line]
+        return [r for r in rows if r["pxname"] == "batchd" and r["svname"] != "BACKEND"]
+
+    def states(self) -> list[str]:
+        return [r["status"] for r in self.stat()]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def haproxy(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Haproxy]:
+    h = Haproxy(distro_binary("haproxy", "haproxy"), cluster, tmp_path_factory.mktemp("haproxy"))
+    h.start()
+    yield h
+    h.stop()
+
+
+def passes(client: Client) -> bool:
+    """Whether a call through the balancer reaches a replica (False: not listening yet)."""
+    try:
+        return client.live()
+    except BatchdClientError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def under_load(url: str, seconds: float, act: threading.Event) -> Counter[str]:
+    """LOAD_THREADS callers sending tiny requests over one channel for `seconds`; sets
+    `act` once requests flow. The outcome of every request, by status."""
+    outcomes: Counter[str] = Counter()
+    with Client(url) as client:
+        client.infer("tiny", TINY)
+        end = time.monotonic() + seconds
+
+        def caller() -> None:
+            while time.monotonic() < end:
+                try:
+                    client.infer("tiny", TINY, timeout=20)
+                    outcomes["OK"] += 1
+                except BatchdClientError as e:
+                    outcomes[f"{e.code.name}: {str(e)[:80]}"] += 1
+                act.set()
+
+        threads = [threading.Thread(target=caller) for _ in range(LOAD_THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return outcomes
+
+
+def _while_loaded(url: str, seconds: float, then: object) -> Counter[str]:
+    started = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(under_load, url, seconds, started)
+        assert started.wait(30)
+        time.sleep(0.5)  # requests in flight on every replica when the replica goes
+        then()  # type: ignore[operator]
+        return load.result()
+
+
+# ---- haproxy ----
+
+
+def test_rendered_configurations_are_the_ones_shipped() -> None:
+    """deploy/haproxy/haproxy.cfg and deploy/nginx/nginx.conf are deploy/render.py's
+    output for three replicas, not hand-edited blobs."""
+    replicas = ["10.0.0.11:8001", "10.0.0.12:8001", "10.0.0.13:8001"]
+    shipped = (ROOT / "deploy" / "haproxy" / "haproxy.cfg").read_text()
+    assert shipped == render.haproxy("0.0.0.0:8001", replicas)
+    assert (ROOT / "deploy" / "nginx" / "nginx.conf").read_text() == render.nginx(
+        "0.0.0.0:8001", replicas
+    )
+    check = render.health_check_request()
+    assert check.startswith(render.PREFACE) and check.endswith(b"\x00\x00\x00\x00\x00")
+
+
+def test_one_channel_spreads_per_request(cluster: Cluster, haproxy: Haproxy) -> None:
+    """300 calls over ONE client channel (one HTTP/2 connection to haproxy) land 100 on
+    each replica: per call, not per connection."""
+    before = cluster.counts()
+    with Client(haproxy.url) as c:
+        for _ in range(300):
+            c.infer("tiny", TINY)
+    spread = [a - b for a, b in zip(cluster.counts(), before, strict=True)]
+    assert sum(spread) == 300
+    assert all(90 <= n <= 110 for n in spread), spread
+
+
+def test_resource_exhausted_and_its_pushback_pass_through(
+    cluster: Cluster, haproxy: Haproxy
+) -> None:
+    """Full queues on every replica: RESOURCE_EXHAUSTED reaches the client through haproxy
+    with the replica's message and its grpc-retry-pushback-ms trailer."""
+    gate = Gate(cluster.state)
+    gate.close()
+    try:
+
+        async def flood() -> list[grpc.aio.AioRpcError]:
+            async with grpc.aio.insecure_channel(haproxy.url) as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                msg = pb.ModelInferRequest(model_name="limited")
+                msg.inputs.add(name="X", datatype="FP32", shape=[1, 1])
+                msg.raw_input_contents.append(np.ones(1, np.float32).tobytes())
+                calls = [stub.ModelInfer(msg, timeout=60) for _ in range(40)]
+                done = []
+                for call in calls:
+                    try:
+                        await asyncio.wait_for(call, 0.5 if done else 5)
+                    except grpc.aio.AioRpcError as e:
+                        done.append(e)
+                    except TimeoutError:
+                        pass  # admitted: held behind the gate
+                return done
+
+        errors = asyncio.run(flood())
+    finally:
+        gate.open()
+    full = [e for e in errors if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert full, [e.code() for e in errors]
+    for e in full:
+        assert "queue" in (e.details() or "")
+        pushback = dict(e.trailing_metadata() or ())["grpc-retry-pushback-ms"]
+        assert int(pushback) > 0
+
+
+def test_sigkill_of_a_replica_under_load_loses_no_request(
+    cluster: Cluster, haproxy: Haproxy
+) -> None:
+    """haproxy retries the calls the killed replica never answered (retry-on
+    empty-response) on the others: every request succeeds."""
+    victim = cluster.replicas[2]
+    outcomes = _while_loaded(haproxy.url, 4.0, lambda: victim.proc and victim.proc.kill())
+    assert set(outcomes) == {"OK"}, outcomes
+    assert outcomes["OK"] > 100
+    victim.stop(signal.SIGKILL)  # reaps it and checks its workers left
+    cluster.replicas[2] = cluster.replica("--grpc-port", victim.url.rsplit(":", 1)[1]).start()
+    wait_for(lambda: haproxy.states() == ["UP"] * 3, 30, "the replica back UP")
+
+
+def test_sigterm_drain_under_load_loses_no_request(cluster: Cluster, haproxy: Haproxy) -> None:
+    """SIGTERM: the replica says NOT_SERVING and keeps serving for --drain-notice, haproxy's
+    health check takes it out, it drains and exits 0: every request succeeds."""
+    victim = cluster.replicas[1]
+    assert victim.proc is not None
+    start = time.monotonic()
+    outcomes = _while_loaded(haproxy.url, 6.0, lambda: victim.proc.send_signal(signal.SIGTERM))
+    assert set(outcomes) == {"OK"}, outcomes
+    assert victim.proc.wait(30) == 0
+    drained_s = time.monotonic() - start
+    assert "stopping: not ready" in victim.log()
+    assert drained_s < 30
+    down = next(r for r in haproxy.stat() if r["svname"] == "replica2")
+    assert down["status"] == "DOWN"
+    cluster.replicas[1] = cluster.replica("--grpc-port", victim.url.rsplit(":", 1)[1]).start()
+    wait_for(lambda: haproxy.states() == ["UP"] * 3, 30, "the replica back UP")
+
+
+def test_health_check_marks_a_replica_down_and_up_through_grpc_health(
+    cluster: Cluster, haproxy: Haproxy, tmp_path: Path
+) -> None:
+    """A replica whose port is open but whose model is still loading answers NOT_SERVING:
+    haproxy keeps it DOWN on the gRPC answer (a layer-7 failure, not a refused
+    connection), and marks it UP once the model is loaded and it answers SERVING."""
+    victim = cluster.replicas[0]
+    port = victim.url.rsplit(":", 1)[1]
+    victim.stop()
+    wait_for(lambda: haproxy.states()[0] == "DOWN", 30, "replica1 DOWN")
+    slow = tmp_path / "repo"
+    shutil.copytree(cluster.repo, slow)
+    (slow / "tiny" / "model.py").write_text(SLOW_LOAD)
+    (slow / "tiny" / "model.pt2").unlink()  # one artifact: model.py now
+    gate = cluster.state / "load-closed"
+    gate.touch()
+    try:
+        replica = cluster.replica("--grpc-port", port, repo=slow).start(ready=False)
+        cluster.replicas[0] = replica
+
+        def seen_serving_not() -> bool:
+            row = haproxy.stat()[0]
+            return row["status"] == "DOWN" and row["check_status"].startswith("L7")
+
+        wait_for(seen_serving_not, 30, "a layer-7 (NOT_SERVING) check failure")
+        with Client(replica.url) as c:
+            assert c.live() and not c.ready()
+    finally:
+        gate.unlink()
+    wait_for(lambda: haproxy.states()[0] == "UP", 60, "replica1 UP once SERVING")
+
+
+L4 = """\
+global
+    stats socket {socket} level admin
+defaults
+    mode tcp
+    timeout connect 2s
+    timeout client 1m
+    timeout server 1m
+frontend l4
+    bind 127.0.0.1:{port}
+    default_backend batchd
+backend batchd
+    balance roundrobin
+    default-server inter 200ms fall 1 rise 1
+    server old {old} check
+    server new {new} check
+"""
+
+
+def test_a_long_lived_channel_reaches_a_replica_started_after_it_connected(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Behind an L4 balancer (haproxy in tcp mode, as kube-proxy balances connections),
+    a client's one channel is pinned to the replica it reached; --max-connection-age
+    sends it GOAWAY, it reconnects, and its calls reach a replica started since."""
+    binary = distro_binary("haproxy", "haproxy")
+    age = ("--max-connection-age", "1", "--max-connection-age-grace", "1")
+    old = cluster.replica(*age).start()
+    new_port = _free_port()
+    h = Haproxy(binary, cluster, tmp_path)
+    cfg = L4.format(socket=h.socket, port=h.port, old=old.url, new=f"127.0.0.1:{new_port}")
+    (tmp_path / "l4.cfg").write_text(cfg)
+    proxy = subprocess.Popen([binary, "-db", "-f", str(tmp_path / "l4.cfg")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    new = None
+    try:
+        with Client(h.url) as c:
+            wait_for(lambda: passes(c), 30, "the L4 balancer")
+            for _ in range(20):
+                c.infer("tiny", TINY)
+            new = cluster.replica(*age, "--grpc-port", str(new_port)).start()
+
+            def reached_new() -> bool:
+                c.infer("tiny", TINY)
+                with Client(new.url) as direct:
+                    return direct.model_statistics("tiny")[0].inference_count > 0
+
+            wait_for(reached_new, 30, "a call of the old channel on the new replica")
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        for r in (old, new):
+            if r is not None:
+                r.stop()
+
+
+# ---- nginx ----
+
+
+@pytest.fixture(scope="module")
+def nginx(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = distro_binary("nginx", "nginx")
+    work = tmp_path_factory.mktemp("nginx")
+    port = _free_port()
+    conf = render.nginx(f"127.0.0.1:{port}", [r.url for r in cluster.replicas])
+    (work / "nginx.conf").write_text(conf)
+    with (work / "nginx.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [binary, "-p", str(work), "-c", str(work / "nginx.conf"), "-g", "daemon off;"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"127.0.0.1:{port}"
+    with Client(url) as c:
+        wait_for(lambda: passes(c), 30, "nginx to pass a call")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_nginx_spreads_per_request(cluster: Cluster, nginx: str) -> None:
+    before = cluster.counts()
+    with Client(nginx) as c:
+        for _ in range(90):
+            c.infer("tiny", TINY)
+    spread = [a - b for a, b in zip(cluster.counts(), before, strict=True)]
+    assert sum(spread) == 90 and all(20 <= n <= 40 for n in spread), spread
+
+
+def test_nginx_fails_only_the_calls_in_flight_on_a_killed_replica(
+    cluster: Cluster, nginx: str
+) -> None:
+    """nginx cannot retry a call whose replica died mid-answer: those calls, at most
+    the LOAD_THREADS in flight, fail as UNAVAILABLE; every other call succeeds."""
+    victim = cluster.replicas[2]
+    outcomes = _while_loaded(nginx, 4.0, lambda: victim.proc and victim.proc.kill())
+    failed = {k: n for k, n in outcomes.items() if k != "OK"}
+    assert all(k.startswith("UNAVAILABLE") for k in failed), outcomes
+    assert sum(failed.values()) <= LOAD_THREADS, outcomes
+    assert outcomes["OK"] > 100
+    victim.stop(signal.SIGKILL)
