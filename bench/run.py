@@ -26,6 +26,9 @@
 8. bench/rest.py: HTTP against gRPC on tiny (perf_analyzer -i http and -i grpc),
    gRPC with the HTTP port off and on (idle), tracing on; with `--http-baseline
    REV`, also that revision from a git worktree (what tracing costs when off).
+9. bench/replicas.py, where haproxy is installed: three replicas against one through
+   haproxy (each capped at half a core when cgroups can be written), and what a
+   SIGKILL or a drain costs through haproxy and nginx.
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -41,6 +44,7 @@ import csv
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -271,6 +275,13 @@ def main() -> None:
 
     base = ["--baseline", args.http_baseline] if args.http_baseline else []
     r["rest"] = rest.main(["--pa", pa, *base, "--json", str(args.out / "rest.json")])
+    if shutil.which("haproxy") or Path("/usr/sbin/haproxy").exists():
+        print("replicas behind haproxy ...", flush=True)
+        import replicas
+
+        cap = "0.5" if os.access("/sys/fs/cgroup/cpu", os.W_OK) else "0"
+        out = str(args.out / "replicas.json")
+        r["replicas"] = replicas.main(["--pa", pa, "--cpu", cap, "--json", out])
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
@@ -440,6 +451,10 @@ def markdown(r: dict) -> str:
         import rest
 
         lines += [rest.markdown(r["rest"]), ""]
+    if "replicas" in r:
+        import replicas
+
+        lines += [replicas.markdown(r["replicas"]), ""]
     return "\n".join(lines)
 
 
