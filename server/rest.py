@@ -37,6 +37,7 @@ from aiohttp import web
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
+from batchd.protos.to_json import as_json
 from batchd.server import __version__
 from batchd.server.auth import ADMIN, DENIED, INFER, Tokens, bearer_header
 from batchd.server.describe import model_config, model_metadata
@@ -52,7 +53,6 @@ from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
 from batchd.server.rest_codec import (
     HEADER_LENGTH,
-    as_json,
     generate_response,
     infer_response,
     load_json,

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-from google.protobuf.message import Message
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
@@ -40,30 +39,6 @@ MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real 
 _INT_LIMITS = {  # BF16 travels as uint16 bits, but its JSON values are numbers
     k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu" and k != "BF16"
 }
-
-
-def as_json(msg: Message, defaults: bool = False) -> dict[str, Any]:
-    """A protobuf message as JSON values, integers as numbers (protobuf's own JSON
-    writes 64-bit ones as strings); `defaults`: every field, set or not."""
-    out: dict[str, Any] = {}
-    fields = msg.DESCRIPTOR.fields if defaults else [f for f, _ in msg.ListFields()]
-    for f in fields:
-        value = getattr(msg, f.name)
-        if f.message_type is not None and f.message_type.GetOptions().map_entry:
-            out[f.name] = {k: _value(v) for k, v in value.items()}
-        elif f.is_repeated:
-            out[f.name] = [_value(v, f, defaults) for v in value]
-        else:
-            out[f.name] = _value(value, f, defaults)
-    return out
-
-
-def _value(value: Any, f: Any = None, defaults: bool = False) -> Any:
-    if isinstance(value, Message):
-        return as_json(value, defaults)
-    if f is not None and f.enum_type is not None:
-        return f.enum_type.values_by_number[value].name
-    return value
 
 
 def _kind(value: Any) -> str:
@@ -217,7 +192,14 @@ def parse_infer(
     elif not 0 <= header_length <= size:
         raise InvalidInput(f"{HEADER_LENGTH} is {header_length}, but the body holds {size} bytes")
     head = load_json(memoryview(body)[:header_length], "the inference header")
-    binary = memoryview(body)[header_length:]
+    return request_from(head, memoryview(body)[header_length:], model, version)
+
+
+def request_from(
+    head: dict[str, Any], binary: memoryview, model: str, version: str
+) -> tuple[pb.ModelInferRequest, Wanted]:
+    """A v2 JSON request (parsed) and the binary tensors after it -> ModelInferRequest
+    (also a batch job's line, jobs/lines.py)."""
     msg = pb.ModelInferRequest(
         model_name=model, model_version=version, id=_field(head, "id", str, "the request", "")
     )
@@ -340,7 +322,7 @@ def values(t: Tensor) -> Any:
     return arr
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """`value` for orjson, which writes inf and nan as null: floats that are not finite
     go as Python's json writes them (Infinity, -Infinity, NaN, which Python's json, and
     so tritonclient.http, reads back), never silently changed."""
@@ -370,7 +352,7 @@ def infer_response(response: pb.ModelInferResponse, wanted: Wanted) -> tuple[byt
             out["parameters"] = {"binary_data_size": len(t.data)}
             parts.append(bytes(t.data))
         else:
-            out["data"] = _json_safe(values(t))
+            out["data"] = json_safe(values(t))
         outputs.append(out)
     head: dict[str, Any] = {
         "model_name": response.model_name,
@@ -392,5 +374,5 @@ def generate_response(model: ModelConfig, request_id: str, results: Sequence[Ten
         body["id"] = request_id
     for t in results:
         v = values(t)
-        body[t.name] = _json_safe(v[0] if len(v) == 1 else v)
+        body[t.name] = json_safe(v[0] if len(v) == 1 else v)
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -142,12 +142,12 @@ def test_each_datatype_becomes_its_raw_form(
 @pytest.mark.parametrize(
     ("datatype", "data", "message"),
     [
-        ("INT32", [1.5, 2], "INT32 data must be integers"),
-        ("BOOL", [2, 0], "BOOL data must be true or false"),
-        ("FP32", ["1", "2"], "FP32 data must be numbers"),
-        ("FP32", [None, 2], "must be numbers"),
-        ("BYTES", [1, 2], "BYTES elements are strings"),
-        ("FP32", [1.0], "holds 2 elements, data has 1"),
+        ("INT32", [1.5, 2], "INT32 data holds integers only"),
+        ("BOOL", [2, 0], "BOOL data holds true and false only"),
+        ("FP32", ["1", "2"], "FP32 data holds numbers only"),
+        ("FP32", [None, 2], "FP32 data holds numbers only"),
+        ("BYTES", [1, 2], "BYTES data holds strings, got a number"),
+        ("FP32", [1.0], "needs 2 values, 'data' holds 1"),
         ("FP33", [1.0, 2.0], "unknown datatype 'FP33'"),
     ],
 )

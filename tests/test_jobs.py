@@ -119,7 +119,7 @@ def test_malformed_lines_become_error_lines_and_the_job_completes(
     assert "not JSON" in errors["line 2"]["message"]
     assert "custom_id" in errors["line 3"]["message"]
     assert "[1, 2]" in errors["shape"]["message"]
-    assert "16 elements, data has 2" in errors["count"]["message"]
+    assert "needs 16 values, 'data' holds 2" in errors["count"]["message"]
     assert "'NOPE'" in errors["name"]["message"]
     assert "MISSING" in errors["outputs"]["message"]
 

@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import base64
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import numpy as np
 import orjson
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.datatypes import DATATYPES
-from batchd.protos.tensors import MAX_DIMS
-from batchd.server.errors import clip
+from batchd.protos.tensors import deserialize_bytes
+from batchd.server import rest_codec
+from batchd.server.errors import InvalidInput, clip
 from batchd.server.request import Tensor
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -90,121 +88,33 @@ def load(line: bytes) -> Any:
         raise ValueError(f"not JSON ({e}); the line starts {start}") from None
 
 
-def _flat(data: Any) -> list[Any]:
-    if not isinstance(data, list):
-        raise ValueError(f'"data" must be a list, got {type(data).__name__}')
-    if not data or not isinstance(data[0], list):
-        return data
-    out: list[Any] = []
-    stack = [data]
-    while stack:  # nested lists, row-major, without recursion
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(reversed(item))
-        else:
-            out.append(item)
-    return out
-
-
-def _bytes_raw(values: list[Any]) -> bytes:
-    parts = []
-    for v in values:
-        if not isinstance(v, str):
-            raise ValueError(f"BYTES elements are strings, got {type(v).__name__}")
-        b = v.encode()
-        parts.append(struct.pack("<I", len(b)))
-        parts.append(b)
-    return b"".join(parts)
-
-
-def _raw(datatype: str, values: list[Any]) -> bytes:
-    dt = DATATYPES[datatype]
-    if dt.is_bytes:
-        return _bytes_raw(values)
-    try:
-        if datatype == "BF16":  # the upper half of each FP32, rounded to nearest even
-            bits = np.asarray(values, dtype="<f4").view("<u4").astype(np.uint64)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-            return rounded.astype("<u2").tobytes()
-        found = np.asarray(values)
-        if found.ndim != 1 or found.dtype.kind not in _KINDS[dt.numpy.kind]:
-            raise ValueError(f"{datatype} data must be {_WHAT[dt.numpy.kind]}, nested by rows")
-        return found.astype(dt.numpy).tobytes()
-    except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"{datatype} data: {e}") from None
-
-
-def _input(i: int, t: Any) -> tuple[pb.InferInputTensor, bytes]:
-    if not isinstance(t, dict):
-        raise ValueError(f"inputs[{i}] must be an object")
-    name, datatype, shape = t.get("name"), t.get("datatype"), t.get("shape")
-    if not isinstance(name, str) or not isinstance(datatype, str):
-        raise ValueError(f'inputs[{i}] needs "name" and "datatype" strings')
-    if datatype not in DATATYPES:
-        raise ValueError(f"input {clip(name)}: unknown datatype {clip(datatype)}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f'input {clip(name)}: "shape" must be a list of integers >= 0')
-    if len(shape) > MAX_DIMS:
-        raise ValueError(
-            f'input {clip(name)}: "shape" has {len(shape)} dimensions, at most {MAX_DIMS}'
-        )
-    values = _flat(t.get("data"))
-    count = math.prod(shape)  # at most MAX_DIMS factors
-    if len(values) != count:
-        raise ValueError(
-            f"input {clip(name)}: shape {shape[:8]} holds {count} elements, data has {len(values)}"
-        )
-    tensor = pb.InferInputTensor(name=name, datatype=datatype, shape=shape)
-    return tensor, _raw(datatype, values)
-
-
 def parse(doc: Any, model: str, version: str) -> pb.ModelInferRequest:
     """The ModelInferRequest a line stands for; ValueError naming what is wrong."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ValueError('a line needs "inputs", a non-empty list of tensors')
-    params = doc.get("parameters", {})
-    if not isinstance(params, dict):
+    if not isinstance(doc.get("parameters", {}), dict):
         raise ValueError('"parameters" must be an object')
-    outputs = doc.get("outputs", [])
-    if not isinstance(outputs, list) or not all(
-        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs
-    ):
-        raise ValueError('"outputs" must be a list of objects with a "name"')
-    msg = pb.ModelInferRequest(model_name=model, model_version=version)
-    for i, t in enumerate(inputs):
-        tensor, raw = _input(i, t)
-        msg.inputs.append(tensor)
-        msg.raw_input_contents.append(raw)
-    for o in outputs:
-        msg.outputs.add(name=o["name"])
+    # The HTTP edge's own parser: a line is a v2 JSON request. Its parameters are not
+    # applied: a job's requests have no deadline and their own lane.
+    head = {k: doc[k] for k in ("inputs", "outputs") if k in doc}
+    try:
+        msg, _ = rest_codec.request_from(head, memoryview(b""), model, version)
+    except InvalidInput as e:
+        raise ValueError(e.message) from None
     return msg
 
 
-def _bytes_values(t: Tensor) -> tuple[list[str], bool]:
-    data, values, at = bytes(t.data), [], 0
-    while at < len(data):
-        (n,) = struct.unpack_from("<I", data, at)
-        values.append(data[at + 4 : at + 4 + n])
-        at += 4 + n
-    try:
-        return [v.decode() for v in values], False
-    except UnicodeDecodeError:
-        return [base64.b64encode(v).decode() for v in values], True
-
-
 def _output(t: Tensor) -> dict[str, Any]:
+    """An output as v2 JSON (rest_codec's form); BYTES that are not UTF-8 as base64, since
+    a results line cannot be refused after the model ran."""
     out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-    dt = DATATYPES[t.datatype]
-    if dt.is_bytes:
-        out["data"], b64 = _bytes_values(t)
-        if b64:
-            out["parameters"] = {"content_type": "base64"}
-    elif t.datatype == "BF16":
-        bits = np.frombuffer(t.data, "<u2").astype("<u4") << 16
-        out["data"] = bits.view("<f4")
-    else:
-        out["data"] = np.frombuffer(t.data, dt.numpy)
+    try:
+        out["data"] = rest_codec.json_safe(rest_codec.values(t))
+    except InvalidInput:
+        raw = deserialize_bytes(t.data, (math.prod(t.shape),))
+        out["data"] = [base64.b64encode(v).decode() for v in raw]
+        out["parameters"] = {"content_type": "base64"}
     return out
 
 

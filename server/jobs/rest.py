@@ -20,10 +20,10 @@ import orjson
 from aiohttp import web
 from google.protobuf.message import Message
 
+from batchd.protos.to_json import as_json
 from batchd.server.auth import bearer_header
 from batchd.server.errors import InvalidInput, clip
 from batchd.server.jobs.service import Caller, JobsService
-from batchd.server.rest_codec import as_json
 
 UPLOAD_PIECE = 1024 * 1024  # bytes of an upload read and written at a time
 
