@@ -248,7 +248,9 @@ class RestApi:
         msg, wanted = await self._parse(body, parse_infer, length, cfg.name, cfg.version)
         response = await self._service.infer(msg, None, request.headers)
         if sum(len(r) for r in response.raw_output_contents) > INLINE_BYTES:
-            text, json_length = await self._service.aside(infer_response, response, wanted)
+            text, json_length = await self._service.aside(
+                infer_response, response, wanted, bounded=False
+            )
         else:
             text, json_length = infer_response(response, wanted)
         if json_length is None:

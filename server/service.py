@@ -270,10 +270,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if not future.done() or stream.worker is not None:
                 self._core.cancel(request)
 
-    async def aside(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the decode thread, for work that walks many elements in
-        Python (a heavy request's decoding, a large REST body's JSON)."""
-        if self._heavy >= HEAVY_WAITING:
+    async def aside(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
+        """`fn(*args)` on the decode thread (heavy decoding, a large REST body); `bounded`:
+        refused past HEAVY_WAITING (False: an answer already computed must go out)."""
+        if bounded and self._heavy >= HEAVY_WAITING:
             raise QueueFull(
                 f"{self._heavy} large requests are being decoded (the most that wait, "
                 f"{HEAVY_WAITING}); retry later",
