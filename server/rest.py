@@ -44,7 +44,6 @@ from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import (
     BatchdError,
     InvalidInput,
-    ModelNotFound,
     Unauthenticated,
     clip,
     http_status,
@@ -182,17 +181,8 @@ class RestApi:
             return await request.read()
 
     def _model(self, request: web.Request) -> ModelConfig:
-        name = request.match_info["model"]
-        version = request.match_info.get("version", "")
-        cfg = self._core.models.get(name)
-        if cfg is None:
-            known = ", ".join(sorted(self._core.models)) or "none"
-            raise ModelNotFound(f"unknown model {clip(name)}; this server serves: {known}")
-        if version and version != cfg.version:
-            raise ModelNotFound(
-                f"model {name!r} has no version {clip(version)}; available: {cfg.version!r}"
-            )
-        return cfg
+        info = request.match_info
+        return self._service.model(info["model"], info.get("version", ""))
 
     async def _parse(self, body: bytes, fn: Callable[..., Any], *args: Any) -> Any:
         if len(body) > INLINE_BYTES:
@@ -215,7 +205,7 @@ class RestApi:
 
     async def model_ready(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
-        ready = not self._service.leaving and self._core.model_ready(cfg.name)
+        ready = self._service.model_ready(cfg.name)
         return json_response({"name": cfg.name, "ready": ready}, 200 if ready else 503)
 
     async def metadata(self, request: web.Request) -> web.Response:

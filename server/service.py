@@ -171,7 +171,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="batchd-decode")
         self._heavy = 0  # requests waiting for or on the decode thread
 
-    def _model(self, name: str, version: str = "") -> ModelConfig:
+    def model(self, name: str, version: str = "") -> ModelConfig:
+        """A served model by name (and version), or NOT_FOUND saying which are served."""
         cfg = self._models.get(name)
         if cfg is None:
             known = ", ".join(sorted(self._models)) or "none"
@@ -198,12 +199,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             core.model_ready(n) or core.load_error(n) is not None for n in self._models
         )
 
-    async def infer(
-        self,
-        msg: pb.ModelInferRequest,
-        time_remaining: float | None,
-        carrier: Carrier | None = None,
-    ) -> pb.ModelInferResponse:
+    async def infer(self, msg: pb.ModelInferRequest, time_remaining: float | None,
+                    carrier: Carrier | None = None) -> pb.ModelInferResponse:  # fmt: skip
         """One request, one answer; a step-wise model's every output, joined."""
         cfg = self._admissible(msg)
         trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
@@ -223,12 +220,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 trace.phase("response")
             return response
 
-    async def sequence(
-        self,
-        msg: pb.ModelInferRequest,
-        time_remaining: float | None,
-        carrier: Carrier | None = None,
-    ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]:
+    async def sequence(self, msg: pb.ModelInferRequest, time_remaining: float | None,
+                       carrier: Carrier | None = None,
+                       ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
         """A step-wise model's request: each output as it comes, and whether it is the
         last. Leaving early (the caller went) frees its slot."""
         cfg = self._admissible(msg)
@@ -242,7 +236,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def _admissible(self, msg: pb.ModelInferRequest) -> ModelConfig:
         if self.draining:
             raise Unavailable("the server is shutting down and takes no new requests")
-        return self._model(msg.model_name, msg.model_version)
+        return self.model(msg.model_name, msg.model_version)
 
     async def _decode(self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float,
                       deadline: float, trace: RequestTrace | None = None) -> Request:  # fmt: skip
@@ -336,8 +330,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelReadyResponse:
-        cfg = self._model(request.name, request.version)
-        return pb.ModelReadyResponse(ready=not self.leaving and self._core.model_ready(cfg.name))
+        return pb.ModelReadyResponse(ready=self.model_ready(request.name, request.version))
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return not self.leaving and self._core.model_ready(self.model(name, version).name)
 
     @_status
     async def ServerMetadata(
@@ -349,19 +345,19 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelMetadataResponse:
-        return model_metadata(self._model(request.name, request.version))
+        return model_metadata(self.model(request.name, request.version))
 
     @_status
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelConfigResponse:
-        return model_config(self._model(request.name, request.version))
+        return model_config(self.model(request.name, request.version))
 
     @_status
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
-        names = [self._model(request.name, request.version).name] if request.name else self._models
+        names = [self.model(request.name, request.version).name] if request.name else self._models
         return pb.ModelStatisticsResponse(
             model_stats=[self._stats.to_pb(n, self._models[n].version) for n in names]
         )
