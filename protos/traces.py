@@ -83,12 +83,12 @@ def extract(carrier: Mapping[str, Any] | None) -> Any:
 
 
 def compute_spans(tracing: Tracing | None, headers: Sequence[Any], start_ns: int,
-                  compute_ns: int) -> None:  # fmt: skip
-    """A worker's `compute` span under each traced BATCH of one forward (several when
-    batches of several frontends were merged), from its wall-clock start."""
+                  compute_ns: int, rows: int) -> None:  # fmt: skip
+    """A worker's `compute` span under each traced BATCH of one forward of `rows` rows
+    (several batches when those of several frontends were merged), from its wall-clock
+    start."""
     if tracing is None:
         return
-    rows = sum(h.tensors[0].shape[0] if h.tensors and h.tensors[0].shape else 1 for h in headers)
     for h in headers:
         if h.traceparent:
             span = tracing.tracer.start_span(

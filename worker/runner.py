@@ -249,7 +249,8 @@ class Runner:
                 for f, h, _ in group
             ]  # fmt: skip
         rows = [merge.rows_of(h) for _, h, _ in group]
-        traces.compute_spans(self.options.tracing, [h for _, h, _ in group], wall, compute_ns)
+        headers = [h for _, h, _ in group]
+        traces.compute_spans(self.options.tracing, headers, wall, compute_ns, sum(rows))
         parts = merge.split(out_tensors, out_frames, rows) if len(group) > 1 else None
         replies = []
         for n, (f, h, _) in enumerate(group):
