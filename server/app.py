@@ -167,11 +167,12 @@ def _build(
     )  # fmt: skip
     health = HealthServicer()
     jobs, off = _jobs(cfg, core, limits)
-    tokens = cfg.security.auth_token_file
-    jobs_service = JobsService(jobs, off, None if tokens is None else load_tokens(tokens))
+    token_file = cfg.security.auth_token_file
+    tokens = None if token_file is None else load_tokens(token_file)
+    jobs_service = JobsService(jobs, off, tokens)
     server, port = _grpc_server(cfg, service, health, jobs_service)
     rest = RestApi(
-        service, core, jobs_service, None if tokens is None else load_tokens(tokens),
+        service, core, jobs_service, tokens,
         max_body_bytes=cfg.network.max_message_bytes,
         body_timeout_s=cfg.connections.handshake_timeout_s,
     )  # fmt: skip
