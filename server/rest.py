@@ -215,13 +215,11 @@ class RestApi:
         return json_response(as_json(model_config(self._model(request)).config))
 
     async def stats(self, request: web.Request) -> web.Response:
-        models = self._core.models
-        names = [self._model(request).name] if "model" in request.match_info else list(models)
-        stats = self._core.stats
-        response = pb.ModelStatisticsResponse(
-            model_stats=[stats.to_pb(n, models[n].version) for n in names]
+        info = request.match_info
+        wanted = pb.ModelStatisticsRequest(
+            name=info.get("model", ""), version=info.get("version", "")
         )
-        return json_response(as_json(response))
+        return json_response(as_json(self._service.statistics(wanted)))
 
     # ---- inference ----
 
@@ -304,13 +302,8 @@ class RestApi:
     async def index(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         ready = load_json(body).get("ready", False) if body.strip() else False
-        return json_response(
-            [
-                {"name": e.name, "version": e.version, "state": e.state, "reason": e.reason}
-                for e in self._core.index()
-                if ready is not True or e.state == "READY"
-            ]
-        )
+        index = self._service.index(pb.RepositoryIndexRequest(ready=ready is True))
+        return json_response([as_json(m, defaults=True) for m in index.models])
 
     async def load(self, request: web.Request) -> web.Response:
         body = await self._body(request)

@@ -172,7 +172,6 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._heavy = 0  # requests waiting for or on the decode thread
 
     def model(self, name: str, version: str = "") -> ModelConfig:
-        """A served model by name (and version), or NOT_FOUND saying which are served."""
         cfg = self._models.get(name)
         if cfg is None:
             known = ", ".join(sorted(self._models)) or "none"
@@ -296,8 +295,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelInferResponse:
         return await self.infer(request, context.time_remaining(), self._carrier(context))
 
-    def _carrier(self, context: grpc.aio.ServicerContext) -> Carrier | None:
-        """A call's metadata, where its traceparent is, when tracing is on."""
+    def _carrier(self, context: grpc.aio.ServicerContext) -> Carrier | None:  # traceparent
         return None if self.tracing is None else dict(context.invocation_metadata() or ())
 
     async def ModelStreamInfer(
@@ -357,6 +355,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
+        return self.statistics(request)
+
+    def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         names = [self.model(request.name, request.version).name] if request.name else self._models
         return pb.ModelStatisticsResponse(
             model_stats=[self._stats.to_pb(n, self._models[n].version) for n in names]
@@ -366,6 +367,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryIndexResponse:
+        return self.index(request)
+
+    def index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse()
         for e in self._core.index():
             if not request.ready or e.state == "READY":
