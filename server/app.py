@@ -39,8 +39,11 @@ from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
+from batchd.server.jobs.database import safe_url
+from batchd.server.jobs.postgres import PostgresStore
 from batchd.server.jobs.runner import Jobs
 from batchd.server.jobs.service import JobsService
+from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, WorkerView, serve_metrics
@@ -204,11 +207,18 @@ def _jobs(cfg: ServerConfig, core: Core, limits: Limits) -> tuple[Jobs | None, s
     them and holds --jobs-dir; the others take jobs in and answer about them."""
     j = cfg.jobs
     first = cfg.frontends.index == 0
+    store: Store
     try:
-        if not first and Store.holder(j.directory) != os.getppid():
-            raise InUse(f"{j.directory} is not held by this server's first frontend")
-        store = Store(j.directory, lock=first)
-    except (InUse, OSError, sqlite3.Error) as e:
+        if j.database:
+            spool = j.directory / f"frontend-{cfg.frontends.index}"
+            store = PostgresStore(j.database, spool, lease_s=j.lease_s)
+            log.info("batch jobs in %s, shared with the replicas that name it",
+                     safe_url(j.database))  # fmt: skip
+        else:
+            if not first and SqliteStore.holder(j.directory) != os.getppid():
+                raise InUse(f"{j.directory} is not held by this server's first frontend")
+            store = SqliteStore(j.directory, lock=first)
+    except (InUse, OSError, sqlite3.Error, Unavailable) as e:
         log.warning("batch jobs are off: %s", e)
         return None, str(e)
     jobs = Jobs(
@@ -358,10 +368,12 @@ async def serve(cfg: ServerConfig) -> None:
                     tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
                 if fronts.index:
                     tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
+                jobs_counts = None if p.jobs is None else p.jobs.count_statuses
                 if (port := cfg.network.metrics_port) >= 0:
                     tasks.append(
                         tg.create_task(
-                            serve_metrics(p.registry, cfg.network.host, port), name="metrics"
+                            serve_metrics(p.registry, cfg.network.host, port, refresh=jobs_counts),
+                            name="metrics",
                         )
                     )
                 await stop.wait()

@@ -221,8 +221,16 @@ class Jobs:
 
     directory: Path = setting(
         _state_dir(), "--jobs-dir", "where jobs, their inputs and results are kept (one "
-        "server per directory)", type=Path,
+        "server per directory); with --jobs-db, where uploads and inputs are spooled", type=Path,
     )  # fmt: skip
+    database: str | None = setting(
+        None, "--jobs-db", "postgresql://USER@HOST/DB (a password from PGPASSWORD or ~/.pgpass): "
+        "jobs kept there, shared by every replica naming it; unset: SQLite in --jobs-dir",
+        metavar="URL",
+    )  # fmt: skip
+    lease_s: float = duration(
+        15.0, "--jobs-lease", "with --jobs-db: how long a job stays with a replica that stopped "
+        "renewing its claim (killed, cut off) before another takes it over")  # fmt: skip
     retention_hours: float = setting(
         168.0, "--jobs-retention-hours", "remove a job this long after it ended", type=seconds
     )
@@ -323,6 +331,11 @@ class ServerConfig:
             raise ConfigError("--tls-cert and --tls-key go together")
         if s.tls_client_ca is not None and s.tls_cert is None:
             raise ConfigError("--tls-client-ca needs --tls-cert and --tls-key")
+        if (db := self.jobs.database) and not db.startswith(("postgresql://", "postgres://")):
+            scheme = db.split("://")[0][:20] if "://" in db else "none"  # never a password
+            raise ConfigError(f"--jobs-db takes a PostgreSQL URL, got one with scheme {scheme!r}")
+        if db and self.jobs.lease_s < 1:
+            raise ConfigError(f"--jobs-lease must be at least 1 s, got {self.jobs.lease_s}")
         if f.count > 1 and not f.index:
             clash = (
                 "--model-control explicit (each frontend would load its own versions)"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -253,15 +253,19 @@ class Collector:
 
 
 async def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, bound: asyncio.Future[int] | None = None
-) -> None:
-    """Answer GET /metrics on host:port until cancelled."""
+    registry: CollectorRegistry, host: str, port: int, bound: asyncio.Future[int] | None = None,
+    refresh: Callable[[], Awaitable[None]] | None = None,
+) -> None:  # fmt: skip
+    """Answer GET /metrics on host:port until cancelled; `refresh` first, on each scrape
+    (what a collector must not read on the loop: the jobs store)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
+                if refresh is not None:
+                    await refresh()
                 body, status = generate_latest(registry), b"200 OK"
                 kind = b"text/plain; version=0.0.4; charset=utf-8"
             else:

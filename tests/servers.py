@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from batchd.client import Client
 
@@ -40,6 +44,29 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def distro_binary(binary: str, package: str, where: str = "/usr/sbin") -> str:
+    """The path of a distribution package's binary (on PATH, or `where`, a glob):
+    installed now if this runs as root with apt-get, or the test is skipped saying why."""
+
+    def look() -> str | None:
+        found = sorted(glob.glob(f"{where}/{binary}"))
+        return shutil.which(binary) or (found[-1] if found else None)
+
+    if found := look():
+        return found
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"{binary} is not installed and apt-get cannot install {package} here")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for step in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600)
+        if done.returncode:
+            pytest.skip(f"cannot install {package}: {done.stderr.strip()[-300:]}")
+    found = look()
+    if found is None:
+        pytest.skip(f"{package} installed no {binary}")
+    return found
 
 
 def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]

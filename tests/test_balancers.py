@@ -29,7 +29,7 @@ from batchd.client import BatchdClientError, Client
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import Gate
-from tests.servers import EXAMPLES, ROOT, TEST_MODELS, ServerProcess, wait_for
+from tests.servers import EXAMPLES, ROOT, TEST_MODELS, ServerProcess, distro_binary, wait_for
 
 sys.path.insert(0, str(ROOT / "deploy"))
 import render
@@ -47,24 +47,6 @@ def load(device):
         time.sleep(0.01)
     return lambda x: x
 """
-
-
-def distro_binary(binary: str, package: str) -> str:
-    """The path of a distribution package's binary: installed now if this runs as root
-    with apt-get, or the test is skipped saying why."""
-    if found := shutil.which(binary) or shutil.which(f"/usr/sbin/{binary}"):
-        return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"{binary} is not installed and apt-get cannot install {package} here")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for step in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
-        done = subprocess.run(step, capture_output=True, text=True, env=env, timeout=600)
-        if done.returncode:
-            pytest.skip(f"cannot install {package}: {done.stderr.strip()[-300:]}")
-    found = shutil.which(binary) or shutil.which(f"/usr/sbin/{binary}")
-    if found is None:
-        pytest.skip(f"{package} installed no {binary}")
-    return found
 
 
 def _repo(root: Path) -> Path:

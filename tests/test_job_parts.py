@@ -5,6 +5,7 @@ last checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import math
@@ -26,7 +27,8 @@ from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import lines, runner
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import check_ids
-from batchd.server.jobs.store import InUse, Store
+from batchd.server.jobs.sqlite import SqliteStore
+from batchd.server.jobs.store import InUse, Progress
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, request, run
 
@@ -223,28 +225,37 @@ def test_a_hostile_line_is_refused_with_a_reason_never_a_crash(doc: dict[str, An
 
 def test_the_store_claims_checkpoints_recovers_and_expires(tmp_path: Path) -> None:
     clock = [1000.0]
-    store = Store(tmp_path, clock=lambda: clock[0])
+    store = SqliteStore(tmp_path, clock=lambda: clock[0])
     with pytest.raises(InUse, match="in use by another batchd"):
-        Store(tmp_path)
-    a = store.create("", "m", "")
-    store.queue(a.id, total=10, input_bytes=100)
-    b = store.create("", "m", "")  # an upload the crash cut short
-    running = store.claim()
-    assert running is not None and running.id == a.id and running.started_at == 1000.0
-    assert store.claim(exclude_models={"m"}) is None
-    store.checkpoint(a.id, input_offset=40, lines_read=4, results_bytes=90, completed=3, failed=1)
-    assert store.recover() == [b.id]  # a crash: a runs on from its checkpoint, b is gone
-    row = store.get(a.id)
-    assert row is not None and (row.status, row.input_offset, row.done) == ("queued", 40, 4)
-    assert store.get(b.id) is None and not store.folder(b.id).exists()
-    store.cancel(a.id)
-    assert store.get(a.id).status == "cancelled"  # type: ignore[union-attr]
-    clock[0] += 3600
-    assert store.expire(retention_s=7200) == []
-    clock[0] += 3601
-    assert store.expire(retention_s=7200) == [a.id]
+        SqliteStore(tmp_path)
+
+    async def body() -> None:
+        a = await store.create("", "m", "")
+        await store.queue(a.id, total=10, input_bytes=100)
+        b = await store.create("", "m", "")  # an upload the crash cut short
+        running = await store.claim()
+        assert running is not None and running.id == a.id and running.started_at == 1000.0
+        assert await store.claim(exclude_models=frozenset({"m"})) is None
+        results = store.open_results(running)
+        results.write(b"x" * 90)
+        status = await store.checkpoint(running, results, Progress(40, 4, 3, 1))
+        results.close()
+        assert status == "running"
+        assert await store.recover() == [b.id]  # a crash: a runs on from its checkpoint
+        row = await store.get(a.id)
+        assert row is not None and (row.status, row.input_offset, row.done) == ("queued", 40, 4)
+        assert row.results_bytes == 90
+        assert await store.get(b.id) is None and not store.folder(b.id).exists()
+        await store.cancel(a.id)
+        assert (await store.get(a.id)).status == "cancelled"  # type: ignore[union-attr]
+        clock[0] += 3600
+        assert await store.expire(retention_s=7200) == []
+        clock[0] += 3601
+        assert await store.expire(retention_s=7200) == [a.id]
+
+    run(body)
     store.close()
-    Store(tmp_path).close()  # the lock went with the store
+    SqliteStore(tmp_path).close()  # the lock went with the store
 
 
 # ---- a run cut short ----
@@ -265,15 +276,15 @@ def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> N
     """The crash left results written after the last checkpoint: they are cut off and
     those lines answered again, once."""
     cfg = model(max_batch_size=4, shape=(1,))
-    store = Store(tmp_path)
-    row = store.create("", cfg.name, "")
+    store = SqliteStore(tmp_path)
+    row = run(lambda: store.create("", cfg.name, ""))
     text = "".join(
         json.dumps({"custom_id": f"c{i}", "inputs": [{"name": "X", "datatype": "FP32",
                     "shape": [1, 1], "data": [i]}]}) + "\n"
         for i in range(1000)
     )  # fmt: skip
-    store.input_path(row.id).write_text(text)
-    store.queue(row.id, 1000, len(text))
+    store.upload_path(row.id).write_text(text)
+    run(lambda: store.queue(row.id, 1000, len(text)))
     first_ten = text.splitlines(keepends=True)[:10]
     done = "".join(
         lines.encode_outputs(
@@ -283,9 +294,11 @@ def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> N
     )
     store.results_path(row.id).write_text(done + '{"custom_id":"c10","outputs":[]}\n{"cust')
     offset = sum(len(x) for x in first_ten)
-    store.checkpoint(row.id, offset, 10, len(done), 10, 0)
-    claimed = store.claim()
+    claimed = run(store.claim)
     assert claimed is not None
+    store._save(row.id, len(done), Progress(offset, 10, 10, 0))  # a checkpoint, then the crash
+    claimed = dataclasses.replace(claimed, input_offset=offset, lines_read=10,
+                                  results_bytes=len(done), completed=10)  # fmt: skip
     counted: list[tuple[str, int, int]] = []
 
     async def body() -> None:
@@ -295,7 +308,7 @@ def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> N
     got = [json.loads(x) for x in store.results_path(row.id).read_text().splitlines()]
     assert [r["custom_id"] for r in got] == [f"c{i}" for i in range(1000)]
     assert all(r["outputs"][0]["data"] == [2.0 * i] for i, r in enumerate(got))
-    final = store.get(row.id)
+    final = run(lambda: store.get(row.id))
     assert final is not None and (final.status, final.completed, final.failed) == (
         "completed",
         1000,

@@ -19,7 +19,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         "leaves: values, settings, processes, the socket",
         {
             *("request", "errors", "config", "stats", "loopload", "describe"),
-            *("supervisor", "frontends", "link", "jobs.store", "tracing"),
+            *("supervisor", "frontends", "link", "tracing"),
+            *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),
     (

@@ -74,21 +74,21 @@ class JobRoutes:
         return _job(job, 201)
 
     async def listing(self, request: web.Request) -> web.Response:
-        found = self._jobs.listing(
+        found = await self._jobs.listing(
             self._caller(request), request.query.get("status", ""), _int(request, "limit")
         )
         jobs = [as_json(j, defaults=True) for j in found.jobs]
         return web.Response(body=orjson.dumps({"jobs": jobs}), content_type="application/json")
 
     async def get(self, request: web.Request) -> web.Response:
-        return _job(self._jobs.get(self._caller(request), request.match_info["job"]))
+        return _job(await self._jobs.get(self._caller(request), request.match_info["job"]))
 
     async def cancel(self, request: web.Request) -> web.Response:
-        return _job(self._jobs.cancel(self._caller(request), request.match_info["job"]))
+        return _job(await self._jobs.cancel(self._caller(request), request.match_info["job"]))
 
     async def results(self, request: web.Request) -> web.StreamResponse:
         offset = max(_int(request, "offset"), 0)
-        pieces = self._jobs.results(self._caller(request), request.match_info["job"], offset)
+        pieces = await self._jobs.results(self._caller(request), request.match_info["job"], offset)
         stream = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await stream.prepare(request)
         async for data in pieces:

@@ -5,7 +5,8 @@ their answers in input order, checkpoint.
     JobRun:   input.jsonl ──read + parse + decode (a thread)──▶ Chunk
               Chunk's requests ──Core.submit (background)──▶ the model's job lane
               the oldest chunk, all answered ──encode (a thread)──▶ results.jsonl
-              every CHECKPOINT_S: flush + fsync results, then commit offsets (store.py)
+              every CHECKPOINT_S (or CHECKPOINT_BYTES): results made durable, then
+              the offsets that cover them committed (store.py)
 
 A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input; at most DEPTH chunks
 are in the core at once, so a job holds a bounded amount of memory whatever its
@@ -22,22 +23,21 @@ import contextlib
 import functools
 import logging
 import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
-from batchd.server.errors import BatchdError, clip
+from batchd.server.errors import BatchdError, Unavailable, clip
 from batchd.server.jobs import lines
-from batchd.server.jobs.store import JobRow, Store
+from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.jobs")
@@ -45,6 +45,7 @@ CHUNK_LINES = 256
 CHUNK_BYTES = 4 * 1024 * 1024
 DEPTH = 4  # chunks in the core at once
 CHECKPOINT_S = 1.0
+CHECKPOINT_BYTES = 16 * 1024 * 1024  # results written since the last checkpoint, at most
 POLL_S = 1.0  # how often the runner looks for queued jobs another frontend took in
 EXPIRE_EVERY_S = 60.0
 
@@ -172,8 +173,9 @@ class JobRun:
         self._inflight: deque[Chunk] = deque()
         self.completed, self.failed = row.completed, row.failed
         self.rate = 0.0
-        self._written = Chunk([], row.input_offset, row.lines_read)  # the last chunk written
-        self._saved = row.input_offset  # the input offset of the last checkpoint
+        # Through the last chunk written, and the input offset of the last checkpoint.
+        self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
+        self._saved = row.input_offset
 
     def cancel(self) -> None:
         self.cancelling = True
@@ -184,44 +186,54 @@ class JobRun:
     async def run(self) -> None:
         row = self.row
         try:
-            status, error = await self._run()
-        except JobFailed as e:
-            status, error = "failed", str(e)
-        except Exception as e:  # a bug or a disk error: the job fails, the server lives
-            log.exception("job %s failed", row.id)
-            status, error = "failed", f"{type(e).__name__}: {e}"
-        finally:
-            self.cancel()
-        self._store.finish(row.id, status, error)
+            status, error = await self._outcome()
+            await self._store.finish(row, status, error)
+        except (LeaseLost, Unavailable) as e:  # it runs on elsewhere, or here once the
+            what = "another replica took it over" if isinstance(e, LeaseLost) else str(e)
+            log.warning("job %s: stopped here (%s); it runs on from its last checkpoint", row.id,
+                        what, extra={"job": row.id, "model": row.model})  # fmt: skip
+            return  # database answers again: from its last checkpoint either way
         log.info(
             "job %s %s: %d answered, %d failed%s", row.id, status, self.completed, self.failed,
             f" ({error})" if error else "", extra={"job": row.id, "model": row.model},
         )  # fmt: skip
 
+    async def _outcome(self) -> tuple[str, str]:
+        try:
+            return await self._run()
+        except JobFailed as e:
+            return "failed", str(e)
+        except (LeaseLost, Unavailable):
+            raise
+        except Exception as e:  # a bug or a disk error: the job fails, the server lives
+            log.exception("job %s failed", self.row.id)
+            return "failed", f"{type(e).__name__}: {e}"
+        finally:
+            self.cancel()
+
     async def _run(self) -> tuple[str, str]:
         row, store = self.row, self._store
         model = job_model(self._core.models, row.model, row.version)
-        results = store.results_path(row.id)
-        results.touch()
-        reader = Reader(store.input_path(row.id), row.input_offset, row.lines_read)
-        with results.open("r+b") as out:
-            out.truncate(row.results_bytes)  # what came after the last checkpoint goes
-            out.seek(row.results_bytes)
-            try:
-                return await self._loop(model, reader, out)
-            finally:
-                reader.close()
+        reader = Reader(await store.open_input(row), row.input_offset, row.lines_read)
+        out = store.open_results(row)
+        try:
+            return await self._loop(model, reader, out)
+        finally:
+            reader.close()
+            out.close()
 
-    async def _loop(self, model: ModelConfig, reader: Reader, out: BinaryIO) -> tuple[str, str]:
+    async def _loop(self, model: ModelConfig, reader: Reader, out: Results) -> tuple[str, str]:
         try:
             return await self._steps(model, reader, out)
         except asyncio.CancelledError:  # the server stops: keep what is written, run on later
-            out.flush()
-            os.fsync(out.fileno())
-            self._save(out)
+            try:
+                await self._store.release(self.row, out, self._done)
+            except Exception as e:  # what was checkpointed before stays
+                log.warning("job %s: its last results were not kept at the stop: %s",
+                            self.row.id, e)  # fmt: skip
             raise
 
-    async def _steps(self, model: ModelConfig, reader: Reader, out: BinaryIO) -> tuple[str, str]:
+    async def _steps(self, model: ModelConfig, reader: Reader, out: Results) -> tuple[str, str]:
         started, start_done = time.monotonic(), self.completed + self.failed
         saved_at = started
         while True:
@@ -235,9 +247,11 @@ class JobRun:
             head = self._inflight[0]
             answered = asyncio.gather(*head.futures, return_exceptions=True)
             while not (await asyncio.wait([answered], timeout=CHECKPOINT_S))[0]:
-                if self._written.end_offset != self._saved:  # a slow model: save meanwhile
-                    saved_at = time.monotonic()
+                saved_at = time.monotonic()  # a slow model: save, or say it still runs
+                if self._done.input_offset != self._saved:
                     await self._checkpoint(out)
+                elif await self._store.renew(self.row) == "cancelling":
+                    self.cancel()
             answers = answered.result()
             if self.cancelling:
                 break
@@ -247,13 +261,12 @@ class JobRun:
             got = [line.error if line.future is None else next(it) for line in head.lines]
             data, ok, failed = await asyncio.to_thread(_encode, head, got)
             out.write(data)
-            self.completed, self.failed, self._written = (
-                self.completed + ok, self.failed + failed, head,
-            )  # fmt: skip
+            self.completed, self.failed = self.completed + ok, self.failed + failed
+            self._done = Progress(head.end_offset, head.lines_read, self.completed, self.failed)
             self._on_lines(model.name, ok, failed)
             now = time.monotonic()
             self.rate = (self.completed + self.failed - start_done) / max(now - started, 1e-3)
-            if now - saved_at >= CHECKPOINT_S:
+            if now - saved_at >= CHECKPOINT_S or out.unsaved() >= CHECKPOINT_BYTES:
                 saved_at = now
                 await self._checkpoint(out)
         await self._checkpoint(out)
@@ -271,20 +284,13 @@ class JobRun:
                 continue
             chunk.futures.append(line.future)
 
-    async def _checkpoint(self, out: BinaryIO) -> None:
-        """Results to disk first, then the offsets that cover them (store.py)."""
-        out.flush()
-        await asyncio.to_thread(os.fsync, out.fileno())
-        self._save(out)
-        current = self._store.get(self.row.id)
-        if current is not None and current.status == "cancelling":  # another frontend's cancel
+    async def _checkpoint(self, out: Results) -> None:
+        """The results made durable, then the offsets that cover them (store.py)."""
+        done = self._done
+        status = await self._store.checkpoint(self.row, out, done)
+        self._saved = done.input_offset
+        if status == "cancelling":  # another frontend's or replica's cancel
             self.cancel()
-
-    def _save(self, out: BinaryIO) -> None:
-        w = self._written
-        self._saved = w.end_offset
-        self._store.checkpoint(self.row.id, w.end_offset, w.lines_read, out.tell(),
-                               self.completed, self.failed)  # fmt: skip
 
 
 class Jobs:
@@ -298,6 +304,7 @@ class Jobs:
         self.runs = runs  # False in frontends 1..N-1: they take jobs in and answer about them
         self.running: dict[str, JobRun] = {}
         self.answered: dict[tuple[str, str], int] = {}  # (model, "completed" | "failed")
+        self.counts: dict[str, int] = {}  # jobs by status, as count_statuses() last read them
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
@@ -305,8 +312,8 @@ class Jobs:
     def wake(self) -> None:
         self._wake.set()
 
-    def cancel(self, job_id: str) -> None:
-        self.store.cancel(job_id)
+    async def cancel(self, job_id: str) -> None:
+        await self.store.cancel(job_id)
         run = self.running.get(job_id)
         if run is not None:
             run.cancel()
@@ -323,16 +330,20 @@ class Jobs:
         """Run queued jobs until stop(); the interrupted ones first (store.recover)."""
         if not self.runs:
             return
-        for job_id in self.store.recover():
+        for job_id in await self.store.recover():
             log.warning("job %s: its upload was cut short by a restart; removed", job_id)
         expired_at = -math.inf
         while not self._stopped:
-            if time.monotonic() - expired_at > EXPIRE_EVERY_S:
-                expired_at = time.monotonic()
-                for job_id in self.store.expire(self.retention_s):
-                    log.info("job %s: past --jobs-retention-hours; removed", job_id)
-            busy = {r.row.model for r in self.running.values()}
-            row = self.store.claim(exclude_models=busy)
+            try:
+                if time.monotonic() - expired_at > EXPIRE_EVERY_S:
+                    expired_at = time.monotonic()
+                    for job_id in await self.store.expire(self.retention_s):
+                        log.info("job %s: past --jobs-retention-hours; removed", job_id)
+                busy = frozenset(r.row.model for r in self.running.values())
+                row = await self.store.claim(exclude_models=busy)
+            except Unavailable as e:  # the jobs database is down: online traffic goes on
+                log.warning("batch jobs wait: %s", e)
+                row = None
             if row is None:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -347,13 +358,20 @@ class Jobs:
             task.add_done_callback(functools.partial(self._ended, row.id))
 
     async def stop(self) -> None:
-        """Stop running jobs where they are (each keeps its checkpoint and runs on at the
-        next start); before the core fails what is queued, which would answer their lines."""
+        """Stop running jobs where they are (each runs on from its checkpoint, here at the next
+        start or on another replica); before the core fails what is queued."""
         self._stopped = True
         self._wake.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def count_statuses(self) -> None:
+        """Read the jobs by status, before each scrape; a database that fails keeps the last."""
+        try:
+            self.counts = await self.store.by_status()
+        except Unavailable as e:
+            log.warning("batch jobs metrics: %s", e)
 
     def _ended(self, job_id: str, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -361,10 +379,10 @@ class Jobs:
         self._wake.set()
 
     def collect(self) -> Iterator[Metric]:
-        """Prometheus metrics (the registry calls it on a scrape)."""
+        """Prometheus metrics (called on the loop: it reads no store, count_statuses does)."""
         status = GaugeMetricFamily("batchd_jobs", "Batch jobs by status", labels=["status"])
-        for name, n in self.store.by_status().items():
-            status.add_metric([name], n)
+        for name in STATUSES:
+            status.add_metric([name], self.counts.get(name, 0))
         yield status
         answered = CounterMetricFamily(
             "batchd_job_requests", "Lines of batch jobs answered, by outcome",

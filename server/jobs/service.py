@@ -37,7 +37,6 @@ from batchd.server.jobs import lines
 from batchd.server.jobs.runner import JobFailed, Jobs, job_model
 from batchd.server.jobs.store import OPEN, STATUSES, JobRow
 
-READ_PIECE = 1024 * 1024  # bytes of results per JobResults message
 SHOWN_DUPLICATES = 5  # custom_ids named in a duplicates error ...
 SHOWN_LINES = 4  # ... and line numbers for each
 MIN_FREE_BYTES = 256 * 1024 * 1024  # an upload stops before the jobs disk has less free
@@ -122,8 +121,8 @@ class JobsService(pb_grpc.JobsServicer):
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         return self.caller(bearer(context.invocation_metadata()))
 
-    def _job(self, job_id: str, caller: Caller) -> JobRow:
-        row = self._on().store.get(job_id)
+    async def _job(self, job_id: str, caller: Caller) -> JobRow:
+        row = await self._on().store.get(job_id)
         owner, every = caller
         if row is None or not (every or row.owner == owner):
             raise ModelNotFound(f"no job {clip(job_id)}")
@@ -161,27 +160,30 @@ class JobsService(pb_grpc.JobsServicer):
             job_model(jobs.models, model_name, model_version)
         except JobFailed as e:
             raise ModelNotFound(f"{e}") from None
-        if (n := jobs.store.count(OPEN)) >= jobs.max_open:
+        if (n := await jobs.store.count(OPEN)) >= jobs.max_open:
             raise LimitExceeded(
                 f"{n} jobs are open, the most this server keeps (--jobs-max-open "
                 f"{jobs.max_open}); wait for one to end or cancel one"
             )
-        row = jobs.store.create(caller[0], model_name, model_version)
+        row = await jobs.store.create(caller[0], model_name, model_version)
         try:
             size = await self._upload(jobs, row, pieces)
             scratch = jobs.store.folder(row.id) / "ids.sqlite"
-            total = await asyncio.to_thread(check_ids, jobs.store.input_path(row.id), scratch)
+            total = await asyncio.to_thread(check_ids, jobs.store.upload_path(row.id), scratch)
+            await jobs.store.queue(row.id, total, size)
         except BaseException:
-            jobs.store.delete(row.id)
+            await asyncio.shield(jobs.store.delete(row.id))
             raise
-        jobs.store.queue(row.id, total, size)
         jobs.wake()
-        return self._message(self._job(row.id, caller))
+        return self._message(await self._job(row.id, caller))
 
     async def _upload(self, jobs: Jobs, row: JobRow, pieces: AsyncIterator[bytes]) -> int:
-        size = 0
-        with jobs.store.input_path(row.id).open("wb") as f:
+        size, said = 0, time.monotonic()
+        with jobs.store.upload_path(row.id).open("wb") as f:
             async for data in pieces:
+                if time.monotonic() - said >= jobs.store.renew_every_s:
+                    said = time.monotonic()
+                    await jobs.store.uploading(row.id)
                 size += len(data)
                 if size > jobs.max_file_bytes:
                     raise LimitExceeded(
@@ -196,10 +198,12 @@ class JobsService(pb_grpc.JobsServicer):
                 f.write(data)
         return size
 
-    def get(self, caller: Caller, job_id: str) -> pb.Job:
-        return self._message(self._job(job_id, caller))
+    async def get(self, caller: Caller, job_id: str) -> pb.Job:
+        return self._message(await self._job(job_id, caller))
 
-    def listing(self, caller: Caller, status: str = "", limit: int = 0) -> pb.ListJobsResponse:
+    async def listing(
+        self, caller: Caller, status: str = "", limit: int = 0
+    ) -> pb.ListJobsResponse:
         jobs = self._on()
         if status and status not in STATUSES:
             raise InvalidInput(
@@ -208,22 +212,21 @@ class JobsService(pb_grpc.JobsServicer):
         if limit < 0:
             raise InvalidInput(f"limit must be 0 (the most, 1000) or more, got {limit}")
         owner, every = caller
-        rows = jobs.store.select(None if every else owner, status, min(limit or 1000, 1000))
+        rows = await jobs.store.select(None if every else owner, status, min(limit or 1000, 1000))
         return pb.ListJobsResponse(jobs=[self._message(r) for r in rows])
 
-    def cancel(self, caller: Caller, job_id: str) -> pb.Job:
-        row = self._job(job_id, caller)
-        self._on().cancel(row.id)
-        return self._message(self._job(row.id, caller))
+    async def cancel(self, caller: Caller, job_id: str) -> pb.Job:
+        row = await self._job(job_id, caller)
+        await self._on().cancel(row.id)
+        return self._message(await self._job(row.id, caller))
 
-    def results(self, caller: Caller, job_id: str, offset: int = 0) -> AsyncIterator[bytes]:
-        """The results file from `offset`, in pieces; checked before the first piece."""
-        row = self._job(job_id, caller)
-        path = self._on().store.results_path(row.id)
+    async def results(self, caller: Caller, job_id: str, offset: int = 0) -> AsyncIterator[bytes]:
+        """The results from `offset` to the last checkpoint, in pieces; checked first."""
+        row = await self._job(job_id, caller)
         end = row.results_bytes
         if offset > end:
             raise InvalidInput(f"offset {offset} is past the results' {end} bytes")
-        return _read(path, offset, end)
+        return self._on().store.read_results(row.id, offset, end)
 
     # ---- RPCs ----
 
@@ -246,37 +249,25 @@ class JobsService(pb_grpc.JobsServicer):
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job | None:
         with grpc_status(context):
-            return self.get(self._caller(context), request.id)
+            return await self.get(self._caller(context), request.id)
         return None
 
     async def ListJobs(
         self, request: pb.ListJobsRequest, context: Any
     ) -> pb.ListJobsResponse | None:
         with grpc_status(context):
-            return self.listing(self._caller(context), request.status, request.limit)
+            return await self.listing(self._caller(context), request.status, request.limit)
         return None
 
     async def CancelJob(self, request: pb.CancelJobRequest, context: Any) -> pb.Job | None:
         with grpc_status(context):
-            return self.cancel(self._caller(context), request.id)
+            return await self.cancel(self._caller(context), request.id)
         return None
 
     async def JobResults(
         self, request: pb.JobResultsRequest, context: Any
     ) -> AsyncIterator[pb.JobResultsChunk]:
         with grpc_status(context):
-            async for data in self.results(self._caller(context), request.id, request.offset):
+            pieces = await self.results(self._caller(context), request.id, request.offset)
+            async for data in pieces:
                 yield pb.JobResultsChunk(data=data)
-
-
-async def _read(path: Path, at: int, end: int) -> AsyncIterator[bytes]:
-    if not end:
-        return
-    with path.open("rb") as f:
-        f.seek(at)
-        while at < end:
-            data = f.read(min(READ_PIECE, end - at))
-            if not data:
-                break
-            at += len(data)
-            yield data

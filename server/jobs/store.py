@@ -1,59 +1,37 @@
-"""Where jobs live: a SQLite database (one row per job) and a folder per job under
---jobs-dir holding its input and its results.
+"""Where jobs live. Two stores keep the same rows and answer the same calls (Store):
 
-    DIR/jobs.sqlite        the jobs table (WAL: readers never wait for the writer)
-    DIR/lock               held (flock) by the server that runs the jobs; its pid inside
-    DIR/<job id>/input.jsonl    as uploaded
-    DIR/<job id>/results.jsonl  written in input order
+  SqliteStore, the default (nothing to set up): one server's jobs, in --jobs-dir:
+      an SQLite database and a folder per job with its input and results (sqlite.py)
+  PostgresStore (--jobs-db postgresql://...): the jobs of every replica that names the
+      same database, inputs and results included, so any replica answers for any job
+      and takes over the job of one that died (postgres.py). --jobs-dir then only
+      spools uploads and caches the inputs of the jobs this replica runs.
 
 Exactly once across a crash: results are appended in input order, and a row's
-checkpoint says how far both files are done (`input_offset` bytes of input,
-`results_bytes` bytes of results). The results file is flushed to disk before
-the checkpoint that covers it is committed; on restart it is cut back to
-`results_bytes` and the input read on from `input_offset`, so a line answered
-after the last checkpoint is answered again, once, and none is lost.
+checkpoint says how far both are done (`input_offset` bytes of input,
+`results_bytes` bytes of results). The results are made durable before the
+checkpoint that covers them is committed (SQLite: the file is fsynced first;
+PostgreSQL: they are inserted in the checkpoint's own transaction); a run that
+resumes cuts the results back to `results_bytes` and reads the input on from
+`input_offset`, so a line answered after the last checkpoint is answered again,
+once, and none is lost.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
+import math
 import os
 import secrets
-import shutil
-import sqlite3
-import time
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 STATUSES = ("validating", "queued", "running", "completed", "failed", "cancelling", "cancelled")
 OPEN = ("validating", "queued", "running", "cancelling")
 ENDED = ("completed", "failed", "cancelled")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    owner TEXT NOT NULL,           -- a digest of the submitting token ('' without tokens)
-    model TEXT NOT NULL,
-    version TEXT NOT NULL,
-    status TEXT NOT NULL,
-    total INTEGER NOT NULL DEFAULT 0,
-    completed INTEGER NOT NULL DEFAULT 0,
-    failed INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    started_at REAL NOT NULL DEFAULT 0,
-    finished_at REAL NOT NULL DEFAULT 0,
-    error TEXT NOT NULL DEFAULT '',
-    input_bytes INTEGER NOT NULL DEFAULT 0,
-    results_bytes INTEGER NOT NULL DEFAULT 0,  -- the checkpoint: results kept
-    input_offset INTEGER NOT NULL DEFAULT 0,   -- the checkpoint: input answered
-    lines_read INTEGER NOT NULL DEFAULT 0,     -- physical lines answered (blank ones too)
-    resumed_at REAL NOT NULL DEFAULT 0,        -- when it last started running, for its rate
-    resumed_done INTEGER NOT NULL DEFAULT 0    -- lines answered by then
-);
-CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
-"""
+READ_PIECE = 1024 * 1024  # bytes of results per piece read back
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,189 +64,163 @@ class JobRow:
         return self.status in ENDED
 
 
-_COLUMNS = ", ".join(f.name for f in fields(JobRow))
+COLUMNS = tuple(f.name for f in fields(JobRow))
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A checkpoint: how far a running job's input is answered, and how."""
+
+    input_offset: int
+    lines_read: int
+    completed: int
+    failed: int
 
 
 class InUse(Exception):
     """Another server holds the jobs directory."""
 
 
-class Store:
-    def __init__(
-        self, directory: Path, *, lock: bool = True, clock: Callable[[], float] = time.time
-    ) -> None:
-        self.directory = directory
-        self._clock = clock
-        directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = None
-        if lock:
-            self._take_lock()
-        self._db = sqlite3.connect(directory / "jobs.sqlite", isolation_level=None, timeout=10)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+def lock_directory(directory: Path) -> int:
+    """Hold `directory` for this process (flock on DIR/lock, our pid written in it);
+    InUse if another holds it. The lock goes with the process or the returned fd."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise InUse(
+            f"{directory} is in use by another batchd (pid {holder}); give this "
+            "server its own --jobs-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
 
-    def _take_lock(self) -> None:
-        fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise InUse(
-                f"{self.directory} is in use by another batchd (pid {holder}); give this "
-                "server its own --jobs-dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self._lock_fd = fd
 
-    @staticmethod
-    def holder(directory: Path) -> int | None:
-        """The pid written in DIR/lock, if any."""
-        with contextlib.suppress(OSError, ValueError):
-            return int((directory / "lock").read_text().strip())
-        return None
+class LeaseLost(Exception):
+    """This server no longer runs the job: another replica took it over (its lease
+    here ran out), or it was given back. Nothing of this run is kept past it."""
 
-    def close(self) -> None:
-        self._db.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
 
-    # ---- files ----
+def new_job_id() -> str:
+    return "job-" + secrets.token_hex(8)
+
+
+class Results(ABC):
+    """A running job's results, open for appending after its last checkpoint."""
+
+    @abstractmethod
+    def write(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    def tell(self) -> int:
+        """Bytes of results, those of the last checkpoint and those written since."""
+
+    @abstractmethod
+    def unsaved(self) -> int:
+        """Bytes written since the last checkpoint."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Store(ABC):
+    """What jobs/service.py and jobs/runner.py need of a store. Every call that reads
+    or writes the database is a coroutine: the PostgreSQL store runs them on a
+    thread, so a slow database never holds the event loop."""
+
+    directory: Path  # local: uploads are spooled here (SQLite: and everything kept)
+    shared = False  # several replicas use it at once (a claim is a lease, postgres.py)
+    renew_every_s = math.inf  # how often an upload in progress says so (uploading())
 
     def folder(self, job_id: str) -> Path:
         return self.directory / job_id
 
-    def input_path(self, job_id: str) -> Path:
+    def upload_path(self, job_id: str) -> Path:
+        """Where the upload is written as it comes (create() made its folder)."""
         return self.folder(job_id) / "input.jsonl"
 
-    def results_path(self, job_id: str) -> Path:
-        return self.folder(job_id) / "results.jsonl"
+    @abstractmethod
+    async def create(self, owner: str, model: str, version: str) -> JobRow:
+        """A new job, `validating` while its file is uploaded and checked."""
 
-    # ---- rows ----
+    @abstractmethod
+    async def uploading(self, job_id: str) -> None:
+        """The upload of `job_id` is still coming (a shared store removes an upload
+        whose replica stopped saying so)."""
 
-    def create(self, owner: str, model: str, version: str) -> JobRow:
-        job_id = "job-" + secrets.token_hex(8)
-        self.folder(job_id).mkdir()
-        self._db.execute(
-            "INSERT INTO jobs (id, owner, model, version, status, created_at) "
-            "VALUES (?, ?, ?, ?, 'validating', ?)",
-            (job_id, owner, model, version, self._clock()),
-        )
-        row = self.get(job_id)
-        assert row is not None
-        return row
+    @abstractmethod
+    async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
+        """The upload is whole and checked: keep it, and let the job wait to run."""
 
-    def get(self, job_id: str) -> JobRow | None:
-        found = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        return None if found is None else JobRow(*found)
+    @abstractmethod
+    async def get(self, job_id: str) -> JobRow | None: ...
 
-    def select(self, owner: str | None, status: str = "", limit: int = 1000) -> list[JobRow]:
+    @abstractmethod
+    async def select(self, owner: str | None, status: str = "", limit: int = 1000) -> list[JobRow]:
         """Newest first; `owner` None: everyone's."""
-        where, args = [], []
-        if owner is not None:
-            where.append("owner = ?")
-            args.append(owner)
-        if status:
-            where.append("status = ?")
-            args.append(status)
-        sql = f"SELECT {_COLUMNS} FROM jobs"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        rows = self._db.execute(f"{sql} ORDER BY created_at DESC LIMIT ?", (*args, limit))
-        return [JobRow(*r) for r in rows]
 
-    def count(self, statuses: tuple[str, ...]) -> int:
-        marks = ", ".join("?" * len(statuses))
-        sql = f"SELECT count(*) FROM jobs WHERE status IN ({marks})"
-        return int(self._db.execute(sql, statuses).fetchone()[0])
+    @abstractmethod
+    async def count(self, statuses: tuple[str, ...]) -> int: ...
 
-    def by_status(self) -> dict[str, int]:
-        counts = dict.fromkeys(STATUSES, 0)
-        counts.update(self._db.execute("SELECT status, count(*) FROM jobs GROUP BY status"))
-        return counts
+    @abstractmethod
+    async def by_status(self) -> dict[str, int]: ...
 
-    def queue(self, job_id: str, total: int, input_bytes: int) -> None:
-        """The upload is stored and checked: the job waits to run."""
-        self._db.execute(
-            "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ? WHERE id = ?",
-            (total, input_bytes, job_id),
-        )
+    @abstractmethod
+    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> JobRow | None:
+        """The oldest job waiting to run, of a model not in `exclude_models`, now running
+        here (PostgreSQL: also one whose replica stopped renewing its lease)."""
 
-    def claim(self, exclude_models: set[str] = frozenset()) -> JobRow | None:  # type: ignore[assignment]
-        """The oldest queued job of a model not in `exclude_models`, now running."""
-        marks = ", ".join("?" * len(exclude_models))
-        found = self._db.execute(
-            f"SELECT id FROM jobs WHERE status = 'queued' AND model NOT IN ({marks}) "
-            "ORDER BY created_at LIMIT 1",
-            tuple(exclude_models),
-        ).fetchone()
-        if found is None:
-            return None
-        now = self._clock()
-        changed = self._db.execute(
-            "UPDATE jobs SET status = 'running', resumed_at = ?, resumed_done = completed + "
-            "failed, started_at = CASE WHEN started_at = 0 THEN ? ELSE started_at END "
-            "WHERE id = ? AND status = 'queued'",
-            (now, now, found[0]),
-        ).rowcount
-        return self.get(found[0]) if changed else None
+    @abstractmethod
+    async def open_input(self, row: JobRow) -> Path:
+        """A local file holding the claimed job's whole input."""
 
-    def checkpoint(self, job_id: str, input_offset: int, lines_read: int, results_bytes: int,
-                   completed: int, failed: int) -> None:  # fmt: skip
-        self._db.execute(
-            "UPDATE jobs SET input_offset = ?, lines_read = ?, results_bytes = ?, "
-            "completed = ?, failed = ? WHERE id = ?",
-            (input_offset, lines_read, results_bytes, completed, failed, job_id),
-        )
+    @abstractmethod
+    def open_results(self, row: JobRow) -> Results:
+        """The claimed job's results, cut back to its checkpoint, open for appending."""
 
-    def cancel(self, job_id: str) -> None:
+    @abstractmethod
+    async def checkpoint(self, row: JobRow, results: Results, progress: Progress) -> str:
+        """Make `results` durable, then record `progress` as the job's checkpoint; the
+        job's status now (`cancelling`: another frontend or replica cancelled it).
+        LeaseLost if this server no longer runs it."""
+
+    @abstractmethod
+    async def renew(self, row: JobRow) -> str:
+        """Say the claimed job is still running here (a model slower than the lease
+        writes nothing for a while); its status now. LeaseLost as for checkpoint."""
+
+    @abstractmethod
+    async def release(self, row: JobRow, results: Results, progress: Progress) -> None:
+        """The server stops: checkpoint the claimed job and give it back, to run on from
+        there at the next start here or, shared, on another replica at once."""
+
+    @abstractmethod
+    async def finish(self, row: JobRow, status: str, error: str = "") -> None:
+        """The claimed job ended; LeaseLost as for checkpoint."""
+
+    @abstractmethod
+    async def cancel(self, job_id: str) -> None:
         """queued -> cancelled at once; running -> cancelling (its runner ends it)."""
-        now = self._clock()
-        self._db.execute(
-            "UPDATE jobs SET status = 'cancelled', finished_at = ? "
-            "WHERE id = ? AND status = 'queued'",
-            (now, job_id),
-        )
-        self._db.execute(
-            "UPDATE jobs SET status = 'cancelling' WHERE id = ? AND status = 'running'", (job_id,)
-        )
 
-    def finish(self, job_id: str, status: str, error: str = "") -> None:
-        assert status in ENDED
-        self._db.execute(
-            "UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
-            (status, error, self._clock(), job_id),
-        )
+    @abstractmethod
+    async def delete(self, job_id: str) -> None: ...
 
-    def delete(self, job_id: str) -> None:
-        self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+    @abstractmethod
+    async def recover(self) -> list[str]:
+        """At start-up: interrupted runs wait to run on, interrupted cancels end, and the
+        uploads a crash cut short are removed; the ids of those removed."""
 
-    def recover(self) -> list[str]:
-        """At start-up, after a crash or a stop: running jobs wait to run on from their
-        checkpoint, cancelling ones are cancelled, uploads cut short are removed."""
-        self._db.execute("UPDATE jobs SET status = 'queued' WHERE status = 'running'")
-        self._db.execute(
-            "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE status = 'cancelling'",
-            (self._clock(),),
-        )
-        gone = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'validating'")]
-        for job_id in gone:
-            self.delete(job_id)
-        return gone
-
-    def expire(self, retention_s: float) -> list[str]:
+    @abstractmethod
+    async def expire(self, retention_s: float) -> list[str]:
         """Remove the jobs that ended more than `retention_s` ago; their ids."""
-        before = self._clock() - retention_s
-        old = [
-            r[0]
-            for r in self._db.execute(
-                "SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ?", (before,)
-            )
-        ]
-        for job_id in old:
-            self.delete(job_id)
-        return old
+
+    @abstractmethod
+    def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
+        """Bytes `start` to `end` of the job's results (end: a checkpoint's), in pieces."""
+
+    @abstractmethod
+    def close(self) -> None: ...

@@ -1,0 +1,364 @@
+"""Jobs shared by replicas: a PostgreSQL store (`--jobs-db postgresql://...`).
+
+Every replica that names the same database sees every job, its input and its
+results; any of them answers for any job, and a job whose replica died runs on
+elsewhere from its last checkpoint, without losing or repeating a result.
+
+    batchd_jobs          the rows SqliteStore keeps, plus who runs a job:
+                         runner (a replica's id), epoch (claims so far) and
+                         lease_until (the database's clock)
+    batchd_job_input     the uploaded file, in parts of PART_BYTES
+    batchd_job_results   the results, in parts, each written by one checkpoint
+
+A claim is a lease. The replica running a job renews it with every checkpoint
+(each second) or, while a slow batch writes nothing, on its own. A job whose
+lease ran out (its replica was killed, or cut off from the database) is claimed
+like a queued one by whichever replica asks first (`FOR UPDATE SKIP LOCKED`),
+which bumps its epoch. Every write of a run names the epoch it claimed, so a
+replica that lost its lease, and comes back, writes nothing: its checkpoint
+finds no row of its epoch, rolls back and stops the run (LeaseLost). A
+checkpoint inserts the results written since the last one in the same
+transaction as the offsets that cover them, so results and offsets can never
+disagree; a run that takes over starts where the last committed checkpoint
+left off. Stopping (SIGTERM) checkpoints and gives the job back at once, so
+another replica runs it on without waiting for the lease.
+
+Leases use the database's clock, never a replica's, so replicas' clocks need
+not agree. Calls run on a thread (one connection, one call at a time): the
+event loop never waits on the database. A database that does not answer makes
+the job calls fail UNAVAILABLE and running jobs stop where they were
+checkpointed; inference goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from batchd.server.jobs.database import Database, every, one
+from batchd.server.jobs.store import (
+    COLUMNS,
+    ENDED,
+    READ_PIECE,
+    STATUSES,
+    JobRow,
+    LeaseLost,
+    Progress,
+    Results,
+    Store,
+    lock_directory,
+    new_job_id,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+
+T = TypeVar("T")
+PART_BYTES = 4 * 1024 * 1024  # of input or results per row
+_NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in seconds
+_ROW = ", ".join(COLUMNS)
+
+
+class _Pending(Results):
+    """Results written since the last checkpoint, held until it inserts them: at most
+    runner.CHECKPOINT_BYTES and one chunk's answers."""
+
+    def __init__(self, at: int) -> None:
+        self.saved = at
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def tell(self) -> int:
+        return self.saved + self.size
+
+    def unsaved(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        self.parts.clear()
+        self.size = 0
+
+
+def _pieces(parts: list[bytes], size: int) -> Iterator[bytes]:
+    """`parts` joined again and cut into pieces of PART_BYTES."""
+    data = b"".join(parts)
+    for at in range(0, size, PART_BYTES):
+        yield data[at : at + PART_BYTES]
+
+
+class PostgresStore(Store):
+    shared = True
+
+    def __init__(
+        self, url: str, directory: Path, *, lease_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._db = Database(url)
+        self.directory, self.lease_s, self._clock = directory, lease_s, clock
+        self.renew_every_s = lease_s / 3
+        self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._claims: dict[str, int] = {}  # the jobs this replica runs: their epochs
+        self._uploads: set[str] = set()  # the uploads this replica is taking in
+        self._lock_fd = lock_directory(directory)  # its spool is this process's alone
+
+    def close(self) -> None:
+        self._db.close()
+        os.close(self._lock_fd)
+
+    # ---- rows ----
+
+    async def create(self, owner: str, model: str, version: str) -> JobRow:
+        job_id = new_job_id()
+        self.folder(job_id).mkdir()
+        self._uploads.add(job_id)
+        sql = (
+            "INSERT INTO batchd_jobs (id, owner, model, version, status, created_at, runner, "
+            f"lease_until) VALUES (%s, %s, %s, %s, 'validating', %s, %s, {_NOW} + %s) "
+            f"RETURNING {_ROW}"
+        )
+        args = (job_id, owner, model, version, self._clock(), self.replica, self.lease_s)
+        try:
+            return JobRow(*await self._db.run(one, sql, args))
+        except BaseException:
+            self._forget_upload(job_id)
+            raise
+
+    async def uploading(self, job_id: str) -> None:
+        sql = f"UPDATE batchd_jobs SET lease_until = {_NOW} + %s WHERE id = %s RETURNING id"
+        await self._db.run(one, sql, (self.lease_s, job_id))
+
+    async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
+        path = self.upload_path(job_id)
+
+        def store(cur: psycopg.Cursor[Any]) -> None:
+            with path.open("rb") as f:
+                for part, data in enumerate(iter(lambda: f.read(PART_BYTES), b"")):
+                    sql = "INSERT INTO batchd_job_input (job_id, part, data) VALUES (%s, %s, %s)"
+                    cur.execute(sql, (job_id, part, data))
+            cur.execute(
+                "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, "
+                "runner = '', lease_until = 0 WHERE id = %s",
+                (total, input_bytes, job_id),
+            )
+
+        await self._db.run(store)
+        self._uploads.discard(job_id)  # its file stays: the input cache, if it runs here
+
+    async def get(self, job_id: str) -> JobRow | None:
+        found = await self._db.run(one, f"SELECT {_ROW} FROM batchd_jobs WHERE id = %s", (job_id,))
+        return None if found is None else JobRow(*found)
+
+    async def select(self, owner: str | None, status: str = "", limit: int = 1000) -> list[JobRow]:
+        sql = (
+            f"SELECT {_ROW} FROM batchd_jobs WHERE (%s::text IS NULL OR owner = %s) "
+            "AND (%s = '' OR status = %s) ORDER BY created_at DESC LIMIT %s"
+        )
+        rows = await self._db.run(every, sql, (owner, owner, status, status, limit))
+        return [JobRow(*r) for r in rows]
+
+    async def count(self, statuses: tuple[str, ...]) -> int:
+        sql = "SELECT count(*) FROM batchd_jobs WHERE status = ANY(%s)"
+        return int((await self._db.run(one, sql, (list(statuses),)))[0])
+
+    async def by_status(self) -> dict[str, int]:
+        sql = "SELECT status, count(*) FROM batchd_jobs GROUP BY status"
+        return {
+            **dict.fromkeys(STATUSES, 0),
+            **{s: int(n) for s, n in await self._db.run(every, sql)},
+        }
+
+    # ---- running: claims and leases ----
+
+    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> JobRow | None:
+        now = self._clock()
+
+        def claim(cur: psycopg.Cursor[Any]) -> Any:
+            # A cancel whose replica died before it ended the job: it ends here.
+            cur.execute(
+                "UPDATE batchd_jobs SET status = 'cancelled', finished_at = %s, runner = '', "
+                f"lease_until = 0 WHERE status = 'cancelling' AND lease_until < {_NOW}",
+                (now,),
+            )
+            cur.execute(
+                "SELECT id FROM batchd_jobs WHERE (status = 'queued' OR (status = 'running' "
+                f"AND lease_until < {_NOW})) AND NOT (model = ANY(%s)) "
+                "ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+                (sorted(exclude_models),),
+            )
+            found = cur.fetchone()
+            if found is None:
+                return None
+            cur.execute(
+                "UPDATE batchd_jobs SET status = 'running', runner = %s, epoch = epoch + 1, "
+                f"lease_until = {_NOW} + %s, resumed_at = %s, resumed_done = completed + failed, "
+                "started_at = CASE WHEN started_at = 0 THEN %s ELSE started_at END "
+                f"WHERE id = %s RETURNING epoch, {_ROW}",
+                (self.replica, self.lease_s, now, now, found[0]),
+            )
+            return cur.fetchone()
+
+        got = await self._db.run(claim)
+        if got is None:
+            return None
+        row = JobRow(*got[1:])
+        self._claims[row.id] = int(got[0])
+        return row
+
+    def _fenced(self, cur: psycopg.Cursor[Any], row: JobRow, assignments: str,
+                args: tuple[Any, ...]) -> str:  # fmt: skip
+        """UPDATE the claimed job's row, only while this replica holds the claim it made;
+        its status, or LeaseLost (the transaction rolls back)."""
+        cur.execute(
+            f"UPDATE batchd_jobs SET {assignments} WHERE id = %s AND runner = %s AND epoch = %s "
+            "RETURNING status",
+            (*args, row.id, self.replica, self._claims.get(row.id, -1)),
+        )
+        found = cur.fetchone()
+        if found is None:
+            self._claims.pop(row.id, None)
+            raise LeaseLost(row.id)
+        return str(found[0])
+
+    async def open_input(self, row: JobRow) -> Path:
+        path = self.upload_path(row.id)
+        if path.exists() and path.stat().st_size == row.input_bytes:
+            return path  # taken in here
+        count = "SELECT count(*) FROM batchd_job_input WHERE job_id = %s"
+        part = "SELECT data FROM batchd_job_input WHERE job_id = %s AND part = %s"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".part")
+        with partial.open("wb") as f:  # a part at a time: memory stays PART_BYTES
+            for n in range((await self._db.run(one, count, (row.id,)))[0]):
+                f.write((await self._db.run(one, part, (row.id, n)))[0])
+        partial.rename(path)
+        return path
+
+    def open_results(self, row: JobRow) -> Results:
+        return _Pending(row.results_bytes)
+
+    def _save(self, cur: psycopg.Cursor[Any], row: JobRow, pending: _Pending, p: Progress,
+              give_back_at: float | None = None) -> str:  # fmt: skip
+        """The checkpoint's offsets (fenced), then the results they cover. The lease is
+        renewed, or with `give_back_at` (a stop) the job is given back: queued to run on,
+        or, when it was being cancelled, cancelled then."""
+        progress = (p.input_offset, p.lines_read, pending.tell(), p.completed, p.failed)
+        sets = "input_offset = %s, lines_read = %s, results_bytes = %s, completed = %s, failed = %s"
+        if give_back_at is None:
+            status = self._fenced(
+                cur, row, f"{sets}, lease_until = {_NOW} + %s", (*progress, self.lease_s)
+            )
+        else:
+            status = self._fenced(
+                cur, row,
+                f"{sets}, status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE "
+                "'queued' END, finished_at = CASE WHEN status = 'cancelling' THEN %s ELSE 0 END, "
+                "runner = '', lease_until = 0",
+                (*progress, give_back_at),
+            )  # fmt: skip
+        at = pending.saved
+        for data in _pieces(pending.parts, pending.size):
+            cur.execute(
+                "INSERT INTO batchd_job_results (job_id, start, data) VALUES (%s, %s, %s)",
+                (row.id, at, data),
+            )
+            at += len(data)
+        return status
+
+    async def checkpoint(self, row: JobRow, results: Results, progress: Progress) -> str:
+        assert isinstance(results, _Pending)
+        status = await self._db.run(self._save, row, results, progress)
+        results.saved, results.parts, results.size = results.tell(), [], 0
+        return status
+
+    async def renew(self, row: JobRow) -> str:
+        return await self._db.run(self._fenced, row, f"lease_until = {_NOW} + %s", (self.lease_s,))
+
+    async def release(self, row: JobRow, results: Results, progress: Progress) -> None:
+        assert isinstance(results, _Pending)
+        try:
+            await self._db.run(self._save, row, results, progress, self._clock())
+        finally:
+            self._claims.pop(row.id, None)
+
+    async def finish(self, row: JobRow, status: str, error: str = "") -> None:
+        assert status in ENDED
+        sets = "status = %s, error = %s, finished_at = %s, runner = '', lease_until = 0"
+        try:
+            await self._db.run(self._fenced, row, sets, (status, error, self._clock()))
+        finally:
+            self._claims.pop(row.id, None)
+            shutil.rmtree(self.folder(row.id), ignore_errors=True)  # the input cache
+
+    async def cancel(self, job_id: str) -> None:
+        """queued -> cancelled at once; running -> cancelling (its runner ends it)."""
+        sql = (
+            "UPDATE batchd_jobs SET status = CASE status WHEN 'queued' THEN 'cancelled' "
+            "ELSE 'cancelling' END, finished_at = CASE status WHEN 'queued' THEN %s "
+            "ELSE finished_at END WHERE id = %s AND status IN ('queued', 'running') RETURNING id"
+        )
+        await self._db.run(one, sql, (self._clock(), job_id))
+
+    async def delete(self, job_id: str) -> None:
+        try:
+            await self._db.run(one, "DELETE FROM batchd_jobs WHERE id = %s RETURNING id", (job_id,))
+        finally:
+            self._forget_upload(job_id)
+
+    def _forget_upload(self, job_id: str) -> None:
+        self._uploads.discard(job_id)
+        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+
+    # ---- housekeeping ----
+
+    async def recover(self) -> list[str]:
+        """Nothing of another replica's is touched: its running jobs are its own until
+        their leases run out. Uploads whose replica went (their lease ran out) go."""
+        return await self._remove(-math.inf)
+
+    async def expire(self, retention_s: float) -> list[str]:
+        return await self._remove(self._clock() - retention_s)
+
+    async def _remove(self, before: float) -> list[str]:
+        """Jobs that ended before `before`, uploads whose replica went; local leftovers."""
+        sql = (
+            "DELETE FROM batchd_jobs WHERE (finished_at > 0 AND finished_at < %s) OR "
+            f"(status = 'validating' AND lease_until < {_NOW}) RETURNING id"
+        )
+        gone = [r[0] for r in await self._db.run(every, sql, (before,))]
+        self._sweep()
+        return gone
+
+    def _sweep(self) -> None:
+        """Remove the local folders of jobs not running or being taken in here: input
+        caches of jobs that ended or went to another replica (the directory is this
+        process's alone: each frontend of a replica has its own)."""
+        keep = set(self._claims) | self._uploads
+        with contextlib.suppress(OSError):
+            for entry in self.directory.iterdir():
+                if entry.name.startswith("job-") and entry.name not in keep:
+                    shutil.rmtree(entry, ignore_errors=True)
+
+    async def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
+        sql = (
+            "SELECT start, data FROM batchd_job_results WHERE job_id = %s AND start <= %s "
+            "ORDER BY start DESC LIMIT 1"
+        )
+        while start < end:  # a part (at most PART_BYTES) at a time
+            found = await self._db.run(one, sql, (job_id, start))
+            data = b"" if found is None else bytes(found[1])[start - found[0] : end - found[0]]
+            if not data:
+                return
+            for at in range(0, len(data), READ_PIECE):
+                yield data[at : at + READ_PIECE]
+            start += len(data)

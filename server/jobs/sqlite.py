@@ -1,0 +1,277 @@
+"""One server's jobs, the default store: SQLite and files in --jobs-dir.
+
+    DIR/jobs.sqlite        the jobs table (WAL: readers never wait for the writer)
+    DIR/lock               held (flock) by the server that runs the jobs; its pid inside
+    DIR/<job id>/input.jsonl    as uploaded
+    DIR/<job id>/results.jsonl  written in input order; fsynced before each checkpoint
+
+Its calls are coroutines only to match Store (store.py): they are short local
+writes, made on the loop as they come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from batchd.server.jobs.store import (
+    COLUMNS,
+    ENDED,
+    READ_PIECE,
+    STATUSES,
+    JobRow,
+    Progress,
+    Results,
+    Store,
+    lock_directory,
+    new_job_id,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,           -- a digest of the submitting token ('' without tokens)
+    model TEXT NOT NULL,
+    version TEXT NOT NULL,
+    status TEXT NOT NULL,
+    total INTEGER NOT NULL DEFAULT 0,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    started_at REAL NOT NULL DEFAULT 0,
+    finished_at REAL NOT NULL DEFAULT 0,
+    error TEXT NOT NULL DEFAULT '',
+    input_bytes INTEGER NOT NULL DEFAULT 0,
+    results_bytes INTEGER NOT NULL DEFAULT 0,  -- the checkpoint: results kept
+    input_offset INTEGER NOT NULL DEFAULT 0,   -- the checkpoint: input answered
+    lines_read INTEGER NOT NULL DEFAULT 0,     -- physical lines answered (blank ones too)
+    resumed_at REAL NOT NULL DEFAULT 0,        -- when it last started running, for its rate
+    resumed_done INTEGER NOT NULL DEFAULT 0    -- lines answered by then
+);
+CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
+"""
+_COLUMNS = ", ".join(COLUMNS)
+
+
+class _ResultsFile(Results):
+    def __init__(self, path: Path, at: int) -> None:
+        path.touch()
+        self.file: BinaryIO = path.open("r+b")
+        self.file.truncate(at)  # what came after the last checkpoint goes
+        self.file.seek(at)
+        self.saved = at
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def unsaved(self) -> int:
+        return self.tell() - self.saved
+
+    def sync(self) -> int:
+        """Flush and fsync (on a thread: a disk may be slow); the bytes now durable."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        return self.file.tell()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class SqliteStore(Store):
+    def __init__(
+        self, directory: Path, *, lock: bool = True, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.directory = directory
+        self._clock = clock
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_directory(directory) if lock else None
+        self._db = sqlite3.connect(directory / "jobs.sqlite", isolation_level=None, timeout=10)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    @staticmethod
+    def holder(directory: Path) -> int | None:
+        """The pid written in DIR/lock, if any."""
+        with contextlib.suppress(OSError, ValueError):
+            return int((directory / "lock").read_text().strip())
+        return None
+
+    def close(self) -> None:
+        self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def results_path(self, job_id: str) -> Path:
+        return self.folder(job_id) / "results.jsonl"
+
+    # ---- rows ----
+
+    def _get(self, job_id: str) -> JobRow | None:
+        found = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return None if found is None else JobRow(*found)
+
+    async def create(self, owner: str, model: str, version: str) -> JobRow:
+        job_id = new_job_id()
+        self.folder(job_id).mkdir()
+        self._db.execute(
+            "INSERT INTO jobs (id, owner, model, version, status, created_at) "
+            "VALUES (?, ?, ?, ?, 'validating', ?)",
+            (job_id, owner, model, version, self._clock()),
+        )
+        row = self._get(job_id)
+        assert row is not None
+        return row
+
+    async def get(self, job_id: str) -> JobRow | None:
+        return self._get(job_id)
+
+    async def select(self, owner: str | None, status: str = "", limit: int = 1000) -> list[JobRow]:
+        where, args = [], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if status:
+            where.append("status = ?")
+            args.append(status)
+        sql = f"SELECT {_COLUMNS} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._db.execute(f"{sql} ORDER BY created_at DESC LIMIT ?", (*args, limit))
+        return [JobRow(*r) for r in rows]
+
+    async def count(self, statuses: tuple[str, ...]) -> int:
+        marks = ", ".join("?" * len(statuses))
+        sql = f"SELECT count(*) FROM jobs WHERE status IN ({marks})"
+        return int(self._db.execute(sql, statuses).fetchone()[0])
+
+    async def by_status(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATUSES, 0)
+        counts.update(self._db.execute("SELECT status, count(*) FROM jobs GROUP BY status"))
+        return counts
+
+    async def uploading(self, job_id: str) -> None:
+        pass  # one server: an upload a crash cut short is removed at the next start
+
+    async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
+        self._db.execute(
+            "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ? WHERE id = ?",
+            (total, input_bytes, job_id),
+        )
+
+    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> JobRow | None:
+        marks = ", ".join("?" * len(exclude_models))
+        found = self._db.execute(
+            f"SELECT id FROM jobs WHERE status = 'queued' AND model NOT IN ({marks}) "
+            "ORDER BY created_at LIMIT 1",
+            tuple(exclude_models),
+        ).fetchone()
+        if found is None:
+            return None
+        now = self._clock()
+        changed = self._db.execute(
+            "UPDATE jobs SET status = 'running', resumed_at = ?, resumed_done = completed + "
+            "failed, started_at = CASE WHEN started_at = 0 THEN ? ELSE started_at END "
+            "WHERE id = ? AND status = 'queued'",
+            (now, now, found[0]),
+        ).rowcount
+        return self._get(found[0]) if changed else None
+
+    async def open_input(self, row: JobRow) -> Path:
+        return self.upload_path(row.id)
+
+    def open_results(self, row: JobRow) -> Results:
+        return _ResultsFile(self.results_path(row.id), row.results_bytes)
+
+    async def checkpoint(self, row: JobRow, results: Results, progress: Progress) -> str:
+        assert isinstance(results, _ResultsFile)
+        results.saved = await asyncio.to_thread(results.sync)  # the results first
+        self._save(row.id, results.saved, progress)
+        current = self._get(row.id)
+        return "" if current is None else current.status
+
+    def _save(self, job_id: str, results_bytes: int, p: Progress) -> None:
+        self._db.execute(
+            "UPDATE jobs SET input_offset = ?, lines_read = ?, results_bytes = ?, "
+            "completed = ?, failed = ? WHERE id = ?",
+            (p.input_offset, p.lines_read, results_bytes, p.completed, p.failed, job_id),
+        )
+
+    async def renew(self, row: JobRow) -> str:
+        current = self._get(row.id)
+        return "" if current is None else current.status
+
+    async def release(self, row: JobRow, results: Results, progress: Progress) -> None:
+        # On the loop, not a thread: the server is stopping and this must finish first.
+        # The job stays `running`: recover() at the next start sets it to run on.
+        assert isinstance(results, _ResultsFile)
+        results.saved = results.sync()
+        self._save(row.id, results.saved, progress)
+
+    async def finish(self, row: JobRow, status: str, error: str = "") -> None:
+        assert status in ENDED
+        self._db.execute(
+            "UPDATE jobs SET status = ?, error = ?, finished_at = ? WHERE id = ?",
+            (status, error, self._clock(), row.id),
+        )
+
+    async def cancel(self, job_id: str) -> None:
+        now = self._clock()
+        self._db.execute(
+            "UPDATE jobs SET status = 'cancelled', finished_at = ? "
+            "WHERE id = ? AND status = 'queued'",
+            (now, job_id),
+        )
+        self._db.execute(
+            "UPDATE jobs SET status = 'cancelling' WHERE id = ? AND status = 'running'", (job_id,)
+        )
+
+    async def delete(self, job_id: str) -> None:
+        self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+
+    async def recover(self) -> list[str]:
+        self._db.execute("UPDATE jobs SET status = 'queued' WHERE status = 'running'")
+        self._db.execute(
+            "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE status = 'cancelling'",
+            (self._clock(),),
+        )
+        gone = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'validating'")]
+        for job_id in gone:
+            await self.delete(job_id)
+        return gone
+
+    async def expire(self, retention_s: float) -> list[str]:
+        before = self._clock() - retention_s
+        old = [
+            r[0]
+            for r in self._db.execute(
+                "SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ?", (before,)
+            )
+        ]
+        for job_id in old:
+            await self.delete(job_id)
+        return old
+
+    async def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
+        if start >= end:
+            return
+        with self.results_path(job_id).open("rb") as f:
+            f.seek(start)
+            while start < end:
+                data = f.read(min(READ_PIECE, end - start))
+                if not data:
+                    break
+                start += len(data)
+                yield data

@@ -1,0 +1,253 @@
+"""The shared job store (`--jobs-db postgresql://...`) against a real PostgreSQL
+server the tests start (tests/postgres.py): the store's leases and fencing with
+two stores as two replicas, then real batchd replicas sharing jobs: any replica
+answers for any job, a SIGKILLed replica's job runs on elsewhere with every
+custom_id answered once, and a stopped replica gives its job back at once.
+
+Orders are made by hold files and by starting the second replica only after the
+first has claimed the job, never by timing: a lease that runs out is waited for
+by asking until the other replica has the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batchd.client import Client
+from batchd.protos.model_config import ConfigError
+from batchd.server.config import add_arguments, from_arguments
+from batchd.server.errors import Unavailable
+from batchd.server.jobs.database import safe_url
+from batchd.server.jobs.postgres import PostgresStore
+from batchd.server.jobs.store import JobRow, LeaseLost, Progress
+from tests.conftest import Gate, run
+from tests.postgres import PostgresServer
+from tests.servers import TEST_MODELS, ServerProcess, wait_for
+
+psycopg = pytest.importorskip("psycopg", reason="psycopg (batchd[postgres]) is not installed")
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def jobs_db(postgres: PostgresServer, request: pytest.FixtureRequest) -> str:
+    """A database of its own for each test: no test sees another's jobs."""
+    name = "t_" + request.node.name.lower()[:50]
+    with psycopg.connect(postgres.url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return postgres.url.rsplit("/", 1)[0] + "/" + name
+
+
+def job_lines(count: int, start: int = 1) -> str:
+    return "".join(
+        json.dumps({"custom_id": f"g{v}", "inputs": [{"name": "X", "datatype": "FP32",
+                    "shape": [1, 1], "data": [float(v)]}]}) + "\n"
+        for v in range(start, start + count)
+    )  # fmt: skip
+
+
+# ---- the store: two stores are two replicas ----
+
+
+def test_a_lease_that_runs_out_moves_the_job_and_fences_the_old_runner(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=0.5)
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=0.5)
+    text = job_lines(100)
+
+    async def body() -> None:
+        row = await a.create("", "gated", "")
+        a.upload_path(row.id).write_text(text)
+        await a.queue(row.id, 100, len(text))
+        mine = await a.claim()
+        assert mine is not None and mine.id == row.id
+        assert await b.claim() is None  # a holds the lease
+        out = a.open_results(mine)
+        out.write(b"first\n")
+        assert await a.checkpoint(mine, out, Progress(10, 1, 1, 0)) == "running"
+        assert (await b.get(row.id)).results_bytes == 6  # type: ignore[union-attr]
+
+        # a stops renewing (killed, cut off): b takes the job once the lease has run out
+        taken: JobRow | None = None
+        while taken is None:  # b asks again (each a round trip) until the lease runs out
+            taken = await b.claim()
+        assert (taken.id, taken.input_offset) == (row.id, 10)
+        assert (await b.open_input(taken)).read_text() == text  # from the database
+
+        # a comes back: it writes nothing more, of results or offsets
+        out.write(b"late\n")
+        with pytest.raises(LeaseLost):
+            await a.checkpoint(mine, out, Progress(20, 2, 2, 0))
+        with pytest.raises(LeaseLost):
+            await a.finish(mine, "completed")
+        theirs_out = b.open_results(taken)
+        theirs_out.write(b"second\n")
+        await a.cancel(row.id)  # any replica may cancel: the runner hears it at its checkpoint
+        assert await b.checkpoint(taken, theirs_out, Progress(20, 2, 2, 0)) == "cancelling"
+        await b.finish(taken, "cancelled")
+        final = await a.get(row.id)
+        assert final is not None and (final.status, final.results_bytes) == ("cancelled", 13)
+        got = b"".join([p async for p in a.read_results(row.id, 0, final.results_bytes)])
+        assert got == b"first\nsecond\n"
+        assert b"".join([p async for p in a.read_results(row.id, 3, 9)]) == b"st\nsec"
+
+    try:
+        run(body)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_stopping_replica_gives_its_job_back_at_once(jobs_db: str, tmp_path: Path) -> None:
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=3600)
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=3600)
+
+    async def body() -> None:
+        row = await a.create("", "gated", "")
+        a.upload_path(row.id).write_text(job_lines(3))
+        await a.queue(row.id, 3, 1)
+        mine = await a.claim()
+        assert mine is not None and await b.claim() is None
+        out = a.open_results(mine)
+        out.write(b"x" * (5 * 1024 * 1024))  # more than one part of the table
+        await a.release(mine, out, Progress(7, 1, 1, 0))
+        taken = await b.claim()  # no lease to wait for
+        assert taken is not None and (taken.input_offset, taken.results_bytes) == (
+            7,
+            5 * 1024 * 1024,
+        )
+        pieces = [p async for p in b.read_results(row.id, 0, taken.results_bytes)]
+        assert b"".join(pieces) == b"x" * (5 * 1024 * 1024) and len(pieces) == 5
+
+    try:
+        run(body)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_upload_whose_replica_went_is_removed_and_a_database_down_is_unavailable(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=0.2)
+    gone = PostgresStore("postgresql://nobody@127.0.0.1:1/none", tmp_path / "x", lease_s=1)
+
+    async def body() -> None:
+        row = await a.create("", "gated", "")  # its replica dies mid-upload: nobody renews
+        while await a.get(row.id) is not None:
+            assert await a.recover() in ([], [row.id])
+        with pytest.raises(Unavailable, match=r"jobs database postgresql://nobody@127\.0\.0\.1:1"):
+            await gone.get("job-0")
+
+    try:
+        run(body)
+    finally:
+        a.close()
+    assert safe_url("postgresql://u:secret@h:5/d") == "postgresql://u:***@h:5/d"
+
+
+def test_a_jobs_db_that_is_not_postgresql_is_refused_without_echoing_it() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for url, scheme in (("mysql://u:secret@h/d", "'mysql'"), ("u:secret@h/d", "'none'")):
+        cfg = from_arguments(parser.parse_args(["--model-repository", ".", "--jobs-db", url]))
+        with pytest.raises(ConfigError, match=f"--jobs-db takes a PostgreSQL URL.*{scheme}") as e:
+            cfg.check()
+        assert "secret" not in str(e.value)
+
+
+# ---- real replicas ----
+
+
+def _replica(tmp: Path, gate: Gate, jobs_db: str, *args: str) -> ServerProcess:
+    return ServerProcess(
+        TEST_MODELS, "--credits-per-worker", "1", "--jobs-db", jobs_db, *args,
+        log_dir=tmp, env={"BATCHD_TEST_DIR": str(gate.state)},
+    ).start()  # fmt: skip
+
+
+def _results(client: Client, job_id: str, tmp: Path) -> list[dict[str, Any]]:
+    out = tmp / f"{job_id}-{os.getpid()}.jsonl"
+    client.job_results(job_id, out)
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def _moved(tmp: Path, gate: Gate, jobs_db: str, n: int, hold: int, lease: str,
+           stop: Callable[[ServerProcess], None]) -> ServerProcess:  # fmt: skip
+    """A job of `n` lines, held at line `hold` on a first replica; a second replica starts
+    (the job is claimed: it cannot take it), answers for it, then `stop(first)`: the
+    job ends on the second, on from the first's checkpoint, every custom_id answered
+    once with its value. Returns the first replica."""
+    held = gate.state / f"hold-{hold}"
+    held.touch()
+    first = _replica(tmp, gate, jobs_db, "--jobs-lease", lease)
+    second: ServerProcess | None = None
+    try:
+        with Client(first.url) as c:
+            job = c.submit_job("gated", [json.loads(x) for x in job_lines(n).splitlines()])
+            wait_for(lambda: c.job(job.id).results_bytes > 0, 60, "a checkpoint")
+        second = _replica(tmp, gate, jobs_db, "--jobs-lease", lease)
+        with Client(second.url) as c2:
+            seen = c2.job(job.id)  # any replica answers for any job
+            assert seen.status == "running" and 0 < seen.done < hold, seen
+            assert [j.id for j in c2.jobs()] == [job.id]
+            stop(first)
+            held.unlink()  # the batch held at the stop is answered, or answered again, once
+            wait_for(lambda: c2.job(job.id).ended, 120, "the job to end on the second replica")
+            done, got = c2.job(job.id), _results(c2, job.id, tmp)
+    except BaseException:
+        if first.proc is not None and first.proc.poll() is None:
+            first.stop(signal.SIGKILL)
+        raise
+    finally:
+        held.unlink(missing_ok=True)
+        if second is not None:
+            assert second.stop() == 0, second.log()
+    assert (done.status, done.completed, done.failed) == ("completed", n, 0), done
+    counts = Counter(r["custom_id"] for r in got)
+    assert len(got) == n and set(counts.values()) == {1}
+    assert all(r["outputs"][0]["data"] == [2.0 * int(r["custom_id"][1:])] for r in got)
+    resumed = re.findall(rf"job {job.id} of model gated: running from line (\d+)", second.log())
+    assert [int(x) > 1 for x in resumed] == [True], resumed  # on from the checkpoint
+    return first
+
+
+def test_a_killed_replicas_job_runs_on_another_with_every_result_once(
+    jobs_db: str, gate: Gate, tmp_path: Path
+) -> None:
+    """Killed: the second replica takes the job once the first's lease has run out."""
+
+    def kill(first: ServerProcess) -> None:
+        first.proc.kill()  # type: ignore[union-attr]
+        first.proc.wait()  # type: ignore[union-attr]
+
+    _moved(tmp_path, gate, jobs_db, 5000, 3000, "2", kill)
+
+
+def test_a_replica_stopped_with_sigterm_hands_its_job_over_at_once(
+    jobs_db: str, gate: Gate, tmp_path: Path
+) -> None:
+    """With a lease of an hour, only the job given back at the stop can run on the
+    other replica within the test's wait."""
+    first = _moved(
+        tmp_path, gate, jobs_db, 600, 300, "3600",
+        lambda first: first.proc.send_signal(signal.SIGTERM),  # type: ignore[union-attr]
+    )  # fmt: skip
+    assert first.proc.wait(60) == 0, first.log()  # type: ignore[union-attr]
