@@ -3,8 +3,9 @@
     [model]                       # optional table; or these keys at top level
     max_batch_size = 32           # rows per batch; 0 = the model does not batch
     [[input]]        name, datatype ("FP32", ...), shape (no batch dim, -1 = variable),
-                     ragged, pad_value, padding_side ("right" | "left"), max_length
-    [[batch_input]]  name, kind ("mask" | "lengths"), source (a ragged input)
+                     ragged, packed, pad_value, padding_side ("right" | "left"), max_length
+    [[batch_input]]  name, kind ("mask" | "lengths" | "offsets" | "segment_ids"),
+                     source (a ragged input)
     [[output]]       name, datatype, shape, ragged_like (a ragged input)
     [batching]       max_queue_delay_us, max_queue_size, default_timeout_us,
                      preferred_batch_sizes, priority_levels, default_priority_level,
@@ -33,15 +34,10 @@ from typing import Any
 from batchd.protos._toml_reader import ConfigError, Reader
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 
-__all__ = [
-    "MODEL_NAME",
-    "ConfigError",
-    "ModelConfig",
-    "load_model_config",
-]
+__all__ = ["MODEL_NAME", "ConfigError", "ModelConfig", "load_model_config"]
 
 ARTIFACTS = {"model.py": "python", "model.pt": "pytorch_libtorch", "model.pt2": "torch_export"}
-BATCH_INPUT_KINDS = ("mask", "lengths")
+BATCH_INPUT_KINDS = ("mask", "lengths", "offsets", "segment_ids")
 MODEL_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
@@ -55,6 +51,7 @@ class TensorSpec:
     padding_side: str = "right"
     ragged_like: str | None = None  # outputs: cut back to this ragged input's length
     max_length: int = 0  # ragged inputs: the longest row a request may send; 0: no limit
+    packed: bool = False  # ragged inputs: rows concatenated along the ragged dim, no padding
 
     def accepts(self, shape: tuple[int, ...]) -> bool:
         if shape == self.shape:  # the common case, at C speed
@@ -69,8 +66,8 @@ class BatchInputSpec:
     """A tensor the batcher generates for the model from a ragged input."""
 
     name: str
-    kind: str  # "mask": INT64 1/0 like the padded source; "lengths": INT64 [batch]
-    source: str
+    kind: str  # INT64: "mask" 1/0 like the padded source; "lengths" [rows]; packed
+    source: str  # sources only: "offsets" [rows + 1] from 0, "segment_ids" [elements]
 
 
 AUTO_DELAY_MAX_US = 20_000  # the longest an automatic queue delay waits
@@ -130,6 +127,7 @@ class ModelConfig:
     key: str = field(init=False, repr=False, compare=False)
     batches: bool = field(init=False, repr=False, compare=False)  # max_batch_size > 0
     ragged: bool = field(init=False, repr=False, compare=False)  # some input is ragged
+    packed: bool = field(init=False, repr=False, compare=False)  # its ragged inputs are packed
     output_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
     _out_specs: dict[str, TensorSpec] = field(init=False, repr=False, compare=False)
@@ -139,6 +137,7 @@ class ModelConfig:
             "key": model_key(self.name, self.version),
             "batches": self.max_batch_size > 0,
             "ragged": any(t.ragged for t in self.inputs),
+            "packed": any(t.packed for t in self.inputs),
             "output_names": tuple(t.name for t in self.outputs),
             "_specs": {t.name: t for t in self.inputs},
             "_out_specs": {t.name: t for t in self.outputs},
@@ -194,12 +193,20 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
         raise r.fail("datatype", f"expected one of {DATATYPE_NAMES}, got {datatype!r}")
     spec = TensorSpec(name, datatype, _shape(r))
     if kind == "input" and r.get("ragged", bool, False):
-        if spec.shape != (-1,) or datatype == "BYTES":
-            raise r.fail("ragged", "a ragged input has shape = [-1] and a numeric datatype")
+        packed = r.get("packed", bool, False)
+        fixed = spec.shape[1:] if packed else ()  # packed: [-1, d, ...] too
+        if spec.shape != (-1, *fixed) or -1 in fixed or datatype == "BYTES":
+            raise r.fail("ragged", "a ragged input has shape = [-1] (packed: or [-1, d, ...]) "
+                         f"and a numeric datatype, got {list(spec.shape)} {datatype}")  # fmt: skip
+        for key in ("pad_value", "padding_side") if packed else ():
+            if key in r.table:
+                raise r.fail(key, "a packed input is not padded: its rows are concatenated")
         pad = r.get("pad_value", (int, float), 0)
         side = r.choice("padding_side", ("right", "left"), "right")
         longest = r.integer("max_length", 0)
-        spec = TensorSpec(name, datatype, spec.shape, True, pad, side, max_length=longest)
+        spec = TensorSpec(name, datatype, spec.shape, True, pad, side, None, longest, packed)
+    elif kind == "input" and r.get("packed", bool, False):
+        raise r.fail("packed", "needs ragged = true: only a ragged input's rows are packed")
     elif kind == "output" and "ragged_like" in r.table:
         like = r.get("ragged_like", str)
         if not spec.shape or spec.shape[0] != -1:
@@ -236,13 +243,20 @@ def _batch_inputs(path: Path, tables: Any, inputs: tuple[TensorSpec, ...]) -> tu
             raise r.fail(
                 "source", f"expected a ragged input ({ragged or 'none declared'}), got {source!r}"
             )
+        packed = next(t.packed for t in inputs if t.name == source)
+        if kind == "mask" and packed:
+            raise r.fail("kind", f"{source!r} is packed: no padding to mask (use offsets, "
+                         "lengths or segment_ids)")  # fmt: skip
+        if kind in ("offsets", "segment_ids") and not packed:
+            raise r.fail("kind", f"{kind} find the rows of a packed input; {source!r} is padded "
+                         "(packed = true concatenates its rows)")  # fmt: skip
         r.done()
         specs.append(BatchInputSpec(name, kind, source))
     _unique(path, "input]] and [[batch_input", [t.name for t in inputs] + [s.name for s in specs])
     return tuple(specs)
 
 
-def _batching(r: Reader, max_batch_size: int, ragged: bool) -> BatchingConfig:
+def _batching(r: Reader, max_batch_size: int, ragged: bool, packed: bool) -> BatchingConfig:
     d = _BATCHING
     levels = r.integer("priority_levels", 0)
     preferred = r.int_list("preferred_batch_sizes", 1)
@@ -278,6 +292,9 @@ def _batching(r: Reader, max_batch_size: int, ragged: bool) -> BatchingConfig:
     for key in ("max_batch_tokens", "bucket_by_length"):
         if getattr(cfg, key) and not ragged:
             raise r.fail(key, "needs a ragged input (ragged = true)")
+    if cfg.bucket_by_length and packed:
+        raise r.fail("bucket_by_length", "a packed model pads nothing, so bucketing saves nothing "
+                     "(max_batch_tokens counts its real elements): leave it out")  # fmt: skip
     r.done()
     return cfg
 
@@ -306,6 +323,12 @@ def load_model_config(directory: Path) -> ModelConfig:
     if ragged and not max_batch_size:
         raise top.fail("max_batch_size", "ragged inputs need a batching model (max_batch_size > 0)")
     ragged_names = [t.name for t in inputs if t.ragged]
+    packed = [t.name for t in inputs if t.packed]
+    if packed and len(packed) != len(ragged_names):
+        raise ConfigError(
+            f"{path}: [[input]] {packed} key 'packed': a model's ragged inputs are all packed or "
+            f"all padded, and {sorted(set(ragged_names) - set(packed))} are padded"
+        )
     for o in outputs:
         if o.ragged_like is not None and o.ragged_like not in ragged_names:
             raise ConfigError(
@@ -313,7 +336,7 @@ def load_model_config(directory: Path) -> ModelConfig:
                 f"ragged input ({ragged_names or 'none declared'}), "
                 f"got {o.ragged_like!r}"
             )
-    batching = _batching(top.table_of("batching"), max_batch_size, ragged)
+    batching = _batching(top.table_of("batching"), max_batch_size, ragged, bool(packed))
     generate = _generate(top, max_batch_size, inputs, outputs) if "generate" in top.table else None
     i = top.table_of("instances")
     instances = InstanceConfig(

@@ -36,8 +36,9 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 5  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
-# 5: BATCH says whether the model is under load (the worker's torch threads follow)
+PROTOCOL_VERSION = 6  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+# 5: BATCH says whether the model is under load (the worker's torch threads follow);
+# 6: BATCH says its rows (packed inputs)
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it

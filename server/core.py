@@ -178,6 +178,7 @@ class Core:
             model=model.name,
             version=model.version,
             tensors=tensors,
+            rows=sum(r.rows for r in requests),
             loaded=loaded,
             alone=batch.suspect,
             traceparent=traceparent,
@@ -338,11 +339,10 @@ class Core:
         done = self._clock()
         round_trip_ns = int((received - batch.sent_at) * 1e9)
         rows = sum(r.rows for r in batch.requests)
-        if batch.model.ragged:
-            longest = max(r.length for r in batch.requests)
-            self.stats.padding(
-                batch.model.name, sum(r.rows * r.length for r in batch.requests), rows * longest
-            )
+        if batch.model.ragged:  # a packed batch computes its real tokens, and no more
+            real = sum(r.rows * r.length for r in batch.requests)
+            computed = real if batch.model.packed else rows * max(r.length for r in batch.requests)
+            self.stats.padding(batch.model.name, real, computed)
         self.scheduler.observe(batch.model.key, rows, infer_ns / 1e9)
         self.stats.batch_done(
             batch.model.name,

@@ -159,6 +159,12 @@ class Collector:
         yield self._per_model(
             "batchd_padded_tokens", "Tokens computed, padding included", lambda s: s.padded_tokens
         )
+        yield self._per_model(
+            "batchd_tokens_per_batch",
+            "Tokens computed per batch, padding included (ragged models; packed: real tokens)",
+            lambda s: s.padded_tokens / s.execution_count if s.execution_count else 0.0,
+            GaugeMetricFamily,
+        )
         yield from self._stepwise()
         yield from self._worker_metrics()
         busy = self._loop_busy_s()

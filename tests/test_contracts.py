@@ -184,7 +184,8 @@ def test_datatype_of_numpy_arrays() -> None:
 
 def test_example_and_test_repositories_load() -> None:
     examples = load_repository(EXAMPLES)
-    assert sorted(examples) == ["decoder", "embed", "mlp", "textpool", "tiny"]
+    assert sorted(examples) == ["decoder", "embed", "mlp", "textpool", "textpool_packed", "tiny"]
+    assert examples["textpool_packed"].packed and not examples["textpool"].packed
     assert examples["decoder"].generate is not None and examples["decoder"].generate.max_active == 8
     mlp = examples["mlp"]
     assert mlp.max_batch_size == 32 and mlp.platform == "python"

@@ -252,7 +252,8 @@ EXAMPLE_CALLS: list[tuple[str, dict[str, tuple[str, np.ndarray]], list[str]]] = 
         ["EMBEDDING", "LENGTH"],
     ),
     *[
-        ("textpool", {"TOKENS": ("INT64", RNG.integers(1, 8000, (rows, n)))}, ["EMBEDDING"])
+        (model, {"TOKENS": ("INT64", RNG.integers(1, 8000, (rows, n)))}, ["EMBEDDING"])
+        for model in ("textpool", "textpool_packed")
         for rows, n in ((1, 1), (1, 7), (2, 5), (1, 40))
     ],
     *[
@@ -475,7 +476,7 @@ def test_metadata_config_ready_live_and_stats_match_grpc(
     ready = call(example_server, "GET", "/v2/health/ready")
     assert (ready.status, ready.json()) == (200, {"ready": True})
 
-    for model in ("tiny", "mlp", "embed", "textpool", "decoder"):
+    for model in ("tiny", "mlp", "embed", "textpool", "textpool_packed", "decoder"):
         for prefix in (f"/v2/models/{model}", f"/v2/models/{model}/versions/1"):
             got = json_format.ParseDict(
                 call(example_server, "GET", prefix).json(), pb.ModelMetadataResponse()
@@ -505,7 +506,7 @@ def test_metadata_config_ready_live_and_stats_match_grpc(
     wait_for(lambda: (s := stats("/v2/models/stats"))[0] == s[1], 10, "all models' statistics")
     every, _ = stats("/v2/models/stats")
     assert sorted(m.name for m in every.model_stats) == [
-        "decoder", "embed", "mlp", "textpool", "tiny",
+        "decoder", "embed", "mlp", "textpool", "textpool_packed", "tiny",
     ]  # fmt: skip
 
     for body, ready_only in ((None, False), ({"ready": True}, True)):
@@ -515,7 +516,7 @@ def test_metadata_config_ready_live_and_stats_match_grpc(
             {"name": m.name, "version": m.version, "state": m.state, "reason": m.reason}
             for m in grpc_index.models
         ]
-        assert len(index) == 5
+        assert len(index) == 6
 
 
 def test_unknown_routes_and_methods_answer_json(example_server: ServerProcess) -> None:

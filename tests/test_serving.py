@@ -41,9 +41,8 @@ def test_health_metadata_and_config(example_server: ServerProcess, stub) -> None
         meta = c.model_metadata("mlp")
         assert meta["inputs"] == [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, 512]}]
         assert meta["outputs"] == [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, 512]}]
-        with pytest.raises(
-            ModelNotFound, match=r"unknown model 'nope'.*embed, mlp, textpool, tiny"
-        ):
+        known = r"embed, mlp, textpool, textpool_packed, tiny"
+        with pytest.raises(ModelNotFound, match=rf"unknown model 'nope'.*{known}"):
             c.model_metadata("nope")
     config = stub.ModelConfig(pb.ModelConfigRequest(name="mlp")).config
     assert config.max_batch_size == 32
@@ -131,10 +130,11 @@ def test_repository_index_lists_every_model(stub) -> None:  # type: ignore[no-un
         ("embed", "1", "READY"),
         ("mlp", "1", "READY"),
         ("textpool", "1", "READY"),
+        ("textpool_packed", "1", "READY"),
         ("tiny", "1", "READY"),
     ]
     ready_only = stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
-    assert len(ready_only.models) == 5
+    assert len(ready_only.models) == 6
 
 
 def test_health_service_and_reflection(example_server: ServerProcess) -> None:

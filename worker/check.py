@@ -47,6 +47,8 @@ def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
     for spec in cfg.inputs:
         dims = [d if d > 0 else VARIABLE_DIM for d in spec.shape]
         shape = [rows, *dims] if cfg.batches else dims
+        if spec.packed:  # every row's elements, one after another
+            shape = [rows * VARIABLE_DIM, *dims[1:]]
         if spec.datatype == "BYTES":
             arr = np.full(shape, b"", dtype=object)
         else:
@@ -55,14 +57,21 @@ def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
         headers.append(wire.Tensor(name=spec.name, datatype=datatype, shape=shape))
         frames.append(raw)
     for b in cfg.batch_inputs:
-        arr = (
-            np.ones((rows, VARIABLE_DIM), np.int64)
-            if b.kind == "mask"
-            else np.full(rows, VARIABLE_DIM)
-        )
+        arr = _batch_input(b.kind, rows)
         headers.append(wire.Tensor(name=b.name, datatype="INT64", shape=list(arr.shape)))
         frames.append(arr.astype(np.int64).tobytes())
     return headers, frames
+
+
+def _batch_input(kind: str, rows: int) -> np.ndarray:
+    """A [[batch_input]] of `kind` for `rows` rows of VARIABLE_DIM elements each."""
+    if kind == "mask":
+        return np.ones((rows, VARIABLE_DIM), np.int64)
+    if kind == "offsets":
+        return np.arange(rows + 1, dtype=np.int64) * VARIABLE_DIM
+    if kind == "segment_ids":
+        return np.repeat(np.arange(rows, dtype=np.int64), VARIABLE_DIM)
+    return np.full(rows, VARIABLE_DIM, np.int64)  # lengths
 
 
 def check_model(directory: Path) -> Row:
@@ -80,7 +89,7 @@ def check_model(directory: Path) -> Row:
         headers, frames = zeros_batch(cfg)
         start = time.perf_counter()
         if cfg.generate is None:
-            run_batch(fn, cfg, CPU, headers, frames)
+            run_batch(fn, cfg, CPU, headers, frames, min(2, cfg.max_batch_size))
         else:
             row.note = run_sequence(fn, cfg, headers, frames)
         row.run_ms = (time.perf_counter() - start) * 1e3

@@ -106,31 +106,46 @@ def run_batch(
     device: torch.device,
     tensors: Sequence[wire.Tensor],
     frames: Sequence[Any],
+    rows: int = 0,  # the batch's rows (Header.rows); 0: its first input's first dim
 ) -> tuple[list[wire.Tensor], list[Any]]:
-    """Run the model on one batch; raise BatchError (or the model's own error)."""
+    """Run the model on one batch; raise BatchError (or the model's own error).
+    Inputs are made under inference_mode too: inference tensors, which a model may
+    view as a torch.nested jagged tensor (packed inputs) without a copy."""
     by_name = dict(zip((t.name for t in tensors), zip(tensors, frames, strict=True), strict=True))
     names = [s.name for s in cfg.inputs] + [b.name for b in cfg.batch_inputs]
-    try:
-        args = [to_model_input(*by_name[name], device) for name in names]
-    except KeyError as e:
-        raise BatchError(f"batch lacks input {e}") from None
-    rows = tensors[0].shape[0] if cfg.batches else None
+    rows = rows or (int(tensors[0].shape[0]) if cfg.batches and tensors else 0)
     with torch.inference_mode():
+        try:
+            args = [to_model_input(*by_name[name], device) for name in names]
+        except KeyError as e:
+            raise BatchError(f"batch lacks input {e}") from None
         result = fn(*args)
+    # A packed input's elements: the first dim of the outputs `ragged_like` it.
+    elements = {s.name: int(by_name[s.name][0].shape[0]) for s in cfg.inputs if s.packed}
     out_headers, out_frames = [], []
     for spec, value in zip(cfg.outputs, _outputs_in_order(cfg, result), strict=True):
-        header, frame = encode_output(spec, value, cfg.batches, rows)
+        packed = elements.get(spec.ragged_like or "")
+        header, frame = encode_output(spec, value, cfg.batches, rows, packed)
         out_headers.append(header)
         out_frames.append(frame)
     return out_headers, out_frames
 
 
 def encode_output(
-    spec: TensorSpec, value: Any, batches: bool, rows: int | None = None
-) -> tuple[wire.Tensor, Any]:
+    spec: TensorSpec, value: Any, batches: bool, rows: int | None = None,
+    packed: int | None = None,
+) -> tuple[wire.Tensor, Any]:  # fmt: skip
     """One output, checked against its declaration: its wire header and raw frame.
-    `rows`: the batch's rows, when the model batches (dim 0 must match)."""
+    `rows`: the batch's rows, when the model batches (dim 0 must match); `packed`: the
+    elements of the packed input it is `ragged_like`, then its dim 0 instead."""
     shape, frame = _encode(spec.name, spec.datatype, value)
+    if packed is not None:  # [elements, ...]: its declared -1 is the packed dim
+        if not shape or shape[0] != packed or not spec.accepts(tuple(shape)):
+            raise BatchError(
+                f"output {spec.name!r}: expected shape {[packed, *spec.shape[1:]]} (packed like "
+                f"{spec.ragged_like!r}), the model returned {shape}"
+            )
+        return wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape), frame
     inner = shape[1:] if batches else shape
     if (batches and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)):
         declared = ([rows] if batches else []) + list(spec.shape)

@@ -237,8 +237,10 @@ class Runner:
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
+            rows = [merge.rows_of(h) for _, h, _ in group]
             start, wall = time.perf_counter_ns(), time.time_ns()
-            out_tensors, out_frames = run_batch(fn, cfg, self.options.device, tensors, frames)
+            device = self.options.device
+            out_tensors, out_frames = run_batch(fn, cfg, device, tensors, frames, sum(rows))
             compute_ns = time.perf_counter_ns() - start
         except Exception as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
@@ -248,7 +250,6 @@ class Runner:
                                           model=h.model, error=message)))
                 for f, h, _ in group
             ]  # fmt: skip
-        rows = [merge.rows_of(h) for _, h, _ in group]
         headers = [h for _, h, _ in group]
         traces.compute_spans(self.options.tracing, headers, wall, compute_ns, sum(rows))
         parts = merge.split(out_tensors, out_frames, rows) if len(group) > 1 else None

@@ -5,9 +5,10 @@ highest first (level 0 = priority 1), FIFO within a level, except that a level
 whose head has waited longer than `max_starvation_us` jumps the line. Only
 requests whose non-ragged shapes equal the anchor's can join it. Then:
 
-  * FIFO (the default): take requests in order while rows <= the cap and
-    rows x longest ragged length <= `max_batch_tokens`; stop at the first that
-    does not fit, so nobody is overtaken.
+  * FIFO (the default): take requests in order while rows <= the cap and the
+    batch's tokens <= `max_batch_tokens` (padded: rows x longest ragged length;
+    packed: the sum of the lengths, what the model computes); stop at the first
+    that does not fit, so nobody is overtaken.
   * `bucket_by_length`: among the first `window` candidates of each level,
     prefer the lengths nearest the anchor's (which always goes first), and
     keep the batch's longest row at most twice its shortest, so padding stays
@@ -62,8 +63,8 @@ def level_order(
     return first + [i for i in range(len(levels)) if i not in first]
 
 
-def _fits(rows: int, length: int, cap: int, tokens: int) -> bool:
-    return rows <= cap and (not tokens or rows * length <= tokens)
+def _fits(rows: int, tokens: int, cap: int, budget: int) -> bool:
+    return rows <= cap and (not budget or tokens <= budget)
 
 
 def plan_batch(
@@ -72,6 +73,7 @@ def plan_batch(
     cap: int,
     cfg: BatchingConfig,
     window: int,
+    packed: bool = False,
 ) -> Plan | None:
     heads = [next((r for r in q if _live(r, now)), None) for q in levels]
     order = level_order(levels, heads, now, cfg.max_starvation_us / 1e6)
@@ -93,18 +95,20 @@ def plan_batch(
             candidates, key=lambda r: (rank[r.level], abs(r.length - anchor.length), r.arrival)
         )
     chosen, rows, length, blocked = [anchor], anchor.rows, anchor.length, False
-    shortest = anchor.length
+    shortest, summed = anchor.length, anchor.rows * anchor.length
     for r in candidates:
         new_rows, new_len = rows + r.rows, max(length, r.length)
+        new_sum = summed + r.rows * r.length
         if bucket and new_len > 2 * min(shortest, r.length):
             continue  # not of this bucket: it anchors a batch of its own later
-        if not _fits(new_rows, new_len, cap, cfg.max_batch_tokens):
+        tokens = new_sum if packed else new_rows * new_len
+        if not _fits(new_rows, tokens, cap, cfg.max_batch_tokens):
             blocked = True
             if not bucket:
                 break
             continue
         chosen.append(r)
-        rows, length, shortest = new_rows, new_len, min(shortest, r.length)
+        rows, length, shortest, summed = new_rows, new_len, min(shortest, r.length), new_sum
     chosen, rows, preferred = _cut_to_preferred(chosen, rows, cfg.preferred_batch_sizes)
     if preferred:
         length = max(r.length for r in chosen)

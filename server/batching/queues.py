@@ -122,7 +122,9 @@ class ModelQueue:
 
     def plan(self, now: float) -> Plan | None:
         self.drop_dead_heads(now)
-        return plan_batch(self.levels, now, self.cap, self.config.batching, self.window)
+        return plan_batch(
+            self.levels, now, self.cap, self.config.batching, self.window, self.config.packed
+        )
 
     def take(self, plan: Plan) -> None:
         chosen = {id(r) for r in plan.requests}
@@ -142,7 +144,9 @@ class ModelQueue:
         """The next batch of the job lane: its requests in order, up to a full batch."""
         while self.jobs and self.jobs[0].future.done():
             self.jobs.popleft()  # a cancelled job's
-        return plan_batch([self.jobs], now, self.max_rows, self.config.batching, self.window)
+        return plan_batch(
+            [self.jobs], now, self.max_rows, self.config.batching, self.window, self.config.packed
+        )
 
     def take_jobs(self, plan: Plan) -> None:
         chosen = {id(r) for r in plan.requests}

@@ -3,8 +3,11 @@ request. Pure; fixed-size tensors stay bytes, ragged ones go through numpy once
 per batch (never per element).
 
 Ragged inputs are padded to the batch's longest row with `pad_value`, on the
-declared side; [[batch_input]] companions (mask, lengths) follow the declared
-inputs. Outputs declared `ragged_like` are cut back to each request's length.
+declared side, or, declared `packed`, concatenated: every row's elements one
+after another, [total] or [total, d, ...], no padding at all. [[batch_input]]
+companions (mask, lengths; packed: offsets, segment_ids) follow the declared
+inputs. Outputs declared `ragged_like` are cut back to each request's length
+(packed: each request's span of the concatenation, by the same offsets).
 A request with more rows than a batch holds is split into row chunks and its
 chunks' results joined again.
 """
@@ -46,10 +49,14 @@ def _pad(spec: TensorSpec, parts: list[tuple[int, np.ndarray]], width: int) -> n
     return out
 
 
-def _mask(spec: TensorSpec, lengths: list[int], width: int, kind: str) -> np.ndarray:
-    lens = np.asarray(lengths, dtype=np.int64)
+def _mask(spec: TensorSpec, lens: np.ndarray, width: int, kind: str) -> np.ndarray:
+    """A [[batch_input]] of `kind` for the rows of lengths `lens` (INT64)."""
     if kind == "lengths":
         return lens
+    if kind == "offsets":  # like cu_seqlens: where each row starts, then the total
+        return np.concatenate((np.zeros(1, np.int64), np.cumsum(lens)))
+    if kind == "segment_ids":  # the row of every element
+        return np.repeat(np.arange(len(lens), dtype=np.int64), lens)
     pos = np.arange(width, dtype=np.int64)[None, :]
     if spec.padding_side == "left":
         return (pos >= (width - lens)[:, None]).astype(np.int64)
@@ -62,14 +69,22 @@ def join_inputs(requests: Sequence[Request]) -> tuple[list[wire.Tensor], list[An
     rows = sum(r.rows for r in requests)
     headers: list[wire.Tensor] = []
     frames: list[Any] = []
-    ragged: dict[str, tuple[TensorSpec, list[int], int]] = {}
+    ragged: dict[str, tuple[TensorSpec, np.ndarray, int]] = {}
     for i, (spec, t) in enumerate(zip(model.inputs, requests[0].inputs, strict=True)):
-        if spec.ragged:
+        if spec.packed:  # each request's [rows, length, ...] bytes: its rows, in order
+            lens = np.repeat([r.inputs[i].shape[1] for r in requests], [r.rows for r in requests])
+            frames.append(
+                t.data if len(requests) == 1 else b"".join(r.inputs[i].data for r in requests)
+            )
+            shape: tuple[int, ...] = (int(lens.sum()), *spec.shape[1:])
+            ragged[spec.name] = (spec, lens.astype(np.int64), 0)
+        elif spec.ragged:
             parts = _ragged_rows(requests, i)
             width = max(a.shape[1] for _, a in parts)
             frames.append(_pad(spec, parts, width))
-            shape: tuple[int, ...] = (rows, width)
-            ragged[spec.name] = (spec, [a.shape[1] for n, a in parts for _ in range(n)], width)
+            shape = (rows, width)
+            lens = np.repeat([a.shape[1] for _, a in parts], [n for n, _ in parts])
+            ragged[spec.name] = (spec, lens.astype(np.int64), width)
         else:
             shape = (rows, *t.shape[1:]) if model.batches else t.shape
             frames.append(
@@ -122,9 +137,11 @@ def _cut_ragged(
 ) -> list[Tensor]:
     """Each request's rows of a `ragged_like` output, cut back to its own length."""
     src = next(i for i, s in enumerate(model.inputs) if s.name == spec.ragged_like)
+    if model.inputs[src].packed:
+        return _cut_packed(src, h, buf, requests)
     left = model.inputs[src].padding_side == "left"
     shape = tuple(h.shape)
-    if len(shape) < 2:
+    if len(shape) < 2 or shape[0] != sum(r.rows for r in requests):
         raise ValueError(
             f"ragged output {h.name!r} has shape {list(shape)}, expected [rows, length, ...]"
         )
@@ -140,6 +157,24 @@ def _cut_ragged(
         part = np.ascontiguousarray(arr[row : row + r.rows, cols])
         out.append(Tensor(h.name, h.datatype, part.shape, part.data.cast("B")))
         row += r.rows
+    return out
+
+
+def _cut_packed(src: int, h: wire.Tensor, buf: memoryview, requests: Sequence[Request]
+                ) -> list[Tensor]:  # fmt: skip
+    """Each request's span of a packed output ([elements, ...]), as [rows, length, ...]."""
+    shape, spans = tuple(h.shape), [r.rows * r.inputs[src].shape[1] for r in requests]
+    if not shape or shape[0] != sum(spans):
+        raise ValueError(
+            f"packed output {h.name!r} has shape {list(shape)}, expected {sum(spans)} "
+            "elements first (the packed input's)"
+        )
+    step = math.prod(shape[1:]) * DATATYPES[h.datatype].itemsize
+    out, at = [], 0
+    for r, span in zip(requests, spans, strict=True):
+        part = (r.rows, r.inputs[src].shape[1], *shape[1:])
+        out.append(Tensor(h.name, h.datatype, part, buf[at : at + span * step]))
+        at += span * step
     return out
 
 
@@ -161,17 +196,15 @@ def split_outputs(
     total = sum(r.rows for r in requests)
     results: list[list[Tensor]] = [[] for _ in requests]
     for h, frame in zip(headers, frames, strict=True):
-        shape = tuple(h.shape)
-        if not shape or shape[0] != total:
-            raise ValueError(
-                f"output {h.name!r} has shape {list(shape)}, expected {total} rows first"
-            )
-        buf = memoryview(frame)
-        spec = model.output(h.name)
+        shape, buf, spec = tuple(h.shape), memoryview(frame), model.output(h.name)
         if spec is not None and spec.ragged_like is not None:
             for out, t in zip(results, _cut_ragged(model, spec, h, buf, requests), strict=True):
                 out.append(t)
             continue
+        if not shape or shape[0] != total:
+            raise ValueError(
+                f"output {h.name!r} has shape {list(shape)}, expected {total} rows first"
+            )
         bounds = _output_bounds(h, buf)
         row = 0
         for out, r in zip(results, requests, strict=True):
