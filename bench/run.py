@@ -29,6 +29,8 @@
 9. bench/replicas.py, where haproxy is installed: three replicas against one through
    haproxy (each capped at half a core when cgroups can be written), and what a
    SIGKILL or a drain costs through haproxy and nginx.
+10. bench/packed.py: packed ragged batches against padded ones (FIFO and length
+   buckets) on skewed lengths: tokens/s, p50/p99, padding efficiency (issue 22).
 
 Writes OUT/results.json, OUT/results.md (the ratios against the targets of
 issue 6) and OUT/mlp_sweep.png. The machine is shared and absolute numbers
@@ -282,6 +284,10 @@ def main() -> None:
         cap = "0.5" if os.access("/sys/fs/cgroup/cpu", os.W_OK) else "0"
         out = str(args.out / "replicas.json")
         r["replicas"] = replicas.main(["--pa", pa, "--cpu", cap, "--json", out])
+    print("packed against padded batches ...", flush=True)
+    import packed
+
+    r["packed"] = packed.main(["--json", str(args.out / "packed.json")])
     echo64, echo32 = r["echo"][64]["req_s"], r["echo"][32]["req_s"]
     r["ratios"] = {
         "mlp_c64_vs_echo_c64": round(r["mlp_c64"]["req_s"] / echo64, 3),
