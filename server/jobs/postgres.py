@@ -41,7 +41,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from batchd.server.jobs.database import Database, every, one
 from batchd.server.jobs.store import (
@@ -61,7 +61,6 @@ from batchd.server.jobs.store import (
 if TYPE_CHECKING:
     import psycopg
 
-T = TypeVar("T")
 PART_BYTES = 4 * 1024 * 1024  # of input or results per row
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in seconds
 _ROW = ", ".join(COLUMNS)
@@ -135,7 +134,10 @@ class PostgresStore(Store):
             raise
 
     async def uploading(self, job_id: str) -> None:
-        sql = f"UPDATE batchd_jobs SET lease_until = {_NOW} + %s WHERE id = %s RETURNING id"
+        sql = (
+            f"UPDATE batchd_jobs SET lease_until = {_NOW} + %s WHERE id = %s "
+            "AND status = 'validating' RETURNING id"
+        )
         await self._db.run(one, sql, (self.lease_s, job_id))
 
     async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
