@@ -209,8 +209,9 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
         raise r.fail("packed", "needs ragged = true: only a ragged input's rows are packed")
     elif kind == "output" and "ragged_like" in r.table:
         like = r.get("ragged_like", str)
-        if not spec.shape or spec.shape[0] != -1:
-            raise r.fail("ragged_like", f"the output's shape must start with -1, got {spec.shape}")
+        if not spec.shape or spec.shape[0] != -1 or datatype == "BYTES":
+            raise r.fail("ragged_like", "the output's shape must start with -1 and its datatype be "
+                         f"numeric, got {list(spec.shape)} {datatype}")  # fmt: skip
         spec = TensorSpec(name, datatype, spec.shape, ragged_like=like)
     r.done()
     return spec

@@ -211,7 +211,7 @@ def _jobs(cfg: ServerConfig, core: Core, limits: Limits) -> tuple[Jobs | None, s
     try:
         if j.database:
             spool = j.directory / f"frontend-{cfg.frontends.index}"
-            store = PostgresStore(j.database, spool, lease_s=j.lease_s)
+            store = PostgresStore(j.database, spool, lease_s=j.lease_s, keep_inputs=first)
             log.info("batch jobs in %s, shared with the replicas that name it",
                      safe_url(j.database))  # fmt: skip
         else:

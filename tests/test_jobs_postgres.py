@@ -28,7 +28,7 @@ from batchd.protos.model_config import ConfigError
 from batchd.server.config import add_arguments, from_arguments
 from batchd.server.errors import Unavailable
 from batchd.server.jobs.database import safe_url
-from batchd.server.jobs.postgres import PostgresStore
+from batchd.server.jobs.postgres import PART_BYTES, PostgresStore
 from batchd.server.jobs.store import JobRow, LeaseLost, Progress
 from tests.conftest import Gate, run
 from tests.postgres import PostgresServer
@@ -141,6 +141,32 @@ def test_a_stopping_replica_gives_its_job_back_at_once(jobs_db: str, tmp_path: P
     finally:
         a.close()
         b.close()
+
+
+def test_a_frontend_that_runs_no_jobs_keeps_no_input_and_the_runner_reads_it_back(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """--frontends N: frontend 1 takes a job in (keep_inputs False: it runs none), stores
+    it and keeps no copy; the runner, frontend 0, reads the input from the database."""
+    taker = PostgresStore(jobs_db, tmp_path / "f1", lease_s=60, keep_inputs=False)
+    runner = PostgresStore(jobs_db, tmp_path / "f0", lease_s=60)
+    text = job_lines(60_000)  # over 5 MB: two parts of batchd_job_input
+    assert len(text) > PART_BYTES
+
+    async def body() -> None:
+        row = await taker.create("", "gated", "")
+        taker.upload_path(row.id).write_text(text)
+        await taker.queue(row.id, 60_000, len(text))
+        assert not taker.folder(row.id).exists()
+        claimed = await runner.claim()
+        assert claimed is not None
+        assert (await runner.open_input(claimed)).read_text() == text
+
+    try:
+        run(body)
+    finally:
+        taker.close()
+        runner.close()
 
 
 def test_an_upload_whose_replica_went_is_removed_and_a_database_down_is_unavailable(

@@ -78,6 +78,13 @@ shape = [1]
         ),
         (
             "[-1]",
+            "packed = true\n[[output]]\nname = 'T'\ndatatype = 'BYTES'\nshape = [-1]\n"
+            "ragged_like = 'X'",
+            "ragged_like",
+            "numeric, got [-1] BYTES",
+        ),
+        (
+            "[-1]",
             "packed = true\n[[input]]\nname = 'Z'\ndatatype = 'FP32'\nshape = [-1]\nragged = true",
             "packed",
             "all packed or all padded, and ['Z'] are padded",

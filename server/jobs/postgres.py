@@ -101,10 +101,12 @@ class PostgresStore(Store):
     shared = True
 
     def __init__(
-        self, url: str, directory: Path, *, lease_s: float, clock: Callable[[], float] = time.time
-    ) -> None:
+        self, url: str, directory: Path, *, lease_s: float, keep_inputs: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:  # fmt: skip
         self._db = Database(url)
         self.directory, self.lease_s, self._clock = directory, lease_s, clock
+        self._keep_inputs = keep_inputs  # an upload stays as the input cache (a runner's)
         self.renew_every_s = lease_s / 3
         self.replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._claims: dict[str, int] = {}  # the jobs this replica runs: their epochs
@@ -155,7 +157,9 @@ class PostgresStore(Store):
             )
 
         await self._db.run(store)
-        self._uploads.discard(job_id)  # its file stays: the input cache, if it runs here
+        self._uploads.discard(job_id)
+        if not self._keep_inputs:  # this frontend runs no jobs: nothing would read it
+            shutil.rmtree(self.folder(job_id), ignore_errors=True)
 
     async def get(self, job_id: str) -> JobRow | None:
         found = await self._db.run(one, f"SELECT {_ROW} FROM batchd_jobs WHERE id = %s", (job_id,))
