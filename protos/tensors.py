@@ -194,3 +194,21 @@ def set_parameter(target: Any, value: Any) -> bool:
     else:
         return False
     return True
+
+
+def batch_input(kind: str, lengths: np.ndarray, width: int = 0, left: bool = False) -> np.ndarray:
+    """A [[batch_input]] (INT64) for rows of `lengths` elements: "lengths" [rows];
+    packed sources: "offsets" [rows + 1] from 0 (cu_seqlens), "segment_ids" [total] (the
+    row of every element); padded ones: "mask" [rows, width], 1 on the real elements
+    (on the `left` when the padding is on the left). The frontend builds them for
+    each batch; the check tool for its batch of zeros."""
+    lens = np.asarray(lengths, np.int64)
+    if kind == "lengths":
+        return lens
+    if kind == "offsets":
+        return np.concatenate((np.zeros(1, np.int64), np.cumsum(lens)))
+    if kind == "segment_ids":
+        return np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+    pos = np.arange(width, dtype=np.int64)[None, :]
+    real = pos >= (width - lens)[:, None] if left else pos < lens[:, None]
+    return real.astype(np.int64)

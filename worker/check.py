@@ -21,7 +21,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ConfigError, ModelConfig, load_model_config
-from batchd.protos.tensors import to_raw
+from batchd.protos.tensors import batch_input, to_raw
 from batchd.worker.execute import run_batch
 from batchd.worker.generate import StepLoop
 from batchd.worker.loader import load_model
@@ -57,21 +57,10 @@ def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
         headers.append(wire.Tensor(name=spec.name, datatype=datatype, shape=shape))
         frames.append(raw)
     for b in cfg.batch_inputs:
-        arr = _batch_input(b.kind, rows)
+        arr = batch_input(b.kind, np.full(rows, VARIABLE_DIM), VARIABLE_DIM)
         headers.append(wire.Tensor(name=b.name, datatype="INT64", shape=list(arr.shape)))
         frames.append(arr.astype(np.int64).tobytes())
     return headers, frames
-
-
-def _batch_input(kind: str, rows: int) -> np.ndarray:
-    """A [[batch_input]] of `kind` for `rows` rows of VARIABLE_DIM elements each."""
-    if kind == "mask":
-        return np.ones((rows, VARIABLE_DIM), np.int64)
-    if kind == "offsets":
-        return np.arange(rows + 1, dtype=np.int64) * VARIABLE_DIM
-    if kind == "segment_ids":
-        return np.repeat(np.arange(rows, dtype=np.int64), VARIABLE_DIM)
-    return np.full(rows, VARIABLE_DIM, np.int64)  # lengths
 
 
 def check_model(directory: Path) -> Row:

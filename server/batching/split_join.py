@@ -23,6 +23,7 @@ import numpy as np
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
+from batchd.protos.tensors import batch_input
 from batchd.server.request import Request, RowOffsets, Tensor
 
 
@@ -47,20 +48,6 @@ def _pad(spec: TensorSpec, parts: list[tuple[int, np.ndarray]], width: int) -> n
         out[row : row + n, cols] = a
         row += n
     return out
-
-
-def _mask(spec: TensorSpec, lens: np.ndarray, width: int, kind: str) -> np.ndarray:
-    """A [[batch_input]] of `kind` for the rows of lengths `lens` (INT64)."""
-    if kind == "lengths":
-        return lens
-    if kind == "offsets":  # like cu_seqlens: where each row starts, then the total
-        return np.concatenate((np.zeros(1, np.int64), np.cumsum(lens)))
-    if kind == "segment_ids":  # the row of every element
-        return np.repeat(np.arange(len(lens), dtype=np.int64), lens)
-    pos = np.arange(width, dtype=np.int64)[None, :]
-    if spec.padding_side == "left":
-        return (pos >= (width - lens)[:, None]).astype(np.int64)
-    return (pos < lens[:, None]).astype(np.int64)
 
 
 def join_inputs(requests: Sequence[Request]) -> tuple[list[wire.Tensor], list[Any]]:
@@ -93,7 +80,7 @@ def join_inputs(requests: Sequence[Request]) -> tuple[list[wire.Tensor], list[An
         headers.append(wire.Tensor(name=t.name, datatype=t.datatype, shape=shape))
     for b in model.batch_inputs:
         spec, lengths, width = ragged[b.source]
-        arr = _mask(spec, lengths, width, b.kind)
+        arr = batch_input(b.kind, lengths, width, spec.padding_side == "left")
         headers.append(wire.Tensor(name=b.name, datatype="INT64", shape=arr.shape))
         frames.append(arr)
     return headers, frames
