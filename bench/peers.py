@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -28,11 +29,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from overload import children, cpu_s
 from run import cpu_model_name, perf_analyzer, running
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 POINTS = (("tiny", 32), ("mlp", 64), ("mlp", 1))
+CPU_BY = ("frontends", "worker", "load")
 TIMES = "\u00d7"  # the multiplication sign of "1.2x" in the tables
 
 
@@ -68,29 +71,56 @@ def scrape(port: int, name: str, model: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def frontends(repo: Path, tmp: Path, count: int, seconds: float) -> dict[str, Any]:
-    """tiny at concurrency 32 over 8 connections (the kernel spreads connections over
-    the frontends) with `--frontends count`; batches as the first frontend saw them:
-    its own rows per batch, and the rows of the forwards that ran them."""
+def frontends(repo: Path, tmp: Path, count: int, seconds: float, rate: int) -> list[dict[str, Any]]:
+    """tiny over 8 connections (the kernel spreads connections over the frontends)
+    with `--frontends count`, at 32 closed-loop callers, then open-loop at `rate`
+    req/s (the same offered load for every N; 0: from this run's closed loop).
+    Batches as the first frontend saw them: its own rows per batch, and the rows of
+    the forwards that ran them."""
     serve = [PY, "-m", "batchd.server", "--model-repository", str(repo), "--grpc-port",
              "18191", "--metrics-port", "18192", "--log-level", "WARNING",
              "--jobs-dir", str(tmp / f"jobs-f{count}"), "--frontends", str(count)]  # fmt: skip
-    with running(serve, 18191), tempfile.NamedTemporaryFile(suffix=".json") as out:
-        names = ("inference_count", "inference_exec_count", "forward_rows")
-        before = [scrape(18192, f"batchd_{n}_total", "tiny") for n in names]
-        subprocess.run(
-            [PY, "-m", "batchd.client.bench", "--url", "127.0.0.1:18191", "--model", "tiny",
-             "--concurrency", "32", "--connections", "8", "--duration", str(seconds),
-             "--json", out.name, "--quiet"],
-            cwd=ROOT, check=True, capture_output=True,
-        )  # fmt: skip
-        rows, batches, forward = (
-            scrape(18192, f"batchd_{n}_total", "tiny") - b
-            for n, b in zip(names, before, strict=True)
-        )
-        req_s = float(json.loads(Path(out.name).read_text())["levels"][0]["throughput"])
-    return {"frontends": count, "req_s": round(req_s), "own_batch": round(rows / batches, 1),
-            "forward_batch": round(forward / batches, 1)}  # fmt: skip
+    names = ("inference_count", "inference_exec_count", "forward_rows")
+    got = []
+    with running(serve, 18191) as p, tempfile.NamedTemporaryFile(suffix=".json") as out:
+        workers = [k for k in children(p.pid) if b"batchd.worker" in _cmdline(k)]
+        fronts = [p.pid, *(k for k in children(p.pid) if k not in workers)]
+        for load in (["--concurrency", "32"], ["--rate", str(rate)]):
+            if load[1] == "0":
+                load[1] = str(max(100, round(got[0]["req_s"] / 200) * 100))
+            before = [scrape(18192, f"batchd_{n}_total", "tiny") for n in names]
+            cpu = [sum(map(cpu_s, fronts)), sum(map(cpu_s, workers)), _children_cpu_s()]
+            subprocess.run(
+                [PY, "-m", "batchd.client.bench", "--url", "127.0.0.1:18191", "--model", "tiny",
+                 *load, "--connections", "8", "--duration", str(seconds),
+                 "--json", out.name, "--quiet"],
+                cwd=ROOT, check=True, capture_output=True,
+            )  # fmt: skip
+            rows, batches, forward = (
+                scrape(18192, f"batchd_{n}_total", "tiny") - b
+                for n, b in zip(names, before, strict=True)
+            )
+            level = json.loads(Path(out.name).read_text())["levels"][0]
+            cpu = [sum(map(cpu_s, fronts)) - cpu[0], sum(map(cpu_s, workers)) - cpu[1],
+                   _children_cpu_s() - cpu[2]]  # fmt: skip
+            us = [round(c * 1e6 / max(1, level["ok"])) for c in cpu]
+            got.append({"frontends": count, "load": " ".join(load).lstrip("-"),
+                        "req_s": round(level["throughput"]), "own_batch": round(rows / batches, 1),
+                        "forward_batch": round(forward / batches, 1),
+                        "cpu_us_per_request": dict(zip(CPU_BY, us, strict=True))})  # fmt: skip
+    return got
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -100,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--interval-ms", type=int, default=4000)
     p.add_argument("--frontends", default="1,2,4", help="--frontends N to measure tiny with")
+    p.add_argument("--frontends-only", action="store_true", help="measure only --frontends N")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     peers = dict(x.split("=", 1) for x in args.peer)
@@ -115,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             systems = {"echo": ("127.0.0.1:18190", e.pid), "batchd": ("127.0.0.1:18191", b.pid)}
             for name, url in peers.items():
                 systems[name] = (url, listening_pid(int(url.rsplit(":", 1)[1])))
-            for n in range(args.rounds):
+            for n in range(0 if args.frontends_only else args.rounds):
                 order = list(systems)[n % len(systems) :] + list(systems)[: n % len(systems)]
                 round_: dict[str, Any] = {}
                 for model, c in POINTS:
@@ -130,9 +161,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               f"req/s p50 {point[name]['p50_ms']:.2f} ms", flush=True)  # fmt: skip
                 r["rounds"].append(round_)
         counts = [int(n) for n in args.frontends.split(",") if n]
-        r["frontends"] = [
-            frontends(repo, Path(tmp), n, 5.0) for _ in range(args.rounds) for n in counts
-        ]
+        r["frontends"], rate = [], 0
+        for _ in range(args.rounds):
+            for n in counts:
+                r["frontends"] += frontends(repo, Path(tmp), n, 5.0, rate)
+                rate = rate or int(r["frontends"][-1]["load"].split()[-1])
     if args.json:
         args.json.write_text(json.dumps(r, indent=2) + "\n")
     print(markdown(r))
@@ -145,6 +178,29 @@ def _mean(r: dict[str, Any], point: str, system: str, key: str) -> float | None:
 
 
 def markdown(r: dict[str, Any]) -> str:
+    lines = _systems(r) if r["rounds"] else [f"{r['cpu']}, {r['cores']} cores"]
+    if r.get("frontends"):
+        lines += ["", "tiny over 8 connections (`batchd bench`), `--frontends N`, 32 closed-loop "
+                  "callers and then one open-loop rate for every N; rows per batch as the first "
+                  "frontend sent them, and per forward (a worker of several frontends runs "
+                  "their batches as one: worker/gather.py); the last column: rows per forward "
+                  "against N = 1 at the same load, same round:", "",
+                  "| N | load | req/s | rows per batch | rows per forward | forward / N = 1 "
+                  "| CPU µs/request: frontends / worker / load |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        one: dict[str, float] = {}
+        for f in r["frontends"]:
+            if f["frontends"] == 1:
+                one[f["load"]] = f["forward_batch"]
+            base = one.get(f["load"])
+            ratio = f"{f['forward_batch'] / base:.2f}{TIMES}" if base else "-"
+            cpu = " / ".join(str(v) for v in f["cpu_us_per_request"].values())
+            lines.append(f"| {f['frontends']} | {f['load']} | {f['req_s']:,} | {f['own_batch']} "
+                         f"| {f['forward_batch']} | {ratio} | {cpu} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _systems(r: dict[str, Any]) -> list[str]:
     systems = list(dict.fromkeys(s for x in r["rounds"] for p in x.values() for s in p))
     peers = [s for s in systems if s not in ("echo", "batchd")]
     lines = [
@@ -186,17 +242,7 @@ def markdown(r: dict[str, Any]) -> str:
                 else "-"
             )
         lines.append(f"| {point.replace('_c', ' c=')} | " + " | ".join(cells) + " |")
-    if r.get("frontends"):
-        lines += ["", "tiny c=32 over 8 connections (`batchd bench`), `--frontends N`; rows per "
-                  "batch as the first frontend sent them, and per forward (batches several "
-                  "frontends sent at once run as one):", "",
-                  "| N | req/s | rows per batch | rows per forward |",
-                  "|---|---|---|---|"]  # fmt: skip
-        for f in r["frontends"]:
-            lines.append(
-                f"| {f['frontends']} | {f['req_s']:,} | {f['own_batch']} | {f['forward_batch']} |"
-            )
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -36,9 +36,10 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 6  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 7  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
-# 6: BATCH says its rows (packed inputs)
+# 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
+# for several frontends' batches)
 HEARTBEAT_INTERVAL_S = 1.0
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it

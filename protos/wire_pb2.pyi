@@ -20,18 +20,20 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., row_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "device", "pid", "models", "protocol")
+    __slots__ = ("worker_id", "device", "pid", "models", "protocol", "frontends")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     pid: int
     models: _containers.RepeatedScalarFieldContainer[str]
     protocol: int
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ...) -> None: ...
+    frontends: int
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., frontends: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows")
@@ -50,6 +52,7 @@ class Header(_message.Message):
         START: _ClassVar[Header.Kind]
         STEP: _ClassVar[Header.Kind]
         CANCEL: _ClassVar[Header.Kind]
+        PASS: _ClassVar[Header.Kind]
     KIND_UNSPECIFIED: Header.Kind
     READY: Header.Kind
     HEARTBEAT: Header.Kind
@@ -63,6 +66,7 @@ class Header(_message.Message):
     START: Header.Kind
     STEP: Header.Kind
     CANCEL: Header.Kind
+    PASS: Header.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,7 @@ from batchd.server.supervisor import Launch, Supervisor
 
 log = logging.getLogger("batchd.core")
 _STOP = wire.pack(wire.Header(kind=wire.Header.STOP))
+_PASS = wire.pack(wire.Header(kind=wire.Header.PASS))
 
 
 class Core:
@@ -146,6 +147,10 @@ class Core:
     def _pump(self) -> None:
         self._pump_armed = False
         self.scheduler.pump()
+        for w in self.pool.workers():
+            if w.owes_pass:  # a shared worker answered us and got nothing back
+                w.owes_pass = False
+                self.link.send(w.identity, _PASS)
 
     # ---- what the scheduler calls ----
 
@@ -164,6 +169,7 @@ class Core:
             self.pump_soon()
             return
         loaded = self._loaded(model, requests)
+        worker.owes_pass = False
         batch = self.pool.hand(worker, model, requests, self._clock())
         tensors, frames = join_inputs(requests)
         traceparent = ""
@@ -301,6 +307,7 @@ class Core:
             return
         received = self._clock()
         self.pump_soon()  # a credit is free
+        worker.owes_pass = worker.info.frontends > 1
         if batch.span is not None:
             tracing.end_batch(batch.span, header.error, **{
                 "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,

@@ -39,6 +39,10 @@ class WorkerHandle:
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
     load_errors: dict[str, str] = field(default_factory=dict)  # key -> why it did not load
     credits: int = 1  # batches it may hold at once
+    # It serves several frontends and answered a batch of ours: unless the pump that
+    # follows sends it another, it is told PASS, so its next forward need not wait
+    # for us (worker/gather.py).
+    owes_pass: bool = False
 
     @property
     def name(self) -> str:

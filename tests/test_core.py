@@ -34,9 +34,13 @@ def router() -> Iterator[zmq.Socket[bytes]]:
     ctx.term()
 
 
-def ready(worker_id: str, pid: int = 7) -> wire.Header:
+def ready(worker_id: str, pid: int = 7, frontends: int = 1) -> wire.Header:
     info = wire.WorkerInfo(
-        worker_id=worker_id, device="cpu", pid=pid, protocol=wire.PROTOCOL_VERSION
+        worker_id=worker_id,
+        device="cpu",
+        pid=pid,
+        protocol=wire.PROTOCOL_VERSION,
+        frontends=frontends,
     )
     return wire.Header(kind=wire.Header.READY, worker=info)
 
@@ -50,9 +54,9 @@ def make_core(router: zmq.Socket[bytes], clock: Clock) -> tuple[Core, list[str]]
     return core, killed
 
 
-def register(core: Core, name: str, key: str, pid: int = 7) -> WorkerHandle:
+def register(core: Core, name: str, key: str, pid: int = 7, frontends: int = 1) -> WorkerHandle:
     """A worker that said READY and has `key` loaded (it never answers LOAD here)."""
-    core.on_message(name.encode(), ready(name, pid), [])
+    core.on_message(name.encode(), ready(name, pid, frontends), [])
     worker = core.pool.get(name.encode())
     assert worker is not None
     worker.models.add(key)
@@ -216,5 +220,46 @@ def test_a_batch_says_whether_its_model_is_under_load(router: zmq.Socket[bytes])
         core.pool.workers()[0].inflight.clear()
         core.send(cfg, submitted())
         assert [h.loaded for h in sent] == [False, True, True, False]
+
+    run(body)
+
+
+def test_a_worker_of_several_frontends_hears_pass_when_its_reply_leaves_us_nothing(
+    router: zmq.Socket[bytes],
+) -> None:
+    """After a forward a worker of several frontends waits for each frontend that was
+    in it (worker/gather.py): a reply whose pump sends that worker nothing is
+    answered PASS; a reply followed by a batch is not, nor is a worker of ours alone."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        cfg = core.models["m"]
+        shared = register(core, "s", cfg.key, frontends=2)
+        sent: list[tuple[bytes, str]] = []
+
+        def send(identity: bytes, parts: list[Any], copy: bool = True) -> None:
+            sent.append((identity, wire.Header.Kind.Name(wire.unpack(parts)[0].kind)))
+
+        core.link.send = send  # type: ignore[method-assign]
+
+        async def answer(worker: WorkerHandle) -> None:
+            (batch,) = worker.inflight.values()
+            y = wire.Tensor(name="Y", datatype="FP32", shape=[1, 2])
+            result = wire.Header(kind=wire.Header.RESULT, batch_id=batch.id, tensors=[y])
+            core.on_message(worker.identity, result, [bytes(8)])
+            await asyncio.sleep(0)  # the pump the reply scheduled runs
+
+        first = core.submit(request(cfg))
+        second = core.submit(request(cfg))  # waits: the worker holds its one batch
+        await answer(shared)  # the pump sends `second`: no PASS
+        assert first.done() and sent == [(b"s", "BATCH"), (b"s", "BATCH")]
+        await answer(shared)  # nothing left to send
+        assert second.done() and sent[2:] == [(b"s", "PASS")]
+        sent.clear()
+        core.lose(shared, "replaced by one of ours alone", stuck=False)
+        alone = register(core, "a", cfg.key)
+        third = core.submit(request(cfg))
+        await answer(alone)
+        assert third.done() and [k for _, k in sent] == ["LOAD", "BATCH"]  # no PASS
 
     run(body)

@@ -55,21 +55,25 @@ def _repository(tmp_path: Path) -> Path:
 class Frontend:
     """The frontend's side of the wire, driven by hand, and one worker connected to it."""
 
-    def __init__(self, tmp_path: Path, worker_id: str, log_format: str = "text") -> None:
+    def __init__(
+        self, tmp_path: Path, worker_id: str, log_format: str = "text", also: str = ""
+    ) -> None:
+        """`also`: a second frontend's endpoint the worker serves too."""
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.linger = 0
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        connect = ",".join([f"tcp://127.0.0.1:{port}", *filter(None, [also])])
         self.log_path = tmp_path / f"worker-{worker_id}.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "batchd.worker", "--connect", f"tcp://127.0.0.1:{port}",
+                [sys.executable, "-m", "batchd.worker", "--connect", connect,
                  "--model-repository", str(_repository(tmp_path)), "--id", worker_id,
                  "--threads", "1", "--log-format", log_format],
                 stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        ready = self.recv(wire.Header.READY)
-        assert ready.worker.worker_id == worker_id
+        self.ready = self.recv(wire.Header.READY)
+        assert self.ready.worker.worker_id == worker_id
         self.identity = worker_id.encode()
 
     def log(self) -> str:
@@ -176,6 +180,32 @@ def test_model_py_reads_files_beside_it_by___file__(frontend: Frontend) -> None:
     assert error.startswith("FileNotFoundError: ") and "not beside model.py" in error
     assert "open Path(__file__).parent / 'n.txt'" in error
     assert frontend.stop() == 0, frontend.log()
+
+
+def test_a_worker_of_two_frontends_says_so_and_takes_pass(tmp_path: Path) -> None:
+    """--connect A,B: READY to each says two frontends, which is what makes a frontend
+    answer a reply that left it nothing to send with PASS (worker/gather.py); PASS
+    is taken as a message of the wire, not dropped as malformed, and both serve."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    other = ctx.socket(zmq.ROUTER)
+    other.linger = 0
+    port = other.bind_to_random_port("tcp://127.0.0.1")
+    frontend = Frontend(tmp_path, "w-two", also=f"tcp://127.0.0.1:{port}")
+    try:
+        assert frontend.ready.worker.frontends == 2
+        assert other.poll(int(WAIT_S * 1000))
+        _, *parts = other.recv_multipart()
+        ready, _ = wire.unpack(parts)
+        assert ready.kind == wire.Header.READY and ready.worker.frontends == 2
+        assert frontend.load("plus1").error == ""
+        assert frontend.infer(1, X).tolist() == (X + 1).tolist()
+        frontend.send_header(wire.Header(kind=wire.Header.PASS))
+        assert frontend.infer(2, 2 * X).tolist() == (2 * X + 1).tolist()
+        assert frontend.stop() == 0, frontend.log()
+    finally:
+        frontend.close()
+        ctx.destroy(linger=0)
+    assert "malformed" not in frontend.log()
 
 
 _LOGGED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")

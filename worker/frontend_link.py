@@ -47,6 +47,7 @@ _FROM_FRONTEND = frozenset(
         wire.Header.STOP,
         wire.Header.START,
         wire.Header.CANCEL,
+        wire.Header.PASS,
     }
 )
 _KIND_NAMES = frozenset(wire.Header.Kind.values())

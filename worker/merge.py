@@ -31,13 +31,15 @@ def _signature(header: wire.Header) -> tuple[Any, ...]:
     return tuple((t.name, t.datatype, tuple(t.shape[1:])) for t in header.tensors)
 
 
+def mergeable(cfg: ModelConfig, header: wire.Header) -> bool:
+    """Whether a forward that this batch starts may take other batches with it."""
+    return cfg.batches and not cfg.ragged and not cfg.batch_inputs and not header.alone
+
+
 def can_merge(cfg: ModelConfig, first: wire.Header, other: wire.Header, rows: int) -> bool:
     """Whether `other` may join a forward that `first` started and that holds `rows`."""
     return (
-        cfg.batches
-        and not cfg.ragged
-        and not cfg.batch_inputs
-        and not first.alone
+        mergeable(cfg, first)
         and not other.alone
         and other.kind == wire.Header.BATCH
         and (other.model, other.version) == (first.model, first.version)

@@ -40,6 +40,7 @@ from batchd.protos.repository import find_model
 from batchd.worker import merge
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
+from batchd.worker.gather import Gatherer
 from batchd.worker.generate import Reply, StepLoop
 from batchd.worker.loader import ModelFn, load_model
 
@@ -80,6 +81,11 @@ class Runner:
             queue.SimpleQueue()
         )
         self._stop = threading.Event()
+        self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
+
+    @property
+    def _frontends(self) -> int:
+        return len(self.options.endpoint.split(","))
 
     # ---- compute thread ----
 
@@ -129,11 +135,15 @@ class Runner:
             reply(frontend, self._load(header))
         elif header.kind == wire.Header.UNLOAD:
             self._unload(header)
+        elif header.kind == wire.Header.PASS:
+            self._gatherer.passed(frontend)
         elif header.kind in (wire.Header.START, wire.Header.CANCEL):
             for to, parts, ends in self._sequence(frontend, header, frames):
                 reply(to, parts, ends)
         else:
-            group, held = self._gather(item)
+            entry = self.models.get(model_key(header.model, header.version))
+            stepping = any(loop.busy for loop in self.loops.values())
+            group, held = self._gatherer.gather(entry[0] if entry else None, item, not stepping)
             for to, parts in self._run(group):
                 reply(to, parts)
             return held
@@ -203,27 +213,6 @@ class Runner:
                 extra={"model": header.model},
             )
 
-    def _gather(self, first: merge.Item) -> tuple[list[merge.Item], merge.Item | None]:
-        """`first` and the batches waiting behind it that one forward can take with it
-        (merge.py); and the item taken that could not join, to run next."""
-        group, header = [first], first[1]
-        entry = self.models.get(model_key(header.model, header.version))
-        if entry is None:
-            return group, None
-        rows = merge.rows_of(header)
-        while True:
-            try:
-                item = self._work.get_nowait()
-            except queue.Empty:
-                return group, None
-            if item is None:  # a stop: it comes back after this forward
-                self._work.put(None)
-                return group, None
-            if not merge.can_merge(entry[0], header, item[1], rows):
-                return group, item
-            group.append(item)
-            rows += merge.rows_of(item[1])
-
     def _run(self, group: list[merge.Item]) -> list[tuple[int, list[Any]]]:
         """One forward for the batches of `group`; a reply for each, to its frontend."""
         header = group[0][1]
@@ -282,6 +271,7 @@ class Runner:
             pid=os.getpid(),
             models=self.options.allowed,
             protocol=wire.PROTOCOL_VERSION,
+            frontends=self._frontends,
         )
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
@@ -355,7 +345,7 @@ class Runner:
         if header.kind in _COUNTED and not io.stopping:
             self._work.put((i, header, frames))
             io.pending += 1
-        elif header.kind in (wire.Header.UNLOAD, wire.Header.CANCEL):
+        elif header.kind in (wire.Header.UNLOAD, wire.Header.CANCEL, wire.Header.PASS):
             self._work.put((i, header, frames))
         elif header.kind == wire.Header.STOP:
             log.info("STOP received")
