@@ -30,7 +30,10 @@ T = TypeVar("T")
 
 
 def model(
-    max_batch_size: int = 4, queue: int = 8, delay_us: int = 1000, shape: tuple[int, ...] = (2,)
+    max_batch_size: int = 4,
+    queue: int = 8,
+    delay_us: int | None = 1000,
+    shape: tuple[int, ...] = (2,),
 ) -> ModelConfig:
     """A model config with one FP32 input X and output Y, no files behind it."""
     return ModelConfig(

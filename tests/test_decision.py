@@ -55,3 +55,11 @@ def test_busy_worker_gets_a_partial_batch_once_the_delay_ran_out() -> None:
 
 
 # ---- the queue and the scheduler ----
+
+
+def test_a_patient_batch_leaves_once_arrivals_stop_not_after_the_whole_delay() -> None:
+    p = plan(3)
+    assert decide(5.0, p, IDLE, 0.02, eager=False, quiet_at=5.003) == Wait(5.003)
+    assert decide(5.003, p, IDLE, 0.02, eager=False, quiet_at=5.003) == Send(p)
+    assert decide(5.003, p, IDLE, 0.02, eager=False, quiet_at=None) == Wait(5.02)
+    assert decide(5.0, p, IDLE, 0.02, eager=False, quiet_at=5.05) == Wait(5.02)  # bounded

@@ -10,8 +10,10 @@ from dataclasses import replace
 
 import pytest
 
+from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull
+from batchd.server.request import Request
 from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run
 
 
@@ -321,5 +323,49 @@ def test_each_priority_level_has_its_own_queue_limit() -> None:
                     s.submit(low)
             else:
                 s.submit(low)
+
+    run(body)
+
+
+def _wait_after_the_last_arrival_ms(delay_us: int | None) -> float:
+    """A patient scheduler (saturated loop): arrivals measured at about 1,000 rows/s,
+    then three requests 1 ms apart and no more. How long after the third its batch left."""
+
+    class Timed(FakeDispatch):
+        sent_at: list[float] = []
+
+        def send(self, model: ModelConfig, requests: list[Request]) -> None:
+            self.sent_at.append(clock.now)
+            super().send(model, requests)
+
+    clock, dispatch, saturated = Clock(), Timed(idle=0, credits=0), [False]
+    timer = FakeTimer(clock)
+    s = Scheduler(dispatch, clock, saturated=lambda: saturated[0], timer=timer)
+    cfg = model(max_batch_size=32, queue=300, delay_us=delay_us)
+    s.add_model(cfg)
+    for _ in range(250):  # the rate, measured while the worker has no credit
+        s.submit(request(cfg))
+        clock.now += 0.001
+    dispatch.idle, dispatch.credits = 1, 9
+    s.pump()  # the backlog leaves (its requests have waited past the delay)
+    dispatch.idle, saturated[0] = 1, True
+    trio = [request(cfg) for _ in range(3)]
+    for r in trio:
+        s.submit(r)
+        timer.advance(0.001)
+    timer.advance(0.05)
+    assert dispatch.sent[-1] == trio
+    return (dispatch.sent_at[-1] - trio[-1].arrival) * 1000
+
+
+def test_with_the_automatic_delay_a_batch_stops_waiting_once_arrivals_stop() -> None:
+    """The callers of a closed loop smaller than a batch are all here: with no
+    max_queue_delay_us the batch leaves about 3 ms (3 rows' time at the measured
+    rate) after the last arrival, not when the first has waited the 20 ms a full
+    batch would take; a configured delay is waited out in full (20 ms from the first)."""
+
+    async def body() -> None:
+        assert 2.5 < _wait_after_the_last_arrival_ms(None) < 3.5
+        assert _wait_after_the_last_arrival_ms(20_000) == pytest.approx(18)
 
     run(body)

@@ -10,7 +10,9 @@ A batch leaves
   * when it is full (no more rows or tokens fit) or has a preferred size, to
     fill a busy worker's staging credit so the worker never waits on a round
     trip between batches;
-  * when its oldest request has waited `max_queue_delay_us`.
+  * when its oldest request has waited `max_queue_delay_us`, or, with the
+    automatic delay, once arrivals have stopped (`quiet_at`, queues.py): a
+    batch does not wait for requests that are not coming.
 Otherwise the scheduler waits until the oldest request's delay runs out, or
 until something changes (a request arrives, a worker frees a credit).
 Which requests form the batch is plan.py's business.
@@ -47,7 +49,12 @@ UNTIL_AN_EVENT = Wait(None)  # decide() runs for every arrival: no new object fo
 
 
 def decide(
-    now: float, plan: Plan | None, capacity: Capacity, max_delay_s: float, eager: bool = True
+    now: float,
+    plan: Plan | None,
+    capacity: Capacity,
+    max_delay_s: float,
+    eager: bool = True,
+    quiet_at: float | None = None,
 ) -> Send | Wait:
     if plan is None or not capacity.free_credit:
         return UNTIL_AN_EVENT
@@ -56,6 +63,8 @@ def decide(
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s
+    if quiet_at is not None:
+        due = min(due, quiet_at)
     if capacity.idle_worker:  # patient, but a worker is idle: let no request expire for it
         due = min(due, min((r.deadline for r in plan.requests), default=math.inf) - max_delay_s)
     if now >= due:

@@ -17,6 +17,9 @@ from batchd.server.request import Request
 
 RATE_WINDOW_S = 0.05  # arrivals are counted over windows of this length
 AUTO_DELAY_MIN_S = 0.001  # the automatic delay before any rate is measured
+# With the automatic delay, a batch stops waiting once no request has come for the
+# time this many rows take to arrive at the measured rate (queues.quiet_at).
+GAP_ROWS = 3
 
 
 def expire(request: Request, now: float) -> None:
@@ -58,6 +61,7 @@ class ModelQueue:
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
         )
         self.rate = 0.0  # rows arriving per second, measured (for the automatic delay)
+        self.last_arrival = -math.inf
         self._window_at, self._window_rows = -math.inf, 0
 
     def __len__(self) -> int:
@@ -71,6 +75,7 @@ class ModelQueue:
 
     def arrived(self, now: float, rows: int) -> None:
         """Count an arrival for the measured arrival rate (rows per second)."""
+        self.last_arrival = now
         self._window_rows += rows
         elapsed = now - self._window_at
         if elapsed >= RATE_WINDOW_S:
@@ -92,6 +97,18 @@ class ModelQueue:
         else:
             configured = AUTO_DELAY_MIN_S
         return self.target.delay_s(configured) if self.target else configured
+
+    def quiet_at(self) -> float | None:
+        """When arrivals count as stopped, so a batch waiting to fill leaves: GAP_ROWS
+        rows' time at the measured rate after the last arrival. Only with the
+        automatic delay (a configured `max_queue_delay_us` is waited out, as
+        Triton's). The automatic delay assumes requests keep coming; the callers of
+        a closed loop smaller than a batch do not: tiny at 20 callers waited the
+        whole 20 ms for a batch of 32 that could not fill, each time the loop
+        turned patient (1,618 and 1,688 req/s; with this rule 2,263 and 2,166)."""
+        if self.config.batching.max_queue_delay_us is not None or self.rate <= 0:
+            return None
+        return self.last_arrival + GAP_ROWS / self.rate
 
     def compact(self, now: float) -> None:
         """Drop every finished (cancelled, expired) entry; used when the queue looks full."""

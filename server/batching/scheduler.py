@@ -237,7 +237,7 @@ class Scheduler:
             while len(q):
                 capacity = self._dispatch.capacity(q.config)
                 plan = q.plan(now) if capacity.free_credit else None
-                decision = decide(now, plan, capacity, q.delay_s(), eager)
+                decision = decide(now, plan, capacity, q.delay_s(), eager, q.quiet_at())
                 if isinstance(decision, Send):
                     q.take(decision.plan)
                     self._dispatch.send(q.config, decision.plan.requests)
