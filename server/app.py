@@ -160,6 +160,7 @@ def _build(
         launch=launch,
         credits=w.credits,
         saturated=load,
+        idle=load.idle_s,
     )
     core.control.start_with(_models_at_start(cfg, repository))
     limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)

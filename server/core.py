@@ -59,6 +59,7 @@ class Core:
         credits: int | None = None,  # batches a worker holds; None: 1 on CPU, 2 on GPU
         clock: Callable[[], float] = time.monotonic,
         saturated: Callable[[], bool] = lambda: False,  # loopload.LoopLoad in the server
+        idle: Callable[[], float] | None = None,  # its idle seconds (LoopLoad.idle_s)
     ) -> None:
         self.stats = stats
         self.changed = asyncio.Event()  # readiness may have changed
@@ -68,7 +69,7 @@ class Core:
         self.pool = WorkerPool(credits)
         self.link = WorkerLink(socket, self, clock)
         self._saturated = saturated
-        self.scheduler = Scheduler(self, clock, saturated)
+        self.scheduler = Scheduler(self, clock, saturated, idle=idle)
         self.control = ModelControl(
             repository, self.pool, self.link, self.scheduler, explicit,
             self.changed.set, self.pump_soon,

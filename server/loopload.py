@@ -85,6 +85,11 @@ class LoopLoad:
         """The loop's busy seconds so far (a counter), None on a loop that does not count."""
         return None if self._selector is None else self._selector.busy_s()
 
+    def idle_s(self) -> float:
+        """Seconds the loop has spent waiting in select() so far; on a loop that does
+        not count, the clock (every second counts as idle)."""
+        return self._clock() if self._selector is None else self._selector.idle_s
+
     def __call__(self) -> bool:
         if self._selector is None:
             return False

@@ -63,3 +63,5 @@ def test_a_patient_batch_leaves_once_arrivals_stop_not_after_the_whole_delay() -
     assert decide(5.003, p, IDLE, 0.02, eager=False, quiet_at=5.003) == Send(p)
     assert decide(5.003, p, IDLE, 0.02, eager=False, quiet_at=None) == Wait(5.02)
     assert decide(5.0, p, IDLE, 0.02, eager=False, quiet_at=5.05) == Wait(5.02)  # bounded
+    # A busy worker's staging credit (a GPU's) fills on: the worker is not waiting.
+    assert decide(5.003, p, BUSY_WITH_CREDIT, 0.02, quiet_at=5.003) == Wait(5.02)

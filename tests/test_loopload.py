@@ -42,6 +42,13 @@ def test_the_load_is_measured_once_per_window() -> None:
     assert load()
 
 
+def test_idle_seconds_are_the_selectors_or_on_a_loop_that_does_not_count_the_clock() -> None:
+    now, selector = [5.0], FakeSelector()
+    selector.idle_s = 1.25
+    assert LoopLoad(selector, clock=lambda: now[0]).idle_s() == 1.25
+    assert LoopLoad(None, clock=lambda: now[0]).idle_s() == 5.0
+
+
 def test_a_loop_without_a_timed_selector_never_reads_saturated() -> None:
     async def body() -> bool:
         load = LoopLoad.current()

@@ -327,9 +327,11 @@ def test_each_priority_level_has_its_own_queue_limit() -> None:
     run(body)
 
 
-def _wait_after_the_last_arrival_ms(delay_us: int | None) -> float:
+def _wait_after_the_last_arrival_ms(delay_us: int | None, loop_idles: bool = True) -> float:
     """A patient scheduler (saturated loop): arrivals measured at about 1,000 rows/s,
-    then three requests 1 ms apart and no more. How long after the third its batch left."""
+    then three requests 1 ms apart and no more. How long after the third its batch
+    left. `loop_idles` False: the event loop never waits in select() (its idle clock
+    stands still), busy with other callbacks."""
 
     class Timed(FakeDispatch):
         sent_at: list[float] = []
@@ -340,7 +342,8 @@ def _wait_after_the_last_arrival_ms(delay_us: int | None) -> float:
 
     clock, dispatch, saturated = Clock(), Timed(idle=0, credits=0), [False]
     timer = FakeTimer(clock)
-    s = Scheduler(dispatch, clock, saturated=lambda: saturated[0], timer=timer)
+    idle = clock if loop_idles else (lambda: 0.0)
+    s = Scheduler(dispatch, clock, saturated=lambda: saturated[0], timer=timer, idle=idle)
     cfg = model(max_batch_size=32, queue=300, delay_us=delay_us)
     s.add_model(cfg)
     for _ in range(250):  # the rate, measured while the worker has no credit
@@ -360,12 +363,14 @@ def _wait_after_the_last_arrival_ms(delay_us: int | None) -> float:
 
 def test_with_the_automatic_delay_a_batch_stops_waiting_once_arrivals_stop() -> None:
     """The callers of a closed loop smaller than a batch are all here: with no
-    max_queue_delay_us the batch leaves about 3 ms (3 rows' time at the measured
-    rate) after the last arrival, not when the first has waited the 20 ms a full
-    batch would take; a configured delay is waited out in full (20 ms from the first)."""
+    max_queue_delay_us the batch leaves once the loop has idled about 3 ms (3 rows'
+    time at the measured rate) after the last arrival, not when the first has
+    waited the 20 ms a full batch would take. A loop that never idled could not
+    have seen an arrival, so it waits on; a configured delay is waited out in full."""
 
     async def body() -> None:
         assert 2.5 < _wait_after_the_last_arrival_ms(None) < 3.5
+        assert _wait_after_the_last_arrival_ms(None, loop_idles=False) == pytest.approx(18)
         assert _wait_after_the_last_arrival_ms(20_000) == pytest.approx(18)
 
     run(body)

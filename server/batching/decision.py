@@ -11,8 +11,9 @@ A batch leaves
     fill a busy worker's staging credit so the worker never waits on a round
     trip between batches;
   * when its oldest request has waited `max_queue_delay_us`, or, with the
-    automatic delay, once arrivals have stopped (`quiet_at`, queues.py): a
-    batch does not wait for requests that are not coming.
+    automatic delay and an idle worker, once arrivals have stopped
+    (`quiet_at`, queues.py): an idle worker does not wait for requests that
+    are not coming.
 Otherwise the scheduler waits until the oldest request's delay runs out, or
 until something changes (a request arrives, a worker frees a credit).
 Which requests form the batch is plan.py's business.
@@ -63,8 +64,8 @@ def decide(
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s
-    if quiet_at is not None:
-        due = min(due, quiet_at)
+    if quiet_at is not None and capacity.idle_worker:  # a busy worker's staged batch
+        due = min(due, quiet_at)  # fills on: leaving early would only make it smaller
     if capacity.idle_worker:  # patient, but a worker is idle: let no request expire for it
         due = min(due, min((r.deadline for r in plan.requests), default=math.inf) - max_delay_s)
     if now >= due:

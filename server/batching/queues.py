@@ -17,8 +17,9 @@ from batchd.server.request import Request
 
 RATE_WINDOW_S = 0.05  # arrivals are counted over windows of this length
 AUTO_DELAY_MIN_S = 0.001  # the automatic delay before any rate is measured
-# With the automatic delay, a batch stops waiting once no request has come for the
-# time this many rows take to arrive at the measured rate (queues.quiet_at).
+# With the automatic delay, a batch for an idle worker stops waiting once the loop has
+# idled, with no request coming, for the time this many rows take to arrive at the
+# measured rate (ModelQueue.quiet_at).
 GAP_ROWS = 3
 
 
@@ -61,7 +62,7 @@ class ModelQueue:
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
         )
         self.rate = 0.0  # rows arriving per second, measured (for the automatic delay)
-        self.last_arrival = -math.inf
+        self.idle_at_arrival = -math.inf  # the loop's idle seconds at the last arrival
         self._window_at, self._window_rows = -math.inf, 0
 
     def __len__(self) -> int:
@@ -73,9 +74,10 @@ class ModelQueue:
     def cap(self) -> int:
         return self.target.cap if self.target else self.max_rows
 
-    def arrived(self, now: float, rows: int) -> None:
-        """Count an arrival for the measured arrival rate (rows per second)."""
-        self.last_arrival = now
+    def arrived(self, now: float, rows: int, idle_s: float) -> None:
+        """Count an arrival for the measured arrival rate (rows per second); `idle_s`:
+        the event loop's idle seconds so far (LoopLoad.idle_s)."""
+        self.idle_at_arrival = idle_s
         self._window_rows += rows
         elapsed = now - self._window_at
         if elapsed >= RATE_WINDOW_S:
@@ -98,17 +100,20 @@ class ModelQueue:
             configured = AUTO_DELAY_MIN_S
         return self.target.delay_s(configured) if self.target else configured
 
-    def quiet_at(self) -> float | None:
-        """When arrivals count as stopped, so a batch waiting to fill leaves: GAP_ROWS
-        rows' time at the measured rate after the last arrival. Only with the
-        automatic delay (a configured `max_queue_delay_us` is waited out, as
-        Triton's). The automatic delay assumes requests keep coming; the callers of
-        a closed loop smaller than a batch do not: tiny at 20 callers waited the
-        whole 20 ms for a batch of 32 that could not fill, each time the loop
-        turned patient (1,618 and 1,688 req/s; with this rule 2,263 and 2,166)."""
+    def quiet_at(self, now: float, idle_s: float) -> float | None:
+        """When arrivals count as stopped, so a batch waiting to fill for an idle
+        worker leaves: once the event loop has idled for GAP_ROWS rows' time at the
+        measured rate since the last arrival (`idle_s`: its idle seconds now). Idle
+        time, not wall time: a loop busy with other callbacks registers no arrival
+        however many wait, and on 16 cores at 256 callers wall-time gaps cut
+        batches of 31 rows to 20. Only with the automatic delay (a configured
+        `max_queue_delay_us` is waited out, as Triton's). The automatic delay
+        assumes requests keep coming; the callers of a closed loop smaller than a
+        batch do not: tiny at 20 callers waited the whole 20 ms for a batch of 32
+        that could not fill, each time the loop turned patient."""
         if self.config.batching.max_queue_delay_us is not None or self.rate <= 0:
             return None
-        return self.last_arrival + GAP_ROWS / self.rate
+        return now + max(0.0, GAP_ROWS / self.rate - (idle_s - self.idle_at_arrival))
 
     def compact(self, now: float) -> None:
         """Drop every finished (cancelled, expired) entry; used when the queue looks full."""

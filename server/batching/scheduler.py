@@ -77,9 +77,11 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         saturated: Callable[[], bool] = lambda: False,  # loopload.LoopLoad in the server
         timer: Timer | None = None,  # None: the event loop's, on `clock`
+        idle: Callable[[], float] | None = None,  # the loop's idle seconds; None: `clock`
     ) -> None:
         self._dispatch = dispatch
         self._clock = clock
+        self._idle = idle or clock
         self._timers = timer or LoopTimer(clock)
         self._saturated = saturated
         self._queues: dict[str, ModelQueue] = {}
@@ -151,7 +153,7 @@ class Scheduler:
             )
         if not request.background:  # the job lane is bounded by its runner
             self._admit(q, request.level, count, now)
-            q.arrived(now, request.rows)
+            q.arrived(now, request.rows, self._idle())
         parts = split_request(request, per_batch) if count > 1 else [request]
         loop = asyncio.get_running_loop()
         for part in parts:
@@ -237,7 +239,8 @@ class Scheduler:
             while len(q):
                 capacity = self._dispatch.capacity(q.config)
                 plan = q.plan(now) if capacity.free_credit else None
-                decision = decide(now, plan, capacity, q.delay_s(), eager, q.quiet_at())
+                quiet = q.quiet_at(now, self._idle())
+                decision = decide(now, plan, capacity, q.delay_s(), eager, quiet)
                 if isinstance(decision, Send):
                     q.take(decision.plan)
                     self._dispatch.send(q.config, decision.plan.requests)
