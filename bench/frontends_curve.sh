@@ -1,0 +1,58 @@
+#!/bin/bash
+# tiny (untuned: no [batching] table) under perf_analyzer at each concurrency in CS for
+# each `--frontends N` in NS; per run: req/s, p50, p99, and frontend 0's rows per batch
+# and per forward (batchd_forward_rows_total). Run from the repository root:
+#
+#   PA=/work/pa/perf_analyzer PY=.venv/bin/python SKIP_PIP=1 CS="64 256" NS="1 2 4 8" \
+#     bash bench/frontends_curve.sh
+#
+# On a machine with no package index (the GPU machines lent to this work) it installs
+# the wheels in .whl/ first, and takes perf_analyzer from .pa/ (its libraries in
+# .pa/lib). LABEL prefixes each line; CODE runs another checkout's batchd.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+PY=${PY:-python3}
+[ -n "${SKIP_PIP:-}" ] || $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/pkg && ln -sfn "${CODE:-$PWD}" /tmp/pkg/batchd
+export PYTHONPATH=/tmp/site:/tmp/pkg
+export LD_LIBRARY_PATH=$PWD/.pa/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+PA=${PA:-$PWD/.pa/perf_analyzer.bin}
+nproc; lscpu | grep -m1 "Model name"; nvidia-smi -L 2>/dev/null
+$PY -c "import torch, grpc, zmq, google.protobuf as p; print('torch', torch.__version__, torch.cuda.is_available(), 'grpc', grpc.__version__, 'pb', p.__version__)" || exit 1
+$PA --version 2>&1 | head -2
+# tiny as a model.py (the .pt2 was exported by a newer torch); no [batching] table (untuned)
+mkdir -p /tmp/models/tiny
+sed '/^\[batching\]/,$d' examples/models/tiny/model.toml > /tmp/models/tiny/model.toml
+cat > /tmp/models/tiny/model.py <<'PY'
+import torch
+def load(device):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 16).to(device).eval()
+    return lambda x: layer(x)
+PY
+scrape() { curl -s localhost:18192/metrics | awk -v n="$1" '$1 ~ "^batchd_"n"_total\\{model=\"tiny\"" {print $2}'; }
+for C in ${CS:-256}; do
+for N in ${NS:-1 2 4 8}; do
+  $PY -m batchd.server --model-repository /tmp/models --grpc-port 18191 --metrics-port 18192 --http-port -1 \
+    --log-level WARNING --jobs-dir /tmp/jobs-$N-$C --frontends $N > $OUT/server-$N-$C.log 2>&1 &
+  SP=$!
+  for i in $(seq 120); do [ -n "$(scrape inference_count)" ] && break; sleep 0.5; done
+  $PA -i grpc -u 127.0.0.1:18191 -m tiny --concurrency-range 16:16 --measurement-interval 1000 --max-trials 2 > /dev/null 2>&1
+  a=($(scrape inference_count) $(scrape inference_exec_count) $(scrape forward_rows))
+  $PA -i grpc -u 127.0.0.1:18191 -m tiny --concurrency-range $C:$C --measurement-interval 4000 \
+    --stability-percentage 25 --max-trials 4 -f $OUT/pa-$N-$C.csv > $OUT/pa-$N-$C.log 2>&1
+  b=($(scrape inference_count) $(scrape inference_exec_count) $(scrape forward_rows))
+  $PY - "$N" "$C" "${a[*]}" "${b[*]}" $OUT/pa-$N-$C.csv <<'PY'
+import csv, sys
+n, c, a, b, f = sys.argv[1:]
+a = [float(x) for x in a.split()]; b = [float(x) for x in b.split()]
+d = [y - x for x, y in zip(a, b)]
+row = next(csv.DictReader(open(f)))
+d[1] = d[1] or float("nan")
+print(f"{__import__('os').environ.get('LABEL','')} N={n} c={c} req/s {float(row['Inferences/Second']):,.0f} p50 {float(row['p50 latency'])/1e3:.2f} ms "
+      f"p99 {float(row['p99 latency'])/1e3:.2f} ms; frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}")
+PY
+  kill -INT $SP; wait $SP
+done
+done
