@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from overload import children, cpu_s
+from overload import children, children_cpu_s, cpu_s
 from run import cpu_model_name, perf_analyzer, running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,10 +85,11 @@ def frontends(repo: Path, tmp: Path, count: int, seconds: float, rate: int) -> l
         workers = [k for k in children(p.pid) if b"batchd.worker" in _cmdline(k)]
         fronts = [p.pid, *(k for k in children(p.pid) if k not in workers)]
         for load in (["--concurrency", "32"], ["--rate", str(rate)]):
-            if load[1] == "0":
-                load[1] = str(max(100, round(got[0]["req_s"] / 200) * 100))
+            if load == ["--rate", "0"]:  # half the closed loop's, in hundreds
+                rate = max(100, round(got[0]["req_s"] / 200) * 100)
+                load[1] = str(rate)
             before = [scrape(18192, f"batchd_{n}_total", "tiny") for n in names]
-            cpu = [sum(map(cpu_s, fronts)), sum(map(cpu_s, workers)), _children_cpu_s()]
+            cpu = [sum(map(cpu_s, fronts)), sum(map(cpu_s, workers)), children_cpu_s()]
             subprocess.run(
                 [PY, "-m", "batchd.client.bench", "--url", "127.0.0.1:18191", "--model", "tiny",
                  *load, "--connections", "8", "--duration", str(seconds),
@@ -102,9 +102,9 @@ def frontends(repo: Path, tmp: Path, count: int, seconds: float, rate: int) -> l
             )
             level = json.loads(Path(out.name).read_text())["levels"][0]
             cpu = [sum(map(cpu_s, fronts)) - cpu[0], sum(map(cpu_s, workers)) - cpu[1],
-                   _children_cpu_s() - cpu[2]]  # fmt: skip
+                   children_cpu_s() - cpu[2]]  # fmt: skip
             us = [round(c * 1e6 / max(1, level["ok"])) for c in cpu]
-            got.append({"frontends": count, "load": " ".join(load).lstrip("-"),
+            got.append({"frontends": count, "load": " ".join(load).lstrip("-"), "rate": rate,
                         "req_s": round(level["throughput"]), "own_batch": round(rows / batches, 1),
                         "forward_batch": round(forward / batches, 1),
                         "cpu_us_per_request": dict(zip(CPU_BY, us, strict=True))})  # fmt: skip
@@ -118,9 +118,35 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def systems_rounds(
+    args: argparse.Namespace, peers: dict[str, str], repo: Path, tmp: Path
+) -> list[dict[str, Any]]:
+    """Each point under perf_analyzer for the echo server, batchd and every peer, in a
+    new order each round."""
+    rounds: list[dict[str, Any]] = []
+    serve = [PY, "-m", "batchd.server", "--model-repository", str(repo), "--grpc-port",
+             "18191", "--metrics-port", "-1", "--log-level", "WARNING",
+             "--jobs-dir", str(tmp / "jobs")]  # fmt: skip
+    echo = [PY, "bench/echo_server.py", "--port", "18190"]
+    with running(echo, 18190) as e, running(serve, 18191) as b:
+        systems = {"echo": ("127.0.0.1:18190", e.pid), "batchd": ("127.0.0.1:18191", b.pid)}
+        for name, url in peers.items():
+            systems[name] = (url, listening_pid(int(url.rsplit(":", 1)[1])))
+        for n in range(args.rounds):
+            order = list(systems)[n % len(systems) :] + list(systems)[: n % len(systems)]
+            round_: dict[str, Any] = {}
+            for model, c in POINTS:
+                point = round_.setdefault(f"{model}_c{c}", {})
+                for name in order:
+                    if name == "echo" and c == 1:
+                        continue
+                    url, pid = systems[name]
+                    point[name] = measure(args.pa, url, "echo" if name == "echo" else model,
+                                          c, args.interval_ms, pid)  # fmt: skip
+                    print(f"round {n + 1} {model} c={c} {name}: {point[name]['req_s']:,.0f} "
+                          f"req/s p50 {point[name]['p50_ms']:.2f} ms", flush=True)  # fmt: skip
+            rounds.append(round_)
+    return rounds
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -138,34 +164,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": []}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="batchd-peers-") as tmp:
         repo = untuned(Path(tmp) / "models")
-        serve = [PY, "-m", "batchd.server", "--model-repository", str(repo), "--grpc-port",
-                 "18191", "--metrics-port", "-1", "--log-level", "WARNING",
-                 "--jobs-dir", str(Path(tmp) / "jobs")]  # fmt: skip
-        echo = [PY, "bench/echo_server.py", "--port", "18190"]
-        with running(echo, 18190) as e, running(serve, 18191) as b:
-            systems = {"echo": ("127.0.0.1:18190", e.pid), "batchd": ("127.0.0.1:18191", b.pid)}
-            for name, url in peers.items():
-                systems[name] = (url, listening_pid(int(url.rsplit(":", 1)[1])))
-            for n in range(0 if args.frontends_only else args.rounds):
-                order = list(systems)[n % len(systems) :] + list(systems)[: n % len(systems)]
-                round_: dict[str, Any] = {}
-                for model, c in POINTS:
-                    point = round_.setdefault(f"{model}_c{c}", {})
-                    for name in order:
-                        if name == "echo" and c == 1:
-                            continue
-                        url, pid = systems[name]
-                        point[name] = measure(args.pa, url, "echo" if name == "echo" else model,
-                                              c, args.interval_ms, pid)  # fmt: skip
-                        print(f"round {n + 1} {model} c={c} {name}: {point[name]['req_s']:,.0f} "
-                              f"req/s p50 {point[name]['p50_ms']:.2f} ms", flush=True)  # fmt: skip
-                r["rounds"].append(round_)
+        if not args.frontends_only:
+            r["rounds"] = systems_rounds(args, peers, repo, Path(tmp))
         counts = [int(n) for n in args.frontends.split(",") if n]
         r["frontends"], rate = [], 0
         for _ in range(args.rounds):
             for n in counts:
                 r["frontends"] += frontends(repo, Path(tmp), n, 5.0, rate)
-                rate = rate or int(r["frontends"][-1]["load"].split()[-1])
+                rate = rate or r["frontends"][-1]["rate"]
     if args.json:
         args.json.write_text(json.dumps(r, indent=2) + "\n")
     print(markdown(r))

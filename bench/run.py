@@ -45,7 +45,6 @@ import argparse
 import csv
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -56,7 +55,7 @@ from pathlib import Path
 
 import jobs
 import stepwise
-from overload import children, cpu_s, rss_mb
+from overload import children, children_cpu_s, cpu_s, rss_mb
 
 from batchd.client import Client
 
@@ -84,7 +83,7 @@ def perf_analyzer(
     out = Path(f"/tmp/batchd-pa-{str(port).replace(':', '_')}-{model}-{concurrency}-{protocol}.csv")
     kids = children(server) if server else []
     before = [cpu_s(p) for p in (server, *kids)] if server else []
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = children_cpu_s()
     start = time.monotonic()
     done = subprocess.run(
         [
@@ -118,14 +117,11 @@ def perf_analyzer(
     }
     if server:
         after = [cpu_s(p) for p in (server, *kids)]
-        now = resource.getrusage(resource.RUSAGE_CHILDREN)
         per_request = 1e6 / (result["req_s"] * wall)
         result["cpu_us_per_request"] = {
             "frontend": round((after[0] - before[0]) * per_request),
             "worker": round((sum(after[1:]) - sum(before[1:])) * per_request),
-            "load": round(
-                (now.ru_utime + now.ru_stime - usage.ru_utime - usage.ru_stime) * per_request
-            ),
+            "load": round((children_cpu_s() - load_before) * per_request),
         }
     return result
 
