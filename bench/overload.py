@@ -80,10 +80,11 @@ def children(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process `pid`, all its threads."""
+def cpu_s(pid: int, main_thread: bool = False) -> float:
+    """CPU seconds (user + system) used so far by process `pid`, all its threads, or
+    only its main thread (a Python server's event loop: the one that cannot spread)."""
     try:
-        fields = _stat(Path(f"/proc/{pid}"))
+        fields = _stat(Path(f"/proc/{pid}/task/{pid}" if main_thread else f"/proc/{pid}"))
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0

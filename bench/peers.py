@@ -8,7 +8,9 @@ For each point (tiny c=32, mlp c=64, mlp c=1) the systems are measured one after
 another under perf_analyzer, in a new order each round, --rounds times. With
 each figure: the CPU each process used per request (the server, its children,
 perf_analyzer), and the CPU limit those figures imply on this machine:
-cores / (CPU per request of all processes together).
+cores / (CPU per request of all processes together). And the server's main thread
+alone: a Python server's event loop runs on one core whatever the machine has, so
+1 / (its CPU per request) is a second limit, the one a closed loop meets first.
 
     .venv/bin/python bench/peers.py --pa PATH [--peer pytriton=127.0.0.1:18001] [--rounds 2]
 """
@@ -61,6 +63,8 @@ def measure(pa: str, url: str, model: str, c: int, ms: int, pid: int | None) -> 
         cpu = r["cpu_us_per_request"]
         total = sum(cpu.values())
         r["cpu_limit_req_s"] = round((os.cpu_count() or 1) * 1e6 / total) if total else None
+        loop = r["loop_us_per_request"]
+        r["loop_limit_req_s"] = round(1e6 / loop) if loop else None
     return r
 
 
@@ -233,7 +237,9 @@ def _systems(r: dict[str, Any]) -> list[str]:
         ]
         lines.append(f"| {point.replace('_c', ' c=')} | " + " | ".join(cells + ratios) + " |")
     lines += ["", "CPU per request (µs: server / its children / perf_analyzer) and the limit it "
-              "implies (cores / their sum), first round:", "",
+              "implies (cores / their sum); then the server's main thread (its event loop) "
+              "alone, the limit it implies (1 / its CPU per request) and the share of that "
+              "limit reached; first round:", "",
               "| point | " + " | ".join(systems) + " |",
               "|---" * (len(systems) + 1) + "|"]  # fmt: skip
     for point, by in r["rounds"][0].items():
@@ -241,13 +247,25 @@ def _systems(r: dict[str, Any]) -> list[str]:
         for s in systems:
             m = by.get(s)
             cpu = m and m.get("cpu_us_per_request")
-            cells.append(
-                f"{cpu['frontend']} / {cpu['worker']} / {cpu['load']} "
-                f"(limit {m['cpu_limit_req_s']:,})"
-                if cpu
-                else "-"
-            )
+            if not cpu:
+                cells.append("-")
+                continue
+            cell = f"{cpu['frontend']} / {cpu['worker']} / {cpu['load']} "
+            cell += f"(limit {m['cpu_limit_req_s']:,})"
+            loop = m.get("loop_limit_req_s")
+            if loop and 2 * m["loop_us_per_request"] >= cpu["frontend"]:  # not Triton's C++
+                cell += f"; loop {m['loop_us_per_request']} (limit {loop:,}, "
+                cell += f"{m['req_s'] / loop:.0%})"
+            cells.append(cell)
         lines.append(f"| {point.replace('_c', ' c=')} | " + " | ".join(cells) + " |")
+    for point, by in r["rounds"][0].items():
+        b, e = by.get("batchd"), by.get("echo")
+        if b and e and b.get("loop_limit_req_s") and e.get("loop_limit_req_s"):
+            lines += ["", f"{point.replace('_c', ' c=')}: batchd's loop thread busy all the "
+                      f"time would give {b['loop_limit_req_s'] / e['req_s']:.2f}{TIMES} the echo "
+                      f"server's req/s; as busy as echo's ({e['req_s'] / e['loop_limit_req_s']:.0%}"
+                      f" of its limit), {e['loop_us_per_request'] / b['loop_us_per_request']:.2f}"
+                      f"{TIMES}."]  # fmt: skip
     return lines
 
 

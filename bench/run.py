@@ -78,11 +78,14 @@ def perf_analyzer(
 
     With `server` (a pid): also the CPU each side used per request, in microseconds:
     the server process ("frontend"), its children ("worker"), perf_analyzer itself
-    ("load"). Requests are counted as throughput x the whole run (perf_analyzer's
-    trials included), so these are close, not exact."""
+    ("load"), and apart from those the server's main thread alone ("loop_us_per_request":
+    a Python server's event loop, which no second core can help). Requests are counted
+    as throughput x the whole run (perf_analyzer's trials included), so these are
+    close, not exact."""
     out = Path(f"/tmp/batchd-pa-{str(port).replace(':', '_')}-{model}-{concurrency}-{protocol}.csv")
     kids = children(server) if server else []
     before = [cpu_s(p) for p in (server, *kids)] if server else []
+    loop_before = cpu_s(server, main_thread=True) if server else 0.0
     load_before = children_cpu_s()
     start = time.monotonic()
     done = subprocess.run(
@@ -123,6 +126,9 @@ def perf_analyzer(
             "worker": round((sum(after[1:]) - sum(before[1:])) * per_request),
             "load": round((children_cpu_s() - load_before) * per_request),
         }
+        result["loop_us_per_request"] = round(
+            (cpu_s(server, main_thread=True) - loop_before) * per_request
+        )
     return result
 
 
