@@ -8,6 +8,10 @@ model `echo` with INPUT0 FP32 [16] -> OUTPUT0 FP32 [16], max_batch_size 32.
 With `--mlp` it is the unbatched floor instead: a model `mlp` (INPUT0 FP32
 [512]) run inline, one request at a time, in the event loop on one torch
 thread (examples/models/mlp): no queue, no batching, no worker process.
+
+With `--batched` every call waits, as a batching server's do: it suspends on a
+future, and one callback resumes all the calls that came by then. What that
+costs gRPC and asyncio, with none of a batcher's own work.
 """
 
 from __future__ import annotations
@@ -24,9 +28,27 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 NAME, DIM = "echo", 16
 TENSOR = {"datatype": "FP32", "shape": [-1, DIM]}
 MODEL = None  # --mlp: the torch module run inline
+BATCHED = False  # --batched: each call waits on a future, resolved with others in one callback
 
 
 class Echo(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self) -> None:
+        self._waiting: list[asyncio.Future[None]] = []
+
+    def _answer_all(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for f in waiting:
+            if not f.done():
+                f.set_result(None)
+
+    async def _wait_turn(self) -> None:
+        """Suspend the call until one callback resumes every call that arrived by then."""
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._answer_all)
+        f = asyncio.get_running_loop().create_future()
+        self._waiting.append(f)
+        await f
+
     async def ServerLive(self, request, context):  # type: ignore[no-untyped-def]
         return pb.ServerLiveResponse(live=True)
 
@@ -62,6 +84,8 @@ class Echo(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
         t = request.inputs[0]
         raw = request.raw_input_contents
+        if BATCHED:
+            await self._wait_turn()
         if MODEL is not None:
             import torch  # only --mlp pays for it
 
@@ -89,7 +113,13 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=18100)
     p.add_argument("--mlp", action="store_true", help="serve examples' mlp inline, unbatched")
+    p.add_argument(
+        "--batched",
+        action="store_true",
+        help="each call waits for one callback that resumes all that came by then",
+    )
     args = p.parse_args()
+    BATCHED = args.batched
     if args.mlp:
         import sys
 
