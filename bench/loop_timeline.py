@@ -47,9 +47,11 @@ def record(out: Path, serve_args: list[str]) -> int:
                 events.append(("idle", start, clock()))
 
     def wrap(kind: str, fn: Any, rows: bool = False) -> Any:
-        def recorded(self: Any, *args: Any) -> Any:
-            events.append((kind, clock(), len(args[1]) if rows else 0))
-            return fn(self, *args)
+        def recorded(self: Any, *args: Any) -> Any:  # once it returned: not a refused request
+            at = clock()
+            result = fn(self, *args)
+            events.append((kind, at, len(args[1]) if rows else 0))
+            return result
 
         return recorded
 
