@@ -2,7 +2,7 @@
 # tiny (untuned: no [batching] table) under perf_analyzer at each concurrency in CS for
 # each `--frontends N` in NS; per run: req/s, p50, p99, and frontend 0's rows per batch
 # and per forward (batchd_forward_rows_total). With RATES (say "2000 4000") each N also
-# takes an open-loop load at each rate (perf_analyzer --request-rate-range), the same
+# takes an open-loop load at each rate (batchd bench --rate, 8 connections a process), the same
 # offered load for every N: target 5 compares rows per forward there. Run from the
 # repository root:
 #
@@ -43,28 +43,36 @@ for N in ${NS:-1 2 4 8}; do
   for i in $(seq 120); do [ -n "$(scrape inference_count)" ] && break; sleep 0.5; done
   $PA -i grpc -u 127.0.0.1:18191 -m tiny --concurrency-range 16:16 --measurement-interval 1000 --max-trials 2 > /dev/null 2>&1
   for LOAD in "c:$C" $(for R in ${RATES:-}; do echo "r:$R"; done); do
-    case $LOAD in
-      r:*) R=${LOAD#r:}; MODE="--request-rate-range $R:$R"; TAG=r$R ;;
-      *) MODE="--concurrency-range $C:$C"; TAG=c$C ;;
-    esac
     a=($(scrape inference_count) $(scrape inference_exec_count) $(scrape forward_rows))
-    $PA -i grpc -u 127.0.0.1:18191 -m tiny $MODE --measurement-interval 4000 \
-      --stability-percentage 25 --max-trials 4 -f $OUT/pa-$N-$TAG.csv > $OUT/pa-$N-$TAG.log 2>&1
+    case $LOAD in
+      r:*)  # open loop from batchd bench: perf_analyzer's fell short of 2,000 req/s there
+        TAG=r${LOAD#r:}; $PY -m batchd.client.bench --url 127.0.0.1:18191 --model tiny \
+          --rate ${LOAD#r:} --connections 8 --duration 5 --quiet --json $OUT/pa-$N-$TAG.json \
+          > $OUT/pa-$N-$TAG.log 2>&1 ;;
+      *) TAG=c$C; $PA -i grpc -u 127.0.0.1:18191 -m tiny --concurrency-range $C:$C \
+          --measurement-interval 4000 --stability-percentage 25 --max-trials 4 \
+          -f $OUT/pa-$N-$TAG.csv > $OUT/pa-$N-$TAG.log 2>&1 ;;
+    esac
     b=($(scrape inference_count) $(scrape inference_exec_count) $(scrape forward_rows))
-    $PY - "$N" "$TAG" "${a[*]}" "${b[*]}" $OUT/pa-$N-$TAG.csv <<'PY'
-import csv, os, sys
+    $PY - "$N" "$TAG" "${a[*]}" "${b[*]}" $OUT/pa-$N-$TAG <<'PY'
+import csv, json, os, sys
 n, load, a, b, f = sys.argv[1:]
 a = [float(x) for x in a.split()]; b = [float(x) for x in b.split()]
 d = [y - x for x, y in zip(a, b)]
 try:
-    row = next(csv.DictReader(open(f)))
-except (OSError, StopIteration):
-    sys.exit(print(f"{os.environ.get('LABEL', '')} N={n} {load}: perf_analyzer gave no result"))
+    if load[0] == "c":
+        row = next(csv.DictReader(open(f + ".csv")))
+        got = float(row["Inferences/Second"]), float(row["p50 latency"]) / 1e3, float(row["p99 latency"]) / 1e3
+        load = f"c={load[1:]}"
+    else:
+        lv = json.load(open(f + ".json"))["levels"][0]
+        got = lv["throughput"], lv["p50_ms"], lv["p99_ms"]
+        load = f"{load[1:]} req/s offered"
+except (OSError, StopIteration, KeyError, IndexError, ValueError):
+    sys.exit(print(f"{os.environ.get('LABEL', '')} N={n} {load}: the load tool gave no result"))
 d[1] = d[1] or float("nan")
-load = f"c={load[1:]}" if load[0] == "c" else f"{load[1:]} req/s offered"
-print(f"{os.environ.get('LABEL', '')} N={n} {load}: req/s {float(row['Inferences/Second']):,.0f} "
-      f"p50 {float(row['p50 latency'])/1e3:.2f} ms p99 {float(row['p99 latency'])/1e3:.2f} ms; "
-      f"frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}")
+print(f"{os.environ.get('LABEL', '')} N={n} {load}: req/s {got[0]:,.0f} p50 {got[1]:.2f} ms "
+      f"p99 {got[2]:.2f} ms; frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}")
 PY
   done
   kill -INT $SP; wait $SP
