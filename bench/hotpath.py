@@ -50,6 +50,9 @@ class FakeWorker:
     def capacity(self, key: str) -> Capacity:
         return IDLE if self.batch is None else NO_CAPACITY
 
+    def requests_out(self, key: str) -> int:
+        return len(self.batch or ())
+
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         tensors, _frames = join_inputs(requests)
         wire.Header(kind=wire.Header.BATCH, batch_id=1, tensors=tensors).SerializeToString()
@@ -85,7 +88,7 @@ async def measure(
 ) -> float:
     worker = FakeWorker()
     now = [0.0]  # the scheduler's clock: each batch's window has run out when the worker frees
-    scheduler = Scheduler(worker, clock=lambda: now[0], saturated=lambda: saturated)
+    scheduler = Scheduler(worker, clock=lambda: now[0], patient=lambda: saturated)
     scheduler.add_model(cfg)
     stats = Stats()
     stats.model(cfg.name)

@@ -159,8 +159,7 @@ def _build(
         explicit=cfg.models.explicit,
         launch=launch,
         credits=w.credits,
-        saturated=load,
-        idle=load.idle_s,
+        load=load,
     )
     core.control.start_with(_models_at_start(cfg, repository))
     limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)

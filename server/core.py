@@ -36,6 +36,7 @@ from batchd.server.batching.split_join import join_inputs, split_outputs
 from batchd.server.control import IndexEntry, ModelControl
 from batchd.server.errors import ModelFailed, Unavailable
 from batchd.server.link import WorkerLink
+from batchd.server.loopload import LoopLoad
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
 from batchd.server.request import Batch, Request, Tensor
 from batchd.server.sequences import Sequences
@@ -58,8 +59,7 @@ class Core:
         launch: Launch | None = None,  # local worker processes; None: none
         credits: int | None = None,  # batches a worker holds; None: 1 on CPU, 2 on GPU
         clock: Callable[[], float] = time.monotonic,
-        saturated: Callable[[], bool] = lambda: False,  # loopload.LoopLoad in the server
-        idle: Callable[[], float] | None = None,  # its idle seconds (LoopLoad.idle_s)
+        load: LoopLoad | None = None,  # the event loop's (None: never saturated nor patient)
     ) -> None:
         self.stats = stats
         self.changed = asyncio.Event()  # readiness may have changed
@@ -68,8 +68,12 @@ class Core:
         self._pump_armed = False
         self.pool = WorkerPool(credits)
         self.link = WorkerLink(socket, self, clock)
-        self._saturated = saturated
-        self.scheduler = Scheduler(self, clock, saturated, idle=idle)
+        self._saturated: Callable[[], bool] = load if load is not None else (lambda: False)
+        self.scheduler = (
+            Scheduler(self, clock)
+            if load is None
+            else Scheduler(self, clock, load.patient, idle=load.idle_s, busy=lambda: load.busy)
+        )
         self.control = ModelControl(
             repository, self.pool, self.link, self.scheduler, explicit,
             self.changed.set, self.pump_soon,
@@ -157,6 +161,9 @@ class Core:
 
     def capacity(self, model: ModelConfig) -> Capacity:
         return self.pool.capacity(model)
+
+    def requests_out(self, key: str) -> int:
+        return self.pool.requests_out(key)
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         if model.generate is not None:

@@ -132,6 +132,16 @@ class WorkerPool:
                 free = True
         return BUSY_WITH_CREDIT if free else NO_CAPACITY
 
+    def requests_out(self, key: str) -> int:
+        """Online requests of model version `key` in batches on workers now (a job's
+        batch is of the job lane alone)."""
+        return sum(
+            len(b.requests)
+            for w in self._order
+            for b in w.inflight.values()
+            if b.model.key == key and not b.requests[0].background
+        )
+
     def choose(self, key: str, idle_only: bool = False) -> WorkerHandle | None:
         """The next worker for a batch of `key`, round-robin: an idle one first, else
         one with a free credit (none when `idle_only`)."""

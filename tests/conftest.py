@@ -74,10 +74,14 @@ class FakeDispatch:
 
     def __init__(self, idle: int = 1, credits: int = 2) -> None:
         self.idle, self.credits = idle, credits
+        self.out = 0  # online requests on workers, as the test says
         self.sent: list[list[Request]] = []
 
     def capacity(self, model: ModelConfig) -> Capacity:
         return Capacity(idle_worker=self.idle > 0, free_credit=self.credits > 0)
+
+    def requests_out(self, key: str) -> int:
+        return self.out
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         self.sent.append(requests)

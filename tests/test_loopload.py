@@ -33,6 +33,22 @@ def test_saturation_turns_on_at_90_percent_busy_and_off_below_70() -> None:
     assert load.busy == pytest.approx(0.6)
 
 
+def test_batching_turns_patient_at_65_percent_busy_and_eager_below_50() -> None:
+    now, selector = [0.0], FakeSelector()
+    load = LoopLoad(selector, clock=lambda: now[0])
+
+    def window(busy: float) -> tuple[bool, bool]:
+        now[0] += 0.1
+        selector.idle_s += 0.1 * (1 - busy)
+        return load.patient(), load()
+
+    assert window(0.3) == (False, False)
+    assert window(0.6) == (False, False)
+    assert window(0.7) == (True, False)  # patient long before the loop needs its core
+    assert window(0.55) == (True, False)  # no flapping at the threshold
+    assert window(0.45) == (False, False)
+
+
 def test_the_load_is_measured_once_per_window() -> None:
     now, selector = [0.0], FakeSelector()
     load = LoopLoad(selector, clock=lambda: now[0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from batchd.protos import wire
@@ -48,6 +50,23 @@ def test_an_idle_worker_is_chosen_first_then_round_robin_among_those_with_credit
     for w in (a, b):
         pool.hand(w, cfg, [request(cfg)], 0.0)
     assert pool.capacity(cfg) == NO_CAPACITY and pool.choose(cfg.key) is None
+
+
+def test_requests_out_counts_online_requests_of_one_version_until_their_reply() -> None:
+    cfg = model()
+    other = replace(cfg, name="other")
+    pool = WorkerPool(credits=2)
+    a, b = serving(pool, "a", "b", key=cfg.key)
+    b.models.add(other.key)
+    job = request(cfg)
+    job.background = True
+    first = pool.hand(a, cfg, [request(cfg), request(cfg)], 0.0)
+    pool.hand(b, cfg, [request(cfg)], 0.0)
+    pool.hand(a, cfg, [job], 0.0)  # a job's batch: its callers are not online
+    pool.hand(b, other, [request(other)], 0.0)
+    assert pool.requests_out(cfg.key) == 3
+    pool.finish(a, first.id)
+    assert pool.requests_out(cfg.key) == 1
 
 
 def test_a_worker_running_a_suspect_takes_nothing_beside_it() -> None:

@@ -37,12 +37,26 @@ def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it()
     run(body)
 
 
+def _callers(s: Scheduler, dispatch: FakeDispatch, cfg: ModelConfig, n: int) -> None:
+    """`n` requests present at once (queued behind a busy worker), then answered:
+    the scheduler has seen `n` callers and the worker is idle again."""
+    dispatch.idle, dispatch.credits = 0, 0
+    for _ in range(n):
+        s.submit(request(cfg))
+    dispatch.idle, dispatch.credits = 1, 1
+    s.pump()
+    assert len(dispatch.sent[-1]) == n
+    dispatch.sent.clear()
+    dispatch.idle, dispatch.credits = 1, 1
+
+
 def test_scheduler_holds_batches_for_an_idle_worker_while_the_loop_is_saturated() -> None:
     async def body() -> None:
         clock, dispatch, saturated = Clock(), FakeDispatch(idle=1, credits=1), [True]
-        s = Scheduler(dispatch, clock, saturated=lambda: saturated[0])
+        s = Scheduler(dispatch, clock, patient=lambda: saturated[0])
         cfg = model(max_batch_size=4, delay_us=10_000)
         s.add_model(cfg)
+        _callers(s, dispatch, cfg, 3)
         first, second = request(cfg), request(cfg)
         s.submit(first)
         s.submit(second)
@@ -54,6 +68,32 @@ def test_scheduler_holds_batches_for_an_idle_worker_while_the_loop_is_saturated(
         third = request(cfg)
         s.submit(third)
         assert dispatch.sent[1] == [third]  # the loop has time again: eager
+
+    run(body)
+
+
+def test_a_patient_batch_leaves_once_every_caller_lately_present_is_here() -> None:
+    """A closed loop of 3 callers: once the third is queued no other request is
+    coming, so the idle worker takes the batch at once, without waiting out the
+    delay. Requests still on another worker count as present: their callers cannot
+    send again before they are answered."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        s = Scheduler(dispatch, clock, patient=lambda: True)
+        cfg = model(max_batch_size=8, delay_us=10_000)
+        s.add_model(cfg)
+        _callers(s, dispatch, cfg, 3)
+        trio = [request(cfg) for _ in range(3)]
+        s.submit(trio[0])
+        s.submit(trio[1])
+        assert dispatch.sent == []
+        s.submit(trio[2])
+        assert dispatch.sent == [trio]
+        dispatch.idle, dispatch.credits, dispatch.out = 1, 1, 2  # two on another worker
+        last = request(cfg)
+        s.submit(last)
+        assert dispatch.sent[-1] == [last]
 
     run(body)
 
@@ -90,7 +130,7 @@ def _play(
     async def body() -> list[tuple[int, list[str]]]:
         clock, dispatch, saturated = Clock(), FakeDispatch(idle=1, credits=1), [True]
         timers = FakeTimer(clock)
-        s = Scheduler(dispatch, clock, saturated=lambda: saturated[0], timer=timers)
+        s = Scheduler(dispatch, clock, patient=lambda: saturated[0], timer=timers)
         decides = s._arrival_changes_nothing
 
         def counted(*args: object) -> bool:
@@ -195,9 +235,10 @@ def test_a_request_for_one_model_does_not_postpone_another_models_batch(quick_fi
 def test_an_arrival_after_the_delay_sends_the_batch_without_waiting_for_a_late_timer() -> None:
     async def body() -> None:
         clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
-        s = Scheduler(dispatch, clock, saturated=lambda: True)  # patient: batches fill
+        s = Scheduler(dispatch, clock, patient=lambda: True)  # patient: batches fill
         cfg = model(max_batch_size=8, delay_us=10_000)
         s.add_model(cfg)
+        _callers(s, dispatch, cfg, 4)
         waiting = [request(cfg), request(cfg)]
         for r in waiting:
             s.submit(r)
@@ -327,11 +368,13 @@ def test_each_priority_level_has_its_own_queue_limit() -> None:
     run(body)
 
 
-def _wait_after_the_last_arrival_ms(delay_us: int | None, loop_idles: bool = True) -> float:
+def _wait_after_the_last_arrival_ms(
+    delay_us: int | None, loop_idles: bool = True, busy: float = 0.9, apart_ms: float = 1.0
+) -> float:
     """A patient scheduler (saturated loop): arrivals measured at about 1,000 rows/s,
-    then three requests 1 ms apart and no more. How long after the third its batch
+    then three requests `apart_ms` apart and no more. How long after the third its batch
     left. `loop_idles` False: the event loop never waits in select() (its idle clock
-    stands still), busy with other callbacks."""
+    stands still), busy with other callbacks. `busy`: the loop's busy share."""
 
     class Timed(FakeDispatch):
         sent_at: list[float] = []
@@ -343,7 +386,9 @@ def _wait_after_the_last_arrival_ms(delay_us: int | None, loop_idles: bool = Tru
     clock, dispatch, saturated = Clock(), Timed(idle=0, credits=0), [False]
     timer = FakeTimer(clock)
     idle = clock if loop_idles else (lambda: 0.0)
-    s = Scheduler(dispatch, clock, saturated=lambda: saturated[0], timer=timer, idle=idle)
+    s = Scheduler(
+        dispatch, clock, patient=lambda: saturated[0], timer=timer, idle=idle, busy=lambda: busy
+    )
     cfg = model(max_batch_size=32, queue=300, delay_us=delay_us)
     s.add_model(cfg)
     for _ in range(250):  # the rate, measured while the worker has no credit
@@ -355,7 +400,7 @@ def _wait_after_the_last_arrival_ms(delay_us: int | None, loop_idles: bool = Tru
     trio = [request(cfg) for _ in range(3)]
     for r in trio:
         s.submit(r)
-        timer.advance(0.001)
+        timer.advance(apart_ms / 1e3)
     timer.advance(0.05)
     assert dispatch.sent[-1] == trio
     return (dispatch.sent_at[-1] - trio[-1].arrival) * 1000
@@ -366,10 +411,13 @@ def test_with_the_automatic_delay_a_batch_stops_waiting_once_arrivals_stop() -> 
     max_queue_delay_us the batch leaves once the loop has idled about 3 ms (3 rows'
     time at the measured rate) after the last arrival, not when the first has
     waited the 20 ms a full batch would take. A loop that never idled could not
-    have seen an arrival, so it waits on; a configured delay is waited out in full."""
+    have seen an arrival, so it waits on; a configured delay is waited out in full.
+    A loop with time to spare (under 75% busy) waits half a row's time: a small
+    batch costs it little."""
 
     async def body() -> None:
         assert 2.5 < _wait_after_the_last_arrival_ms(None) < 3.5
+        assert 0.4 < _wait_after_the_last_arrival_ms(None, busy=0.7, apart_ms=0.2) < 0.6
         assert _wait_after_the_last_arrival_ms(None, loop_idles=False) == pytest.approx(18)
         assert _wait_after_the_last_arrival_ms(20_000) == pytest.approx(18)
 

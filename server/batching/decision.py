@@ -4,9 +4,11 @@ A batch leaves
   * at once when a worker is idle and batching is `eager` (work-conserving:
     under load batches grow by themselves, because requests pile up while
     every worker is busy). The scheduler turns eagerness off while the
-    frontend's event loop is saturated (loopload.py): then a batch waits to
+    frontend's event loop is busy (loopload.py): then a batch waits to
     fill like any other, since each batch sent costs the loop time, except
-    that a request with less time left than the delay is not kept waiting;
+    that a request with less time left than the delay is not kept waiting,
+    and that the scheduler passes `eager` again for a batch that holds every
+    request lately present (Scheduler._all_here: no other is coming);
   * when it is full (no more rows or tokens fit) or has a preferred size, to
     fill a busy worker's staging credit so the worker never waits on a round
     trip between batches;

@@ -16,11 +16,15 @@ from batchd.server.errors import DeadlineExceeded, clip
 from batchd.server.request import Request
 
 RATE_WINDOW_S = 0.05  # arrivals are counted over windows of this length
+CALLERS_WINDOW_S = 0.5  # the most requests present is kept over one to two windows
 AUTO_DELAY_MIN_S = 0.001  # the automatic delay before any rate is measured
 # With the automatic delay, a batch for an idle worker stops waiting once the loop has
 # idled, with no request coming, for the time this many rows take to arrive at the
-# measured rate (ModelQueue.quiet_at).
-GAP_ROWS = 3
+# measured rate (ModelQueue.quiet_at): GAP_ROWS while the loop is nearly saturated,
+# when each batch sent costs throughput, GAP_ROWS_SPARE while it has time to spare.
+GAP_ROWS = 3.0
+GAP_ROWS_SPARE = 0.5
+NEARLY_SATURATED = 0.75  # the loop's busy share from which the gap is GAP_ROWS
 
 
 def expire(request: Request, now: float) -> None:
@@ -64,6 +68,8 @@ class ModelQueue:
         self.rate = 0.0  # rows arriving per second, measured (for the automatic delay)
         self.idle_at_arrival = -math.inf  # the loop's idle seconds at the last arrival
         self._window_at, self._window_rows = -math.inf, 0
+        self.callers = 1 << 30  # the most requests present lately (present()); none yet
+        self._callers_at, self._callers_now, self._callers_before = -math.inf, 0, 0
 
     def __len__(self) -> int:
         if len(self.levels) == 1:  # no priority levels: asked on every arrival
@@ -85,6 +91,17 @@ class ModelQueue:
             self.rate = rate if elapsed > 4 * RATE_WINDOW_S else 0.5 * self.rate + 0.5 * rate
             self._window_at, self._window_rows = now, 0
 
+    def present(self, now: float, count: int) -> None:
+        """Count the requests present just after an arrival (queued, and in batches on
+        workers): `callers` is the most over the last one to two CALLERS_WINDOW_S.
+        A closed loop of N callers has at most N present; once all N are, no
+        other request is coming (Scheduler._all_here)."""
+        if now - self._callers_at >= CALLERS_WINDOW_S:
+            self._callers_at, self._callers_before = now, self._callers_now
+            self._callers_now = 0
+        self._callers_now = max(self._callers_now, count)
+        self.callers = max(self._callers_now, self._callers_before)
+
     def delay_s(self) -> float:
         """How long a partial batch may wait to fill (when waiting is on at all: the
         worker is busy, or the frontend's loop saturated; decision.py). Configured
@@ -100,9 +117,9 @@ class ModelQueue:
             configured = AUTO_DELAY_MIN_S
         return self.target.delay_s(configured) if self.target else configured
 
-    def quiet_at(self, now: float, idle_s: float) -> float | None:
+    def quiet_at(self, now: float, idle_s: float, gap_rows: float = GAP_ROWS) -> float | None:
         """When arrivals count as stopped, so a batch waiting to fill for an idle
-        worker leaves: once the event loop has idled for GAP_ROWS rows' time at the
+        worker leaves: once the event loop has idled for `gap_rows` rows' time at the
         measured rate since the last arrival (`idle_s`: its idle seconds now). Idle
         time, not wall time: a loop busy with other callbacks registers no arrival
         however many wait, and on 16 cores at 256 callers wall-time gaps cut
@@ -113,7 +130,7 @@ class ModelQueue:
         that could not fill, each time the loop turned patient."""
         if self.config.batching.max_queue_delay_us is not None or self.rate <= 0:
             return None
-        return now + max(0.0, GAP_ROWS / self.rate - (idle_s - self.idle_at_arrival))
+        return now + max(0.0, gap_rows / self.rate - (idle_s - self.idle_at_arrival))
 
     def compact(self, now: float) -> None:
         """Drop every finished (cancelled, expired) entry; used when the queue looks full."""
