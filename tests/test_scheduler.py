@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull
 from batchd.server.request import Request
@@ -96,6 +97,20 @@ def test_a_patient_batch_leaves_once_every_caller_lately_present_is_here() -> No
         assert dispatch.sent[-1] == [last]
 
     run(body)
+
+
+def test_the_callers_a_queue_counts_are_the_most_present_over_the_last_window_or_two() -> None:
+    q = ModelQueue(model())
+    assert q.callers > 1_000_000  # none counted yet: no batch is taken for all of them
+    q.present(0.0, 20)
+    q.present(0.3, 5)
+    assert q.callers == 20
+    q.present(0.6, 3)  # a new window: the last one's 20 still count
+    assert q.callers == 20
+    q.present(1.2, 4)  # and now they do not
+    assert q.callers == 4
+    q.present(5.0, 1)  # after a silence nothing before it counts
+    assert q.callers == 1
 
 
 def test_models_sharing_workers_take_turns_whatever_one_has_queued() -> None:

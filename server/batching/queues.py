@@ -96,9 +96,10 @@ class ModelQueue:
         workers): `callers` is the most over the last one to two CALLERS_WINDOW_S.
         A closed loop of N callers has at most N present; once all N are, no
         other request is coming (Scheduler._all_here)."""
-        if now - self._callers_at >= CALLERS_WINDOW_S:
-            self._callers_at, self._callers_before = now, self._callers_now
-            self._callers_now = 0
+        if (elapsed := now - self._callers_at) >= CALLERS_WINDOW_S:
+            # after a silence of two windows or more, what came before it is forgotten
+            self._callers_before = self._callers_now if elapsed < 2 * CALLERS_WINDOW_S else 0
+            self._callers_at, self._callers_now = now, 0
         self._callers_now = max(self._callers_now, count)
         self.callers = max(self._callers_now, self._callers_before)
 
