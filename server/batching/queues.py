@@ -105,7 +105,7 @@ class ModelQueue:
 
     def delay_s(self) -> float:
         """How long a partial batch may wait to fill (when waiting is on at all: the
-        worker is busy, or the frontend's loop saturated; decision.py). Configured
+        worker is busy, or the frontend's loop busy: loopload.PATIENT). Configured
         (`max_queue_delay_us`), or automatic: the time a full batch takes to arrive at
         the measured rate, at most AUTO_DELAY_MAX_US. Waiting longer cannot fill it,
         waiting less sends it part empty while more requests are on their way."""
