@@ -70,9 +70,10 @@ try:
         load = f"{load[1:]} req/s offered"
 except (OSError, StopIteration, KeyError, IndexError, ValueError):
     sys.exit(print(f"{os.environ.get('LABEL', '')} N={n} {load}: the load tool gave no result"))
-d[1] = d[1] or float("nan")
+rows = (f"frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}" if d[1]
+        else "frontend 0 ran no batch (the kernel gave the load's connections to the others)")
 print(f"{os.environ.get('LABEL', '')} N={n} {load}: req/s {got[0]:,.0f} p50 {got[1]:.2f} ms "
-      f"p99 {got[2]:.2f} ms; frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}")
+      f"p99 {got[2]:.2f} ms; {rows}")
 PY
   done
   kill -INT $SP; wait $SP
