@@ -304,4 +304,8 @@ def test_drain_timeout_still_answers_every_request(
     out = asyncio.run(scenario())
     assert all(isinstance(o, ServerUnavailable) for o in out), out
     assert server.stop() == 0
-    assert "drain timeout: answering 3 open request(s) UNAVAILABLE" in server.log()
+    log = server.log()
+    assert "drain timeout: answering 3 open request(s) UNAVAILABLE" in log
+    # the hung model's worker leaves by itself after the 5 s grace (README, failure model),
+    # however often the stopping frontend answers its READY with STOP again
+    assert "the model is still running after 5 s; exiting without it" in log

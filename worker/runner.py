@@ -289,11 +289,12 @@ class Runner:
         results.bind(_RESULTS)
         compute = threading.Thread(target=self._compute, args=(ctx,), name="compute", daemon=True)
         compute.start()
+        grace = STOP_GRACE_S
         try:
-            self._loop(links, results)
+            grace = self._loop(links, results)
         finally:
             self._work.put(None)
-            compute.join(timeout=STOP_GRACE_S)
+            compute.join(timeout=grace)
             if compute.is_alive():  # a hung model: no way to stop its thread but to leave
                 log.error(
                     "the model is still running after %.0f s; exiting without it", STOP_GRACE_S
@@ -308,7 +309,8 @@ class Runner:
     def stop(self) -> None:
         self._stop.set()
 
-    def _loop(self, links: list[FrontendLink], results: zmq.Socket[Any]) -> None:
+    def _loop(self, links: list[FrontendLink], results: zmq.Socket[Any]) -> float:
+        """Serve until a stop; returns how long the compute thread may still take."""
         now = time.monotonic()
         for link in links:
             link.open(now)
@@ -336,10 +338,11 @@ class Runner:
             if any([link.tick(now) for link in links]):  # a link opened a new socket
                 poller = _poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
-                return  # the batch at hand will not finish: serve() leaves without it
+                return 0.0  # the batch at hand will not finish: serve() leaves without it
             if self._parent_gone():
                 log.warning("parent process exited; stopping")
-                return
+                return STOP_GRACE_S
+        return STOP_GRACE_S
 
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
         if header.kind in _COUNTED and not io.stopping:
@@ -347,7 +350,9 @@ class Runner:
             io.pending += 1
         elif header.kind in (wire.Header.UNLOAD, wire.Header.CANCEL, wire.Header.PASS):
             self._work.put((i, header, frames))
-        elif header.kind == wire.Header.STOP:
+        elif header.kind == wire.Header.STOP and not io.stopping:
+            # the first STOP starts the grace: a stopping frontend answers each READY
+            # again with STOP, and those must not push the hung model's deadline on
             log.info("STOP received")
             io.stopping, io.stop_at = True, time.monotonic()
 
