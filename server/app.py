@@ -30,7 +30,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from batchd.protos import inference_pb2, inference_pb2_grpc, jobs_pb2, jobs_pb2_grpc, traces
+from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
@@ -39,6 +39,7 @@ from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
+from batchd.server.handlers import add_service
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PostgresStore
 from batchd.server.jobs.runner import Jobs
@@ -103,15 +104,17 @@ def _grpc_server(
     ]
     more_options, interceptors = grpc_options(cfg)
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
-    inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(service, server)
+    inference = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    jobs_service = jobs_pb2.DESCRIPTOR.services_by_name["Jobs"]
+    add_service(server, service, inference)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    jobs_pb2_grpc.add_JobsServicer_to_server(jobs or JobsService(None, "not set up"), server)
+    add_service(server, jobs or JobsService(None, "not set up"), jobs_service)
     with contextlib.suppress(TypeError):  # already there when serve() runs twice in one process
         POOL.AddSerializedFile(health_pb2.DESCRIPTOR.serialized_pb)
     names = (
-        inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+        inference.full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        jobs_pb2.DESCRIPTOR.services_by_name["Jobs"].full_name,
+        jobs_service.full_name,
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server, pool=POOL)

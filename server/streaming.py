@@ -9,7 +9,11 @@ sets `triton_enable_empty_final_response` gets its outputs with final=false
 and an empty final response after them; one whose sequence ends with a step
 that yields nothing gets that empty final response too, so the end is always
 marked. A failure is a response with `error_message` (and its gRPC status name
-in the `error_code` parameter), and the stream goes on.
+in the `error_code` parameter), and the stream goes on: so is a message that
+does not parse (handlers.Undecodable; its response has no id), and a request
+that fails for a defect of ours ("internal error", logged). Should the request
+stream itself fail, the responses end after those of the requests in flight,
+and the call ends with its error.
 Responses wait in a bounded queue: a client that does not read holds up its
 sequences, whose own buffers then fill (request.StepStream) and fail them.
 """
@@ -17,17 +21,20 @@ sequences, whose own buffers then fill (request.StepStream) and fail them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 from batchd.protos import inference_pb2 as pb
 from batchd.server.codec import encode_response
 from batchd.server.errors import BatchdError
+from batchd.server.handlers import Undecodable
 from batchd.server.request import Request, Tensor
 
 STREAM_WINDOW = 256  # requests of one stream in flight at once
 QUEUED_RESPONSES = 256  # responses of one stream waiting for the client to take them
 FINAL, EMPTY_FINAL = "triton_final_response", "triton_enable_empty_final_response"
+log = logging.getLogger("batchd.server")
 
 
 class Answers(Protocol):
@@ -82,28 +89,34 @@ async def respond(
     responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(QUEUED_RESPONSES)
     window = asyncio.Semaphore(STREAM_WINDOW)
 
-    async def one(msg: pb.ModelInferRequest) -> None:
+    async def one(msg: pb.ModelInferRequest | Undecodable) -> None:
         try:
             try:
+                if isinstance(msg, Undecodable):
+                    raise msg.error
                 if service.is_stepwise(msg):
                     await _steps(service, msg, responses.put, carrier)
                 else:
                     response = await service.infer(msg, None, carrier)
                     await responses.put(_final(response, True))
             except BatchdError as e:
-                error = pb.ModelInferResponse(model_name=msg.model_name[:200], id=msg.id)
-                error.parameters["error_code"].string_param = e.code.name  # for typed errors
-                await responses.put(
-                    pb.ModelStreamInferResponse(error_message=e.message, infer_response=error)
-                )
+                await responses.put(_error(msg, e))
+            except Exception:  # a defect: this request fails, the stream's others go on
+                log.exception("a ModelStreamInfer request failed")
+                await responses.put(_error(msg, BatchdError("internal error")))
         finally:
             window.release()
 
+    ended: list[BaseException] = []  # what ended the request stream, if not its end
+
     async def read() -> None:
         async with asyncio.TaskGroup() as tg:
-            async for msg in requests:
-                await window.acquire()
-                tg.create_task(one(msg))
+            try:
+                async for msg in requests:
+                    await window.acquire()
+                    tg.create_task(one(msg))
+            except Exception as e:  # the requests' stream failed: those in flight are
+                ended.append(e)  # still answered, then the call ends with its error
         await responses.put(None)
 
     reader = asyncio.create_task(read())
@@ -111,8 +124,19 @@ async def respond(
         while (out := await responses.get()) is not None:
             yield out
         await reader
+        if ended:
+            raise ended[0]
     finally:
         reader.cancel()
+
+
+def _error(msg: pb.ModelInferRequest | Undecodable, e: BatchdError) -> pb.ModelStreamInferResponse:
+    """A failed request's response: its error, and its model and id where it parsed."""
+    error = pb.ModelInferResponse()
+    if not isinstance(msg, Undecodable):
+        error.model_name, error.id = msg.model_name[:200], msg.id
+    error.parameters["error_code"].string_param = e.code.name  # for typed errors
+    return pb.ModelStreamInferResponse(error_message=e.message, infer_response=error)
 
 
 def join_steps(steps: Sequence[list[Tensor]]) -> list[Tensor]:

@@ -217,3 +217,74 @@ def test_malformed_requests_get_truthful_codes(stub, bystander, msg: pb.ModelInf
 
 def test_bystander_saw_no_error(bystander: list[BaseException]) -> None:
     assert not bystander, bystander[:3]
+
+
+@settings(
+    max_examples=int(os.environ.get("HOSTILE_EXAMPLES", "400")) // 4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(wire=st.binary(max_size=64))
+def test_bytes_that_may_not_parse_get_truthful_codes(
+    example_server: ServerProcess, wire: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(example_server.url) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=bytes,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        try:
+            call(wire, timeout=30)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+    assert code in TRUTHFUL, f"{code}: {details}\n{wire!r}"
+
+
+UNDECODABLE = b"\x0a\x02\xff\xfe"  # model_name: bytes that are not UTF-8
+
+
+def test_a_message_that_does_not_parse_is_answered_invalid_argument_and_logged_by_none(
+    example_server: ServerProcess,
+) -> None:
+    with grpc.insecure_channel(example_server.url) as channel:
+        call = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelMetadata",
+            request_serializer=bytes,
+            response_deserializer=pb.ModelMetadataResponse.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as e:
+            call(UNDECODABLE, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == (
+        "a message of 4 bytes that does not parse as inference.ModelMetadataRequest: Error "
+        "parsing message with type 'inference.ModelMetadataRequest': String field had bad UTF-8"
+    )
+    assert "DecodeError" not in example_server.log()  # grpc's own answer logs a traceback
+
+
+def test_a_stream_answers_a_message_that_does_not_parse_and_goes_on(
+    example_server: ServerProcess,
+) -> None:
+    def good(i: int) -> bytes:
+        return pb.ModelInferRequest(
+            model_name="tiny",
+            id=f"good-{i}",
+            inputs=[pb.InferInputTensor(name="INPUT0", datatype="FP32", shape=[1, 16])],
+            raw_input_contents=[np.ones(16, np.float32).tobytes()],
+        ).SerializeToString()
+
+    with grpc.insecure_channel(example_server.url) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=bytes,
+            response_deserializer=pb.ModelStreamInferResponse.FromString,
+        )
+        out = list(stream(iter([good(1), UNDECODABLE, good(2)]), timeout=30))
+    answered = sorted(r.infer_response.id for r in out if not r.error_message)
+    failed = [r for r in out if r.error_message]
+    assert answered == ["good-1", "good-2"]
+    assert len(failed) == 1
+    assert failed[0].error_message.startswith("a message of 4 bytes that does not parse")
+    assert failed[0].infer_response.parameters["error_code"].string_param == "INVALID_ARGUMENT"

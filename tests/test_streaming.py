@@ -1,0 +1,78 @@
+"""ModelStreamInfer's response stream (server/streaming.respond) with a fake servicer:
+a request that fails for a defect, or a request stream that fails, never leaves the
+stream without an end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from batchd.protos import inference_pb2 as pb
+from batchd.server.errors import InvalidInput
+from batchd.server.streaming import respond
+
+
+class Service:
+    """Answers each request with its id; `boom` is a defect, `bad` invalid input."""
+
+    def is_stepwise(self, msg: pb.ModelInferRequest) -> bool:
+        return False
+
+    async def infer(
+        self, msg: pb.ModelInferRequest, time_remaining: Any, carrier: Any = None
+    ) -> pb.ModelInferResponse:
+        await asyncio.sleep(0)
+        if msg.id == "boom":
+            raise KeyError("tiny@1")  # as a retired version's queue once did
+        if msg.id == "bad":
+            raise InvalidInput("bad input")
+        return pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)
+
+    def max_response_bytes(self) -> int:
+        return 1 << 20
+
+
+async def requests(
+    ids: list[str], fail: Exception | None = None
+) -> AsyncIterator[pb.ModelInferRequest]:
+    for i in ids:
+        yield pb.ModelInferRequest(model_name="tiny", id=i)
+    if fail is not None:
+        raise fail
+
+
+async def collect(
+    ids: list[str], fail: Exception | None = None
+) -> list[pb.ModelStreamInferResponse]:
+    out = []
+    async for response in respond(Service(), requests(ids, fail)):  # type: ignore[arg-type]
+        out.append(response)
+    return out
+
+
+def test_a_request_that_fails_for_a_defect_gets_internal_error_and_the_stream_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    out = asyncio.run(asyncio.wait_for(collect(["a", "boom", "bad", "b"]), 10))
+    by_id = {r.infer_response.id: r for r in out}
+    assert sorted(by_id) == ["a", "b", "bad", "boom"]
+    assert by_id["boom"].error_message == "internal error"
+    assert by_id["boom"].infer_response.parameters["error_code"].string_param == "INTERNAL"
+    assert by_id["bad"].error_message == "bad input"
+    assert not by_id["a"].error_message and not by_id["b"].error_message
+    assert "a ModelStreamInfer request failed" in caplog.text
+
+
+def test_a_request_stream_that_fails_ends_the_call_with_its_error_after_the_answers() -> None:
+    seen: list[str] = []
+
+    async def run() -> None:
+        async for response in respond(Service(), requests(["a", "b"], OSError("reset"))):  # type: ignore[arg-type]
+            seen.append(response.infer_response.id)
+
+    with pytest.raises(OSError, match="reset"):
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert sorted(seen) == ["a", "b"]
