@@ -117,31 +117,34 @@ class Supervisor:
         generation = 0
         while not self._stopping:
             worker_id = f"{spec.slot}#{generation}"
-            proc = await self._start(spec, worker_id)
-            self._procs[spec.slot] = (worker_id, proc)
-            log.info(
-                "started worker %s (pid %d) on %s for %s",
-                worker_id,
-                proc.pid,
-                spec.device,
-                ", ".join(spec.models) or "any model",
-                extra={"worker": worker_id, "device": spec.device},
-            )
-            started = time.monotonic()
-            code = await proc.wait()
-            if self._stopping:
-                return
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            self._on_exit(worker_id, f"process exited ({how})")
-            if time.monotonic() - started > STABLE_AFTER_S:
-                backoff = BACKOFF_FIRST_S
-            log.warning(
-                "worker %s exited with code %s; restarting in %.1f s",
-                worker_id,
-                code,
-                backoff,
-                extra={"worker": worker_id},
-            )
+            try:
+                proc = await self._start(spec, worker_id)
+            except OSError as e:  # no process (out of memory, of pids): try again later
+                log.error("could not start worker %s (%s); trying in %.1f s", worker_id, e, backoff)
+            else:
+                self._procs[spec.slot] = (worker_id, proc)
+                log.info(
+                    "started worker %s (pid %d) on %s for %s",
+                    worker_id,
+                    proc.pid,
+                    spec.device,
+                    ", ".join(spec.models) or "any model",
+                    extra={"worker": worker_id, "device": spec.device},
+                )
+                started = time.monotonic()
+                code = await proc.wait()
+                if self._stopping:
+                    return
+                self._on_exit(worker_id, f"process exited ({_exit_reason(code)})")
+                if time.monotonic() - started > STABLE_AFTER_S:
+                    backoff = BACKOFF_FIRST_S
+                log.warning(
+                    "worker %s exited with code %s; restarting in %.1f s",
+                    worker_id,
+                    code,
+                    backoff,
+                    extra={"worker": worker_id},
+                )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX_S)
             generation += 1
@@ -171,3 +174,13 @@ class Supervisor:
                     asyncio.gather(*(p.wait() for p in alive)),
                     timeout_s if signal_step is None else 3.0,
                 )
+
+
+def _exit_reason(code: int) -> str:
+    """`exit code 3`, `killed by SIGKILL`; a signal with no name (real-time) by number."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"

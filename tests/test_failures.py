@@ -116,6 +116,18 @@ def test_killing_a_worker_under_load_loses_nothing(both_workers: ServerProcess) 
     assert failures(server, "crashy") == failed_before  # no request failed, for any reason
 
 
+def test_a_worker_killed_by_a_signal_with_no_name_is_restarted(both_workers: ServerProcess) -> None:
+    server = both_workers
+    restarts_before = worker_restarts(server)
+    rt = signal.SIGRTMIN + 1  # real-time signals are not members of signal.Signals
+    os.kill(server.worker_pids()[0], rt)
+    back_to_two(server, restarts_before, 1)
+    assert server.proc is not None and server.proc.poll() is None  # the frontend lives on
+    with Client(server.url) as client:
+        assert client.infer("crashy", x(3), timeout=60)["Y"][0, 0] == 6
+    assert f"process exited (killed by signal {int(rt)})" in server.log()
+
+
 def test_poison_request_fails_alone_after_two_deaths(both_workers: ServerProcess) -> None:
     server = both_workers
     restarts_before = worker_restarts(server)
