@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import secrets
 from dataclasses import dataclass, field
 
 from batchd.protos import wire
@@ -72,7 +73,11 @@ class WorkerPool:
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._order: list[WorkerHandle] = []
         self._rr = 0
-        self._next_id = 0
+        # Ids start at a random multiple of 2**32, so this process's ids are not those
+        # of the frontend it replaced: a worker it shares with no process of ours
+        # (`batchd worker`) may still step that one's sequences, and their outputs
+        # must not reach this process's callers (Sequences.on_step cancels them).
+        self._next_id = secrets.randbits(31) << 32
 
     # ---- the registry ----
 

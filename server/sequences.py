@@ -100,8 +100,13 @@ class Sequences:
             mine = frames[at : at + step.tensors]
             at += step.tensors
             sequence = worker.sequences.get(step.id)
-            if sequence is not None:  # else its caller left; the worker had stepped it already
+            if sequence is not None:
                 self._on_output(worker, sequence, step, tensors, mine, now)
+            elif not step.final:  # its caller left (the worker stepped it before our
+                # CANCEL came), or it is the sequence of a frontend this one replaced:
+                # it must not go on holding a slot
+                cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=step.id)
+                self._link.send(worker.identity, wire.pack(cancel))
 
     def _on_output(
         self,

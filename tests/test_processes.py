@@ -4,11 +4,13 @@ clean shutdown, and every datatype through real worker processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -78,6 +80,83 @@ def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
         if worker.poll() is None:
             worker.kill()
         assert server.stop() == 0, server.log()
+
+
+SLOW_STEPS_TOML = """
+[[input]]
+name = "ID"
+datatype = "INT64"
+shape = [1]
+[[output]]
+name = "VALUE"
+datatype = "INT64"
+shape = [1]
+[generate]
+max_active = 4
+max_steps = 1000
+"""
+SLOW_STEPS_PY = """
+import time, torch
+class Counter:  # sequence ID yields ID * 1000 + k at step k; ID 7 ends at step 10
+    def start(self, requests):
+        return [{"id": int(r["ID"][0]), "k": 0} for r in requests]
+    def step(self, states):
+        time.sleep(0.02)
+        for s in states:
+            s["k"] += 1
+        return [({"VALUE": torch.tensor([s["id"] * 1000 + s["k"]])}, s["id"] == 7 and s["k"] == 10)
+                for s in states]
+def load(device):
+    return Counter()
+"""
+
+
+def test_a_replaced_frontend_s_sequences_never_reach_its_successor_s_callers(
+    tmp_path: Path,
+) -> None:
+    """A hand-started worker outlives a frontend that was killed mid-sequence and
+    steps that frontend's sequences on. The new frontend's sequences never get
+    their outputs (their ids are not the old ones), and it cancels them."""
+    (tmp_path / "repo" / "counter").mkdir(parents=True)
+    (tmp_path / "repo" / "counter" / "model.toml").write_text(SLOW_STEPS_TOML)
+    (tmp_path / "repo" / "counter" / "model.py").write_text(SLOW_STEPS_PY)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    args = ("--no-local-workers", "--worker-endpoint", endpoint)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path / "a").start(ready=False)
+    worker = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "batchd.worker", "--connect", endpoint, "--device", "cpu"),
+            *("--model-repository", str(tmp_path / "repo"), "--threads", "1"),
+        ]
+    )
+    second = None
+    old: list[int] = []
+
+    def old_sequences() -> None:
+        with contextlib.suppress(Exception), Client(first.url) as c:  # its server is killed
+            for out in c.stream("counter", {"ID": np.array([1], np.int64)}, timeout=60):
+                old.append(int(out["VALUE"][0]))
+
+    try:
+        with Client(first.url) as c:
+            wait_for(lambda: c.model_ready("counter"), 60, "the hand-started worker")
+        threading.Thread(target=old_sequences, daemon=True).start()
+        wait_for(lambda: len(old) >= 3, 60, "the first frontend's sequence to stream")
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+        second = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path / "b").start()
+        with Client(second.url) as c:
+            new = [
+                int(o["VALUE"][0])
+                for o in c.stream("counter", {"ID": np.array([7], np.int64)}, timeout=60)
+            ]
+        assert new == [7001 + k for k in range(10)]
+    finally:
+        worker.kill()
+        worker.wait()
+        if second is not None:
+            assert second.stop() == 0, second.log()
 
 
 def test_bad_model_toml_stops_start_up_naming_file_and_key(tmp_path: Path) -> None:
