@@ -332,6 +332,30 @@ def test_queue_timeout_fires_without_any_other_event() -> None:
     run(body)
 
 
+def test_a_requeued_request_still_expires_at_its_queue_timeout() -> None:
+    """Its timer went when its batch took it; the worker was lost and no other is
+    free: back in the queue it must still expire, with no other event."""
+
+    async def body() -> None:
+        clock = Clock()
+        timers = FakeTimer(clock)
+        dispatch = FakeDispatch(idle=1, credits=1)
+        s = Scheduler(dispatch, clock, timer=timers)
+        cfg = model()
+        s.add_model(cfg)
+        r = request(cfg, deadline=clock.now + 0.002)
+        r.queue_timeout = True
+        future = s.submit(r)
+        assert dispatch.sent == [[r]] and timers.pending() == []  # taken: its timer went
+        dispatch.idle, dispatch.credits = 0, 0
+        s.requeue([r])  # its worker was lost
+        timers.advance(0.002)
+        with pytest.raises(DeadlineExceeded):
+            future.result()
+
+    run(body)
+
+
 def test_requeued_requests_go_first() -> None:
     async def body() -> None:
         dispatch = FakeDispatch(idle=0, credits=0)

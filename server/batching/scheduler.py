@@ -172,8 +172,7 @@ class Scheduler:
             part.arrival = now
             part.future = loop.create_future()
             (q.jobs if part.background else q.levels[part.level]).append(part)
-            if part.queue_timeout:
-                part.timer = self._timers.at(part.deadline, partial(self._expire_queued, part))
+            self._arm_timeout(part)
         self.pump(q)
         if len(parts) == 1:
             return parts[0].future
@@ -210,6 +209,13 @@ class Scheduler:
         so a failed send cannot re-enter the pump that made it."""
         for key in dict.fromkeys(r.model.key for r in requests):
             self._queues[key].put_front([r for r in requests if r.model.key == key])
+        for r in requests:  # their timers went when they were taken: queued, they expire
+            self._arm_timeout(r)
+
+    def _arm_timeout(self, request: Request) -> None:
+        """A queued request with a queue timeout expires at its deadline."""
+        if request.queue_timeout and request.timer is None and not request.future.done():
+            request.timer = self._timers.at(request.deadline, partial(self._expire_queued, request))
 
     def observe(self, key: str, rows: int, compute_s: float) -> None:
         """A batch finished: feed the model's latency target, if it has one."""
