@@ -321,7 +321,7 @@ class Core:
                 "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,
             })  # fmt: skip
         if header.kind == wire.Header.ERROR:
-            retry = recovery.after_error(batch, worker.name, header.error)
+            retry = recovery.after_error(batch, worker.name, header.error, header.forward_rows)
             if retry:
                 log.warning(
                     "batch %d of model %s failed on worker %s (%s); retrying its %d "

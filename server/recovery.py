@@ -5,8 +5,9 @@ The policy has one owner, this module:
     silence, a batch past its execution limit); the last such loss fails it with
     ModelFailed naming the cause. So a request runs at least once and at most
     twice, counting only runs on a worker that was lost.
-  * Every request of a lost worker's batches, and of a batch of several whose
-    model raised, becomes a *suspect*: it is retried alone, on an idle worker
+  * Every request of a lost worker's batches, and of a forward of several whose
+    model raised (a batch of several, or batches the worker merged), becomes a
+    *suspect*: it is retried alone, on an idle worker
     that takes nothing else meanwhile. An innocent request that shared a batch
     with a poison one is charged once and its lone retry succeeds; the poison
     request kills one more worker at most, then fails; a model error is pinned
@@ -54,11 +55,14 @@ def after_loss(batches: Iterable[Batch], worker: str, reason: str) -> list[Reque
     return back
 
 
-def after_error(batch: Batch, worker: str, error: str) -> list[Request]:
-    """A batch whose model raised: with several requests waiting, each is retried
-    alone (returned, as suspects); a lone one is answered with the error."""
+def after_error(batch: Batch, worker: str, error: str, forward_rows: int = 0) -> list[Request]:
+    """A batch whose model raised. A request that ran alone is answered with the error;
+    if the forward held others too (the batch's other requests, whether or not their
+    callers are still waiting, or, `forward_rows` says, the batches the worker merged
+    into it), each request still waiting is retried alone (returned, as suspects)."""
     pending = [r for r in batch.requests if not r.future.done()]
-    if len(pending) > 1:
+    merged = not batch.suspect and forward_rows > sum(r.rows for r in batch.requests)
+    if len(batch.requests) > 1 or merged:  # (a suspect's batch is never merged: `alone`)
         for r in pending:
             r.suspect = True
         return pending

@@ -327,3 +327,43 @@ def test_batches_waiting_from_several_frontends_run_as_one_forward(tmp_path: Pat
         ctx.term()
         gc.unfreeze()
     assert got == {1: (0, 1, 6.0, 6), 2: (1, 2, 6.0, 6), 3: (0, 3, 6.0, 6), 4: (1, 1, 1.0, 1)}
+
+
+RAISING_MODEL = """
+def load(device):
+    def forward(x):
+        if (x < 0).any():
+            raise ValueError("a negative input")
+        return x
+    return forward
+"""
+
+
+def test_a_merged_forward_that_raises_tells_each_batch_the_forward_s_rows(tmp_path: Path) -> None:
+    """So a frontend whose batch held one request knows it did not run alone, and
+    retries it alone instead of failing it with another frontend's error."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(RAISING_MODEL))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    ctx: zmq.Context[Any] = zmq.Context()
+    results = ctx.socket(zmq.PAIR)
+    results.bind(runner_module._RESULTS)
+    try:
+        assert wire.unpack(runner._load(wire.Header(kind=wire.Header.LOAD, model=d.name,
+                                                    version="1")))[0].error == ""  # fmt: skip
+        for batch_id, (frontend, value) in enumerate([(0, 1.0), (1, -1.0)], 1):
+            tensors, frames = batch(np.full((1, 4), value, np.float32))
+            h = wire.Header(kind=wire.Header.BATCH, batch_id=batch_id, model=d.name,
+                            version="1", tensors=tensors)  # fmt: skip
+            runner._work.put((frontend, h, frames))
+        runner._work.put(None)
+        runner._compute(ctx)
+        got = {}
+        for _ in range(2):
+            first, *parts = results.recv_multipart()
+            reply, _ = wire.unpack(parts)
+            got[reply.batch_id] = (first[0], reply.kind, reply.forward_rows)
+    finally:
+        results.close(linger=0)
+        ctx.term()
+        gc.unfreeze()
+    assert got == {1: (0, wire.Header.ERROR, 2), 2: (1, wire.Header.ERROR, 2)}

@@ -217,6 +217,7 @@ class Runner:
         """One forward for the batches of `group`; a reply for each, to its frontend."""
         header = group[0][1]
         entry = self.models.get(model_key(header.model, header.version))
+        rows = [merge.rows_of(h) for _, h, _ in group]
         try:
             if entry is None:
                 raise BatchError(
@@ -226,7 +227,6 @@ class Runner:
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
-            rows = [merge.rows_of(h) for _, h, _ in group]
             start, wall = time.perf_counter_ns(), time.time_ns()
             device = self.options.device
             out_tensors, out_frames = run_batch(fn, cfg, device, tensors, frames, sum(rows))
@@ -234,9 +234,9 @@ class Runner:
         except Exception as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
             message = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
-            return [
+            return [  # forward_rows: whether the batch ran alone (server/recovery.py)
                 (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
-                                          model=h.model, error=message)))
+                                          model=h.model, error=message, forward_rows=sum(rows))))
                 for f, h, _ in group
             ]  # fmt: skip
         headers = [h for _, h, _ in group]

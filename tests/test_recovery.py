@@ -1,0 +1,67 @@
+"""recovery.after_error: a model error is pinned on a request only when that request
+ran alone in its forward."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from batchd.protos.model_config import ModelConfig
+from batchd.server import recovery
+from batchd.server.errors import ModelFailed
+from batchd.server.request import Batch, Request
+from tests.conftest import model, run
+from tests.conftest import request as _request
+
+
+def request(cfg: ModelConfig) -> Request:
+    """A request as the scheduler holds it: with its caller's future."""
+    r = _request(cfg)
+    r.future = asyncio.get_running_loop().create_future()
+    return r
+
+
+def test_a_request_alone_in_its_forward_gets_the_error() -> None:
+    async def body() -> None:
+        r = request(model())
+        assert recovery.after_error(Batch(1, r.model, [r], 0.0), "w", "boom", 1) == []
+        with pytest.raises(ModelFailed, match="raised on worker w: boom"):
+            r.future.result()
+
+    run(body)
+
+
+def test_a_request_whose_batch_the_worker_merged_with_another_is_retried_alone() -> None:
+    async def body() -> None:
+        r = request(model())
+        assert recovery.after_error(Batch(1, r.model, [r], 0.0), "w", "boom", 2) == [r]
+        assert r.suspect and not r.future.done()
+
+    run(body)
+
+
+def test_the_last_request_waiting_of_a_batch_of_two_is_retried_alone() -> None:
+    """The other's caller left before the model raised: it may be the poison one."""
+
+    async def body() -> None:
+        cfg = model()
+        left, waiting = request(cfg), request(cfg)
+        left.future.cancel()
+        assert recovery.after_error(Batch(1, cfg, [left, waiting], 0.0), "w", "boom", 2) == [
+            waiting
+        ]
+        assert waiting.suspect and not waiting.future.done()
+
+    run(body)
+
+
+def test_a_suspect_that_fails_is_answered_whatever_its_forward_held() -> None:
+    async def body() -> None:
+        r = request(model())
+        r.suspect = True
+        assert recovery.after_error(Batch(1, r.model, [r], 0.0, suspect=True), "w", "boom", 3) == []
+        with pytest.raises(ModelFailed):
+            r.future.result()
+
+    run(body)
