@@ -13,7 +13,7 @@ import pytest
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
-from batchd.server.errors import DeadlineExceeded, QueueFull
+from batchd.server.errors import DeadlineExceeded, QueueFull, Unavailable
 from batchd.server.request import Request
 from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run
 
@@ -352,6 +352,19 @@ def test_a_requeued_request_still_expires_at_its_queue_timeout() -> None:
         timers.advance(0.002)
         with pytest.raises(DeadlineExceeded):
             future.result()
+
+    run(body)
+
+
+def test_a_request_for_a_version_retired_while_it_was_decoded_is_unavailable() -> None:
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model()
+        s.add_model(cfg)
+        s.check_room(cfg.key)  # then the request is decoded off the loop, and meanwhile ...
+        s.remove_model(cfg.key)  # ... a reload retires the version it was admitted to
+        with pytest.raises(Unavailable, match="was replaced or unloaded while this request"):
+            s.submit(request(cfg))
 
     run(body)
 

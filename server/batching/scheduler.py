@@ -152,7 +152,12 @@ class Scheduler:
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
         """Admit `request` or raise QueueFull; never waits. Returns the result future."""
-        q = self._queues[request.model.key]
+        q = self._queues.get(request.model.key)
+        if q is None:  # its version was retired while the request was decoded off the loop
+            raise Unavailable(
+                f"model {request.model.name!r} version {request.model.version} was replaced "
+                "or unloaded while this request was decoded; retry"
+            )
         now = self._clock()
         per_batch = q.config.rows_per_batch(request.length)
         count = -(-request.rows // per_batch)  # chunks, counted before any is made
