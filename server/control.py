@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from batchd.protos import wire
 from batchd.protos.model_config import (
@@ -37,6 +38,7 @@ from batchd.server.link import WorkerLink
 from batchd.server.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("batchd.control")
+T = TypeVar("T")
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 
 
@@ -71,7 +73,7 @@ class ModelControl:
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
         self._lock = asyncio.Lock()  # one load or unload at a time
-        self._retiring: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
 
     def start_with(self, configs: dict[str, ModelConfig]) -> None:
         """The models serving from the start (before any worker registered)."""
@@ -204,6 +206,9 @@ class ModelControl:
                 f"cannot load model {clip(name)}: not a model name (1 to 128 letters, "
                 "digits, '_', '-' or '.', not starting with '.')"
             )
+        return await self._to_the_end(self._load(name))
+
+    async def _load(self, name: str) -> ModelConfig:
         async with self._lock:
             try:
                 cfg = self._next_version(find_model(self.repository, name))
@@ -240,14 +245,15 @@ class ModelControl:
             )
             self._changed()
             if old is not None:
-                task = asyncio.create_task(self._retire(old), name=f"retire-{old.key}")
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
+                self._keep(asyncio.create_task(self._retire(old), name=f"retire-{old.key}"))
             return cfg
 
     async def unload(self, name: str) -> None:
         """Stop admitting requests for `name`; return once its admitted requests are answered."""
         self._allowed()
+        await self._to_the_end(self._unload(name))
+
+    async def _unload(self, name: str) -> None:
         async with self._lock:
             cfg = self.current.pop(name, None)
             if cfg is None:
@@ -255,6 +261,18 @@ class ModelControl:
             log.info("model %s version %s unloading", name, cfg.version, extra={"model": name})
             self._changed()
             await self._retire(cfg)
+
+    async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run a load or unload to its end even if its caller leaves (a deadline, a
+        cancel): half done, it would leave a copy of the model on the workers."""
+        return await asyncio.shield(self._keep(asyncio.create_task(work)))
+
+    def _keep(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
+        """Hold `task` until it ends; a failure nobody awaits any more is not logged."""
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
 
     async def _retire(self, cfg: ModelConfig) -> None:
         while self._scheduler.queued_version(cfg.key) or self._pool.inflight(cfg.key):

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -289,3 +290,44 @@ def test_a_first_load_that_fails_does_not_speak_of_a_version_before(
         c.load_model("fresh")
     assert "refuses to load" in str(e.value) and "serving before" not in str(e.value)
     assert "no version of it serves" in str(e.value)
+
+
+def serving(c: Client, model: str) -> bool:
+    return model in [m["name"] for m in c.repository_index(ready=True)]
+
+
+def test_a_load_or_unload_whose_caller_left_still_ends(server: ServerProcess, repo: Path) -> None:
+    """Half done, either would leave a copy of the model on the workers that nothing
+    serves and nothing unloads: both go on to their end without their caller."""
+    d = repo / "idle"
+    reset_model_logs(d)
+    gate = load_gate(d)
+    gate.touch()
+    try:
+        with Client(server.url) as c:
+            with pytest.raises(BatchdClientError) as e:
+                c.load_model("idle", timeout=1.0)  # every worker's load() is held
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            gate.unlink()
+            wait_for(lambda: serving(c, "idle"), 60, "the load to end without its caller")
+            (version,) = c.model_metadata("idle")["versions"]
+            assert y(c, "idle", 1.0) == 5.0
+            held = batch_gate(d, 5.0)
+            held.touch()
+            with ThreadPoolExecutor(1) as pool:
+                in_flight = pool.submit(y, c, "idle", 2.0)
+                wait_for(lambda: len(model_log(d, "entered.log")) >= 2, 60, "the held batch")
+                with pytest.raises(BatchdClientError) as e:
+                    c.unload_model("idle", timeout=1.0)  # it waits for the held batch
+                assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                held.unlink()
+                assert in_flight.result(60) == 10.0
+            wait_for(
+                lambda: f"model idle version {version} unloaded" in server.log(),
+                60,
+                "the unload to end without its caller",
+            )
+            assert not serving(c, "idle")
+    finally:
+        gate.unlink(missing_ok=True)
+        batch_gate(d, 5.0).unlink(missing_ok=True)
