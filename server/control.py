@@ -226,6 +226,7 @@ class ModelControl:
             old = self.current.get(name)
             if failed:
                 self._unload_everywhere(cfg)
+                self.broken.pop(cfg.key, None)
                 for w in workers:
                     w.load_errors.pop(cfg.key, None)  # that version is gone
                 before = (

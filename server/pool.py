@@ -37,6 +37,7 @@ class WorkerHandle:
     inflight: dict[int, Batch] = field(default_factory=dict)
     sequences: dict[int, Batch] = field(default_factory=dict)  # step-wise: one request each
     progress: dict[str, float] = field(default_factory=dict)  # key -> its last STEP came
+    step_rounds: dict[str, int] = field(default_factory=dict)  # model -> last round counted
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
     load_errors: dict[str, str] = field(default_factory=dict)  # key -> why it did not load
     credits: int = 1  # batches it may hold at once

@@ -43,7 +43,6 @@ class Sequences:
         self._pool, self._link, self._scheduler = pool, link, scheduler
         self._stats, self._clock = stats, clock
         self._pump_soon, self._lose = pump_soon, lose
-        self._rounds: dict[tuple[bytes, str], int] = {}  # last step round counted
 
     def start(self, model: ModelConfig, requests: list[Request]) -> None:
         """Each request is one sequence: a START to the worker with the most free slots."""
@@ -163,7 +162,6 @@ class Sequences:
     def _count_step(self, worker: WorkerHandle, header: wire.Header) -> None:
         """One step round per (worker, model, round): its STEP messages (one per frontend
         the worker serves) share it."""
-        key = (worker.identity, header.model)
-        if self._rounds.get(key) != header.round:
-            self._rounds[key] = header.round
+        if worker.step_rounds.get(header.model) != header.round:
+            worker.step_rounds[header.model] = header.round
             self._stats.step(header.model, header.active, header.compute_ns)
