@@ -21,6 +21,11 @@ _LEN = struct.Struct("<I")
 
 
 MAX_DIMS = 32  # dimensions of a tensor a client may send: more are refused unread
+_NARROW = {  # integer datatypes narrower than the 32-bit contents field they travel in
+    k: np.iinfo(v.numpy)
+    for k, v in DATATYPES.items()
+    if v.contents_field in ("int_contents", "uint_contents") and v.itemsize < 4
+}
 
 
 def element_count(shape: Sequence[int]) -> int:
@@ -171,11 +176,22 @@ def from_raw(datatype: str, shape: Sequence[int], buf: bytes | memoryview) -> np
 
 
 def contents_to_raw(datatype: str, values: Sequence[Any]) -> bytes:
-    """Raw bytes of typed `InferTensorContents` values (the field for `datatype`)."""
+    """Raw bytes of typed `InferTensorContents` values (the field for `datatype`).
+
+    UINT8, UINT16, INT8 and INT16 travel in 32-bit fields: they are read at that
+    width and checked against the datatype's range (ValueError naming the first
+    extreme out of it), never wrapped."""
     dt = DATATYPES[datatype]
     if dt.is_bytes:
         return serialize_bytes(values)
-    return np.asarray(values, dtype=dt.numpy).tobytes()
+    if (info := _NARROW.get(datatype)) is None:
+        return np.asarray(values, dtype=dt.numpy).tobytes()
+    wide = np.asarray(values, dtype="<u4" if info.kind == "u" else "<i4")
+    low, high = (int(wide.min()), int(wide.max())) if wide.size else (0, 0)
+    if low < info.min or high > info.max:
+        got = low if low < info.min else high
+        raise ValueError(f"{datatype} holds {info.min} to {info.max}, got {got}")
+    return wide.astype(dt.numpy).tobytes()
 
 
 def set_parameter(target: Any, value: Any) -> bool:

@@ -38,6 +38,17 @@ def _names(specs: Sequence[TensorSpec]) -> str:
     return ", ".join(repr(s.name) for s in specs)
 
 
+def _wrong_rank(spec: TensorSpec, model: ModelConfig, dims: Sequence[int]) -> InvalidInput:
+    """A shape of the wrong number of dimensions, refused from its length alone (O(1) on
+    a repeated field) before a tuple of millions of dimensions is ever built."""
+    expected = [-1, *spec.shape] if model.batches else list(spec.shape)
+    first = " (batch dim first)" if model.batches else ""
+    return InvalidInput(
+        f"input {spec.name!r}: expected shape {expected}{first} of {len(expected)} "
+        f"dimensions, got {len(dims)} dimensions: {clip_list(dims)}"
+    )
+
+
 def _check_shape(spec: TensorSpec, model: ModelConfig, shape: tuple[int, ...]) -> None:
     if min(shape, default=0) < 0:
         raise InvalidInput(
@@ -49,7 +60,7 @@ def _check_shape(spec: TensorSpec, model: ModelConfig, shape: tuple[int, ...]) -
                 f"input {spec.name!r}: expected shape {list(spec.shape)}, got {clip_list(shape)}"
             )
         return
-    if len(shape) != len(spec.shape) + 1 or not spec.accepts(shape[1:]):
+    if not spec.accepts(shape[1:]):  # of the right rank: _decode_inputs checked it
         raise InvalidInput(
             f"input {spec.name!r}: expected shape {[-1, *spec.shape]} (batch dim first), "
             f"got {clip_list(shape)}"
@@ -130,8 +141,8 @@ def _typed_data(
         )
     try:
         data = contents_to_raw(spec.datatype, values)
-    except (OverflowError, ValueError) as e:
-        raise InvalidInput(f"{where}: a value does not fit {spec.datatype}: {e}") from None
+    except (OverflowError, ValueError) as e:  # "UINT8 holds 0 to 255, got 300", as REST says
+        raise InvalidInput(f"{where}: {e}") from None
     if dt.is_bytes:
         return _bytes_tensor(spec, shape, data, batches)
     return Tensor(spec.name, spec.datatype, shape, data)
@@ -222,7 +233,9 @@ def _decode_inputs(
                 f"input {t.name!r}: expected datatype {spec.datatype}, "
                 f"got {clip(t.datatype) if t.datatype else 'none'}"
             )
-        shape = tuple(t.shape)
+        if len(dims := t.shape) != len(spec.shape) + model.batches:
+            raise _wrong_rank(spec, model, dims)
+        shape = tuple(dims)
         _check_shape(spec, model, shape)
         if (count := math.prod(shape)) > limits.max_tensor_elements:
             raise InvalidInput(

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tracemalloc
 
 import grpc
 import numpy as np
 import pytest
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.model_config import load_model_config
+from batchd.protos.model_config import ModelConfig, load_model_config
 from batchd.server.batching.split_join import split_request
 from batchd.server.codec import decode_request, encode_response
 from batchd.server.errors import InvalidInput, ResponseTooLarge
 from batchd.server.request import Tensor
-from tests.servers import EXAMPLES
+from tests.servers import EXAMPLES, TEST_MODELS
 
 EMBED = load_model_config(EXAMPLES / "embed")  # TEXT BYTES [1] -> EMBEDDING FP32 [64], LENGTH
 TEXTPOOL = load_model_config(EXAMPLES / "textpool")  # TOKENS INT64 [-1], ragged
+TINY = load_model_config(EXAMPLES / "tiny")  # INPUT0 FP32 [16]
+ECHO = load_model_config(TEST_MODELS / "echo")  # IN_<datatype> [3] for every datatype
 
 
 def _text_request(*outputs: str) -> pb.ModelInferRequest:
@@ -168,3 +171,76 @@ def test_a_model_without_levels_ignores_a_priority_but_not_a_negative_one() -> N
     assert decode_request(_with_priority(7), EMBED, now=0.0).level == 0
     with pytest.raises(InvalidInput, match=r"takes 0 \(its default level, none\).*got -1"):
         decode_request(_with_priority(-1), EMBED, now=0.0)
+
+
+def _only(name: str) -> ModelConfig:
+    """echo with `name` as its one input, so that a valid request of it decodes."""
+    spec = ECHO.input(name)
+    assert spec is not None
+    return dataclasses.replace(ECHO, inputs=(spec,))
+
+
+@pytest.mark.parametrize("datatype", ["UINT8", "UINT16", "INT8", "INT16"])
+def test_typed_contents_out_of_a_narrow_datatype_s_range_are_refused_not_wrapped(
+    datatype: str,
+) -> None:
+    """UINT8/16 and INT8/16 travel in 32-bit fields: a value beyond the datatype's range
+    is refused saying what it holds (as REST says it), never wrapped into it."""
+    info = np.iinfo(datatype.lower())
+    field = "uint_contents" if info.kind == "u" else "int_contents"
+    model = _only(f"IN_{datatype}")
+
+    def typed(values: list[int]) -> pb.ModelInferRequest:
+        msg = pb.ModelInferRequest(model_name="echo")
+        t = msg.inputs.add(name=f"IN_{datatype}", datatype=datatype, shape=[1, 3])
+        getattr(t.contents, field).extend(values)
+        return msg
+
+    edges = [int(info.min), int(info.max), 0]
+    request = decode_request(typed(edges), model, now=0.0)
+    assert bytes(request.inputs[0].data) == np.array(edges, info.dtype).tobytes()
+    widest = 2**32 - 1 if info.kind == "u" else 2**31 - 1  # wrapped, 255 or -1: a "valid" value
+    for values, got in [
+        ([0, int(info.max) + 1, 1], int(info.max) + 1),
+        ([widest, 0, 0], widest),
+        *([([int(info.min) - 1, int(info.max) + 1, 0], int(info.min) - 1)] if info.min else []),
+    ]:
+        with pytest.raises(InvalidInput) as e:
+            decode_request(typed(values), model, now=0.0)
+        assert e.value.message == (
+            f"input 'IN_{datatype}': {datatype} holds {info.min} to {info.max}, got {got}"
+        )
+
+
+def _dims(count: int) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name="tiny", raw_input_contents=[b""])
+    msg.inputs.add(name="INPUT0", datatype="FP32", shape=[1] * count)
+    return msg
+
+
+def test_a_shape_of_the_wrong_rank_is_refused_naming_both_ranks() -> None:
+    with pytest.raises(InvalidInput) as e:
+        decode_request(_dims(3), TINY, now=0.0)
+    assert e.value.message == (
+        "input 'INPUT0': expected shape [-1, 16] (batch dim first) of 2 dimensions, "
+        "got 3 dimensions: [1, 1, 1]"
+    )
+
+
+def test_a_shape_of_a_million_dimensions_is_refused_from_its_length_unread() -> None:
+    """gRPC has no limit on a shape's dimensions but the message size: a million (or 60
+    million) of them are refused on their count, before a tuple of them is built, so
+    the refusal allocates next to nothing (a tuple of them would take 8 MB)."""
+    msg = _dims(1_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput) as e:
+            decode_request(msg, TINY, now=0.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 100_000, peak
+    assert e.value.message == (
+        "input 'INPUT0': expected shape [-1, 16] (batch dim first) of 2 dimensions, "
+        "got 1000000 dimensions: [1, 1, 1, 1, 1, 1, 1, 1, ...] (1000000 items)"
+    )

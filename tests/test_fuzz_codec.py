@@ -37,7 +37,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec, load_model_config
-from batchd.protos.tensors import bytes_row_offsets
+from batchd.protos.tensors import bytes_row_offsets, contents_to_raw
 from batchd.server.batching.split_join import (
     join_inputs,
     join_results,
@@ -347,3 +347,32 @@ def test_requested_outputs_are_unique() -> None:
     work, outcome = lines_run(lambda: decode_request(msg, model, now=0.0))
     assert isinstance(outcome, InvalidInput) and "asks for 3002 outputs" in outcome.message
     assert work < 100  # refused from the count, before any name is read
+
+
+@settings(max_examples=EXAMPLES_N, deadline=None)
+@given(
+    datatype=st.sampled_from(["UINT8", "UINT16", "INT8", "INT16"]),
+    data=st.data(),
+)
+def test_narrow_typed_contents_are_refused_out_of_range_and_exact_in_it(
+    datatype: str, data: st.DataObject
+) -> None:
+    """Any values a 32-bit contents field carries: out of the datatype's range, refused
+    naming an extreme that is out; in it, the very values (never wrapped)."""
+    info = np.iinfo(DATATYPES[datatype].numpy)
+    contents = pb.InferTensorContents()
+    field = contents.uint_contents if info.kind == "u" else contents.int_contents
+    low, high = (0, 2**32 - 1) if info.kind == "u" else (-(2**31), 2**31 - 1)
+    near = st.integers(max(low, int(info.min) - 2), int(info.max) + 2)
+    field.extend(data.draw(st.lists(st.one_of(near, st.integers(low, high)))))
+    sent = list(field)
+    outside = [v for v in sent if not info.min <= v <= info.max]
+    try:
+        raw = contents_to_raw(datatype, field)
+    except ValueError as e:
+        assert outside, e
+        assert str(e).startswith(f"{datatype} holds {info.min} to {info.max}, got ")
+        assert int(str(e).rsplit(" ", 1)[1]) in (min(outside), max(outside))
+        return
+    assert not outside, outside[:4]
+    assert raw == np.array(sent, info.dtype).tobytes()
