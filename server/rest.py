@@ -307,7 +307,7 @@ class RestApi:
 
     async def load(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        await self._service.load(parse_load(body, request.match_info["model"]))
+        await self._service.load(await self._parse(body, parse_load, request.match_info["model"]))
         return json_response({})
 
     async def unload(self, request: web.Request) -> web.Response:

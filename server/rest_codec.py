@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Iterable, Sequence
-from itertools import chain
+from itertools import chain, islice
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
-from batchd.server.errors import InvalidInput, clip
+from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, clip
 from batchd.server.request import Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -65,11 +66,23 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
             value = json.loads(raw) if b"NaN" in raw or b"Infinity" in raw else None
         except ValueError:
             value = None
+        except RecursionError:  # nesting past the interpreter's stack (about 1,000 levels)
+            raise InvalidInput(
+                f"{what} is not valid JSON: it holds NaN or Infinity, read by Python's json, "
+                f"and nests deeper than that takes (about {sys.getrecursionlimit()} levels)"
+            ) from None
         if value is None:
             raise InvalidInput(f"{what} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise InvalidInput(f"{what} must be a JSON object, got {_kind(value)}")
     return value
+
+
+def _number(value: Any) -> str:
+    """A client-supplied number, cut to its first CLIP_CHARS digits: Python's json reads
+    integers of thousands of digits."""
+    text = str(value)
+    return text if len(text) <= CLIP_CHARS else f"{text[:CLIP_CHARS]}... ({len(text)} digits)"
 
 
 def _field(obj: dict[str, Any], key: str, kind: type, where: str, default: Any = None) -> Any:
@@ -144,7 +157,7 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
     ):
         raise InvalidInput(
             f"{where}: {datatype} holds {info.min} to {info.max}, "
-            f"got {arr.min() if arr.min() < info.min else arr.max()}"
+            f"got {_number(arr.min() if arr.min() < info.min else arr.max())}"
         )
     if datatype == "BF16":
         return _bf16_bits(arr).tobytes()
@@ -233,7 +246,7 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
             )
         if at + size > len(binary):
             raise InvalidInput(
-                f"{where}: binary_data_size {size} does not fit the "
+                f"{where}: binary_data_size {_number(size)} does not fit the "
                 f"{len(binary) - at} binary bytes left after the header"
             )
         raw = bytes(binary[at : at + size])
@@ -268,11 +281,13 @@ def _wanted(msg: pb.ModelInferRequest, head: dict[str, Any], default: bool) -> W
 
 
 def parse_load(body: bytes, model: str) -> pb.RepositoryModelLoadRequest:
-    """A model-control load body (empty, or `{"parameters": {...}}`)."""
+    """A model-control load body (empty, or `{"parameters": {...}}`). batchd refuses
+    load parameters (service.load) quoting at most CLIP_ITEMS of them, so only the
+    first CLIP_ITEMS + 1 are carried: a body of a million costs no more than one of 9."""
     msg = pb.RepositoryModelLoadRequest(model_name=model)
     if body.strip():
         params = _field(load_json(body), "parameters", dict, "the request", {})
-        _parameters(msg.parameters, params, "the request")
+        _parameters(msg.parameters, dict(islice(params.items(), CLIP_ITEMS + 1)), "the request")
     return msg
 
 

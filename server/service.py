@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import wraps
+from itertools import islice
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -31,23 +32,18 @@ from batchd.protos.model_config import ModelConfig
 from batchd.protos.traces import Tracing
 from batchd.server import __version__, tracing
 from batchd.server.calls import CallLimiter
-from batchd.server.codec import (
-    DEFAULT_LIMITS,
-    decode_request,
-    decode_work,
-    encode_response,
-)
+from batchd.server.codec import DEFAULT_LIMITS, decode_request, decode_work, encode_response
 from batchd.server.config import Connections, Limits
 from batchd.server.control import IndexEntry
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import (
+    CLIP_ITEMS,
     BatchdError,
     InvalidInput,
     ModelNotFound,
     QueueFull,
     Unavailable,
     clip,
-    clip_list,
     grpc_status,
 )
 from batchd.server.request import Request, StepStream, Tensor
@@ -384,11 +380,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelLoadResponse()
 
     async def load(self, request: pb.RepositoryModelLoadRequest) -> None:
-        if request.parameters:
+        if params := request.parameters:  # a few keys are quoted, never all of millions sorted
+            shown = sorted(clip(k) for k in islice(params, CLIP_ITEMS))
             raise InvalidInput(
                 "RepositoryModelLoad takes no parameters: batchd loads models only from its "
-                "repository on disk, never from the request; got "
-                + clip_list([clip(k) for k in sorted(request.parameters)])
+                f"repository on disk, never from the request; got {', '.join(shown)}"
+                + (", ..." if len(params) > CLIP_ITEMS else "")
             )
         await self._core.load(request.model_name)
 

@@ -13,6 +13,7 @@ control) and, for draining, one of the test's own.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import math
@@ -22,6 +23,7 @@ import signal
 import socket
 import ssl
 import time
+import tracemalloc
 import urllib.error
 import urllib.request
 import warnings
@@ -42,6 +44,10 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
+from batchd.server.errors import CLIP_ITEMS, InvalidInput
+from batchd.server.rest_codec import parse_load
+from batchd.server.service import InferenceService
+from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
 from tests.conftest import Gate, scrape, value
 from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess, wait_for
@@ -588,6 +594,54 @@ def test_a_load_with_parameters_gets_the_grpc_message(
     assert r.error == e.details()
 
 
+NO_PARAMETERS = (
+    "RepositoryModelLoad takes no parameters: batchd loads models only from its "
+    "repository on disk, never from the request; got "
+)
+
+
+class _NoModels:
+    """A core that nothing may reach: a load with parameters is refused before it."""
+
+    models: dict[str, Any] = {}
+    stats = Stats()
+
+    async def load(self, name: str) -> Any:
+        raise AssertionError("a load with parameters reached the core")
+
+
+def test_a_load_with_200000_parameters_is_refused_reading_a_few() -> None:
+    """Refused from the first CLIP_ITEMS keys the map yields: the keys are neither all
+    made Python strings nor sorted (4 million of them held the event loop for seconds)."""
+    entry = b"\x12\x02\x08\x01"  # value: InferParameter(bool_param=true)
+    wire = b"".join(b"\x1a\x0f\x0a\x09" + b"k%08d" % i + entry for i in range(200_000))
+    msg = pb.RepositoryModelLoadRequest.FromString(
+        pb.RepositoryModelLoadRequest(model_name="echo").SerializeToString() + wire
+    )
+    assert len(msg.parameters) == 200_000
+    service = InferenceService(_NoModels())  # type: ignore[arg-type]
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput) as e:
+            asyncio.run(service.load(msg))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 500_000, peak
+    assert e.value.message.startswith(NO_PARAMETERS + "'k") and e.value.message.endswith(", ...")
+    assert e.value.message.count("'k") == CLIP_ITEMS and len(e.value.message) < 300
+
+
+def test_a_load_body_with_many_parameters_carries_a_few_for_the_refusal() -> None:
+    """REST: the protobuf map of a huge `parameters` object is never built; the refusal
+    quotes CLIP_ITEMS of them, and one more says there are more."""
+    body = json.dumps({"parameters": {f"k{i:06d}": True for i in range(100_000)}}).encode()
+    msg = parse_load(body, "echo")
+    assert sorted(msg.parameters) == [f"k{i:06d}" for i in range(CLIP_ITEMS + 1)]
+    few = parse_load(b'{"parameters": {"config": "{}"}}', "echo")
+    assert list(few.parameters) == ["config"]
+
+
 def test_model_control_when_disabled_is_409_with_the_grpc_message(
     example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
 ) -> None:
@@ -1010,6 +1064,14 @@ def nested(depth: int) -> str:
     return f'{{"inputs": [{{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": {data}}}]}}'
 
 
+NAN_DEEP = "[" * 5000 + "NaN" + "]" * 5000  # orjson refuses it; Python's json recursed out
+NAN_TOO_DEEP = "is not valid JSON: it holds NaN or Infinity, read by Python's json, and nests"
+DIGITS = "9" * 4000  # Python's json (read for a NaN) takes integers of 4,000 digits
+BIG_SIZE_HEAD = (
+    '{"parameters": {"x": NaN}, "inputs": [{"name": "INPUT0", "datatype": "FP32", '
+    f'"shape": [1, 16], "parameters": {{"binary_data_size": {DIGITS}}}}}]}}'
+).encode()
+
 # case: (path, body, headers, a part of the error message)
 # fmt: off
 HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
@@ -1045,6 +1107,19 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     "binary bytes left over": (
         TINY, HEAD + ZEROS + b"tail", AT, "the body holds 68 bytes after the header; the "
         "inputs' binary_data_size parameters add up to 64"),
+    "NaN nesting 5000 levels": (TINY, one("INPUT0", "FP32", [1], []).replace("[]", NAN_DEEP),
+                                {}, NAN_TOO_DEEP),
+    "NaN nesting 5000 levels, generate": (
+        "/v2/models/tiny/generate", f'{{"INPUT0": {NAN_DEEP}}}', {}, NAN_TOO_DEEP),
+    "NaN nesting 5000 levels, index": (
+        "/v2/repository/index", f'{{"ready": {NAN_DEEP}}}', {}, NAN_TOO_DEEP),
+    "binary_data_size of 4000 digits": (
+        TINY, BIG_SIZE_HEAD + ZEROS, {HEADER_LENGTH: str(len(BIG_SIZE_HEAD))},
+        f"binary_data_size {'9' * 40}... (4000 digits) does not fit the 64 binary bytes"),
+    "an INT8 of 4000 digits": (
+        TEXTPOOL, '{"parameters": {"x": NaN}, "inputs": [{"name": "TOKENS", "datatype": "INT8", '
+        f'"shape": [1, 2], "data": [1, {DIGITS}]}}]}}', {},
+        f"INT8 holds -128 to 127, got {'9' * 40}... (4000 digits)"),
     "negative binary_data_size": (
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], -1)]}, ZEROS),
         "binary_data_size must be a non-negative integer, got a number '-1'"),
