@@ -121,6 +121,20 @@ def test_a_line_decodes_as_the_same_request_as_online() -> None:
     assert np.frombuffer(r.inputs[0].data, "<f4").tolist() == [1, 2, 3, 4, 5.5, 6]
 
 
+def test_a_line_has_no_deadline_whatever_the_model_s_default_timeout() -> None:
+    """Its expiry in the job lane would be answered by nothing: the job would wait for ever."""
+    cfg = fp32_model()
+    cfg = dataclasses.replace(
+        cfg, batching=dataclasses.replace(cfg.batching, default_timeout_us=2000)
+    )
+    tensor = {"name": "X", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}
+    raw = json.dumps({"custom_id": "a", "inputs": [tensor]}).encode()
+    line = runner._decode(raw, 1, cfg, Limits())
+    assert line.request is not None and line.request.background
+    assert line.request.deadline == math.inf and not line.request.queue_timeout
+    assert decoded(json.loads(raw), cfg).queue_timeout  # online, the same request has one
+
+
 @pytest.mark.parametrize(
     ("datatype", "data", "expected"),
     [

@@ -135,7 +135,9 @@ def _decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line
         return Line(number, cid, error=lines.LineError(cid, str(e)))
     except BatchdError as e:
         return Line(number, cid, error=lines.LineError(cid, e.message, e.code.name))
-    request.background = True
+    # The job lane has no deadlines (lines.py): not even the model's default_timeout_us,
+    # whose expiry the lane would never answer, leaving the job waiting for ever.
+    request.background, request.deadline, request.queue_timeout = True, math.inf, False
     request.id = cid
     return Line(number, cid, request)
 
