@@ -369,6 +369,35 @@ def test_a_request_for_a_version_retired_while_it_was_decoded_is_unavailable() -
     run(body)
 
 
+def test_a_suspect_gets_the_next_idle_worker_though_another_model_keeps_it_busy() -> None:
+    """A retry after a failure needs a worker with nothing in flight. While it waits,
+    no batch is staged on a busy worker, so one drains; then it goes first."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)  # busy, one credit free
+        s = Scheduler(dispatch, clock)
+        other, cfg = replace(model(), name="other"), model()
+        s.add_model(other)  # first in turn
+        s.add_model(cfg)
+        suspect = request(cfg)
+        suspect.future = asyncio.get_running_loop().create_future()
+        suspect.suspect = True
+        s.requeue([suspect])
+        s.pump()
+        waiting = request(other)
+        s.submit(waiting)
+        clock.now += 1.0  # past any delay
+        s.pump()
+        assert dispatch.sent == []  # not staged on the busy worker: it drains
+        dispatch.idle, dispatch.credits = 1, 2
+        s.pump()
+        assert dispatch.sent == [[suspect]]  # the idle worker goes to it first
+        s.pump()  # the suspect left: staging on a busy worker is back
+        assert dispatch.sent == [[suspect], [waiting]]
+
+    run(body)
+
+
 def test_requeued_requests_go_first() -> None:
     async def body() -> None:
         dispatch = FakeDispatch(idle=0, credits=0)

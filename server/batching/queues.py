@@ -176,6 +176,10 @@ class ModelQueue:
                 r.timer.cancel()
                 r.timer = None
 
+    def suspect_first(self) -> bool:
+        """Whether a retry after a failure (put back at the front) heads a level."""
+        return any(q and q[0].suspect and not q[0].future.done() for q in self.levels)
+
     def put_front(self, requests: Iterable[Request]) -> None:
         for r in reversed([r for r in requests if not r.future.done()]):
             (self.jobs if r.background else self.levels[r.level]).appendleft(r)

@@ -29,7 +29,7 @@ from functools import partial
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import Capacity, Send, decide
+from batchd.server.batching.decision import NO_CAPACITY, Capacity, Send, decide
 from batchd.server.batching.queues import (
     GAP_ROWS,
     GAP_ROWS_SPARE,
@@ -99,6 +99,10 @@ class Scheduler:
         self._timer: Handle | None = None
         self._timer_at = math.inf
         self._turn = 0  # which queue a full pump offers capacity first: models take turns
+        # A retry after a failure waits for a worker with nothing in flight: until one
+        # has gone to it, no batch is staged on a busy worker, so that one drains (a
+        # worker another model keeps busy would never be idle).
+        self._suspect_waits = False
 
     def add_model(self, config: ModelConfig) -> None:
         """Queue requests for one model version, keyed by `config.key`."""
@@ -216,6 +220,7 @@ class Scheduler:
             self._queues[key].put_front([r for r in requests if r.model.key == key])
         for r in requests:  # their timers went when they were taken: queued, they expire
             self._arm_timeout(r)
+            self._suspect_waits |= r.suspect
 
     def _arm_timeout(self, request: Request) -> None:
         """A queued request with a queue timeout expires at its deadline."""
@@ -259,9 +264,12 @@ class Scheduler:
         if only is not None and self._arrival_changes_nothing(only, now, eager):
             return
         gap = GAP_ROWS if self._busy() >= NEARLY_SATURATED else GAP_ROWS_SPARE
-        for q in [only] if only is not None else self._in_turn():
+        queues = [only] if only is not None else self._in_turn()
+        if only is None and self._suspect_waits:  # an idle worker goes to a suspect first
+            queues.sort(key=lambda q: not q.suspect_first())
+        for q in queues:
             while len(q):
-                capacity = self._dispatch.capacity(q.config)
+                capacity = self._capacity(q)
                 plan = q.plan(now) if capacity.free_credit else None
                 quiet = q.quiet_at(now, self._idle(), gap)
                 here = plan is not None and capacity.idle_worker and self._all_here(q)
@@ -277,7 +285,17 @@ class Scheduler:
                 break
             if q.jobs and not len(q):
                 self._pump_jobs(q, now)
+        if only is None:
+            self._suspect_waits = any(q.suspect_first() for q in queues)
         self._arm(wake, earlier_only=only is not None)
+
+    def _capacity(self, q: ModelQueue) -> Capacity:
+        """The workers' capacity for `q`'s model; while a suspect waits, a busy worker's
+        free credit is not offered."""
+        capacity = self._dispatch.capacity(q.config)
+        if self._suspect_waits and capacity.free_credit and not capacity.idle_worker:
+            return NO_CAPACITY
+        return capacity
 
     def _pump_jobs(self, q: ModelQueue, now: float) -> None:
         """Send job batches to idle workers while no online request of `q` waits."""
@@ -310,7 +328,7 @@ class Scheduler:
         --filling, batches of 32, went from 128-140 to 80-82 µs a request.
         With no free credit nothing can leave, whatever the queue: the credit's
         return pumps every queue, so an arrival then needs no decision at all."""
-        capacity = self._dispatch.capacity(q.config)
+        capacity = self._capacity(q)
         if not capacity.free_credit:
             return True
         if not q.plain or (capacity.idle_worker and (eager or self._all_here(q))):
