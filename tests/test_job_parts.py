@@ -5,10 +5,12 @@ last checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
 import math
+import sqlite3
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,7 +26,7 @@ from batchd.server.batching.scheduler import Scheduler
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
-from batchd.server.jobs import lines, runner
+from batchd.server.jobs import chunks, lines, runner
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import check_ids
 from batchd.server.jobs.sqlite import SqliteStore
@@ -129,7 +131,7 @@ def test_a_line_has_no_deadline_whatever_the_model_s_default_timeout() -> None:
     )
     tensor = {"name": "X", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}
     raw = json.dumps({"custom_id": "a", "inputs": [tensor]}).encode()
-    line = runner._decode(raw, 1, cfg, Limits())
+    line = chunks.decode(raw, 1, cfg, Limits())
     assert line.request is not None and line.request.background
     assert line.request.deadline == math.inf and not line.request.queue_timeout
     assert decoded(json.loads(raw), cfg).queue_timeout  # online, the same request has one
@@ -329,7 +331,7 @@ def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> N
         0,
     )
     assert sum(c[1] for c in counted) == 990  # the ten answered before are not counted again
-    assert runner.CHUNK_LINES < 990  # several chunks ran
+    assert chunks.CHUNK_LINES < 990  # several chunks ran
     assert not math.isnan(final.finished_at)
 
 
@@ -351,3 +353,78 @@ def test_a_duplicate_repeated_on_every_line_is_named_briefly(tmp_path: Path) -> 
     assert refused.value.message == (
         "duplicate custom_id: 'same' on lines 1, 2, 3, 4, ... (10000 lines); each must be unique"
     )
+
+
+class FailingStore(SqliteStore):
+    """A jobs store whose database is down at the start, whose disk is then full for a
+    claim, and (with `finish_fails`) full again when a job ends."""
+
+    def __init__(self, directory: Path, finish_fails: bool = False) -> None:
+        super().__init__(directory)
+        self.failures = ["recover", "claim"]
+        self.claims = 0
+        self.finish_fails = finish_fails
+
+    async def recover(self) -> list[str]:
+        if "recover" in self.failures:
+            self.failures.remove("recover")
+            raise Unavailable("the jobs database is down")
+        return await super().recover()
+
+    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> Any:
+        self.claims += 1
+        if "claim" in self.failures:
+            self.failures.remove("claim")
+            raise sqlite3.OperationalError("database or disk is full")
+        return await super().claim(exclude_models)
+
+    async def finish(self, row: Any, status: str, error: str = "") -> None:
+        if self.finish_fails:
+            raise sqlite3.OperationalError("database or disk is full")
+        await super().finish(row, status, error)
+
+
+def test_a_jobs_store_that_fails_leaves_the_runner_and_the_server_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A database down at the start, then a full disk: the runner waits, and takes the
+    queued job once the store answers. Its error never ends the server's task group."""
+    monkeypatch.setattr(runner, "POLL_S", 0.001)
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = FailingStore(tmp_path)
+    row = run(lambda: store.create("", cfg.name, ""))
+    text = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
+                       "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
+    store.upload_path(row.id).write_text(text)
+    run(lambda: store.queue(row.id, 1, len(text)))
+    jobs = runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
+                       retention_s=3600.0)  # fmt: skip
+
+    async def body() -> None:
+        task = asyncio.create_task(jobs.run())
+        while (got := await store.get(row.id)) is None or got.status != "completed":
+            assert not task.done(), task  # the store's errors did not end the runner
+            await asyncio.sleep(0)  # (a scheduling point, not a wait for time)
+        await jobs.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    run(lambda: asyncio.wait_for(body(), 30))
+    assert store.failures == []
+
+
+def test_a_job_whose_end_cannot_be_written_is_logged_not_raised(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = FailingStore(tmp_path, finish_fails=True)
+    row = run(lambda: store.create("", cfg.name, ""))
+    text = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
+                       "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
+    store.upload_path(row.id).write_text(text)
+    run(lambda: store.queue(row.id, 1, len(text)))
+    claimed = run(lambda: SqliteStore.claim(store))
+    assert claimed is not None
+    run(lambda: JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run())
+    assert "its end (completed) could not be recorded (OperationalError" in caplog.text

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             *("batching.decision", "batching.plan", "batching.latency"),
             *("batching.split_join", "batching.queues", "batching.scheduler", "pool", "recovery"),
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
-            *("rest_codec", "handlers"),
+            *("rest_codec", "handlers", "jobs.chunks"),
         },
     ),
     ("model control and sequences", {"control", "sequences"}),

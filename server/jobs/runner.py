@@ -26,23 +26,19 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from batchd.protos.model_config import ModelConfig
-from batchd.server.codec import decode_request
 from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable, clip
 from batchd.server.jobs import lines
+from batchd.server.jobs.chunks import Chunk, Reader, encode
 from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.jobs")
-CHUNK_LINES = 256
-CHUNK_BYTES = 4 * 1024 * 1024
 DEPTH = 4  # chunks in the core at once
 CHECKPOINT_S = 1.0
 CHECKPOINT_BYTES = 16 * 1024 * 1024  # results written since the last checkpoint, at most
@@ -76,94 +72,6 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
     return cfg
 
 
-@dataclass(slots=True)
-class Line:
-    number: int  # 1-based, in the file
-    custom_id: str | None
-    request: Request | None = None
-    error: lines.LineError | None = None
-    future: asyncio.Future[list[Tensor]] | None = None
-
-
-@dataclass(slots=True)
-class Chunk:
-    lines: list[Line]
-    end_offset: int  # input bytes consumed through this chunk
-    lines_read: int  # physical lines consumed through this chunk
-    futures: list[asyncio.Future[list[Tensor]]] = field(default_factory=list)
-
-
-class Reader:
-    """The job's input from a byte offset on, a chunk at a time (called in a thread)."""
-
-    def __init__(self, path: Path, offset: int, lines_read: int) -> None:
-        self._file = path.open("rb")
-        self._file.seek(offset)
-        self.offset, self.lines_read = offset, lines_read
-        self.eof = False
-
-    def close(self) -> None:
-        self._file.close()
-
-    def read(self, model: ModelConfig, limits: Limits) -> Chunk:
-        out: list[Line] = []
-        size = 0
-        while len(out) < CHUNK_LINES and size < CHUNK_BYTES:
-            raw, length, too_long = lines.read_line(self._file)
-            if not length:
-                self.eof = True
-                break
-            self.offset += length
-            self.lines_read += 1
-            size += len(raw)
-            if too_long:
-                error = lines.LineError(None, f"the line is over {lines.MAX_LINE_BYTES} bytes")
-                out.append(Line(self.lines_read, None, error=error))
-            elif raw.strip():
-                out.append(_decode(raw, self.lines_read, model, limits))
-        return Chunk(out, self.offset, self.lines_read)
-
-
-def _decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
-    cid: str | None = None
-    try:
-        doc = lines.load(raw)
-        cid = lines.custom_id_of(doc)
-        msg = lines.parse(doc, model.name, model.version)
-        request = decode_request(msg, model, time.monotonic(), limits=limits)
-    except ValueError as e:
-        return Line(number, cid, error=lines.LineError(cid, str(e)))
-    except BatchdError as e:
-        return Line(number, cid, error=lines.LineError(cid, e.message, e.code.name))
-    # The job lane has no deadlines (lines.py): not even the model's default_timeout_us,
-    # whose expiry the lane would never answer, leaving the job waiting for ever.
-    request.background, request.deadline, request.queue_timeout = True, math.inf, False
-    request.id = cid
-    return Line(number, cid, request)
-
-
-def _encode(chunk: Chunk, results: list[Any]) -> tuple[bytes, int, int]:
-    """The chunk's results lines, and how many answered and failed."""
-    parts, ok, failed = [], 0, 0
-    for line, result in zip(chunk.lines, results, strict=True):
-        if isinstance(result, list):
-            assert line.custom_id is not None and line.request is not None
-            by_name = {t.name: t for t in result}
-            chosen = [by_name[n] for n in line.request.outputs]
-            parts.append(lines.encode_outputs(line.custom_id, chosen))
-            ok += 1
-            continue
-        if isinstance(result, lines.LineError):
-            code, message = result.code, result.message
-        elif isinstance(result, BatchdError):
-            code, message = result.code.name, result.message
-        else:
-            code, message = "INTERNAL", f"{type(result).__name__}: {result}"
-        parts.append(lines.encode_error(line.custom_id, code, message, line.number))
-        failed += 1
-    return b"".join(parts), ok, failed
-
-
 class JobRun:
     """One job, running in this process."""
 
@@ -195,6 +103,11 @@ class JobRun:
             log.warning("job %s: stopped here (%s); it runs on from its last checkpoint", row.id,
                         what, extra={"job": row.id, "model": row.model})  # fmt: skip
             return  # database answers again: from its last checkpoint either way
+        except Exception as e:  # its end was not written (a full disk): the server lives
+            log.error("job %s: its end (%s) could not be recorded (%s: %s); it runs on from its "
+                      "last checkpoint at the next start", row.id, status, type(e).__name__, e,
+                      extra={"job": row.id, "model": row.model})  # fmt: skip
+            return
         log.info(
             "job %s %s: %d answered, %d failed%s", row.id, status, self.completed, self.failed,
             f" ({error})" if error else "", extra={"job": row.id, "model": row.model},
@@ -261,7 +174,7 @@ class JobRun:
             self._inflight.popleft()
             it = iter(answers)
             got = [line.error if line.future is None else next(it) for line in head.lines]
-            data, ok, failed = await asyncio.to_thread(_encode, head, got)
+            data, ok, failed = await asyncio.to_thread(encode, head, got)
             out.write(data)
             self.completed, self.failed = self.completed + ok, self.failed + failed
             self._done = Progress(head.end_offset, head.lines_read, self.completed, self.failed)
@@ -332,11 +245,14 @@ class Jobs:
         """Run queued jobs until stop(); the interrupted ones first (store.recover)."""
         if not self.runs:
             return
-        for job_id in await self.store.recover():
-            log.warning("job %s: its upload was cut short by a restart; removed", job_id)
-        expired_at = -math.inf
+        recovered, expired_at = False, -math.inf
         while not self._stopped:
             try:
+                if not recovered:  # (a database down at the start is waited for too)
+                    for job_id in await self.store.recover():
+                        log.warning("job %s: its upload was cut short by a restart; removed",
+                                    job_id)  # fmt: skip
+                    recovered = True
                 if time.monotonic() - expired_at > EXPIRE_EVERY_S:
                     expired_at = time.monotonic()
                     for job_id in await self.store.expire(self.retention_s):
@@ -345,6 +261,9 @@ class Jobs:
                 row = await self.store.claim(exclude_models=busy)
             except Unavailable as e:  # the jobs database is down: online traffic goes on
                 log.warning("batch jobs wait: %s", e)
+                row = None
+            except Exception as e:  # the store failed otherwise (a full disk): so it does
+                log.error("batch jobs wait: the jobs store failed: %s: %s", type(e).__name__, e)
                 row = None
             if row is None:
                 self._wake.clear()
