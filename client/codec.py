@@ -24,7 +24,7 @@ def build_request(
 ) -> pb.ModelInferRequest:
     msg = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, value in inputs.items():
-        datatype, shape, raw = to_raw(value, (datatypes or {}).get(name))
+        datatype, shape, raw = to_raw(_array(value), (datatypes or {}).get(name))
         msg.inputs.add(name=name, datatype=datatype, shape=shape)
         msg.raw_input_contents.append(raw)
     for name in outputs or ():
@@ -33,6 +33,15 @@ def build_request(
         if not set_parameter(msg.parameters[key], v):
             msg.parameters[key].string_param = str(v)
     return msg
+
+
+def _array(value: Any) -> np.ndarray:
+    """An input as an array. Bytes or str not yet in one (a list) go into an object
+    array: a fixed-width S/U array, what np.asarray makes, drops trailing NULs."""
+    if isinstance(value, np.ndarray):
+        return value
+    a = np.asarray(value)
+    return np.array(value, dtype=object) if a.dtype.kind in "SU" else a
 
 
 def _typed(t: pb.InferOutputTensor) -> np.ndarray:

@@ -4,7 +4,8 @@ Each operation is a generator of steps: it yields an `Rpc` (call this method
 with this message and this timeout; send me back the reply, or the
 grpc.RpcError it raised) or a `Wait` (sleep this long, then resume me), and
 returns the operation's result. The core owns everything else: building the
-requests, the call's deadline shared by all its attempts, the retry policy
+requests, the operation's deadline shared by all its calls and attempts (a
+bare array's metadata lookup included), the retry policy
 (client/retry.py), turning a failed call into its typed error
 (client/errors.py), the metadata cache, and the token metadata.
 
@@ -219,8 +220,22 @@ class ClientCore:
         service: str = "inference",
     ) -> Steps[Any]:
         """One RPC, retried by the policy within one deadline; its typed error if it fails."""
+        return (yield from self._call(method, msg, self._deadline(timeout), retries, service))
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        """The monotonic deadline of an operation starting now: `timeout`, or the default."""
         timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _call(
+        self,
+        method: str,
+        msg: Any,
+        deadline: float | None,
+        retries: int | None = None,
+        service: str = "inference",
+    ) -> Steps[Any]:
+        """`call` under a deadline fixed before it: the one all an operation's calls share."""
         policy = self.retry if retries is None else replace(self.retry, retries=retries)
         attempt = 0
         while True:
@@ -243,10 +258,14 @@ class ClientCore:
         request_id: str,
         datatypes: Mapping[str, str] | None,
         parameters: Mapping[str, Any] | None,
+        deadline: float | None,
+        retries: int | None = None,
     ) -> Steps[pb.ModelInferRequest]:
         """The ModelInferRequest for `inputs`; a bare array is named from the model's
-        metadata (one input)."""
-        meta = (yield from self.model_metadata(model)) if isinstance(inputs, np.ndarray) else None
+        metadata (one input), looked up within the operation's `deadline`."""
+        meta = None
+        if isinstance(inputs, np.ndarray):
+            meta = yield from self._metadata(model, deadline, retries)
         return build_request(
             model,
             _named(inputs, meta),
@@ -269,8 +288,11 @@ class ClientCore:
         retries: int | None = None,
     ) -> Steps[dict[str, np.ndarray]]:
         """Run `model` on `inputs` (name->array, or one array for a one-input model)."""
-        msg = yield from self._request(model, inputs, outputs, request_id, datatypes, parameters)
-        return parse_response((yield from self.call("ModelInfer", msg, timeout, retries)))
+        deadline = self._deadline(timeout)  # the metadata lookup's and the call's
+        msg = yield from self._request(
+            model, inputs, outputs, request_id, datatypes, parameters, deadline, retries
+        )
+        return parse_response((yield from self._call("ModelInfer", msg, deadline, retries)))
 
     def stream(
         self,
@@ -286,10 +308,11 @@ class ClientCore:
         """Send one request to a decoupled (step-wise) model over ModelStreamInfer and emit
         each response's outputs, until its final response. `timeout`: the whole stream.
         Not retried: outputs may have reached the caller."""
-        timeout = self.timeout if timeout is None else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = self._deadline(timeout)  # the metadata lookup's and the stream's
         parameters = {**STREAM_PARAMETERS, **(parameters or {})}
-        msg = yield from self._request(model, inputs, outputs, request_id, datatypes, parameters)
+        msg = yield from self._request(
+            model, inputs, outputs, request_id, datatypes, parameters, deadline
+        )
         yield Open("ModelStreamInfer", msg, _remaining(deadline))
         while True:
             response, final = stream_read((yield READ))
@@ -323,9 +346,15 @@ class ClientCore:
 
     def model_metadata(self, model: str) -> Steps[dict[str, Any]]:
         """name, versions, platform, inputs and outputs (name, datatype, shape); cached."""
+        return (yield from self._metadata(model, self._deadline(None)))
+
+    def _metadata(
+        self, model: str, deadline: float | None, retries: int | None = None
+    ) -> Steps[dict[str, Any]]:
         if model not in self._meta:
             msg = pb.ModelMetadataRequest(name=model)
-            self._meta[model] = views.model_metadata((yield from self.call("ModelMetadata", msg)))
+            reply = yield from self._call("ModelMetadata", msg, deadline, retries)
+            self._meta[model] = views.model_metadata(reply)
         return self._meta[model]
 
     def model_statistics(self, model: str = "", version: str = "") -> Steps[list[views.ModelStats]]:

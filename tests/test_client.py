@@ -22,7 +22,8 @@ from batchd.client import (
     ServerBusy,
     ServerUnavailable,
 )
-from batchd.client.core import ClientCore, Rpc, Wait
+from batchd.client.codec import build_request
+from batchd.client.core import ClientCore, Open, Rpc, Wait
 from batchd.client.errors import from_rpc_error
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
@@ -128,6 +129,35 @@ def test_core_steps_a_retried_call_without_io() -> None:
     with pytest.raises(StopIteration) as done:
         steps.send(pb.ServerLiveResponse(live=True))
     assert done.value.value is True
+
+
+def test_core_names_a_bare_array_within_the_calls_deadline() -> None:
+    """The ModelMetadata lookup that names a bare array's input is the first call of
+    the operation, under its deadline: the client's default (None here) is not used."""
+    meta = pb.ModelMetadataResponse(
+        name="m", inputs=[pb.TensorMetadata(name="X", datatype="FP32", shape=[-1, 2])]
+    )
+    x = np.zeros((1, 2), np.float32)
+    for steps in (
+        ClientCore(timeout=None, retries=0, call_kwargs={}).infer("m", x, timeout=5.0),
+        ClientCore(timeout=None, retries=0, call_kwargs={}).stream("m", x, timeout=5.0),
+    ):
+        lookup = next(steps)
+        assert isinstance(lookup, Rpc) and lookup.method == "ModelMetadata"
+        assert lookup.timeout is not None and lookup.timeout <= 5.0
+        call = steps.send(meta)
+        assert isinstance(call, Rpc | Open) and call.request.inputs[0].name == "X"
+        assert call.timeout is not None and call.timeout <= lookup.timeout  # one deadline
+        steps.close()
+
+
+def test_bytes_given_as_lists_travel_exactly() -> None:
+    """A BYTES input as nested lists of bytes or str is sent element for element,
+    trailing NULs included (a fixed-width numpy S/U array would drop them)."""
+    msg = build_request("m", {"B": [[b"ab\x00\x00"], [b"\x01\x00"]], "S": ["x\x00", "é"]})
+    assert [(t.datatype, list(t.shape)) for t in msg.inputs] == [("BYTES", [2, 1]), ("BYTES", [2])]
+    assert msg.raw_input_contents[0] == b"\x04\0\0\0ab\0\0" + b"\x02\0\0\0\x01\0"
+    assert msg.raw_input_contents[1] == b"\x02\0\0\0x\0" + b"\x02\0\0\0\xc3\xa9"
 
 
 def test_both_clients_offer_the_same_methods() -> None:

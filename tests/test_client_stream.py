@@ -49,7 +49,7 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     output) and `step_s` (before each later one); `fail_after` k: after k outputs an
     error response, its status in the `error_code` parameter (`fail_code`, "" for
     none) and `fail_text` as its message; `hold_after` k: after k outputs, answer
-    nothing more until the call ends."""
+    nothing more until the call ends; `hold_metadata`: ModelMetadata never answers."""
 
     def __init__(self) -> None:
         self.first_s = 0.0
@@ -58,6 +58,7 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.fail_code = "RESOURCE_EXHAUSTED"
         self.fail_text = "stream too far behind"
         self.hold_after: int | None = None
+        self.hold_metadata = False
         self.requests: list[pb.ModelInferRequest] = []
         self.ended: queue.Queue[bool] = queue.Queue()  # per call, once over: cancelled?
 
@@ -133,6 +134,8 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     async def ModelMetadata(
         self, req: pb.ModelMetadataRequest, context: Any
     ) -> pb.ModelMetadataResponse:
+        if self.hold_metadata:
+            await asyncio.Event().wait()  # until the call is cancelled
         return pb.ModelMetadataResponse(
             name=req.name,
             versions=["1"],
@@ -324,6 +327,29 @@ def test_timeout_is_the_deadline_of_the_whole_stream(fake: FakeDecoupled, url: s
         for out in c.stream("count", n_tokens(10), timeout=0.35):
             seen.append(out["TOKEN"][0])
     assert 1 <= len(seen) < 10
+
+
+@pytest.mark.timeout(60)  # without the shared deadline the lookup waits forever
+def test_a_single_arrays_metadata_lookup_is_within_the_calls_timeout(
+    fake: FakeDecoupled, url: str
+) -> None:
+    """A bare array is named from ModelMetadata first; that lookup shares the call's
+    deadline. The fake never answers it and the client has no default timeout: infer
+    and stream with a timeout end with DeadlineExceeded all the same."""
+    fake.hold_metadata = True
+    one = np.array([2], np.int64)
+
+    async def awaited() -> None:
+        async with AsyncClient(url) as c:
+            await c.infer("count", one, timeout=0.2)
+
+    with Client(url) as c:
+        with pytest.raises(DeadlineExceeded):
+            c.infer("count", one, timeout=0.2)
+        with pytest.raises(DeadlineExceeded):
+            list(c.stream("count", one, timeout=0.2))
+    with pytest.raises(DeadlineExceeded):
+        asyncio.run(awaited())
 
 
 # ---- AsyncClient.stream ----
