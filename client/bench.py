@@ -8,8 +8,10 @@
 Closed loop (`--concurrency`): N callers, each sending its next request when
 the last is answered. Open loop (`--rate`): requests leave on a fixed
 schedule whether or not earlier ones were answered, so queueing shows
-honestly. Load comes from `--processes` processes (default: the machine's
-cores) so that the tool is not the bottleneck. Inputs are random, shaped from
+honestly. Load comes from `--processes` processes (default: one per 4 cores)
+so that the tool is not the bottleneck; a level is split whole over them (3
+callers over 2 processes: 2 + 1; open loop: they take turns on one schedule,
+so every request of the rate leaves). Inputs are random, shaped from
 the model's metadata (`--batch` rows, -1 dims as `--dim`), or read from .npy.
 When the server reports statistics, the table shows its average batch size.
 Failed requests are counted per status code, each with the first message the

@@ -201,8 +201,10 @@ async def _drive(
     mode: str,
     load: float,
     seconds: float,
-    stream: bool = False,
+    stream: bool,
+    share: range,
 ) -> _Report:
+    """One load process: `share` (split_level) of a level of `load` callers or requests/s."""
     tally = _Tally(msg)
     once = tally.streamed if stream else tally.unary
     end = time.monotonic() + seconds
@@ -215,14 +217,14 @@ async def _drive(
                 while time.monotonic() < end:
                     await once(c)
 
-            await asyncio.gather(*(caller(clients[k % len(clients)]) for k in range(int(load))))
+            await asyncio.gather(*(caller(clients[k % len(clients)]) for k in range(len(share))))
         else:
             start, pending = time.monotonic(), set()
-            for i in range(int(load * seconds)):
+            for k, i in enumerate(share):
                 delay = start + i / load - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = asyncio.ensure_future(once(clients[i % len(clients)]))
+                task = asyncio.ensure_future(once(clients[k % len(clients)]))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             await asyncio.gather(*pending)
@@ -299,6 +301,16 @@ def _stop(procs: Sequence[BaseProcess], grace: float) -> None:
             p.join()
 
 
+def split_level(mode: str, load: float, seconds: float, processes: int) -> list[range]:
+    """Each load process's share of a level: the callers it runs (closed loop), or the
+    numbers of the requests it sends, request i leaving i / load seconds in (open loop).
+    Process k of n takes every n-th from k: the shares differ by one at most and add up
+    to the whole level, and open-loop processes take turns rather than send together."""
+    total = int(load) if mode == "concurrency" else int(load * seconds)
+    n = max(1, min(processes, total))
+    return [range(k, total, n) for k in range(n)]
+
+
 def run_level(
     url: str,
     conn: dict[str, Any],
@@ -313,11 +325,13 @@ def run_level(
 ) -> Level:
     """Measure one level with `processes` load processes sharing `load`; with `stream`,
     over ModelStreamInfer (`msg` must then ask for the empty final response)."""
-    procs_n = max(1, min(processes, int(load) if mode == "concurrency" else processes))
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    drive = (url, conn, connections, msg, mode, load / procs_n, seconds, stream)
-    procs = [ctx.Process(target=_process, args=(out, *drive)) for _ in range(procs_n)]
+    drive = (url, conn, connections, msg, mode, load, seconds, stream)
+    procs = [
+        ctx.Process(target=_process, args=(out, *drive, share))
+        for share in split_level(mode, load, seconds, processes)
+    ]
     started = time.monotonic()
     give_up_at = started + seconds + REQUEST_TIMEOUT_S + START_GRACE_S
     reported = False

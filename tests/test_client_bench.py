@@ -17,7 +17,13 @@ import pytest
 
 from batchd.client import bench
 from batchd.client.codec import build_request
-from batchd.client.loadgen import LoadFailed, _collect, declared_datatypes, make_inputs
+from batchd.client.loadgen import (
+    LoadFailed,
+    _collect,
+    declared_datatypes,
+    make_inputs,
+    split_level,
+)
 from batchd.protos.datatypes import DATATYPES
 from tests.conftest import Gate
 from tests.servers import ROOT, ServerProcess, children, wait_for
@@ -37,6 +43,26 @@ def test_random_inputs_travel_as_each_declared_datatype() -> None:
     assert [(t.name, t.datatype, list(t.shape)) for t in msg.inputs] == [
         (f"IN_{d}", d, [2, 3]) for d in DATATYPES
     ]
+
+
+@pytest.mark.parametrize(
+    ("load", "processes", "callers"),
+    [(3, 2, [2, 1]), (6, 4, [2, 2, 1, 1]), (5, 4, [2, 1, 1, 1]), (2, 4, [1, 1]), (8, 2, [4, 4])],
+)
+def test_a_concurrency_level_is_split_whole_over_the_processes(
+    load: int, processes: int, callers: list[int]
+) -> None:
+    """`--concurrency 3 --processes 2` runs 3 callers (2 + 1), not 2 of 1.5 each."""
+    assert [len(s) for s in split_level("concurrency", load, 1.0, processes)] == callers
+
+
+def test_a_rate_level_sends_every_request_once_over_the_processes() -> None:
+    """10 req/s for 1.5 s over 4 processes: the 15 requests of one process, each sent
+    by one of them at its time i / 10 s, the processes taking turns."""
+    shares = split_level("rate", 10.0, 1.5, 4)
+    assert sorted(i for s in shares for i in s) == list(range(15))
+    assert [len(s) for s in shares] == [4, 4, 4, 3]
+    assert [s[0] for s in shares] == [0, 1, 2, 3]
 
 
 def test_bench_drives_a_model_with_every_datatype(
