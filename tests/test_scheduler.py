@@ -503,3 +503,37 @@ def test_with_the_automatic_delay_a_batch_stops_waiting_once_arrivals_stop() -> 
         assert _wait_after_the_last_arrival_ms(20_000) == pytest.approx(18)
 
     run(body)
+
+
+def test_taking_a_batch_and_expiring_a_request_do_not_walk_a_long_queue() -> None:
+    """Work per batch taken and per queue timeout is the batch's, not the queue's: with
+    5,000 requests queued, each runs a bounded number of lines (a walk would run
+    thousands), so draining or expiring a queue is linear in its length."""
+    from tests.test_fuzz_codec import lines_run
+
+    async def body() -> None:
+        clock = Clock()
+        timers = FakeTimer(clock)
+        dispatch = FakeDispatch(idle=0, credits=0)
+        s = Scheduler(dispatch, clock, timer=timers)
+        cfg = model(max_batch_size=4, queue=10_000)
+        s.add_model(cfg)
+        for k in range(5_000):
+            r = request(cfg, deadline=clock.now + (0.001 if k == 2_500 else 1e6))
+            r.queue_timeout = True
+            s.submit(r)
+        q = s._queues[cfg.key]
+        expiring = q.levels[0][2_500]
+        dispatch.idle, dispatch.credits = 1, 1
+        plan = q.plan(clock.now)
+        assert plan is not None
+        work, _ = lines_run(lambda: q.take(plan))
+        assert work < 200, work
+        assert len(q) == 4_996
+        clock.now += 0.001
+        work, _ = lines_run(timers.run_due)
+        assert work < 200, work
+        with pytest.raises(DeadlineExceeded):
+            expiring.future.result()
+
+    run(body)

@@ -167,10 +167,16 @@ class ModelQueue:
         )
 
     def take(self, plan: Plan) -> None:
-        chosen = {id(r) for r in plan.requests}
-        for i, q in enumerate(self.levels):
-            if any(id(r) in chosen for r in q):
-                self.levels[i] = deque(r for r in q if id(r) not in chosen)
+        """Remove the plan's requests. They are mostly the heads of their levels (with
+        answered entries among them): those leave in O(batch); only a level the plan
+        took from further in (priorities, buckets, sizes) is rebuilt."""
+        left = {id(r) for r in plan.requests}
+        for level in {r.level for r in plan.requests}:
+            q = self.levels[level]
+            while q and (id(q[0]) in left or q[0].future.done()):
+                left.discard(id(q.popleft()))
+        for level in {r.level for r in plan.requests if id(r) in left}:
+            self.levels[level] = deque(r for r in self.levels[level] if id(r) not in left)
         for r in plan.requests:
             if r.timer is not None:
                 r.timer.cancel()

@@ -248,10 +248,11 @@ class Scheduler:
             level.clear()
 
     def _expire_queued(self, request: Request) -> None:
-        # Only requests still queued expire here; the dispatcher owns sent ones.
+        # Only requests still queued expire here; the dispatcher owns sent ones. No scan
+        # of the queue says which: a request leaves it live only in a batch (take),
+        # which cancels its timer, and put back (requeue) it gets a new one.
         request.timer = None
-        q = self._queues.get(request.model.key)
-        if q is not None and not request.future.done() and request in q.levels[request.level]:
+        if not request.future.done():
             expire(request, self._clock())
 
     def pump(self, only: ModelQueue | None = None) -> None:
