@@ -428,3 +428,24 @@ def test_a_job_whose_end_cannot_be_written_is_logged_not_raised(
     assert claimed is not None
     run(lambda: JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run())
     assert "its end (completed) could not be recorded (OperationalError" in caplog.text
+
+
+def test_taking_a_job_batch_does_not_walk_the_lane() -> None:
+    """A line of many rows splits into many batches in the lane: each batch taken
+    costs its own work, not the lane's (a walk would run thousands of lines)."""
+    from tests.test_fuzz_codec import lines_run
+
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model(max_batch_size=4, queue=16)
+        s.add_model(cfg)
+        for _ in range(5_000):
+            s.submit(job_request(cfg))
+        q = s._queues[cfg.key]
+        plan = q.plan_jobs(0.0)
+        assert plan is not None and len(plan.requests) == 4
+        work, _ = lines_run(lambda: q.take_jobs(plan))
+        assert work < 200, work
+        assert len(q.jobs) == 4_996
+
+    run(body)

@@ -199,5 +199,9 @@ class ModelQueue:
         )
 
     def take_jobs(self, plan: Plan) -> None:
-        chosen = {id(r) for r in plan.requests}
-        self.jobs = deque(r for r in self.jobs if id(r) not in chosen)
+        """Remove the plan's requests: the lane's head, in order (as take())."""
+        left = {id(r) for r in plan.requests}
+        while self.jobs and (id(self.jobs[0]) in left or self.jobs[0].future.done()):
+            left.discard(id(self.jobs.popleft()))
+        if left:
+            self.jobs = deque(r for r in self.jobs if id(r) not in left)
