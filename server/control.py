@@ -276,7 +276,9 @@ class ModelControl:
         return task
 
     async def _retire(self, cfg: ModelConfig) -> None:
-        while self._scheduler.queued_version(cfg.key) or self._pool.inflight(cfg.key):
+        # A running job's chunks already in the lane stay with this version (its next
+        # ones go to the new one): they are answered here, not failed by the removal.
+        while self._scheduler.queued_version(cfg.key, jobs=True) or self._pool.inflight(cfg.key):
             if not self._pool.model_ready(cfg.key) and not self._pool.inflight(cfg.key):
                 # Every worker holding this version was lost; new ones load only the current.
                 self._scheduler.fail_queued(

@@ -449,3 +449,22 @@ def test_taking_a_job_batch_does_not_walk_the_lane() -> None:
         assert len(q.jobs) == 4_996
 
     run(body)
+
+
+def test_a_version_s_live_job_lane_counts_as_queued_for_its_retirement() -> None:
+    """A reload retires the old version once nothing of it is queued: the running job's
+    chunks in its lane count (before, they were failed UNAVAILABLE by the removal)."""
+
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model(max_batch_size=4)
+        s.add_model(cfg)
+        lane = [job_request(cfg) for _ in range(3)]
+        for r in lane:
+            s.submit(r)
+        assert s.queued_version(cfg.key) == 0  # online
+        assert s.queued_version(cfg.key, jobs=True) == 3
+        lane[0].future.cancel()  # a cancelled job's entry is not waited for
+        assert s.queued_version(cfg.key, jobs=True) == 2
+
+    run(body)

@@ -147,8 +147,10 @@ class Scheduler:
     def has(self, key: str) -> bool:
         return key in self._queues
 
-    def queued_version(self, key: str) -> int:
-        return len(self._queues[key])
+    def queued_version(self, key: str, jobs: bool = False) -> int:
+        """Online requests queued for model version `key` (with `jobs`, and its job lane's)."""
+        q = self._queues[key]
+        return len(q) + (sum(not r.future.done() for r in q.jobs) if jobs else 0)
 
     def cap(self, key: str) -> int:
         """The current batch cap in rows (adapted when the model has a latency target)."""
