@@ -468,3 +468,22 @@ def test_a_version_s_live_job_lane_counts_as_queued_for_its_retirement() -> None
         assert s.queued_version(cfg.key, jobs=True) == 2
 
     run(body)
+
+
+def test_a_blank_line_over_the_limit_counts_as_the_line_it_is_answered_as(
+    tmp_path: Path,
+) -> None:
+    """The runner answers a line over the limit with an error line, blank or not: the
+    job's total counts it too, so progress never passes 100%."""
+    path = tmp_path / "in.jsonl"
+    good = {"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 3],
+                                           "data": [1, 2, 3]}]}  # fmt: skip
+    path.write_bytes(b" " * (lines.MAX_LINE_BYTES + 1) + b"\n" + json.dumps(good).encode() + b"\n")
+    total = check_ids(path, tmp_path / "ids.sqlite")
+    reader = chunks.Reader(path, 0, 0)
+    try:
+        read = reader.read(fp32_model(), Limits()).lines
+    finally:
+        reader.close()
+    assert total == len(read) == 2
+    assert read[0].error is not None and read[1].request is not None

@@ -67,11 +67,12 @@ def check_ids(path: Path, scratch: Path) -> int:
                 if not length:
                     break
                 number += 1
+                if too_long:  # blank or not: it becomes an error line when the job runs
+                    total += 1
+                    continue
                 if not raw.strip():
                     continue
                 total += 1
-                if too_long:
-                    continue  # it becomes an error line when the job runs
                 try:
                     batch.append((lines.custom_id_of(lines.load(raw)), number))
                 except ValueError:
