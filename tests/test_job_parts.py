@@ -481,8 +481,10 @@ def test_a_blank_line_over_the_limit_counts_as_the_line_it_is_answered_as(
     path.write_bytes(b" " * (lines.MAX_LINE_BYTES + 1) + b"\n" + json.dumps(good).encode() + b"\n")
     total = check_ids(path, tmp_path / "ids.sqlite")
     reader = chunks.Reader(path, 0, 0)
+    read: list[chunks.Line] = []
     try:
-        read = reader.read(fp32_model(), Limits()).lines
+        while not reader.eof:
+            read += reader.read(fp32_model(), Limits()).lines
     finally:
         reader.close()
     assert total == len(read) == 2
