@@ -489,3 +489,39 @@ def test_a_blank_line_over_the_limit_counts_as_the_line_it_is_answered_as(
         reader.close()
     assert total == len(read) == 2
     assert read[0].error is not None and read[1].request is not None
+
+
+def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> None:
+    """Started after the stop, its lines would meet the core failing everything queued,
+    and those error lines would be kept in its results."""
+    cfg = model(max_batch_size=4, shape=(1,))
+
+    class SlowClaim(SqliteStore):
+        claiming = asyncio.Event()
+        answer = asyncio.Event()
+
+        async def claim(self, exclude_models: frozenset[str] = frozenset()) -> Any:
+            self.claiming.set()
+            await self.answer.wait()  # a database round trip, during which stop() comes
+            return await super().claim(exclude_models)
+
+    async def body() -> None:
+        SlowClaim.claiming, SlowClaim.answer = asyncio.Event(), asyncio.Event()
+        store = SlowClaim(tmp_path)
+        row = await store.create("", cfg.name, "")
+        text = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
+                           "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
+        store.upload_path(row.id).write_text(text)
+        await store.queue(row.id, 1, len(text))
+        jobs = runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
+                           retention_s=3600.0)  # fmt: skip
+        task = asyncio.create_task(jobs.run())
+        await store.claiming.wait()
+        await jobs.stop()
+        store.answer.set()
+        await asyncio.wait_for(task, 10)  # the runner ends ...
+        assert jobs.running == {}  # ... without starting the job it claimed
+        got = await store.get(row.id)
+        assert got is not None and got.completed == got.failed == 0
+
+    run(body)

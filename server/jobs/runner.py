@@ -270,6 +270,8 @@ class Jobs:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), POLL_S)
                 continue
+            if self._stopped:  # stop() came during the claim: the job is not started here
+                break  # (it stays claimed: taken over when its lease runs out, or at restart)
             log.info("job %s of model %s: running from line %d", row.id, row.model,
                      row.lines_read + 1, extra={"job": row.id, "model": row.model})  # fmt: skip
             run = JobRun(row, self.store, self._core, self._limits, self._count)
