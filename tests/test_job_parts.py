@@ -12,7 +12,7 @@ import json
 import math
 import sqlite3
 import struct
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import chunks, lines, runner
 from batchd.server.jobs.runner import JobRun
-from batchd.server.jobs.service import check_ids
+from batchd.server.jobs.service import JobsService, check_ids
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Progress
 from batchd.server.request import Request, Tensor
@@ -523,5 +523,41 @@ def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> 
         assert jobs.running == {}  # ... without starting the job it claimed
         got = await store.get(row.id)
         assert got is not None and got.completed == got.failed == 0
+
+    run(body)
+
+
+def test_an_upload_says_it_is_alive_while_its_client_pauses(tmp_path: Path) -> None:
+    """A replica removes an upload whose lease ran out: it is renewed on a timer while
+    the client pauses between pieces (before, only as pieces came)."""
+    cfg = model(max_batch_size=4, shape=(1,))
+
+    class Leased(SqliteStore):
+        renew_every_s = 0.001
+        renewed = asyncio.Event()
+        renewals = 0
+
+        async def uploading(self, job_id: str) -> None:
+            Leased.renewals += 1
+            if Leased.renewals >= 3:
+                self.renewed.set()
+
+    async def body() -> None:
+        Leased.renewed = asyncio.Event()
+        store = Leased(tmp_path)
+        jobs = runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
+                           retention_s=3600.0, runs=False)  # fmt: skip
+        line = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
+                           "shape": [1, 1], "data": [3]}]}).encode() + b"\n"  # fmt: skip
+
+        async def pieces() -> AsyncIterator[bytes]:
+            yield line[:10]
+            await Leased.renewed.wait()  # the client pauses until the lease was renewed
+            yield line[10:]
+
+        job = await asyncio.wait_for(
+            JobsService(jobs).submit(("", True), cfg.name, "", pieces()), 10
+        )
+        assert job.status == "queued" and job.total == 1
 
     run(body)

@@ -12,7 +12,9 @@ upload nor the check holds the file in memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import math
 import shutil
 import sqlite3
 import time
@@ -30,6 +32,7 @@ from batchd.server.errors import (
     LimitExceeded,
     ModelNotFound,
     NotAllowed,
+    Unavailable,
     clip,
     grpc_status,
 )
@@ -167,6 +170,7 @@ class JobsService(pb_grpc.JobsServicer):
                 f"{jobs.max_open}); wait for one to end or cancel one"
             )
         row = await jobs.store.create(caller[0], model_name, model_version)
+        renewing = asyncio.create_task(self._renewing(jobs, row.id))
         try:
             size = await self._upload(jobs, row, pieces)
             scratch = jobs.store.folder(row.id) / "ids.sqlite"
@@ -175,16 +179,27 @@ class JobsService(pb_grpc.JobsServicer):
         except BaseException:
             await asyncio.shield(jobs.store.delete(row.id))
             raise
+        finally:
+            renewing.cancel()
         jobs.wake()
         return self._message(await self._job(row.id, caller))
 
+    @staticmethod
+    async def _renewing(jobs: Jobs, job_id: str) -> None:
+        """Say the upload is alive every renew_every_s until it is queued, whether pieces
+        come or not (a client that pauses, the check of a large file): a replica
+        removes an upload whose lease ran out (store.py)."""
+        if jobs.store.renew_every_s == math.inf:
+            return
+        while True:
+            await asyncio.sleep(jobs.store.renew_every_s)
+            with contextlib.suppress(Unavailable):  # the database is down: the next time
+                await jobs.store.uploading(job_id)
+
     async def _upload(self, jobs: Jobs, row: JobRow, pieces: AsyncIterator[bytes]) -> int:
-        size, said = 0, time.monotonic()
+        size = 0
         with jobs.store.upload_path(row.id).open("wb") as f:
             async for data in pieces:
-                if time.monotonic() - said >= jobs.store.renew_every_s:
-                    said = time.monotonic()
-                    await jobs.store.uploading(row.id)
                 size += len(data)
                 if size > jobs.max_file_bytes:
                     raise LimitExceeded(
