@@ -355,6 +355,23 @@ def test_a_duplicate_repeated_on_every_line_is_named_briefly(tmp_path: Path) -> 
     )
 
 
+ONE_LINE = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
+                      "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
+
+
+async def queued_one_line(store: SqliteStore, cfg: ModelConfig) -> Any:
+    """A job of one line, uploaded and queued in `store`."""
+    row = await store.create("", cfg.name, "")
+    store.upload_path(row.id).write_text(ONE_LINE)
+    await store.queue(row.id, 1, len(ONE_LINE))
+    return row
+
+
+def jobs_of(store: SqliteStore, cfg: ModelConfig, runs: bool = True) -> runner.Jobs:
+    return runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
+                       retention_s=3600.0, runs=runs)  # fmt: skip
+
+
 class FailingStore(SqliteStore):
     """A jobs store whose database is down at the start, whose disk is then full for a
     claim, and (with `finish_fails`) full again when a job ends."""
@@ -392,13 +409,8 @@ def test_a_jobs_store_that_fails_leaves_the_runner_and_the_server_running(
     monkeypatch.setattr(runner, "POLL_S", 0.001)
     cfg = model(max_batch_size=4, shape=(1,))
     store = FailingStore(tmp_path)
-    row = run(lambda: store.create("", cfg.name, ""))
-    text = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
-                       "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
-    store.upload_path(row.id).write_text(text)
-    run(lambda: store.queue(row.id, 1, len(text)))
-    jobs = runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
-                       retention_s=3600.0)  # fmt: skip
+    row = run(lambda: queued_one_line(store, cfg))
+    jobs = jobs_of(store, cfg)
 
     async def body() -> None:
         task = asyncio.create_task(jobs.run())
@@ -419,11 +431,7 @@ def test_a_job_whose_end_cannot_be_written_is_logged_not_raised(
 ) -> None:
     cfg = model(max_batch_size=4, shape=(1,))
     store = FailingStore(tmp_path, finish_fails=True)
-    row = run(lambda: store.create("", cfg.name, ""))
-    text = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
-                       "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
-    store.upload_path(row.id).write_text(text)
-    run(lambda: store.queue(row.id, 1, len(text)))
+    run(lambda: queued_one_line(store, cfg))
     claimed = run(lambda: SqliteStore.claim(store))
     assert claimed is not None
     run(lambda: JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run())
@@ -508,13 +516,8 @@ def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> 
     async def body() -> None:
         SlowClaim.claiming, SlowClaim.answer = asyncio.Event(), asyncio.Event()
         store = SlowClaim(tmp_path)
-        row = await store.create("", cfg.name, "")
-        text = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
-                           "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
-        store.upload_path(row.id).write_text(text)
-        await store.queue(row.id, 1, len(text))
-        jobs = runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
-                           retention_s=3600.0)  # fmt: skip
+        row = await queued_one_line(store, cfg)
+        jobs = jobs_of(store, cfg)
         task = asyncio.create_task(jobs.run())
         await store.claiming.wait()
         await jobs.stop()
@@ -545,10 +548,8 @@ def test_an_upload_says_it_is_alive_while_its_client_pauses(tmp_path: Path) -> N
     async def body() -> None:
         Leased.renewed = asyncio.Event()
         store = Leased(tmp_path)
-        jobs = runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
-                           retention_s=3600.0, runs=False)  # fmt: skip
-        line = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
-                           "shape": [1, 1], "data": [3]}]}).encode() + b"\n"  # fmt: skip
+        jobs = jobs_of(store, cfg, runs=False)
+        line = ONE_LINE.encode()
 
         async def pieces() -> AsyncIterator[bytes]:
             yield line[:10]
