@@ -537,3 +537,34 @@ def test_taking_a_batch_and_expiring_a_request_do_not_walk_a_long_queue() -> Non
             expiring.future.result()
 
     run(body)
+
+
+def test_a_step_wise_request_failed_in_the_queue_ends_its_stream() -> None:
+    """Its caller reads the stream to its end before the future: a queue timeout (or a
+    drain, or a broken version) that fails the future must end the stream too, or the
+    caller waits for ever (and the drain with it)."""
+    from batchd.server.request import StepStream
+    from tests.conftest import stepwise_model
+
+    async def body() -> None:
+        clock = Clock()
+        timers = FakeTimer(clock)
+        s = Scheduler(FakeDispatch(idle=0, credits=0), clock, timer=timers)
+        cfg = stepwise_model()
+        s.add_model(cfg)
+        expiring, drained = request(cfg, deadline=clock.now + 0.001), request(cfg)
+        expiring.queue_timeout = True
+        for r in (expiring, drained):
+            r.stream = StepStream()
+            s.submit(r)
+        timers.advance(0.001)
+        s.fail_all(Unavailable("the server is shutting down"))
+        for r in (expiring, drained):
+            assert r.stream is not None
+            assert await asyncio.wait_for(r.stream.next(), 5) is None
+        with pytest.raises(DeadlineExceeded):
+            expiring.future.result()
+        with pytest.raises(Unavailable):
+            drained.future.result()
+
+    run(body)

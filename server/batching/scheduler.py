@@ -40,7 +40,7 @@ from batchd.server.batching.queues import (
 )
 from batchd.server.batching.split_join import join_results, split_request
 from batchd.server.errors import InvalidInput, QueueFull, Unavailable
-from batchd.server.request import Request, Tensor
+from batchd.server.request import Request, StepStream, Tensor
 
 log = logging.getLogger("batchd.scheduler")
 COMPACT_EVERY_S = 0.01  # a full queue is swept for dead entries at most this often
@@ -182,6 +182,10 @@ class Scheduler:
         for part in parts:
             part.arrival = now
             part.future = loop.create_future()
+            if part.stream is not None:  # a step-wise request's caller reads its stream to
+                # the end, then its future: one failed in the queue (its timeout, a broken or
+                # retired version, the drain) must end the stream too
+                part.future.add_done_callback(partial(_close, part.stream))
             (q.jobs if part.background else q.levels[part.level]).append(part)
             self._arm_timeout(part)
         self.pump(q)
@@ -367,3 +371,7 @@ class Scheduler:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, math.inf
         self.pump()
+
+
+def _close(stream: StepStream, _: object) -> None:
+    stream.close()
