@@ -45,6 +45,12 @@ LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 
 
+def text(message: str) -> str:
+    """`message` as a string field takes it: a lone surrogate (an exception naming a
+    file by its undecodable bytes) is escaped, where protobuf would raise."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def pack(header: Header, frames: Sequence[Any] = ()) -> list[Any]:
     """The multipart message for `header` and its tensor frames."""
     return [header.SerializeToString(), *frames]

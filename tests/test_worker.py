@@ -339,31 +339,92 @@ def load(device):
 """
 
 
-def test_a_merged_forward_that_raises_tells_each_batch_the_forward_s_rows(tmp_path: Path) -> None:
-    """So a frontend whose batch held one request knows it did not run alone, and
-    retries it alone instead of failing it with another frontend's error."""
-    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(RAISING_MODEL))
+def compute(
+    tmp_path: Path, code: str, items: list[tuple[int, wire.Header, list[Any]]]
+) -> list[tuple[int, wire.Header]]:
+    """Load the model `code` as `model_py` version 1 in an in-process Runner, run
+    `items` (frontend, header, frames) through its compute thread's loop, and return
+    every reply: (frontend, header), in order."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
     results = ctx.socket(zmq.PAIR)
     results.bind(runner_module._RESULTS)
     try:
-        assert wire.unpack(runner._load(wire.Header(kind=wire.Header.LOAD, model=d.name,
-                                                    version="1")))[0].error == ""  # fmt: skip
-        for batch_id, (frontend, value) in enumerate([(0, 1.0), (1, -1.0)], 1):
-            tensors, frames = batch(np.full((1, 4), value, np.float32))
-            h = wire.Header(kind=wire.Header.BATCH, batch_id=batch_id, model=d.name,
-                            version="1", tensors=tensors)  # fmt: skip
-            runner._work.put((frontend, h, frames))
+        runner._work.put((0, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1"), []))
+        for item in items:
+            runner._work.put(item)
         runner._work.put(None)
-        runner._compute(ctx)
-        got = {}
-        for _ in range(2):
+        runner._compute(ctx)  # runs what is queued, then stops at None
+        got = []
+        while results.poll(0):
             first, *parts = results.recv_multipart()
-            reply, _ = wire.unpack(parts)
-            got[reply.batch_id] = (first[0], reply.kind, reply.forward_rows)
+            if parts:
+                got.append((first[0], wire.unpack(parts)[0]))
     finally:
         results.close(linger=0)
         ctx.term()
         gc.unfreeze()
+    assert got[0][1].kind == wire.Header.LOADED and not got[0][1].error, got[0]
+    return got[1:]
+
+
+def batch_of(batch_id: int, arr: np.ndarray, model: str = "model_py") -> wire.Header:
+    tensors, _ = batch(arr)
+    return wire.Header(kind=wire.Header.BATCH, batch_id=batch_id, model=model, version="1",
+                       tensors=tensors)  # fmt: skip
+
+
+def test_a_merged_forward_that_raises_tells_each_batch_the_forward_s_rows(tmp_path: Path) -> None:
+    """So a frontend whose batch held one request knows it did not run alone, and
+    retries it alone instead of failing it with another frontend's error."""
+    items = []
+    for batch_id, (frontend, value) in enumerate([(0, 1.0), (1, -1.0)], 1):
+        x = np.full((1, 4), value, np.float32)
+        items.append((frontend, batch_of(batch_id, x), batch(x)[1]))
+    got = {
+        h.batch_id: (f, h.kind, h.forward_rows) for f, h in compute(tmp_path, RAISING_MODEL, items)
+    }
     assert got == {1: (0, wire.Header.ERROR, 2), 2: (1, wire.Header.ERROR, 2)}
+
+
+SURROGATE_MODEL = """
+def load(device):
+    def forward(x):
+        if (x < 0).any():  # an exception naming a file by bytes that are not UTF-8
+            raise OSError("cannot open " + b"w\\xffeights".decode("utf-8", "surrogateescape"))
+        return x
+    return forward
+"""
+
+
+def test_a_failure_the_wire_cannot_carry_as_it_is_fails_its_batch_only(tmp_path: Path) -> None:
+    """A model error holding a lone surrogate (protobuf refuses it), and a BATCH no
+    frontend sends (a scalar first input): each fails its own batch with a message, and
+    the compute thread goes on to answer the next one."""
+    bad = np.full((1, 4), -1.0, np.float32)
+    good = np.ones((1, 4), np.float32)
+    scalar = wire.Header(kind=wire.Header.BATCH, batch_id=2, model="model_py", version="1",
+                         tensors=[wire.Tensor(name="X", datatype="FP32", shape=[])])  # fmt: skip
+    got = compute(tmp_path, SURROGATE_MODEL, [
+        (0, batch_of(1, bad), batch(bad)[1]),
+        (0, scalar, [b""]),
+        (0, batch_of(3, good), batch(good)[1]),
+    ])  # fmt: skip
+    assert [(h.batch_id, h.kind) for _, h in got] == [
+        (1, wire.Header.ERROR), (2, wire.Header.ERROR), (3, wire.Header.RESULT),
+    ]  # fmt: skip
+    assert got[0][1].error == "OSError: cannot open w\\udcffeights"
+    assert got[1][1].error
+
+
+def test_a_load_that_fails_with_a_surrogate_in_its_message_is_answered(tmp_path: Path) -> None:
+    code = (
+        "def load(device):\n"
+        '    raise OSError("no " + b"\\xff".decode("utf-8", "surrogateescape"))\n'
+    )
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    reply, _ = wire.unpack(runner._load(wire.Header(kind=wire.Header.LOAD, model=d.name,
+                                                    version="1")))  # fmt: skip
+    assert reply.kind == wire.Header.LOADED and reply.error == "OSError: no \\udcff"

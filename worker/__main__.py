@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -16,9 +17,21 @@ from batchd.protos import keys, traces
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
 from batchd.worker.log_tag import tag_log_lines
-from batchd.worker.runner import Runner, RunnerOptions, install_signal_handlers
+from batchd.worker.runner import Runner, RunnerOptions
 
 log = logging.getLogger("batchd.worker")
+
+
+def install_signal_handlers(runner: Runner) -> None:
+    """SIGTERM and SIGINT stop a worker started by hand. A worker its frontend started
+    (--parent-pid) ignores them: a signal to the whole process group (Ctrl-C in a
+    terminal, systemd stopping the unit) must not take the worker away while the
+    frontend drains; STOP, or its parent's exit, ends it."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if runner.options.parent_pid is None:
+            signal.signal(sig, lambda *_: runner.stop())
+        else:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

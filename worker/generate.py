@@ -66,7 +66,7 @@ class Replies:
                 [0],
             )
         header, all_frames, ends = self.messages[s.frontend]
-        header.steps.add(id=s.seq_id, tensors=len(tensors), final=final, error=error)
+        header.steps.add(id=s.seq_id, tensors=len(tensors), final=final, error=wire.text(error))
         header.tensors.extend(tensors)
         all_frames.extend(frames)
         ends[0] += final

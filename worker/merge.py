@@ -24,7 +24,7 @@ Item = tuple[int, wire.Header, list[Any]]  # (frontend, BATCH header, frames)
 def rows_of(header: wire.Header) -> int:
     if header.rows:
         return int(header.rows)
-    return int(header.tensors[0].shape[0]) if header.tensors else 0
+    return int(header.tensors[0].shape[0]) if header.tensors and header.tensors[0].shape else 0
 
 
 def _signature(header: wire.Header) -> tuple[Any, ...]:

@@ -22,7 +22,6 @@ import gc
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 import traceback
@@ -123,7 +122,11 @@ class Runner:
                     item = self._work.get()
                 if item is None:
                     return
-                held = self._handle(item, reply)
+                try:
+                    held = self._handle(item, reply)
+                except Exception as e:  # a defect, or a message no frontend sends: that
+                    log.exception("work of kind %d failed", item[1].kind)  # work fails, the
+                    reply(item[0], *_failed(item[1], e))  # compute thread lives on
         finally:
             out.close(linger=0)
 
@@ -194,7 +197,7 @@ class Runner:
                 )
         except Exception as e:  # a model that will not load is reply data too
             log.exception("cannot load model %s", header.model, extra={"model": header.model})
-            reply.error = f"{type(e).__name__}: {e}"
+            reply.error = wire.text(f"{type(e).__name__}: {e}")
         return wire.pack(reply)
 
     def _unload(self, header: wire.Header) -> None:
@@ -233,7 +236,7 @@ class Runner:
             compute_ns = time.perf_counter_ns() - start
         except Exception as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
-            message = str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
+            message = wire.text(str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}")
             return [  # forward_rows: whether the batch ran alone (server/recovery.py)
                 (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
                                           model=h.model, error=message, forward_rows=sum(rows))))
@@ -382,13 +385,16 @@ class _IO:
     stop_at: float = 0.0
 
 
-def install_signal_handlers(runner: Runner) -> None:
-    """SIGTERM and SIGINT stop a worker started by hand. A worker its frontend started
-    (--parent-pid) ignores them: a signal to the whole process group (Ctrl-C in a
-    terminal, systemd stopping the unit) must not take the worker away while the
-    frontend drains; STOP, or its parent's exit, ends it."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        if runner.options.parent_pid is None:
-            signal.signal(sig, lambda *_: runner.stop())
-        else:
-            signal.signal(sig, signal.SIG_IGN)
+def _failed(header: wire.Header, e: Exception) -> tuple[list[Any], int]:
+    """The reply owed for work that raised outside the model's own guard, and the units
+    of work it ends: ERROR for a batch, LOADED for a load, a final STEP for a sequence."""
+    error, h = wire.text(f"the worker failed on it: {type(e).__name__}: {e}"), header
+    if h.kind not in _COUNTED:
+        return [], 0
+    kind = {wire.Header.BATCH: wire.Header.ERROR, wire.Header.LOAD: wire.Header.LOADED}
+    out = wire.Header(kind=kind.get(h.kind, wire.Header.STEP), model=h.model, version=h.version)
+    if h.kind == wire.Header.START:
+        out.steps.add(id=h.batch_id, final=True, error=error)
+    else:
+        out.batch_id, out.error = h.batch_id, error
+    return wire.pack(out), 1
