@@ -129,7 +129,12 @@ def serialize_bytes(values: Any) -> bytes:
     out = bytearray()
     pack = _LEN.pack
     for v in values:
-        b = v.encode() if isinstance(v, str) else bytes(v)
+        if isinstance(v, str):
+            b = v.encode()
+        elif isinstance(v, (bytes, bytearray, memoryview)):
+            b = bytes(v)
+        else:  # bytes(5) would be five zero bytes: an int is not an element
+            raise TypeError(f"a BYTES element is bytes or str, not {type(v).__name__}")
         out += pack(len(b))
         out += b
     return bytes(out)

@@ -340,12 +340,12 @@ def load(device):
 
 
 def compute(
-    tmp_path: Path, code: str, items: list[tuple[int, wire.Header, list[Any]]]
-) -> list[tuple[int, wire.Header]]:
+    tmp_path: Path, code: str, items: list[tuple[int, wire.Header, list[Any]]], toml: str = TOML
+) -> list[tuple[int, wire.Header, list[bytes]]]:
     """Load the model `code` as `model_py` version 1 in an in-process Runner, run
     `items` (frontend, header, frames) through its compute thread's loop, and return
-    every reply: (frontend, header), in order."""
-    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    every reply: (frontend, header, frames), in order."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code), toml)
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
     results = ctx.socket(zmq.PAIR)
@@ -360,7 +360,8 @@ def compute(
         while results.poll(0):
             first, *parts = results.recv_multipart()
             if parts:
-                got.append((first[0], wire.unpack(parts)[0]))
+                header, frames = wire.unpack(parts)
+                got.append((first[0], header, [bytes(f) for f in frames]))
     finally:
         results.close(linger=0)
         ctx.term()
@@ -382,9 +383,8 @@ def test_a_merged_forward_that_raises_tells_each_batch_the_forward_s_rows(tmp_pa
     for batch_id, (frontend, value) in enumerate([(0, 1.0), (1, -1.0)], 1):
         x = np.full((1, 4), value, np.float32)
         items.append((frontend, batch_of(batch_id, x), batch(x)[1]))
-    got = {
-        h.batch_id: (f, h.kind, h.forward_rows) for f, h in compute(tmp_path, RAISING_MODEL, items)
-    }
+    replies = compute(tmp_path, RAISING_MODEL, items)
+    got = {h.batch_id: (f, h.kind, h.forward_rows) for f, h, _ in replies}
     assert got == {1: (0, wire.Header.ERROR, 2), 2: (1, wire.Header.ERROR, 2)}
 
 
@@ -411,7 +411,7 @@ def test_a_failure_the_wire_cannot_carry_as_it_is_fails_its_batch_only(tmp_path:
         (0, scalar, [b""]),
         (0, batch_of(3, good), batch(good)[1]),
     ])  # fmt: skip
-    assert [(h.batch_id, h.kind) for _, h in got] == [
+    assert [(h.batch_id, h.kind) for _, h, _ in got] == [
         (1, wire.Header.ERROR), (2, wire.Header.ERROR), (3, wire.Header.RESULT),
     ]  # fmt: skip
     assert got[0][1].error == "OSError: cannot open w\\udcffeights"
@@ -428,3 +428,47 @@ def test_a_load_that_fails_with_a_surrogate_in_its_message_is_answered(tmp_path:
     reply, _ = wire.unpack(runner._load(wire.Header(kind=wire.Header.LOAD, model=d.name,
                                                     version="1")))  # fmt: skip
     assert reply.kind == wire.Header.LOADED and reply.error == "OSError: no \\udcff"
+
+
+REUSING_MODEL = """
+import torch
+def load(device):
+    out = torch.empty(0)
+    def forward(x):  # writes every answer into the one buffer it returns (the out= style)
+        torch.mul(x, 2, out=out)
+        return out
+    return forward
+"""
+
+
+def test_an_output_buffer_the_model_reuses_is_copied_before_the_next_forward(
+    tmp_path: Path,
+) -> None:
+    """The reply leaves zero-copy (64 KiB and more): each must keep its own values,
+    not the next batch's."""
+    items = []
+    for batch_id in (1, 2, 3):
+        x = np.full((1, 20_000), float(batch_id), np.float32)
+        header = batch_of(batch_id, x)
+        header.alone = True  # one forward each, not merged into one
+        items.append((0, header, batch(x)[1]))
+    got = compute(tmp_path, REUSING_MODEL, items, TOML.replace("[4]", "[20000]"))
+    assert [h.kind for _, h, _ in got] == [wire.Header.RESULT] * 3
+    assert [set(np.frombuffer(f[0], np.float32).tolist()) for _, _, f in got] == [
+        {2.0}, {4.0}, {6.0},
+    ]  # fmt: skip
+
+
+def test_integers_returned_for_a_bytes_output_are_refused_not_made_zero_bytes(
+    tmp_path: Path,
+) -> None:
+    """bytes(50000) is 50,000 zero bytes: token ids returned for a BYTES output would
+    become strings of zeros (and a large id, gigabytes)."""
+    code = "import torch\ndef load(device):\n    return lambda x: torch.full((len(x), 4), 50000)\n"
+    toml = TOML[: TOML.rindex("FP32")] + 'BYTES"\nshape = [4]\n'
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code), toml)
+    cfg = load_model_config(d)
+    tensors, frames = batch(X)
+    refused = "output 'Y' is declared BYTES: a BYTES element is bytes or str, not int"
+    with pytest.raises(BatchError, match=refused):
+        run_batch(load_model(cfg, CPU), cfg, CPU, tensors, frames)

@@ -80,17 +80,22 @@ def _encode(spec_name: str, datatype: str, value: Any) -> tuple[list[int], Any]:
     where = f"output {spec_name!r}"
     if datatype == "BYTES":
         arr = np.asarray(value, dtype=object)
-        return list(arr.shape), serialize_bytes(arr)
+        try:
+            return list(arr.shape), serialize_bytes(arr)
+        except TypeError as e:
+            raise BatchError(f"{where} is declared BYTES: {e}") from None
     if isinstance(value, torch.Tensor):
         want = TORCH_DTYPES[datatype]
         if value.dtype != want:
             raise BatchError(
                 f"{where} is declared {datatype} ({want}), the model returned {value.dtype}"
             )
-        t = value.detach().to("cpu").contiguous()
+        # A copy of the model's memory: the reply leaves zero-copy after the next forward
+        # may have started, and a model may return the same buffer every time (out=).
+        t = value.detach().to("cpu", copy=True).contiguous()
         arr = t.view(torch.int16).numpy().view(np.uint16) if datatype == "BF16" else t.numpy()
     elif isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
+        arr = np.array(value, order="C", copy=True)  # (a copy, as for a tensor)
         if arr.dtype.newbyteorder("<") != DATATYPES[datatype].numpy:
             raise BatchError(
                 f"{where} is declared {datatype}, the model returned numpy {arr.dtype}"
