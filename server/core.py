@@ -46,6 +46,9 @@ from batchd.server.supervisor import Launch, Supervisor
 log = logging.getLogger("batchd.core")
 _STOP = wire.pack(wire.Header(kind=wire.Header.STOP))
 _PASS = wire.pack(wire.Header(kind=wire.Header.PASS))
+# A worker loading a model may be silent this long: a load can hold the GIL for seconds
+# (torch.jit.load of a model of gigabytes starved the heartbeat thread 6.6 s of 6.7).
+LOADING_SILENCE_S = 120.0
 
 
 class Core:
@@ -229,7 +232,12 @@ class Core:
 
     def on_silent(self, identity: bytes, silent_s: float) -> None:
         worker = self.pool.get(identity)
-        if worker is not None:
+        if worker is None:
+            self.link.forget(identity)
+        elif silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
+            return  # loading (torch.jit.load holds the GIL for seconds: its I/O thread cannot
+            # beat); asked again each heartbeat round
+        else:
             self.lose(worker, f"no message for {silent_s:.1f} s")
 
     def on_tick(self, now: float) -> None:

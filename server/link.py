@@ -119,8 +119,7 @@ class WorkerLink:
         now = self._clock()
         window = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS
         for identity, heard in list(self._heard.items()):
-            if now - heard > window:
-                self.forget(identity)
+            if now - heard > window:  # the core forgets it, or lets it be silent longer
                 self._events.on_silent(identity, now - heard)
             elif identity in self._heard:  # not forgotten by an earlier report
                 self.send(identity, _BEAT)

@@ -25,6 +25,7 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import to_raw
 from tests.conftest import (
+    MODEL_TOML,
     SAMPLES,
     batch_gate,
     make_model,
@@ -157,6 +158,33 @@ def test_a_replaced_frontend_s_sequences_never_reach_its_successor_s_callers(
         worker.wait()
         if second is not None:
             assert second.stop() == 0, second.log()
+
+
+GIL_HOLDING_LOAD = """
+import ctypes
+def load(device):
+    ctypes.PyDLL(None).sleep(5)  # holds the GIL, as torch.jit.load of gigabytes does
+    return lambda x: x * 2
+"""
+
+
+def test_a_load_that_holds_the_gil_longer_than_the_heartbeat_window_still_lands(
+    tmp_path: Path,
+) -> None:
+    """The worker's I/O thread cannot beat while load() holds the GIL: a worker that
+    is loading may be silent longer than 3 missed heartbeats, not lost and restarted
+    for ever."""
+    (tmp_path / "repo" / "slow").mkdir(parents=True)
+    (tmp_path / "repo" / "slow" / "model.toml").write_text(MODEL_TOML)
+    (tmp_path / "repo" / "slow" / "model.py").write_text(GIL_HOLDING_LOAD)
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    try:
+        with Client(server.url) as c:
+            out = c.infer("slow", {"X": np.array([[3.0]], np.float32)}, timeout=30)
+        assert out["Y"][0, 0] == 6.0
+        assert "no message for" not in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_bad_model_toml_stops_start_up_naming_file_and_key(tmp_path: Path) -> None:
