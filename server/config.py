@@ -1,7 +1,8 @@
 """The server's configuration: nested frozen dataclasses, the one source of every
 default. Each setting that is a flag says so on its field (`setting`), and the
 `batchd serve` command line is built from these fields (`add_arguments`,
-`from_arguments`); `ServerConfig.check` validates the whole, in one place.
+`from_arguments`); `ServerConfig.check` validates the whole, in one place: each
+value in its field's `bounds`, then the rules that span fields.
 
     ServerConfig    model_repository, drain_timeout_s
     ├── network     host, ports, message size
@@ -19,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,10 +33,14 @@ from typing import Any
 from batchd.protos.model_config import ConfigError
 
 MiB = 1024 * 1024
+INT_MAX = 2**31 - 1  # gRPC takes its options as C ints: sizes, counts, milliseconds
+GRPC_S = INT_MAX / 1000  # the longest duration gRPC takes (INT_MAX ms: it reads "never")
+STREAM_HEADROOM = 64  # HTTP/2 streams a connection may open beyond --max-concurrent-streams
 
 
 def setting(default: Any, flag: str, help: str, **argparse_kw: Any) -> Any:
-    """A field that is also a `batchd serve` flag; `help` gets the default added."""
+    """A field that is also a `batchd serve` flag; `help` gets the default added.
+    `bounds=(lo, hi, what it takes)`: ServerConfig.check refuses a value outside."""
     meta = {"flag": flag, "help": help, **argparse_kw}
     if default is dataclasses.MISSING:
         return field(metadata=meta)
@@ -44,23 +51,22 @@ def section(cls: type) -> Any:
     return field(default_factory=cls, metadata={"section": cls})
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def positive(hi: float = math.inf) -> dict[str, Any]:
+    """The keywords of a setting taking an integer from 1 to `hi`."""
+    what = "a positive integer" if hi == math.inf else f"an integer from 1 to {hi}"
+    return {"type": int, "bounds": (1, hi, what)}
+
+
+def port(off: bool) -> dict[str, Any]:
+    """The keywords of a port setting: 0 picks a free one; with `off`, -1 turns it off."""
+    what = "a port from 0 to 65535 (0: a free one)" + (", or -1 (off)" if off else "")
+    return {"type": int, "bounds": (-1 if off else 0, 65535, what)}
 
 
 def duration(default: float, flag: str, help: str) -> Any:
-    """A setting in seconds (>= 0)."""
-    return setting(default, flag, help, type=seconds, metavar="S")
-
-
-def seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text}")
-    return value
+    """A setting in seconds, from 0 to GRPC_S (gRPC's longest; every one, alike)."""
+    what = f"seconds from 0 to {GRPC_S}"
+    return setting(default, flag, help, type=float, metavar="S", bounds=(0, GRPC_S, what))
 
 
 @dataclass(frozen=True)
@@ -68,18 +74,17 @@ class Network:
     """network"""
 
     host: str = setting("127.0.0.1", "--host", "address to listen on (0.0.0.0 exposes it)")
-    grpc_port: int = setting(8001, "--grpc-port", "gRPC port; 0 picks a free one", type=int)
+    grpc_port: int = setting(8001, "--grpc-port", "gRPC port; 0 picks a free one", **port(False))
     http_port: int = setting(
         8000, "--http-port", "KServe v2 REST port, served by the same process; 0: a free one; "
-        "-1: off", type=int,
+        "-1: off", **port(True),
     )  # fmt: skip
     metrics_port: int = setting(
         8002, "--metrics-port", "Prometheus /metrics port on --host; 0: a free one; -1: off",
-        type=int,
+        **port(True),
     )  # fmt: skip
-    max_message_bytes: int = setting(
-        64 * MiB, "--max-message-bytes", "largest gRPC message accepted or sent", type=positive
-    )
+    max_message_bytes: int = setting(64 * MiB, "--max-message-bytes",
+        "largest gRPC message accepted or sent", **positive(INT_MAX))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ class Workers:
     """workers"""
 
     count: int | None = setting(
-        None, "--workers", "run N CPU worker processes (instead of --devices)", type=positive,
+        None, "--workers", "run N CPU worker processes (instead of --devices)", **positive(),
         metavar="N",
     )  # fmt: skip
     devices: str = setting(
@@ -96,12 +101,12 @@ class Workers:
     )  # fmt: skip
     threads: int | None = setting(
         None, "--threads-per-worker", "torch threads per CPU worker (none: cores / workers)",
-        type=positive,
+        **positive(),
     )  # fmt: skip
     credits: int | None = setting(
         None, "--credits-per-worker", "batches a worker holds at once: one running, the rest "
         "staged (none: 1 on a CPU, where every batch then forms from the whole queue; 2 on a "
-        "GPU, which then never waits for its next batch)", type=positive,
+        "GPU, which then never waits for its next batch)", **positive(),
     )  # fmt: skip
     endpoint: str | None = setting(
         None, "--worker-endpoint", "ZeroMQ endpoint workers connect to (none: a private "
@@ -122,13 +127,8 @@ class Workers:
 
 def _visible_gpus() -> list[str]:
     """Asked of a worker interpreter: the frontend never imports torch."""
-    out = subprocess.run(
-        [sys.executable, "-m", "batchd.worker", "--list-devices"],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+    out = subprocess.run([sys.executable, "-m", "batchd.worker", "--list-devices"], check=True,
+                         capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     return [str(d) for d in json.loads(out)]
 
 
@@ -157,7 +157,7 @@ class Frontends:
 
     count: int = setting(
         1, "--frontends", "gRPC frontend processes sharing the port (SO_REUSEPORT) in front "
-        "of the same workers, for when one event loop is the ceiling", type=positive,
+        "of the same workers, for when one event loop is the ceiling", **positive(),
         metavar="N",
     )  # fmt: skip
     index: int = setting(0, "--frontend-index", argparse.SUPPRESS, type=int)
@@ -203,9 +203,9 @@ class Security:
 class Limits:
     """limits of one request, checked from its header before its tensors are read"""
 
-    max_inputs: int = setting(128, "--max-inputs-per-request", "inputs per request", type=positive)
+    max_inputs: int = setting(128, "--max-inputs-per-request", "inputs per request", **positive())
     max_tensor_elements: int = setting(
-        64 * MiB, "--max-tensor-elements", "elements per input tensor", type=positive
+        64 * MiB, "--max-tensor-elements", "elements per input tensor", **positive()
     )
     max_response_bytes: int = 64 * MiB  # the server sets it to --max-message-bytes
 
@@ -231,39 +231,34 @@ class Jobs:
     lease_s: float = duration(
         15.0, "--jobs-lease", "with --jobs-db: how long a job stays with a replica that stopped "
         "renewing its claim (killed, cut off) before another takes it over")  # fmt: skip
-    retention_hours: float = setting(
-        168.0, "--jobs-retention-hours", "remove a job this long after it ended", type=seconds
-    )
+    retention_hours: float = setting(168.0, "--jobs-retention-hours", "remove a job this long "
+        "after it ended", type=float, bounds=(0, math.inf, "finite hours >= 0"))  # fmt: skip
     max_file_bytes: int = setting(
-        1024 * MiB, "--jobs-max-file-bytes", "largest job file accepted", type=positive
-    )
-    max_open: int = setting(
-        64, "--jobs-max-open", "jobs validating, queued or running at once", type=positive
-    )
+        1024 * MiB, "--jobs-max-file-bytes", "largest job file accepted", **positive())  # fmt: skip
+    max_open: int = setting(64, "--jobs-max-open", "jobs validating, queued or running at once",
+                            **positive())  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Connections:
     """client connections: what one may hold, and for how long doing nothing (0: no limit)"""
 
-    max_concurrent_streams: int = setting(
-        1024, "--max-concurrent-streams", "open RPCs per client connection", type=positive
-    )
+    max_concurrent_streams: int = setting(1024, "--max-concurrent-streams",
+        "open RPCs per client connection", **positive(INT_MAX - STREAM_HEADROOM))  # fmt: skip
     # Calls that have arrived but that the event loop has not taken yet, server-wide.
     # gRPC sheds that backlog itself, answering CANCELLED (its own word, not ours):
     # at random above this many, all of them above twice as many. Its default, 1000,
     # shed calls of well-behaved clients whenever the loop fell behind a burst.
     max_pending_calls: int = setting(
         16384, "--max-pending-calls", "calls arrived but not yet taken, server-wide, before "
-        "gRPC sheds them with CANCELLED", type=positive, metavar="N",
+        "gRPC sheds them with CANCELLED", **positive(INT_MAX // 2), metavar="N",
     )  # fmt: skip
     handshake_timeout_s: float = duration(
         20.0, "--handshake-timeout", "close a connection not set up (HTTP/2 preface, TLS) "
         "within S seconds"
     )  # fmt: skip
-    max_idle_s: float = duration(
-        300.0, "--max-connection-idle", "GOAWAY to a connection with no RPC for S seconds"
-    )  # fmt: skip
+    max_idle_s: float = duration(300.0, "--max-connection-idle",
+                                 "GOAWAY to a connection with no RPC for S seconds")  # fmt: skip
     max_age_s: float = duration(
         300.0, "--max-connection-age", "GOAWAY to a connection S seconds old (gRPC adds +-10%% "
         "jitter): its client reconnects, so load spreads onto replicas started since"
@@ -277,11 +272,9 @@ class Connections:
         "use (more often: GOAWAY too_many_pings)"
     )  # fmt: skip
     keepalive_time_s: float = duration(
-        60.0, "--keepalive-time", "ping a connection silent for S seconds"
-    )  # fmt: skip
-    keepalive_timeout_s: float = duration(
-        20.0, "--keepalive-timeout", "close it if the ping is not answered within S seconds"
-    )  # fmt: skip
+        60.0, "--keepalive-time", "ping a connection silent for S seconds")  # fmt: skip
+    keepalive_timeout_s: float = duration(20.0, "--keepalive-timeout",
+        "close it if the ping is not answered within S seconds")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -321,7 +314,13 @@ class ServerConfig:
     tracing: Tracing = section(Tracing)
 
     def check(self) -> None:
-        """Every rule that spans settings; raises ConfigError naming the flags."""
+        """Every setting within its bounds, then every rule that spans settings; raises
+        ConfigError naming the flags."""
+        for path, leaf in _leaves(ServerConfig):
+            lo, hi, what = leaf.metadata.get("bounds", (0, 0, ""))
+            value: Any = functools.reduce(getattr, path.split("."), self)
+            if what and value is not None and (not lo <= value <= hi or value == math.inf):
+                raise ConfigError(f"{leaf.metadata['flag']} takes {what}, got {value}")
         w, m, f, s = self.workers, self.models, self.frontends, self.security
         if w.count is not None and w.devices != "auto":
             raise ConfigError("--workers and --devices exclude each other: give one")
@@ -369,7 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             cls = ServerConfig.__dataclass_fields__[owner].metadata["section"]
             groups[owner] = parser.add_argument_group((cls.__doc__ or owner).strip())
         target = groups.get(owner, parser)
-        kw = {k: v for k, v in f.metadata.items() if k not in ("flag", "help")}
+        kw = {k: v for k, v in f.metadata.items() if k not in ("flag", "help", "bounds")}
         text = f.metadata["help"]
         shown = f.default not in (dataclasses.MISSING, None, ())
         if shown and text is not argparse.SUPPRESS and kw.get("action") != "store_false":

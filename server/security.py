@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +27,35 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from batchd.protos import keys
 from batchd.protos.model_config import ConfigError
 from batchd.server.auth import TokenAuth, load_tokens
-from batchd.server.config import Connections, Security, ServerConfig
+from batchd.server.config import INT_MAX, STREAM_HEADROOM, Connections, Security, ServerConfig
 
 log = logging.getLogger("batchd.server")
 
 
-STREAM_HEADROOM = 64  # HTTP/2 streams a connection may open beyond --max-concurrent-streams
+def _ms(s: float, zero: int) -> int:
+    """Seconds (at most config.GRPC_S) as gRPC's milliseconds; 0 as `zero`."""
+    return zero if s == 0 else max(1, round(s * 1000))
 
 
 def connection_options(c: Connections) -> list[tuple[str, int]]:
-    """gRPC's server options for the connection settings."""
-    ms = [
+    """gRPC's server options for the connection settings. Each takes 0 for "no limit",
+    which gRPC says as INT_MAX ms ("never"): its own 0 means at once (its handshake and
+    keepalive time: 1 ms). The ping interval a client may use is the one whose gRPC 0
+    is "no limit"; INT_MAX there would forbid pings."""
+    never = [
         ("grpc.server_handshake_timeout_ms", c.handshake_timeout_s),
         ("grpc.max_connection_idle_ms", c.max_idle_s),
         ("grpc.max_connection_age_ms", c.max_age_s),
         ("grpc.max_connection_age_grace_ms", c.max_age_grace_s),
-        # Clients (and balancers) may keep idle connections alive with pings this often.
-        ("grpc.http2.min_ping_interval_without_data_ms", c.keepalive_permit_s),
         ("grpc.keepalive_time_ms", c.keepalive_time_s),
         ("grpc.keepalive_timeout_ms", c.keepalive_timeout_s),
         # The ping's own deadline: without it keepalive_timeout is not what closes
         # a dead peer, grpc's 60 s ping timeout is.
         ("grpc.http2.ping_timeout_ms", c.keepalive_timeout_s),
     ]
-    return [(name, int(s * 1000)) for name, s in ms if s > 0] + [
+    return [(name, _ms(s, INT_MAX)) for name, s in never] + [
+        # Clients (and balancers) may keep idle connections alive with pings this often.
+        ("grpc.http2.min_ping_interval_without_data_ms", _ms(c.keepalive_permit_s, 0)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.server.max_pending_requests", c.max_pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", 2 * c.max_pending_calls),
@@ -79,18 +86,29 @@ def _credentials(cfg: Security) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=bool(ca))
 
 
+def _load(what: str, load: Callable[[], object]) -> None:
+    try:
+        load()
+    except ssl.SSLError as e:  # "[X509: KEY_VALUES_MISMATCH] key values mismatch (_ssl.c:3926)"
+        raise ConfigError(f"{what}: not usable for TLS: {str(e).split(' (_ssl.c:')[0]}") from e
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read it: {e.strerror}") from e
+
+
 def ssl_context(cfg: Security) -> ssl.SSLContext | None:
-    """The HTTP port's TLS, from the same files as gRPC's (mutual when --tls-client-ca)."""
-    if cfg.tls_cert is None or cfg.tls_key is None:
+    """The HTTP port's TLS, from the same files as gRPC's (mutual when --tls-client-ca).
+    Also preflight's check of those files: gRPC takes any bytes, then cannot bind."""
+    cert, key, ca = cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca
+    if cert is None or key is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-        if cfg.tls_client_ca is not None:
-            context.load_verify_locations(cfg.tls_client_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-    except (OSError, ssl.SSLError) as e:
-        raise ConfigError(f"cannot load the TLS files for HTTP: {e}") from e
+    # The certificates alone first: ssl blames either file of a pair as "PEM lib".
+    alone = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    _load(f"--tls-cert {cert}", lambda: alone.load_verify_locations(cert))
+    _load(f"--tls-key {key} (the key of --tls-cert)", lambda: context.load_cert_chain(cert, key))
+    if ca is not None:
+        _load(f"--tls-client-ca {ca}", lambda: context.load_verify_locations(ca))
+        context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 
@@ -128,9 +146,29 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
                 "them",
                 host,
             )
-    if creds is None:
-        return int(server.add_insecure_port(address))
-    return int(server.add_secure_port(address, creds))
+    try:  # grpc raises RuntimeError (older versions returned 0), saying only "failed"
+        port = server.add_insecure_port(address) if creds is None else server.add_secure_port(
+            address, creds)  # fmt: skip
+    except RuntimeError:
+        port = 0
+    if not port:
+        why = _why_not(host, cfg.network.grpc_port)
+        raise ConfigError(f"cannot serve gRPC on {address}: {why} (--grpc-port; 0: a free one)")
+    return int(port)
+
+
+def _why_not(host: str, port: int) -> str:
+    """The OS's reason a port cannot be bound (gRPC says only that it failed)."""
+    try:
+        family, kind, _, _, where = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+            probe.bind(where)
+    except OSError as e:
+        return e.strerror or str(e)
+    return "gRPC could not bind it"
 
 
 def check_worker_endpoint(endpoint: str, worker_keys: Path | None) -> None:
@@ -153,6 +191,7 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
     endpoint stops start-up with a ConfigError. Returns the worker authentication to start."""
     security = cfg.security
     _credentials(security)
+    ssl_context(security)
     if security.auth_token_file is not None:
         load_tokens(security.auth_token_file)
         if security.auth_token_file.stat().st_mode & 0o077:

@@ -9,7 +9,9 @@ repository and the workers: tests/test_security_workers.py.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,10 +32,20 @@ from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
 from batchd.server.app import _grpc_server
 from batchd.server.auth import DENIED, load_tokens, scope_of
-from batchd.server.config import Connections, Limits, Network, Security, ServerConfig
+from batchd.server.config import (
+    INT_MAX,
+    Connections,
+    Limits,
+    Network,
+    Security,
+    ServerConfig,
+    add_arguments,
+    from_arguments,
+)
 from batchd.server.control import IndexEntry
 from batchd.server.errors import NotAllowed
 from batchd.server.request import Request, Tensor
+from batchd.server.security import connection_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
@@ -289,8 +301,6 @@ def test_mutual_tls(certs: Path) -> None:
 
 
 def test_tls_settings_are_checked_at_start_up(tmp_path: Path) -> None:
-    from batchd.server.security import preflight
-
     for security, expected in (
         (Security(tls_cert=tmp_path / "c.pem"), "go together"),
         (Security(tls_client_ca=tmp_path / "ca.pem"), "needs --tls-cert"),
@@ -371,3 +381,133 @@ def test_max_concurrent_streams(grpc_server: GrpcServer) -> None:
         held.set()
         assert list(stream) == []
         assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live  # its count went back
+
+
+# ---- settings refused at start-up, and what 0 means ----
+
+
+def _parsed(*argv: str) -> ServerConfig:
+    """The config `batchd serve` builds from these flags."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_arguments(parser.parse_args(["--model-repository", str(EXAMPLES), *argv]))
+
+
+SECONDS = "seconds from 0 to 2147483.647"
+PORT = "a port from 0 to 65535 (0: a free one)"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--keepalive-time", "inf", f"{SECONDS}, got inf"),  # was an OverflowError
+        ("--drain-timeout", "inf", f"{SECONDS}, got inf"),
+        ("--handshake-timeout", "nan", f"{SECONDS}, got nan"),
+        ("--keepalive-time", "3000000", f"{SECONDS}, got 3000000.0"),  # a C int of ms in gRPC
+        ("--max-message-bytes", "3000000000", "an integer from 1 to 2147483647, got 3000000000"),
+        # gRPC takes twice as many as a hard limit, and 64 more streams than calls
+        ("--max-pending-calls", "2000000000", "an integer from 1 to 1073741823, got 2000000000"),
+        ("--max-concurrent-streams", "2147483647", "an integer from 1 to 2147483583, got "
+         "2147483647"),
+        ("--workers", "0", "a positive integer, got 0"),
+        ("--grpc-port", "-5", f"{PORT}, got -5"),  # gRPC served on 65531
+        ("--grpc-port", "-1", f"{PORT}, got -1"),  # gRPC is never off
+        ("--http-port", "70000", f"{PORT}, or -1 (off), got 70000"),
+        ("--metrics-port", "70000", f"{PORT}, or -1 (off), got 70000"),
+        ("--jobs-retention-hours", "inf", "finite hours >= 0, got inf"),
+    ],
+)  # fmt: skip
+def test_a_setting_out_of_its_range_is_refused_naming_the_flag(
+    flag: str, value: str, message: str
+) -> None:
+    """What would crash later (an OverflowError, gRPC's C ints, a bind) is refused by
+    ServerConfig.check, saying the flag, what it takes and what came."""
+    with pytest.raises(ConfigError) as e:
+        _parsed(flag, value).check()
+    assert str(e.value) == f"{flag} takes {message}"
+
+
+def test_the_ends_of_each_range_are_taken() -> None:
+    _parsed(
+        "--grpc-port", "65535", "--http-port", "-1", "--metrics-port", "0",
+        "--keepalive-time", "2147483.647", "--max-message-bytes", "2147483647",
+        "--max-pending-calls", "1073741823", "--max-concurrent-streams", "2147483583",
+        "--drain-timeout", "0", "--jobs-retention-hours", "1e300",
+    ).check()  # fmt: skip
+
+
+CONNECTION_SECONDS = [
+    *("handshake_timeout_s", "max_idle_s", "max_age_s", "max_age_grace_s"),
+    *("keepalive_permit_s", "keepalive_time_s", "keepalive_timeout_s"),
+]
+
+
+def test_0_turns_each_connection_limit_off_as_grpc_reads_it() -> None:
+    """0 is "no limit" for each connection setting. gRPC says "never" with INT_MAX ms, its
+    own 0 being "at once" (a handshake timeout or keepalive time of 0: 1 ms), except for
+    the ping interval a client may use, where gRPC's 0 is "no limit" (the option left
+    out meant its 5 minutes: a client pinging every 3 s was sent GOAWAY too_many_pings)."""
+    options = dict(connection_options(Connections(**dict.fromkeys(CONNECTION_SECONDS, 0.0))))
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] == 0
+    never = [
+        *("grpc.server_handshake_timeout_ms", "grpc.max_connection_idle_ms"),
+        *("grpc.max_connection_age_ms", "grpc.max_connection_age_grace_ms"),
+        *("grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms", "grpc.http2.ping_timeout_ms"),
+    ]
+    assert {name: options[name] for name in never} == dict.fromkeys(never, INT_MAX)
+    defaults = dict(connection_options(Connections()))
+    assert defaults["grpc.http2.min_ping_interval_without_data_ms"] == 10_000
+    assert defaults["grpc.server_handshake_timeout_ms"] == 20_000
+
+
+@_with(connections=Connections(**dict.fromkeys(CONNECTION_SECONDS, 0.0)))
+def test_a_server_with_every_connection_limit_off_serves(grpc_server: GrpcServer) -> None:
+    with Client(grpc_server.url, timeout=10) as c:
+        assert c.live()
+
+
+@openssl
+def test_tls_files_that_ssl_cannot_load_are_named_at_start_up(certs: Path, tmp_path: Path) -> None:
+    """gRPC takes any bytes for PEM and then cannot bind ("Failed to bind to address"):
+    preflight loads the files with ssl first, naming the one refused and ssl's reason."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("garbage\n")
+    cert, key, other_key = certs / "server.pem", certs / "server.key", certs / "client.key"
+    for security, expected, reason in (
+        (Security(tls_cert=garbage, tls_key=key), f"--tls-cert {garbage}", "NO_CERTIFICATE"),
+        (Security(tls_cert=cert, tls_key=other_key), f"--tls-key {other_key} (the key of "
+         "--tls-cert)", "KEY_VALUES_MISMATCH"),
+        (Security(tls_cert=cert, tls_key=garbage), f"--tls-key {garbage} (the key of "
+         "--tls-cert)", "PEM"),
+        (Security(tls_cert=cert, tls_key=key, tls_client_ca=garbage),
+         f"--tls-client-ca {garbage}", "NO_CERTIFICATE"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            preflight(server_config(security=security))
+        assert str(e.value).startswith(f"{expected}: not usable for TLS: ["), str(e.value)
+        assert reason in str(e.value) and "_ssl.c" not in str(e.value)
+    good = Security(tls_cert=cert, tls_key=key, tls_client_ca=certs / "ca.pem")
+    assert preflight(server_config(security=good)) is None
+
+
+def test_a_grpc_port_in_use_is_refused_naming_the_address() -> None:
+    """gRPC raises a bare RuntimeError ("Failed to bind to address"): listen names the
+    address and the OS's reason in a ConfigError, which `batchd serve` prints without a
+    traceback (as it does for a busy HTTP port)."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        cfg = ServerConfig(model_repository=EXAMPLES, network=Network(grpc_port=port))
+
+        async def bind() -> None:
+            server = grpc.aio.server()
+            try:
+                listen(server, cfg)
+            finally:
+                await server.stop(None)
+
+        with pytest.raises(ConfigError) as e:
+            asyncio.run(bind())
+    assert str(e.value) == (
+        f"cannot serve gRPC on 127.0.0.1:{port}: Address already in use (--grpc-port; 0: a "
+        "free one)"
+    )
