@@ -47,7 +47,7 @@ from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
-from batchd.server.metrics import Collector, WorkerView, serve_metrics
+from batchd.server.metrics import Collector, WorkerView, start_metrics
 from batchd.server.rest import RestApi, serve_rest
 from batchd.server.security import grpc_options, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
@@ -63,10 +63,8 @@ LIVENESS = "batchd.liveness"  # SERVING from start-up until the process stops (a
 async def _track_health(health: HealthServicer, service: InferenceService, core: Core) -> None:
     """The health service: "" is readiness (every model ready, not stopping), each model
     its own, LIVENESS the process."""
-    serving, not_serving = (
-        health_pb2.HealthCheckResponse.SERVING,
-        health_pb2.HealthCheckResponse.NOT_SERVING,
-    )
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     await health.set(LIVENESS, serving)
     announced: dict[str, bool] = {}
     while True:
@@ -111,17 +109,10 @@ def _grpc_server(
     add_service(server, jobs or JobsService(None, "not set up"), jobs_service)
     with contextlib.suppress(TypeError):  # already there when serve() runs twice in one process
         POOL.AddSerializedFile(health_pb2.DESCRIPTOR.serialized_pb)
-    names = (
-        inference.full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        jobs_service.full_name,
-        reflection.SERVICE_NAME,
-    )
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    names = (inference.full_name, health_name, jobs_service.full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server, pool=POOL)
-    port = listen(server, cfg)
-    if port == 0:
-        raise OSError(f"cannot listen on {cfg.network.host}:{cfg.network.grpc_port}")
-    return server, port
+    return server, listen(server, cfg)
 
 
 @dataclass
@@ -137,6 +128,7 @@ class _Parts:
     jobs: Jobs | None
     rest: RestApi
     http: web.AppRunner | None = None  # serving `rest`, once started
+    metrics: asyncio.Server | None = None  # serving /metrics, once started
 
 
 def _build(
@@ -245,23 +237,41 @@ def _models_at_start(
     return {n: repository[n] for n in cfg.models.load}
 
 
-async def _start_http(cfg: ServerConfig, p: _Parts) -> int:
-    """Serve the REST API on --http-port; its port, or -1 when it is off."""
-    if cfg.network.http_port < 0:
-        return -1
-    host, port = cfg.network.host, cfg.network.http_port
-    try:
-        p.http, port = await serve_rest(
-            p.rest, host, port, ssl_context=ssl_context(cfg.security),
-            reuse_port=cfg.frontends.count > 1,
-            header_timeout_s=cfg.connections.handshake_timeout_s,
-        )  # fmt: skip
-    except OSError as e:
-        raise ConfigError(
-            f"cannot serve HTTP on {host}:{port}: {e.strerror} (--http-port; -1 turns it off)"
-        ) from e
-    log.info("serving HTTP on %s:%d", cfg.network.host, port)
+def _refused(what: str, flag: str, host: str, port: int, e: OSError) -> ConfigError:
+    why = os.strerror(e.errno) if e.errno else str(e)
+    return ConfigError(f"cannot serve {what} on {host}:{port}: {why} ({flag}; -1 turns it off)")
+
+
+async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
+    """Serve the REST API on --http-port and /metrics on --metrics-port, before gRPC
+    starts: a port in use stops start-up cleanly. The HTTP port, or -1 when it is off."""
+    host, port, metrics = cfg.network.host, cfg.network.http_port, cfg.network.metrics_port
+    if port >= 0:
+        try:
+            p.http, port = await serve_rest(
+                p.rest, host, port, ssl_context=ssl_context(cfg.security),
+                reuse_port=cfg.frontends.count > 1,
+                header_timeout_s=cfg.connections.handshake_timeout_s,
+            )  # fmt: skip
+        except OSError as e:
+            raise _refused("HTTP", "--http-port", host, port, e) from e
+        log.info("serving HTTP on %s:%d", host, port)
+    if metrics >= 0:
+        refresh = None if p.jobs is None else p.jobs.count_statuses
+        try:
+            p.metrics = await start_metrics(p.registry, host, metrics, refresh=refresh)
+        except OSError as e:
+            raise _refused("metrics", "--metrics-port", host, metrics, e) from e
     return port
+
+
+async def _close_ports(p: _Parts) -> None:
+    """What _open_ports and the gRPC server opened, after a failed start."""
+    await p.server.stop(None)
+    if p.http is not None:
+        await p.http.cleanup()
+    if p.metrics is not None:
+        p.metrics.close()
 
 
 async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float) -> None:
@@ -269,12 +279,8 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     then refuse new work, drain the admitted, answer leftovers, then stop workers
     (after the other frontends, which need them to drain)."""
     notice = min(notice, cfg.drain_timeout_s)
-    log.info(
-        "stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
-        "draining for up to %.1f s",
-        notice,
-        cfg.drain_timeout_s - notice,
-    )
+    log.info("stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
+             "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
     if p.jobs is not None:  # first: failing the queues below would answer their lines
         await p.jobs.stop()
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
@@ -295,6 +301,8 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
     await p.core.supervisor.stop()
+    if p.metrics is not None:
+        p.metrics.close()
     if p.service.tracing is not None:  # export the spans left
         await asyncio.to_thread(p.service.tracing.shutdown)
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
@@ -314,15 +322,50 @@ def _on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[in
     return got
 
 
+async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint: str) -> None:
+    """Open the ports, HTTP and metrics first (one in use stops start-up before anything
+    serves, nor any worker starts), serve until SIGINT/SIGTERM, then drain and stop."""
+    try:
+        http_port = await _open_ports(cfg, p)
+        await p.server.start()
+    except BaseException:
+        await _close_ports(p)
+        raise
+    # Everything built so far (modules, configs, grpc's and protobuf's objects) lives
+    # as long as the process: out of the collector's sight, a full collection walks
+    # only what requests create. Measured under load: 15 full collections in 35 s,
+    # up to 22 ms each (a stall every caller sees); frozen, ~1.3 ms each.
+    gc.collect()
+    gc.freeze()
+    fronts = cfg.frontends
+    which = f"; frontend {fronts.index} of {fronts.count}" if fronts.count > 1 else ""
+    log.info("serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
+             cfg.network.host, p.port, endpoint, len(p.core.supervisor.specs), which)  # fmt: skip
+    stop = asyncio.Event()
+    got = _on_signals(asyncio.get_running_loop(), stop)
+    async with asyncio.TaskGroup() as tg:
+        tasks = [
+            tg.create_task(p.core.run(), name="core"),
+            tg.create_task(_track_health(p.health, p.service, p.core), name="health"),
+        ]
+        if children is not None:
+            tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))
+        if p.jobs is not None:
+            tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
+        if fronts.index:
+            tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
+        await stop.wait()
+        notice = cfg.drain_notice_s if signal.SIGTERM in got else 0.0
+        await _shutdown(cfg, p, children, notice)
+        for t in tasks:
+            t.cancel()
+
+
 async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
     repository = load_repository(cfg.model_repository)
-    log.info(
-        "model repository %s: %s%s",
-        cfg.model_repository,
-        ", ".join(repository) or "no models",
-        "; model control explicit" if cfg.models.explicit else "",
-    )
+    log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(repository)
+             or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
     if (slow := slow_backend()) is not None:
         log.warning("%s", slow)
     cfg.check()
@@ -336,61 +379,20 @@ async def serve(cfg: ServerConfig) -> None:
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.LINGER, 0)
-        if worker_auth is not None:
-            worker_auth.start(ctx, router)
-        router.bind(endpoint)
-        p = _build(cfg, repository, router, ",".join(every) or endpoint)
-        http_port = await _start_http(cfg, p)  # first: a port in use stops start-up cleanly
-        await p.server.start()
-        # Everything built so far (modules, configs, grpc's and protobuf's objects) lives
-        # as long as the process: out of the collector's sight, a full collection walks
-        # only what requests create. Measured under load: 15 full collections in 35 s,
-        # up to 22 ms each (a stall every caller sees); frozen, ~1.3 ms each.
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
-            cfg.network.host,
-            p.port,
-            endpoint,
-            len(p.core.supervisor.specs),
-            f"; frontend {fronts.index} of {fronts.count}" if fronts.count > 1 else "",
-        )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        got = _on_signals(loop, stop)
+        p: _Parts | None = None
         try:
-            async with asyncio.TaskGroup() as tg:
-                tasks = [
-                    tg.create_task(p.core.run(), name="core"),
-                    tg.create_task(_track_health(p.health, p.service, p.core), name="health"),
-                ]
-                if children is not None:
-                    tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))
-                if p.jobs is not None:
-                    tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
-                if fronts.index:
-                    tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
-                jobs_counts = None if p.jobs is None else p.jobs.count_statuses
-                if (port := cfg.network.metrics_port) >= 0:
-                    tasks.append(
-                        tg.create_task(
-                            serve_metrics(p.registry, cfg.network.host, port, refresh=jobs_counts),
-                            name="metrics",
-                        )
-                    )
-                await stop.wait()
-                notice = cfg.drain_notice_s if signal.SIGTERM in got else 0.0
-                await _shutdown(cfg, p, children, notice)
-                for t in tasks:
-                    t.cancel()
+            if worker_auth is not None:
+                worker_auth.start(ctx, router)
+            router.bind(endpoint)
+            p = _build(cfg, repository, router, ",".join(every) or endpoint)
+            await _run(cfg, p, children, endpoint)
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
+                asyncio.get_running_loop().remove_signal_handler(sig)
             if worker_auth is not None:
                 worker_auth.stop()
             router.close(linger=0)
             ctx.term()
-            if p.jobs is not None:
+            if p is not None and p.jobs is not None:
                 p.jobs.store.close()
             log.info("stopped (pid %d)", os.getpid())

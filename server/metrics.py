@@ -258,15 +258,19 @@ class Collector:
         yield restarts
 
 
-async def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, bound: asyncio.Future[int] | None = None,
+async def start_metrics(
+    registry: CollectorRegistry, host: str, port: int,
     refresh: Callable[[], Awaitable[None]] | None = None,
-) -> None:  # fmt: skip
-    """Answer GET /metrics on host:port until cancelled; `refresh` first, on each scrape
-    (what a collector must not read on the loop: the jobs store)."""
+) -> asyncio.Server:  # fmt: skip
+    """Answer GET /metrics on host:port, from now until the server returned is closed;
+    `refresh` first, on each scrape (what a collector must not read on the loop: the
+    jobs store). Binding raises OSError (a port in use) before anything is served."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+        # A request that is not one (no blank line within the stream's 64 KiB limit, or
+        # none within 10 s) is closed without an answer, and without a log line.
+        quietly = (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)
+        with contextlib.suppress(*quietly, TimeoutError):
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
@@ -290,9 +294,5 @@ async def serve_metrics(
         writer.close()
 
     server = await asyncio.start_server(handle, host, port)
-    actual = server.sockets[0].getsockname()[1]
-    log.info("metrics on http://%s:%d/metrics", host, actual)
-    if bound is not None:
-        bound.set_result(actual)
-    async with server:
-        await server.serve_forever()
+    log.info("metrics on http://%s:%d/metrics", host, server.sockets[0].getsockname()[1])
+    return server

@@ -19,7 +19,8 @@ are gRPC's. A BatchdError is answered with errors.http_status of its gRPC code a
 
 Bodies over --max-message-bytes are refused (413) before they are read whole; a
 body must arrive within --handshake-timeout, and so must a request's headers (the
-keep-alive timer closes a connection that has not sent a whole request by then).
+keep-alive timer closes a connection that has not sent a whole request by then),
+and so must a TLS handshake (0: no limit to any of them).
 A body above INLINE_BYTES is parsed on the decode thread, as a heavy gRPC request
 is decoded, so the loop keeps serving everyone else.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any
@@ -134,7 +136,7 @@ class RestApi:
     ) -> None:
         self._service, self._core = service, core
         self._tokens = tokens
-        self._body_timeout_s = body_timeout_s
+        self._body_timeout_s = body_timeout_s or None  # 0: none (asyncio's 0 is "at once")
         self._max_body = max_body_bytes
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[_errors, self._auth]
@@ -324,7 +326,9 @@ async def serve_rest(
     reuse_port: bool,
     header_timeout_s: float,
 ) -> tuple[web.AppRunner, int]:
-    """Start serving `api` on host:port; returns the runner (to stop it) and the port."""
+    """Start serving `api` on host:port; returns the runner (to stop it) and the port.
+    `header_timeout_s` bounds a TLS handshake, and a request's headers (0: no bound)."""
+    header_timeout_s = header_timeout_s or math.inf
     runner = web.AppRunner(
         api.app,
         access_log=None,
@@ -342,8 +346,35 @@ async def serve_rest(
         max_field_size=8190,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context, reuse_port=reuse_port)
+    site = _Site(runner, host, port, ssl_context, reuse_port=reuse_port,
+                 ssl_handshake_timeout=header_timeout_s if ssl_context else None)  # fmt: skip
     await site.start()
     sockets = getattr(site._server, "sockets", None)
     assert sockets
     return runner, int(sockets[0].getsockname()[1])
+
+
+class _Site(web.BaseSite):
+    """aiohttp's TCPSite, which takes no TLS handshake timeout (aiohttp 3.14): asyncio's
+    default, 60 s, let a connection that never finishes its handshake hold a socket."""
+
+    __slots__ = ("_host", "_options", "_port")
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
+        **options: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(runner, ssl_context=ssl_context)
+        self._host, self._port, self._options = host, port, options
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        assert self._runner.server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._runner.server, self._host, self._port, ssl=self._ssl_context,
+            backlog=self._backlog, **self._options,
+        )  # fmt: skip

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -161,3 +166,67 @@ def test_a_pure_python_protobuf_is_named_at_start(
     warning = "protobuf runs its 'python' implementation (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="
     assert warning in server.log()
     assert "protobuf runs" not in example_server.log()  # upb, as installed: no warning
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session `sid` (a server started in a session of its own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("flag", "what", "hint"),
+    [
+        ("--grpc-port", "gRPC", "0: a free one"),
+        ("--http-port", "HTTP", "-1 turns it off"),
+        ("--metrics-port", "metrics", "-1 turns it off"),
+    ],
+)
+def test_a_port_in_use_stops_start_up_cleanly_before_anything_serves(
+    flag: str, what: str, hint: str, tmp_path: Path
+) -> None:
+    """Every port is bound before gRPC serves and before any worker starts: a busy one
+    is a line naming the address and the flag, exit status 2, no traceback, nothing left
+    running. (gRPC's raised a RuntimeError; metrics were bound last, once serving, and
+    died in an ExceptionGroup.)"""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        server = subprocess.Popen(
+            [sys.executable, "-m", "batchd.server", "--model-repository", str(EXAMPLES),
+             "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", flag, str(port),
+             "--workers", "1", "--jobs-dir", str(tmp_path / "jobs"), "--drain-notice", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, _ = server.communicate(timeout=120)
+        finally:
+            if server.poll() is None:
+                server.kill()
+    assert server.returncode == 2, out
+    refusal = f"batchd: cannot serve {what} on 127.0.0.1:{port}: Address already in use ({flag}; "
+    assert out.splitlines()[-1] == refusal + hint + ")", out
+    assert "Traceback" not in out and "serving gRPC" not in out, out
+    wait_for(lambda: not _session(server.pid), 30, "the server's processes to exit")
+
+
+def test_a_request_head_over_64_kib_closes_the_metrics_connection_quietly(
+    test_server: ServerProcess,
+) -> None:
+    """No blank line within the stream's 64 KiB limit: the connection is closed, without
+    an ERROR and its traceback in the log for each such connection."""
+    url = urllib.parse.urlsplit(test_server.metrics_url())
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nX-Long: " + b"a" * 70_000)
+        with contextlib.suppress(ConnectionResetError):  # closed with some of it unread
+            while s.recv(65536):
+                pass
+    log = test_server.log()
+    assert "LimitOverrunError" not in log and "client_connected_cb" not in log, log[-3000:]

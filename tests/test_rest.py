@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -45,6 +46,7 @@ from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
 from batchd.server.errors import CLIP_ITEMS, InvalidInput
+from batchd.server.jobs.rest import JobRoutes
 from batchd.server.rest_codec import parse_load
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
@@ -1343,3 +1345,88 @@ def test_nan_and_infinity_in_json_input_are_read(test_server: ServerProcess) -> 
     assert r.status == 200, r.body
     got = {o["name"]: o["data"] for o in json.loads(r.body)["outputs"]}["OUT_FP32"]
     assert math.isnan(got[0]) and got[1:] == [math.inf, -math.inf]
+
+
+# ---- --handshake-timeout 0, and over TLS ----
+
+
+def _continue(sock: socket.socket) -> bytes:
+    """The interim answer to `Expect: 100-continue`, read whole."""
+    data = b""
+    while len(data) < len(b"HTTP/1.1 100 Continue\r\n\r\n"):
+        chunk = sock.recv(25 - len(data))
+        assert chunk, f"closed before 100 Continue: {data!r}"
+        data += chunk
+    return data
+
+
+def test_handshake_timeout_0_waits_for_a_body_and_for_the_next_request(tmp_path: Path) -> None:
+    """0 turns the limit off. A body that is not there when the handler reads it is
+    waited for (asyncio.timeout(0) gave 408 at the first wait): `Expect: 100-continue`
+    holds the body back until the server is on its way into the handler, which reads
+    before it yields. A keep-alive connection then stays open for its next request."""
+    server = ServerProcess(
+        EXAMPLES, "--handshake-timeout", "0", "--no-local-workers", log_dir=tmp_path
+    ).start(ready=False)
+    try:
+        body = b'{"ready": false}'
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
+            s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nExpect: 100-continue"
+                      b"\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
+            assert _continue(s) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            s.sendall(body)
+            status, answer = read_response(s)
+            assert status == 200, answer
+            assert "tiny" in {m["name"] for m in json.loads(answer)}
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(s) == (200, b'{"live":true}')
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_handshake_timeout_0_waits_for_each_piece_of_a_job_upload() -> None:
+    """The same for a job's upload, read a piece at a time: a piece not there yet is
+    waited for (one wait under asyncio.timeout(0) raised TimeoutError: a 408)."""
+
+    class Content:
+        pieces = [b'{"inputs": {"INPUT0": [[0.0]]}}\n', b""]
+
+        async def read(self, n: int) -> bytes:
+            await asyncio.sleep(0)  # the piece is still on its way: the reader waits once
+            return self.pieces.pop(0)
+
+    class Jobs:
+        def caller(self, token: bytes | None) -> tuple[str, bool]:
+            return "owner", False
+
+        async def submit(self, caller: Any, model: str, version: str, pieces: Any) -> Any:
+            got = [piece async for piece in pieces]
+            return jobs_pb2.Job(id="j", model_name=model, total=len(got))
+
+    request = SimpleNamespace(query={"model": "tiny"}, headers={}, content=Content())
+    response = asyncio.run(JobRoutes(Jobs(), body_timeout_s=0).submit(request))  # type: ignore[arg-type]
+    assert response.status == 201 and json.loads(response.body)["total"] == 1
+
+
+@openssl
+@pytest.mark.parametrize("sent", [b"", b"\x16\x03\x01\x02\x00"], ids=["nothing", "5 bytes"])
+def test_a_tls_handshake_not_finished_is_closed_after_the_handshake_timeout(
+    certs: Path, tmp_path: Path, sent: bytes
+) -> None:
+    """--handshake-timeout bounds the TLS handshake of the HTTP port too (it was asyncio's
+    60 s): a connection that sends nothing, or a TLS record header and no more, is closed
+    well within 30 s with --handshake-timeout 1."""
+    server = ServerProcess(
+        EXAMPLES, "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
+        "--handshake-timeout", "1", "--no-local-workers", log_dir=tmp_path,
+    ).start(ready=False)  # fmt: skip
+    try:
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
+            s.sendall(sent)
+            try:
+                assert until_eof(s) == b""
+            except TimeoutError:
+                pytest.fail("the server held a connection without a TLS handshake for 30 s")
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "Traceback" not in server.log()

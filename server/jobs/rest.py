@@ -46,7 +46,7 @@ def _int(request: web.Request, key: str) -> int:
 class JobRoutes:
     def __init__(self, jobs: JobsService, body_timeout_s: float) -> None:
         self._jobs = jobs
-        self._timeout_s = body_timeout_s  # for each piece of an upload
+        self._timeout_s = body_timeout_s or None  # for each piece of an upload; 0: none
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_route("POST", "/v2/jobs", self.submit)
