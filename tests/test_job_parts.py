@@ -33,6 +33,7 @@ from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Progress
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, request, run
+from tests.test_fuzz_codec import lines_run
 
 
 def job_request(cfg: ModelConfig) -> Request:
@@ -441,7 +442,6 @@ def test_a_job_whose_end_cannot_be_written_is_logged_not_raised(
 def test_taking_a_job_batch_does_not_walk_the_lane() -> None:
     """A line of many rows splits into many batches in the lane: each batch taken
     costs its own work, not the lane's (a walk would run thousands of lines)."""
-    from tests.test_fuzz_codec import lines_run
 
     async def body() -> None:
         s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())

@@ -14,8 +14,9 @@ from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull, Unavailable
-from batchd.server.request import Request
-from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run
+from batchd.server.request import Request, StepStream
+from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run, stepwise_model
+from tests.test_fuzz_codec import lines_run
 
 
 def test_scheduler_sends_to_an_idle_worker_at_once_and_grows_batches_behind_it() -> None:
@@ -509,7 +510,6 @@ def test_taking_a_batch_and_expiring_a_request_do_not_walk_a_long_queue() -> Non
     """Work per batch taken and per queue timeout is the batch's, not the queue's: with
     5,000 requests queued, each runs a bounded number of lines (a walk would run
     thousands), so draining or expiring a queue is linear in its length."""
-    from tests.test_fuzz_codec import lines_run
 
     async def body() -> None:
         clock = Clock()
@@ -543,8 +543,6 @@ def test_a_step_wise_request_failed_in_the_queue_ends_its_stream() -> None:
     """Its caller reads the stream to its end before the future: a queue timeout (or a
     drain, or a broken version) that fails the future must end the stream too, or the
     caller waits for ever (and the drain with it)."""
-    from batchd.server.request import StepStream
-    from tests.conftest import stepwise_model
 
     async def body() -> None:
         clock = Clock()
