@@ -94,6 +94,10 @@ class Sequences:
         if header.round:
             self._count_step(worker, header)
         now, at = self._clock(), 0
+        if not header.steps:  # ours all wait for a slot while the loop steps others' (a
+            for seq in worker.sequences.values():  # worker shared by --frontends N): it
+                if seq.model.name == header.model:  # is not stuck
+                    worker.progress[seq.model.key] = now
         for step in header.steps:
             tensors = header.tensors[at : at + step.tensors]
             mine = frames[at : at + step.tensors]

@@ -262,3 +262,17 @@ def test_the_readme_step_wise_example_runs(tmp_path: Path) -> None:
                 tokens[step.id] = tokens.get(step.id, 0) + 1
     assert sizes[0] == 3  # one forward for all three
     assert tokens == {0: 4, 1: 2, 2: 3}  # MAX_NEW_TOKENS each (END did not come)
+
+
+def test_a_frontend_whose_sequences_all_wait_hears_the_loop_step() -> None:
+    """--frontends N share a worker: one frontend's sequences wait for a slot while
+    another's run. It gets an empty STEP (no entries, no round to count), so it does
+    not judge the worker stuck past execution_timeout_s."""
+    loop = StepLoop(config(max_active=1), Counter())
+    add(loop, 1, 5, frontend=0)
+    add(loop, 1, 5, frontend=1)  # waits: the one slot is frontend 0's
+    messages = {to: (wire.unpack(parts)[0], ends) for to, parts, ends in loop.round()}
+    assert sorted(messages) == [0, 1]
+    waiting, ends = messages[1]
+    assert (waiting.kind, list(waiting.steps), waiting.round, ends) == (wire.Header.STEP, [], 0, 0)
+    assert messages[0][0].round == 1 and len(messages[0][0].steps) == 1

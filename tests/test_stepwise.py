@@ -20,7 +20,11 @@ import pytest
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
-from tests.conftest import Gate, scrape, value
+from batchd.protos import wire
+from batchd.server.pool import WorkerPool
+from batchd.server.request import StepStream
+from batchd.server.sequences import Sequences
+from tests.conftest import Gate, request, scrape, stepwise_model, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 
 OWN = [("grpc.use_local_subchannel_pool", 1)]
@@ -389,3 +393,22 @@ def test_metrics_and_statistics_count_steps_outputs_and_latencies(
         "executions": 3, "sequence_steps": 3,
     }  # fmt: skip
     assert active(test_server) == 0
+
+
+def test_an_empty_step_keeps_a_frontend_s_waiting_sequences_from_being_overdue() -> None:
+    """Its sequences wait in a shared worker's loop (another frontend holds the slots):
+    the worker's empty STEP says the loop steps, so this frontend does not STOP it."""
+    cfg = stepwise_model()
+    now = [0.0]
+    pool = WorkerPool()
+    _, worker = pool.join(b"w", wire.WorkerInfo(worker_id="w", device="cpu", pid=1))
+    worker.models.add(cfg.key)
+    r = request(cfg)
+    r.stream = StepStream()
+    pool.start(worker, cfg, r, 0.0)
+    sequences = Sequences(pool, None, None, None, lambda: now[0], lambda: None, None)  # type: ignore[arg-type]
+    limit = cfg.instances.execution_timeout_s
+    now[0] = limit * 0.9
+    sequences.on_step(worker, wire.Header(kind=wire.Header.STEP, model=cfg.name), [])
+    assert pool.overdue(limit * 1.5) == []  # judged from the loop's last step, not the START
+    assert pool.overdue(limit * 2) != []  # and a loop that stops stepping is still found

@@ -23,6 +23,7 @@ Failures are reply data: `start` raising fails the joining sequences only,
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from batchd.worker.execute import BatchError, encode_output, to_model_input
 
 log = logging.getLogger("batchd.worker")
 Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends
+WAITING_BEAT_S = 1.0  # how often a frontend whose sequences all wait hears the loop steps
 
 
 @dataclass(eq=False)
@@ -75,10 +77,16 @@ class Replies:
         """The messages carry a step round (for its statistics, counted once)."""
         self.round = (active, round, compute_ns)
 
+    def waiting(self, frontend: int) -> None:
+        """An empty STEP for a frontend whose sequences all wait for a slot: the loop
+        steps (others'), so the frontend does not judge this worker stuck."""
+        self.messages.setdefault(frontend, (wire.Header(kind=wire.Header.STEP, model=self.model),
+                                            [], [0]))  # fmt: skip
+
     def send(self) -> list[Reply]:
         out = []
         for to, (header, frames, (ends,)) in self.messages.items():
-            if self.round is not None:
+            if self.round is not None and header.steps:  # (a round is counted where it ran)
                 header.active, header.round, header.compute_ns = self.round
             out.append((to, wire.pack(header, frames), ends))
         return out
@@ -93,6 +101,7 @@ class StepLoop:
     waiting: list[Running] = field(default_factory=list)
     active: list[Running] = field(default_factory=list)
     rounds: int = 0
+    told: dict[int, float] = field(default_factory=dict)  # frontend -> when last sent to
 
     @property
     def busy(self) -> bool:
@@ -171,6 +180,11 @@ class StepLoop:
             else:
                 still.append(s)
         self.active = still
+        now = time.monotonic()
+        for frontend in {w.frontend for w in self.waiting} - out.messages.keys():
+            if now - self.told.get(frontend, -math.inf) >= WAITING_BEAT_S:
+                out.waiting(frontend)
+        self.told.update(dict.fromkeys(out.messages, now))
         return out.send()
 
     def _max_steps(self) -> int:
