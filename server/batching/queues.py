@@ -46,6 +46,15 @@ def dead(r: Request, now: float) -> bool:
     return r.future.done() or r.deadline <= now
 
 
+def _without(q: deque[Request], chosen: set[int]) -> deque[Request]:
+    """`q` less the requests whose ids are `chosen` (emptied as they are found). Those
+    at its head (answered entries among them) leave in O(taken); `q` is rebuilt only
+    when some were further in."""
+    while q and (id(q[0]) in chosen or q[0].future.done()):
+        chosen.discard(id(q.popleft()))
+    return deque(r for r in q if id(r) not in chosen) if chosen else q
+
+
 class ModelQueue:
     """One model's waiting requests: a FIFO per priority level."""
 
@@ -170,13 +179,11 @@ class ModelQueue:
         """Remove the plan's requests. They are mostly the heads of their levels (with
         answered entries among them): those leave in O(batch); only a level the plan
         took from further in (priorities, buckets, sizes) is rebuilt."""
-        left = {id(r) for r in plan.requests}
-        for level in {r.level for r in plan.requests}:
-            q = self.levels[level]
-            while q and (id(q[0]) in left or q[0].future.done()):
-                left.discard(id(q.popleft()))
-        for level in {r.level for r in plan.requests if id(r) in left}:
-            self.levels[level] = deque(r for r in self.levels[level] if id(r) not in left)
+        by_level: dict[int, set[int]] = {}
+        for r in plan.requests:
+            by_level.setdefault(r.level, set()).add(id(r))
+        for level, chosen in by_level.items():
+            self.levels[level] = _without(self.levels[level], chosen)
         for r in plan.requests:
             if r.timer is not None:
                 r.timer.cancel()
@@ -200,8 +207,4 @@ class ModelQueue:
 
     def take_jobs(self, plan: Plan) -> None:
         """Remove the plan's requests: the lane's head, in order (as take())."""
-        left = {id(r) for r in plan.requests}
-        while self.jobs and (id(self.jobs[0]) in left or self.jobs[0].future.done()):
-            left.discard(id(self.jobs.popleft()))
-        if left:
-            self.jobs = deque(r for r in self.jobs if id(r) not in left)
+        self.jobs = _without(self.jobs, {id(r) for r in plan.requests})
