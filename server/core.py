@@ -234,11 +234,21 @@ class Core:
         worker = self.pool.get(identity)
         if worker is None:
             self.link.forget(identity)
-        elif silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
-            return  # loading (torch.jit.load holds the GIL for seconds: its I/O thread cannot
-            # beat); asked again each heartbeat round
-        else:
+        elif not self._may_be_silent(worker, silent_s):
             self.lose(worker, f"no message for {silent_s:.1f} s")
+
+    def _may_be_silent(self, worker: WorkerHandle, silent_s: float) -> bool:
+        """Whether `worker`, silent `silent_s`, is still given time (asked again each
+        heartbeat round). Its I/O thread cannot beat while the compute thread holds
+        the GIL: torch.jit.load of gigabytes, a C call in a forward that does not
+        release it. A loading worker gets LOADING_SILENCE_S. One of our own processes
+        with work on it gets as long as the work's execution_timeout_s (on_tick):
+        the supervisor sees such a process exit at once, so its silence says only
+        that it is busy. A `batchd worker` on another host could as well be gone."""
+        if silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
+            return True
+        own = self.supervisor.pids().get(worker.name) == worker.info.pid
+        return own and bool(worker.inflight or worker.sequences)
 
     def on_tick(self, now: float) -> None:
         for worker, batch in self.pool.overdue(now):

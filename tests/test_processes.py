@@ -166,17 +166,28 @@ def load(device):
     ctypes.PyDLL(None).sleep(5)  # holds the GIL, as torch.jit.load of gigabytes does
     return lambda x: x * 2
 """
+GIL_HOLDING_FORWARD = """
+import ctypes
+def load(device):
+    def forward(x):
+        ctypes.PyDLL(None).sleep(5)  # holds the GIL, as a C call that does not release it
+        return x * 2
+    return forward
+"""
 
 
-def test_a_load_that_holds_the_gil_longer_than_the_heartbeat_window_still_lands(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    "model_py", [GIL_HOLDING_LOAD, GIL_HOLDING_FORWARD], ids=["load", "forward"]
+)
+def test_a_worker_holding_the_gil_longer_than_the_heartbeat_window_is_not_lost(
+    tmp_path: Path, model_py: str
 ) -> None:
-    """The worker's I/O thread cannot beat while load() holds the GIL: a worker that
-    is loading may be silent longer than 3 missed heartbeats, not lost and restarted
-    for ever."""
+    """The worker's I/O thread cannot beat while load() or forward() holds the GIL: a
+    worker that is loading, or one of the server's own with a batch on it, may be
+    silent longer than 3 missed heartbeats, not lost and restarted for ever."""
     (tmp_path / "repo" / "slow").mkdir(parents=True)
     (tmp_path / "repo" / "slow" / "model.toml").write_text(MODEL_TOML)
-    (tmp_path / "repo" / "slow" / "model.py").write_text(GIL_HOLDING_LOAD)
+    (tmp_path / "repo" / "slow" / "model.py").write_text(model_py)
     server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
     try:
         with Client(server.url) as c:
