@@ -131,6 +131,20 @@ def test_a_cancelled_sequence_is_released_and_never_stepped_again() -> None:
     assert [seq for seq, *_ in replies(loop)] == [2]
 
 
+def test_drop_all_ends_every_sequence_with_a_final_step_to_its_frontend() -> None:
+    model = Counter()
+    loop = StepLoop(config(max_active=1), model)
+    add(loop, 1, 9)
+    add(loop, 1, 8, frontend=1)  # waits for the slot
+    replies(loop)
+    messages = loop.drop_all("gone")
+    assert [(to, ends) for to, _, ends in messages] == [(0, 1), (1, 1)]
+    for _, parts, _ in messages:
+        header, _ = wire.unpack(parts)
+        assert [(s.id, s.final, s.error) for s in header.steps] == [(1, True, "gone")]
+    assert model.released == [9] and not loop.busy  # the waiting one had no state
+
+
 def test_start_raising_fails_only_the_joining_sequences() -> None:
     model = Counter()
     loop = StepLoop(config(max_active=3), model)

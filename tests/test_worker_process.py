@@ -49,7 +49,36 @@ def _repository(tmp_path: Path) -> Path:
         (repo / name / "model.toml").write_text(TOML)
         (repo / name / "model.py").write_text(code)
         (repo / name / "n.txt").write_text("5")
+    (repo / "endless").mkdir()
+    (repo / "endless" / "model.toml").write_text(ENDLESS_TOML)
+    (repo / "endless" / "model.py").write_text(ENDLESS_PY)
     return repo
+
+
+ENDLESS_TOML = """
+[[input]]
+name = "N"
+datatype = "INT64"
+shape = [1]
+[[output]]
+name = "OUT"
+datatype = "INT64"
+shape = [1]
+[generate]
+max_active = 1
+max_steps = 1000000
+"""
+ENDLESS_PY = """
+import time, torch
+class Endless:  # a sequence steps until it is cancelled or its model goes
+    def start(self, requests):
+        return [0 for _ in requests]
+    def step(self, states):
+        time.sleep(0.01)
+        return [({"OUT": torch.tensor([7])}, False) for _ in states]
+def load(device):
+    return Endless()
+"""
 
 
 class Frontend:
@@ -86,7 +115,7 @@ class Frontend:
         self.send(*wire.pack(header, frames))
 
     def recv(self, kind: int) -> wire.Header:
-        """The next message of `kind` from the worker (heartbeats are skipped)."""
+        """The next message of `kind` from the worker (heartbeats and READY skipped)."""
         return self.recv_with_frames(kind)[0]
 
     def recv_with_frames(self, kind: int) -> tuple[wire.Header, list[bytes]]:
@@ -100,7 +129,8 @@ class Frontend:
                 header, frames = wire.unpack(parts)
                 if header.kind == kind:
                     return header, frames
-                assert header.kind == wire.Header.HEARTBEAT, header
+                # a heartbeat, or READY again: this frontend sends no heartbeats
+                assert header.kind in (wire.Header.HEARTBEAT, wire.Header.READY), header
         raise AssertionError(f"no {wire.Header.Kind.Name(kind)} within {WAIT_S} s:\n{self.log()}")
 
     def load(self, model: str) -> wire.Header:
@@ -236,3 +266,29 @@ def test_every_worker_log_line_names_the_worker(tmp_path: Path, log_format: str)
         assert all(f"[{worker_id}]" in line for line in messages), log
     for text in expected:
         assert any(text in m for m in messages), f"{text!r} not logged:\n{log}"
+
+
+def test_an_unload_ends_the_model_s_sequences_with_a_final_step(tmp_path: Path) -> None:
+    """UNLOAD of a step-wise model drops its loop: each of its sequences, stepping or
+    waiting for a slot, gets a final STEP saying why, so its frontend waits on none
+    and a STOP owes them nothing (it would wait out the 5 s grace)."""
+    frontend = Frontend(tmp_path, "w-unload")
+    try:
+        assert frontend.load("endless").error == ""
+        for seq in (5, 6):  # max_active 1: 6 waits for 5's slot
+            tensor = wire.Tensor(name="N", datatype="INT64", shape=[1])
+            start = wire.Header(kind=wire.Header.START, batch_id=seq, model="endless",
+                                version="1", tensors=[tensor])  # fmt: skip
+            frontend.send_header(start, (np.array([1], np.int64).tobytes(),))
+        assert [s.id for s in frontend.recv(wire.Header.STEP).steps] == [5]  # it runs
+        frontend.send_header(wire.Header(kind=wire.Header.UNLOAD, model="endless", version="1"))
+        ended: dict[int, str] = {}
+        while len(ended) < 2:
+            for step in frontend.recv(wire.Header.STEP).steps:
+                if step.final:
+                    ended[step.id] = step.error
+        assert ended == dict.fromkeys((5, 6), "model 'endless' version '1' was unloaded")
+        assert frontend.stop() == 0, frontend.log()
+    finally:
+        frontend.close()
+    assert "still running" not in frontend.log()

@@ -136,10 +136,16 @@ class StepLoop:
                 self.waiting.remove(s)
         return bool(same)
 
-    def drop_all(self) -> None:
+    def drop_all(self, why: str) -> list[Reply]:
+        """Every sequence ends now (its model is unloaded): a final STEP with `why`
+        for each, so no frontend waits on it and a STOP owes it nothing."""
+        out = Replies(self.cfg.name)
         for s in self.active:
             self._release(s)
+        for s in self.active + self.waiting:
+            out.add(s, error=why)
         self.waiting, self.active = [], []
+        return out.send()
 
     def round(self) -> list[Reply]:
         """Admit, then one step for every active sequence: the messages to send."""

@@ -137,7 +137,8 @@ class Runner:
         if header.kind == wire.Header.LOAD:
             reply(frontend, self._load(header))
         elif header.kind == wire.Header.UNLOAD:
-            self._unload(header)
+            for to, parts, ends in self._unload(header):
+                reply(to, parts, ends)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in (wire.Header.START, wire.Header.CANCEL):
@@ -200,21 +201,18 @@ class Runner:
             reply.error = wire.text(f"{type(e).__name__}: {e}")
         return wire.pack(reply)
 
-    def _unload(self, header: wire.Header) -> None:
-        key = model_key(header.model, header.version)
-        if (loop := self.loops.pop(key, None)) is not None:
-            loop.drop_all()
-        if self.models.pop(key, None) is not None:
+    def _unload(self, header: wire.Header) -> list[Reply]:
+        """Drop a model version; its sequences still here end (the replies)."""
+        name, version = header.model, header.version
+        loop = self.loops.pop(model_key(name, version), None)
+        ended = loop.drop_all(f"model {name!r} version {version!r} was unloaded") if loop else []
+        if self.models.pop(model_key(name, version), None) is not None:
             gc.unfreeze()  # the model's objects may be among the frozen: collect them now
             _settle_heap()
             if self.options.device.type == "cuda":
                 torch.cuda.empty_cache()
-            log.info(
-                "unloaded model %s version %s",
-                header.model,
-                header.version,
-                extra={"model": header.model},
-            )
+            log.info("unloaded model %s version %s", name, version, extra={"model": name})
+        return ended
 
     def _run(self, group: list[merge.Item]) -> list[tuple[int, list[Any]]]:
         """One forward for the batches of `group`; a reply for each, to its frontend."""
