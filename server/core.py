@@ -168,6 +168,9 @@ class Core:
     def requests_out(self, key: str) -> int:
         return self.pool.requests_out(key)
 
+    def held(self, key: str) -> bool:
+        return self.pool.model_ready(key)
+
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         if model.generate is not None:
             self.sequences.start(model, requests)

@@ -75,6 +75,7 @@ class FakeDispatch:
     def __init__(self, idle: int = 1, credits: int = 2) -> None:
         self.idle, self.credits = idle, credits
         self.out = 0  # online requests on workers, as the test says
+        self.unheld: set[str] = set()  # model versions no live worker holds
         self.sent: list[list[Request]] = []
 
     def capacity(self, model: ModelConfig) -> Capacity:
@@ -82,6 +83,9 @@ class FakeDispatch:
 
     def requests_out(self, key: str) -> int:
         return self.out
+
+    def held(self, key: str) -> bool:
+        return key not in self.unheld
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         self.sent.append(requests)

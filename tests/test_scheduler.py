@@ -399,6 +399,32 @@ def test_a_suspect_gets_the_next_idle_worker_though_another_model_keeps_it_busy(
     run(body)
 
 
+def test_a_suspect_whose_model_no_worker_holds_does_not_hold_back_other_models() -> None:
+    """Its worker may never come (its model's only worker was lost): staging on a busy
+    worker goes on for the models that are served."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)  # busy, one credit free
+        s = Scheduler(dispatch, clock)
+        other, cfg = replace(model(), name="other"), model()
+        s.add_model(other)
+        s.add_model(cfg)
+        dispatch.unheld.add(cfg.key)
+        suspect = request(cfg)
+        suspect.future = asyncio.get_running_loop().create_future()
+        suspect.suspect = True
+        s.requeue([suspect])
+        s.pump()
+        waiting = request(other)
+        s.submit(waiting)
+        clock.now += 1.0  # past any delay
+        s.pump()
+        assert dispatch.sent == [[waiting]]  # staged on the busy worker
+        assert not suspect.future.done()  # the suspect waits on, for its worker
+
+    run(body)
+
+
 def test_requeued_requests_go_first() -> None:
     async def body() -> None:
         dispatch = FakeDispatch(idle=0, credits=0)

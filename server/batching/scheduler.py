@@ -74,6 +74,8 @@ class Dispatch(Protocol):
 
     def requests_out(self, key: str) -> int: ...  # online requests of `key` on workers now
 
+    def held(self, key: str) -> bool: ...  # whether some live worker holds model version `key`
+
     # Hand a batch to a worker. A send that fails puts the requests back with
     # requeue() and schedules a pump later; it never calls pump() itself.
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
@@ -292,8 +294,9 @@ class Scheduler:
                 break
             if q.jobs and not len(q):
                 self._pump_jobs(q, now)
-        if only is None:
-            self._suspect_waits = any(q.suspect_first() for q in queues)
+        if only is None:  # a suspect whose model no live worker holds waits for no worker
+            held = self._dispatch.held
+            self._suspect_waits = any(q.suspect_first() and held(q.config.key) for q in queues)
         self._arm(wake, earlier_only=only is not None)
 
     def _capacity(self, q: ModelQueue) -> Capacity:
