@@ -53,6 +53,9 @@ class FakeWorker:
     def requests_out(self, key: str) -> int:
         return len(self.batch or ())
 
+    def held(self, key: str) -> bool:
+        return True
+
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         tensors, _frames = join_inputs(requests)
         wire.Header(kind=wire.Header.BATCH, batch_id=1, tensors=tensors).SerializeToString()
