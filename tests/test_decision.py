@@ -31,7 +31,7 @@ def test_a_saturated_frontend_lets_batches_fill_even_for_an_idle_worker() -> Non
 
 def test_a_saturated_frontend_keeps_no_request_waiting_past_its_deadline() -> None:
     cfg = model()
-    hurried = Plan([request(cfg, deadline=5.015)], 1, 0, False, False, 5.0)
+    hurried = Plan([request(cfg, deadline=5.015)], 1, 0, False, False, 5.0, deadline=5.015)
     assert decide(5.0, hurried, IDLE, 0.01, eager=False) == Wait(5.005)
     assert decide(5.005, hurried, IDLE, 0.01, eager=False) == Send(hurried)
     assert decide(5.005, hurried, BUSY_WITH_CREDIT, 0.01, eager=False) == Wait(5.01)

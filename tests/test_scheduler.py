@@ -267,6 +267,31 @@ def test_an_arrival_after_the_delay_sends_the_batch_without_waiting_for_a_late_t
     run(body)
 
 
+def test_a_patient_batch_leaves_so_a_request_of_another_shape_is_not_let_expire() -> None:
+    """The request of another shape cannot join the batch filling for the idle worker:
+    it waits for that batch to leave. Its deadline, sooner than the delay, sends the
+    batch at once, and then it goes next, before its deadline."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        s = Scheduler(dispatch, clock, patient=lambda: True)
+        cfg = model(max_batch_size=16, queue=64, delay_us=20_000, shape=(-1,))
+        s.add_model(cfg)
+        _callers(s, dispatch, cfg, 10)
+        filling = request(cfg)
+        s.submit(filling)
+        assert dispatch.sent == []  # it waits to fill
+        hurried = request(cfg, width=3, deadline=clock.now + 0.005)
+        hurried.queue_timeout = True
+        answer = s.submit(hurried)
+        assert dispatch.sent == [[filling]]
+        dispatch.idle, dispatch.credits = 1, 1  # the batch was answered
+        s.pump()
+        assert dispatch.sent == [[filling], [hurried]] and not answer.done()
+
+    run(body)
+
+
 def test_full_queue_rejects_at_once_with_the_limit_and_a_pushback() -> None:
     async def body() -> None:
         s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())

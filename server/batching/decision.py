@@ -23,7 +23,6 @@ Which requests form the batch is plan.py's business.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from batchd.server.batching.plan import Plan
@@ -69,7 +68,7 @@ def decide(
     if quiet_at is not None and capacity.idle_worker:  # a busy worker's staged batch
         due = min(due, quiet_at)  # fills on: leaving early would only make it smaller
     if capacity.idle_worker:  # patient, but a worker is idle: let no request expire for it
-        due = min(due, min((r.deadline for r in plan.requests), default=math.inf) - max_delay_s)
+        due = min(due, plan.deadline - max_delay_s)
     if now >= due:
         return Send(plan)
     return Wait(due)

@@ -24,7 +24,8 @@ rides alone, so a poison request or a bad input takes nobody else down.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -41,6 +42,9 @@ class Plan:
     preferred: bool  # rows is one of the preferred batch sizes
     oldest_arrival: float  # the anchor's arrival: the batch window starts there
     suspect: bool = False  # a lone retry after a failure: it needs an idle worker
+    # The soonest deadline of the live requests planned over, in the batch or not (one
+    # of another shape waits for this batch to leave): it must not wait past that.
+    deadline: float = math.inf
 
 
 def _live(r: Request, now: float) -> bool:
@@ -82,13 +86,9 @@ def plan_batch(
         return None
     if anchor.suspect:  # its last batch failed: alone, it cannot take others down with it
         return Plan([anchor], anchor.rows, anchor.length, True, False, anchor.arrival, True)
-    key, bucket = anchor.shape_key, cfg.bucket_by_length
-    candidates: Iterable[Request] = (
-        r
-        for i in order
-        for r in islice(levels[i], window)
-        if r is not anchor and r.shape_key == key and not r.suspect and _live(r, now)
-    )
+    bucket = cfg.bucket_by_length
+    soonest = [anchor.deadline]
+    candidates: Iterable[Request] = _joinable(levels, order, window, anchor, now, soonest)
     if bucket:  # nearest lengths first, level by level: priorities still come first
         rank = {i: n for n, i in enumerate(order)}
         candidates = sorted(
@@ -112,7 +112,26 @@ def plan_batch(
     chosen, rows, preferred = _cut_to_preferred(chosen, rows, cfg.preferred_batch_sizes)
     if preferred:
         length = max(r.length for r in chosen)
-    return Plan(chosen, rows, length, blocked or rows >= cap, preferred, anchor.arrival)
+    full = blocked or rows >= cap
+    return Plan(chosen, rows, length, full, preferred, anchor.arrival, False, soonest[0])
+
+
+def _joinable(
+    levels: Sequence[Sequence[Request]], order: list[int], window: int, anchor: Request,
+    now: float, soonest: list[float],
+) -> Iterator[Request]:  # fmt: skip
+    """The live requests of each level's window that may join `anchor`, most urgent
+    level first; `soonest[0]` is lowered to every live deadline seen on the way.
+    FIFO stops at the first that does not fit, and then the batch is full and leaves:
+    the deadline matters only when the whole window was seen."""
+    key = anchor.shape_key
+    for i in order:
+        for r in islice(levels[i], window):
+            if r is anchor or not _live(r, now):
+                continue
+            soonest[0] = min(soonest[0], r.deadline)
+            if r.shape_key == key and not r.suspect:
+                yield r
 
 
 def _cut_to_preferred(
