@@ -168,9 +168,8 @@ class Frontends:
 class Logging:
     """logging"""
 
-    level: str = setting(
-        "INFO", "--log-level", "log level", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    level: str = setting("INFO", "--log-level", "log level",
+                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])  # fmt: skip
     format: str = setting(
         "text", "--log-format", "text, or one JSON object per line with model/worker/batch "
         "fields", choices=["text", "json"],
@@ -187,16 +186,13 @@ class Security:
     tls_key: Path | None = setting(None, "--tls-key", "PEM private key of --tls-cert", type=Path)
     tls_client_ca: Path | None = setting(
         None, "--tls-client-ca", "PEM CA: require client certificates it signed (mTLS)",
-        type=Path,
-    )  # fmt: skip
+        type=Path)  # fmt: skip
     auth_token_file: Path | None = setting(
         None, "--auth-token-file", "require bearer tokens: lines 'infer: <token>' / "
-        "'admin: <token>'", type=Path,
-    )  # fmt: skip
+        "'admin: <token>'", type=Path)  # fmt: skip
     worker_keys: Path | None = setting(
         None, "--worker-keys", "CURVE keys from `batchd keys generate DIR`: only authorized "
-        "workers may join", type=Path, metavar="DIR",
-    )  # fmt: skip
+        "workers may join", type=Path, metavar="DIR")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -204,9 +200,8 @@ class Limits:
     """limits of one request, checked from its header before its tensors are read"""
 
     max_inputs: int = setting(128, "--max-inputs-per-request", "inputs per request", **positive())
-    max_tensor_elements: int = setting(
-        64 * MiB, "--max-tensor-elements", "elements per input tensor", **positive()
-    )
+    max_tensor_elements: int = setting(64 * MiB, "--max-tensor-elements",
+                                       "elements per input tensor", **positive())  # fmt: skip
     max_response_bytes: int = 64 * MiB  # the server sets it to --max-message-bytes
 
 
@@ -237,6 +232,15 @@ class Jobs:
         1024 * MiB, "--jobs-max-file-bytes", "largest job file accepted", **positive())  # fmt: skip
     max_open: int = setting(64, "--jobs-max-open", "jobs validating, queued or running at once",
                             **positive())  # fmt: skip
+    # An upload holds a --jobs-max-open place: one that dripped could hold it for ever.
+    min_upload_rate: int = setting(
+        64 * 1024, "--jobs-min-upload-rate", "end an upload that falls behind B bytes per second "
+        "once its --jobs-upload-grace is over, freeing its --jobs-max-open place; 0: off",
+        type=int, metavar="B", bounds=(0, INT_MAX, "bytes per second from 0 (off) to 2147483647"),
+    )  # fmt: skip
+    upload_grace_s: float = duration(
+        20.0, "--jobs-upload-grace", "an upload's head start on --jobs-min-upload-rate: by T s "
+        "after it began it must have sent (T - S) x the rate")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -255,22 +259,18 @@ class Connections:
     )  # fmt: skip
     handshake_timeout_s: float = duration(
         20.0, "--handshake-timeout", "close a connection not set up (HTTP/2 preface, TLS) "
-        "within S seconds"
-    )  # fmt: skip
+        "within S seconds")  # fmt: skip
     max_idle_s: float = duration(300.0, "--max-connection-idle",
                                  "GOAWAY to a connection with no RPC for S seconds")  # fmt: skip
     max_age_s: float = duration(
         300.0, "--max-connection-age", "GOAWAY to a connection S seconds old (gRPC adds +-10%% "
-        "jitter): its client reconnects, so load spreads onto replicas started since"
-    )  # fmt: skip
+        "jitter): its client reconnects, so load spreads onto replicas started since")  # fmt: skip
     max_age_grace_s: float = duration(
         120.0, "--max-connection-age-grace", "then S more seconds for its open calls before "
-        "it closes"
-    )  # fmt: skip
+        "it closes")  # fmt: skip
     keepalive_permit_s: float = duration(
         10.0, "--keepalive-permit-time", "the shortest keepalive ping interval a client may "
-        "use (more often: GOAWAY too_many_pings)"
-    )  # fmt: skip
+        "use (more often: GOAWAY too_many_pings)")  # fmt: skip
     keepalive_time_s: float = duration(
         60.0, "--keepalive-time", "ping a connection silent for S seconds")  # fmt: skip
     keepalive_timeout_s: float = duration(20.0, "--keepalive-timeout",
@@ -294,9 +294,8 @@ class ServerConfig:
         dataclasses.MISSING, "--model-repository", "directory holding <model>/model.toml",
         type=Path, required=True,
     )  # fmt: skip
-    drain_timeout_s: float = duration(
-        30.0, "--drain-timeout", "seconds to finish admitted requests on SIGTERM"
-    )
+    drain_timeout_s: float = duration(30.0, "--drain-timeout",
+                                      "seconds to finish admitted requests on SIGTERM")  # fmt: skip
     drain_notice_s: float = duration(
         3.0, "--drain-notice", "on SIGTERM, first S seconds (of --drain-timeout) of still "
         "serving new requests while health and readiness say not ready, so load balancers "

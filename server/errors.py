@@ -11,6 +11,7 @@
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
     ├── NotAllowed               FAILED_PRECONDITION
+    ├── Cancelled                CANCELLED  (a job cancelled while it was uploaded)
     ├── Unauthenticated          UNAUTHENTICATED  (auth.py)
     └── ModelFailed              INTERNAL
 
@@ -18,7 +19,8 @@ The code lives on the class; `grpc_status` turns any BatchdError into the
 call's status, in one place, for every RPC, the stream and the token check.
 Nothing else in the server names a gRPC status code. HTTP (http.py) answers
 with HTTP_STATUS of that same code and the same message: 400 invalid, 404
-unknown, 429 full (with Retry-After), 503 unavailable, 504 deadline.
+unknown, 409 cancelled, 429 full (with Retry-After), 503 unavailable, 504
+deadline.
 
 A message quotes what the client sent through `clip`: a short prefix, never all
 of it (a name of megabytes would otherwise come back whole, and past the
@@ -120,6 +122,11 @@ class NotAllowed(BatchdError):
     reason = "not_allowed"
 
 
+class Cancelled(BatchdError):
+    code = grpc.StatusCode.CANCELLED
+    reason = "cancelled"
+
+
 class Unauthenticated(BatchdError):
     code = grpc.StatusCode.UNAUTHENTICATED
     reason = "unauthenticated"
@@ -135,6 +142,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.CANCELLED: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.INTERNAL: 500,
     grpc.StatusCode.UNAVAILABLE: 503,

@@ -370,7 +370,8 @@ async def queued_one_line(store: SqliteStore, cfg: ModelConfig) -> Any:
 
 def jobs_of(store: SqliteStore, cfg: ModelConfig, runs: bool = True) -> runner.Jobs:
     return runner.Jobs(store, FakeCore(cfg), Limits(), max_file_bytes=1 << 20, max_open=4,
-                       retention_s=3600.0, runs=runs)  # fmt: skip
+                       retention_s=3600.0, min_upload_rate=0, upload_grace_s=0.0,
+                       runs=runs)  # fmt: skip
 
 
 class FailingStore(SqliteStore):
@@ -540,10 +541,11 @@ def test_an_upload_says_it_is_alive_while_its_client_pauses(tmp_path: Path) -> N
         renewed = asyncio.Event()
         renewals = 0
 
-        async def uploading(self, job_id: str) -> None:
+        async def uploading(self, job_id: str) -> str:
             Leased.renewals += 1
             if Leased.renewals >= 3:
                 self.renewed.set()
+            return await super().uploading(job_id)
 
     async def body() -> None:
         Leased.renewed = asyncio.Event()

@@ -7,23 +7,30 @@ custom_id answered once, and a stopped replica gives its job back at once.
 Orders are made by hold files and by starting the second replica only after the
 first has claimed the job, never by timing: a lease that runs out is waited for
 by asking until the other replica has the job.
+
+An upload in progress on one replica is cancelled through another: it hears it
+at its next renewal and removes the job.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
 import signal
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from batchd.client import Client
+from batchd.client import AsyncClient, Client
+from batchd.protos import jobs_pb2 as pb
+from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ConfigError
 from batchd.server.config import add_arguments, from_arguments
 from batchd.server.errors import Unavailable
@@ -33,6 +40,7 @@ from batchd.server.jobs.store import JobRow, LeaseLost, Progress
 from tests.conftest import Gate, run
 from tests.postgres import PostgresServer
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
+from tests.test_jobs_upload import until
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (batchd[postgres]) is not installed")
 
@@ -189,6 +197,34 @@ def test_an_upload_whose_replica_went_is_removed_and_a_database_down_is_unavaila
     assert safe_url("postgresql://u:secret@h:5/d") == "postgresql://u:***@h:5/d"
 
 
+def test_a_cancel_through_one_replica_reaches_an_upload_on_another(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=60)
+    text = job_lines(3)
+
+    async def body() -> None:
+        row = await a.create("", "gated", "")
+        assert await a.uploading(row.id) == "validating"
+        a.upload_path(row.id).write_text(text)
+        await b.cancel(row.id)
+        assert (await b.get(row.id)).status == "cancelled"  # type: ignore[union-attr]
+        assert await a.uploading(row.id) == "cancelled"  # a hears it at its next renewal
+        assert await a.queue(row.id, 3, len(text)) is False  # and stores none of it
+        with psycopg.connect(jobs_db) as conn:
+            parts = "SELECT count(*) FROM batchd_job_input WHERE job_id = %s"
+            assert conn.execute(parts, (row.id,)).fetchone() == (0,)
+        await a.delete(row.id)
+        assert await b.get(row.id) is None
+
+    try:
+        run(body)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_jobs_db_that_is_not_postgresql_is_refused_without_echoing_it() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -277,3 +313,41 @@ def test_a_replica_stopped_with_sigterm_hands_its_job_over_at_once(
         lambda first: first.proc.send_signal(signal.SIGTERM),  # type: ignore[union-attr]
     )  # fmt: skip
     assert first.proc.wait(60) == 0, first.log()  # type: ignore[union-attr]
+
+
+async def _paused(resume: asyncio.Event) -> AsyncIterator[pb.SubmitJobRequest]:
+    """An upload that sends its first piece, then nothing until `resume`."""
+    yield pb.SubmitJobRequest(model_name="gated", data=job_lines(1).encode())
+    await resume.wait()
+
+
+def test_cancel_through_one_replica_stops_an_upload_on_another(
+    jobs_db: str, gate: Gate, tmp_path: Path
+) -> None:
+    """The upload runs on the first replica (no rate: it waits as long as it likes);
+    the cancel comes to the second. The first hears it at its next renewal (a third
+    of the 1 s lease): its submitter gets CANCELLED and the job is removed."""
+    first = _replica(tmp_path, gate, jobs_db, "--jobs-lease", "1", "--jobs-min-upload-rate", "0")
+    second: ServerProcess | None = None
+
+    async def scenario(second: ServerProcess) -> None:
+        resume = asyncio.Event()
+        async with grpc.aio.insecure_channel(first.url) as channel, AsyncClient(second.url) as c:
+            upload = asyncio.ensure_future(pb_grpc.JobsStub(channel).SubmitJob(_paused(resume)))
+            found = await until(lambda: c.jobs(status="validating"))
+            answer = await c.cancel_job(found[0].id)
+            assert (answer.id, answer.status) == (found[0].id, "cancelled")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await upload
+            assert e.value.code() == grpc.StatusCode.CANCELLED, e.value
+            assert f"job {answer.id} was cancelled while it was uploading" in str(e.value.details())
+            assert await c.jobs() == []
+            resume.set()
+
+    try:
+        second = _replica(tmp_path, gate, jobs_db, "--jobs-lease", "1")
+        run(lambda: asyncio.wait_for(scenario(second), 60))
+    finally:
+        for replica in (first, second):
+            if replica is not None:
+                assert replica.stop() == 0, replica.log()

@@ -135,31 +135,37 @@ class PostgresStore(Store):
             self._forget_upload(job_id)
             raise
 
-    async def uploading(self, job_id: str) -> None:
+    async def uploading(self, job_id: str) -> str:
         sql = (
-            f"UPDATE batchd_jobs SET lease_until = {_NOW} + %s WHERE id = %s "
-            "AND status = 'validating' RETURNING id"
+            f"UPDATE batchd_jobs SET lease_until = CASE status WHEN 'validating' THEN {_NOW} + %s "
+            "ELSE lease_until END WHERE id = %s RETURNING status"
         )
-        await self._db.run(one, sql, (self.lease_s, job_id))
+        found = await self._db.run(one, sql, (self.lease_s, job_id))
+        return "" if found is None else str(found[0])
 
-    async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
+    async def queue(self, job_id: str, total: int, input_bytes: int) -> bool:
         path = self.upload_path(job_id)
 
-        def store(cur: psycopg.Cursor[Any]) -> None:
+        def store(cur: psycopg.Cursor[Any]) -> bool:
+            cur.execute(  # first: the row stays locked, so a cancel waits for the commit
+                "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, "
+                "runner = '', lease_until = 0 WHERE id = %s AND status = 'validating' RETURNING id",
+                (total, input_bytes, job_id),
+            )
+            if cur.fetchone() is None:
+                return False  # cancelled meanwhile, through any replica
             with path.open("rb") as f:
                 for part, data in enumerate(iter(lambda: f.read(PART_BYTES), b"")):
                     sql = "INSERT INTO batchd_job_input (job_id, part, data) VALUES (%s, %s, %s)"
                     cur.execute(sql, (job_id, part, data))
-            cur.execute(
-                "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, "
-                "runner = '', lease_until = 0 WHERE id = %s",
-                (total, input_bytes, job_id),
-            )
+            return True
 
-        await self._db.run(store)
+        if not await self._db.run(store):
+            return False
         self._uploads.discard(job_id)
         if not self._keep_inputs:  # this frontend runs no jobs: nothing would read it
             shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        return True
 
     async def get(self, job_id: str) -> JobRow | None:
         found = await self._db.run(one, f"SELECT {_ROW} FROM batchd_jobs WHERE id = %s", (job_id,))
@@ -307,11 +313,13 @@ class PostgresStore(Store):
             shutil.rmtree(self.folder(row.id), ignore_errors=True)  # the input cache
 
     async def cancel(self, job_id: str) -> None:
-        """queued -> cancelled at once; running -> cancelling (its runner ends it)."""
+        """queued or validating -> cancelled at once (the upload's replica hears it when
+        it next renews, and removes the job); running -> cancelling (its runner ends it)."""
         sql = (
-            "UPDATE batchd_jobs SET status = CASE status WHEN 'queued' THEN 'cancelled' "
-            "ELSE 'cancelling' END, finished_at = CASE status WHEN 'queued' THEN %s "
-            "ELSE finished_at END WHERE id = %s AND status IN ('queued', 'running') RETURNING id"
+            "UPDATE batchd_jobs SET status = CASE status WHEN 'running' THEN 'cancelling' "
+            "ELSE 'cancelled' END, finished_at = CASE status WHEN 'running' THEN finished_at "
+            "ELSE %s END WHERE id = %s AND status IN ('queued', 'validating', 'running') "
+            "RETURNING id"
         )
         await self._db.run(one, sql, (self._clock(), job_id))
 

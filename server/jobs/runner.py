@@ -213,11 +213,14 @@ class Jobs:
     runner that takes queued jobs in order, one per model at a time."""
 
     def __init__(self, store: Store, core: JobCore, limits: Limits, *, max_file_bytes: int,
-                 max_open: int, retention_s: float, runs: bool = True) -> None:  # fmt: skip
+                 max_open: int, retention_s: float, min_upload_rate: int, upload_grace_s: float,
+                 runs: bool = True) -> None:  # fmt: skip
         self.store, self._core, self._limits = store, core, limits
         self.max_file_bytes, self.max_open, self.retention_s = max_file_bytes, max_open, retention_s
+        self.min_upload_rate, self.upload_grace_s = min_upload_rate, upload_grace_s  # 0: off
         self.runs = runs  # False in frontends 1..N-1: they take jobs in and answer about them
         self.running: dict[str, JobRun] = {}
+        self.uploads: dict[str, Callable[[], None]] = {}  # taken in here: a call stops one
         self.answered: dict[tuple[str, str], int] = {}  # (model, "completed" | "failed")
         self.counts: dict[str, int] = {}  # jobs by status, as count_statuses() last read them
         self._wake = asyncio.Event()
@@ -229,6 +232,9 @@ class Jobs:
 
     async def cancel(self, job_id: str) -> None:
         await self.store.cancel(job_id)
+        stop = self.uploads.get(job_id)
+        if stop is not None:  # an upload to this process stops now, not at its next look
+            stop()
         run = self.running.get(job_id)
         if run is not None:
             run.cancel()

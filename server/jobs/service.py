@@ -7,13 +7,21 @@ not exist, and an admin token sees and cancels every job. Without
 bounded by --jobs-max-file-bytes; once it is whole its custom_ids are checked for
 duplicates on a thread against a scratch SQLite table on disk, so neither the
 upload nor the check holds the file in memory.
+
+An upload holds a --jobs-max-open place, so it must keep up --jobs-min-upload-rate
+(upload_deadline): one that falls behind, pieces coming or not, ends
+RESOURCE_EXHAUSTED. A cancel ends it CANCELLED: at once when it comes to this
+process, else when the upload next looks at its row (store.renew_every_s). Either
+way the job and its files are removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
+import logging
 import math
 import shutil
 import sqlite3
@@ -28,6 +36,8 @@ from batchd.protos import jobs_pb2 as pb
 from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.server.auth import ADMIN, Tokens, bearer
 from batchd.server.errors import (
+    BatchdError,
+    Cancelled,
     InvalidInput,
     LimitExceeded,
     ModelNotFound,
@@ -40,6 +50,7 @@ from batchd.server.jobs import lines
 from batchd.server.jobs.runner import JobFailed, Jobs, job_model
 from batchd.server.jobs.store import OPEN, STATUSES, JobRow
 
+log = logging.getLogger("batchd.jobs")
 SHOWN_DUPLICATES = 5  # custom_ids named in a duplicates error ...
 SHOWN_LINES = 4  # ... and line numbers for each
 MIN_FREE_BYTES = 256 * 1024 * 1024  # an upload stops before the jobs disk has less free
@@ -99,6 +110,107 @@ def check_ids(path: Path, scratch: Path) -> int:
         more = " (and more)" if len(twice) > SHOWN_DUPLICATES else ""
         raise InvalidInput(f"duplicate custom_id: {shown}{more}; each must be unique")
     return total
+
+
+def upload_deadline(started: float, received: int, min_rate: int, grace_s: float) -> float:
+    """When an upload that began at `started` and has `received` bytes falls behind
+    `min_rate` bytes/s (--jobs-min-upload-rate; 0: never): after a head start of
+    `grace_s` it must have sent `min_rate` bytes for every second since it began. The
+    head start is also the allowance of the piece on its way: a piece counts once it has
+    all come (gRPC reads whole messages), so a client sending pieces of up to
+    min_rate x grace_s bytes is never cut while it keeps up the rate."""
+    if min_rate <= 0:
+        return math.inf
+    return started + grace_s + received / min_rate
+
+
+def upload_stopped(job_id: str, status: str) -> BatchdError:
+    """Why an upload stops whose job is no longer `validating` (its status now)."""
+    if status == "cancelled":
+        return Cancelled(f"job {job_id} was cancelled while it was uploading; none of it is kept")
+    return Unavailable(
+        f"job {job_id} was removed while it was uploading (taken for dead: this server did "
+        "not renew it within --jobs-lease); submit it again"
+    )
+
+
+class Upload:
+    """One upload taken in by this process, under a deadline that moves: after each
+    piece, to upload_deadline; to now when it is stopped (a cancel). The check of its
+    ids runs under it too, with no rate: a cancel stops that as well."""
+
+    def __init__(self, jobs: Jobs, job_id: str) -> None:
+        self._jobs, self.job_id = jobs, job_id
+        self.size = 0
+        self._why: BatchdError | None = None  # it was stopped: the error it ends with
+        self._timeout: asyncio.Timeout | None = None  # while pieces come or the ids are checked
+
+    def stop(self, why: BatchdError) -> None:
+        self._why = self._why or why
+        if self._timeout is not None and not self._timeout.expired():
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+
+    def cancel(self) -> None:
+        self.stop(upload_stopped(self.job_id, "cancelled"))
+
+    async def take(self, pieces: AsyncIterator[bytes]) -> tuple[int, int]:
+        """(bytes, request lines) of the job file from `pieces`, on disk and checked."""
+        jobs, path = self._jobs, self._jobs.store.upload_path(self.job_id)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            async with asyncio.timeout(None) as self._timeout:
+                self._reschedule(started)
+                with path.open("wb") as f:
+                    async for data in pieces:
+                        self._write(f.name, data)
+                        f.write(data)
+                        self._reschedule(started)
+                if self._why is None:  # the check: no rate, but a cancel still stops it
+                    self._timeout.reschedule(None)
+                scratch = jobs.store.folder(self.job_id) / "ids.sqlite"
+                total = await asyncio.to_thread(check_ids, path, scratch)
+        except TimeoutError:
+            if self._timeout is None or not self._timeout.expired():
+                raise  # not ours: an HTTP piece later than --handshake-timeout
+            error = self._why or self._too_slow(loop.time() - started)
+            log.info("job %s: upload stopped: %s", self.job_id, error.message,
+                     extra={"job": self.job_id})  # fmt: skip
+            raise error from None
+        finally:
+            self._timeout = None
+        return self.size, total
+
+    def _reschedule(self, started: float) -> None:
+        assert self._timeout is not None
+        if self._why is not None:
+            return  # stopped: it expires now
+        jobs = self._jobs
+        when = upload_deadline(started, self.size, jobs.min_upload_rate, jobs.upload_grace_s)
+        self._timeout.reschedule(None if when == math.inf else when)
+
+    def _write(self, name: str, data: bytes) -> None:
+        """Count `data` in; LimitExceeded if it makes the file or the disk too full."""
+        jobs = self._jobs
+        self.size += len(data)
+        if self.size > jobs.max_file_bytes:
+            raise LimitExceeded(
+                f"the job file is over {jobs.max_file_bytes} bytes "
+                "(--jobs-max-file-bytes); split it into several jobs"
+            )
+        if shutil.disk_usage(name).free - len(data) < MIN_FREE_BYTES:
+            raise LimitExceeded(
+                f"the disk of --jobs-dir would have less than {MIN_FREE_BYTES >> 20} MiB "
+                "free; remove ended jobs or give the server more room"
+            )
+
+    def _too_slow(self, elapsed: float) -> LimitExceeded:
+        jobs = self._jobs
+        return LimitExceeded(
+            f"the upload averaged {self.size / max(elapsed, 1e-3):.1f} B/s over {elapsed:.1f} s, "
+            f"under --jobs-min-upload-rate {jobs.min_upload_rate} (after --jobs-upload-grace "
+            f"{jobs.upload_grace_s:g}); send it faster, with the whole file ready before it starts"
+        )
 
 
 Caller = tuple[str, bool]  # (owner: a digest of the token, sees every job: an admin token)
@@ -170,49 +282,38 @@ class JobsService(pb_grpc.JobsServicer):
                 f"{jobs.max_open}); wait for one to end or cancel one"
             )
         row = await jobs.store.create(caller[0], model_name, model_version)
-        renewing = asyncio.create_task(self._renewing(jobs, row.id))
+        upload = Upload(jobs, row.id)
+        jobs.uploads[row.id] = upload.cancel
+        watching = asyncio.create_task(self._watching(jobs, upload))
         try:
-            size = await self._upload(jobs, row, pieces)
-            scratch = jobs.store.folder(row.id) / "ids.sqlite"
-            total = await asyncio.to_thread(check_ids, jobs.store.upload_path(row.id), scratch)
-            await jobs.store.queue(row.id, total, size)
+            size, total = await upload.take(pieces)
+            if not await jobs.store.queue(row.id, total, size):  # cancelled meanwhile
+                now = await jobs.store.get(row.id)
+                raise upload_stopped(row.id, "" if now is None else now.status)
         except BaseException:
             await asyncio.shield(jobs.store.delete(row.id))
             raise
         finally:
-            renewing.cancel()
+            watching.cancel()
+            jobs.uploads.pop(row.id, None)
         jobs.wake()
         return self._message(await self._job(row.id, caller))
 
     @staticmethod
-    async def _renewing(jobs: Jobs, job_id: str) -> None:
+    async def _watching(jobs: Jobs, upload: Upload) -> None:
         """Say the upload is alive every renew_every_s until it is queued, whether pieces
         come or not (a client that pauses, the check of a large file): a replica
-        removes an upload whose lease ran out (store.py)."""
+        removes an upload whose lease ran out (store.py). A job no longer validating
+        was cancelled through another frontend or replica: the upload stops."""
         if jobs.store.renew_every_s == math.inf:
             return
         while True:
             await asyncio.sleep(jobs.store.renew_every_s)
             with contextlib.suppress(Unavailable):  # the database is down: the next time
-                await jobs.store.uploading(job_id)
-
-    async def _upload(self, jobs: Jobs, row: JobRow, pieces: AsyncIterator[bytes]) -> int:
-        size = 0
-        with jobs.store.upload_path(row.id).open("wb") as f:
-            async for data in pieces:
-                size += len(data)
-                if size > jobs.max_file_bytes:
-                    raise LimitExceeded(
-                        f"the job file is over {jobs.max_file_bytes} bytes "
-                        "(--jobs-max-file-bytes); split it into several jobs"
-                    )
-                if shutil.disk_usage(f.name).free - len(data) < MIN_FREE_BYTES:
-                    raise LimitExceeded(
-                        f"the disk of --jobs-dir would have less than {MIN_FREE_BYTES >> 20} MiB "
-                        "free; remove ended jobs or give the server more room"
-                    )
-                f.write(data)
-        return size
+                status = await jobs.store.uploading(upload.job_id)
+                if status != "validating":
+                    upload.stop(upload_stopped(upload.job_id, status))
+                    return
 
     async def get(self, caller: Caller, job_id: str) -> pb.Job:
         return self._message(await self._job(job_id, caller))
@@ -234,7 +335,10 @@ class JobsService(pb_grpc.JobsServicer):
     async def cancel(self, caller: Caller, job_id: str) -> pb.Job:
         row = await self._job(job_id, caller)
         await self._on().cancel(row.id)
-        return self._message(await self._job(row.id, caller))
+        now = await self._on().store.get(row.id)
+        if now is None:  # an upload, cancelled: it went with its upload
+            now = dataclasses.replace(row, status="cancelled", finished_at=time.time())
+        return self._message(now)
 
     async def results(self, caller: Caller, job_id: str, offset: int = 0) -> AsyncIterator[bytes]:
         """The results from `offset` to the last checkpoint, in pieces; checked first."""

@@ -88,6 +88,8 @@ class _ResultsFile(Results):
 
 
 class SqliteStore(Store):
+    renew_every_s = 1.0  # an upload hears within this of a cancel through another frontend
+
     def __init__(
         self, directory: Path, *, lock: bool = True, clock: Callable[[], float] = time.time
     ) -> None:
@@ -161,13 +163,19 @@ class SqliteStore(Store):
         counts.update(self._db.execute("SELECT status, count(*) FROM jobs GROUP BY status"))
         return counts
 
-    async def uploading(self, job_id: str) -> None:
-        pass  # one server: an upload a crash cut short is removed at the next start
+    async def uploading(self, job_id: str) -> str:
+        # One server: no lease (an upload a crash cut short is removed at the next start);
+        # read for a cancel through another of its frontends.
+        current = self._get(job_id)
+        return "" if current is None else current.status
 
-    async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
-        self._db.execute(
-            "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ? WHERE id = ?",
-            (total, input_bytes, job_id),
+    async def queue(self, job_id: str, total: int, input_bytes: int) -> bool:
+        return bool(
+            self._db.execute(
+                "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ? "
+                "WHERE id = ? AND status = 'validating'",
+                (total, input_bytes, job_id),
+            ).rowcount
         )
 
     async def claim(self, exclude_models: frozenset[str] = frozenset()) -> JobRow | None:
@@ -230,7 +238,7 @@ class SqliteStore(Store):
         now = self._clock()
         self._db.execute(
             "UPDATE jobs SET status = 'cancelled', finished_at = ? "
-            "WHERE id = ? AND status = 'queued'",
+            "WHERE id = ? AND status IN ('queued', 'validating')",
             (now, job_id),
         )
         self._db.execute(

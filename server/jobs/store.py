@@ -134,7 +134,7 @@ class Store(ABC):
 
     directory: Path  # local: uploads are spooled here (SQLite: and everything kept)
     shared = False  # several replicas use it at once (a claim is a lease, postgres.py)
-    renew_every_s = math.inf  # how often an upload in progress says so (uploading())
+    renew_every_s = math.inf  # how often an upload says it goes on, and hears of a cancel
 
     def folder(self, job_id: str) -> Path:
         return self.directory / job_id
@@ -148,13 +148,15 @@ class Store(ABC):
         """A new job, `validating` while its file is uploaded and checked."""
 
     @abstractmethod
-    async def uploading(self, job_id: str) -> None:
+    async def uploading(self, job_id: str) -> str:
         """The upload of `job_id` is still coming (a shared store removes an upload
-        whose replica stopped saying so)."""
+        whose replica stopped saying so); the job's status now, '' if it is gone.
+        Anything but `validating` stops the upload: it was cancelled (anywhere)."""
 
     @abstractmethod
-    async def queue(self, job_id: str, total: int, input_bytes: int) -> None:
-        """The upload is whole and checked: keep it, and let the job wait to run."""
+    async def queue(self, job_id: str, total: int, input_bytes: int) -> bool:
+        """The upload is whole and checked: keep it, and let the job wait to run. False,
+        and nothing kept, if the job is no longer `validating` (it was cancelled)."""
 
     @abstractmethod
     async def get(self, job_id: str) -> JobRow | None: ...
@@ -204,7 +206,8 @@ class Store(ABC):
 
     @abstractmethod
     async def cancel(self, job_id: str) -> None:
-        """queued -> cancelled at once; running -> cancelling (its runner ends it)."""
+        """queued or validating -> cancelled at once (an upload's own server then stops
+        it and removes the job); running -> cancelling (its runner ends it)."""
 
     @abstractmethod
     async def delete(self, job_id: str) -> None: ...

@@ -1,0 +1,318 @@
+"""A job's upload: it must keep up --jobs-min-upload-rate after --jobs-upload-grace,
+or it ends and frees its --jobs-max-open place (before, a client dripping a byte
+now and then held it for as long as it liked); and a CancelJob that comes while it
+is uploaded stops it, removing the job.
+
+The pure deadline first, then JobsService over an SQLite store in this process,
+then a real server. No sleep decides an assertion: each waits for the upload's
+own outcome, bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from batchd.client import AsyncClient
+from batchd.client.jobs import PIECE
+from batchd.protos import jobs_pb2 as pb
+from batchd.protos import jobs_pb2_grpc as pb_grpc
+from batchd.protos.model_config import ConfigError
+from batchd.server.config import Jobs as JobsConfig
+from batchd.server.config import Limits, add_arguments, from_arguments
+from batchd.server.errors import Cancelled, LimitExceeded, http_status
+from batchd.server.jobs import runner
+from batchd.server.jobs.service import JobsService, upload_deadline
+from batchd.server.jobs.sqlite import SqliteStore
+from batchd.server.jobs.store import OPEN
+from tests.conftest import Gate, model, run
+from tests.servers import TEST_MODELS, ServerProcess
+from tests.test_job_parts import ONE_LINE, FakeCore
+
+CFG = model(max_batch_size=4, shape=(1,))
+EVERYONE = ("", True)
+T = TypeVar("T")
+
+
+async def until(probe: Callable[[], Awaitable[T]]) -> T:
+    """`probe`'s first answer that is not empty, asked every 10 ms: a poll for a state,
+    bounded by the caller's timeout."""
+    while True:
+        if found := await probe():
+            return found
+        await asyncio.sleep(0.01)
+
+
+# ---- the deadline ----
+
+
+def test_an_upload_has_its_head_start_then_a_second_for_each_rate_bytes() -> None:
+    assert upload_deadline(100.0, 10**9, 0, 5.0) == math.inf  # 0: off
+    assert upload_deadline(100.0, 0, 1000, 5.0) == 105.0  # nothing came: the head start
+    assert upload_deadline(100.0, 3000, 1000, 5.0) == 108.0  # 3,000 bytes buy 3 s more
+
+
+def test_the_defaults_never_cut_the_client_s_pieces_while_it_keeps_up_the_rate() -> None:
+    """A piece counts once it has all come. batchd's client sends 1 MiB pieces: at the
+    default rate, or faster, each arrives before the deadline the last one set."""
+    rate, grace = JobsConfig().min_upload_rate, JobsConfig().upload_grace_s
+    assert rate * grace >= PIECE
+    for speed in (rate, rate * 1.5, rate * 100):
+        received = 0
+        for k in range(1, 2000):  # up to ~2 GiB, past --jobs-max-file-bytes
+            arrives = k * PIECE / speed
+            assert arrives <= upload_deadline(0.0, received, rate, grace), (speed, k)
+            received += PIECE
+    # One that falls behind is cut: the byte-a-while client of the review, at once.
+    assert upload_deadline(0.0, 10, rate, grace) < grace + 1
+
+
+def test_the_rate_and_grace_flags_are_checked_at_start_up() -> None:
+    def parsed(*argv: str) -> Any:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        return from_arguments(parser.parse_args(["--model-repository", ".", *argv]))
+
+    for flag, value, takes in (
+        ("--jobs-min-upload-rate", "-1", "bytes per second from 0 (off) to 2147483647, got -1"),
+        ("--jobs-upload-grace", "inf", "seconds from 0 to 2147483.647, got inf"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"{flag} takes {takes}")):
+            parsed(flag, value).check()
+    ends = parsed("--jobs-min-upload-rate", "2147483647", "--jobs-upload-grace", "0")
+    ends.check()
+    assert (ends.jobs.min_upload_rate, ends.jobs.upload_grace_s) == (2**31 - 1, 0.0)
+    off = parsed("--jobs-min-upload-rate", "0").jobs
+    assert upload_deadline(0.0, 0, off.min_upload_rate, off.upload_grace_s) == math.inf
+
+
+# ---- JobsService in this process ----
+
+
+def jobs_of(store: SqliteStore, rate: int = 0, grace: float = 0.0, max_open: int = 4) -> Any:
+    return runner.Jobs(store, FakeCore(CFG), Limits(), max_file_bytes=1 << 20,
+                       max_open=max_open, retention_s=3600.0, min_upload_rate=rate,
+                       upload_grace_s=grace, runs=False)  # fmt: skip
+
+
+async def paused(first: bytes, resume: asyncio.Event) -> AsyncIterator[bytes]:
+    """A client that sends `first`, then nothing until `resume`."""
+    yield first
+    await resume.wait()
+
+
+async def whole(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+async def validating(service: JobsService) -> str:
+    """The id of the job being uploaded, once its row is made."""
+
+    async def uploads() -> list[pb.Job]:
+        return list((await service.listing(EVERYONE, "validating")).jobs)
+
+    return str((await until(uploads))[0].id)
+
+
+def test_an_upload_that_stops_sending_ends_after_its_head_start_and_frees_its_place(
+    tmp_path: Path,
+) -> None:
+    store = SqliteStore(tmp_path)
+    service = JobsService(jobs_of(store, rate=1000, grace=0.05, max_open=1))
+
+    async def body() -> str:
+        resume = asyncio.Event()
+        began = time.monotonic()
+        with pytest.raises(LimitExceeded) as e:
+            await service.submit(EVERYONE, CFG.name, "", paused(b"{", resume))
+        assert time.monotonic() - began >= 0.05  # never before the head start
+        assert re.fullmatch(
+            r"the upload averaged [\d.]+ B/s over [\d.]+ s, under --jobs-min-upload-rate 1000 "
+            r"\(after --jobs-upload-grace 0\.05\); send it faster, with the whole file ready "
+            r"before it starts",
+            e.value.message,
+        ), e.value.message
+        assert await store.count(OPEN) == 0 and await store.select(None) == []
+        job = await service.submit(EVERYONE, CFG.name, "", whole(ONE_LINE.encode()))
+        assert job.status == "queued"  # the place is free
+        return str(job.id)
+
+    queued = run(lambda: asyncio.wait_for(body(), 30))
+    assert [p.name for p in tmp_path.glob("job-*")] == [queued]  # the dripper's files went
+
+
+def test_a_cancel_stops_an_upload_to_this_process_at_once(tmp_path: Path) -> None:
+    class NoLooks(SqliteStore):
+        renew_every_s = math.inf  # the upload never reads its row: only the cancel can stop it
+
+    store = NoLooks(tmp_path)
+    service = JobsService(jobs_of(store))
+
+    async def body() -> None:
+        resume = asyncio.Event()
+        upload = asyncio.ensure_future(
+            service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
+        )
+        job_id = await validating(service)
+        answer = await service.cancel(EVERYONE, job_id)
+        assert (answer.id, answer.status) == (job_id, "cancelled") and answer.finished_at > 0
+        with pytest.raises(
+            Cancelled, match=f"job {job_id} was cancelled while it was uploading"
+        ) as e:
+            await upload
+        assert await store.get(job_id) is None and not store.folder(job_id).exists()
+        assert http_status(e.value) == (409, {})  # over HTTP
+
+    run(lambda: asyncio.wait_for(body(), 30))
+
+
+def test_a_cancel_through_another_frontend_stops_the_upload_at_its_next_look(
+    tmp_path: Path,
+) -> None:
+    """--frontends N share one SQLite database: the cancel comes to another process,
+    and the upload reads its row every renew_every_s."""
+
+    class Looks(SqliteStore):
+        renew_every_s = 0.01
+
+    store, other = Looks(tmp_path), SqliteStore(tmp_path, lock=False)
+    service = JobsService(jobs_of(store))
+
+    async def body() -> None:
+        resume = asyncio.Event()
+        upload = asyncio.ensure_future(
+            service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
+        )
+        job_id = await validating(service)
+        await other.cancel(job_id)
+        assert (await other.get(job_id)).status == "cancelled"  # type: ignore[union-attr]
+        with pytest.raises(Cancelled, match=f"job {job_id} was cancelled"):
+            await upload
+        assert await other.get(job_id) is None and await store.count(OPEN) == 0
+
+    run(lambda: asyncio.wait_for(body(), 30))
+
+
+def test_a_cancel_just_before_the_upload_is_queued_keeps_nothing(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+
+    async def body() -> None:
+        row = await store.create("", CFG.name, "")
+        store.upload_path(row.id).write_text(ONE_LINE)
+        await store.cancel(row.id)
+        assert await store.uploading(row.id) == "cancelled"
+        assert await store.queue(row.id, 1, len(ONE_LINE)) is False  # not queued after all
+        assert (await store.get(row.id)).status == "cancelled"  # type: ignore[union-attr]
+
+    run(body)
+
+
+# ---- a real server ----
+
+
+async def dripping(first: pb.SubmitJobRequest, every_s: float, resume: asyncio.Event
+                   ) -> AsyncIterator[pb.SubmitJobRequest]:  # fmt: skip
+    """The review's client: a byte now and then (every_s 0: nothing more), until `resume`."""
+    yield first
+    while not resume.is_set():
+        if every_s:
+            await asyncio.sleep(every_s)  # the client's pace, not a wait for an outcome
+            yield pb.SubmitJobRequest(data=b" ")
+        else:
+            await resume.wait()
+
+
+def gated_lines(n: int) -> list[dict[str, Any]]:
+    return [
+        {"custom_id": f"g{v}", "inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1],
+                                           "data": [float(v)]}]}
+        for v in range(1, n + 1)
+    ]  # fmt: skip
+
+
+async def ended(client: AsyncClient, job_id: str) -> bool:
+    return bool((await client.job(job_id)).ended)
+
+
+async def http_answer(port: int, head: bytes) -> tuple[bytes, bytes]:
+    """The status line and body answered to `head` and a body's first byte, the rest
+    never sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + b"{")
+        await writer.drain()
+        answer = await reader.readuntil(b"\r\n\r\n")
+        size = re.search(rb"content-length: (\d+)", answer, re.IGNORECASE)
+        assert size is not None, answer
+        return answer.split(b"\r\n")[0], await reader.readexactly(int(size.group(1)))
+    finally:
+        writer.close()
+
+
+def test_a_dripping_upload_ends_after_the_grace_and_cancel_stops_an_upload(
+    gate: Gate, tmp_path: Path
+) -> None:
+    """One open job at most. Uploads that drip (gRPC: a byte each 0.1 s; HTTP: one byte,
+    then nothing) end after the 1 s grace, and a job then takes the place. An upload that
+    keeps ahead of the rate (100 KB at once: 100 s at 1,000 B/s) is stopped by CancelJob."""
+    jobs_dir = tmp_path / "jobs"
+    server = ServerProcess(
+        TEST_MODELS, "--credits-per-worker", "1", "--jobs-dir", str(jobs_dir),
+        "--jobs-max-open", "1", "--jobs-min-upload-rate", "1000", "--jobs-upload-grace", "1",
+        log_dir=tmp_path, env={"BATCHD_TEST_DIR": str(gate.state)},
+    ).start()  # fmt: skip
+    too_slow = r"the upload averaged [\d.]+ B/s over [\d.]+ s, under --jobs-min-upload-rate 1000"
+
+    async def scenario() -> None:
+        resume = asyncio.Event()
+        async with grpc.aio.insecure_channel(server.url) as channel, AsyncClient(server.url) as c:
+            stub = pb_grpc.JobsStub(channel)
+            began = time.monotonic()
+            first = pb.SubmitJobRequest(model_name="gated", data=b"{")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.SubmitJob(dripping(first, 0.1, resume), timeout=30)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+            assert re.match(too_slow, e.value.details() or ""), e.value.details()
+            assert time.monotonic() - began >= 1.0
+
+            status, body = await asyncio.wait_for(
+                http_answer(server.http_port, b"POST /v2/jobs?model=gated HTTP/1.1\r\n"
+                            b"Host: x\r\nContent-Length: 100000\r\n\r\n"), 30,
+            )  # fmt: skip
+            assert status == b"HTTP/1.1 429 Too Many Requests", (status, body)
+            assert re.match(too_slow, json.loads(body)["error"]), body
+
+            assert [j.id for j in await c.jobs()] == []  # both rows went
+            job = await c.submit_job("gated", gated_lines(3))  # the place is free
+            assert job.status == "queued"
+            await until(lambda: ended(c, job.id))
+
+            ahead = pb.SubmitJobRequest(model_name="gated", data=b"x" * 100_000)
+            upload = asyncio.ensure_future(stub.SubmitJob(dripping(ahead, 0, resume), timeout=30))
+            found = await until(lambda: c.jobs(status="validating"))
+            answer = await c.cancel_job(found[0].id)
+            assert (answer.id, answer.status) == (found[0].id, "cancelled")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await upload
+            assert e.value.code() == grpc.StatusCode.CANCELLED, e.value
+            assert f"job {answer.id} was cancelled while it was uploading" in (
+                e.value.details() or ""
+            )
+            assert [j.id for j in await c.jobs()] == [job.id]  # the cancelled one went
+            assert not (jobs_dir / answer.id).exists()
+            resume.set()
+
+    try:
+        run(lambda: asyncio.wait_for(scenario(), 90))
+    finally:
+        assert server.stop() == 0, server.log()
