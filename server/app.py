@@ -69,16 +69,11 @@ async def _track_health(health: HealthServicer, service: InferenceService, core:
     announced: dict[str, bool] = {}
     while True:
         for name in sorted(set(core.models) | announced.keys() - {""}):
-            ready = core.model_ready(name)
+            ready = core.model_ready(name) and not service.leaving  # stopping: LIVENESS stays
             if announced.get(name) != ready:
-                log.info(
-                    "model %s is %s",
-                    name,
-                    "ready"
-                    if ready
-                    else f"NOT ready ({core.load_error(name) or 'no live worker'})",
-                    extra={"model": name},
-                )
+                why = "stopping" if service.leaving else core.load_error(name) or "no live worker"
+                log.info("model %s is %s", name, "ready" if ready else f"NOT ready ({why})",
+                         extra={"model": name})  # fmt: skip
                 await health.set(name, serving if ready else not_serving)
                 announced[name] = ready
         overall = service.ready()
@@ -286,8 +281,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
         await p.jobs.stop()
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
     p.service.leaving = True  # readiness and health say so at once
-    p.core.changed.set()
-    await p.health.enter_graceful_shutdown()
+    p.core.changed.set()  # _track_health: every service NOT_SERVING but LIVENESS
     if notice:
         await asyncio.sleep(notice)
     left = await p.service.drain(cfg.drain_timeout_s - notice)

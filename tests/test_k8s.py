@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kubernetes_validate import utils
 
-from tests.servers import ROOT, ServerProcess
+from tests.servers import ROOT, ServerProcess, wait_for
 
 K8S = ROOT / "deploy" / "k8s"
 KUBECTL = shutil.which("kubectl")
@@ -119,15 +121,27 @@ def test_the_autoscaler_s_metric_is_the_adapter_s_and_batchd_s() -> None:
         assert name.removesuffix("_total") in exported, name
 
 
-def test_the_liveness_service_is_served(tmp_path: Path) -> None:
-    """The liveness probe's service name answers SERVING on a real server."""
-    import grpc
-
-    server = ServerProcess(ROOT / "examples" / "models", log_dir=tmp_path).start()
+def test_the_liveness_service_is_served_until_the_process_stops(tmp_path: Path) -> None:
+    """The liveness probe's service name answers SERVING on a real server, and still
+    does while it drains after SIGTERM, when readiness and the models say NOT_SERVING:
+    a drain must not fail the liveness probe (the kubelet would kill the pod)."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    server = ServerProcess(
+        ROOT / "examples" / "models", "--drain-notice", "2", log_dir=tmp_path
+    ).start()
     try:
         with grpc.insecure_channel(server.url) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            got = stub.Check(health_pb2.HealthCheckRequest(service="batchd.liveness"))
-            assert got.status == health_pb2.HealthCheckResponse.SERVING
+
+            def status(name: str) -> int:
+                return stub.Check(health_pb2.HealthCheckRequest(service=name)).status
+
+            assert status("batchd.liveness") == status("") == status("mlp") == serving
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: status("") != serving, 30, "readiness NOT_SERVING after SIGTERM")
+            wait_for(lambda: status("mlp") != serving, 30, "the model NOT_SERVING")
+            assert status("batchd.liveness") == serving
+        assert server.proc.wait(30) == 0
     finally:
         server.stop()
