@@ -229,11 +229,7 @@ class ModelControl:
                 self.broken.pop(cfg.key, None)
                 for w in workers:
                     w.load_errors.pop(cfg.key, None)  # that version is gone
-                before = (
-                    f"version {old.version} serving before stays"
-                    if old is not None
-                    else "no version of it serves"
-                )
+                before = self._what_stays(old)
                 raise ModelFailed(f"model {name!r} failed to load; {before}: " + "; ".join(failed))
             self._install(cfg)
             log.info(
@@ -249,6 +245,15 @@ class ModelControl:
                 self._keep(asyncio.create_task(self._retire(old), name=f"retire-{old.key}"))
             return cfg
 
+    def _what_stays(self, old: ModelConfig | None) -> str:
+        """After a failed load: what serves the model now."""
+        if old is None:
+            return "no version of it serves"
+        if self._pool.model_ready(old.key):
+            return f"version {old.version} serving before stays"
+        why = self.broken.get(old.key) or "no live worker holds it"
+        return f"version {old.version} stays, and it does not serve either ({why})"
+
     async def unload(self, name: str) -> None:
         """Stop admitting requests for `name`; return once its admitted requests are answered."""
         self._allowed()
@@ -261,7 +266,7 @@ class ModelControl:
                 return  # not loaded: nothing to do (as Triton does)
             log.info("model %s version %s unloading", name, cfg.version, extra={"model": name})
             self._changed()
-            await self._retire(cfg)
+        await self._retire(cfg)  # its drain holds up no other load or unload, as a reload's
 
     async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
         """Run a load or unload to its end even if its caller leaves (a deadline, a

@@ -252,12 +252,14 @@ def test_load_model_needs_explicit_model_control(repo: Path) -> None:
 
 
 def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) -> None:
-    """In the default mode, a model whose load() raises is unready on its own: the
-    server stays ready for the healthy one, the index names the load error, and a
-    request to it (with no deadline) gets UNAVAILABLE at once, naming the error."""
+    """A model whose load() raises at start is unready on its own: the server stays
+    ready for the healthy one, the index names the load error, and a request to it
+    (with no deadline) gets UNAVAILABLE at once, naming the error. A load of it that
+    fails again does not claim the version before serves."""
     make_model(tmp_path / "repo", "scaled", 2.0)
     make_model(tmp_path / "repo", "broken", -1.0)
-    s = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start(ready=False)
+    args = ("--model-control", "explicit", "--load-model", "scaled", "--load-model", "broken")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start(ready=False)
     try:
         with Client(s.url) as c, grpc.insecure_channel(s.url) as ch:
             index = lambda: {m["name"]: m for m in c.repository_index()}  # noqa: E731
@@ -278,6 +280,11 @@ def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) 
                 pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(msg)  # no deadline
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "refuses to load" in (e.value.details() or "")
+            with pytest.raises(InferenceFailed) as failed:
+                c.load_model("broken")
+            assert "version 1 stays, and it does not serve either (model 'broken' could not" in (
+                str(failed.value)
+            )
     finally:
         assert s.stop() == 0, s.log()
 
@@ -331,3 +338,39 @@ def test_a_load_or_unload_whose_caller_left_still_ends(server: ServerProcess, re
     finally:
         gate.unlink(missing_ok=True)
         batch_gate(d, 5.0).unlink(missing_ok=True)
+
+
+def test_models_answer_while_another_loads_and_a_drain_holds_up_no_load(
+    server: ServerProcess, repo: Path
+) -> None:
+    """Workers load on a thread of their own: while every worker's load() of one model
+    is held, the models they hold answer (a load on the compute thread held every
+    batch behind it). An unload waiting for its model's held batch holds up no load
+    of another model (it held the control lock while it drained)."""
+    d = make_model(repo, "beside", 7.0)
+    gate, held = load_gate(d), batch_gate(d, 7.0)
+    gate.touch()
+    try:
+        with Client(server.url) as c, ThreadPoolExecutor(2) as pool:
+            loading = pool.submit(Client(server.url).load_model, "beside", timeout=60)
+            wait_for(lambda: loaded_by(d) == WORKERS, 60, "every worker in the held load()")
+            assert y(c, "spare", 1.0) == 3.0  # while both workers load
+            gate.unlink()
+            loading.result(60)
+            assert y(c, "beside", 1.0) == 7.0
+
+            held.touch()
+            in_flight = pool.submit(y, c, "beside", 2.0)
+            wait_for(lambda: len(model_log(d, "entered.log")) >= 2, 60, "the held batch")
+            unloading = pool.submit(Client(server.url).unload_model, "beside", timeout=60)
+            wait_for(lambda: "model beside version 1 unloading" in server.log(), 60, "unloading")
+            make_model(repo, "after", 9.0)
+            c.load_model("after", timeout=30)  # while beside drains
+            assert y(c, "after", 1.0) == 9.0 and not unloading.done()
+            held.unlink()
+            assert in_flight.result(60) == 14.0
+            unloading.result(60)
+            c.unload_model("after")
+    finally:
+        gate.unlink(missing_ok=True)
+        held.unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.loader import load_model
+from batchd.worker.loading import load
 from batchd.worker.runner import Runner, RunnerOptions
 
 CPU = torch.device("cpu")
@@ -50,6 +51,15 @@ def repo_model(tmp_path: Path, artifact: str, write: Any, toml: str = TOML) -> P
 def batch(arr: np.ndarray, name: str = "X") -> tuple[list[wire.Tensor], list[bytes]]:
     datatype, shape, raw = to_raw(arr)
     return [wire.Tensor(name=name, datatype=datatype, shape=shape)], [raw]
+
+
+def install(runner: Runner, header: wire.Header) -> str:
+    """Load as the loader thread does, and install: LOADED's error ("" once loaded)."""
+    o = runner.options
+    loaded = load(header, o.repository, o.device, o.allowed, runner.models)
+    if loaded.model is not None:
+        runner._install(loaded)
+    return loaded.error
 
 
 def run(d: Path, arr: np.ndarray) -> np.ndarray:
@@ -161,8 +171,7 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
     try:
-        reply, _ = wire.unpack(runner._load(header))
-        assert reply.error == ""
+        assert install(runner, header) == ""
         assert gc.get_freeze_count() > 0  # the loaded model is out of the collector's sight
         ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
         runner._unload(header)
@@ -195,16 +204,14 @@ def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(THREAD_COUNTING_MODEL))
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
-    results = ctx.socket(zmq.PAIR)
+    results = ctx.socket(zmq.PULL)
     results.bind(runner_module._RESULTS)
     configured = torch.get_num_threads()
     torch.set_num_threads(1)  # what `batchd worker --threads 1` does before serving
     compute = threading.Thread(target=runner._compute, args=(ctx,))
     compute.start()
     try:
-        runner._work.put((0, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1"), []))
-        loaded, _ = wire.unpack(results.recv_multipart()[1:])
-        assert loaded.error == ""
+        assert install(runner, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")) == ""
         tensors, frames = batch(X)
         header = wire.Header(
             kind=wire.Header.BATCH, batch_id=1, model=d.name, version="1", tensors=tensors
@@ -304,11 +311,11 @@ def test_batches_waiting_from_several_frontends_run_as_one_forward(tmp_path: Pat
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(COUNTING_MODEL))
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
-    results = ctx.socket(zmq.PAIR)
+    results = ctx.socket(zmq.PULL)
     results.bind(runner_module._RESULTS)
     header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
     try:
-        assert wire.unpack(runner._load(header))[0].error == ""
+        assert install(runner, header) == ""
         for batch_id, (frontend, rows) in enumerate([(0, 1), (1, 2), (0, 3), (1, 1)], 1):
             tensors, frames = batch(np.full((rows, 4), batch_id, np.float32))
             h = wire.Header(kind=wire.Header.BATCH, batch_id=batch_id, model=d.name,
@@ -348,10 +355,10 @@ def compute(
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code), toml)
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
-    results = ctx.socket(zmq.PAIR)
+    results = ctx.socket(zmq.PULL)
     results.bind(runner_module._RESULTS)
     try:
-        runner._work.put((0, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1"), []))
+        assert install(runner, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")) == ""
         for item in items:
             runner._work.put(item)
         runner._work.put(None)
@@ -366,8 +373,7 @@ def compute(
         results.close(linger=0)
         ctx.term()
         gc.unfreeze()
-    assert got[0][1].kind == wire.Header.LOADED and not got[0][1].error, got[0]
-    return got[1:]
+    return got
 
 
 def batch_of(batch_id: int, arr: np.ndarray, model: str = "model_py") -> wire.Header:
@@ -425,9 +431,8 @@ def test_a_load_that_fails_with_a_surrogate_in_its_message_is_answered(tmp_path:
     )
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
-    reply, _ = wire.unpack(runner._load(wire.Header(kind=wire.Header.LOAD, model=d.name,
-                                                    version="1")))  # fmt: skip
-    assert reply.kind == wire.Header.LOADED and reply.error == "OSError: no \\udcff"
+    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+    assert install(runner, header) == "OSError: no \\udcff"
 
 
 REUSING_MODEL = """

@@ -1,15 +1,17 @@
-"""The worker process: one I/O thread and one compute thread.
+"""The worker process: an I/O thread, a compute thread and a loader thread.
 
 The I/O thread (main) owns the links to the frontends, one per frontend it
 serves (`--connect` takes a comma-separated list: `batchd serve --frontends N`
 runs N frontend processes in front of the same workers; frontend_link.py
-registers, heartbeats, and never blocks on a send): it hands batches, loads
-and unloads to the compute thread and forwards its replies. It waits at most
-POLL_MS for anything, so a stop (SIGTERM, STOP, its parent's exit) is seen
-within that, whether or not a frontend ever accepted the worker.
+registers, heartbeats, and never blocks on a send): it hands batches to the
+compute thread, loads and unloads to the loader thread (loading.py), and
+forwards the replies. It waits at most POLL_MS for anything, so a stop
+(SIGTERM, STOP, its parent's exit) is seen within that, whether or not a
+frontend ever accepted the worker.
 
-The compute thread loads and runs the models, in the order the frontend
-asked; it talks back over an inproc PAIR socket, so no ZeroMQ socket is ever
+The compute thread runs the models, in the order the frontend asked, and
+installs and drops those the loader loaded, so batches go on while a model
+loads; it talks back over an inproc PAIR socket, so no ZeroMQ socket is ever
 shared between threads. Heartbeats keep flowing while a long batch or load
 runs. A model exception becomes an ERROR reply, a failed load a LOADED reply
 with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it.
@@ -17,7 +19,6 @@ with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -35,13 +36,13 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.protos.repository import find_model
 from batchd.worker import merge
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import Reply, StepLoop
-from batchd.worker.loader import ModelFn, load_model
+from batchd.worker.loader import ModelFn
+from batchd.worker.loading import Loaded, Loader, addressed, settle_heap
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
@@ -73,13 +74,18 @@ class Runner:
 
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
-        self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # by ModelConfig.key
-        self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops, by key
+        # By ModelConfig.key; replaced whole under _tables, so a thread reading one never
+        # sees it change.
+        self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}
+        self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
         # (index of the frontend that sent it, header, frames)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None] = (
             queue.SimpleQueue()
         )
         self._stop = threading.Event()
+        self._tables = threading.Lock()  # the loader and the compute thread replace them
+        o = options
+        self._loader = Loader(self._work, self._install, o.repository, o.device, o.allowed)
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
 
     @property
@@ -95,13 +101,11 @@ class Runner:
         # used, not 1), taking CPU from the frontend beside it.
         torch.set_num_threads(torch.get_num_threads())
         self._threads_all = self._threads_now = torch.get_num_threads()
-        out = ctx.socket(zmq.PAIR)
+        out = ctx.socket(zmq.PUSH)
         out.connect(_RESULTS)
 
         def reply(frontend: int, parts: list[Any], ends: int = 1) -> None:
-            # To the I/O thread: which frontend, and how many units of work it counts
-            # this ends (a batch, a load, the sequences a STEP message ends).
-            out.send_multipart([bytes([frontend]) + ends.to_bytes(4, "little"), *parts], copy=False)
+            out.send_multipart([addressed(frontend, ends), *parts], copy=False)
 
         held: merge.Item | None = None  # taken while gathering a forward, not merged
         try:
@@ -134,9 +138,7 @@ class Runner:
         """Do one piece of work from a frontend; returns an item taken but not done
         (a batch that could not join the forward gathered here), to do next."""
         frontend, header, frames = item
-        if header.kind == wire.Header.LOAD:
-            reply(frontend, self._load(header))
-        elif header.kind == wire.Header.UNLOAD:
+        if header.kind == wire.Header.UNLOAD:
             for to, parts, ends in self._unload(header):
                 reply(to, parts, ends)
         elif header.kind == wire.Header.PASS:
@@ -173,42 +175,27 @@ class Runner:
             return [(frontend, wire.pack(error), 1)]
         return loop.add(frontend, header, frames, self.options.device)
 
-    def _load(self, header: wire.Header) -> list[Any]:
-        reply = wire.Header(kind=wire.Header.LOADED, model=header.model, version=header.version)
-        key = model_key(header.model, header.version)
-        allowed = self.options.allowed
-        try:
-            if allowed and header.model not in allowed:
-                raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
-            if key not in self.models:
-                start = time.perf_counter()
-                cfg = find_model(self.options.repository, header.model)
-                cfg = dataclasses.replace(cfg, version=header.version)
-                self.models[key] = (cfg, load_model(cfg, self.options.device))
-                if cfg.generate is not None:
-                    self.loops[key] = StepLoop(cfg, self.models[key][1])
-                _settle_heap()
-                log.info(
-                    "loaded model %s version %s from %s in %.2f s",
-                    cfg.name,
-                    cfg.version,
-                    cfg.artifact,
-                    time.perf_counter() - start,
-                    extra={"model": cfg.name},
-                )
-        except Exception as e:  # a model that will not load is reply data too
-            log.exception("cannot load model %s", header.model, extra={"model": header.model})
-            reply.error = wire.text(f"{type(e).__name__}: {e}")
-        return wire.pack(reply)
+    def _install(self, loaded: Loaded) -> None:
+        """Take in a model the loader loaded (on the loader thread)."""
+        assert loaded.model is not None
+        cfg, fn = loaded.model
+        with self._tables:
+            self.models = {**self.models, cfg.key: loaded.model}
+            if cfg.generate is not None:
+                self.loops = {**self.loops, cfg.key: StepLoop(cfg, fn)}
 
     def _unload(self, header: wire.Header) -> list[Reply]:
         """Drop a model version; its sequences still here end (the replies)."""
-        name, version = header.model, header.version
-        loop = self.loops.pop(model_key(name, version), None)
+        name, version, key = header.model, header.version, model_key(header.model, header.version)
+        with self._tables:
+            loop, entry = self.loops.get(key), self.models.get(key)
+            self.loops = {k: v for k, v in self.loops.items() if k != key}
+            self.models = {k: v for k, v in self.models.items() if k != key}
         ended = loop.drop_all(f"model {name!r} version {version!r} was unloaded") if loop else []
-        if self.models.pop(model_key(name, version), None) is not None:
+        if entry is not None:
+            del entry
             gc.unfreeze()  # the model's objects may be among the frozen: collect them now
-            _settle_heap()
+            settle_heap()
             if self.options.device.type == "cuda":
                 torch.cuda.empty_cache()
             log.info("unloaded model %s version %s", name, version, extra={"model": name})
@@ -280,22 +267,26 @@ class Runner:
         return self.options.parent_pid is not None and os.getppid() != self.options.parent_pid
 
     def serve(self) -> None:
-        _settle_heap()
+        settle_heap()
         ctx: zmq.Context[Any] = zmq.Context()
         links = [
             FrontendLink(ctx, endpoint, self.options.worker_id, self.options.keys, self._ready())
             for endpoint in self.options.endpoint.split(",")
         ]
-        results = ctx.socket(zmq.PAIR)
+        results = ctx.socket(zmq.PULL)  # from the compute and the loader thread
         results.bind(_RESULTS)
         compute = threading.Thread(target=self._compute, args=(ctx,), name="compute", daemon=True)
         compute.start()
+        self._loader.start(ctx, _RESULTS)
         grace = STOP_GRACE_S
         try:
             grace = self._loop(links, results)
         finally:
-            self._work.put(None)
-            compute.join(timeout=grace)
+            end = time.monotonic() + grace
+            if not self._loader.stop(max(grace, 1.0)):  # it ends the compute thread's queue
+                log.error("a model is still loading after %.0f s; exiting without it", grace)
+                os._exit(3)
+            compute.join(timeout=max(0.0, end - time.monotonic()))
             if compute.is_alive():  # a hung model: no way to stop its thread but to leave
                 log.error(
                     "the model is still running after %.0f s; exiting without it", STOP_GRACE_S
@@ -346,11 +337,13 @@ class Runner:
         return STOP_GRACE_S
 
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
+        loads = (wire.Header.LOAD, wire.Header.UNLOAD)  # to the loader, in their order
+        to = self._loader if header.kind in loads else self._work
         if header.kind in _COUNTED and not io.stopping:
-            self._work.put((i, header, frames))
+            to.put((i, header, frames))
             io.pending += 1
         elif header.kind in (wire.Header.UNLOAD, wire.Header.CANCEL, wire.Header.PASS):
-            self._work.put((i, header, frames))
+            to.put((i, header, frames))
         elif header.kind == wire.Header.STOP and not io.stopping:
             # the first STOP starts the grace: a stopping frontend answers each READY
             # again with STOP, and those must not push the hung model's deadline on
@@ -364,14 +357,6 @@ def _poller(links: list[FrontendLink], results: zmq.Socket[Any]) -> zmq.Poller:
         poller.register(link.socket, zmq.POLLIN)
     poller.register(results, zmq.POLLIN)
     return poller
-
-
-def _settle_heap() -> None:
-    """Collect, then freeze what is left (torch's modules, the loaded models): a
-    full collection then walks only what batches create, not torch's thousands of
-    long-lived objects, so it no longer stalls a batch for tens of milliseconds."""
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass

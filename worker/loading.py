@@ -1,0 +1,140 @@
+"""Loading models on a thread of their own, so that a worker serves its batches
+while it loads: a new version beside the one serving, another model, a load()
+that takes minutes or never returns. On the compute thread a load stopped
+every batch behind it, of every model, for as long as it took.
+
+The I/O thread hands LOAD and UNLOAD here, in the order they came. The loader
+installs what it loaded at once (the runner's tables are replaced whole, never
+changed under the compute thread reading them) and answers LOADED itself, so a
+reload's swap waits for no batch; an UNLOAD goes on to the compute thread (a
+step-wise model's sequences end there), after the loads asked before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig, model_key
+from batchd.protos.repository import find_model
+from batchd.worker.loader import ModelFn, load_model
+
+log = logging.getLogger("batchd.worker")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a LOAD came to: the model, or why not; None and "" when it was loaded already."""
+
+    model: tuple[ModelConfig, ModelFn] | None = None
+    error: str = ""
+
+
+def load(
+    header: wire.Header, repository: Path, device: torch.device, allowed: tuple[str, ...],
+    have: Container[str],
+) -> Loaded:  # fmt: skip
+    """Load the model version `header` names, unless it is in `have`."""
+    try:
+        if allowed and header.model not in allowed:
+            raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
+        if model_key(header.model, header.version) in have:
+            return Loaded()
+        start = time.perf_counter()
+        cfg = dataclasses.replace(find_model(repository, header.model), version=header.version)
+        fn = load_model(cfg, device)
+        settle_heap()
+        log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
+                 cfg.artifact, time.perf_counter() - start, extra={"model": cfg.name})  # fmt: skip
+        return Loaded((cfg, fn))
+    except Exception as e:  # a model that will not load is reply data too
+        log.exception("cannot load model %s", header.model, extra={"model": header.model})
+        return Loaded(error=wire.text(f"{type(e).__name__}: {e}"))
+
+
+def settle_heap() -> None:
+    """Collect, then freeze what is left (torch's modules, the loaded models): a
+    full collection then walks only what batches create, not torch's thousands of
+    long-lived objects, so it no longer stalls a batch for tens of milliseconds."""
+    gc.collect()
+    gc.freeze()
+
+
+Item = tuple[int, wire.Header, list[Any]]  # (the frontend's index, header, frames)
+
+
+def addressed(frontend: int, ends: int) -> bytes:
+    """The first frame of a message to the I/O thread: the frontend it goes to, and how
+    many units of work it ends (a batch, a load, the sequences a STEP ends)."""
+    return bytes([frontend]) + ends.to_bytes(4, "little")
+
+
+class Loader:
+    """The loader thread: LOAD and UNLOAD in, in order. A LOAD is loaded, handed to
+    `install` (which must be safe beside the compute thread) and answered LOADED to
+    the I/O thread over its own socket, without waiting for the batch at hand; an
+    UNLOAD goes on to the compute thread's queue, after the loads asked before it."""
+
+    def __init__(
+        self, compute: queue.SimpleQueue[Any], install: Callable[[Loaded], None],
+        repository: Path, device: torch.device, allowed: tuple[str, ...],
+    ) -> None:  # fmt: skip
+        self._compute, self._install = compute, install
+        self._asked: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self._repository, self._device, self._allowed = repository, device, allowed
+        self._have: set[str] = set()  # what is installed, as of the last message handed on
+        self._thread = threading.Thread(target=self._run, name="loader", daemon=True)
+        self._threads, self._to = 1, ""
+        self._ctx: zmq.Context[Any] | None = None
+
+    def start(self, ctx: zmq.Context[Any], to: str) -> None:
+        """Run; answer LOADED on a PUSH socket to the I/O thread's `to`."""
+        self._threads = torch.get_num_threads()  # --threads, as the main thread has it
+        self._ctx, self._to = ctx, to
+        self._thread.start()
+
+    def put(self, item: Item) -> None:
+        self._asked.put(item)
+
+    def stop(self, timeout: float) -> bool:
+        """No more loads: the compute thread's queue ends after what the loader handed
+        on. False if a load is still under way after `timeout` (a hung load())."""
+        self._asked.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)  # OpenMP keeps its count per thread (runner.py)
+        assert self._ctx is not None
+        out = self._ctx.socket(zmq.PUSH)
+        out.connect(self._to)
+        try:
+            while (item := self._asked.get()) is not None:
+                frontend, header, _ = item
+                key = model_key(header.model, header.version)
+                if header.kind != wire.Header.LOAD:
+                    self._have.discard(key)
+                    self._compute.put(item)
+                    continue
+                loaded = load(header, self._repository, self._device, self._allowed, self._have)
+                if loaded.model is not None:
+                    self._install(loaded)
+                    self._have.add(key)
+                reply = wire.Header(kind=wire.Header.LOADED, model=header.model,
+                                    version=header.version, error=loaded.error)  # fmt: skip
+                out.send_multipart([addressed(frontend, 1), *wire.pack(reply)])
+        finally:
+            out.close(linger=0)
+            self._compute.put(None)
