@@ -18,15 +18,31 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
+
+from batchd.protos._toml_reader import ConfigError
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def endpoint(flag: str | None, env: Mapping[str, str] = os.environ) -> str | None:
-    """Where traces go, or None: tracing is off."""
+    """Where traces go, or None: tracing is off. ConfigError, saying what is wrong, for
+    one that is not a URL (the exporter would raise urllib's bare error at start-up)."""
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
-    return flag or next((env[k] for k in ENDPOINT_VARIABLES if env.get(k)), None)
+    url = flag or next((env[k] for k in ENDPOINT_VARIABLES if env.get(k)), None)
+    if url is not None:
+        try:
+            parts = urlsplit(url if "://" in url else f"http://{url}")
+            empty_port = parts.port is None and ":" in parts.netloc.rpartition("]")[2]
+            if not parts.hostname or empty_port:
+                raise ValueError("no host, or an empty port")
+        except ValueError as e:
+            raise ConfigError(
+                f"the OTLP endpoint {url[:100]!r} is not a URL ({e}); expected one like "
+                "http://collector:4317"
+            ) from None
+    return url
 
 
 class Tracing:

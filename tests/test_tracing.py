@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from batchd.protos import traces
+from batchd.protos.model_config import ConfigError
 from batchd.server import tracing
 from tests.servers import EXAMPLES, ServerProcess, wait_for
 
@@ -91,6 +92,14 @@ def test_off_and_unsampled_requests_carry_no_trace(
     assert tracing.begin(None, "tiny", "a", {"traceparent": _traceparent()}) is None
     # The caller sampled it out (flags 00): the default sampler follows its parent.
     assert tracing.begin(t, "tiny", "a", {"traceparent": _traceparent(flags="00")}) is None
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://", "http://c:", "http://c:99999"])
+def test_an_endpoint_that_is_not_a_url_is_a_config_error_naming_it(url: str) -> None:
+    with pytest.raises(ConfigError, match=r"is not a URL .*expected one like http://collector"):
+        traces.endpoint(url, {})
+    with pytest.raises(ConfigError, match="the OTLP endpoint"):
+        traces.endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": url})
 
 
 def test_tracing_is_on_only_with_an_endpoint() -> None:

@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.connect:
         print("batchd worker: --connect is required", file=sys.stderr)
         return 2
-    endpoint = traces.endpoint(args.otlp_endpoint)
+    try:
+        endpoint = traces.endpoint(args.otlp_endpoint)
+    except ConfigError as e:
+        print(f"batchd worker: {e}", file=sys.stderr)
+        return 2
     worker_id = args.id or f"{socket.gethostname()}-{args.device}-{os.getpid()}"
     setup_logging(args.log_level, args.log_format)
     tag_log_lines(worker_id)
