@@ -245,7 +245,7 @@ class Jobs:
 
 @dataclass(frozen=True)
 class Connections:
-    """client connections: what one may hold, and for how long doing nothing (0: no limit)"""
+    """client connections: what one may hold, and how long idle (a duration of 0: no limit)"""
 
     max_concurrent_streams: int = setting(1024, "--max-concurrent-streams",
         "open RPCs per client connection", **positive(INT_MAX - STREAM_HEADROOM))  # fmt: skip
