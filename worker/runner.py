@@ -10,9 +10,9 @@ forwards the replies. It waits at most POLL_MS for anything, so a stop
 frontend ever accepted the worker.
 
 The compute thread runs the models, in the order the frontend asked, and
-installs and drops those the loader loaded, so batches go on while a model
-loads; it talks back over an inproc PAIR socket, so no ZeroMQ socket is ever
-shared between threads. Heartbeats keep flowing while a long batch or load
+drops them on UNLOAD; the loader installs them, so batches go on while a model
+loads. Each talks back over its own inproc PUSH socket, so no ZeroMQ socket is
+ever shared between threads. Heartbeats keep flowing while a long batch or load
 runs. A model exception becomes an ERROR reply, a failed load a LOADED reply
 with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it.
 """
@@ -192,6 +192,7 @@ class Runner:
             self.loops = {k: v for k, v in self.loops.items() if k != key}
             self.models = {k: v for k, v in self.models.items() if k != key}
         ended = loop.drop_all(f"model {name!r} version {version!r} was unloaded") if loop else []
+        del loop  # the model's last references here go before the collection below
         if entry is not None:
             del entry
             gc.unfreeze()  # the model's objects may be among the frozen: collect them now
