@@ -47,7 +47,7 @@ from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
-from batchd.server.metrics import Collector, WorkerView, start_metrics
+from batchd.server.metrics import Collector, start_metrics, worker_views
 from batchd.server.rest import RestApi, serve_rest
 from batchd.server.security import grpc_options, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
@@ -177,10 +177,10 @@ def _build(
             core.models,
             core.stats,
             core.scheduler.pending,
-            lambda: [
-                WorkerView(w.name, w.name.split("#")[0], w.info.device, True)
-                for w in core.pool.workers()
-            ],
+            lambda: worker_views(
+                [(s.slot, s.device) for s in core.supervisor.specs],
+                [(w.name, w.info.device) for w in core.pool.workers()],
+            ),
             lambda: core.supervisor.restarts,
             load.busy_seconds,
             lambda name: sum(

@@ -372,21 +372,20 @@ class Core:
         self._record(batch, received, header.compute_ns, header.forward_rows)
 
     def _record(self, batch: Batch, received: float, infer_ns: int, forward_rows: int) -> None:
-        done = self._clock()
+        done, model = self._clock(), batch.model
         round_trip_ns = int((received - batch.sent_at) * 1e9)
         rows = sum(r.rows for r in batch.requests)
-        if batch.model.ragged:  # a packed batch computes its real tokens, and no more
+        if model.ragged:  # a packed batch computes its real tokens, and no more
             real = sum(r.rows * r.length for r in batch.requests)
-            computed = real if batch.model.packed else rows * max(r.length for r in batch.requests)
-            self.stats.padding(batch.model.name, real, computed)
-        self.scheduler.observe(batch.model.key, rows, infer_ns / 1e9)
+            computed = real if model.packed else rows * max(r.length for r in batch.requests)
+            self.stats.padding(model.name, model.version, real, computed)
+        self.scheduler.observe(model.key, rows, infer_ns / 1e9)
+        # Per-request durations: of the callers it answered (not a job's lines, not a
+        # caller gone), each chunk of a split request for itself (stats.py).
+        online = [r for r in batch.requests if not r.background and not r.future.cancelled()]
         self.stats.batch_done(
-            batch.model.name,
-            rows=rows,
-            requests=len(batch.requests),
-            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) for r in batch.requests),
-            input_ns=max(0, round_trip_ns - infer_ns),
-            infer_ns=infer_ns,
-            output_ns=int((done - received) * 1e9),
-            forward_rows=forward_rows,
-        )
+            model.name, model.version, rows=rows, requests=len(online),
+            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) for r in online),
+            input_ns=max(0, round_trip_ns - infer_ns), infer_ns=infer_ns,
+            output_ns=int((done - received) * 1e9), forward_rows=forward_rows,
+        )  # fmt: skip

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -36,10 +36,25 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 @dataclass(frozen=True)
 class WorkerView:
-    worker_id: str
-    slot: str
+    worker_id: str  # the process registered ("cpu0#2"), "" while none is
+    slot: str  # the label: a local worker's slot ("cpu0"), which its restarts keep
     device: str
     up: bool
+
+
+def worker_views(
+    slots: Iterable[tuple[str, str]], registered: Iterable[tuple[str, str]]
+) -> list[WorkerView]:
+    """One view per local worker slot (`slot`, `device`): up while a worker of that slot
+    (`slot#n`, its n-th start) is registered, down in between. A registered worker of
+    no slot (`batchd worker` started by hand, another host's) is up under its own id."""
+    devices = dict(slots)
+    up: dict[str, tuple[str, str]] = {}  # label -> (worker id, device)
+    for name, device in registered:
+        slot = name.rpartition("#")[0]
+        up[slot if slot in devices else name] = (name, device)
+    views = [WorkerView(up.get(s, ("",))[0], s, d, s in up) for s, d in devices.items()]
+    return views + [WorkerView(n, k, d, True) for k, (n, d) in up.items() if k not in devices]
 
 
 class Collector:
@@ -61,14 +76,17 @@ class Collector:
         self._active = active
         self._workers, self._restarts = workers, restarts
         self._loop_busy_s = loop_busy_s
+        self._rows: list[tuple[str, str, ModelStats]] = []  # this scrape's (_reported)
 
-    def _durations(
-        self, name: str, doc: str, pick: Callable[[ModelStats], Duration]
-    ) -> CounterMetricFamily:
-        family = CounterMetricFamily(name, doc, labels=["model", "version"])
-        for m, cfg in self._models.items():
-            family.add_metric([m, cfg.version], pick(self._stats.model(m)).ns / 1000)
-        return family
+    def _reported(self) -> list[tuple[str, str, ModelStats]]:
+        """(model, version, its statistics) of each version reported: every loaded
+        model's current version, and older ones still answering (Stats.versions)."""
+        stats = self._stats
+        return [
+            (m, v, stats.model(m, v))
+            for m, cfg in list(self._models.items())
+            for v in stats.versions(m, cfg.version)
+        ]
 
     def _per_model(
         self,
@@ -78,11 +96,15 @@ class Collector:
         kind: type = CounterMetricFamily,
     ) -> Metric:
         family = kind(name, doc, labels=["model", "version"])
-        for m, cfg in self._models.items():
-            family.add_metric([m, cfg.version], value(self._stats.model(m)))
+        for m, version, stats in self._rows:
+            family.add_metric([m, version], value(stats))
         return family  # type: ignore[no-any-return]
 
+    def _durations(self, name: str, doc: str, pick: Callable[[ModelStats], Duration]) -> Metric:
+        return self._per_model(name, doc, lambda s: pick(s).ns / 1000)
+
     def collect(self) -> Iterator[Metric]:
+        self._rows = self._reported()
         yield self._per_model(
             "batchd_inference_request_success",
             "Requests answered successfully",
@@ -93,9 +115,9 @@ class Collector:
             "Requests answered with an error, by reason",
             labels=["model", "version", "reason"],
         )
-        for m, cfg in self._models.items():
-            for reason, n in sorted(self._stats.model(m).rejected.items()):
-                failure.add_metric([m, cfg.version, reason], n)
+        for m, version, stats in self._rows:
+            for reason, n in sorted(stats.rejected.items()):
+                failure.add_metric([m, version, reason], n)
         yield failure
         yield self._per_model(
             "batchd_inference_count",
@@ -180,6 +202,7 @@ class Collector:
     def _stepwise(self) -> Iterator[Metric]:
         """Step-wise models (model.toml [generate]) only."""
         models = {m: cfg for m, cfg in self._models.items() if cfg.generate is not None}
+        rows = [(m, v, s) for m, v, s in self._rows if m in models]
         active = GaugeMetricFamily(
             "batchd_sequences_active",
             "Sequences in a slot on a worker",
@@ -190,7 +213,8 @@ class Collector:
         )
         for m, cfg in models.items():
             active.add_metric([m, cfg.version], self._active(m))
-            outputs.add_metric([m, cfg.version], self._stats.model(m).outputs)
+        for m, version, stats in rows:
+            outputs.add_metric([m, version], stats.outputs)
         yield active
         yield outputs
         pickers: list[tuple[str, str, Callable[[ModelStats], Histogram]]] = [
@@ -201,54 +225,50 @@ class Collector:
         ]  # fmt: skip
         for name, doc, pick in pickers:
             family = HistogramMetricFamily(name, doc, labels=["model", "version"])
-            for m, cfg in models.items():
-                h = pick(self._stats.model(m))
+            for m, version, stats in rows:
+                h = pick(stats)
                 tops = [str(float(le)) for le in LATENCY_BUCKETS_US] + ["+Inf"]
                 running, buckets = 0, []
                 for le, n in zip(tops, h.counts, strict=True):
                     running += n
                     buckets.append((le, running))
-                family.add_metric([m, cfg.version], buckets, h.sum_us)
+                family.add_metric([m, version], buckets, h.sum_us)
             yield family
         slots = HistogramMetricFamily(
             "batchd_step_slots", "Sequences stepped together per step", labels=["model", "version"]
         )
-        for m, cfg in models.items():
-            counts = self._stats.model(m).slots
-            bounds = (
-                [b for b in BATCH_BUCKETS if b <= 2 * cfg.generate.max_active]
-                if cfg.generate
-                else []
-            )
+        for m, version, stats in rows:
+            counts, generate = stats.slots, models[m].generate
+            bounds = [b for b in BATCH_BUCKETS if b <= 2 * generate.max_active] if generate else []
             buckets = [
                 (str(float(le)), sum(n for a, n in counts.items() if a <= le)) for le in bounds
             ]
             buckets.append(("+Inf", sum(counts.values())))
-            slots.add_metric([m, cfg.version], buckets, sum(a * n for a, n in counts.items()))
+            slots.add_metric([m, version], buckets, sum(a * n for a, n in counts.items()))
         yield slots
 
     def _batch_sizes(self) -> HistogramMetricFamily:
         family = HistogramMetricFamily(
             "batchd_batch_size", "Rows per executed batch", labels=["model", "version"]
         )
-        for m, cfg in self._models.items():
-            counts = {
-                size: b.compute_infer.count for size, b in self._stats.model(m).batches.items()
-            }
+        for m, version, stats in self._rows:
+            counts = {size: b.compute_infer.count for size, b in stats.batches.items()}
             buckets = [
                 (str(float(le)), sum(n for s, n in counts.items() if s <= le))
                 for le in BATCH_BUCKETS
             ]
             buckets.append(("+Inf", sum(counts.values())))
-            family.add_metric([m, cfg.version], buckets, sum(s * n for s, n in counts.items()))
+            family.add_metric([m, version], buckets, sum(s * n for s, n in counts.items()))
         return family
 
     def _worker_metrics(self) -> Iterator[Metric]:
         up = GaugeMetricFamily(
-            "batchd_worker_up", "1 while the worker is registered", labels=["worker", "device"]
+            "batchd_worker_up",
+            "1 while the worker of this slot is registered, 0 while it is down or restarting",
+            labels=["worker", "device"],
         )
         for w in self._workers():
-            up.add_metric([w.worker_id, w.device], 1.0 if w.up else 0.0)
+            up.add_metric([w.slot, w.device], 1.0 if w.up else 0.0)
         yield up
         restarts = CounterMetricFamily(
             "batchd_worker_restarts", "Local worker restarts", labels=["slot"]

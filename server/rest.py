@@ -62,7 +62,7 @@ from batchd.server.rest_codec import (
     parse_load,
     tensors,
 )
-from batchd.server.service import EXTENSIONS, Core, InferenceService
+from batchd.server.service import EXTENSIONS, Body, Core, InferenceService
 
 log = logging.getLogger("batchd.server")
 # aiohttp reports every malformed request a client sends (bad request line, a negative
@@ -97,6 +97,17 @@ def error_response(
 
 def json_response(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type=JSON)
+
+
+def _infer_body(body: bytes, header: str | None, cfg: ModelConfig) -> Any:
+    """parse_infer, its header's length read from `header` (Inference-Header-Content-Length)."""
+    try:
+        length = None if header is None else int(header)
+    except ValueError:
+        raise InvalidInput(
+            f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
+        ) from None
+    return parse_infer(body, length, cfg.name, cfg.version)
 
 
 @web.middleware
@@ -191,6 +202,18 @@ class RestApi:
             return await self._service.aside(fn, body, *args)
         return fn(body, *args)
 
+    def _request(self, cfg: ModelConfig, body: bytes, fn: Callable[..., Any],
+                 *args: Any) -> tuple[Body, list[Any]]:  # fmt: skip
+        """The request `fn(body, *args)` makes (or one and more), parsed as its first step
+        (service.Body: a body refused counts as over gRPC); what `fn` returned: in the list."""
+        got: list[Any] = []
+
+        async def parse() -> pb.ModelInferRequest:
+            got.append(await self._parse(body, fn, *args))
+            return got[0][0] if isinstance(got[0], tuple) else got[0]  # type: ignore[no-any-return]
+
+        return (cfg, parse), got
+
     # ---- health and metadata ----
 
     async def server_metadata(self, request: web.Request) -> web.Response:
@@ -228,15 +251,9 @@ class RestApi:
     async def infer(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
         body = await self._body(request)
-        header = request.headers.get(HEADER_LENGTH)
-        try:
-            length = None if header is None else int(header)
-        except ValueError:
-            raise InvalidInput(
-                f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
-            ) from None
-        msg, wanted = await self._parse(body, parse_infer, length, cfg.name, cfg.version)
-        response = await self._service.infer(msg, None, request.headers)
+        parsed, got = self._request(cfg, body, _infer_body, request.headers.get(HEADER_LENGTH), cfg)
+        response = await self._service.infer(parsed, None, request.headers)
+        wanted = got[0][1]
         if sum(len(r) for r in response.raw_output_contents) > INLINE_BYTES:
             text, json_length = await self._service.aside(
                 infer_response, response, wanted, bounded=False
@@ -253,10 +270,10 @@ class RestApi:
 
     async def generate(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
-        msg = await self._parse(await self._body(request), parse_generate, cfg)
-        response = await self._service.infer(msg, None, request.headers)
+        parsed, _ = self._request(cfg, await self._body(request), parse_generate, cfg)
+        response = await self._service.infer(parsed, None, request.headers)
         return web.Response(
-            body=generate_response(cfg, msg.id, tensors(response)), content_type=JSON
+            body=generate_response(cfg, response.id, tensors(response)), content_type=JSON
         )
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
@@ -264,8 +281,8 @@ class RestApi:
         `event: error` if the sequence fails after its first output). A failure
         before the first output is an HTTP error, as on /generate."""
         cfg = self._model(request)
-        msg = await self._parse(await self._body(request), parse_generate, cfg)
-        events = self._events(cfg, msg, request.headers)
+        parsed, got = self._request(cfg, await self._body(request), parse_generate, cfg)
+        events = self._events(cfg, parsed, request.headers)
         first = await anext(events)  # raises before any byte is sent
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -278,7 +295,7 @@ class RestApi:
                 await stream.write(b"data: " + event + b"\n\n")
                 count += 1
                 event = await anext(events, None)
-            final = {"model_name": cfg.name, "id": msg.id, "outputs": count}
+            final = {"model_name": cfg.name, "id": got[0].id, "outputs": count}
             await stream.write(b"event: final\ndata: " + orjson.dumps(final) + b"\n\n")
         except BatchdError as e:
             error = {"error": e.message, "code": e.code.name}
@@ -289,15 +306,15 @@ class RestApi:
         return stream
 
     async def _events(
-        self, cfg: ModelConfig, msg: pb.ModelInferRequest, headers: Mapping[str, str]
+        self, cfg: ModelConfig, parsed: Body, headers: Mapping[str, str]
     ) -> AsyncGenerator[bytes]:
         if cfg.generate is None:  # a one-shot model: one output
-            response = await self._service.infer(msg, None, headers)
-            yield generate_response(cfg, msg.id, tensors(response))
+            response = await self._service.infer(parsed, None, headers)
+            yield generate_response(cfg, response.id, tensors(response))
             return
-        async for r, outputs, _final in self._service.sequence(msg, None, headers):
+        async for r, outputs, _final in self._service.sequence(parsed, None, headers):
             chosen = [t for t in outputs if t.name in r.outputs]
-            yield generate_response(cfg, msg.id, chosen)
+            yield generate_response(cfg, r.id, chosen)
 
     # ---- model control ----
 

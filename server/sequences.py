@@ -58,7 +58,9 @@ class Sequences:
             now = self._clock()
             sequence = self._pool.start(worker, model, r, now)
             stream.worker, stream.seq_id = worker.identity, sequence.id
-            self._stats.started(model.name, int((now - r.arrival) * 1e9))
+            if not r.attempts:  # one started again after its worker was lost is still
+                # one request: its first wait is the one counted
+                self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
             header = wire.Header(
                 kind=wire.Header.START, batch_id=sequence.id, model=model.name,
                 version=model.version,
@@ -144,7 +146,7 @@ class Sequences:
                 self._end_sequence(worker, sequence, behind)
                 return
             since = r.arrival if first else sequence.sent_at
-            self._stats.output(model.name, int((now - since) * 1e9), first)
+            self._stats.output(model.name, model.version, int((now - since) * 1e9), first)
             sequence.sent_at = now  # the previous output's time, for the next gap
         if step.final:
             self._end_sequence(worker, sequence, None)
@@ -165,7 +167,11 @@ class Sequences:
 
     def _count_step(self, worker: WorkerHandle, header: wire.Header) -> None:
         """One step round per (worker, model, round): its STEP messages (one per frontend
-        the worker serves) share it."""
+        the worker serves) share it. Its version is its sequences' (STEP names none); a
+        round of only sequences whose callers left is not counted."""
         if worker.step_rounds.get(header.model) != header.round:
             worker.step_rounds[header.model] = header.round
-            self._stats.step(header.model, header.active, header.compute_ns)
+            ours = (worker.sequences.get(step.id) for step in header.steps)
+            if (sequence := next((s for s in ours if s is not None), None)) is not None:
+                version = sequence.model.version
+                self._stats.step(header.model, version, header.active, header.compute_ns)

@@ -53,6 +53,10 @@ from batchd.server.tracing import RequestTrace
 
 T = TypeVar("T")
 Carrier = Mapping[str, str]  # where a call's W3C trace context is: HTTP headers, gRPC metadata
+# An HTTP body: its URL's model version and how to parse it, the request's first step,
+# so a body that does not parse is a failed request of that model, as a gRPC message
+# that does not decode is.
+Body = tuple[ModelConfig, Callable[[], Awaitable[pb.ModelInferRequest]]]
 EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
 # Elements walked one by one (~0.1 us each) above which decoding leaves the event
 # loop: below it, a request costs the loop at most ~2 ms, less than the hand-off.
@@ -69,24 +73,15 @@ class Core(Protocol):
 
     @property
     def models(self) -> Mapping[str, ModelConfig]: ...  # loaded, by name; changes on load
-
     @property
     def stats(self) -> Stats: ...
-
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
-
     def check_room(self, key: str) -> None: ...  # raises QueueFull, before any decoding
-
     def model_ready(self, name: str) -> bool: ...
-
     def load_error(self, name: str) -> str | None: ...  # why no worker could load it
-
     async def load(self, name: str) -> ModelConfig: ...
-
     async def unload(self, name: str) -> None: ...
-
     def index(self) -> list[IndexEntry]: ...
-
     def cancel(self, request: Request) -> None: ...  # a step-wise request's caller left
 
 
@@ -110,20 +105,25 @@ def _status(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T | 
 
 class _Answering:
     """One inference request being answered: counted open while it runs (a drain
-    waits for it), and counted in the statistics when it ends, with its failure's
-    reason: its error's, `deadline` when gRPC ended it at its deadline, `cancelled`
-    when its caller left."""
+    waits for it), and counted in the statistics of its model version when it ends,
+    with its failure's reason: its error's (`unavailable`: refused by a drain),
+    `deadline` when gRPC ended it at its deadline, `cancelled` when its caller left."""
 
-    __slots__ = ("_cfg", "_service", "deadline", "now", "trace")
+    __slots__ = ("_service", "cfg", "deadline", "now", "trace")
 
-    def __init__(self, service: InferenceService, cfg: ModelConfig, time_remaining: float | None,
-                 trace: RequestTrace | None) -> None:  # fmt: skip
-        self._service, self._cfg, self.trace = service, cfg, trace
+    def __init__(self, service: InferenceService, msg: pb.ModelInferRequest | Body,
+                 time_remaining: float | None) -> None:  # fmt: skip
+        self._service = service  # (a model not loaded: ModelNotFound, counted nowhere)
+        self.cfg = (
+            msg[0] if isinstance(msg, tuple) else service.model(msg.model_name, msg.model_version)
+        )
+        self.trace: RequestTrace | None = None
         self.now = service._clock()
         self.deadline = math.inf if time_remaining is None else self.now + time_remaining
 
     async def __aenter__(self) -> _Answering:
         self._service._open += 1
+        self._service._stats.opened(self.cfg.name, self.cfg.version)
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
@@ -136,7 +136,8 @@ class _Answering:
             reason = "deadline" if ended >= self.deadline - DEADLINE_SLACK_S else "cancelled"
         else:
             reason = None if error is None else "internal"
-        service._stats.answered(self._cfg.name, int((ended - self.now) * 1e9), reason)
+        cfg, duration_ns = self.cfg, int((ended - self.now) * 1e9)
+        service._stats.answered(cfg.name, cfg.version, duration_ns, reason, bool(cfg.generate))
         if self.trace is not None:
             self.trace.end(error)
         service._open -= 1
@@ -194,17 +195,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             core.model_ready(n) or core.load_error(n) is not None for n in self._models
         )
 
-    async def infer(self, msg: pb.ModelInferRequest, time_remaining: float | None,
+    async def infer(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
                     carrier: Carrier | None = None) -> pb.ModelInferResponse:  # fmt: skip
         """One request, one answer; a step-wise model's every output, joined."""
-        cfg = self._admissible(msg)
-        trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
-        async with _Answering(self, cfg, time_remaining, trace) as a:
-            request = await self._decode(msg, cfg, a.now, a.deadline, trace)
+        async with _Answering(self, msg, time_remaining) as a:
+            request = await self._admit(a, msg, carrier)
+            cfg, trace = a.cfg, a.trace
             if cfg.generate is None:
                 results = await self._core.submit(request)
             else:
-                assert cfg.generate is not None
                 request.stream = StepStream(limit=cfg.generate.max_steps + 1)
                 steps = [outputs async for outputs, _ in self._follow(request)]
                 results = join_steps(steps)
@@ -215,31 +214,32 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 trace.phase("response")
             return response
 
-    async def sequence(self, msg: pb.ModelInferRequest, time_remaining: float | None,
+    async def sequence(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
                        carrier: Carrier | None = None,
                        ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
         """A step-wise model's request: each output as it comes, and whether it is the
         last. Leaving early (the caller went) frees its slot."""
-        cfg = self._admissible(msg)
-        trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
-        async with _Answering(self, cfg, time_remaining, trace) as a:
-            request = await self._decode(msg, cfg, a.now, a.deadline, a.trace)
+        async with _Answering(self, msg, time_remaining) as a:
+            request = await self._admit(a, msg, carrier)
             request.stream = StepStream()
             async for outputs, final in self._follow(request):
                 yield request, outputs, final
 
-    def _admissible(self, msg: pb.ModelInferRequest) -> ModelConfig:
+    async def _admit(self, a: _Answering, msg: pb.ModelInferRequest | Body,
+                     carrier: Carrier | None) -> Request:  # fmt: skip
+        """The request, admitted: refused while draining, parsed (an HTTP body), decoded."""
+        cfg = a.cfg
         if self.draining:
             raise Unavailable("the server is shutting down and takes no new requests")
-        return self.model(msg.model_name, msg.model_version)
-
-    async def _decode(self, msg: pb.ModelInferRequest, cfg: ModelConfig, now: float,
-                      deadline: float, trace: RequestTrace | None = None) -> Request:  # fmt: skip
+        if isinstance(msg, tuple):
+            msg = await msg[1]()
+            self.model(msg.model_name, msg.model_version)  # not replaced while it came
+        a.trace = trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
         self._core.check_room(cfg.key)
         if decode_work(msg, self._limits) > INLINE_WORK:
-            request = await self.aside(decode_request, msg, cfg, now, deadline, self._limits)
+            request = await self.aside(decode_request, msg, cfg, a.now, a.deadline, self._limits)
         else:
-            request = decode_request(msg, cfg, now, deadline, self._limits)
+            request = decode_request(msg, cfg, a.now, a.deadline, self._limits)
         if trace is not None:
             trace.phase("admission")
             request.trace = trace
@@ -303,7 +303,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             peer: str = context.peer()
             self._calls.enter(peer)
             try:
-                async for out in respond(self, request_iterator, self._carrier(context)):
+                carrier, remaining = self._carrier(context), context.time_remaining
+                async for out in respond(self, request_iterator, carrier, remaining):
                     yield out
             finally:
                 self._calls.leave(peer)
@@ -354,10 +355,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return self.statistics(request)
 
     def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
-        names = [self.model(request.name, request.version).name] if request.name else self._models
-        return pb.ModelStatisticsResponse(
-            model_stats=[self._stats.to_pb(n, self._models[n].version) for n in names]
-        )
+        """Each model's current version, and older ones still draining (Stats.versions)."""
+        named = [self.model(request.name, request.version)] if request.name else None
+        current = [(cfg.name, cfg.version) for cfg in named or self._models.values()]
+        return pb.ModelStatisticsResponse(model_stats=self._stats.report(current, request.version))
 
     @_status
     async def RepositoryIndex(

@@ -1,4 +1,4 @@
-"""Per-model inference statistics, in the shape of Triton's ModelStatistics.
+"""Per-model-version inference statistics, in the shape of Triton's ModelStatistics.
 
     success / fail   requests answered, and their time from admission to answer
     queue            time from admission until its batch was sent to a worker
@@ -17,15 +17,31 @@
                      outputs streamed, time to first output and between outputs
                      (histograms), slots in use per step (histogram)
 
-Counts are per request for the per-request durations and per batch in
-batch_stats. One Stats object is created by the composition root and
-passed to the dispatcher (batches) and the servicer (answers).
+Counts are per client request, as Triton's: a request answered successfully adds
+one to success, queue and the three compute counts together (perf_analyzer
+divides the durations by success.count). A batch adds its durations for each
+online request it carried: a request split into chunks gets each chunk's queue
+wait and its batch's compute times, summed, and is counted once, when answered
+(one that fails after a batch of it ran, a sibling chunk failing, leaves those
+durations without a count: rare, and Triton has no such case).
+A batch job's lines are no client requests: their rows and batches count
+(inference, execution, batch_stats), their waits and answers do not (the job
+metrics count them). Step-wise models count a sequence's wait for a slot once,
+when it first gets one, and each sequence-step as a compute.
+
+Statistics are kept per model version (one ModelStats each): a reload starts the
+new version at zero while the old one drains under its own. Reported are each
+model's current version and older ones still answering requests; a version
+retired is forgotten, as Triton reports loaded versions only. One Stats object is
+created by the composition root and passed to the core (batches) and the
+servicer (answers).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from batchd.protos import inference_pb2 as pb
@@ -105,18 +121,34 @@ class ModelStats:
 
 class Stats:
     def __init__(self) -> None:
-        self._models: dict[str, ModelStats] = defaultdict(ModelStats)
+        self._models: defaultdict[str, dict[str, ModelStats]] = defaultdict(dict)
+        self._open: dict[tuple[str, str], int] = {}  # requests being answered, by version
+        self._answered = 0
 
-    def model(self, name: str) -> ModelStats:
-        return self._models[name]
+    def model(self, name: str, version: str = "1") -> ModelStats:
+        versions = self._models[name]
+        m = versions.get(version)
+        if m is None:
+            m = versions[version] = ModelStats()
+        return m
+
+    def versions(self, name: str, current: str) -> list[str]:
+        """The versions of model `name` to report: the older ones still answering
+        requests (draining after a reload), oldest first, then `current`. Any other
+        version's statistics are forgotten: it was retired."""
+        versions = self._models[name]
+        for v in [v for v in versions if v != current and (name, v) not in self._open]:
+            del versions[v]
+        return [*sorted((v for v in versions if v != current), key=lambda v: (len(v), v)), current]
 
     def answered_total(self) -> int:
         """Inference requests answered, successfully or not, over every model."""
-        return sum(m.success.count + m.fail.count for m in self._models.values())
+        return self._answered
 
     def batch_done(
         self,
         model: str,
+        version: str,
         rows: int,
         requests: int,
         queue_ns: int,
@@ -125,29 +157,30 @@ class Stats:
         output_ns: int,
         forward_rows: int = 0,
     ) -> None:
-        """A batch came back with results; `queue_ns` is summed over its requests;
-        `forward_rows`: the rows of the forward that ran it (0: its own)."""
-        m = self._models[model]
+        """A batch came back with results. `requests`: the online requests (or chunks of
+        one) it answered, `queue_ns`: their waits summed; their counts come when they are
+        answered. `forward_rows`: the rows of the forward that ran it (0: its own)."""
+        m = self.model(model, version)
         m.forward_rows += forward_rows or rows
         m.inference_count += rows
         m.execution_count += 1
         m.last_inference_ms = time.time_ns() // 1_000_000
-        m.queue.add(queue_ns, requests)
-        m.compute_input.add(input_ns * requests, requests)
-        m.compute_infer.add(infer_ns * requests, requests)
-        m.compute_output.add(output_ns * requests, requests)
+        m.queue.ns += queue_ns
+        m.compute_input.ns += input_ns * requests
+        m.compute_infer.ns += infer_ns * requests
+        m.compute_output.ns += output_ns * requests
         b = m.batches[rows]
         b.compute_input.add(input_ns)
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
 
-    def started(self, model: str, queue_ns: int) -> None:
-        """A step-wise model's sequence left the queue for a slot after `queue_ns`."""
-        self._models[model].queue.add(queue_ns)
+    def started(self, model: str, version: str, queue_ns: int) -> None:
+        """A step-wise model's sequence got its first slot after `queue_ns`."""
+        self.model(model, version).queue.add(queue_ns)
 
-    def step(self, model: str, active: int, infer_ns: int) -> None:
+    def step(self, model: str, version: str, active: int, infer_ns: int) -> None:
         """A step-wise model's step round ran `active` sequences in `infer_ns`."""
-        m = self._models[model]
+        m = self.model(model, version)
         m.execution_count += 1
         m.inference_count += active
         m.compute_infer.add(infer_ns * active, active)  # per sequence-step, as batches
@@ -156,29 +189,58 @@ class Stats:
         m.slots[active] += 1
         m.last_inference_ms = time.time_ns() // 1_000_000
 
-    def output(self, model: str, waited_ns: int, first: bool) -> None:
+    def output(self, model: str, version: str, waited_ns: int, first: bool) -> None:
         """A sequence's output reached the frontend `waited_ns` after its previous one
         (or, `first`, after its admission)."""
-        m = self._models[model]
+        m = self.model(model, version)
         m.outputs += 1
         (m.first_output if first else m.between_outputs).add(waited_ns)
 
-    def padding(self, model: str, real_tokens: int, padded_tokens: int) -> None:
-        m = self._models[model]
+    def padding(self, model: str, version: str, real_tokens: int, padded_tokens: int) -> None:
+        m = self.model(model, version)
         m.real_tokens += real_tokens
         m.padded_tokens += padded_tokens
 
-    def answered(self, model: str, duration_ns: int, failure: str | None = None) -> None:
-        """A request was answered: successfully, or with the failure's reason."""
-        m = self._models[model]
-        if failure is None:
-            m.success.add(duration_ns)
-        else:
+    def opened(self, model: str, version: str) -> None:
+        """A request of `version` is being answered (answered() closes it)."""
+        key = (model, version)
+        self._open[key] = self._open.get(key, 0) + 1
+
+    def answered(self, model: str, version: str, duration_ns: int, failure: str | None = None,
+                 stepwise: bool = False) -> None:  # fmt: skip
+        """A request was answered: successfully (one more for success, queue and compute,
+        but a `stepwise` model's: counted at its start and steps), or with the failure's
+        reason."""
+        key = (model, version)
+        if (n := self._open.get(key)) is not None:
+            if n > 1:
+                self._open[key] = n - 1
+            else:
+                del self._open[key]
+        self._answered += 1
+        m = self.model(model, version)
+        if failure is not None:
             m.fail.add(duration_ns)
             m.rejected[failure] += 1
+            return
+        m.success.add(duration_ns)
+        if not stepwise:
+            m.queue.count += 1
+            m.compute_input.count += 1
+            m.compute_infer.count += 1
+            m.compute_output.count += 1
+
+    def report(
+        self, current: Iterable[tuple[str, str]], only: str = ""
+    ) -> list[pb.ModelStatistics]:
+        """ModelStatistics of each (model, current version): with `only` (a version asked
+        for by name), of that version; else of the versions reported (versions())."""
+        return [
+            self.to_pb(n, v) for n, c in current for v in ([only] if only else self.versions(n, c))
+        ]
 
     def to_pb(self, name: str, version: str) -> pb.ModelStatistics:
-        m = self._models[name]
+        m = self.model(name, version)
         return pb.ModelStatistics(
             name=name,
             version=version,

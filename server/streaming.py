@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 from batchd.protos import inference_pb2 as pb
@@ -68,12 +68,12 @@ def _empty_final(msg: pb.ModelInferRequest, request: Request | None) -> pb.Model
     return _final(response, True)
 
 
-async def _steps(service: Answers, msg: pb.ModelInferRequest, put: Any,
-                 carrier: Any) -> None:  # fmt: skip
+async def _steps(service: Answers, msg: pb.ModelInferRequest, put: Any, carrier: Any,
+                 time_remaining: float | None) -> None:  # fmt: skip
     """A step-wise request's responses, one per output."""
     empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
     request, last = None, False
-    async for request, outputs, final in service.sequence(msg, None, carrier):
+    async for request, outputs, final in service.sequence(msg, time_remaining, carrier):
         last = final and not empty_final
         response = encode_response(request, outputs, service.max_response_bytes())
         await put(_final(response, last))
@@ -82,10 +82,15 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest, put: Any,
 
 
 async def respond(
-    service: Answers, requests: AsyncIterator[pb.ModelInferRequest], carrier: Any = None
+    service: Answers,
+    requests: AsyncIterator[pb.ModelInferRequest],
+    carrier: Any = None,
+    time_remaining: Callable[[], float | None] = lambda: None,
 ) -> AsyncIterator[pb.ModelStreamInferResponse]:
     """The stream's responses; `carrier`: its metadata, where a traceparent is read from
-    (every request of the stream is a child of it)."""
+    (every request of the stream is a child of it); `time_remaining`: the call's, when
+    each request arrives (the call's deadline is each request's: one that the deadline
+    ends counts as `deadline`, not `cancelled`)."""
     responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(QUEUED_RESPONSES)
     window = asyncio.Semaphore(STREAM_WINDOW)
 
@@ -95,9 +100,9 @@ async def respond(
                 if isinstance(msg, Undecodable):
                     raise msg.error
                 if service.is_stepwise(msg):
-                    await _steps(service, msg, responses.put, carrier)
+                    await _steps(service, msg, responses.put, carrier, time_remaining())
                 else:
-                    response = await service.infer(msg, None, carrier)
+                    response = await service.infer(msg, time_remaining(), carrier)
                     await responses.put(_final(response, True))
             except BatchdError as e:
                 await responses.put(_error(msg, e))

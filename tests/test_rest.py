@@ -710,15 +710,52 @@ def test_invalid_requests_are_400_with_the_grpc_message(
     example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub, case: str
 ) -> None:
     """The same bad request over gRPC (INVALID_ARGUMENT) and over HTTP (400, JSON or
-    binary): the HTTP error is gRPC's details, word for word."""
+    binary): the HTTP error is gRPC's details, word for word, and each counts as one
+    `invalid` failure of the model, however far the HTTP body got in its parsing."""
     model, body, msg = INVALID[case]
+    before = invalid(example_server, model)
     e = grpc_error(stub.ModelInfer, msg)
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+    assert invalid(example_server, model) == before + 1
     if isinstance(body, tuple):
         r = call(example_server, "POST", f"/v2/models/{model}/infer", body[0], body[1])
     else:
         r = call(example_server, "POST", f"/v2/models/{model}/infer", body)
     assert (r.status, r.error) == (400, e.details())
+    assert invalid(example_server, model) == before + 2
+
+
+def invalid(server: ServerProcess, model: str) -> float:
+    """The model's requests answered `invalid` (the failures are counted before the
+    answer goes out)."""
+    labels = {"model": model, "version": "1", "reason": "invalid"}
+    return value(scrape(server), "batchd_inference_request_failure_total", **labels)
+
+
+@pytest.mark.parametrize("route", ["infer", "generate", "generate_stream"])
+def test_an_http_body_that_does_not_parse_counts_as_a_failed_request(
+    example_server: ServerProcess, route: str
+) -> None:
+    """Refused while the body is parsed (not JSON, values that are no FP32, too many of
+    them, binary bytes past the body's end, a header length that is no number): each
+    is an `invalid` failure of the model its URL names, as a gRPC message that does
+    not decode is."""
+    bodies: list[tuple[bytes | dict[str, Any], dict[str, str] | None]] = [
+        (b"{not json", None),
+        ({"INPUT0": ["a"] * 16} if route != "infer" else
+         {"inputs": [tensor("INPUT0", "FP32", [1, 16], ["a"] * 16)]}, None),
+    ]  # fmt: skip
+    if route == "infer":
+        bodies += [
+            ({"inputs": [tensor("INPUT0", "FP32", [1, 16], [0.0] * 17)]}, None),
+            binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], 64)]}),  # no bytes
+            (tiny_body(), {HEADER_LENGTH: "twelve"}),
+        ]
+    for body, headers in bodies:
+        before = invalid(example_server, "tiny")
+        r = call(example_server, "POST", f"/v2/models/tiny/{route}", body, headers)
+        assert r.status == 400, r.body
+        assert invalid(example_server, "tiny") == before + 1, r.error
 
 
 def test_unknown_model_and_version_are_404_with_the_grpc_message(

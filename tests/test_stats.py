@@ -1,14 +1,25 @@
 """Per-model statistics: what ModelStatistics and later metrics read."""
 
+import dataclasses
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from batchd.server.metrics import Collector, WorkerView, worker_views
 from batchd.server.stats import Stats
+from tests.conftest import model
 
 
 def test_batches_rows_histogram_and_durations() -> None:
     s = Stats()
-    s.batch_done("m", rows=8, requests=3, queue_ns=300, input_ns=10, infer_ns=1000, output_ns=5)
-    s.batch_done("m", rows=8, requests=2, queue_ns=100, input_ns=10, infer_ns=900, output_ns=5)
-    s.batch_done("m", rows=1, requests=1, queue_ns=50, input_ns=10, infer_ns=200, output_ns=5)
-    m = s.model("m")
+    s.batch_done(
+        "m", "1", rows=8, requests=3, queue_ns=300, input_ns=10, infer_ns=1000, output_ns=5
+    )
+    s.batch_done("m", "1", rows=8, requests=2, queue_ns=100, input_ns=10, infer_ns=900, output_ns=5)
+    s.batch_done("m", "1", rows=1, requests=1, queue_ns=50, input_ns=10, infer_ns=200, output_ns=5)
+    for _ in range(6):
+        s.answered("m", "1", 2000)
+    m = s.model("m", "1")
     assert (m.inference_count, m.execution_count) == (17, 3)
     assert m.average_batch_size() == 17 / 3
     assert (m.queue.count, m.queue.ns) == (6, 450)
@@ -18,16 +29,109 @@ def test_batches_rows_histogram_and_durations() -> None:
     assert pb.batch_stats[1].compute_infer.ns == 1900
 
 
+def test_per_request_counts_are_answered_requests_as_triton_s() -> None:
+    """success, queue and the compute counts move together, once per request answered
+    successfully, however many batches carried it (a split request's chunks) and
+    whatever its batches also carried (a job's lines: requests=0 for them): the
+    durations perf_analyzer divides by success.count are per request."""
+    s = Stats()
+    for queue_ns in (0, 1000, 2000):  # one request's three chunks, each in its batch
+        s.batch_done("m", "1", rows=8, requests=1, queue_ns=queue_ns, input_ns=10,
+                     infer_ns=100, output_ns=1)  # fmt: skip
+    s.batch_done("m", "1", rows=5, requests=0, queue_ns=0, input_ns=10, infer_ns=100, output_ns=1)
+    s.answered("m", "1", 9000)
+    s.answered("m", "1", 500, "invalid")  # a failure counts only as one
+    m = s.model("m", "1")
+    counts = [m.success.count, m.queue.count, m.compute_input.count,
+              m.compute_infer.count, m.compute_output.count]  # fmt: skip
+    assert counts == [1, 1, 1, 1, 1] and m.fail.count == 1
+    assert (m.queue.ns, m.compute_infer.ns, m.compute_input.ns) == (3000, 300, 30)
+    assert (m.inference_count, m.execution_count) == (29, 4)
+
+
+def test_a_step_wise_model_counts_its_wait_at_its_start_and_its_steps_as_computes() -> None:
+    s = Stats()
+    s.started("g", "1", 700)
+    s.step("g", "1", active=1, infer_ns=50)
+    s.step("g", "1", active=1, infer_ns=50)
+    s.answered("g", "1", 9000, stepwise=True)
+    m = s.model("g", "1")
+    assert (m.success.count, m.queue.count, m.queue.ns) == (1, 1, 700)
+    assert [m.compute_input.count, m.compute_infer.count, m.compute_output.count] == [2, 2, 2]
+
+
 def test_padding_efficiency_and_failures_by_reason() -> None:
     s = Stats()
-    assert s.model("t").padding_efficiency() == 1.0
-    s.padding("t", real_tokens=30, padded_tokens=40)
-    s.padding("t", real_tokens=10, padded_tokens=10)
-    assert s.model("t").padding_efficiency() == 0.8
-    s.answered("t", 100)
-    s.answered("t", 50, "queue_full")
-    s.answered("t", 70, "queue_full")
-    s.answered("t", 20, "invalid")
-    m = s.model("t")
+    assert s.model("t", "1").padding_efficiency() == 1.0
+    s.padding("t", "1", real_tokens=30, padded_tokens=40)
+    s.padding("t", "1", real_tokens=10, padded_tokens=10)
+    assert s.model("t", "1").padding_efficiency() == 0.8
+    s.answered("t", "1", 100)
+    s.answered("t", "1", 50, "queue_full")
+    s.answered("t", "1", 70, "queue_full")
+    s.answered("t", "1", 20, "invalid")
+    m = s.model("t", "1")
     assert (m.success.count, m.fail.count, m.fail.ns) == (1, 3, 140)
     assert dict(m.rejected) == {"queue_full": 2, "invalid": 1}
+    assert s.answered_total() == 4
+
+
+def test_each_version_counts_its_own_and_a_retired_one_is_forgotten() -> None:
+    """A reload starts version 2 at zero; version 1, still answering a request, is
+    reported beside it with its own counts; once that is answered version 1 is
+    retired and forgotten (Triton reports loaded versions only)."""
+    s = Stats()
+    for _ in range(3):
+        s.opened("m", "1")
+        s.batch_done("m", "1", rows=1, requests=1, queue_ns=10, input_ns=1, infer_ns=1, output_ns=1)
+        s.answered("m", "1", 100)
+    s.opened("m", "1")  # admitted by version 1, answered after the reload
+    assert s.versions("m", "2") == ["1", "2"]
+    assert s.model("m", "2").success.count == s.model("m", "2").inference_count == 0
+    s.answered("m", "2", 100)
+    assert [(p.version, p.inference_stats.success.count) for p in s.report([("m", "2")])] == [
+        ("1", 3), ("2", 1),
+    ]  # fmt: skip
+    s.answered("m", "1", 100)  # version 1's last: it is retired
+    assert s.versions("m", "2") == ["2"]
+    assert s.versions("m", "3") == ["3"]  # after an unload and a load: version 3 from zero
+    assert s.model("m", "3").success.count == 0
+    assert [p.version for p in s.report([("m", "3")], "3")] == ["3"]
+    assert s.answered_total() == 5
+
+
+def scrape(collector: Collector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_are_labelled_by_the_version_that_counted_them() -> None:
+    stats = Stats()
+    for _ in range(3):
+        stats.answered("m", "1", 100)
+    models = {"m": dataclasses.replace(model(), version="2")}  # reloaded: version 1 retired
+    collector = Collector(models, stats, lambda m: 0, lambda: [], lambda: {})
+    got = scrape(collector)
+    success = {k[1]: v for k, v in got.items() if k[0] == "batchd_inference_request_success_total"}
+    assert success == {(("model", "m"), ("version", "2")): 0.0}
+
+
+def test_worker_up_has_one_series_per_slot_down_while_its_worker_restarts() -> None:
+    slots = [("cpu0", "cpu"), ("cpu1", "cpu")]
+    views = worker_views(slots, [("cpu0#3", "cpu"), ("gpuhost-cuda:0-81", "cuda:0")])
+    assert views == [
+        WorkerView("cpu0#3", "cpu0", "cpu", True),
+        WorkerView("", "cpu1", "cpu", False),  # its process is restarting
+        WorkerView("gpuhost-cuda:0-81", "gpuhost-cuda:0-81", "cuda:0", True),  # another host's
+    ]
+    collector = Collector({}, Stats(), lambda m: 0, lambda: views, lambda: {"cpu1": 4})
+    up = {
+        dict(k[1])["worker"]: v for k, v in scrape(collector).items() if k[0] == "batchd_worker_up"
+    }
+    assert up == {"cpu0": 1.0, "cpu1": 0.0, "gpuhost-cuda:0-81": 1.0}
