@@ -12,7 +12,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, load_model_config
 from batchd.worker.check import check_model
-from batchd.worker.generate import StepLoop
+from batchd.worker.generate import EVERY, StepLoop
 from batchd.worker.loader import load_model
 from tests.conftest import stepwise_model
 
@@ -143,6 +143,17 @@ def test_drop_all_ends_every_sequence_with_a_final_step_to_its_frontend() -> Non
         header, _ = wire.unpack(parts)
         assert [(s.id, s.final, s.error) for s in header.steps] == [(1, True, "gone")]
     assert model.released == [9] and not loop.busy  # the waiting one had no state
+
+
+def test_cancel_every_drops_all_of_one_frontend_s_sequences_and_no_other_s() -> None:
+    model = Counter()
+    loop = StepLoop(config(max_active=2), model)
+    add(loop, 1, 9)
+    add(loop, 2, 8, frontend=1)
+    add(loop, 3, 7)  # waits
+    replies(loop)
+    assert loop.cancel(0, EVERY) == 2  # a frontend given up on (frontend_link.py)
+    assert model.released == [9] and [seq for seq, *_ in replies(loop)] == [2]
 
 
 def test_start_raising_fails_only_the_joining_sequences() -> None:

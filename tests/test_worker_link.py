@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
 
 from batchd.protos import wire
-from batchd.worker.frontend_link import RETRY_S, FrontendLink
+from batchd.worker.frontend_link import GIVE_UP_S, RETRY_S, FrontendLink
 from tests.servers import wait_for
 
 READY = wire.pack(wire.Header(kind=wire.Header.READY))
@@ -105,19 +106,63 @@ def test_no_frontend_at_all_is_said_plainly(
     assert "no connection made (is a frontend listening there?)" in caplog.text
 
 
-def test_a_send_with_no_connection_to_queue_on_fails_at_once(
-    router: zmq.Socket[Any], link: FrontendLink
+def test_replies_a_frontend_behind_cannot_take_are_kept_and_arrive_in_order(
+    tmp_path: Path,
+) -> None:
+    """A frontend that reads nothing a while (its event loop stalled) fills ZeroMQ's
+    queues (here 10 messages each way); the replies after that are kept, not dropped,
+    and the socket is kept: once it reads again, every reply arrives, in order."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    ctx.setsockopt(zmq.SNDHWM, 10)
+    ctx.setsockopt(zmq.RCVHWM, 10)
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(f"ipc://{tmp_path}/frontend.sock")
+    link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, READY)
+    try:
+        link.open(now=0.0)
+        assert _next_kind(router) == wire.Header.READY
+        router.send_multipart([b"w1", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
+        assert _receive(link, now=0.5) is None and link.accepted
+        first, pad = link.socket, b"x" * 16_384
+        for n in range(500):  # the frontend reads none of these yet
+            link.reply([wire.Header(kind=wire.Header.RESULT, batch_id=n).SerializeToString(), pad])
+        assert link.flush(now=1.0) > 0  # more than the queues hold: some are kept
+        assert not link.tick(now=0.5 + RETRY_S) and link.socket is first  # not replaced
+        got: list[int] = []
+        poller = zmq.Poller()  # as the worker's loop: woken when its socket takes more
+        poller.register(router, zmq.POLLIN)
+        poller.register(link.socket, zmq.POLLOUT)
+        while len(got) < 500:
+            events = dict(poller.poll(30_000))
+            assert events, f"{len(got)} replies came, then none"
+            link.flush(now=1.0)
+            if router in events:
+                _, header, *_ = router.recv_multipart()
+                if (h := wire.Header.FromString(header)).kind == wire.Header.RESULT:
+                    got.append(h.batch_id)
+        assert got == list(range(500)) and link.flush(now=1.0) == 0
+    finally:
+        link.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_frontend_silent_for_long_with_replies_kept_is_given_up_until_it_speaks(
+    router: zmq.Socket[Any], link: FrontendLink, caplog: pytest.LogCaptureFixture
 ) -> None:
     link.open(now=0.0)
     assert _next_kind(router) == wire.Header.READY
     router.send_multipart([b"w1", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
-    assert _receive(link, now=0.5) is None and link.accepted
-    router.close()  # the frontend is gone: what is sent queues, up to the high-water mark
-    sent = [link.send(READY) for _ in range(10_000)]  # and then fails, never blocks
-    assert not all(sent) and link.broken
-    first = link.socket
-    assert link.tick(now=0.5 + RETRY_S)  # a broken socket is replaced at the retry
-    assert link.socket is not first
+    assert _receive(link, now=0.5) is None
+    router.close()
+    for n in range(5_000):
+        link.reply([wire.Header(kind=wire.Header.RESULT, batch_id=n).SerializeToString()])
+    assert link.flush(now=0.5 + GIVE_UP_S - 1) > 0 and not link.abandoned
+    with caplog.at_level(logging.WARNING, "batchd.worker"):
+        assert link.flush(now=0.5 + GIVE_UP_S + 1) == 0
+    assert link.abandoned and "said nothing for 31 s: dropping" in caplog.text
+    link.reply([b"late"])  # dropped while given up
+    assert link.flush(now=0.5 + GIVE_UP_S + 2) == 0
 
 
 def test_malformed_messages_are_dropped_and_logged_once_per_kind(

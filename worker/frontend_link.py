@@ -10,12 +10,18 @@ frontend's server.key. It then never answers, and libzmq either drops the
 connection for good (a refused key: a send then finds no connection to queue
 on) or retries the handshake forever (queuing what is sent meanwhile). So:
 
-- every send is NOBLOCK; EAGAIN means "not connected", never a wait, and the
-  I/O loop goes on reading the stop flag, STOP and its parent's exit;
-- a socket the frontend has never answered, or one a send found unconnected,
-  is closed (dropping what it queued) and opened afresh each retry interval,
-  with one WARNING line saying why, as far as the handshake tells (a socket
-  monitor reports its outcome);
+- every send is NOBLOCK, never a wait, and the I/O loop goes on reading the
+  stop flag, STOP and its parent's exit;
+- a socket the frontend has never answered is closed (dropping what it
+  queued) and opened afresh each retry interval, with one WARNING line saying
+  why, as far as the handshake tells (a socket monitor reports its outcome);
+- on a socket the frontend has answered, EAGAIN means the frontend is behind
+  (ZeroMQ's queue of HWM messages is full: its event loop stalled, a step-wise
+  model outpaced it). A reply is then kept, in order, and sent when the socket
+  takes it again; meanwhile the worker steps no sequence (runner.py), so the
+  backlog stays small. A reply is never dropped for being late: its frontend
+  would wait on it until execution_timeout_s, then kill a healthy worker. Only
+  a frontend silent for GIVE_UP_S loses its backlog, and its sequences here;
 - at exit, a socket whose frontend is not answering is closed at once; only a
   frontend that answers gets time (LINGER_MS) to take the last replies.
 
@@ -26,6 +32,7 @@ sends, is dropped: the first of each kind logged at WARNING, the rest at DEBUG.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ from batchd.protos import keys, wire
 log = logging.getLogger("batchd.worker")
 RETRY_S = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # silence before registering again
 LINGER_MS = 2000  # at exit: how long an answering frontend has to take the last replies
+GIVE_UP_S = 30.0  # a frontend behind and silent this long is taken for gone (see above)
 _BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
 _FROM_FRONTEND = frozenset(
     {
@@ -82,7 +90,10 @@ class FrontendLink:
         self._malformed: dict[str, int] = {}  # kind -> how many came
         self.heard = 0.0  # when the frontend last sent anything
         self.accepted = False  # the frontend has answered on this socket
-        self.broken = False  # a send found no connection to queue on
+        self.broken = False  # a send found no connection to queue on (never answered)
+        self._backlog: deque[list[Any]] = deque()  # replies the frontend has not taken yet
+        self.abandoned = False  # gave up on a silent frontend: replies dropped till it speaks
+        self.polled_out = False  # the I/O loop also waits for the socket to take more
         self._next_beat = 0.0
         self._next_retry = 0.0
 
@@ -110,6 +121,8 @@ class FrontendLink:
         LINGER_MS to take what is queued; otherwise what is queued is dropped."""
         if self.socket is None:
             return
+        if now is not None:
+            self.flush(now)
         answering = (
             now is not None and self.accepted and not self.broken and now - self.heard <= RETRY_S
         )
@@ -121,14 +134,37 @@ class FrontendLink:
         self.socket = self._monitor = None
 
     def send(self, parts: list[Any], copy: bool = True) -> bool:
-        """Queue a message without waiting; False if there is no connection to queue on."""
+        """Queue a message without waiting; False if the socket takes none now (not
+        connected, or the frontend is behind)."""
         assert self.socket is not None
         try:
             self.socket.send_multipart(parts, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
-            self.broken = True
+            self.broken = not self.accepted
             return False
         return True
+
+    def reply(self, parts: list[Any]) -> None:
+        """Send a reply, or keep it behind those kept until the frontend takes them."""
+        if self.abandoned:
+            return
+        if self._backlog or not self.send(parts, copy=False):
+            self._backlog.append(parts)
+
+    def flush(self, now: float) -> int:
+        """Send what was kept, as far as the socket takes it; the replies still kept.
+        A frontend silent for GIVE_UP_S with replies kept is given up (abandoned)."""
+        while self._backlog and self.send(self._backlog[0], copy=False):
+            self._backlog.popleft()
+        if self._backlog and now - self.heard > GIVE_UP_S:
+            log.warning(
+                "frontend %s has taken no reply and said nothing for %.0f s: dropping %d "
+                "replies and its sequences here until it speaks again",
+                self.endpoint, now - self.heard, len(self._backlog),
+            )  # fmt: skip
+            self._backlog.clear()
+            self.abandoned = True
+        return len(self._backlog)
 
     # ---- the loop's calls ----
 
@@ -137,7 +173,7 @@ class FrontendLink:
         Anything the frontend sends shows it is there; what does not parse is dropped."""
         assert self.socket is not None
         parts = self.socket.recv_multipart(copy=False)
-        self.heard, self.accepted = now, True
+        self.heard, self.accepted, self.abandoned = now, True, False
         self._next_retry = now + RETRY_S
         try:
             header, frames = wire.unpack(parts)

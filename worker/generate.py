@@ -37,6 +37,7 @@ from batchd.worker.execute import BatchError, encode_output, to_model_input
 
 log = logging.getLogger("batchd.worker")
 Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends
+EVERY = 0  # CANCEL of every sequence of a frontend (ids start at 1: server/pool.py)
 WAITING_BEAT_S = 1.0  # how often a frontend whose sequences all wait hears the loop steps
 
 
@@ -121,12 +122,14 @@ class StepLoop:
         self.waiting.append(Running(header.batch_id, frontend, inputs))
         return []
 
-    def cancel(self, frontend: int, seq_id: int) -> bool:
-        """Drop a sequence before its next step (its caller left); no message goes back.
-        Ids are per frontend: several frontends may share this worker. Whether it
-        was here (it may have ended already)."""
+    def cancel(self, frontend: int, seq_id: int) -> int:
+        """Drop a sequence before its next step (its caller left), or with EVERY all of
+        that frontend's; no message goes back. Ids are per frontend: several frontends
+        may share this worker. How many were here (one may have ended already)."""
         same = [
-            s for s in self.waiting + self.active if (s.frontend, s.seq_id) == (frontend, seq_id)
+            s
+            for s in self.waiting + self.active
+            if s.frontend == frontend and seq_id in (EVERY, s.seq_id)
         ]
         for s in same:
             if s in self.active:
@@ -134,7 +137,7 @@ class StepLoop:
                 self._release(s)
             else:
                 self.waiting.remove(s)
-        return bool(same)
+        return len(same)
 
     def drop_all(self, why: str) -> list[Reply]:
         """Every sequence ends now (its model is unloaded): a final STEP with `why`

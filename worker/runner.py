@@ -40,7 +40,7 @@ from batchd.worker import merge
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
-from batchd.worker.generate import Reply, StepLoop
+from batchd.worker.generate import EVERY, Reply, StepLoop
 from batchd.worker.loader import ModelFn
 from batchd.worker.loading import Loaded, Loader, addressed, settle_heap
 
@@ -52,6 +52,7 @@ _COUNTED = (wire.Header.BATCH, wire.Header.LOAD, wire.Header.START)
 # The longest the I/O loop waits for a message. A SIGTERM only sets a flag: the loop
 # reads it when it wakes, so this bounds how long a stop takes (exit well within 1 s).
 POLL_MS = 100
+HOLD_S = 0.01  # while a frontend is behind, how often the compute thread looks again
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 
 
@@ -84,6 +85,7 @@ class Runner:
         )
         self._stop = threading.Event()
         self._tables = threading.Lock()  # the loader and the compute thread replace them
+        self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
         o = options
         self._loader = Loader(self._work, self._install, o.repository, o.device, o.allowed)
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
@@ -114,11 +116,14 @@ class Runner:
                 if held is not None:
                     item, held = held, None
                 elif any(loop.busy for loop in self.loops.values()):
+                    held_back = self._behind.is_set()  # no step while a frontend is behind
                     try:  # while sequences step, take what has come without waiting
-                        item = self._work.get_nowait()
+                        item = (
+                            self._work.get(timeout=HOLD_S) if held_back else self._work.get_nowait()
+                        )
                     except queue.Empty:
                         for loop in self.loops.values():
-                            if loop.busy:
+                            if loop.busy and not held_back:
                                 for frontend, parts, ends in loop.round():
                                     reply(frontend, parts, ends)
                         continue
@@ -160,10 +165,10 @@ class Runner:
         """START: a sequence waits for its loop's next step; CANCEL: it leaves."""
         loop = self.loops.get(model_key(header.model, header.version))
         if header.kind == wire.Header.CANCEL:
-            dropped = [each.cancel(frontend, header.batch_id) for each in self.loops.values()]
+            dropped = sum(each.cancel(frontend, header.batch_id) for each in self.loops.values())
             # Nothing goes back for a dropped sequence, but the I/O thread counted its
             # START as owed: an empty reply settles it (a STOP waits for those).
-            return [(frontend, [], 1)] if any(dropped) else []
+            return [(frontend, [], dropped)] if dropped else []
         if loop is None:
             error = wire.Header(kind=wire.Header.STEP, model=header.model)
             error.steps.add(
@@ -316,18 +321,12 @@ class Runner:
                 to, *reply = results.recv_multipart(copy=False)
                 frontend, ends = to.bytes[0], int.from_bytes(to.bytes[1:], "little")
                 io.pending -= ends
-                if not reply:  # bookkeeping only: a cancelled sequence settled
-                    continue
-                link = links[frontend]
-                if not link.send(reply, copy=False):
-                    log.warning(
-                        "a reply to frontend %s is dropped: not connected (the frontend "
-                        "retries its batch once it counts this worker lost)",
-                        link.endpoint,
-                    )
+                if reply:  # (none: bookkeeping only, a cancelled sequence settled)
+                    links[frontend].reply(reply)
             for i, link in enumerate(links):
-                if link.socket in events and (message := link.receive(now)) is not None:
-                    self._from_frontend(io, i, *message)
+                if events.get(link.socket, 0) & zmq.POLLIN and (msg := link.receive(now)):
+                    self._from_frontend(io, i, *msg)
+            self._keep_up(links, poller, now)
             if any([link.tick(now) for link in links]):  # a link opened a new socket
                 poller = _poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
@@ -336,6 +335,22 @@ class Runner:
                 log.warning("parent process exited; stopping")
                 return STOP_GRACE_S
         return STOP_GRACE_S
+
+    def _keep_up(self, links: list[FrontendLink], poller: zmq.Poller, now: float) -> None:
+        """Send the replies kept for frontends that were behind; while any are kept, the
+        compute thread steps no sequence, and the loop wakes when a socket takes more.
+        A frontend given up on (frontend_link.py) loses its sequences here."""
+        behind = False
+        for i, link in enumerate(links):
+            given_up = link.abandoned
+            kept = link.flush(now)
+            if link.abandoned and not given_up:
+                self._work.put((i, wire.Header(kind=wire.Header.CANCEL, batch_id=EVERY), []))
+            behind |= kept > 0
+            if bool(kept) != link.polled_out:
+                link.polled_out = bool(kept)
+                poller.modify(link.socket, zmq.POLLIN | (zmq.POLLOUT if kept else 0))
+        (self._behind.set if behind else self._behind.clear)()
 
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
         loads = (wire.Header.LOAD, wire.Header.UNLOAD)  # to the loader, in their order
@@ -356,6 +371,7 @@ def _poller(links: list[FrontendLink], results: zmq.Socket[Any]) -> zmq.Poller:
     poller = zmq.Poller()
     for link in links:
         poller.register(link.socket, zmq.POLLIN)
+        link.polled_out = False
     poller.register(results, zmq.POLLIN)
     return poller
 
