@@ -17,7 +17,10 @@ The policy has one owner, this module:
   * A step-wise model's sequence on a lost worker is retried on another worker if
     it has streamed nothing yet (attempts counted as above; never a suspect: it
     shares no batch). One that has streamed fails with UNAVAILABLE naming how many
-    outputs its caller got: a sequence cannot resume where it was.
+    outputs its caller got: a sequence cannot resume where it was. A unary call's
+    outputs are held for one answer at the end (StepStream.held): its caller has
+    seen none, so it starts over like one that streamed nothing, what its lost run
+    gave dropped (StepStream.restart), and its answer holds the new run's only.
 
 Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
 for an idle worker for it, pool.WorkerHandle.exclusive keeps a worker running
@@ -82,14 +85,15 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str) ->
         if r.future.done():
             continue
         r.attempts += 1
-        if stream.sent or r.attempts >= MAX_ATTEMPTS:
+        streamed = 0 if stream.held else stream.sent
+        if streamed or r.attempts >= MAX_ATTEMPTS:
             r.future.set_exception(
                 Unavailable(
                     f"model {seq.model.name!r}: the worker running this sequence was lost "
-                    f"({worker}: {reason}) after {stream.sent} output(s) were streamed; a "
+                    f"({worker}: {reason}) after {streamed} output(s) were streamed; a "
                     "sequence cannot resume on another worker, retry it"
                 )
-                if stream.sent
+                if streamed
                 else ModelFailed(
                     f"model {seq.model.name!r}: the worker running this sequence was lost "
                     f"{r.attempts} times (last: {worker}: {reason}); not retried again"
@@ -98,5 +102,6 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str) ->
             stream.close()
         else:
             stream.worker, stream.seq_id = None, 0
+            stream.restart()
             back.append(r)
     return back

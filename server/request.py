@@ -6,6 +6,10 @@ sequence on their way to the caller. The core pushes each step's outputs as
 the worker streams them; the transport takes them one at a time. The buffer is
 bounded: a caller that does not read cannot grow the server's memory; when it
 is full the push fails, and the core ends the sequence with RESOURCE_EXHAUSTED.
+Bounded twice: in outputs (MAX_BUFFERED, for the objects each one costs) and, with
+a StreamBudget, in bytes, over every request of one caller's stream: a budget
+counts an output from its push until its caller took it (the transport gives it
+back then), so a stream's sequences together hold at most its limit.
 """
 
 from __future__ import annotations
@@ -95,14 +99,71 @@ class Batch:
 
 
 MAX_BUFFERED = 256  # outputs of one stream waiting for its caller
+# A stream's budget, in responses of the largest size (--max-message-bytes): at least
+# one, or a response the server may send could never be held for its caller; two, so
+# that one can be on its way out while the sequences' next outputs come in.
+STREAM_BUDGET_RESPONSES = 2
+
+
+def output_bytes(outputs: Sequence[Tensor]) -> int:
+    return sum(len(t.data) for t in outputs)
+
+
+class StreamBudget:
+    """The bytes of outputs that one caller has not taken yet, over all the requests of
+    its stream: a push that would take it past `limit` is refused (the core stops that
+    sequence), and new requests wait (`room`) while more than half of it is held, so
+    the sequences already running keep the other half to go on in."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def take(self, size: int) -> bool:
+        """Hold `size` more bytes; False, and nothing held, past the limit."""
+        if self.held + size > self.limit:
+            return False
+        self.hold(size)
+        return True
+
+    def hold(self, size: int) -> None:
+        """Hold bytes already counted once (an output moving on towards its caller)."""
+        self.held += size
+        if self.held * 2 > self.limit:
+            self._room.clear()
+
+    def give(self, size: int) -> None:
+        """`size` bytes left: taken by the caller, or dropped."""
+        self.held -= size
+        if self.held * 2 <= self.limit:
+            self._room.set()
+
+    async def room(self) -> None:
+        """Return once at most half the limit is held."""
+        await self._room.wait()
+
+
+def stream_budget(max_response_bytes: int) -> StreamBudget:
+    """The budget of one caller's stream: STREAM_BUDGET_RESPONSES largest responses."""
+    return StreamBudget(STREAM_BUDGET_RESPONSES * max_response_bytes)
 
 
 class StepStream:
     """The outputs of one sequence, in order, for its caller."""
 
-    def __init__(self, limit: int = MAX_BUFFERED) -> None:
+    def __init__(
+        self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False
+    ) -> None:
         self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
+        self._sizes: deque[int] = deque()  # the bytes its budget holds for each item
         self.limit = limit  # outputs held for a caller that has not read them
+        self.budget = budget  # the bytes its caller's stream may hold; None: not counted
+        # True: the outputs are joined into one answer at the end (a unary call), so
+        # its caller has seen none of them until then, and a restart loses nothing
+        self.held = held
+        self.restarts = 0  # times its sequence started over (recovery), dropping its outputs
         self._wake: asyncio.Future[None] | None = None
         self.closed = False
         self.sent = 0  # outputs pushed so far
@@ -113,27 +174,55 @@ class StepStream:
 
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
-        when the caller is too far behind."""
+        when the caller is too far behind (`behind` says how)."""
+        size = output_bytes(outputs) if self.budget is not None else 0
         if len(self._items) >= self.limit:
             return False
+        if self.budget is not None and not self.budget.take(size):
+            return False
         self._items.append((outputs, final))
+        self._sizes.append(size)
         self.sent += 1
         self._notify()
         return True
+
+    def behind(self) -> str:
+        """What the caller has not read, once a push was refused."""
+        if len(self._items) >= self.limit or self.budget is None:
+            return f"its last {self.limit} outputs"
+        return (
+            f"{self.budget.held} bytes of outputs (a stream holds at most {self.budget.limit} "
+            "for its caller)"
+        )
 
     def close(self) -> None:
         """No more outputs will come (the sequence ended, failed or was dropped)."""
         self.closed = True
         self._notify()
 
+    def discard(self) -> None:
+        """Drop the outputs not taken (their caller left), giving back their bytes."""
+        if self.budget is not None:
+            self.budget.give(sum(self._sizes))
+        self._items.clear()
+        self._sizes.clear()
+
+    def restart(self) -> None:
+        """The sequence starts over on another worker: what it gave so far goes."""
+        self.discard()
+        self.restarts += 1
+
     async def next(self) -> tuple[list[Tensor], bool] | None:
         """The next step's outputs and whether they are the last, or None once closed
-        and drained."""
+        and drained. Its bytes go back to the budget: the caller has them now."""
         while not self._items:
             if self.closed:
                 return None
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
+        size = self._sizes.popleft()
+        if self.budget is not None:
+            self.budget.give(size)
         return self._items.popleft()
 
     def _notify(self) -> None:

@@ -279,11 +279,12 @@ class RestApi:
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: one `data:` event per output, then `event: final` (or
         `event: error` if the sequence fails after its first output). A failure
-        before the first output is an HTTP error, as on /generate."""
+        before the first output is an HTTP error, as on /generate; a sequence that
+        yields no output at all, just the final event."""
         cfg = self._model(request)
         parsed, got = self._request(cfg, await self._body(request), parse_generate, cfg)
         events = self._events(cfg, parsed, request.headers)
-        first = await anext(events)  # raises before any byte is sent
+        first = await anext(events, None)  # raises before any byte is sent
         stream = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )

@@ -5,8 +5,9 @@ queues and is admitted like any request (the scheduler's queues, limits,
 priorities and queue timeouts apply to the wait for a slot); its "batch" is a
 START to the worker with the most free slots (pool: slots are the credits for
 it). The worker sends a STEP message per step round, with an entry per
-sequence; each output goes into its request's StepStream (bounded: a caller
-too far behind ends the sequence with RESOURCE_EXHAUSTED), and the final one
+sequence; each output goes into its request's StepStream (bounded in outputs,
+and in bytes over its caller's whole stream: a caller too far behind ends the
+sequence with RESOURCE_EXHAUSTED), and the final one
 ends it and frees its slot. A caller
 that leaves frees the slot at once and the worker drops it before its next
 step. Lost workers: recovery.after_sequence_loss. Owned by the core, which
@@ -140,8 +141,8 @@ class Sequences:
                 cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=sequence.id)
                 self._link.send(worker.identity, wire.pack(cancel))
                 behind = StreamBehind(
-                    f"this stream's caller has not read its last {stream.limit} outputs of "
-                    f"model {model.name!r}; the sequence was stopped after {stream.sent}"
+                    f"this stream's caller has not read {stream.behind()} of model "
+                    f"{model.name!r}; the sequence was stopped after {stream.sent}"
                 )
                 self._end_sequence(worker, sequence, behind)
                 return

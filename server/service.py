@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from functools import wraps
 from itertools import islice
@@ -46,10 +46,11 @@ from batchd.server.errors import (
     clip,
     grpc_status,
 )
-from batchd.server.request import Request, StepStream, Tensor
+from batchd.server.request import Request, StepStream, StreamBudget, Tensor, stream_budget
 from batchd.server.stats import Stats
-from batchd.server.streaming import join_steps, respond
+from batchd.server.streaming import respond
 from batchd.server.tracing import RequestTrace
+from batchd.server.unary_steps import follow, join_sequence
 
 T = TypeVar("T")
 Carrier = Mapping[str, str]  # where a call's W3C trace context is: HTTP headers, gRPC metadata
@@ -179,9 +180,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             )
         return cfg
 
-    def is_stepwise(self, msg: pb.ModelInferRequest) -> bool:
-        cfg = self._models.get(msg.model_name)
-        return cfg is not None and cfg.generate is not None
+    def served(self, msg: pb.ModelInferRequest) -> ModelConfig | None:
+        return self._models.get(msg.model_name)  # (what a stream's request is for)
 
     def max_response_bytes(self) -> int:
         return self._limits.max_response_bytes
@@ -204,9 +204,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if cfg.generate is None:
                 results = await self._core.submit(request)
             else:
-                request.stream = StepStream(limit=cfg.generate.max_steps + 1)
-                steps = [outputs async for outputs, _ in self._follow(request)]
-                results = join_steps(steps)
+                results = await join_sequence(self._core, request, self.max_response_bytes())
             if trace is not None:
                 trace.mark = tracing.now_ns()
             response = encode_response(request, results, self._limits.max_response_bytes)
@@ -215,15 +213,18 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             return response
 
     async def sequence(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
-                       carrier: Carrier | None = None,
-                       ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
+                       carrier: Carrier | None = None, budget: StreamBudget | None = None,
+                       ) -> AsyncGenerator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
         """A step-wise model's request: each output as it comes, and whether it is the
-        last. Leaving early (the caller went) frees its slot."""
+        last. Leaving early (the caller went) frees its slot. `budget`: the bytes its
+        caller's stream holds (request.StreamBudget); none given: its own."""
         async with _Answering(self, msg, time_remaining) as a:
             request = await self._admit(a, msg, carrier)
-            request.stream = StepStream()
-            async for outputs, final in self._follow(request):
-                yield request, outputs, final
+            budget = budget if budget is not None else stream_budget(self.max_response_bytes())
+            request.stream = StepStream(budget=budget)
+            async with contextlib.aclosing(follow(self._core, request)) as steps:
+                async for outputs, final in steps:
+                    yield request, outputs, final
 
     async def _admit(self, a: _Answering, msg: pb.ModelInferRequest | Body,
                      carrier: Carrier | None) -> Request:  # fmt: skip
@@ -244,20 +245,6 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             trace.phase("admission")
             request.trace = trace
         return request
-
-    async def _follow(self, request: Request) -> AsyncIterator[tuple[list[Tensor], bool]]:
-        """Submit a step-wise request and take its outputs until its sequence ends;
-        its failure is raised then. Whatever ends the iteration early cancels it."""
-        stream = request.stream
-        assert stream is not None
-        future = self._core.submit(request)
-        try:
-            while (item := await stream.next()) is not None:
-                yield item
-            await future
-        finally:
-            if not future.done() or stream.worker is not None:
-                self._core.cancel(request)
 
     async def aside(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
         """`fn(*args)` on the decode thread (heavy decoding, a large REST body); `bounded`:

@@ -11,25 +11,37 @@ that yields nothing gets that empty final response too, so the end is always
 marked. A failure is a response with `error_message` (and its gRPC status name
 in the `error_code` parameter), and the stream goes on: so is a message that
 does not parse (handlers.Undecodable; its response has no id), and a request
-that fails for a defect of ours ("internal error", logged). Should the request
-stream itself fail, the responses end after those of the requests in flight,
-and the call ends with its error.
-Responses wait in a bounded queue: a client that does not read holds up its
-sequences, whose own buffers then fill (request.StepStream) and fail them.
+that fails for a defect of ours ("internal error", logged). As Triton's, a failed
+request's response carries its id, model name and version and
+`triton_final_response = true` (whatever `triton_enable_empty_final_response`
+says): it is the request's last. Should the request stream itself fail, the
+responses end after those of the requests in flight, and the call ends with its
+error.
+
+A client that does not read cannot grow the server's memory: the bytes of
+outputs it has not taken, in its sequences' buffers and in the responses waiting
+to go out, count against one budget per stream (request.StreamBudget, twice
+--max-message-bytes). While more than half of it is held, the stream's next
+request waits to be read (gRPC's flow control then holds the client's sends);
+a running sequence cannot wait (its worker steps it with the others), so one
+whose output would pass the budget is stopped with RESOURCE_EXHAUSTED, as is one
+more than MAX_BUFFERED outputs behind. Other streams are not concerned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from batchd.protos import inference_pb2 as pb
+from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import encode_response
 from batchd.server.errors import BatchdError
 from batchd.server.handlers import Undecodable
-from batchd.server.request import Request, Tensor
+from batchd.server.request import Request, StreamBudget, Tensor, stream_budget
 
 STREAM_WINDOW = 256  # requests of one stream in flight at once
 QUEUED_RESPONSES = 256  # responses of one stream waiting for the client to take them
@@ -40,15 +52,16 @@ log = logging.getLogger("batchd.server")
 class Answers(Protocol):
     """What a stream needs from the servicer."""
 
-    def is_stepwise(self, msg: pb.ModelInferRequest) -> bool: ...
+    def served(self, msg: pb.ModelInferRequest) -> ModelConfig | None: ...
 
     async def infer(
         self, msg: pb.ModelInferRequest, time_remaining: float | None, carrier: Any = None
     ) -> pb.ModelInferResponse: ...
 
     def sequence(
-        self, msg: pb.ModelInferRequest, time_remaining: float | None, carrier: Any = None
-    ) -> AsyncIterator[tuple[Request, list[Tensor], bool]]: ...
+        self, msg: pb.ModelInferRequest, time_remaining: float | None, carrier: Any = None,
+        budget: StreamBudget | None = None,
+    ) -> AsyncGenerator[tuple[Request, list[Tensor], bool]]: ...  # fmt: skip
 
     def max_response_bytes(self) -> int: ...
 
@@ -58,27 +71,32 @@ def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelStreamInferR
     return pb.ModelStreamInferResponse(infer_response=response)
 
 
-def _empty_final(msg: pb.ModelInferRequest, request: Request | None) -> pb.ModelStreamInferResponse:
-    model = request.model if request is not None else None
-    response = pb.ModelInferResponse(
-        model_name=model.name if model else msg.model_name,
-        model_version=model.version if model else "",
-        id=msg.id,
-    )
+def _empty_final(msg: pb.ModelInferRequest, model: ModelConfig) -> pb.ModelStreamInferResponse:
+    response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=msg.id)
     return _final(response, True)
 
 
-async def _steps(service: Answers, msg: pb.ModelInferRequest, put: Any, carrier: Any,
-                 time_remaining: float | None) -> None:  # fmt: skip
-    """A step-wise request's responses, one per output."""
+Put = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
+
+
+async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, put: Put,
+                 carrier: Any, time_remaining: float | None,
+                 budget: StreamBudget) -> None:  # fmt: skip
+    """A step-wise request's responses, one per output; `cfg`: its model, as it came."""
     empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
     request, last = None, False
-    async for request, outputs, final in service.sequence(msg, time_remaining, carrier):
-        last = final and not empty_final
-        response = encode_response(request, outputs, service.max_response_bytes())
-        await put(_final(response, last))
+    sequence = service.sequence(msg, time_remaining, carrier, budget)
+    async with contextlib.aclosing(sequence):
+        async for request, outputs, final in sequence:
+            last = final and not empty_final
+            response = encode_response(request, outputs, service.max_response_bytes())
+            await put(_final(response, last))
     if not last:
-        await put(_empty_final(msg, request))
+        await put(_empty_final(msg, request.model if request is not None else cfg))
+
+
+def _size(response: pb.ModelStreamInferResponse) -> int:
+    return sum(len(raw) for raw in response.infer_response.raw_output_contents)
 
 
 async def respond(
@@ -91,24 +109,34 @@ async def respond(
     (every request of the stream is a child of it); `time_remaining`: the call's, when
     each request arrives (the call's deadline is each request's: one that the deadline
     ends counts as `deadline`, not `cancelled`)."""
-    responses: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue(QUEUED_RESPONSES)
+    responses: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue(
+        QUEUED_RESPONSES
+    )
     window = asyncio.Semaphore(STREAM_WINDOW)
+    budget = stream_budget(service.max_response_bytes())
+
+    async def put(response: pb.ModelStreamInferResponse) -> None:
+        """Queue a response; its bytes are held in the budget until the client took it."""
+        size = _size(response)
+        budget.hold(size)
+        await responses.put((response, size))
 
     async def one(msg: pb.ModelInferRequest | Undecodable) -> None:
+        cfg = None if isinstance(msg, Undecodable) else service.served(msg)
         try:
             try:
                 if isinstance(msg, Undecodable):
                     raise msg.error
-                if service.is_stepwise(msg):
-                    await _steps(service, msg, responses.put, carrier, time_remaining())
+                if cfg is not None and cfg.generate is not None:
+                    await _steps(service, msg, cfg, put, carrier, time_remaining(), budget)
                 else:
                     response = await service.infer(msg, time_remaining(), carrier)
-                    await responses.put(_final(response, True))
+                    await put(_final(response, True))
             except BatchdError as e:
-                await responses.put(_error(msg, e))
+                await put(_error(msg, e, cfg))
             except Exception:  # a defect: this request fails, the stream's others go on
                 log.exception("a ModelStreamInfer request failed")
-                await responses.put(_error(msg, BatchdError("internal error")))
+                await put(_error(msg, BatchdError("internal error"), cfg))
         finally:
             window.release()
 
@@ -119,6 +147,7 @@ async def respond(
             try:
                 async for msg in requests:
                     await window.acquire()
+                    await budget.room()  # its caller is behind: let it read first
                     tg.create_task(one(msg))
             except Exception as e:  # the requests' stream failed: those in flight are
                 ended.append(e)  # still answered, then the call ends with its error
@@ -127,7 +156,8 @@ async def respond(
     reader = asyncio.create_task(read())
     try:
         while (out := await responses.get()) is not None:
-            yield out
+            yield out[0]
+            budget.give(out[1])  # gRPC took it
         await reader
         if ended:
             raise ended[0]
@@ -135,23 +165,18 @@ async def respond(
         reader.cancel()
 
 
-def _error(msg: pb.ModelInferRequest | Undecodable, e: BatchdError) -> pb.ModelStreamInferResponse:
-    """A failed request's response: its error, and its model and id where it parsed."""
+def _error(msg: pb.ModelInferRequest | Undecodable, e: BatchdError,
+           cfg: ModelConfig | None) -> pb.ModelStreamInferResponse:  # fmt: skip
+    """A failed request's response: its error, and where it parsed its id, model and
+    version (the one asked for, else the one serving it); always the request's final
+    response. Triton's StreamInferResponseComplete sets these on a request that fails
+    once issued, the flag whether or not it asked for empty final responses (one it
+    refuses before, it answers with the id alone); here every failure ends its
+    request, so every one says so."""
     error = pb.ModelInferResponse()
     if not isinstance(msg, Undecodable):
         error.model_name, error.id = msg.model_name[:200], msg.id
+        error.model_version = msg.model_version[:200] or (cfg.version if cfg else "")
     error.parameters["error_code"].string_param = e.code.name  # for typed errors
+    error.parameters[FINAL].bool_param = True
     return pb.ModelStreamInferResponse(error_message=e.message, infer_response=error)
-
-
-def join_steps(steps: Sequence[list[Tensor]]) -> list[Tensor]:
-    """Every step's outputs joined along their first dim: a unary answer."""
-    if not steps:
-        return []
-    joined = []
-    for pieces in zip(*steps, strict=True):
-        first = pieces[0]
-        rows = sum(p.shape[0] for p in pieces)
-        data = b"".join(p.data for p in pieces)
-        joined.append(Tensor(first.name, first.datatype, (rows, *first.shape[1:]), data))
-    return joined

@@ -334,6 +334,37 @@ def test_a_lost_worker_retries_sequences_that_streamed_nothing_and_fails_the_oth
     assert "1 request(s) requeued" in two_workers.log()  # 63: it had streamed nothing
 
 
+def test_a_unary_sequence_whose_worker_was_lost_starts_over_and_answers_once(
+    two_workers: ServerProcess, gate: Gate
+) -> None:
+    """A unary ModelInfer holds its outputs for one answer: its caller has seen none
+    of them when the worker is lost, so the sequence starts over on the other worker
+    (not UNAVAILABLE) and the answer holds the new run's outputs, each once."""
+    hold = gate.state / "hold-71"  # 71 stops after 2 outputs, until it goes
+    hold.touch()
+    labels = {"model": "stepper", "version": "1"}
+    try:
+        with grpc.insecure_channel(two_workers.url, options=OWN) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answer = stub.ModelInfer.future(stepper(71, 5), timeout=60)
+            wait_for(lambda: value(scrape(two_workers), "batchd_outputs_total", **labels) == 2,
+                     30, "71's first two outputs at the frontend")  # fmt: skip
+            (first,) = {r["pid"] for r in records(gate, "started") if 71 in r["started"]}
+            os.kill(first, signal.SIGKILL)
+            wait_for(lambda: answer.done() or "1 request(s) requeued" in two_workers.log(),
+                     30, "71 to be requeued")  # fmt: skip
+            hold.unlink()
+            joined = answer.result(timeout=60)
+    finally:
+        hold.unlink(missing_ok=True)
+    assert np.frombuffer(joined.raw_output_contents[0], np.int64).tolist() == [
+        71001, 71002, 71003, 71004, 71005,
+    ]  # fmt: skip
+    assert list(joined.outputs[0].shape) == [5]
+    ran = {r["pid"] for r in records(gate, "started") if 71 in r["started"]}
+    assert ran - {first}  # it started again, on a live worker
+
+
 def test_perf_analyzer_streams_against_the_example(example_server: ServerProcess,
                                                    tmp_path: Any) -> None:  # fmt: skip
     import shutil

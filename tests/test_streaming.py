@@ -1,6 +1,6 @@
 """ModelStreamInfer's response stream (server/streaming.respond) with a fake servicer:
 a request that fails for a defect, or a request stream that fails, never leaves the
-stream without an end."""
+stream without an end; a failed request's response is its final one, as Triton's."""
 
 from __future__ import annotations
 
@@ -11,15 +11,18 @@ from typing import Any
 import pytest
 
 from batchd.protos import inference_pb2 as pb
+from batchd.protos.model_config import ModelConfig
 from batchd.server.errors import InvalidInput
+from batchd.server.handlers import Undecodable
 from batchd.server.streaming import respond
+from tests.conftest import model
 
 
 class Service:
     """Answers each request with its id; `boom` is a defect, `bad` invalid input."""
 
-    def is_stepwise(self, msg: pb.ModelInferRequest) -> bool:
-        return False
+    def served(self, msg: pb.ModelInferRequest) -> ModelConfig | None:
+        return model() if msg.model_name == "m" else None  # version "1"
 
     async def infer(
         self, msg: pb.ModelInferRequest, time_remaining: Any, carrier: Any = None
@@ -36,10 +39,10 @@ class Service:
 
 
 async def requests(
-    ids: list[str], fail: Exception | None = None
+    ids: list[str], fail: Exception | None = None, name: str = "tiny"
 ) -> AsyncIterator[pb.ModelInferRequest]:
     for i in ids:
-        yield pb.ModelInferRequest(model_name="tiny", id=i)
+        yield pb.ModelInferRequest(model_name=name, id=i)
     if fail is not None:
         raise fail
 
@@ -76,3 +79,33 @@ def test_a_request_stream_that_fails_ends_the_call_with_its_error_after_the_answ
     with pytest.raises(OSError, match="reset"):
         asyncio.run(asyncio.wait_for(run(), 10))
     assert sorted(seen) == ["a", "b"]
+
+
+def test_a_failed_request_s_response_is_its_final_one_with_its_id_model_and_version() -> None:
+    """As Triton's StreamInferResponseComplete: id, model name and version, and
+    triton_final_response = true, whether or not the request asked for empty final
+    responses (Triton sets the flag on every response it sends for an issued request).
+    The version is the one asked for, else the one serving the model."""
+
+    async def run() -> list[pb.ModelStreamInferResponse]:
+        async def mixed() -> AsyncIterator[pb.ModelInferRequest | Undecodable]:
+            yield pb.ModelInferRequest(model_name="m", id="bad")
+            asked = pb.ModelInferRequest(model_name="m", model_version="7", id="bad")
+            asked.parameters["triton_enable_empty_final_response"].bool_param = True
+            yield asked
+            yield pb.ModelInferRequest(model_name="gone", id="boom")
+            yield Undecodable(InvalidInput("not a ModelInferRequest"))
+
+        return [r async for r in respond(Service(), mixed())]  # type: ignore[arg-type]
+
+    out = asyncio.run(asyncio.wait_for(run(), 10))
+    seen = [
+        (r.infer_response.id, r.infer_response.model_name, r.infer_response.model_version,
+         r.infer_response.parameters["triton_final_response"].bool_param)
+        for r in out
+    ]  # fmt: skip
+    assert sorted(seen) == [
+        ("", "", "", True), ("bad", "m", "1", True), ("bad", "m", "7", True),
+        ("boom", "gone", "", True),
+    ]  # fmt: skip
+    assert all(r.error_message for r in out)

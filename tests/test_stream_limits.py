@@ -1,0 +1,376 @@
+"""A step-wise model's outputs against the bounds of one answer and of one stream:
+a unary call's joined answer (server/unary_steps.py: no outputs, steps that do not
+join, more than a response may carry, a sequence started over) and the byte budget
+of a ModelStreamInfer stream whose caller does not read (request.StreamBudget).
+
+The live tests run a server over a model written here, `wide`, with
+--max-message-bytes 1 MiB: a stream then holds at most 2 MiB for its caller."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import math
+import queue
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.protos import inference_pb2 as pb
+from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos.model_config import GenerateConfig, ModelConfig, TensorSpec
+from batchd.server import recovery
+from batchd.server.errors import ModelFailed, ResponseTooLarge
+from batchd.server.request import Batch, Request, StepStream, StreamBudget, Tensor
+from batchd.server.unary_steps import Joined
+from tests.servers import ServerProcess, wait_for
+
+MiB = 1 << 20
+WIDE_TOML = """
+[[input]]
+name = "ID"
+datatype = "INT64"
+shape = [1]
+
+[[input]]
+name = "N"
+datatype = "INT64"
+shape = [1]
+
+[[input]]
+name = "MODE"
+datatype = "INT64"
+shape = [1]
+
+[[input]]
+name = "WIDTH"
+datatype = "INT64"
+shape = [1]
+
+[[output]]
+name = "OUT"
+datatype = "INT64"
+shape = [1, -1]
+
+[generate]
+max_active = 4
+max_steps = 1000
+"""
+WIDE_PY = '''
+"""Sequence ID runs N steps. MODE 0: OUT [1, WIDTH] holding k at step k; MODE 1: no
+output at any step; MODE 2: OUT [1, k]. $WIDE_LOG gets a line per start and release."""
+import json
+import os
+
+import torch
+
+
+def note(**record):
+    with open(os.environ["WIDE_LOG"], "a") as f:
+        f.write(json.dumps(record) + "\\n")
+
+
+class Wide:
+    def start(self, requests):
+        states = []
+        for r in requests:
+            s = {k: int(r[k][0]) for k in ("ID", "N", "MODE", "WIDTH")}
+            s["k"] = 0
+            note(started=s["ID"])
+            states.append(s)
+        return states
+
+    def step(self, states):
+        out = []
+        for s in states:
+            s["k"] += 1
+            k, done = s["k"], s["k"] >= s["N"]
+            if s["MODE"] == 1:
+                out.append((None, done))
+            else:
+                width = k if s["MODE"] == 2 else s["WIDTH"]
+                out.append(({"OUT": torch.full((1, width), k, dtype=torch.int64)}, done))
+        return out
+
+    def release(self, state):
+        note(released=state["ID"], k=state["k"])
+
+
+def load(device):
+    return Wide()
+'''
+
+
+# ---- the pieces, without a server ----
+
+
+def wide_model(max_steps: int = 50) -> ModelConfig:
+    return ModelConfig(
+        name="wide",
+        directory=Path("."),
+        artifact=Path("model.py"),
+        platform="python",
+        max_batch_size=0,
+        inputs=(TensorSpec("N", "INT64", (1,)),),
+        outputs=(
+            TensorSpec("OUT", "INT64", (1, -1)),
+            TensorSpec("FLAT", "INT64", (-1,)),
+            TensorSpec("GRID", "FP32", (2, 3, -1)),
+            TensorSpec("TEXT", "BYTES", (1,)),
+        ),
+        generate=GenerateConfig(4, max_steps, "continuous"),
+    )
+
+
+def unary(outputs: tuple[str, ...] = ("OUT", "FLAT", "GRID", "TEXT")) -> Request:
+    r = Request(wide_model(), "u", [Tensor("N", "INT64", (1,), bytes(8))], outputs, 1, math.inf)
+    r.stream = StepStream(held=True)
+    return r
+
+
+def out(k: int, width: int = 2, name: str = "OUT") -> Tensor:
+    return Tensor(name, "INT64", (1, width), np.full(width, k, np.int64).tobytes())
+
+
+def test_a_sequence_without_outputs_answers_each_requested_output_empty() -> None:
+    """A first dim of 0, the other dims as declared, a variable one as 0."""
+    joined = Joined(unary(), 1 * MiB).result()
+    assert [(t.name, t.datatype, t.shape, bytes(t.data)) for t in joined] == [
+        ("OUT", "INT64", (0, 0), b""),
+        ("FLAT", "INT64", (0,), b""),
+        ("GRID", "FP32", (0, 3, 0), b""),
+        ("TEXT", "BYTES", (0,), b""),
+    ]
+    only = Joined(unary(("FLAT",)), 1 * MiB).result()
+    assert [t.name for t in only] == ["FLAT"]
+
+
+def test_steps_whose_other_dims_differ_fail_naming_the_output_and_the_shapes() -> None:
+    joined = Joined(unary(("OUT",)), 1 * MiB)
+    joined.add([out(1, width=1)])
+    with pytest.raises(ModelFailed) as e:
+        joined.add([out(2, width=2)])
+    assert e.value.message == (
+        "model 'wide': output 'OUT' came with shape [1, 1] at first and [1, 2] in the "
+        "sequence's output number 2; a unary ModelInfer joins the steps along their first "
+        "dimension, so their other dimensions must agree (ModelStreamInfer, or "
+        "/generate_stream, streams each step's outputs as they are)"
+    )
+
+
+def test_joined_outputs_past_a_response_stop_the_sequence_and_point_to_streaming() -> None:
+    joined = Joined(unary(("OUT",)), 64)
+    for k in range(1, 5):  # 4 x 16 bytes: exactly the limit
+        joined.add([out(k), out(k, name="FLAT")])  # an output not asked for is not counted
+    with pytest.raises(ResponseTooLarge) as e:
+        joined.add([out(5)])
+    assert "passed 80 bytes at its output number 5" in e.value.message
+    assert "(64, --max-message-bytes)" in e.value.message
+    assert "use ModelStreamInfer (or /generate_stream)" in e.value.message
+
+
+def test_a_unary_sequence_whose_worker_was_lost_starts_over_and_answers_its_new_run_once() -> None:
+    """Its outputs were held for one answer: the caller saw none, so recovery starts it
+    again (not UNAVAILABLE), what the lost run gave is dropped, and the answer is the
+    new run's alone. A streamed one that had sent an output still fails."""
+    r = unary(("OUT",))
+    streamed = unary(("OUT",))
+    streamed.stream = StepStream()
+    joined = Joined(r, 1 * MiB)
+    assert r.stream is not None and streamed.stream is not None
+    for k in (1, 2):
+        assert r.stream.push([out(k)]) and streamed.stream.push([out(k)])
+    joined.add([out(1)])  # the first taken; the second still buffered
+    loop = asyncio.new_event_loop()
+    try:
+        for req in (r, streamed):
+            req.future = loop.create_future()
+        batches = [Batch(1, r.model, [r], 0.0), Batch(2, r.model, [streamed], 0.0)]
+        back = recovery.after_sequence_loss(batches, "cpu0#0", "killed")
+        assert back == [r] and r.attempts == 1 and not r.future.done()
+        assert "after 2 output(s) were streamed" in str(streamed.future.exception())
+    finally:
+        loop.close()
+    assert r.stream.restarts == 1 and r.stream.push([out(7)], final=True)
+    joined.add([out(7)])
+    (answer,) = joined.result()
+    assert answer.shape == (1, 2) and np.frombuffer(answer.data, np.int64).tolist() == [7, 7]
+    again = Joined(r, 1 * MiB)  # restarted, and the new run yields nothing
+    again.add([out(7)])
+    r.stream.restart()
+    assert again.result()[0].shape == (0, 0)
+
+
+def test_a_stream_budget_counts_outputs_until_taken_and_refuses_past_its_limit() -> None:
+    async def body() -> None:
+        budget = StreamBudget(64)
+        a, b = StepStream(budget=budget), StepStream(budget=budget)
+        assert a.push([out(1)]) and a.push([out(2)]) and b.push([out(3)])  # 48 bytes
+        assert budget.held == 48
+        room = asyncio.create_task(budget.room())
+        await asyncio.sleep(0)
+        assert not room.done()  # more than half held: new requests wait
+        assert b.push([out(4)]) and budget.held == 64
+        assert not b.push([out(5)]) and budget.held == 64  # past the limit: refused
+        assert b.behind() == "64 bytes of outputs (a stream holds at most 64 for its caller)"
+        assert await a.next() is not None and budget.held == 48  # taken
+        b.discard()  # its caller left: what it held goes back
+        assert budget.held == 16
+        await asyncio.wait_for(room, 5)  # half or less: it may start
+        budget.hold(40)  # a response on its way out, counted again
+        assert budget.held == 56
+        budget.give(40)
+        count = StepStream(limit=1)
+        assert count.push([out(1)]) and not count.push([out(2)])
+        assert count.behind() == "its last 1 outputs"
+
+    asyncio.run(body())
+
+
+# ---- a server ----
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+    root = tmp_path_factory.mktemp("wide")
+    model = root / "repo" / "wide"
+    model.mkdir(parents=True)
+    (model / "model.toml").write_text(WIDE_TOML)
+    (model / "model.py").write_text(textwrap.dedent(WIDE_PY))
+    log = root / "wide.log"
+    server = ServerProcess(
+        root / "repo", "--max-message-bytes", str(MiB),
+        log_dir=root, env={"WIDE_LOG": str(log)},
+    ).start()  # fmt: skip
+    yield server, log
+    assert server.stop() == 0, server.log()
+
+
+def records(log: Path) -> list[dict[str, int]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def released(log: Path, seq: int) -> int | None:
+    """The step at which the worker released sequence `seq`, once it has."""
+    return next((r["k"] for r in records(log) if r.get("released") == seq), None)
+
+
+def wide_request(seq: int, n: int, mode: int = 0, width: int = 1) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name="wide", id=str(seq))
+    for name, number in (("ID", seq), ("N", n), ("MODE", mode), ("WIDTH", width)):
+        msg.inputs.add(name=name, datatype="INT64", shape=[1])
+        msg.raw_input_contents.append(np.array([number], np.int64).tobytes())
+    return msg
+
+
+# The client's HTTP/2 window stays at its first 64 KiB (no BDP probing): what the
+# server holds for a caller that does not read is not hidden in a grown window.
+CHANNEL = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0)]
+
+
+@pytest.fixture
+def stub(wide: tuple[ServerProcess, Path]) -> Iterator[pb_grpc.GRPCInferenceServiceStub]:
+    with grpc.insecure_channel(wide[0].url, options=CHANNEL) as channel:
+        yield pb_grpc.GRPCInferenceServiceStub(channel)
+
+
+def post(server: ServerProcess, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps(body))
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_a_sequence_without_outputs_answers_unary_and_http_with_empty_outputs(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    answer = stub.ModelInfer(wide_request(1, 3, mode=1), timeout=60)
+    assert [(o.name, list(o.shape)) for o in answer.outputs] == [("OUT", [0, 0])]
+    assert list(answer.raw_output_contents) == [b""]
+    body = {"ID": 2, "N": 3, "MODE": 1, "WIDTH": 1}
+    status, joined = post(wide[0], "/v2/models/wide/generate", {**body, "id": "g"})
+    assert status == 200, joined
+    assert json.loads(joined) == {"model_name": "wide", "model_version": "1", "id": "g", "OUT": []}
+    status, streamed = post(wide[0], "/v2/models/wide/generate_stream", {**body, "id": "s"})
+    assert status == 200, streamed
+    assert streamed.decode() == (
+        'event: final\ndata: {"model_name":"wide","id":"s","outputs":0}\n\n'
+    )
+
+
+def test_unary_steps_that_do_not_join_fail_as_the_model_s_fault(stub: Any) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(wide_request(3, 3, mode=2), timeout=60)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "output 'OUT' came with shape [1, 1] at first and [1, 2]" in (e.value.details() or "")
+    streamed = list(stub.ModelStreamInfer(iter([wide_request(4, 3, mode=2)]), timeout=60))
+    assert [list(r.infer_response.outputs[0].shape) for r in streamed] == [[1, 1], [1, 2], [1, 3]]
+
+
+def test_a_unary_answer_past_the_message_limit_stops_its_sequence_at_once(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """128 KiB a step, 1 MiB a response: refused at the ninth output, not after the
+    1000th, and the worker releases the sequence then (within the steps it had run
+    before its CANCEL came)."""
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(wide_request(5, 1000, width=16384), timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = e.value.details() or ""
+    assert "passed 1179648 bytes at its output number 9" in details
+    assert "use ModelStreamInfer (or /generate_stream)" in details
+    wait_for(lambda: released(wide[1], 5) is not None, 30, "the worker to release sequence 5")
+    assert (released(wide[1], 5) or 0) < 500  # stopped, not run to its end
+
+
+def test_a_stream_whose_caller_does_not_read_holds_a_bounded_number_of_bytes(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """Sequence 6 (250 outputs of 128 KiB) on a stream nobody reads: stopped once its
+    caller is 2 MiB behind (16 outputs; the 256 outputs a sequence may have waiting
+    would be 32 MiB). Sequence 7, sent on that
+    stream then, waits to start; 8, on another stream, runs meanwhile. Once the
+    caller reads, it gets 6's outputs and its error, the request's final response,
+    then 7 runs."""
+    server, log = wide
+    sent: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+    sent.put(wide_request(6, 250, width=16384))
+    behind = stub.ModelStreamInfer(iter(sent.get, None), timeout=120)
+    try:
+        wait_for(lambda: released(log, 6) is not None, 60, "sequence 6 to be stopped")
+        assert (released(log, 6) or 0) < 200
+        sent.put(wide_request(7, 3))
+        with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
+            another = pb_grpc.GRPCInferenceServiceStub(channel)
+            other = list(another.ModelStreamInfer(iter([wide_request(8, 5)]), timeout=60))
+        assert [r.infer_response.outputs[0].shape[0] for r in other] == [1] * 5
+        assert not any(r.get("started") == 7 for r in records(log))  # waits for the reader
+        sent.put(None)
+        responses = list(behind)
+    finally:
+        behind.cancel()
+    by_id: dict[str, list[pb.ModelStreamInferResponse]] = {"6": [], "7": []}
+    for r in responses:
+        by_id[r.infer_response.id].append(r)
+    *outputs, stopped = by_id["6"]
+    assert 0 < len(outputs) < 200 and not any(r.error_message for r in outputs)
+    assert "this stream's caller has not read " in stopped.error_message
+    assert "(a stream holds at most 2097152 for its caller) of model 'wide'" in (
+        stopped.error_message
+    )
+    error = stopped.infer_response
+    assert error.parameters["error_code"].string_param == "RESOURCE_EXHAUSTED"
+    assert error.parameters["triton_final_response"].bool_param
+    assert (error.model_name, error.model_version) == ("wide", "1")
+    assert [r.infer_response.raw_output_contents[0] for r in by_id["7"]] == [
+        np.array([k], np.int64).tobytes() for k in (1, 2, 3)
+    ]
