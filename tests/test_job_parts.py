@@ -13,6 +13,7 @@ import math
 import sqlite3
 import struct
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,38 @@ def test_job_requests_wait_while_online_requests_do_and_never_share_their_batch(
         s.pump()
         assert dispatch.sent[1] == jobs[:4]  # a full batch of the job lane, in order
         assert s.pending_jobs("m") == 2
+
+    run(body)
+
+
+def test_a_job_never_takes_an_idle_worker_that_another_model_s_caller_waits_for() -> None:
+    """The workers are shared: a job of one model got every freed worker while another
+    model's online requests filled a batch for it, and they timed out for the whole
+    job (the reviewer's repro_job_starves.py)."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=0)  # the worker is busy
+        s = Scheduler(dispatch, clock, patient=lambda: True)  # batches fill
+        job, online = model(max_batch_size=4), replace(model(max_batch_size=4), name="other")
+        s.add_model(job)  # first in turn
+        s.add_model(online)
+        for _ in range(3):  # three callers seen at once: one alone waits for the others
+            s.submit(request(online))
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        dispatch.sent.clear()
+        dispatch.idle, dispatch.credits = 1, 1  # answered: the worker is free
+        caller = request(online)
+        s.submit(caller)  # it fills a batch for the idle worker
+        s.submit(job_request(job))
+        s.pump()
+        assert dispatch.sent == []  # not the job's: the idle worker is the caller's
+        clock.now += 1.0  # its batch's time is up
+        s.pump()
+        assert dispatch.sent == [[caller]]
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert len(dispatch.sent) == 2 and dispatch.sent[1][0].background  # now the job's
 
     run(body)
 

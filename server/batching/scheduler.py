@@ -12,10 +12,11 @@ scheduler owns the queues; nothing else touches them.
 
 Batch jobs' requests (`Request.background`) wait in a model's job lane, apart
 from its online levels: they hold no place of `max_queue_size`, never join an
-online request's batch, and leave only when no online request of the model
-waits and a worker is idle, so online traffic keeps every queue place and
-every busy worker. An online request can still find a worker running a job's
-batch: it then waits for that one batch, not for the job.
+online request's batch, and leave only when a worker is idle and no online
+request waits that an idle worker could take, of any model (workers are
+shared), so online traffic keeps every queue place and every busy worker. An
+online request can still find a worker running a job's batch: it then waits
+for that one batch, not for the job.
 """
 
 from __future__ import annotations
@@ -292,8 +293,7 @@ class Scheduler:
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
-            if q.jobs and not len(q):
-                self._pump_jobs(q, now)
+        self._pump_job_lanes(now)
         if only is None:  # a suspect whose model no live worker holds waits for no worker
             held = self._dispatch.held
             self._suspect_waits = any(q.suspect_first() and held(q.config.key) for q in queues)
@@ -306,6 +306,22 @@ class Scheduler:
         if self._suspect_waits and capacity.free_credit and not capacity.idle_worker:
             return NO_CAPACITY
         return capacity
+
+    def _pump_job_lanes(self, now: float) -> None:
+        """Job batches, to idle workers, once no online request waits that an idle worker
+        could take: of any model, for a job of one model would otherwise keep the
+        workers it shares busy while another model's callers wait (they timed out
+        for the whole job)."""
+        queues = self._queues.values()
+        if not any(q.jobs for q in queues):
+            return
+        for q in queues:
+            q.drop_dead_heads(now)
+            if len(q) and self._dispatch.capacity(q.config).idle_worker:
+                return  # it is filling a batch, or about to send one
+        for q in queues:
+            if q.jobs:
+                self._pump_jobs(q, now)
 
     def _pump_jobs(self, q: ModelQueue, now: float) -> None:
         """Send job batches to idle workers while no online request of `q` waits."""
