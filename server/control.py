@@ -285,14 +285,19 @@ class ModelControl:
         # ones go to the new one): they are answered here, not failed by the removal.
         while self._scheduler.queued_version(cfg.key, jobs=True) or self._pool.inflight(cfg.key):
             if not self._pool.model_ready(cfg.key) and not self._pool.inflight(cfg.key):
-                # Every worker holding this version was lost; new ones load only the current.
-                self._scheduler.fail_queued(
-                    cfg.key,
-                    Unavailable(
-                        f"model {cfg.name!r} version {cfg.version} was replaced or unloaded and "
-                        "no worker holds it any more; retry"
-                    ),
-                )
+                # Every worker holding this version was lost; new ones load only the current,
+                # which takes its requests if it takes the same (a job's lines too).
+                now = self.current.get(cfg.name)
+                if now is None or not self._scheduler.move_queued(cfg.key, now):
+                    self._scheduler.fail_queued(
+                        cfg.key,
+                        Unavailable(
+                            f"model {cfg.name!r} version {cfg.version} was replaced or unloaded "
+                            "and no worker holds it any more; retry"
+                        ),
+                    )
+                else:
+                    self._pump_soon()
                 break
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)

@@ -105,6 +105,36 @@ def test_a_job_never_takes_an_idle_worker_that_another_model_s_caller_waits_for(
     run(body)
 
 
+def test_a_version_with_no_worker_left_hands_its_queue_to_the_current_one() -> None:
+    """A reload, then the worker holding the old version is lost: its queued requests,
+    a job's lines too, go to the new version if it takes the same requests (they were
+    failed UNAVAILABLE, and a job's lines that way for good); else nothing moves."""
+
+    async def body() -> None:
+        dispatch = FakeDispatch(idle=0, credits=0)
+        s = Scheduler(dispatch, Clock())
+        old, new = model(max_batch_size=4), replace(model(max_batch_size=4), version="2")
+        other = replace(model(max_batch_size=8), version="3")  # another batching dimension
+        for cfg in (old, new, other):
+            s.add_model(cfg)
+        line, caller = job_request(old), request(old)
+        s.submit(line)
+        s.submit(caller)
+        assert not s.move_queued(old.key, other)
+        assert s.move_queued(old.key, new)
+        assert s.queued_version(old.key, jobs=True) == 0
+        assert (s.pending_jobs("m"), s.queued_version(new.key)) == (1, 1)
+        assert line.model is new and caller.model is new
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert dispatch.sent == [[caller]]  # the online one first ...
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert dispatch.sent == [[caller], [line]]  # ... then the job's, on the new version
+
+    run(body)
+
+
 def test_a_job_line_of_more_rows_than_a_batch_splits_into_the_lane() -> None:
     async def body() -> None:
         dispatch = FakeDispatch(idle=0, credits=0)

@@ -193,6 +193,23 @@ class ModelQueue:
         """Whether a retry after a failure (put back at the front) heads a level."""
         return any(q and q[0].suspect and not q[0].future.done() for q in self.levels)
 
+    def hand_over(self, dest: ModelQueue) -> bool:
+        """Move every live request queued here (online and job lane) to `dest`, another
+        version of the model, ahead of its own, if it takes the same requests: inputs,
+        outputs, batching dimension, priority levels, step-wise or not. Whether moved."""
+        a, b = self.config, dest.config
+        if (a.inputs, a.outputs, a.max_batch_size, a.batch_inputs, len(self.levels)) != (
+            b.inputs, b.outputs, b.max_batch_size, b.batch_inputs, len(dest.levels)
+        ) or (a.generate is None) != (b.generate is None):  # fmt: skip
+            return False
+        moved = [r for level in [*self.levels, self.jobs] for r in level if not r.future.done()]
+        for level in [*self.levels, self.jobs]:
+            level.clear()
+        for r in moved:
+            r.model = b
+        dest.put_front(moved)
+        return True
+
     def put_front(self, requests: Iterable[Request]) -> None:
         for r in reversed([r for r in requests if not r.future.done()]):
             (self.jobs if r.background else self.levels[r.level]).appendleft(r)

@@ -247,6 +247,11 @@ class Scheduler:
         for key in self._queues:
             self.fail_queued(key, error)
 
+    def move_queued(self, key: str, to: ModelConfig) -> bool:
+        """Hand what is queued for `key` (no worker left) to `to`: ModelQueue.hand_over."""
+        dest = self._queues.get(to.key)
+        return dest is not None and self._queues[key].hand_over(dest)
+
     def fail_queued(self, key: str, error: Exception) -> None:
         """Answer every request queued for model version `key` with `error`."""
         q = self._queues[key]
@@ -310,8 +315,7 @@ class Scheduler:
     def _pump_job_lanes(self, now: float) -> None:
         """Job batches, to idle workers, once no online request waits that an idle worker
         could take: of any model, for a job of one model would otherwise keep the
-        workers it shares busy while another model's callers wait (they timed out
-        for the whole job)."""
+        workers it shares while another model's callers wait out the whole job."""
         queues = self._queues.values()
         if not any(q.jobs for q in queues):
             return
