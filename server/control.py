@@ -16,8 +16,10 @@ could not), UNLOAD once a version has drained.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import stat
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,7 @@ class ModelControl:
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
+        self._files: dict[str, frozenset[tuple[str, int, int]]] = {}  # key -> files_of then
         self._lock = asyncio.Lock()  # one load or unload at a time
         self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
 
@@ -83,7 +86,24 @@ class ModelControl:
     def _next_version(self, cfg: ModelConfig) -> ModelConfig:
         version = self._versions.get(cfg.name, 0) + 1
         self._versions[cfg.name] = version
-        return dataclasses.replace(cfg, version=str(version))
+        cfg = dataclasses.replace(cfg, version=str(version))
+        self._files[cfg.key] = files_of(cfg.directory)
+        return cfg
+
+    def _changed_files(self, cfg: ModelConfig) -> str:
+        """Why a worker starting now must not load version `cfg` (its model's files are
+        no longer those it was loaded from: it would serve other weights under its
+        number), or "" if they are the same."""
+        then, now = self._files.get(cfg.key, frozenset()), files_of(cfg.directory)
+        if then == now:
+            return ""
+        changed = sorted({f for f, *_ in then ^ now})
+        return (
+            f"the files of model {cfg.name!r} changed since version {cfg.version} was loaded "
+            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): a worker that "
+            f"starts now does not load them as version {cfg.version}; RepositoryModelLoad "
+            f"{cfg.name!r} serves them as a new version (with --model-control none: restart)"
+        )
 
     def _install(self, cfg: ModelConfig) -> None:
         self._scheduler.add_model(cfg)
@@ -118,9 +138,15 @@ class ModelControl:
     def worker_ready(self, worker: WorkerHandle) -> None:
         """A worker registered: have it load every current (and loading) version it may run."""
         for cfg in [*self.current.values(), *self._loading.values()]:
-            if worker.accepts(cfg.name):
+            if not worker.accepts(cfg.name):
+                continue
+            new = cfg.key not in worker.models and cfg.key not in worker.loads
+            if new and (why := self._changed_files(cfg)):
+                worker.load_errors[cfg.key] = why
+                log.warning("worker %s: %s", worker.name, why, extra={"model": cfg.name})
+            else:
                 self._load_on(worker, cfg)
-                self._judge(cfg.key)  # loading again: not broken while it tries
+            self._judge(cfg.key)  # loading again: not broken while it tries
         self._log_if_ready(worker)
 
     def _load_on(self, worker: WorkerHandle, model: ModelConfig) -> asyncio.Future[str]:
@@ -301,6 +327,7 @@ class ModelControl:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)
+        self._files.pop(cfg.key, None)
         self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
 
@@ -327,3 +354,19 @@ class ModelControl:
                 name, cfg.version, "READY" if ready else "UNAVAILABLE", reason
             )
         return sorted(entries.values(), key=lambda e: e.name)
+
+
+def files_of(directory: Path) -> frozenset[tuple[str, int, int]]:
+    """What a model version is loaded from: each file under its directory, by path,
+    size and modification time; not __pycache__, hidden files or *.log, which loading
+    and serving may write there themselves."""
+    found = set()
+    for path in directory.rglob("*"):
+        rel = path.relative_to(directory)
+        if path.suffix == ".log" or any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile
+            st = path.stat()
+            if stat.S_ISREG(st.st_mode):
+                found.add((str(rel), st.st_size, st.st_mtime_ns))
+    return frozenset(found)

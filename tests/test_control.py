@@ -9,7 +9,9 @@ its folder hold its load() and each version's batches (conftest.make_model).
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -374,3 +376,31 @@ def test_models_answer_while_another_loads_and_a_drain_holds_up_no_load(
     finally:
         gate.unlink(missing_ok=True)
         held.unlink(missing_ok=True)
+
+
+def test_a_restarted_worker_does_not_load_files_changed_since_the_version_loaded(
+    tmp_path: Path,
+) -> None:
+    """A version is the files it was loaded from: a worker started after they changed
+    (edited in place, no load call) does not load them under the old number, which
+    would answer with other weights as that version. Its requests get UNAVAILABLE
+    naming the files; a load serves the new files as a new version."""
+    d = make_model(tmp_path / "repo", "edited", 2.0)
+    args = ("--model-control", "explicit", "--load-model", "edited")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path, workers=1).start()
+    try:
+        with Client(s.url) as c:
+            assert y(c, "edited", 1.0) == 2.0
+            (d / "scale.txt").write_text("7.0")  # new weights, no load call yet
+            (worker,) = s.worker_pids()
+            os.kill(worker, signal.SIGKILL)
+            wait_for(lambda: "changed since version 1 was loaded (scale.txt)" in s.log(), 60,
+                     "the restarted worker to refuse version 1")  # fmt: skip
+            with pytest.raises(BatchdClientError) as e:
+                y(c, "edited", 1.0)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "the files of model 'edited' changed since version 1" in str(e.value)
+            c.load_model("edited")
+            assert y(c, "edited", 1.0) == 7.0
+    finally:
+        assert s.stop() == 0, s.log()
