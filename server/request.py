@@ -6,10 +6,11 @@ sequence on their way to the caller. The core pushes each step's outputs as
 the worker streams them; the transport takes them one at a time. The buffer is
 bounded: a caller that does not read cannot grow the server's memory; when it
 is full the push fails, and the core ends the sequence with RESOURCE_EXHAUSTED.
-Bounded twice: in outputs (MAX_BUFFERED, for the objects each one costs) and, with
-a StreamBudget, in bytes, over every request of one caller's stream: a budget
-counts an output from its push until its caller took it (the transport gives it
-back then), so a stream's sequences together hold at most its limit.
+Bounded twice: in outputs (MAX_BUFFERED) and, with a StreamBudget, in bytes (each
+output's data and OUTPUT_COST for its objects), over every request of one caller's
+stream: a budget counts an output from its push until its caller took it (the
+transport gives it back then), so a stream's sequences together hold at most its
+limit.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ class Batch:
     span: Any = None  # its tracing span, when a request it carries is traced
 
 
-MAX_BUFFERED = 256  # outputs of one stream waiting for its caller
+# Outputs of one sequence waiting for its caller. Room for the burst a frontend reads
+# at once after its loop fell behind its worker (ZeroMQ's queues hold about 2,000 STEP
+# messages): a caller that reads on is not cut. Memory is the byte budget's, which
+# charges each output OUTPUT_COST over its data, for its objects.
+MAX_BUFFERED = 4096
+OUTPUT_COST = 256
 # A stream's budget, in responses of the largest size (--max-message-bytes): at least
 # one, or a response the server may send could never be held for its caller; two, so
 # that one can be on its way out while the sequences' next outputs come in.
@@ -175,7 +181,7 @@ class StepStream:
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
         when the caller is too far behind (`behind` says how)."""
-        size = output_bytes(outputs) if self.budget is not None else 0
+        size = output_bytes(outputs) + OUTPUT_COST if self.budget is not None else 0
         if len(self._items) >= self.limit:
             return False
         if self.budget is not None and not self.budget.take(size):

@@ -27,7 +27,14 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import GenerateConfig, ModelConfig, TensorSpec
 from batchd.server import recovery
 from batchd.server.errors import ModelFailed, ResponseTooLarge
-from batchd.server.request import Batch, Request, StepStream, StreamBudget, Tensor
+from batchd.server.request import (
+    OUTPUT_COST,
+    Batch,
+    Request,
+    StepStream,
+    StreamBudget,
+    Tensor,
+)
 from batchd.server.unary_steps import Joined
 from tests.servers import ServerProcess, wait_for
 
@@ -209,22 +216,26 @@ def test_a_unary_sequence_whose_worker_was_lost_starts_over_and_answers_its_new_
 
 def test_a_stream_budget_counts_outputs_until_taken_and_refuses_past_its_limit() -> None:
     async def body() -> None:
-        budget = StreamBudget(64)
+        each = 16 + OUTPUT_COST  # an output's data, and its objects
+        budget = StreamBudget(4 * each)
         a, b = StepStream(budget=budget), StepStream(budget=budget)
-        assert a.push([out(1)]) and a.push([out(2)]) and b.push([out(3)])  # 48 bytes
-        assert budget.held == 48
+        assert a.push([out(1)]) and a.push([out(2)]) and b.push([out(3)])
+        assert budget.held == 3 * each
         room = asyncio.create_task(budget.room())
         await asyncio.sleep(0)
         assert not room.done()  # more than half held: new requests wait
-        assert b.push([out(4)]) and budget.held == 64
-        assert not b.push([out(5)]) and budget.held == 64  # past the limit: refused
-        assert b.behind() == "64 bytes of outputs (a stream holds at most 64 for its caller)"
-        assert await a.next() is not None and budget.held == 48  # taken
+        assert b.push([out(4)]) and budget.held == 4 * each
+        assert not b.push([out(5)]) and budget.held == 4 * each  # past the limit: refused
+        held = 4 * each
+        assert (
+            b.behind() == f"{held} bytes of outputs (a stream holds at most {held} for its caller)"
+        )
+        assert await a.next() is not None and budget.held == 3 * each  # taken
         b.discard()  # its caller left: what it held goes back
-        assert budget.held == 16
+        assert budget.held == each
         await asyncio.wait_for(room, 5)  # half or less: it may start
         budget.hold(40)  # a response on its way out, counted again
-        assert budget.held == 56
+        assert budget.held == each + 40
         budget.give(40)
         count = StepStream(limit=1)
         assert count.push([out(1)]) and not count.push([out(2)])
@@ -336,8 +347,8 @@ def test_a_stream_whose_caller_does_not_read_holds_a_bounded_number_of_bytes(
     wide: tuple[ServerProcess, Path], stub: Any
 ) -> None:
     """Sequence 6 (250 outputs of 128 KiB) on a stream nobody reads: stopped once its
-    caller is 2 MiB behind (16 outputs; the 256 outputs a sequence may have waiting
-    would be 32 MiB). Sequence 7, sent on that
+    caller is 2 MiB behind (16 outputs; the 4,096 outputs a sequence may have waiting
+    would be 512 MiB). Sequence 7, sent on that
     stream then, waits to start; 8, on another stream, runs meanwhile. Once the
     caller reads, it gets 6's outputs and its error, the request's final response,
     then 7 runs."""

@@ -47,6 +47,35 @@ def load(device):
     return Count()
 """
 STEPS = 60_000
+FLOOD_PY = """
+import torch
+class Flood:  # N quick steps, an output each
+    def start(self, requests):
+        return [{"n": int(r["N"][0]), "k": 0} for r in requests]
+    def step(self, states):
+        for s in states:
+            s["k"] += 1
+        return [({"OUT": torch.tensor([s["k"]])}, s["k"] >= s["n"]) for s in states]
+def load(device):
+    return Flood()
+"""
+
+
+def test_a_caller_reading_on_gets_every_output_of_a_model_faster_than_it(tmp_path: Path) -> None:
+    """The frontend takes the worker's outputs in bursts, faster than it writes them to
+    the caller: one reading on was cut at 256 outputs behind (after 614 to 1,700 of
+    them in the reviewer's runs); the count allows a burst now, the bytes bound memory."""
+    (tmp_path / "repo" / "flood").mkdir(parents=True)
+    (tmp_path / "repo" / "flood" / "model.toml").write_text(COUNT_TOML)
+    (tmp_path / "repo" / "flood" / "model.py").write_text(FLOOD_PY)
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    try:
+        with Client(server.url) as c:
+            n = {"N": np.array([3000], np.int64)}
+            got = [int(o["OUT"][0]) for o in c.stream("flood", n, 60)]
+        assert got == list(range(1, 3001))
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_a_stalled_frontend_loses_no_step_and_no_worker(tmp_path: Path) -> None:
