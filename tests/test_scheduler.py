@@ -395,25 +395,33 @@ def test_a_request_for_a_version_retired_while_it_was_decoded_is_unavailable() -
     run(body)
 
 
+def _suspect_then_another_model(dispatch: FakeDispatch) -> tuple[Scheduler, Request, Request]:
+    """A suspect of model `m` put back in the queue, then a request of `other` (first in
+    turn) past any delay, each pumped: (the scheduler, the suspect, the other request)."""
+    clock = Clock()
+    s = Scheduler(dispatch, clock)
+    other, cfg = replace(model(), name="other"), model()
+    s.add_model(other)
+    s.add_model(cfg)
+    suspect = request(cfg)
+    suspect.future = asyncio.get_running_loop().create_future()
+    suspect.suspect = True
+    s.requeue([suspect])
+    s.pump()
+    waiting = request(other)
+    s.submit(waiting)
+    clock.now += 1.0
+    s.pump()
+    return s, suspect, waiting
+
+
 def test_a_suspect_gets_the_next_idle_worker_though_another_model_keeps_it_busy() -> None:
     """A retry after a failure needs a worker with nothing in flight. While it waits,
     no batch is staged on a busy worker, so one drains; then it goes first."""
 
     async def body() -> None:
-        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)  # busy, one credit free
-        s = Scheduler(dispatch, clock)
-        other, cfg = replace(model(), name="other"), model()
-        s.add_model(other)  # first in turn
-        s.add_model(cfg)
-        suspect = request(cfg)
-        suspect.future = asyncio.get_running_loop().create_future()
-        suspect.suspect = True
-        s.requeue([suspect])
-        s.pump()
-        waiting = request(other)
-        s.submit(waiting)
-        clock.now += 1.0  # past any delay
-        s.pump()
+        dispatch = FakeDispatch(idle=0, credits=1)  # busy, one credit free
+        s, suspect, waiting = _suspect_then_another_model(dispatch)
         assert dispatch.sent == []  # not staged on the busy worker: it drains
         dispatch.idle, dispatch.credits = 1, 2
         s.pump()
@@ -429,21 +437,9 @@ def test_a_suspect_whose_model_no_worker_holds_does_not_hold_back_other_models()
     worker goes on for the models that are served."""
 
     async def body() -> None:
-        clock, dispatch = Clock(), FakeDispatch(idle=0, credits=1)  # busy, one credit free
-        s = Scheduler(dispatch, clock)
-        other, cfg = replace(model(), name="other"), model()
-        s.add_model(other)
-        s.add_model(cfg)
-        dispatch.unheld.add(cfg.key)
-        suspect = request(cfg)
-        suspect.future = asyncio.get_running_loop().create_future()
-        suspect.suspect = True
-        s.requeue([suspect])
-        s.pump()
-        waiting = request(other)
-        s.submit(waiting)
-        clock.now += 1.0  # past any delay
-        s.pump()
+        dispatch = FakeDispatch(idle=0, credits=1)  # busy, one credit free
+        dispatch.unheld.add(model().key)  # no live worker holds the suspect's model
+        _, suspect, waiting = _suspect_then_another_model(dispatch)
         assert dispatch.sent == [[waiting]]  # staged on the busy worker
         assert not suspect.future.done()  # the suspect waits on, for its worker
 
