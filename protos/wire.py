@@ -27,6 +27,7 @@ from batchd.protos.wire_pb2 import Header, Step, Tensor, WorkerInfo
 __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "LIVENESS",
+    "OUTPUT_COST",
     "PROTOCOL_VERSION",
     "Header",
     "Step",
@@ -36,11 +37,15 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 7  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 8  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
 # 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
-# for several frontends' batches)
+# for several frontends' batches); 8: CREDIT, START's credit (per-sequence
+# flow control of step-wise outputs)
 HEARTBEAT_INTERVAL_S = 1.0
+# What one step's outputs take from their sequence's credit (Header.credit) beyond their
+# bytes, for the objects that carry them: the frontend's stream budget counts the same.
+OUTPUT_COST = 256
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 

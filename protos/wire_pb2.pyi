@@ -36,7 +36,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., frontends: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows")
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows", "credit")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Header.Kind]
@@ -53,6 +53,7 @@ class Header(_message.Message):
         STEP: _ClassVar[Header.Kind]
         CANCEL: _ClassVar[Header.Kind]
         PASS: _ClassVar[Header.Kind]
+        CREDIT: _ClassVar[Header.Kind]
     KIND_UNSPECIFIED: Header.Kind
     READY: Header.Kind
     HEARTBEAT: Header.Kind
@@ -67,6 +68,7 @@ class Header(_message.Message):
     STEP: Header.Kind
     CANCEL: Header.Kind
     PASS: Header.Kind
+    CREDIT: Header.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +85,7 @@ class Header(_message.Message):
     FORWARD_ROWS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
     kind: Header.Kind
     batch_id: int
     model: str
@@ -99,7 +102,8 @@ class Header(_message.Message):
     forward_rows: int
     traceparent: str
     rows: int
-    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ...) -> None: ...
+    credit: int
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ..., credit: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("id", "tensors", "final", "error")

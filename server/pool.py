@@ -223,12 +223,15 @@ class WorkerPool:
     def overdue(self, now: float) -> list[tuple[WorkerHandle, Batch]]:
         """One batch (or sequence) per worker that has run past its model's
         execution_timeout_s: a batch since it was sent; a sequence since it started
-        or since the last step of its model on that worker, whichever is later."""
+        (or got credit again after its worker held it) or since the last step of its model on that
+        worker, whichever is later; never one held for its caller."""
         late = []
         for w in self._order:
             for b in [*w.inflight.values(), *w.sequences.values()]:
                 since = b.sent_at
                 if b.id in w.sequences:
+                    if (stream := b.requests[0].stream) is not None and stream.paused:
+                        continue  # held for want of credit: its worker owes it nothing now
                     since = max(since, w.progress.get(b.model.key, since))
                 if now - since > b.model.instances.execution_timeout_s:
                     late.append((w, b))

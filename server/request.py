@@ -10,19 +10,26 @@ Bounded twice: in outputs (MAX_BUFFERED) and, with a StreamBudget, in bytes (eac
 output's data and OUTPUT_COST for its objects), over every request of one caller's
 stream: a budget counts an output from its push until its caller took it (the
 transport gives it back then), so a stream's sequences together hold at most its
-limit.
+limit. Those bounds are the last resort. Before them, each sequence has a
+window of credit (Header.credit): its worker sends at most that many bytes of
+outputs ahead of its caller, and the frontend gives the bytes back as its
+caller reads (not while its stream holds more than half its budget). A
+sequence whose credit is spent is held at its worker, which keeps its slot
+and state. The caller's reading paces its own sequence: a slow reader is not
+cut for being slow.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 
 
@@ -99,12 +106,17 @@ class Batch:
     span: Any = None  # its tracing span, when a request it carries is traced
 
 
-# Outputs of one sequence waiting for its caller. Room for the burst a frontend reads
-# at once after its loop fell behind its worker (ZeroMQ's queues hold about 2,000 STEP
-# messages): a caller that reads on is not cut. Memory is the byte budget's, which
-# charges each output OUTPUT_COST over its data, for its objects.
+# Outputs of one sequence waiting for its caller: a bound of last resort, as its window
+# (below) keeps it to about 2,048. Memory is the byte budget's, which charges each
+# output OUTPUT_COST over its data, for its objects.
 MAX_BUFFERED = 4096
-OUTPUT_COST = 256
+OUTPUT_COST = wire.OUTPUT_COST
+# A sequence's window of credit: the bytes of outputs (data and OUTPUT_COST each) its
+# worker may send ahead of its caller; given back in pieces of half of it as the caller
+# reads. At most an eighth of its stream's budget, so several sequences of a stream
+# that is not read are held before that budget stops one; at least OUTPUT_COST a step,
+# so at most WINDOW / OUTPUT_COST outputs (2,048) wait: within MAX_BUFFERED.
+WINDOW = 1 << 19
 # A stream's budget, in responses of the largest size (--max-message-bytes): at least
 # one, or a response the server may send could never be held for its caller; two, so
 # that one can be on its way out while the sequences' next outputs come in.
@@ -126,6 +138,7 @@ class StreamBudget:
         self.held = 0
         self._room = asyncio.Event()
         self._room.set()
+        self.deferred: set[StepStream] = set()  # sequences owed credit while crowded
 
     def take(self, size: int) -> bool:
         """Hold `size` more bytes; False, and nothing held, past the limit."""
@@ -143,8 +156,13 @@ class StreamBudget:
     def give(self, size: int) -> None:
         """`size` bytes left: taken by the caller, or dropped."""
         self.held -= size
-        if self.held * 2 <= self.limit:
+        if self.held * 2 <= self.limit and not self._room.is_set():
             self._room.set()
+            for stream in list(self.deferred):  # the credit they were owed goes now
+                stream.give_credit()
+
+    def crowded(self) -> bool:
+        return not self._room.is_set()
 
     async def room(self) -> None:
         """Return once at most half the limit is held."""
@@ -163,7 +181,7 @@ class StepStream:
         self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False
     ) -> None:
         self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
-        self._sizes: deque[int] = deque()  # the bytes its budget holds for each item
+        self._sizes: deque[int] = deque()  # the bytes each item counts (credit, budget)
         self.limit = limit  # outputs held for a caller that has not read them
         self.budget = budget  # the bytes its caller's stream may hold; None: not counted
         # True: the outputs are joined into one answer at the end (a unary call), so
@@ -177,20 +195,46 @@ class StepStream:
         # identity and the sequence's id there (to cancel it).
         self.worker: bytes | None = None
         self.seq_id = 0
+        # Flow control: its START's credit; what its worker may still send (it holds the
+        # sequence at 0 or below, as this does); bytes read and not given back yet;
+        # and what sends CREDIT to its worker (set when it starts)
+        self.window = min(WINDOW, budget.limit // 8) if budget is not None else WINDOW
+        self.credit, self._owed = self.window, 0
+        self.grant: Callable[[int, bool], None] | None = None
 
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
         when the caller is too far behind (`behind` says how)."""
-        size = output_bytes(outputs) + OUTPUT_COST if self.budget is not None else 0
+        size = output_bytes(outputs) + OUTPUT_COST
         if len(self._items) >= self.limit:
             return False
         if self.budget is not None and not self.budget.take(size):
             return False
         self._items.append((outputs, final))
         self._sizes.append(size)
+        self.credit -= size
         self.sent += 1
         self._notify()
         return True
+
+    @property
+    def paused(self) -> bool:
+        """Its worker spent its credit: it steps this sequence no more until given some."""
+        return self.credit <= 0
+
+    def give_credit(self) -> None:
+        """Give the bytes its caller read back to its worker, once they are half a window
+        (and not while its stream's budget is crowded: then once it is not)."""
+        if self.grant is None or self._owed * 2 < self.window:
+            return
+        if self.budget is not None and self.budget.crowded():
+            self.budget.deferred.add(self)
+            return
+        if self.budget is not None:
+            self.budget.deferred.discard(self)
+        more, self._owed, paused = self._owed, 0, self.paused
+        self.credit += more
+        self.grant(more, paused)
 
     def behind(self) -> str:
         """What the caller has not read, once a push was refused."""
@@ -204,6 +248,7 @@ class StepStream:
     def close(self) -> None:
         """No more outputs will come (the sequence ended, failed or was dropped)."""
         self.closed = True
+        self._stop_credit()
         self._notify()
 
     def discard(self) -> None:
@@ -216,20 +261,31 @@ class StepStream:
     def restart(self) -> None:
         """The sequence starts over on another worker: what it gave so far goes."""
         self.discard()
+        self._stop_credit()  # its new START carries a whole window again
+        self.credit, self._owed = self.window, 0
         self.restarts += 1
 
     async def next(self) -> tuple[list[Tensor], bool] | None:
         """The next step's outputs and whether they are the last, or None once closed
-        and drained. Its bytes go back to the budget: the caller has them now."""
+        and drained. Its bytes go back to the budget (the caller has them now), and
+        to its worker's credit."""
         while not self._items:
             if self.closed:
                 return None
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
         size = self._sizes.popleft()
+        item = self._items.popleft()
+        self._owed += size
         if self.budget is not None:
             self.budget.give(size)
-        return self._items.popleft()
+        self.give_credit()
+        return item
+
+    def _stop_credit(self) -> None:
+        self.grant = None
+        if self.budget is not None:
+            self.budget.deferred.discard(self)
 
     def _notify(self) -> None:
         if self._wake is not None and not self._wake.done():

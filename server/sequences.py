@@ -8,7 +8,10 @@ it). The worker sends a STEP message per step round, with an entry per
 sequence; each output goes into its request's StepStream (bounded in outputs,
 and in bytes over its caller's whole stream: a caller too far behind ends the
 sequence with RESOURCE_EXHAUSTED), and the final one
-ends it and frees its slot. A caller
+ends it and frees its slot. Long before those bounds, its worker is held by
+flow control: it sends at most a window of bytes (START's credit) ahead of the
+caller, and CREDIT gives back what the caller read, so a caller that falls
+behind has its sequence held at the worker, slot and state kept. A caller
 that leaves frees the slot at once and the worker drops it before its next
 step. Lost workers: recovery.after_sequence_loss. Owned by the core, which
 hands it the messages; like the core's own paths, it never calls the planner:
@@ -17,6 +20,7 @@ a freed slot schedules one pump.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,8 +68,9 @@ class Sequences:
                 self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
             header = wire.Header(
                 kind=wire.Header.START, batch_id=sequence.id, model=model.name,
-                version=model.version,
+                version=model.version, credit=stream.window,
             )  # fmt: skip
+            stream.grant = functools.partial(self._credit, worker.identity, sequence)
             header.tensors.extend(
                 wire.Tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in r.inputs
             )
@@ -151,6 +156,18 @@ class Sequences:
             sequence.sent_at = now  # the previous output's time, for the next gap
         if step.final:
             self._end_sequence(worker, sequence, None)
+
+    def _credit(self, identity: bytes, sequence: Batch, more: int, paused: bool) -> None:
+        """A sequence's caller read `more` bytes of its outputs: its worker may send as
+        many more (`paused`: it held the sequence for want of them until now)."""
+        worker = self._pool.get(identity)
+        if worker is None or worker.sequences.get(sequence.id) is not sequence:
+            return  # it ended, or its worker was lost meanwhile
+        if paused:
+            sequence.sent_at = self._clock()  # its execution_timeout_s counts from now
+        credit = wire.Header(kind=wire.Header.CREDIT, batch_id=sequence.id, credit=more)
+        if failed := self._link.send(identity, wire.pack(credit)):
+            self._lose(worker, failed)
 
     def _end_sequence(self, worker: WorkerHandle, sequence: Batch,
                       error: Exception | None) -> None:  # fmt: skip

@@ -22,10 +22,12 @@ A client that does not read cannot grow the server's memory: the bytes of
 outputs it has not taken, in its sequences' buffers and in the responses waiting
 to go out, count against one budget per stream (request.StreamBudget, twice
 --max-message-bytes). While more than half of it is held, the stream's next
-request waits to be read (gRPC's flow control then holds the client's sends);
-a running sequence cannot wait (its worker steps it with the others), so one
-whose output would pass the budget is stopped with RESOURCE_EXHAUSTED, as is one
-more than MAX_BUFFERED outputs behind. Other streams are not concerned.
+request waits to be read (gRPC's flow control then holds the client's sends),
+and its running sequences get no credit back, so their workers hold them
+within a window (request.StepStream: per-sequence flow control). A push that
+would pass the budget all the same (more sequences than it has windows for) is
+refused, and its sequence stopped with RESOURCE_EXHAUSTED. Other streams are
+not concerned.
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ class Counter:
         self.released.append(state["n"])
 
 
-def add(loop: StepLoop, seq: int, n: int, frontend: int = 0) -> list[Any]:
-    header = wire.Header(kind=wire.Header.START, batch_id=seq, model="fake")
+def add(loop: StepLoop, seq: int, n: int, frontend: int = 0, credit: int = 0) -> list[Any]:
+    header = wire.Header(kind=wire.Header.START, batch_id=seq, model="fake", credit=credit)
     header.tensors.add(name="N", datatype="INT64", shape=[1])
     return loop.add(frontend, header, [np.array([n], np.int64).tobytes()], CPU)
 
@@ -301,3 +301,45 @@ def test_a_frontend_whose_sequences_all_wait_hears_the_loop_step() -> None:
     waiting, ends = messages[1]
     assert (waiting.kind, list(waiting.steps), waiting.round, ends) == (wire.Header.STEP, [], 0, 0)
     assert messages[0][0].round == 1 and len(messages[0][0].steps) == 1
+
+
+def test_a_sequence_whose_credit_is_spent_keeps_its_slot_and_state_till_credit_comes() -> None:
+    """Flow control: each step's outputs take their bytes and wire.OUTPUT_COST from
+    the sequence's credit. Spent: the loop steps the others, keeps its state and slot,
+    and counts no step for it; CREDIT: it goes on from where it was."""
+    model = Counter()
+    loop = StepLoop(config(max_active=2), model)
+    cost = 8 + wire.OUTPUT_COST  # one INT64 a step
+    add(loop, 1, 9, credit=2 * cost)  # two steps' worth
+    add(loop, 2, 8)  # no credit: not flow-controlled
+    add(loop, 3, 7)  # waits: the two slots stay taken while 1 is held
+    assert [values for _, values, *_ in replies(loop)] == [[901], [801]]
+    assert [values for _, values, *_ in replies(loop)] == [[902], [802]]
+    assert replies(loop) == [(2, [803], False, "")]
+    assert replies(loop) == [(2, [804], False, "")]
+    assert model.starts == [[9, 8]] and model.released == []
+    loop.credit(1, 1, cost)  # another frontend's sequence 1: not this one
+    assert replies(loop) == [(2, [805], False, "")]
+    loop.credit(0, 1, 1)  # a byte is enough for one more step
+    assert replies(loop) == [(1, [903], False, ""), (2, [806], False, "")]
+    assert replies(loop) == [(2, [807], False, "")]
+
+
+def test_a_loop_whose_sequences_are_all_held_is_idle_and_beats_for_the_waiting() -> None:
+    """Nothing to step: the compute thread must not spin on it. A frontend whose
+    sequence waits behind held ones still hears that the loop lives."""
+    model = Counter()
+    loop = StepLoop(config(max_active=1), model)
+    add(loop, 1, 9, credit=1)  # one step, then held
+    replies(loop)
+    assert not loop.busy
+    add(loop, 1, 5, frontend=1)  # waits for the held one's slot
+    assert not loop.busy and loop.waiting
+    messages = {to: wire.unpack(parts)[0] for to, parts, _ in loop.round()}
+    assert list(messages) == [1] and list(messages[1].steps) == []
+    assert model.steps == [[9]]  # no step ran
+    loop.credit(0, 1, 8 + wire.OUTPUT_COST)  # its step took 264 of its 1
+    assert loop.busy
+    loop.cancel(0, 1)
+    assert loop.busy  # the waiting one may start now
+    assert replies(loop) == [(1, [501], False, "")]

@@ -14,6 +14,7 @@ import json
 import math
 import queue
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from batchd.server import recovery
 from batchd.server.errors import ModelFailed, ResponseTooLarge
 from batchd.server.request import (
     OUTPUT_COST,
+    WINDOW,
     Batch,
     Request,
     StepStream,
@@ -39,7 +41,8 @@ from batchd.server.unary_steps import Joined
 from tests.servers import ServerProcess, wait_for
 
 MiB = 1 << 20
-WIDE_TOML = """
+TIMEOUT_S = 1.5
+WIDE_TOML = f"""
 [[input]]
 name = "ID"
 datatype = "INT64"
@@ -68,6 +71,9 @@ shape = [1, -1]
 [generate]
 max_active = 4
 max_steps = 1000
+
+[instances]
+execution_timeout_s = {TIMEOUT_S}
 """
 WIDE_PY = '''
 """Sequence ID runs N steps. MODE 0: OUT [1, WIDTH] holding k at step k; MODE 1: no
@@ -98,6 +104,7 @@ class Wide:
         for s in states:
             s["k"] += 1
             k, done = s["k"], s["k"] >= s["N"]
+            note(step=s["ID"])
             if s["MODE"] == 1:
                 out.append((None, done))
             else:
@@ -244,6 +251,41 @@ def test_a_stream_budget_counts_outputs_until_taken_and_refuses_past_its_limit()
     asyncio.run(body())
 
 
+def test_credit_goes_back_to_the_worker_as_the_caller_reads_and_waits_while_crowded() -> None:
+    """A sequence's window of credit: its outputs spend it, what its caller read goes
+    back in pieces of half a window, and none while its stream holds more than half
+    its budget (then all that is owed, once it holds less)."""
+
+    async def body() -> None:
+        each = 16 + OUTPUT_COST
+        budget = StreamBudget(64 * each)
+        a, b = StepStream(budget=budget), StepStream(budget=budget)
+        assert a.window == 8 * each  # an eighth of the budget
+        grants: list[tuple[int, bool]] = []
+        a.grant = lambda more, paused: grants.append((more, paused))
+        for k in range(8):
+            assert a.push([out(k)])
+        assert a.credit == 0 and a.paused  # its worker holds it now
+        for _ in range(3):
+            await a.next()
+        assert grants == []  # 3 outputs read: less than half a window
+        await a.next()
+        assert grants == [(4 * each, True)] and a.credit == 4 * each and not a.paused
+        for k in range(34):
+            assert b.push([out(k)])  # another sequence of the stream: 38 of 64 held
+        for _ in range(4):
+            await a.next()
+        assert grants == [(4 * each, True)] and budget.crowded()  # owed, not given
+        for _ in range(2):
+            await b.next()  # 32 held: half or less
+        assert grants == [(4 * each, True), (4 * each, False)] and a.credit == 8 * each
+        a.restart()  # its START again, on another worker: a whole window, no grant
+        assert (a.credit, a.grant) == (a.window, None) and budget.held == 32 * each
+        assert StepStream().window == WINDOW  # a unary call's sequence: no budget
+
+    asyncio.run(body())
+
+
 # ---- a server ----
 
 
@@ -265,6 +307,11 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProce
 
 def records(log: Path) -> list[dict[str, int]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def stepped(log: Path, seq: int) -> int:
+    """The steps the model ran for sequence `seq` so far."""
+    return sum(1 for r in records(log) if r.get("step") == seq)
 
 
 def released(log: Path, seq: int) -> int | None:
@@ -343,45 +390,46 @@ def test_a_unary_answer_past_the_message_limit_stops_its_sequence_at_once(
     assert (released(wide[1], 5) or 0) < 500  # stopped, not run to its end
 
 
-def test_a_stream_whose_caller_does_not_read_holds_a_bounded_number_of_bytes(
+def test_a_caller_slower_than_its_model_holds_its_sequence_and_gets_every_output(
     wide: tuple[ServerProcess, Path], stub: Any
 ) -> None:
-    """Sequence 6 (250 outputs of 128 KiB) on a stream nobody reads: stopped once its
-    caller is 2 MiB behind (16 outputs; the 4,096 outputs a sequence may have waiting
-    would be 512 MiB). Sequence 7, sent on that
-    stream then, waits to start; 8, on another stream, runs meanwhile. Once the
-    caller reads, it gets 6's outputs and its error, the request's final response,
-    then 7 runs."""
+    """Flow control. Sequence 6 (250 outputs of 128 KiB) on a stream nobody reads is
+    held at its worker: the frontend gives no credit back while the stream holds more
+    than half its 2 MiB budget, and the last window of credit (256 KiB) is spent
+    soon after, so the model runs it at most one budget's worth of steps (15). It is
+    held for longer than the model's execution_timeout_s: not run on, not stopped,
+    its worker not judged stuck. Sequence 8, on another stream, runs
+    its 5 steps meanwhile, in rounds that would have stepped 6 too. Once its caller
+    reads, it gets all 250 outputs, in order, then 7's, sent on the stream meanwhile.
+    Before: 6 was stopped with RESOURCE_EXHAUSTED once its caller was 2 MiB behind."""
     server, log = wide
+    cost = 16384 * 8 + OUTPUT_COST
+    window_steps, budget_steps = math.ceil((2 * MiB // 8) / cost), 2 * MiB // cost
     sent: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
     sent.put(wide_request(6, 250, width=16384))
     behind = stub.ModelStreamInfer(iter(sent.get, None), timeout=120)
     try:
-        wait_for(lambda: released(log, 6) is not None, 60, "sequence 6 to be stopped")
-        assert (released(log, 6) or 0) < 200
-        sent.put(wide_request(7, 3))
+        wait_for(lambda: stepped(log, 6) >= window_steps, 60, "sequence 6's window")
         with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
             another = pb_grpc.GRPCInferenceServiceStub(channel)
             other = list(another.ModelStreamInfer(iter([wide_request(8, 5)]), timeout=60))
         assert [r.infer_response.outputs[0].shape[0] for r in other] == [1] * 5
-        assert not any(r.get("started") == 7 for r in records(log))  # waits for the reader
+        time.sleep(TIMEOUT_S + 0.5)  # its caller reads nothing meanwhile (the fault)
+        assert stepped(log, 6) <= budget_steps and released(log, 6) is None
+        sent.put(wide_request(7, 3))
         sent.put(None)
         responses = list(behind)
     finally:
         behind.cancel()
     by_id: dict[str, list[pb.ModelStreamInferResponse]] = {"6": [], "7": []}
     for r in responses:
+        assert not r.error_message, r.error_message
         by_id[r.infer_response.id].append(r)
-    *outputs, stopped = by_id["6"]
-    assert 0 < len(outputs) < 200 and not any(r.error_message for r in outputs)
-    assert "this stream's caller has not read " in stopped.error_message
-    assert "(a stream holds at most 2097152 for its caller) of model 'wide'" in (
-        stopped.error_message
-    )
-    error = stopped.infer_response
-    assert error.parameters["error_code"].string_param == "RESOURCE_EXHAUSTED"
-    assert error.parameters["triton_final_response"].bool_param
-    assert (error.model_name, error.model_version) == ("wide", "1")
+    assert [r.infer_response.raw_output_contents[0][:8] for r in by_id["6"]] == [
+        np.array([k], np.int64).tobytes() for k in range(1, 251)
+    ]
+    assert by_id["6"][-1].infer_response.parameters["triton_final_response"].bool_param
     assert [r.infer_response.raw_output_contents[0] for r in by_id["7"]] == [
         np.array([k], np.int64).tobytes() for k in (1, 2, 3)
     ]
+    assert stepped(log, 6) == 250 and "lost" not in server.log()

@@ -55,6 +55,7 @@ _FROM_FRONTEND = frozenset(
         wire.Header.STOP,
         wire.Header.START,
         wire.Header.CANCEL,
+        wire.Header.CREDIT,
         wire.Header.PASS,
     }
 )

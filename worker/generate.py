@@ -4,7 +4,11 @@ A step-wise model (model.toml `[generate]`) is an object with
 `start(requests) -> states`, `step(states) -> [(outputs | None, done)]` and,
 optionally, `release(state)`. Each request is one sequence. The frontend sends
 a START per sequence (at most `max_active` per worker: slots are its credits)
-and a CANCEL when the caller leaves. Before every step the loop drops the
+and a CANCEL when the caller leaves. Each sequence has a credit in bytes
+(START's, topped up by CREDIT as its caller reads): its outputs take from it,
+and one whose credit is spent is held, keeping its slot and state, until more
+comes. So a caller slower than the model slows its own sequence and no other.
+Before every step the loop drops the
 cancelled sequences, admits waiting ones into free slots with one `start`, then
 runs one `step` for every active sequence and sends the outputs back at once:
 one STEP message per frontend per step, an entry of `steps` per sequence,
@@ -25,14 +29,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker.execute import BatchError, encode_output, to_model_input
 
 log = logging.getLogger("batchd.worker")
@@ -50,6 +54,12 @@ class Running:
     inputs: dict[str, Any]
     state: Any = None
     steps: int = 0
+    credit: int | None = None  # bytes of outputs it may still send; None: unbounded
+
+    @property
+    def held(self) -> bool:
+        """Its credit is spent: its caller is behind; it is not stepped till CREDIT."""
+        return self.credit is not None and self.credit <= 0
 
 
 class Replies:
@@ -106,7 +116,8 @@ class StepLoop:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        """It has a sequence to step or to admit now (held ones do not count)."""
+        return any(not s.held for s in self.active) or bool(self.waiting and self._free())
 
     def add(self, frontend: int, header: wire.Header, frames: list[Any],
             device: torch.device) -> list[Reply]:  # fmt: skip
@@ -119,7 +130,8 @@ class StepLoop:
             out = Replies(self.cfg.name)
             out.add(Running(header.batch_id, frontend, {}), error=f"bad inputs: {e}")
             return out.send()
-        self.waiting.append(Running(header.batch_id, frontend, inputs))
+        credit = header.credit or None  # 0: no flow control
+        self.waiting.append(Running(header.batch_id, frontend, inputs, credit=credit))
         return []
 
     def cancel(self, frontend: int, seq_id: int) -> int:
@@ -139,6 +151,13 @@ class StepLoop:
                 self.waiting.remove(s)
         return len(same)
 
+    def credit(self, frontend: int, seq_id: int, more: int) -> None:
+        """CREDIT for one of `frontend`'s sequences; an unknown one (it ended already)
+        is no error."""
+        for s in self.waiting + self.active:
+            if s.frontend == frontend and s.seq_id == seq_id and s.credit is not None:
+                s.credit += more
+
     def drop_all(self, why: str) -> list[Reply]:
         """Every sequence ends now (its model is unloaded): a final STEP with `why`
         for each, so no frontend waits on it and a STOP owes it nothing."""
@@ -151,29 +170,40 @@ class StepLoop:
         return out.send()
 
     def round(self) -> list[Reply]:
-        """Admit, then one step for every active sequence: the messages to send."""
+        """Admit, then one step for every active sequence not held: the messages to
+        send. A frontend whose sequences all wait (for a slot, or behind held ones)
+        hears that the loop lives, every WAITING_BEAT_S."""
         out = Replies(self.cfg.name)
         self._admit(out)
-        if not self.active:
-            return out.send()
+        stepping = [s for s in self.active if not s.held]
+        if stepping:
+            self._step(stepping, out)
+        now = time.monotonic()
+        for frontend in {w.frontend for w in self.waiting} - out.messages.keys():
+            if now - self.told.get(frontend, -math.inf) >= WAITING_BEAT_S:
+                out.waiting(frontend)
+        self.told.update(dict.fromkeys(out.messages, now))
+        return out.send()
+
+    def _step(self, stepping: list[Running], out: Replies) -> None:
+        still = [s for s in self.active if s.held]  # they keep their slots and states
         self.rounds += 1
         start = time.perf_counter_ns()
         try:
             with torch.inference_mode():
-                results = self.model.step([s.state for s in self.active])
-            if len(results) != len(self.active):
+                results = self.model.step([s.state for s in stepping])
+            if len(results) != len(stepping):
                 raise BatchError(
-                    f"step() returned {len(results)} results for {len(self.active)} sequences"
+                    f"step() returned {len(results)} results for {len(stepping)} sequences"
                 )
         except Exception as e:  # the model's failure: these sequences'
-            for s in self.active:
+            for s in stepping:
                 out.add(s, error=f"step() raised: {_why(e)}")
                 self._release(s)
-            self.active = []
-            return out.send()
-        out.stepped(len(self.active), self.rounds, time.perf_counter_ns() - start)
-        still = []
-        for s, result in zip(self.active, results, strict=True):
+            self.active = still
+            return
+        out.stepped(len(stepping), self.rounds, time.perf_counter_ns() - start)
+        for s, result in zip(stepping, results, strict=True):
             s.steps += 1
             try:
                 outputs, done = result
@@ -181,6 +211,8 @@ class StepLoop:
                 frames: list[Any] = []
                 tensors = self._encode(outputs, frames) if outputs is not None else ()
                 out.add(s, tensors, frames, final)
+                if tensors and s.credit is not None:  # as the frontend counts it
+                    s.credit -= sum(len(f) for f in frames) + wire.OUTPUT_COST
             except Exception as e:  # a bad output fails its sequence only
                 out.add(s, error=f"step() returned {e}")
                 final = True
@@ -189,23 +221,19 @@ class StepLoop:
             else:
                 still.append(s)
         self.active = still
-        now = time.monotonic()
-        for frontend in {w.frontend for w in self.waiting} - out.messages.keys():
-            if now - self.told.get(frontend, -math.inf) >= WAITING_BEAT_S:
-                out.waiting(frontend)
-        self.told.update(dict.fromkeys(out.messages, now))
-        return out.send()
 
     def _max_steps(self) -> int:
         assert self.cfg.generate is not None
         return self.cfg.generate.max_steps
 
-    def _admit(self, out: Replies) -> None:
-        assert self.cfg.generate is not None
+    def _free(self) -> int:
+        """Slots a waiting sequence may take now."""
         g = self.cfg.generate
-        free = g.max_active - len(self.active)
-        if g.admission == "static" and self.active:
-            free = 0
+        assert g is not None
+        return 0 if g.admission == "static" and self.active else g.max_active - len(self.active)
+
+    def _admit(self, out: Replies) -> None:
+        free = self._free()
         joining, self.waiting = self.waiting[:free], self.waiting[free:]
         if not joining:
             return
@@ -261,6 +289,32 @@ class StepLoop:
         except Exception:  # a release that fails frees nothing more; the loop goes on
             log.exception("model %s: release() raised", self.cfg.name)
         s.state = None
+
+
+def on_sequence(loops: Mapping[str, StepLoop], frontend: int, header: wire.Header,
+                frames: list[Any], device: torch.device) -> list[Reply]:  # fmt: skip
+    """A sequence's message from `frontend`. START: it waits for its loop's next step;
+    CANCEL: it leaves; CREDIT: its caller read, it may send more."""
+    if header.kind == wire.Header.CREDIT:
+        for each in loops.values():
+            each.credit(frontend, header.batch_id, header.credit)
+        return []
+    if header.kind == wire.Header.CANCEL:
+        dropped = sum(each.cancel(frontend, header.batch_id) for each in loops.values())
+        # Nothing goes back for a dropped sequence, but the I/O thread counted its
+        # START as owed: an empty reply settles it (a STOP waits for those).
+        return [(frontend, [], dropped)] if dropped else []
+    loop = loops.get(model_key(header.model, header.version))
+    if loop is None:
+        error = wire.Header(kind=wire.Header.STEP, model=header.model)
+        error.steps.add(
+            id=header.batch_id,
+            final=True,
+            error=f"model {header.model!r} version {header.version!r} is not loaded as a "
+            "step-wise model on this worker",
+        )
+        return [(frontend, wire.pack(error), 1)]
+    return loop.add(frontend, header, frames, device)
 
 
 def _why(e: Exception) -> str:

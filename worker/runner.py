@@ -40,7 +40,7 @@ from batchd.worker import merge
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
-from batchd.worker.generate import EVERY, Reply, StepLoop
+from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence
 from batchd.worker.loader import ModelFn
 from batchd.worker.loading import Loaded, Loader, addressed, settle_heap
 
@@ -49,6 +49,7 @@ _RESULTS = "inproc://batchd-results"
 # What the compute thread owes an answer for: a STOP waits for those (a sequence
 # counts until its last STEP).
 _COUNTED = (wire.Header.BATCH, wire.Header.LOAD, wire.Header.START)
+_SEQUENCE = (wire.Header.START, wire.Header.CANCEL, wire.Header.CREDIT)
 # The longest the I/O loop waits for a message. A SIGTERM only sets a flag: the loop
 # reads it when it wakes, so this bounds how long a stop takes (exit well within 1 s).
 POLL_MS = 100
@@ -115,17 +116,17 @@ class Runner:
                 item: merge.Item | None
                 if held is not None:
                     item, held = held, None
-                elif any(loop.busy for loop in self.loops.values()):
+                elif any(loop.busy or loop.waiting for loop in self.loops.values()):
                     held_back = self._behind.is_set()  # no step while a frontend is behind
-                    try:  # while sequences step, take what has come without waiting
-                        item = (
-                            self._work.get(timeout=HOLD_S) if held_back else self._work.get_nowait()
-                        )
+                    # while sequences step, take what has come without waiting; while all
+                    # wait behind held ones, look again every HOLD_S (their beats)
+                    idle = held_back or not any(loop.busy for loop in self.loops.values())
+                    try:
+                        item = self._work.get(timeout=HOLD_S) if idle else self._work.get_nowait()
                     except queue.Empty:
                         for loop in self.loops.values():
-                            if loop.busy and not held_back:
-                                for frontend, parts, ends in loop.round():
-                                    reply(frontend, parts, ends)
+                            for frontend, parts, ends in [] if held_back else loop.round():
+                                reply(frontend, parts, ends)
                         continue
                 else:
                     item = self._work.get()
@@ -148,8 +149,10 @@ class Runner:
                 reply(to, parts, ends)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
-        elif header.kind in (wire.Header.START, wire.Header.CANCEL):
-            for to, parts, ends in self._sequence(frontend, header, frames):
+        elif header.kind in _SEQUENCE:
+            for to, parts, ends in on_sequence(
+                self.loops, frontend, header, frames, self.options.device
+            ):
                 reply(to, parts, ends)
         else:
             entry = self.models.get(model_key(header.model, header.version))
@@ -159,26 +162,6 @@ class Runner:
                 reply(to, parts)
             return held
         return None
-
-    def _sequence(self, frontend: int, header: wire.Header,
-                  frames: list[Any]) -> list[Reply]:  # fmt: skip
-        """START: a sequence waits for its loop's next step; CANCEL: it leaves."""
-        loop = self.loops.get(model_key(header.model, header.version))
-        if header.kind == wire.Header.CANCEL:
-            dropped = sum(each.cancel(frontend, header.batch_id) for each in self.loops.values())
-            # Nothing goes back for a dropped sequence, but the I/O thread counted its
-            # START as owed: an empty reply settles it (a STOP waits for those).
-            return [(frontend, [], dropped)] if dropped else []
-        if loop is None:
-            error = wire.Header(kind=wire.Header.STEP, model=header.model)
-            error.steps.add(
-                id=header.batch_id,
-                final=True,
-                error=f"model {header.model!r} version {header.version!r} is not loaded as a "
-                "step-wise model on this worker",
-            )
-            return [(frontend, wire.pack(error), 1)]
-        return loop.add(frontend, header, frames, self.options.device)
 
     def _install(self, loaded: Loaded) -> None:
         """Take in a model the loader loaded (on the loader thread)."""
@@ -358,7 +341,7 @@ class Runner:
         if header.kind in _COUNTED and not io.stopping:
             to.put((i, header, frames))
             io.pending += 1
-        elif header.kind in (wire.Header.UNLOAD, wire.Header.CANCEL, wire.Header.PASS):
+        elif header.kind in (wire.Header.UNLOAD, wire.Header.PASS, *_SEQUENCE[1:]):
             to.put((i, header, frames))
         elif header.kind == wire.Header.STOP and not io.stopping:
             # the first STOP starts the grace: a stopping frontend answers each READY
