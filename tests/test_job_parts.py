@@ -12,6 +12,7 @@ import json
 import math
 import sqlite3
 import struct
+import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -627,3 +628,30 @@ def test_an_upload_says_it_is_alive_while_its_client_pauses(tmp_path: Path) -> N
         assert job.status == "queued" and job.total == 1
 
     run(body)
+
+
+def test_the_jobs_count_for_a_scrape_reads_off_the_event_loop(tmp_path: Path) -> None:
+    """It reads every retained job (31 ms at 600,000): on a thread, over a connection
+    of its own, it counts what is committed and holds no loop up."""
+    store = SqliteStore(tmp_path)
+
+    async def body() -> tuple[dict[str, int], set[str]]:
+        for _ in range(3):
+            row = await store.create("", "mlp", "1")
+        await store.queue(row.id, 1, 10)
+        threads: set[str] = set()
+        real = sqlite3.connect
+
+        def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+            threads.add(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sqlite3, "connect", connect)
+            counts = await store.by_status()
+        return counts, threads
+
+    counts, threads = asyncio.run(body())
+    assert (counts["validating"], counts["queued"], counts["running"]) == (2, 1, 0)
+    assert threads and threading.main_thread().name not in threads
+    store.close()
