@@ -34,7 +34,7 @@ from batchd.server.jobs.service import JobsService, check_ids
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Progress
 from batchd.server.request import Request, Tensor
-from tests.conftest import Clock, FakeDispatch, model, request, run
+from tests.conftest import Clock, FakeDispatch, model, ragged_model, request, run
 from tests.test_fuzz_codec import lines_run
 
 
@@ -655,3 +655,30 @@ def test_the_jobs_count_for_a_scrape_reads_off_the_event_loop(tmp_path: Path) ->
     assert (counts["validating"], counts["queued"], counts["running"]) == (2, 1, 0)
     assert threads and threading.main_thread().name not in threads
     store.close()
+
+
+def test_a_job_line_of_a_bucketed_model_with_priority_levels_plans_in_its_lane() -> None:
+    """A job line is decoded with its model's default priority level (the lowest: 2
+    here), but the job lane has one level. Its bucketing ranked by that level and
+    raised KeyError in every pump: the job hung, other jobs failed, and online calls
+    of every model got UNKNOWN."""
+
+    async def body() -> None:
+        cfg = ragged_model(bucket_by_length=True, priority_levels=2, default_priority_level=2)
+        dispatch = FakeDispatch(idle=0, credits=0)  # the worker is busy
+        s = Scheduler(dispatch, Clock())
+        s.add_model(cfg)
+        decoded = [
+            chunks.decode(json.dumps({"custom_id": f"c{n}", "inputs": [
+                {"name": "IDS", "datatype": "INT64", "shape": [1, n], "data": [1] * n}
+            ]}).encode(), n, cfg, Limits())
+            for n in (3, 5, 4)
+        ]  # fmt: skip
+        for line in decoded:
+            assert line.request is not None, line.error
+            s.submit(line.request)
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        assert [[r.id for r in batch] for batch in dispatch.sent] == [["c3", "c4", "c5"]]
+
+    run(body)

@@ -89,6 +89,7 @@ def decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
     # The job lane has no deadlines (lines.py): not even the model's default_timeout_us,
     # whose expiry the lane would never answer, leaving the job waiting for ever.
     request.background, request.deadline, request.queue_timeout = True, math.inf, False
+    request.level = 0  # the lane has one level, below every online one (not the model's)
     request.id = cid
     return Line(number, cid, request)
 
