@@ -6,6 +6,7 @@ typed-contents fields out again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,3 +61,36 @@ def datatype_of(arr: np.ndarray) -> str:
         if d.name != "BF16" and not d.is_bytes and d.numpy == arr.dtype.newbyteorder("<"):
             return d.name
     raise ValueError(f"numpy dtype {arr.dtype} has no Open Inference Protocol datatype")
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even."""
+    bits = values.astype("<f4").view("<u4")
+    rounded: np.ndarray = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return rounded
+
+
+def element(datatype: str, value: float) -> np.generic:
+    """`value` as one element of `datatype` (BF16: its bits), or ValueError saying why
+    it is not one: an integer type takes whole numbers in its range, BOOL 0 or 1, a
+    float type any number within its range (and inf, nan)."""
+    dt = DATATYPES[datatype]
+    kind = "f" if datatype == "BF16" else dt.numpy.kind  # (BF16 travels as uint16 bits)
+    if kind in "iub":
+        if not float(value).is_integer():
+            raise ValueError(f"{datatype} takes whole numbers, got {value!r}")
+        low, high = (0, 1) if kind == "b" else (np.iinfo(dt.numpy).min, np.iinfo(dt.numpy).max)
+        if not low <= int(value) <= high:
+            raise ValueError(f"{datatype} holds {low} to {high}, got {value!r}")
+        whole: np.generic = np.array([int(value)], dt.numpy)[0]
+        return whole
+    if kind != "f":
+        raise ValueError(f"a {datatype} tensor has no such element")
+    with np.errstate(over="ignore"):
+        as_float = np.array([value], np.float32 if datatype == "BF16" else dt.numpy)
+        bits = bf16_bits(as_float) if datatype == "BF16" else as_float
+        back = (bits.astype("<u4") << 16).view("<f4") if datatype == "BF16" else bits
+    if math.isfinite(value) and not np.isfinite(back[0]):
+        raise ValueError(f"{datatype} cannot hold {value!r}: past its largest number")
+    one: np.generic = bits[0]
+    return one

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd.protos._toml_reader import ConfigError, Reader
-from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
+from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
 
 __all__ = ["MODEL_NAME", "ConfigError", "ModelConfig", "load_model_config"]
 
@@ -202,6 +202,10 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
             if key in r.table:
                 raise r.fail(key, "a packed input is not padded: its rows are concatenated")
         pad = r.get("pad_value", (int, float), 0)
+        try:
+            element(datatype, pad)
+        except ValueError as e:
+            raise r.fail("pad_value", f"the pad must be a {datatype} element: {e}") from None
         side = r.choice("padding_side", ("right", "left"), "right")
         longest = r.integer("max_length", 0)
         spec = TensorSpec(name, datatype, spec.shape, True, pad, side, None, longest, packed)

@@ -34,7 +34,7 @@ from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import join_inputs, split_outputs
 from batchd.server.control import IndexEntry, ModelControl
-from batchd.server.errors import ModelFailed, Unavailable
+from batchd.server.errors import BatchdError, ModelFailed, Unavailable
 from batchd.server.link import WorkerLink
 from batchd.server.loopload import LoopLoad
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
@@ -182,10 +182,17 @@ class Core:
             self.scheduler.requeue(requests)
             self.pump_soon()
             return
+        try:
+            tensors, frames = join_inputs(requests)
+        except Exception as e:  # a defect, or memory: these requests fail, nothing is held
+            log.exception("model %s: a batch of %d could not be built", model.name, len(requests))
+            for r in requests:
+                if not r.future.done():
+                    r.future.set_exception(BatchdError(f"internal error building the batch: {e}"))
+            return
         loaded = self._loaded(model, requests)
         worker.owes_pass = False
         batch = self.pool.hand(worker, model, requests, self._clock())
-        tensors, frames = join_inputs(requests)
         traceparent = ""
         if traces := [r.trace for r in requests if r.trace is not None]:
             rows = sum(r.rows for r in requests)

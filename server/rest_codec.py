@@ -27,7 +27,7 @@ import numpy as np
 import orjson
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES
+from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, bf16_bits
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
 from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, clip
@@ -122,13 +122,6 @@ def flatten(data: Any, where: str) -> tuple[list[Any], list[int]]:
     raise InvalidInput(f"{where}: 'data' nests deeper than {MAX_DEPTH} levels")
 
 
-def _bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, rounded to nearest even."""
-    bits = values.astype("<f4").view("<u4")
-    rounded: np.ndarray = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-    return rounded
-
-
 def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
     """JSON values of one tensor (flat) -> its raw form (PROTOCOL.md)."""
     dt = DATATYPES.get(datatype)
@@ -160,7 +153,7 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
             f"got {_number(arr.min() if arr.min() < info.min else arr.max())}"
         )
     if datatype == "BF16":
-        return _bf16_bits(arr).tobytes()
+        return bf16_bits(arr).tobytes()
     return arr.astype(dt.numpy).tobytes()
 
 

@@ -14,9 +14,10 @@ import pytest
 import zmq
 
 from batchd.protos import wire
+from batchd.server import core as core_module
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.core import Core
-from batchd.server.errors import ModelFailed, StreamBehind
+from batchd.server.errors import BatchdError, ModelFailed, StreamBehind
 from batchd.server.pool import WorkerHandle
 from batchd.server.request import Request, StepStream, Tensor
 from batchd.server.stats import Stats
@@ -93,6 +94,31 @@ def test_a_refused_send_does_not_reenter_the_pump(router: zmq.Socket[bytes]) -> 
             assert not future.done() and core.scheduler.queued("m") == 1
         finally:
             Scheduler.pump = pump  # type: ignore[method-assign]
+
+    run(body)
+
+
+def test_a_batch_that_cannot_be_built_fails_its_requests_and_holds_no_worker(
+    router: zmq.Socket[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Joining the requests' inputs raised (a defect, or memory): it raised out of the
+    pump after the batch was in the worker's in-flight table, so nothing was sent, the
+    worker's credit stayed taken until execution_timeout_s, and the worker was then
+    killed as stuck, again at every retry. Now those requests fail, and only they."""
+
+    async def body() -> None:
+        core, killed = make_core(router, Clock())
+        cfg = core.models["m"]
+        worker = register(core, "w", cfg.key)
+
+        def broken(requests: list[Request]) -> Any:
+            raise MemoryError("no room for the padded batch")
+
+        monkeypatch.setattr(core_module, "join_inputs", broken)
+        future = core.submit(request(cfg))
+        assert future.done() and isinstance(future.exception(), BatchdError)
+        assert "internal error building the batch: no room" in str(future.exception())
+        assert worker.inflight == {} and worker.has_credit() and killed == []
 
     run(body)
 

@@ -101,6 +101,29 @@ def test_a_bad_packed_configuration_is_refused_naming_the_key(
     assert says in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("datatype", "pad", "says"),
+    [
+        ("UINT16", "-1", "UINT16 holds 0 to 65535, got -1"),
+        ("INT32", "3e9", "INT32 holds -2147483648 to 2147483647, got 3000000000.0"),
+        ("INT8", "1.5", "INT8 takes whole numbers, got 1.5"),
+        ("FP16", "1e6", "FP16 cannot hold 1000000.0: past its largest number"),
+        ("BF16", "-4e38", "BF16 cannot hold -4e+38"),
+    ],
+)
+def test_a_pad_value_its_input_cannot_hold_is_refused_at_load(
+    tmp_path: Path, datatype: str, pad: str, says: str
+) -> None:
+    """Before, it loaded (and `batchd worker --check` said ok); the first batch to pad
+    raised OverflowError in the frontend."""
+    text = RAGGED.format(shape="[-1]", extra=f"pad_value = {pad}")
+    (tmp_path / "model.toml").write_text(text.replace('"FP32"', f'"{datatype}"', 1))
+    (tmp_path / "model.py").write_text("def load(device): return None\n")
+    with pytest.raises(ConfigError, match=r"key 'pad_value': the pad must be a") as e:
+        load_model_config(tmp_path)
+    assert says in str(e.value)
+
+
 def test_packed_needs_a_ragged_input(tmp_path: Path) -> None:
     text = RAGGED.format(shape="[1]", extra="").replace("ragged = true", "packed = true")
     (tmp_path / "model.toml").write_text(text)

@@ -39,6 +39,23 @@ def test_ragged_inputs_are_padded_with_mask_and_lengths(loop: asyncio.AbstractEv
     assert np.asarray(frames[1]).tolist() == [[0, 1, 1], [1, 1, 1]]
 
 
+def test_a_bf16_input_is_padded_with_the_bf16_of_its_pad_value(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """BF16 travels as uint16 bits: a pad of 1.0 was written as the bits 0x0001
+    (9.2e-41), not 0x3F80."""
+    spec = replace(ragged_model().inputs[0], datatype="BF16", pad_value=1.0)
+    cfg = replace(ragged_model(), inputs=(spec,))
+    a, b = text(cfg, loop, 1), text(cfg, loop, 3)
+    for r, n in ((a, 1), (b, 3)):
+        r.inputs = [Tensor("IDS", "BF16", (1, n), np.full(n, 0x4000, np.uint16).tobytes())]
+    _, frames = join_inputs([a, b])
+    assert np.asarray(frames[0]).view(np.uint16).tolist() == [
+        [0x4000, 0x3F80, 0x3F80],
+        [0x4000, 0x4000, 0x4000],
+    ]
+
+
 def test_ragged_outputs_are_cut_back_per_request(loop: asyncio.AbstractEventLoop) -> None:
     cfg = ragged_model()
     a, b = text(cfg, loop, 2), text(cfg, loop, 3)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from batchd.protos import wire
-from batchd.protos.datatypes import DATATYPES
+from batchd.protos.datatypes import DATATYPES, element
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import batch_input
 from batchd.server.request import Request, RowOffsets, Tensor
@@ -37,7 +37,8 @@ def _ragged_rows(requests: Sequence[Request], i: int) -> list[tuple[int, np.ndar
 
 def _pad(spec: TensorSpec, parts: list[tuple[int, np.ndarray]], width: int) -> np.ndarray:
     dtype = DATATYPES[spec.datatype].numpy
-    out = np.full((sum(n for n, _ in parts), width), spec.pad_value, dtype=dtype)
+    fill = element(spec.datatype, spec.pad_value)  # (checked at load; BF16: its bits)
+    out = np.full((sum(n for n, _ in parts), width), fill, dtype=dtype)
     row = 0
     for n, a in parts:
         cols = (
