@@ -198,9 +198,8 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
         if spec.shape != (-1, *fixed) or -1 in fixed or datatype == "BYTES":
             raise r.fail("ragged", "a ragged input has shape = [-1] (packed: or [-1, d, ...]) "
                          f"and a numeric datatype, got {list(spec.shape)} {datatype}")  # fmt: skip
-        for key in ("pad_value", "padding_side") if packed else ():
-            if key in r.table:
-                raise r.fail(key, "a packed input is not padded: its rows are concatenated")
+        if packed and (key := next((k for k in ("pad_value", "padding_side") if k in r.table), "")):
+            raise r.fail(key, "a packed input is not padded: its rows are concatenated")
         pad = r.get("pad_value", (int, float), 0)
         try:
             element(datatype, pad)
