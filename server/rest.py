@@ -52,11 +52,11 @@ from batchd.server.errors import (
 )
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
+from batchd.server.json_body import load_json
 from batchd.server.rest_codec import (
     HEADER_LENGTH,
     generate_response,
     infer_response,
-    load_json,
     parse_generate,
     parse_infer,
     parse_load,

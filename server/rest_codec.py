@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import sys
 from collections.abc import Iterable, Sequence
 from itertools import chain, islice
 from typing import Any
@@ -31,51 +30,16 @@ from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, bf16_bits
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
 from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, clip
+from batchd.server.json_body import json_kind as _kind
+from batchd.server.json_body import load_json
 from batchd.server.request import Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DEPTH = 32  # nesting levels of a tensor's `data`
-MAX_JSON_BYTES = 8 * 1024 * 1024  # of JSON in one body: tensors beyond go in binary form
 MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real tensor
 _INT_LIMITS = {  # BF16 travels as uint16 bits, but its JSON values are numbers
     k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu" and k != "BF16"
 }
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), "a number" if isinstance(value, int | float) else "null"
-    )
-
-
-def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[str, Any]:
-    """A JSON object, or InvalidInput saying where the JSON broke. At most MAX_JSON_BYTES:
-    parsing holds the GIL (about 0.3 s per 20 MB here, more for deep nesting), so larger
-    tensors must come in binary form. NaN and Infinity, which Python's json (and so
-    tritonclient.http) writes, are read too."""
-    if len(body) > MAX_JSON_BYTES:
-        raise InvalidInput(
-            f"{what} is {len(body)} bytes of JSON, more than {MAX_JSON_BYTES}: send large "
-            "tensors in binary form (binary_data_size, Inference-Header-Content-Length)"
-        )
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raw = bytes(body)
-        try:  # orjson refuses NaN and Infinity; Python's json takes them
-            value = json.loads(raw) if b"NaN" in raw or b"Infinity" in raw else None
-        except ValueError:
-            value = None
-        except RecursionError:  # nesting past the interpreter's stack (about 1,000 levels)
-            raise InvalidInput(
-                f"{what} is not valid JSON: it holds NaN or Infinity, read by Python's json, "
-                f"and nests deeper than that takes (about {sys.getrecursionlimit()} levels)"
-            ) from None
-        if value is None:
-            raise InvalidInput(f"{what} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidInput(f"{what} must be a JSON object, got {_kind(value)}")
-    return value
 
 
 def _number(value: Any) -> str:

@@ -1105,6 +1105,7 @@ def nested(depth: int) -> str:
 
 NAN_DEEP = "[" * 5000 + "NaN" + "]" * 5000  # orjson refuses it; Python's json recursed out
 NAN_TOO_DEEP = "is not valid JSON: it holds NaN or Infinity, read by Python's json, and nests"
+LONE = "a string holds a lone UTF-16 surrogate"  # Python's json reads it, for a NaN
 DIGITS = "9" * 4000  # Python's json (read for a NaN) takes integers of 4,000 digits
 BIG_SIZE_HEAD = (
     '{"parameters": {"x": NaN}, "inputs": [{"name": "INPUT0", "datatype": "FP32", '
@@ -1159,6 +1160,12 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
         TEXTPOOL, '{"parameters": {"x": NaN}, "inputs": [{"name": "TOKENS", "datatype": "INT8", '
         f'"shape": [1, 2], "data": [1, {DIGITS}]}}]}}', {},
         f"INT8 holds -128 to 127, got {'9' * 40}... (4000 digits)"),
+    "a lone surrogate in the id, beside a NaN": (
+        TINY, '{"id": "\\ud800", "parameters": {"x": NaN}, "inputs": []}', {}, LONE),
+    "a lone surrogate in an input name, beside Infinity": (
+        TINY, one("\udfff", "FP32", [1], [math.inf]), {}, LONE),
+    "a lone surrogate in a parameter key, generate": (
+        "/v2/models/tiny/generate", '{"\\ud800x": NaN}', {}, LONE),
     "negative binary_data_size": (
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], -1)]}, ZEROS),
         "binary_data_size must be a non-negative integer, got a number '-1'"),
