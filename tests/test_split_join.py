@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from batchd.protos import wire
 from batchd.protos.tensors import from_raw
@@ -16,6 +17,7 @@ from batchd.server.batching.split_join import (
     split_outputs,
     split_request,
 )
+from batchd.server.errors import ModelFailed
 from batchd.server.request import Tensor
 from tests.conftest import ragged_model, text
 
@@ -80,3 +82,18 @@ def test_big_requests_split_and_join_back(loop: asyncio.AbstractEventLoop) -> No
     joined = join_results(parts)[0]
     assert joined.shape == (20, 3)
     assert from_raw("FP32", joined.shape, joined.data)[:, 0].tolist() == [0] * 8 + [1] * 8 + [2] * 4
+
+
+def test_chunks_whose_other_dims_differ_fail_naming_the_output_and_both_shapes() -> None:
+    """A padded model's output of a variable dim that is not ragged_like comes back as
+    wide as its batch: a request split into chunks got their bytes joined under the
+    first chunk's shape, a response whose shape and bytes disagreed."""
+
+    def piece(rows: int, width: int) -> list[Tensor]:
+        return [Tensor("W", "FP32", (rows, width), bytes(4 * rows * width))]
+
+    joined = join_results([piece(4, 3), piece(2, 3)])
+    assert joined[0].shape == (6, 3) and len(joined[0].data) == 72
+    with pytest.raises(ModelFailed) as e:
+        join_results([piece(4, 3), piece(4, 7), piece(2, 3)])
+    assert "output 'W' came back [-1, 3] for one part of this request and [-1, 7]" in str(e.value)

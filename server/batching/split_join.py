@@ -24,6 +24,7 @@ from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES, element
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import batch_input
+from batchd.server.errors import ModelFailed
 from batchd.server.request import Request, RowOffsets, Tensor
 
 
@@ -232,10 +233,19 @@ def split_request(request: Request, max_rows: int) -> list[Request]:
 
 
 def join_results(parts: Sequence[Sequence[Tensor]]) -> list[Tensor]:
-    """The results of a split request's chunks, joined back along the rows."""
+    """The results of a split request's chunks, joined back along the rows; ModelFailed
+    when their other dims differ (a variable dim that is not ragged_like is its batch's,
+    not its request's: chunks in batches of other widths came back in other widths)."""
     joined = []
     for pieces in zip(*parts, strict=True):
         first = pieces[0]
+        if shapes := sorted({p.shape[1:] for p in pieces} - {first.shape[1:]}):
+            raise ModelFailed(
+                f"the model's output {first.name!r} came back {[-1, *first.shape[1:]]} "
+                f"for one part of this request and {[-1, *shapes[0]]} for another (it was "
+                "split into batches): a variable dim it does not take from a ragged input "
+                "(ragged_like) cannot be joined; send at most max_batch_size rows"
+            )
         rows = sum(p.shape[0] for p in pieces)
         joined.append(
             Tensor(
