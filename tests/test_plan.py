@@ -10,7 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.server.batching.plan import plan_batch
+from batchd.server.batching.plan import PADDED_TOKENS, plan_batch
+from batchd.server.config import Limits
 from batchd.server.request import Request, Tensor
 from tests.conftest import NOW, ragged_model, text
 
@@ -85,6 +86,25 @@ def test_token_budget_bounds_rows_times_longest(loop: asyncio.AbstractEventLoop)
     alone = text(cfg, loop, 100)
     p = plan_batch(levels_of(alone), NOW, 8, cfg.batching, 64)
     assert p is not None and p.requests == [alone]  # too long for the budget: it goes alone
+
+
+def test_without_a_token_budget_a_padded_batch_stays_within_what_one_request_may_send(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """One row of 40M tokens (under --max-tensor-elements) batched with 7 short ones
+    was padded to 8 x 40M: 2.5 GB of INT64 for 320 MB sent, and 16 GB for the
+    longest row a request may have beside 31 others. It now rides alone; short rows
+    still batch together, and a packed model (no padding) is not bounded so."""
+    cfg = ragged_model()  # no max_batch_tokens
+    long, *short = [text(cfg, loop, 3, arrival=NOW - 1 + i / 100) for i in range(8)]
+    long.length = 40_000_000  # (its tokens are never read here)
+    p = plan_batch(levels_of(long, *short), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [long]
+    p = plan_batch(levels_of(*short), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == short
+    p = plan_batch(levels_of(long, *short), NOW, 8, cfg.batching, 64, packed=True)
+    assert p is not None and len(p.requests) == 8
+    assert Limits().max_tensor_elements == PADDED_TOKENS
 
 
 def test_bucketing_picks_the_nearest_lengths_to_the_oldest(loop: asyncio.AbstractEventLoop) -> None:
