@@ -45,6 +45,7 @@ from batchd.server.supervisor import Launch, Supervisor
 
 log = logging.getLogger("batchd.core")
 _STOP = wire.pack(wire.Header(kind=wire.Header.STOP))
+_FORGET = wire.pack(wire.Header(kind=wire.Header.CANCEL, batch_id=0))  # our every sequence
 _PASS = wire.pack(wire.Header(kind=wire.Header.PASS))
 # A worker loading a model may be silent this long: a load can hold the GIL for seconds
 # (torch.jit.load of a model of gigabytes starved the heartbeat thread 6.6 s of 6.7).
@@ -297,6 +298,7 @@ class Core:
             self.lose(worker, f"it registered again as pid {info.pid}", stuck=False)
             joined, worker = self.pool.join(identity, info)
         self.link.watch(identity)
+        self.link.send(identity, _FORGET)  # what it runs for us now is a predecessor's, or lost
         log.info(
             "worker %s registered (pid %d, device %s) for models %s",
             info.worker_id,

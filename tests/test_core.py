@@ -186,9 +186,10 @@ def test_a_stream_too_far_behind_is_stopped_and_its_slot_freed(router: zmq.Socke
             r.stream = StepStream(limit=4)
             future = core.submit(r)
 
-            def received(kind: int) -> wire.Header:  # skipping the LOAD it was sent
+            def received(kind: int) -> wire.Header:  # skipping the LOAD it was sent (and
+                # the CANCEL of every sequence a worker registering anew hears first)
                 while (header := wire.unpack(worker_side.recv_multipart())[0]).kind != kind:
-                    assert header.kind == wire.Header.LOAD
+                    assert header.kind == wire.Header.LOAD or header.batch_id == 0
                 return header
 
             start = received(wire.Header.START)
@@ -250,6 +251,28 @@ def test_a_batch_says_whether_its_model_is_under_load(router: zmq.Socket[bytes])
     run(body)
 
 
+def test_a_worker_registering_anew_drops_every_sequence_it_runs_for_this_frontend(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A worker this frontend process does not know (it replaced a killed frontend, or
+    gave the worker up as lost) may still hold sequences for it: they step no more once
+    their credit is spent, send nothing and would keep their slots for ever. The first
+    thing it hears is CANCEL of every sequence (batch_id 0); a worker that only
+    registers again (the same process) keeps its own."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        sent: list[wire.Header] = []
+        core.link.send = lambda identity, parts, copy=True: sent.append(wire.unpack(parts)[0])  # type: ignore[method-assign]
+        core.on_message(b"w", ready("w"), [])
+        assert [(h.kind, h.batch_id) for h in sent[:1]] == [(wire.Header.CANCEL, 0)]
+        sent.clear()
+        core.on_message(b"w", ready("w"), [])  # the same process again: nothing dropped
+        assert [h for h in sent if h.kind == wire.Header.CANCEL] == []
+
+    run(body)
+
+
 def test_a_worker_of_several_frontends_hears_pass_when_its_reply_leaves_us_nothing(
     router: zmq.Socket[bytes],
 ) -> None:
@@ -286,6 +309,6 @@ def test_a_worker_of_several_frontends_hears_pass_when_its_reply_leaves_us_nothi
         alone = register(core, "a", cfg.key)
         third = core.submit(request(cfg))
         await answer(alone)
-        assert third.done() and [k for _, k in sent] == ["LOAD", "BATCH"]  # no PASS
+        assert third.done() and [k for _, k in sent] == ["CANCEL", "LOAD", "BATCH"]  # no PASS
 
     run(body)
