@@ -22,6 +22,7 @@ cut for being slow.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -107,15 +108,15 @@ class Batch:
 
 
 # Outputs of one sequence waiting for its caller: a bound of last resort, as its window
-# (below) keeps it to about 2,048. Memory is the byte budget's, which charges each
+# (below) keeps it to about 512. Memory is the byte budget's, which charges each
 # output OUTPUT_COST over its data, for its objects.
 MAX_BUFFERED = 4096
 OUTPUT_COST = wire.OUTPUT_COST
 # A sequence's window of credit: the bytes of outputs (data and OUTPUT_COST each) its
 # worker may send ahead of its caller; given back in pieces of half of it as the caller
-# reads. At most an eighth of its stream's budget, so several sequences of a stream
-# that is not read are held before that budget stops one; at least OUTPUT_COST a step,
-# so at most WINDOW / OUTPUT_COST outputs (2,048) wait: within MAX_BUFFERED.
+# reads. At most an eighth of its stream's budget, so a few sequences of a stream that
+# is not read are held before that budget stops one; at least OUTPUT_COST a step, so
+# at most WINDOW / OUTPUT_COST outputs (512) wait: within MAX_BUFFERED.
 WINDOW = 1 << 19
 # A stream's budget, in responses of the largest size (--max-message-bytes): at least
 # one, or a response the server may send could never be held for its caller; two, so
@@ -201,6 +202,8 @@ class StepStream:
         self.window = min(WINDOW, budget.limit // 8) if budget is not None else WINDOW
         self.credit, self._owed = self.window, 0
         self.grant: Callable[[int, bool], None] | None = None
+        self.taken_at = time.monotonic()  # when its caller last took an output
+        self.watched = False  # a held sequence's timer runs (Sequences: the caller's stall)
 
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
@@ -262,7 +265,7 @@ class StepStream:
         """The sequence starts over on another worker: what it gave so far goes."""
         self.discard()
         self._stop_credit()  # its new START carries a whole window again
-        self.credit, self._owed = self.window, 0
+        self.credit, self._owed, self.watched = self.window, 0, False
         self.restarts += 1
 
     async def next(self) -> tuple[list[Tensor], bool] | None:
@@ -276,7 +279,7 @@ class StepStream:
             await self._wake
         size = self._sizes.popleft()
         item = self._items.popleft()
-        self._owed += size
+        self._owed, self.taken_at = self._owed + size, time.monotonic()
         if self.budget is not None:
             self.budget.give(size)
         self.give_credit()

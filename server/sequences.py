@@ -20,7 +20,9 @@ a freed slot schedules one pump.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -154,8 +156,39 @@ class Sequences:
             since = r.arrival if first else sequence.sent_at
             self._stats.output(model.name, model.version, int((now - since) * 1e9), first)
             sequence.sent_at = now  # the previous output's time, for the next gap
+            if stream.paused and not stream.watched:  # held at its worker from now
+                self._watch(worker.identity, sequence)
         if step.final:
             self._end_sequence(worker, sequence, None)
+
+    def _watch(self, identity: bytes, sequence: Batch) -> None:
+        """A sequence held for its caller keeps its slot: if the caller takes none of its
+        outputs for its model's execution_timeout_s, it is stopped (RESOURCE_EXHAUSTED)
+        and the slot freed. A caller that reads, however slowly, is never stopped so."""
+        stream, limit = sequence.requests[0].stream, sequence.model.instances.execution_timeout_s
+        assert stream is not None
+        stream.watched = True
+        wait = limit - (time.monotonic() - stream.taken_at)
+        asyncio.get_running_loop().call_later(max(wait, 0), self._stalled, identity, sequence)
+
+    def _stalled(self, identity: bytes, sequence: Batch) -> None:
+        stream, worker = sequence.requests[0].stream, self._pool.get(identity)
+        assert stream is not None
+        stream.watched = False
+        if worker is None or worker.sequences.get(sequence.id) is not sequence:
+            return  # it ended, or its worker was lost meanwhile
+        limit = sequence.model.instances.execution_timeout_s
+        if stream.paused and time.monotonic() - stream.taken_at >= limit:  # nothing read
+            cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=sequence.id)
+            self._link.send(identity, wire.pack(cancel))
+            stalled = StreamBehind(
+                f"this stream's caller took none of the outputs of model {sequence.model.name!r} "
+                f"for {limit:g} s (its execution_timeout_s) while its sequence waited for it; "
+                f"the sequence was stopped after {stream.sent}"
+            )
+            self._end_sequence(worker, sequence, stalled)
+        elif stream.paused:  # it read meanwhile: its caller has that long from then
+            self._watch(identity, sequence)
 
     def _credit(self, identity: bytes, sequence: Batch, more: int, paused: bool) -> None:
         """A sequence's caller read `more` bytes of its outputs: its worker may send as

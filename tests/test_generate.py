@@ -338,7 +338,7 @@ def test_a_loop_whose_sequences_are_all_held_is_idle_and_beats_for_the_waiting()
     messages = {to: wire.unpack(parts)[0] for to, parts, _ in loop.round()}
     assert list(messages) == [1] and list(messages[1].steps) == []
     assert model.steps == [[9]]  # no step ran
-    loop.credit(0, 1, 8 + wire.OUTPUT_COST)  # its step took 264 of its 1
+    loop.credit(0, 1, 8 + wire.OUTPUT_COST)  # what its one step took, over its 1
     assert loop.busy
     loop.cancel(0, 1)
     assert loop.busy  # the waiting one may start now

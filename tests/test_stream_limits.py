@@ -41,7 +41,7 @@ from batchd.server.unary_steps import Joined
 from tests.servers import ServerProcess, wait_for
 
 MiB = 1 << 20
-TIMEOUT_S = 1.5
+TIMEOUT_S = 3.0
 WIDE_TOML = f"""
 [[input]]
 name = "ID"
@@ -390,46 +390,79 @@ def test_a_unary_answer_past_the_message_limit_stops_its_sequence_at_once(
     assert (released(wide[1], 5) or 0) < 500  # stopped, not run to its end
 
 
+def _held(server: ServerProcess, log: Path, seq: int) -> None:
+    """Wait until sequence `seq`, whose caller has read nothing, is held: the model ran
+    at least its window of steps, and sequence 8, run meanwhile on another stream, had
+    5 rounds that would have stepped it too."""
+    cost = 16384 * 8 + OUTPUT_COST
+    wait_for(lambda: stepped(log, seq) >= math.ceil((2 * MiB // 8) / cost), 60, "a window")
+    with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
+        another = pb_grpc.GRPCInferenceServiceStub(channel)
+        other = list(another.ModelStreamInfer(iter([wide_request(8, 5)]), timeout=60))
+    assert [r.infer_response.outputs[0].shape[0] for r in other] == [1] * 5
+    # at most one budget of steps (2 MiB: 15): the frontend gives no credit back while
+    # the stream holds more than half its budget, and the last window is spent soon after
+    assert stepped(log, seq) <= 2 * MiB // cost and released(log, seq) is None
+
+
 def test_a_caller_slower_than_its_model_holds_its_sequence_and_gets_every_output(
     wide: tuple[ServerProcess, Path], stub: Any
 ) -> None:
-    """Flow control. Sequence 6 (250 outputs of 128 KiB) on a stream nobody reads is
-    held at its worker: the frontend gives no credit back while the stream holds more
-    than half its 2 MiB budget, and the last window of credit (256 KiB) is spent
-    soon after, so the model runs it at most one budget's worth of steps (15). It is
-    held for longer than the model's execution_timeout_s: not run on, not stopped,
-    its worker not judged stuck. Sequence 8, on another stream, runs
-    its 5 steps meanwhile, in rounds that would have stepped 6 too. Once its caller
-    reads, it gets all 250 outputs, in order, then 7's, sent on the stream meanwhile.
-    Before: 6 was stopped with RESOURCE_EXHAUSTED once its caller was 2 MiB behind."""
+    """Flow control. Sequence 6 (40 outputs of 128 KiB) on a stream nobody reads at
+    first is held at its worker, not run on and not stopped. Its caller then reads one
+    output every 0.1 s, 4 s in all, longer than the model's execution_timeout_s: it
+    gets all 40 in order, and the worker is not judged stuck. Before: 6 was stopped
+    with RESOURCE_EXHAUSTED once its caller was 2 MiB behind."""
     server, log = wide
-    cost = 16384 * 8 + OUTPUT_COST
-    window_steps, budget_steps = math.ceil((2 * MiB // 8) / cost), 2 * MiB // cost
     sent: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
-    sent.put(wide_request(6, 250, width=16384))
+    sent.put(wide_request(6, 40, width=16384))
+    behind = stub.ModelStreamInfer(iter(sent.get, None), timeout=120)
+    values = []
+    try:
+        _held(server, log, 6)
+        sent.put(None)
+        for r in behind:
+            assert not r.error_message, r.error_message
+            values.append(r.infer_response.raw_output_contents[0][:8])
+            time.sleep(0.1)  # a slow reader (the load, not a check)
+    finally:
+        behind.cancel()
+    assert values == [np.array([k], np.int64).tobytes() for k in range(1, 41)]
+    assert stepped(log, 6) == 40 and "lost" not in server.log()
+
+
+def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_worker(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """A held sequence keeps its slot: one whose caller took nothing for the model's
+    execution_timeout_s is stopped with RESOURCE_EXHAUSTED, saying so, and its slot
+    freed (before flow control's fix, a caller with no deadline held it for ever).
+    The worker is not lost: sequence 7, sent on the stream then, runs."""
+    server, log = wide
+    sent: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+    sent.put(wide_request(9, 250, width=16384))
     behind = stub.ModelStreamInfer(iter(sent.get, None), timeout=120)
     try:
-        wait_for(lambda: stepped(log, 6) >= window_steps, 60, "sequence 6's window")
-        with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
-            another = pb_grpc.GRPCInferenceServiceStub(channel)
-            other = list(another.ModelStreamInfer(iter([wide_request(8, 5)]), timeout=60))
-        assert [r.infer_response.outputs[0].shape[0] for r in other] == [1] * 5
-        time.sleep(TIMEOUT_S + 0.5)  # its caller reads nothing meanwhile (the fault)
-        assert stepped(log, 6) <= budget_steps and released(log, 6) is None
+        _held(server, log, 9)
+        time.sleep(TIMEOUT_S + 1)  # its caller reads nothing meanwhile (the fault)
         sent.put(wide_request(7, 3))
         sent.put(None)
         responses = list(behind)
     finally:
         behind.cancel()
-    by_id: dict[str, list[pb.ModelStreamInferResponse]] = {"6": [], "7": []}
+    by_id: dict[str, list[pb.ModelStreamInferResponse]] = {"9": [], "7": []}
     for r in responses:
-        assert not r.error_message, r.error_message
         by_id[r.infer_response.id].append(r)
-    assert [r.infer_response.raw_output_contents[0][:8] for r in by_id["6"]] == [
-        np.array([k], np.int64).tobytes() for k in range(1, 251)
-    ]
-    assert by_id["6"][-1].infer_response.parameters["triton_final_response"].bool_param
+    *outputs, stopped = by_id["9"]
+    assert 0 < len(outputs) <= 15 and not any(r.error_message for r in outputs)
+    assert (
+        f"this stream's caller took none of the outputs of model 'wide' for {TIMEOUT_S:g} s "
+        "(its execution_timeout_s) while its sequence waited for it"
+    ) in stopped.error_message
+    error = stopped.infer_response
+    assert error.parameters["error_code"].string_param == "RESOURCE_EXHAUSTED"
+    assert error.parameters["triton_final_response"].bool_param
+    assert released(log, 9) is not None and "lost" not in server.log()
     assert [r.infer_response.raw_output_contents[0] for r in by_id["7"]] == [
         np.array([k], np.int64).tobytes() for k in (1, 2, 3)
     ]
-    assert stepped(log, 6) == 250 and "lost" not in server.log()
