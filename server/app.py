@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import logging
 import os
@@ -183,13 +184,17 @@ def _build(
             ),
             lambda: core.supervisor.restarts,
             load.busy_seconds,
-            lambda name: sum(
-                b.model.name == name for w in core.pool.workers() for b in w.sequences.values()
-            ),
+            functools.partial(_sequences, core),
             core.scheduler.pending_jobs,
         )
     )
     return _Parts(core, service, health, server, port, registry, jobs, rest)
+
+
+def _sequences(core: Core, model: str) -> tuple[int, int]:
+    """`model`'s sequences in a slot on a worker, and those held there for their callers."""
+    mine = [b for w in core.pool.workers() for b in w.sequences.values() if b.model.name == model]
+    return len(mine), sum(bool(s and s.paused) for s in (b.requests[0].stream for b in mine))
 
 
 def _jobs(cfg: ServerConfig, core: Core, limits: Limits) -> tuple[Jobs | None, str]:

@@ -68,7 +68,8 @@ class Collector:
         workers: Callable[[], list[WorkerView]],
         restarts: Callable[[], Mapping[str, int]],
         loop_busy_s: Callable[[], float | None] = lambda: None,
-        active: Callable[[str], int] = lambda model: 0,  # step-wise sequences on workers
+        # step-wise sequences on workers, and how many of them are held for their callers
+        active: Callable[[str], tuple[int, int]] = lambda model: (0, 0),
         jobs_pending: Callable[[str], int] = lambda model: 0,  # batch jobs' requests waiting
     ) -> None:
         self._jobs_pending = jobs_pending
@@ -208,14 +209,23 @@ class Collector:
             "Sequences in a slot on a worker",
             labels=["model", "version"],
         )
+        held = GaugeMetricFamily(
+            "batchd_sequences_held",
+            "Sequences in a slot held for their callers: flow control, the caller reads "
+            "slower than the model",
+            labels=["model", "version"],
+        )
         outputs = CounterMetricFamily(
             "batchd_outputs", "Outputs streamed by step-wise models", labels=["model", "version"]
         )
         for m, cfg in models.items():
-            active.add_metric([m, cfg.version], self._active(m))
+            running, waiting = self._active(m)
+            active.add_metric([m, cfg.version], running)
+            held.add_metric([m, cfg.version], waiting)
         for m, version, stats in rows:
             outputs.add_metric([m, version], stats.outputs)
         yield active
+        yield held
         yield outputs
         pickers: list[tuple[str, str, Callable[[ModelStats], Histogram]]] = [
             ("batchd_time_to_first_output_us", "Admission to a sequence's first output",

@@ -38,6 +38,7 @@ from batchd.server.request import (
     Tensor,
 )
 from batchd.server.unary_steps import Joined
+from tests.conftest import scrape, total
 from tests.servers import ServerProcess, wait_for
 
 MiB = 1 << 20
@@ -420,6 +421,7 @@ def test_a_caller_slower_than_its_model_holds_its_sequence_and_gets_every_output
     values = []
     try:
         _held(server, log, 6)
+        assert total(scrape(server), "batchd_sequences_held") == 1
         sent.put(None)
         for r in behind:
             assert not r.error_message, r.error_message
@@ -429,6 +431,7 @@ def test_a_caller_slower_than_its_model_holds_its_sequence_and_gets_every_output
         behind.cancel()
     assert values == [np.array([k], np.int64).tobytes() for k in range(1, 41)]
     assert stepped(log, 6) == 40 and "lost" not in server.log()
+    assert total(scrape(server), "batchd_sequences_held") == 0
 
 
 def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_worker(
