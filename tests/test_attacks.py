@@ -26,6 +26,9 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.tensors import serialize_bytes
 from tests.servers import EXAMPLES, ServerProcess, wait_for
 
+# A probe calls alongside each attack with a 1 s deadline: it needs the cores to itself,
+# not shared with another test process (make test runs these after the parallel ones).
+pytestmark = pytest.mark.serial
 OWN = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
 BIG = [*OWN, ("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
