@@ -12,8 +12,9 @@ stream: a budget counts an output from its push until its caller took it (the
 transport gives it back then), so a stream's sequences together hold at most its
 limit. Those bounds are the last resort. Before them, each sequence has a
 window of credit (Header.credit): its worker sends at most that many bytes of
-outputs ahead of its caller, and the frontend gives the bytes back as its
-caller reads (not while its stream holds more than half its budget). A
+outputs ahead of what the frontend has passed on towards its caller, and the
+frontend gives the bytes back as they move on (not while its stream holds more
+than half its budget: the responses waiting for the caller count there). A
 sequence whose credit is spent is held at its worker, which keeps its slot
 and state. The caller's reading paces its own sequence: a slow reader is not
 cut for being slow.

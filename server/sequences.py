@@ -93,8 +93,7 @@ class Sequences:
             return  # still queued: the scheduler sweeps the cancelled entry
         worker = self._pool.get(stream.worker)
         if worker is not None and self._pool.end(worker, stream.seq_id) is not None:
-            cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=stream.seq_id)
-            self._link.send(worker.identity, wire.pack(cancel))
+            self._cancel(worker.identity, stream.seq_id)
             self._pump_soon()  # a slot is free
         stream.worker = None
         stream.close()
@@ -118,8 +117,7 @@ class Sequences:
             elif not step.final:  # its caller left (the worker stepped it before our
                 # CANCEL came), or it is the sequence of a frontend this one replaced:
                 # it must not go on holding a slot
-                cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=step.id)
-                self._link.send(worker.identity, wire.pack(cancel))
+                self._cancel(worker.identity, step.id)
 
     def _on_output(
         self,
@@ -145,8 +143,7 @@ class Sequences:
             ]
             first = stream.sent == 0
             if not stream.push(outputs, step.final):
-                cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=sequence.id)
-                self._link.send(worker.identity, wire.pack(cancel))
+                self._cancel(worker.identity, sequence.id)
                 behind = StreamBehind(
                     f"this stream's caller has not read {stream.behind()} of model "
                     f"{model.name!r}; the sequence was stopped after {stream.sent}"
@@ -179,8 +176,7 @@ class Sequences:
             return  # it ended, or its worker was lost meanwhile
         limit = sequence.model.instances.execution_timeout_s
         if stream.paused and time.monotonic() - stream.taken_at >= limit:  # nothing read
-            cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=sequence.id)
-            self._link.send(identity, wire.pack(cancel))
+            self._cancel(identity, sequence.id)
             stalled = StreamBehind(
                 f"this stream's caller took none of the outputs of model {sequence.model.name!r} "
                 f"for {limit:g} s (its execution_timeout_s) while its sequence waited for it; "
@@ -189,6 +185,10 @@ class Sequences:
             self._end_sequence(worker, sequence, stalled)
         elif stream.paused:  # it read meanwhile: its caller has that long from then
             self._watch(identity, sequence)
+
+    def _cancel(self, identity: bytes, seq_id: int) -> None:
+        """The worker drops the sequence before its next step (nothing goes back)."""
+        self._link.send(identity, wire.pack(wire.Header(kind=wire.Header.CANCEL, batch_id=seq_id)))
 
     def _credit(self, identity: bytes, sequence: Batch, more: int, paused: bool) -> None:
         """A sequence's caller read `more` bytes of its outputs: its worker may send as
