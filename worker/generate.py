@@ -7,8 +7,8 @@ a START per sequence (at most `max_active` per worker: slots are its credits)
 and a CANCEL when the caller leaves. Each sequence has a credit in bytes
 (START's, topped up by CREDIT as its caller reads): its outputs take from it,
 and one whose credit is spent is held, keeping its slot and state, until more
-comes. So a caller slower than the model slows its own sequence and no other.
-Before every step the loop drops the
+comes; so a caller slower than the model slows its own sequence (which still
+holds its slot), not the others'. Before every step the loop drops the
 cancelled sequences, admits waiting ones into free slots with one `start`, then
 runs one `step` for every active sequence and sends the outputs back at once:
 one STEP message per frontend per step, an entry of `steps` per sequence,
