@@ -222,9 +222,9 @@ class WorkerPool:
 
     def overdue(self, now: float) -> list[tuple[WorkerHandle, Batch]]:
         """One batch (or sequence) per worker that has run past its model's
-        execution_timeout_s: a batch since it was sent; a sequence since it started
-        (or got credit again after its worker held it) or since the last step of its model on that
-        worker, whichever is later; never one held for its caller."""
+        execution_timeout_s: a batch since it was sent; a sequence since it started (or
+        got credit again after its worker held it) or since the last step of its model
+        on that worker, whichever is later; never one held for its caller."""
         late = []
         for w in self._order:
             for b in [*w.inflight.values(), *w.sequences.values()]:

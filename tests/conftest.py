@@ -64,6 +64,15 @@ def stepwise_model(
     )
 
 
+def stepwise_toml(max_active: int, max_steps: int) -> str:
+    """stepwise_model's model.toml: input N INT64 [1] -> output OUT INT64 [1] per step."""
+    return (
+        '[[input]]\nname = "N"\ndatatype = "INT64"\nshape = [1]\n'
+        '[[output]]\nname = "OUT"\ndatatype = "INT64"\nshape = [1]\n'
+        f"[generate]\nmax_active = {max_active}\nmax_steps = {max_steps}\n"
+    )
+
+
 def request(cfg: ModelConfig, rows: int = 1, width: int = 2, deadline: float = math.inf) -> Request:
     data = b"\0" * (rows * width * 4)
     return Request(cfg, "", [Tensor("X", "FP32", (rows, width), data)], ("Y",), rows, deadline)

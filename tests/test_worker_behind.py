@@ -15,22 +15,10 @@ import numpy as np
 
 from batchd.client import Client
 from batchd.worker.frontend_link import RETRY_S
-from tests.conftest import scrape, total
+from tests.conftest import scrape, stepwise_toml, total
 from tests.servers import ServerProcess, wait_for
 
-COUNT_TOML = """
-[[input]]
-name = "N"
-datatype = "INT64"
-shape = [1]
-[[output]]
-name = "OUT"
-datatype = "INT64"
-shape = [1]
-[generate]
-max_active = 2
-max_steps = 10000000
-"""
+COUNT_TOML = stepwise_toml(2, 10_000_000)
 COUNT_PY = """
 import torch
 class Count:  # N quick steps with no output (a STEP message each), then the count

@@ -19,6 +19,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.tensors import from_raw, to_raw
+from tests.conftest import stepwise_toml
 
 TOML = """max_batch_size = 4
 [[input]]
@@ -55,19 +56,7 @@ def _repository(tmp_path: Path) -> Path:
     return repo
 
 
-ENDLESS_TOML = """
-[[input]]
-name = "N"
-datatype = "INT64"
-shape = [1]
-[[output]]
-name = "OUT"
-datatype = "INT64"
-shape = [1]
-[generate]
-max_active = 1
-max_steps = 1000000
-"""
+ENDLESS_TOML = stepwise_toml(1, 1_000_000)
 ENDLESS_PY = """
 import time, torch
 class Endless:  # a sequence steps until it is cancelled or its model goes
