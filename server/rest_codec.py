@@ -37,6 +37,7 @@ from batchd.server.request import Tensor
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DEPTH = 32  # nesting levels of a tensor's `data`
 MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real tensor
+_BF16_MAX = 3.3895313892515355e38  # bits 0x7F7F
 _INT_LIMITS = {  # BF16 travels as uint16 bits, but its JSON values are numbers
     k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu" and k != "BF16"
 }
@@ -116,9 +117,18 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
             f"{where}: {datatype} holds {info.min} to {info.max}, "
             f"got {_number(arr.min() if arr.min() < info.min else arr.max())}"
         )
-    if datatype == "BF16":
-        return bf16_bits(arr).tobytes()
-    return arr.astype(dt.numpy).tobytes()
+    with np.errstate(over="ignore"):  # a number past a float type's range: refused below
+        narrow = arr.astype(np.float32 if datatype == "BF16" else dt.numpy)
+        bits = bf16_bits(narrow) if datatype == "BF16" else narrow
+        if datatype == "BF16":
+            narrow = (bits.astype("<u4") << 16).view("<f4")
+    if narrow.dtype.kind == "f" and (past := np.isinf(narrow) > np.isinf(arr)).any():
+        big = _BF16_MAX if datatype == "BF16" else float(np.finfo(dt.numpy).max)
+        raise InvalidInput(
+            f"{where}: {datatype} holds numbers of magnitude up to {big:.5g}, "
+            f"got {_number(arr[past][0])}"
+        )
+    return bits.tobytes()
 
 
 def _bytes_raw(values: Iterable[Any], where: str) -> bytes:

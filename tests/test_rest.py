@@ -47,7 +47,7 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
 from batchd.server.errors import CLIP_ITEMS, InvalidInput
 from batchd.server.jobs.rest import JobRoutes
-from batchd.server.rest_codec import parse_load
+from batchd.server.rest_codec import parse_load, to_raw
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
@@ -1126,6 +1126,8 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
                         "input 'TOKENS': INT64 data holds integers only"),
     "out-of-range INT8": (TEXTPOOL, one("TOKENS", "INT8", [1, 2], [300, 2]), {},
                           "input 'TOKENS': INT8 holds -128 to 127, got 300"),
+    "FP32 past its range": (TINY, one("INPUT0", "FP32", [1, 16], [1.0] * 15 + [-1e39]), {},
+                            "FP32 holds numbers of magnitude up to 3.4028e+38, got -1e+39"),
     "shape and data disagree": (TINY, one("INPUT0", "FP32", [1, 16], [1.0] * 15), {},
                                 "shape [1, 16] needs 16 values, 'data' holds 15"),
     "rows of unequal length": (TINY, one("INPUT0", "FP32", [2, 2], [[1.0, 2.0], [3.0]]), {},
@@ -1184,6 +1186,27 @@ def test_hostile_bodies_get_400_and_the_server_keeps_serving(
     assert message in r.error
     assert len(r.error) < 300  # quoted short, never echoed whole
     assert_serving(example_server)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "values", "message"),
+    [
+        ("FP16", [1.0, 65520.0], "FP16 holds numbers of magnitude up to 65504, got 65520.0"),
+        ("FP16", [70000], "FP16 holds numbers of magnitude up to 65504, got 70000"),
+        ("BF16", [3.4e38], "BF16 holds numbers of magnitude up to 3.3895e+38, got 3.4e+38"),
+        ("FP32", [1e39], "FP32 holds numbers of magnitude up to 3.4028e+38, got 1e+39"),
+    ],
+)
+def test_a_json_number_past_a_float_type_s_range_is_refused_not_made_inf(
+    datatype: str, values: list[float], message: str
+) -> None:
+    """A finite number too large for its datatype is refused, as an integer past its
+    type's range is, where numpy would have turned it into inf; inf itself, and the
+    largest finite numbers, pass."""
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        to_raw(datatype, values, "input 'X'")
+    assert to_raw("FP16", [65504.0, -math.inf], "x") == np.array([65504, -np.inf], "<f2").tobytes()
+    assert to_raw("BF16", [3.3895e38, math.inf], "x") == bytes.fromhex("7f7f807f")
 
 
 @pytest.mark.parametrize("size", ["64", 64.0])
