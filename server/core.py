@@ -351,16 +351,14 @@ class Core:
                 "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,
             })  # fmt: skip
         if header.kind == wire.Header.ERROR:
-            retry = recovery.after_error(batch, worker.name, header.error, header.forward_rows)
+            retry = recovery.after_error(
+                batch, worker.name, header.error, header.forward_rows, header.invalid
+            )
             if retry:
                 log.warning(
                     "batch %d of model %s failed on worker %s (%s); retrying its %d "
                     "requests one by one",
-                    batch.id,
-                    batch.model.name,
-                    worker.name,
-                    header.error,
-                    len(retry),
+                    *(batch.id, batch.model.name, worker.name, header.error, len(retry)),
                     extra={"batch": batch.id, "model": batch.model.name, "worker": worker.name},
                 )
                 self.scheduler.requeue(retry)

@@ -12,7 +12,8 @@ The policy has one owner, this module:
     with a poison one is charged once and its lone retry succeeds; the poison
     request kills one more worker at most, then fails; a model error is pinned
     on the request that causes it.
-  * A suspect that fails alone is answered with the failure.
+  * A suspect that fails alone is answered with the failure: INVALID_ARGUMENT
+    where the model refused its inputs (batchd.worker.InputRefused), else INTERNAL.
 
   * A step-wise model's sequence on a lost worker is retried on another worker if
     it has streamed nothing yet (attempts counted as above; never a suspect: it
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from batchd.server.errors import ModelFailed, Unavailable
+from batchd.server.errors import InvalidInput, ModelFailed, Unavailable
 from batchd.server.request import Batch, Request
 
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
@@ -58,9 +59,12 @@ def after_loss(batches: Iterable[Batch], worker: str, reason: str) -> list[Reque
     return back
 
 
-def after_error(batch: Batch, worker: str, error: str, forward_rows: int = 0) -> list[Request]:
-    """A batch whose model raised. A request that ran alone is answered with the error;
-    if the forward held others too (the batch's other requests, whether or not their
+def after_error(
+    batch: Batch, worker: str, error: str, forward_rows: int = 0, invalid: bool = False
+) -> list[Request]:
+    """A batch whose model raised. A request that ran alone is answered with the error:
+    InvalidInput where the model refused its inputs (`invalid`), else ModelFailed; if
+    the forward held others too (the batch's other requests, whether or not their
     callers are still waiting, or, `forward_rows` says, the batches the worker merged
     into it), each request still waiting is retried alone (returned, as suspects)."""
     pending = [r for r in batch.requests if not r.future.done()]
@@ -69,7 +73,11 @@ def after_error(batch: Batch, worker: str, error: str, forward_rows: int = 0) ->
         for r in pending:
             r.suspect = True
         return pending
-    failed = ModelFailed(f"model {batch.model.name!r} raised on worker {worker}: {error}")
+    failed = (
+        InvalidInput(f"model {batch.model.name!r} refused the inputs: {error}")
+        if invalid
+        else ModelFailed(f"model {batch.model.name!r} raised on worker {worker}: {error}")
+    )
     for r in pending:
         r.future.set_exception(failed)
     return []

@@ -29,7 +29,7 @@ from typing import Any
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.scheduler import Scheduler
-from batchd.server.errors import ModelFailed, StreamBehind
+from batchd.server.errors import InvalidInput, ModelFailed, StreamBehind
 from batchd.server.link import WorkerLink
 from batchd.server.pool import WorkerHandle, WorkerPool
 from batchd.server.request import Batch, Request, Tensor
@@ -133,7 +133,11 @@ class Sequences:
         stream = r.stream
         assert stream is not None
         if step.error:
-            failed = ModelFailed(f"model {model.name!r} on worker {worker.name}: {step.error}")
+            failed = (
+                InvalidInput(f"model {model.name!r} refused the inputs: {step.error}")
+                if step.invalid
+                else ModelFailed(f"model {model.name!r} on worker {worker.name}: {step.error}")
+            )
             self._end_sequence(worker, sequence, failed)
             return
         if tensors:

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from batchd.worker import InputRefused
+
 DECODER = Path(__file__).resolve().parent.parent / "examples" / "models" / "decoder"
 CPU = torch.device("cpu")
 # With net.end_bias = -0.3 this prompt emits END as its 4th token (found by search).
@@ -211,7 +213,7 @@ def test_the_stack_grows_past_its_first_slots(model: Any) -> None:
     ("inputs", "message"),
     [
         (request([], 4), "PROMPT is empty"),
-        (request([0, 5], 4), "in 1..255"),
+        (request([0, 5], 4), r"in 1\.\.255, got 0\.\.5"),
         (request([5, 256], 4), "in 1..255"),
         ({"PROMPT": torch.tensor([1.5]), "MAX_NEW_TOKENS": torch.tensor([4])}, "in 1..255"),
         (request([5], 0), "MAX_NEW_TOKENS must be one integer >= 1"),
@@ -223,7 +225,7 @@ def test_the_stack_grows_past_its_first_slots(model: Any) -> None:
 def test_bad_inputs_are_refused_with_a_clear_message(
     model: Any, inputs: dict[str, torch.Tensor], message: str
 ) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InputRefused, match=message):  # INVALID_ARGUMENT for its caller
         model.start([request([3, 4], 2), inputs])
 
 

@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchd.client import AsyncClient, Client, InferenceFailed, ServerBusy, ServerUnavailable
+from batchd.client import (
+    AsyncClient,
+    Client,
+    InferenceFailed,
+    InvalidInput,
+    ServerBusy,
+    ServerUnavailable,
+)
 from tests.conftest import (
     MODEL_TOML,
     Gate,
@@ -172,11 +179,12 @@ def test_hung_batch_gets_its_worker_replaced(both_workers: ServerProcess) -> Non
 def test_model_error_fails_only_the_offending_requests(
     test_server: ServerProcess, gate: Gate
 ) -> None:
-    """One bad input in a batch of four: the batch is retried request by
-    request, so only the bad one fails, with the model's own message."""
+    """Two bad inputs in a batch of four: the batch is retried request by request,
+    so only the bad ones fail, with the model's own message: INTERNAL where the
+    model raised, INVALID_ARGUMENT where it refused its inputs (InputRefused)."""
 
     def value(i: int) -> float:
-        return -float(i + 1) if i % 2 else float(i + 1)
+        return (float(i + 1), -float(i + 1), float(i + 1), 1e6 + i)[i % 4]
 
     async def scenario() -> list[object]:
         async with AsyncClient(test_server.url) as client:
@@ -187,7 +195,7 @@ def test_model_error_fails_only_the_offending_requests(
             async def call(i: int) -> object:
                 try:
                     return await client.infer("isolate", x(value(i)), timeout=60)
-                except (ServerBusy, InferenceFailed) as e:
+                except (ServerBusy, InferenceFailed, InvalidInput) as e:
                     return e
 
             calls = await fill(lambda i: asyncio.ensure_future(call(i)))
@@ -201,6 +209,11 @@ def test_model_error_fails_only_the_offending_requests(
     for v, o in admitted.items():
         if v < 0:
             assert isinstance(o, InferenceFailed) and f"negative input {v}" in o.message
+            assert o.code == grpc.StatusCode.INTERNAL
+        elif v >= 1e6:
+            assert isinstance(o, InvalidInput), o
+            assert o.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert o.message == f"model 'isolate' refused the inputs: X must be below 1e6, got {v}"
         else:
             assert o["Y"][0, 0] == 2 * v  # type: ignore[index]
     batches = gate.calls("isolate")

@@ -11,6 +11,7 @@ import torch
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, load_model_config
+from batchd.worker import InputRefused
 from batchd.worker.check import check_model
 from batchd.worker.generate import EVERY, StepLoop
 from batchd.worker.loader import load_model
@@ -25,7 +26,7 @@ def config(max_active: int = 2, max_steps: int = 10, admission: str = "continuou
 
 class Counter:
     """Sequence n yields n*100 + k at step k and ends at step n; n == -1 raises in
-    start, n == -2 raises in step. Records every call."""
+    start, n == -2 raises in step, start refuses n == -3. Records every call."""
 
     def __init__(self) -> None:
         self.starts: list[list[int]] = []
@@ -37,6 +38,8 @@ class Counter:
         self.starts.append(ns)
         if -1 in ns:
             raise ValueError("n = -1 will not start")
+        if -3 in ns:
+            raise InputRefused("N must be >= 1, got -3")
         return [{"n": n, "k": 0} for n in ns]
 
     def step(self, states: list[dict[str, int]]) -> list[tuple[dict[str, Any] | None, bool]]:
@@ -165,6 +168,21 @@ def test_start_raising_fails_only_the_joining_sequences() -> None:
     out = replies(loop)
     assert (2, [], True, "start() raised: ValueError: n = -1 will not start") in out
     assert [seq for seq, *_ in out if seq == 1] == [1]  # 1 stepped on
+
+
+def test_start_refusing_inputs_marks_the_failure_the_caller_s_and_only_the_refused_one_s() -> None:
+    """InputRefused from a start of several: each starts alone again, and only the
+    refused sequence ends, with the model's message alone and `invalid` set."""
+    model = Counter()
+    loop = StepLoop(config(max_active=3), model)
+    add(loop, 1, 2)
+    add(loop, 2, -3)
+    loop.round()
+    assert model.starts == [[2, -3], [2], [-3]]
+    header, _ = wire.unpack(add(loop, 3, -3) or loop.round()[0][1])
+    (step,) = [s for s in header.steps if s.id == 3]
+    assert (step.final, step.invalid, step.error) == (True, True, "N must be >= 1, got -3")
+    assert not any(s.invalid for s in header.steps if s.id != 3)
 
 
 def test_step_raising_fails_the_sequences_of_that_step_and_the_loop_goes_on() -> None:

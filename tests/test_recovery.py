@@ -9,7 +9,7 @@ import pytest
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server import recovery
-from batchd.server.errors import ModelFailed
+from batchd.server.errors import InvalidInput, ModelFailed
 from batchd.server.request import Batch, Request
 from tests.conftest import model, run
 from tests.conftest import request as _request
@@ -28,6 +28,24 @@ def test_a_request_alone_in_its_forward_gets_the_error() -> None:
         assert recovery.after_error(Batch(1, r.model, [r], 0.0), "w", "boom", 1) == []
         with pytest.raises(ModelFailed, match="raised on worker w: boom"):
             r.future.result()
+
+    run(body)
+
+
+def test_inputs_the_model_refused_are_the_caller_s_fault_once_it_ran_alone() -> None:
+    """InvalidInput (INVALID_ARGUMENT) for a lone request whose model refused its
+    inputs; in a forward of several, where any row may be at fault, a retry alone."""
+
+    async def body() -> None:
+        r = request(model())
+        assert recovery.after_error(Batch(1, r.model, [r], 0.0), "w", "no", 1, True) == []
+        with pytest.raises(InvalidInput, match=r"^model 'm' refused the inputs: no$"):
+            r.future.result()
+        shared = request(model())
+        assert recovery.after_error(Batch(2, r.model, [shared], 0.0), "w", "no", 3, True) == [
+            shared
+        ]
+        assert shared.suspect and not shared.future.done()
 
     run(body)
 

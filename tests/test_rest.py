@@ -796,6 +796,19 @@ def test_a_model_failure_is_500_with_the_grpc_message(
     assert_serving(test_server)
 
 
+def test_inputs_the_model_refused_are_400_with_the_grpc_message(
+    test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub, gate: Gate
+) -> None:
+    """A model raising batchd.worker.InputRefused is INVALID_ARGUMENT over gRPC and 400
+    over HTTP: the caller's fault, not the server's."""
+    e = grpc_error(models_stub.ModelInfer, x_request("gated", 2e6))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.details() == "model 'gated' refused the inputs: X must be below 1e6, got 2000000.0"
+    r = call(test_server, "POST", "/v2/models/gated/infer", x_body(2e6))
+    assert (r.status, r.error) == (400, e.details())
+    assert_serving(test_server)
+
+
 def pending(server: ServerProcess, model: str) -> float:
     labels = {"model": model, "version": "1"}
     return value(scrape(server), "batchd_inference_pending_request_count", **labels)

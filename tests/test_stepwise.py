@@ -188,6 +188,13 @@ def test_model_errors_fail_only_their_sequences(stub: Any, gate: Gate) -> None:
     assert "start() raised: ValueError: sequence -1 refuses to start" in refused.error_message
     assert refused.infer_response.id == "-1"
     assert values(next(fine)) != []  # 51 steps on: start() failed only the joiner
+    with pytest.raises(grpc.RpcError) as e:  # its caller's inputs, refused by start()
+        stub.ModelInfer(stepper(-3, 3), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == (
+        "model 'stepper' refused the inputs: ID -3 is not a sequence this model runs"
+    )
+    assert values(next(fine)) != []
     fine.cancel()
     with pytest.raises(grpc.RpcError) as e:
         stub.ModelInfer(stepper(-2, 5), timeout=30)

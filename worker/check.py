@@ -102,7 +102,7 @@ def run_sequence(model: Any, cfg: ModelConfig, headers: list[wire.Tensor],
         steps += 1
     ((_, parts, _),) = replies
     (step,) = wire.unpack(parts)[0].steps
-    if step.error.startswith("start() raised") or step.error.startswith("bad inputs"):
+    if step.invalid or step.error.startswith(("start() raised", "bad inputs")):
         return f"a sequence of zeros was refused ({step.error}): outputs not checked"
     if step.error:
         raise RuntimeError(step.error)

@@ -20,8 +20,10 @@ static batching continuous batching is measured against.
 The model's calls run under torch.inference_mode(), as a one-shot model's do:
 a state carried from step to step never holds an autograd graph.
 
-Failures are reply data: `start` raising fails the joining sequences only,
-`step` raising fails the sequences of that step; the loop and the worker go on.
+Failures are reply data: `start` raising fails the joining sequences only (each
+started alone again, so only the one at fault fails; InputRefused refuses its
+caller's inputs), `step` raising fails the sequences of that step; the loop and the
+worker go on.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
+from batchd.worker import InputRefused
 from batchd.worker.execute import BatchError, encode_output, to_model_input
 
 log = logging.getLogger("batchd.worker")
@@ -71,7 +74,7 @@ class Replies:
         self.messages: dict[int, tuple[wire.Header, list[Any], list[int]]] = {}
 
     def add(self, s: Running, tensors: Sequence[wire.Tensor] = (), frames: Sequence[Any] = (),
-            final: bool = True, error: str = "") -> None:  # fmt: skip
+            final: bool = True, error: str = "", invalid: bool = False) -> None:  # fmt: skip
         if s.frontend not in self.messages:
             self.messages[s.frontend] = (
                 wire.Header(kind=wire.Header.STEP, model=self.model),
@@ -79,7 +82,8 @@ class Replies:
                 [0],
             )
         header, all_frames, ends = self.messages[s.frontend]
-        header.steps.add(id=s.seq_id, tensors=len(tensors), final=final, error=wire.text(error))
+        header.steps.add(id=s.seq_id, tensors=len(tensors), final=final, error=wire.text(error),
+                         invalid=invalid)  # fmt: skip
         header.tensors.extend(tensors)
         all_frames.extend(frames)
         ends[0] += final
@@ -241,7 +245,7 @@ class StepLoop:
             states = self._start(joining)
         except Exception as e:  # fails the joining sequences only
             if len(joining) == 1:
-                out.add(joining[0], error=f"start() raised: {_why(e)}")
+                out.add(joining[0], **_start_failed(e))
                 return
             # One of them may be at fault: each starts alone, so only it fails.
             for s in joining:
@@ -262,7 +266,7 @@ class StepLoop:
         try:
             (s.state,) = self._start([s])
         except Exception as e:  # its failure only
-            out.add(s, error=f"start() raised: {_why(e)}")
+            out.add(s, **_start_failed(e))
             return
         s.inputs = {}
         self.active.append(s)
@@ -315,6 +319,14 @@ def on_sequence(loops: Mapping[str, StepLoop], frontend: int, header: wire.Heade
         )
         return [(frontend, wire.pack(error), 1)]
     return loop.add(frontend, header, frames, device)
+
+
+def _start_failed(e: Exception) -> dict[str, Any]:
+    """How a sequence whose start() raised `e` ends: refused inputs are its caller's
+    fault (InputRefused), anything else the model's."""
+    if isinstance(e, InputRefused):
+        return {"error": str(e), "invalid": True}
+    return {"error": f"start() raised: {_why(e)}"}
 
 
 def _why(e: Exception) -> str:

@@ -36,7 +36,7 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.worker import merge
+from batchd.worker import InputRefused, merge
 from batchd.worker.execute import BatchError, run_batch
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
@@ -210,10 +210,12 @@ class Runner:
             compute_ns = time.perf_counter_ns() - start
         except Exception as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
-            message = wire.text(str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}")
+            plain = isinstance(e, BatchError | InputRefused)
+            message = wire.text(str(e) if plain else f"{type(e).__name__}: {e}")
             return [  # forward_rows: whether the batch ran alone (server/recovery.py)
                 (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
-                                          model=h.model, error=message, forward_rows=sum(rows))))
+                                          model=h.model, error=message, forward_rows=sum(rows),
+                                          invalid=isinstance(e, InputRefused))))
                 for f, h, _ in group
             ]  # fmt: skip
         headers = [h for _, h, _ in group]

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from batchd.worker import InputRefused
+
 VOCAB, WIDTH, LAYERS, HEADS, MAX_LEN = 256, 64, 2, 4, 512
 HEAD = WIDTH // HEADS
 END = 0
@@ -126,17 +128,24 @@ class Decoder:
         return self.kv[:, :, state.slot, :, : state.length]
 
     def _prompt(self, request: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        # The caller's inputs, refused as such (INVALID_ARGUMENT, not INTERNAL)
         if "PROMPT" not in request or "MAX_NEW_TOKENS" not in request:
-            raise ValueError(f"inputs PROMPT and MAX_NEW_TOKENS are required, got {list(request)}")
+            got = list(request)
+            raise InputRefused(f"inputs PROMPT and MAX_NEW_TOKENS are required, got {got}")
         prompt, max_new = request["PROMPT"].reshape(-1), request["MAX_NEW_TOKENS"].reshape(-1)
         if prompt.numel() == 0:
-            raise ValueError("PROMPT is empty: send at least one token id")
+            raise InputRefused("PROMPT is empty: send at least one token id")
         if prompt.is_floating_point() or int(prompt.min()) < 1 or int(prompt.max()) >= VOCAB:
-            raise ValueError(f"PROMPT token ids must be integers in 1..{VOCAB - 1}")
+            got = f"{prompt.min().item()}..{prompt.max().item()}"
+            raise InputRefused(f"PROMPT token ids are integers in 1..{VOCAB - 1}, got {got}")
         if max_new.numel() != 1 or max_new.is_floating_point() or int(max_new[0]) < 1:
-            raise ValueError("MAX_NEW_TOKENS must be one integer >= 1")
+            got = max_new.tolist()[:4]
+            raise InputRefused(f"MAX_NEW_TOKENS must be one integer >= 1, got {got}")
         if prompt.numel() + int(max_new[0]) > MAX_LEN:
-            raise ValueError(f"PROMPT length + MAX_NEW_TOKENS must be at most {MAX_LEN}")
+            raise InputRefused(
+                f"PROMPT length + MAX_NEW_TOKENS must be at most {MAX_LEN}, got "
+                f"{prompt.numel()} + {int(max_new[0])}"
+            )
         return prompt.to(self.device, torch.int64), int(max_new[0])
 
     @torch.inference_mode()

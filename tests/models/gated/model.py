@@ -5,8 +5,9 @@ test can hold the worker busy and build a backlog deterministically. Every
 batch appends a JSON line to $BATCHD_TEST_DIR/calls.log so a test can see
 exactly which rows reached the model, batched how; entered.log gets the same
 line when a batch starts, before the gate. A negative value makes the batch
-raise. While $BATCHD_TEST_DIR/hold-<V> exists, a batch holding the value V
-waits (after the gate). Other test models reuse `checkpoint` through runpy.
+raise; one of 1e6 or more makes it refuse its inputs (InputRefused). While
+$BATCHD_TEST_DIR/hold-<V> exists, a batch holding the value V waits (after the
+gate). Other test models reuse `checkpoint` through runpy.
 """
 
 import json
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from batchd.worker import InputRefused
 
 NAME = globals().get("MODEL_NAME") or Path(__file__).parent.name
 
@@ -40,6 +43,8 @@ def load(device: torch.device):
             time.sleep(0.002)
         if any(v < 0 for v in values):
             raise ValueError(f"negative input {min(values)}")
+        if max(values) >= 1e6:
+            raise InputRefused(f"X must be below 1e6, got {max(values)}")
         return x * 2
 
     return run

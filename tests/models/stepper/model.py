@@ -4,7 +4,8 @@ Sequence ID yields ID * 1000 + k at step k, and ends at step STEPS. Every step
 goes through the gated model's `checkpoint`, so while the gate is closed a step
 waits, and calls.log gets one line per step with the IDs it stepped, in order:
 a test sees exactly which sequences stepped together. A negative ID fails:
--1 in start(), -2 in its second step. release() is logged too ("released").
+-1 in start(), -2 in its second step; start() refuses -3 (InputRefused).
+release() is logged too ("released").
 While $BATCHD_TEST_DIR/hold-<ID> exists, sequence ID stops after two outputs:
 its worker's step waits there (so does every sequence beside it).
 """
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from batchd.worker import InputRefused
 
 gated = runpy.run_path(
     str(Path(__file__).parent.parent / "gated" / "model.py"), {"MODEL_NAME": "stepper"}
@@ -29,6 +32,8 @@ class Stepper:
             seq, steps = int(r["ID"][0]), int(r["STEPS"][0])
             if seq == -1:
                 raise ValueError("sequence -1 refuses to start")
+            if seq == -3:
+                raise InputRefused("ID -3 is not a sequence this model runs")
             states.append({"id": seq, "steps": steps, "k": 0})
         checkpoint({"started": [s["id"] for s in states], "pid": os.getpid()})
         return states
