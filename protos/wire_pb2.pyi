@@ -36,7 +36,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., frontends: _Optional[int] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows", "credit", "invalid")
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows", "credit", "invalid", "occupied")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Header.Kind]
@@ -69,6 +69,13 @@ class Header(_message.Message):
     CANCEL: Header.Kind
     PASS: Header.Kind
     CREDIT: Header.Kind
+    class OccupiedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     KIND_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +94,7 @@ class Header(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     CREDIT_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
+    OCCUPIED_FIELD_NUMBER: _ClassVar[int]
     kind: Header.Kind
     batch_id: int
     model: str
@@ -105,7 +113,8 @@ class Header(_message.Message):
     rows: int
     credit: int
     invalid: bool
-    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ..., credit: _Optional[int] = ..., invalid: _Optional[bool] = ...) -> None: ...
+    occupied: _containers.ScalarMap[str, int]
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ..., credit: _Optional[int] = ..., invalid: _Optional[bool] = ..., occupied: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("id", "tensors", "final", "error", "invalid")

@@ -240,6 +240,8 @@ class Core:
             self.sequences.on_step(worker, header, frames)
         elif kind == wire.Header.LOADED:
             self.control.on_loaded(worker, header)
+        elif kind == wire.Header.HEARTBEAT:
+            self.pool.occupied(worker, header.occupied)
 
     def on_silent(self, identity: bytes, silent_s: float) -> None:
         worker = self.pool.get(identity)

@@ -18,13 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
+import math
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
 from batchd.server.request import Batch, Request
+
+log = logging.getLogger("batchd.pool")
 
 
 @dataclass(eq=False)
@@ -41,6 +46,9 @@ class WorkerHandle:
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
     load_errors: dict[str, str] = field(default_factory=dict)  # key -> why it did not load
     credits: int = 1  # batches it may hold at once
+    # step-wise: key -> the sequences other frontends have on it, as its last heartbeat
+    # told (a worker of several frontends; see WorkerPool.choose_slot)
+    others: dict[str, int] = field(default_factory=dict)
     # It serves several frontends and answered a batch of ours: unless the pump that
     # follows sends it another, it is told PASS, so its next forward need not wait
     # for us (worker/gather.py).
@@ -184,15 +192,30 @@ class WorkerPool:
         return BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     def choose_slot(self, model: ModelConfig) -> WorkerHandle | None:
-        """The worker with the most free slots for `model` (None: no free slot)."""
+        """The worker with the most free slots for `model` (None: none has a slot free
+        of our sequences). Its slots free of ours are what may be sent to it; of several
+        such workers, the one whose slots other frontends (of `--frontends N`, or
+        servers sharing a `batchd worker`) fill least is chosen, as its last heartbeat
+        told: a sequence sent where another frontend's fill every slot would wait there
+        while a worker beside it idles. Their count only ranks: it is up to a second
+        old, and a worker queues a sequence it has no slot for."""
         assert model.generate is not None
-        best, most = None, 0
+        best, most = None, -math.inf
         for w in self._order:
             if model.key in w.models:
-                free = model.generate.max_active - self.active(w, model.key)
-                if free > most:
+                mine = self.active(w, model.key)
+                free = model.generate.max_active - mine - w.others.get(model.key, 0)
+                if mine < model.generate.max_active and free > most:
                     best, most = w, free
         return best
+
+    def occupied(self, worker: WorkerHandle, occupied: Mapping[str, int]) -> None:
+        """A heartbeat's count of the sequences on `worker`, every frontend's: keep the
+        others' (ours are counted as they start and end)."""
+        others = {k: max(0, n - self.active(worker, k)) for k, n in occupied.items()}
+        if others != worker.others:
+            log.debug("worker %s holds other frontends' sequences: %s", worker.name, others)
+        worker.others = others
 
     def start(self, worker: WorkerHandle, model: ModelConfig, request: Request,
               now: float) -> Batch:  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 from batchd.protos import wire
 from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
-from tests.conftest import model, request
+from tests.conftest import model, request, stepwise_model
 
 
 def info(name: str, device: str = "cpu", pid: int = 1) -> wire.WorkerInfo:
@@ -50,6 +50,31 @@ def test_an_idle_worker_is_chosen_first_then_round_robin_among_those_with_credit
     for w in (a, b):
         pool.hand(w, cfg, [request(cfg)], 0.0)
     assert pool.capacity(cfg) == NO_CAPACITY and pool.choose(cfg.key) is None
+
+
+def test_a_sequence_starts_where_other_frontends_fill_fewest_slots_never_past_ours() -> None:
+    """choose_slot ranks the workers with a slot free of our sequences by what their
+    heartbeats say other frontends hold there (their count less ours)."""
+    cfg = stepwise_model(max_active=2)
+    pool = WorkerPool(credits=1)
+    a, b = serving(pool, "a", "b", key=cfg.key)
+    assert pool.choose_slot(cfg) is a  # nothing known: the first with most free
+    pool.occupied(a, {cfg.key: 2})  # another frontend's two sequences fill a
+    assert a.others == {cfg.key: 2} and pool.choose_slot(cfg) is b
+    pool.start(b, cfg, request(cfg), 0.0)
+    pool.occupied(b, {cfg.key: 2})  # ours and one other's
+    assert b.others == {cfg.key: 1}
+    assert pool.choose_slot(cfg) is a  # a tie, none free by the counts: the first
+    pool.occupied(a, {cfg.key: 1})
+    assert pool.choose_slot(cfg) is a  # a: 1 free, b: 0
+    pool.occupied(a, {cfg.key: 2})
+    pool.start(b, cfg, request(cfg), 0.0)
+    assert pool.choose_slot(cfg) is a  # b's slots are all ours: never sent past them
+    pool.start(a, cfg, request(cfg), 0.0)
+    pool.start(a, cfg, request(cfg), 0.0)
+    assert pool.choose_slot(cfg) is None
+    pool.occupied(a, {})  # its model unloaded, or nothing of others' left
+    assert a.others == {}
 
 
 def test_requests_out_counts_online_requests_of_one_version_until_their_reply() -> None:

@@ -112,6 +112,66 @@ def load(device):
 """
 
 
+def test_a_frontend_of_several_starts_a_sequence_on_the_worker_the_others_leave_free(
+    tmp_path: Path,
+) -> None:
+    """Two frontends share two hand-started workers of one slot each. Frontend a's
+    endless sequence takes W1's slot. Frontend b, which sees only its own sequences,
+    learns from W1's heartbeat that W1 is full and starts its sequence on W2, where it
+    used to queue behind a's on W1 till its deadline while W2 idled."""
+    (tmp_path / "repo" / "counter").mkdir(parents=True)
+    toml = SLOW_STEPS_TOML.replace("max_active = 4", "max_active = 1")
+    (tmp_path / "repo" / "counter" / "model.toml").write_text(toml)
+    (tmp_path / "repo" / "counter" / "model.py").write_text(SLOW_STEPS_PY)
+    endpoints = {name: f"tcp://127.0.0.1:{free_port()}" for name in "ab"}
+    frontends, workers = {}, []
+    for name, endpoint in endpoints.items():
+        (tmp_path / name).mkdir()
+        frontends[name] = ServerProcess(
+            tmp_path / "repo", "--no-local-workers", "--worker-endpoint", endpoint,
+            "--log-level", "DEBUG", log_dir=tmp_path / name,
+        ).start(ready=False)  # fmt: skip
+
+    def worker(name: str) -> None:
+        workers.append(subprocess.Popen([
+            *(sys.executable, "-m", "batchd.worker", "--connect", ",".join(endpoints.values())),
+            *("--id", name, "--model-repository", str(tmp_path / "repo"), "--threads", "1"),
+        ]))  # fmt: skip
+
+    first: list[int] = []
+
+    def endless() -> None:  # ID 1 never ends: it holds its worker's one slot
+        with contextlib.suppress(Exception), Client(frontends["a"].url) as c:
+            for out in c.stream("counter", {"ID": np.array([1], np.int64)}, timeout=60):
+                first.append(int(out["VALUE"][0]))
+
+    try:
+        worker("W1")  # registered first with both: each frontend's first choice
+        for f in frontends.values():
+            with Client(f.url) as c:
+                wait_for(lambda: c.model_ready("counter"), 60, "W1")
+        worker("W2")
+        for f in frontends.values():
+            wait_for(lambda f=f: "worker W2 registered" in f.log(), 60, "W2")
+        threading.Thread(target=endless, daemon=True).start()
+        wait_for(lambda: len(first) >= 3, 60, "frontend a's sequence to stream")
+        told = "worker W1 holds other frontends' sequences: {'counter@1': 1}"
+        assert told not in frontends["a"].log()  # its own sequence is not another's
+        wait_for(lambda: told in frontends["b"].log(), 30, "W1's heartbeat to frontend b")
+        with Client(frontends["b"].url) as c:
+            out = [
+                int(o["VALUE"][0])
+                for o in c.stream("counter", {"ID": np.array([7], np.int64)}, timeout=20)
+            ]
+        assert out == [7001 + k for k in range(10)]
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+        for f in frontends.values():
+            f.stop()
+
+
 def test_a_replaced_frontend_s_sequences_never_reach_its_successor_s_callers(
     tmp_path: Path,
 ) -> None:

@@ -103,11 +103,14 @@ class Frontend:
     def send_header(self, header: wire.Header, frames: tuple[bytes, ...] = ()) -> None:
         self.send(*wire.pack(header, frames))
 
-    def recv(self, kind: int) -> wire.Header:
-        """The next message of `kind` from the worker (heartbeats and READY skipped)."""
-        return self.recv_with_frames(kind)[0]
+    def recv(self, kind: int, skip: tuple[int, ...] = ()) -> wire.Header:
+        """The next message of `kind` from the worker (heartbeats, READY and the kinds
+        in `skip` skipped)."""
+        return self.recv_with_frames(kind, skip)[0]
 
-    def recv_with_frames(self, kind: int) -> tuple[wire.Header, list[bytes]]:
+    def recv_with_frames(
+        self, kind: int, skip: tuple[int, ...] = ()
+    ) -> tuple[wire.Header, list[bytes]]:
         end = time.monotonic() + WAIT_S
         while (left := end - time.monotonic()) > 0:
             if self.proc.poll() is not None:
@@ -119,7 +122,7 @@ class Frontend:
                 if header.kind == kind:
                     return header, frames
                 # a heartbeat, or READY again: this frontend sends no heartbeats
-                assert header.kind in (wire.Header.HEARTBEAT, wire.Header.READY), header
+                assert header.kind in (wire.Header.HEARTBEAT, wire.Header.READY, *skip), header
         raise AssertionError(f"no {wire.Header.Kind.Name(kind)} within {WAIT_S} s:\n{self.log()}")
 
     def load(self, model: str) -> wire.Header:
@@ -142,6 +145,15 @@ class Frontend:
         assert reply.batch_id == batch_id
         out = reply.tensors[0]
         return from_raw(out.datatype, tuple(out.shape), frames[0])
+
+    def start_endless(self, *seqs: int) -> None:
+        """Load the `endless` step-wise model and START a sequence of it per id."""
+        assert self.load("endless").error == ""
+        for seq in seqs:
+            tensor = wire.Tensor(name="N", datatype="INT64", shape=[1])
+            start = wire.Header(kind=wire.Header.START, batch_id=seq, model="endless",
+                                version="1", tensors=[tensor])  # fmt: skip
+            self.send_header(start, (np.array([1], np.int64).tobytes(),))
 
     def stop(self) -> int:
         """STOP the worker; its exit code (it finishes at once: nothing is pending)."""
@@ -257,18 +269,39 @@ def test_every_worker_log_line_names_the_worker(tmp_path: Path, log_format: str)
         assert any(text in m for m in messages), f"{text!r} not logged:\n{log}"
 
 
+def test_heartbeats_count_each_step_wise_model_s_sequences_in_slots_and_waiting(
+    tmp_path: Path,
+) -> None:
+    """What a frontend of several needs to place a sequence where the fewest are: the
+    worker's heartbeat counts every sequence of each step-wise model version, running
+    or waiting for a slot, and only those still there."""
+    frontend = Frontend(tmp_path, "w-beats")
+    try:
+        frontend.start_endless(5, 6)  # max_active 1: 6 waits for 5's slot
+        frontend.recv(wire.Header.STEP)  # both arrived: 5 runs
+
+        def beat() -> dict[str, int]:
+            return dict(frontend.recv(wire.Header.HEARTBEAT, skip=(wire.Header.STEP,)).occupied)
+
+        assert beat() == {"endless@1": 2}
+        frontend.send_header(wire.Header(kind=wire.Header.CANCEL, batch_id=5))
+        while (counted := beat()) != {"endless@1": 1}:
+            assert counted == {"endless@1": 2}  # one sent before the CANCEL was read
+        frontend.send_header(wire.Header(kind=wire.Header.CANCEL, batch_id=6))
+        while (counted := beat()) != {"endless@1": 0}:
+            assert counted == {"endless@1": 1}
+        assert frontend.stop() == 0, frontend.log()
+    finally:
+        frontend.close()
+
+
 def test_an_unload_ends_the_model_s_sequences_with_a_final_step(tmp_path: Path) -> None:
     """UNLOAD of a step-wise model drops its loop: each of its sequences, stepping or
     waiting for a slot, gets a final STEP saying why, so its frontend waits on none
     and a STOP owes them nothing (it would wait out the 5 s grace)."""
     frontend = Frontend(tmp_path, "w-unload")
     try:
-        assert frontend.load("endless").error == ""
-        for seq in (5, 6):  # max_active 1: 6 waits for 5's slot
-            tensor = wire.Tensor(name="N", datatype="INT64", shape=[1])
-            start = wire.Header(kind=wire.Header.START, batch_id=seq, model="endless",
-                                version="1", tensors=[tensor])  # fmt: skip
-            frontend.send_header(start, (np.array([1], np.int64).tobytes(),))
+        frontend.start_endless(5, 6)  # max_active 1: 6 waits for 5's slot
         assert [s.id for s in frontend.recv(wire.Header.STEP).steps] == [5]  # it runs
         frontend.send_header(wire.Header(kind=wire.Header.UNLOAD, model="endless", version="1"))
         ended: dict[int, str] = {}

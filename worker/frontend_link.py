@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -188,11 +189,11 @@ class FrontendLink:
             return None
         return None if header.kind == wire.Header.HEARTBEAT else (header, frames)
 
-    def tick(self, now: float) -> bool:
-        """Heartbeat, and register again after a silence. True if the socket was
-        replaced (the caller polls the new one)."""
+    def tick(self, now: float, beat: Callable[[], list[Any]] | None = None) -> bool:
+        """Heartbeat (`beat()`'s message, if given), and register again after a
+        silence. True if the socket was replaced (the caller polls the new one)."""
         if self.accepted and now >= self._next_beat:
-            self.send(_BEAT)
+            self.send(beat() if beat is not None else _BEAT)
             self._next_beat = now + wire.HEARTBEAT_INTERVAL_S
         if now < self._next_retry:
             return False

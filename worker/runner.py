@@ -254,6 +254,16 @@ class Runner:
         )
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
+    def _beat(self) -> list[Any]:
+        """A heartbeat; with step-wise models, each one's sequences here, every
+        frontend's, so that a frontend of several can place its own where the fewest
+        are (it sees only its own). The loops are read from the I/O thread: `loops`
+        is replaced whole on a load or unload, and a list's length is one read."""
+        beat = wire.Header(kind=wire.Header.HEARTBEAT)
+        for key, loop in self.loops.items():
+            beat.occupied[key] = len(loop.active) + len(loop.waiting)
+        return wire.pack(beat)
+
     def _parent_gone(self) -> bool:
         return self.options.parent_pid is not None and os.getppid() != self.options.parent_pid
 
@@ -312,7 +322,7 @@ class Runner:
                 if events.get(link.socket, 0) & zmq.POLLIN and (msg := link.receive(now)):
                     self._from_frontend(io, i, *msg)
             self._keep_up(links, poller, now)
-            if any([link.tick(now) for link in links]):  # a link opened a new socket
+            if any([link.tick(now, self._beat) for link in links]):  # a link opened a new socket
                 poller = _poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return 0.0  # the batch at hand will not finish: serve() leaves without it
