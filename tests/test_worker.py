@@ -7,6 +7,8 @@ import ast
 import gc
 import logging
 import os
+import subprocess
+import sys
 import threading
 import warnings
 import weakref
@@ -183,6 +185,8 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
 
 THREAD_COUNTING_MODEL = """
 import os
+import subprocess
+import sys
 import torch
 
 def _threads():
@@ -483,3 +487,84 @@ def test_integers_returned_for_a_bytes_output_are_refused_not_made_zero_bytes(
     refused = "output 'Y' is declared BYTES: a BYTES element is bytes or str, not int"
     with pytest.raises(BatchError, match=refused):
         run_batch(load_model(cfg, CPU), cfg, CPU, tensors, frames)
+
+
+PACKAGED = """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import helper  # helper.py beside this model.py, not another model's
+
+
+@dataclass
+class Settings:  # under the future import, dataclass looks its module up in sys.modules
+    scale: float
+
+
+class Net(torch.nn.Module):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__()
+        self.scale, self.drop = settings.scale, torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(x) * self.scale  # dropout is off once the worker has it eval()
+
+
+def load(device):
+    return Net(Settings(helper.SCALE))
+"""
+
+
+def test_each_model_py_is_a_package_of_its_own_while_its_version_is_loaded(
+    tmp_path: Path,
+) -> None:
+    """Two models each import their own helper.py; a version loaded again after its
+    helper changed gets the new one; an nn.Module is put in eval mode; an unloaded
+    version's modules leave sys.modules."""
+    for name, scale in (("a", 2), ("b", 3)):
+        d = repo_model(tmp_path, "model.py", lambda p: p.write_text(PACKAGED))
+        d = d.rename(tmp_path / name)
+        (d / "helper.py").write_text(f"SCALE = {scale}\n")
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+
+    def answer(name: str, version: str) -> list[list[float]]:
+        cfg, fn = runner.models[model_key(name, version)]
+        headers, out = run_batch(fn, cfg, CPU, *batch(X))
+        return from_raw("FP32", headers[0].shape, bytes(out[0])).tolist()
+
+    def header(kind: int, name: str, version: str) -> wire.Header:
+        return wire.Header(kind=kind, model=name, version=version)
+
+    try:
+        for name in "ab":
+            assert install(runner, header(wire.Header.LOAD, name, "1")) == ""
+        assert answer("a", "1") == (X * 2).tolist() and answer("b", "1") == (X * 3).tolist()
+        (tmp_path / "a" / "helper.py").write_text("SCALE = 5\n")
+        assert install(runner, header(wire.Header.LOAD, "a", "2")) == ""
+        assert answer("a", "2") == (X * 5).tolist() and answer("a", "1") == (X * 2).tolist()
+        loaded = {m for m in sys.modules if m.startswith("batchd_model_a_")}
+        assert len(loaded) == 4  # versions 1 and 2, each with its helper
+        runner._unload(header(wire.Header.UNLOAD, "a", "1"))
+        runner._unload(header(wire.Header.UNLOAD, "a", "2"))
+        assert not any(m.startswith("batchd_model_a_") for m in sys.modules)
+        assert answer("b", "1") == (X * 3).tolist()
+    finally:
+        gc.unfreeze()
+
+
+def test_a_worker_thread_that_dies_takes_its_process_with_it() -> None:
+    """A dead compute or loader thread must not leave a worker that heartbeats on and
+    answers nothing: the process exits, and its frontend sees that at once."""
+    code = (
+        "import threading, time\n"
+        "from batchd.worker.__main__ import die_with_any_thread\n"
+        "threading.excepthook = die_with_any_thread\n"
+        "threading.Thread(target=lambda: 1 / 0, name='compute').start()\n"
+        "time.sleep(60)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 70
+    assert "thread compute died; exiting" in done.stderr and "ZeroDivisionError" in done.stderr

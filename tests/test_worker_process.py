@@ -45,6 +45,9 @@ def _repository(tmp_path: Path) -> Path:
         "    return lambda x: x + n\n",
         "relative": "def load(device):\n    n = float(open('n.txt').read())\n"
         "    return lambda x: x + n\n",
+        # sys.exit() raises SystemExit, which `except Exception` lets through
+        "exits_loading": "import sys\n\ndef load(device):\n    sys.exit('no weights')\n",
+        "exits_running": "import sys\n\ndef load(device):\n    return lambda x: sys.exit(3)\n",
     }.items():
         (repo / name).mkdir(parents=True)
         (repo / name / "model.toml").write_text(TOML)
@@ -200,6 +203,26 @@ def test_a_malformed_frame_is_logged_once_per_kind_dropped_and_serving_goes_on(
         lines = [line for line in log.splitlines() if "malformed" in line and kind in line]
         assert len(lines) == 1, f"{kind}: {lines}\n{log}"
         assert " WARNING " in lines[0] and "dropped" in lines[0]
+    assert frontend.stop() == 0, frontend.log()
+
+
+def test_a_model_calling_sys_exit_fails_its_load_or_batch_and_the_worker_serves_on(
+    frontend: Frontend,
+) -> None:
+    """SystemExit from load() or a forward is the model's failure, answered at once:
+    it used to end the loader or compute thread while the I/O thread heartbeated on,
+    so the load never answered, and every batch after waited out its execution
+    limit."""
+    assert frontend.load("exits_loading").error == "SystemExit: no weights"
+    assert frontend.load("exits_running").error == ""
+    datatype, shape, raw = to_raw(X)
+    tensor = wire.Tensor(name="X", datatype=datatype, shape=shape)
+    frontend.send_header(wire.Header(kind=wire.Header.BATCH, batch_id=7, model="exits_running",
+                                     version="1", tensors=[tensor]), (raw,))  # fmt: skip
+    error = frontend.recv(wire.Header.ERROR)
+    assert (error.batch_id, error.error, error.invalid) == (7, "SystemExit: 3", False)
+    assert frontend.load("plus1").error == ""
+    assert frontend.infer(8, X).tolist() == (X + 1).tolist()
     assert frontend.stop() == 0, frontend.log()
 
 

@@ -9,6 +9,8 @@ import os
 import signal
 import socket
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import torch
@@ -20,6 +22,19 @@ from batchd.worker.log_tag import tag_log_lines
 from batchd.worker.runner import Runner, RunnerOptions
 
 log = logging.getLogger("batchd.worker")
+
+
+def die_with_any_thread(args: threading.ExceptHookArgs) -> None:
+    """A thread of the worker (compute, loader) that dies takes the process with it:
+    the I/O thread would heartbeat on for a worker that answers nothing, its batches
+    waiting out `execution_timeout_s` and its loads for ever. A process that exits is
+    seen at once (and restarted, if its frontend started it). A model's own exceptions,
+    SystemExit too, never get here: they are reply data (runner.py, generate.py)."""
+    thread = args.thread.name if args.thread is not None else "?"
+    trace = traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
+    log.critical("thread %s died; exiting:\n%s", thread, "".join(trace).rstrip())
+    logging.shutdown()
+    os._exit(70)  # EX_SOFTWARE
 
 
 def install_signal_handlers(runner: Runner) -> None:
@@ -122,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     runner = Runner(options)
     install_signal_handlers(runner)
+    threading.excepthook = die_with_any_thread
     try:
         runner.serve()
     finally:

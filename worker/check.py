@@ -1,12 +1,16 @@
-"""`batchd models DIR --check`: load every model of a repository once on the
-CPU, run one batch of zeros through it, and check what comes back against the
-declared signature (the same checks a serving worker applies).
+"""`batchd models DIR --check`: read the repository as serving does (a model
+name used twice fails), load every model once on the CPU, run batches of zeros
+through it, and check what comes back against the declared signature (the same
+checks a serving worker applies). The batches have 2 rows, then 1 and
+max_batch_size (at most MAX_ROWS, and what max_batch_tokens allows): a model
+exported with a fixed batch dim fails here, not on its first odd-sized batch.
 
 A step-wise model (model.toml [generate]) runs one sequence of zeros through a
 worker's step loop to its end (max_steps at most). Zeros may not be an input it
-takes (a token count of 0): when start() refuses them the model is still
-reported ok, loaded and with its start/step contract in place, but with a note
-that its outputs were not checked."""
+takes (a token count of 0): when start() refuses them as a caller's fault
+(batchd.worker.InputRefused) the model is still reported ok, loaded and with its
+start/step contract in place, but with a note that its outputs were not checked.
+Any other exception from start() is a bug in the model: it fails."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ConfigError, ModelConfig, load_model_config
+from batchd.protos.repository import load_each
 from batchd.protos.tensors import batch_input, to_raw
 from batchd.worker.execute import run_batch
 from batchd.worker.generate import StepLoop
@@ -28,6 +33,7 @@ from batchd.worker.loader import load_model
 
 CPU = torch.device("cpu")
 VARIABLE_DIM = 4  # what a -1 becomes in the zeros batch
+MAX_ROWS = 64  # the largest batch of zeros, whatever max_batch_size says
 
 
 @dataclass
@@ -41,8 +47,17 @@ class Row:
     note: str | None = None
 
 
-def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
-    rows = min(2, cfg.max_batch_size)
+def batch_sizes(cfg: ModelConfig) -> list[int]:
+    """The rows of the batches of zeros: 2, then 1 and the largest a batch may hold
+    (0 alone for a model without a batch dim)."""
+    if not cfg.batches:
+        return [0]
+    largest = min(cfg.rows_per_batch(VARIABLE_DIM if cfg.ragged else 0), MAX_ROWS)
+    return list(dict.fromkeys((min(2, largest), min(1, largest), largest)))
+
+
+def zeros_batch(cfg: ModelConfig, rows: int = 2) -> tuple[list[wire.Tensor], list[Any]]:
+    rows = min(rows, cfg.max_batch_size)
     headers, frames = [], []
     for spec in cfg.inputs:
         dims = [d if d > 0 else VARIABLE_DIM for d in spec.shape]
@@ -63,34 +78,46 @@ def zeros_batch(cfg: ModelConfig) -> tuple[list[wire.Tensor], list[Any]]:
     return headers, frames
 
 
-def check_model(directory: Path) -> Row:
-    try:
-        cfg = load_model_config(directory)
-    except ConfigError as e:
-        return Row(directory.name, problem=str(e))
+def check_model(directory: Path, loaded: ModelConfig | ConfigError | None = None) -> Row:
+    """One model's line of the report; `loaded`: its config as the repository
+    loader read it (None: read `directory/model.toml` alone)."""
+    if loaded is None:
+        try:
+            loaded = load_model_config(directory)
+        except ConfigError as e:
+            loaded = e
+    if isinstance(loaded, ConfigError):
+        return Row(directory.name, problem=str(loaded))
+    cfg = loaded
     sig = ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.inputs)
     sig += " -> " + ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.outputs)
     row = Row(cfg.name, cfg.platform, sig)
+    rows = 0
     try:
         start = time.perf_counter()
         fn = load_model(cfg, CPU)
         row.load_ms = (time.perf_counter() - start) * 1e3
-        headers, frames = zeros_batch(cfg)
-        start = time.perf_counter()
-        if cfg.generate is None:
-            run_batch(fn, cfg, CPU, headers, frames, min(2, cfg.max_batch_size))
-        else:
-            row.note = run_sequence(fn, cfg, headers, frames)
-        row.run_ms = (time.perf_counter() - start) * 1e3
+        if cfg.generate is not None:
+            start = time.perf_counter()
+            row.note = run_sequence(fn, cfg, *zeros_batch(cfg))
+            row.run_ms = (time.perf_counter() - start) * 1e3
+            return row
+        for rows in batch_sizes(cfg):
+            headers, frames = zeros_batch(cfg, rows)
+            start = time.perf_counter()
+            run_batch(fn, cfg, CPU, headers, frames, rows)
+            row.run_ms = row.run_ms or (time.perf_counter() - start) * 1e3  # the first's
     except Exception as e:  # the report is the point: every failure becomes a line
-        row.problem = f"{type(e).__name__}: {e}"
+        batch = f"a batch of {rows} row(s): " if rows else ""
+        row.problem = f"{batch}{type(e).__name__}: {e}"
     return row
 
 
 def run_sequence(model: Any, cfg: ModelConfig, headers: list[wire.Tensor],
                  frames: list[Any]) -> str | None:  # fmt: skip
     """One sequence of zeros through a step loop, as a worker runs it. Raises what
-    fails it after it started; returns a note when start() refused the zeros."""
+    fails it; returns a note when the zeros were refused as inputs: by start() with
+    InputRefused, or before it ("bad inputs")."""
     assert cfg.generate is not None
     loop = StepLoop(cfg, model)
     start = wire.Header(kind=wire.Header.START, batch_id=1, model=cfg.name)
@@ -102,7 +129,7 @@ def run_sequence(model: Any, cfg: ModelConfig, headers: list[wire.Tensor],
         steps += 1
     ((_, parts, _),) = replies
     (step,) = wire.unpack(parts)[0].steps
-    if step.invalid or step.error.startswith(("start() raised", "bad inputs")):
+    if step.invalid or step.error.startswith("bad inputs"):
         return f"a sequence of zeros was refused ({step.error}): outputs not checked"
     if step.error:
         raise RuntimeError(step.error)
@@ -114,8 +141,7 @@ def check_repository(root: Path) -> int:
     if not root.is_dir():
         print(f"{root}: not a directory")
         return 1
-    dirs = sorted(p for p in root.iterdir() if (p / "model.toml").is_file())
-    rows = [check_model(d) for d in dirs]
+    rows = [check_model(d, loaded) for d, loaded in load_each(root)]
     print(f"model repository {root}: {len(rows)} model(s)\n")
     for r in rows:
         status = "ok" if r.problem is None else "FAILED"

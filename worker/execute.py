@@ -22,6 +22,7 @@ from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import bytes_row_offsets, from_raw, serialize_bytes
+from batchd.worker import InputRefused
 from batchd.worker.loader import ModelFn
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -43,6 +44,17 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 class BatchError(Exception):
     """The batch cannot be answered; the message goes back to its callers."""
+
+
+def why(e: BaseException) -> str:
+    """What a model's exception says, for its callers: the message alone for ours
+    (BatchError) and a refusal (InputRefused), else the type too. Never raises: an
+    exception whose __str__ fails is named by its type."""
+    try:
+        text = str(e)
+    except Exception:
+        text = "(its message could not be read)"
+    return text if isinstance(e, BatchError | InputRefused) else f"{type(e).__name__}: {text}"
 
 
 def to_model_input(t: wire.Tensor, frame: Any, device: torch.device) -> Any:

@@ -40,7 +40,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker import InputRefused
-from batchd.worker.execute import BatchError, encode_output, to_model_input
+from batchd.worker.execute import BatchError, encode_output, to_model_input, why
 
 log = logging.getLogger("batchd.worker")
 Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends
@@ -200,9 +200,9 @@ class StepLoop:
                 raise BatchError(
                     f"step() returned {len(results)} results for {len(stepping)} sequences"
                 )
-        except Exception as e:  # the model's failure: these sequences'
+        except BaseException as e:  # the model's failure: these sequences' (SystemExit too)
             for s in stepping:
-                out.add(s, error=f"step() raised: {_why(e)}")
+                out.add(s, error=f"step() raised: {why(e)}")
                 self._release(s)
             self.active = still
             return
@@ -217,8 +217,8 @@ class StepLoop:
                 out.add(s, tensors, frames, final)
                 if tensors and s.credit is not None:  # as the frontend counts it
                     s.credit -= sum(len(f) for f in frames) + wire.OUTPUT_COST
-            except Exception as e:  # a bad output fails its sequence only
-                out.add(s, error=f"step() returned {e}")
+            except BaseException as e:  # a bad output fails its sequence only
+                out.add(s, error=f"step() returned {why(e)}")
                 final = True
             if final:
                 self._release(s)
@@ -243,7 +243,7 @@ class StepLoop:
             return
         try:
             states = self._start(joining)
-        except Exception as e:  # fails the joining sequences only
+        except BaseException as e:  # fails the joining sequences only
             if len(joining) == 1:
                 out.add(joining[0], **_start_failed(e))
                 return
@@ -265,7 +265,7 @@ class StepLoop:
     def _admit_one(self, s: Running, out: Replies) -> None:
         try:
             (s.state,) = self._start([s])
-        except Exception as e:  # its failure only
+        except BaseException as e:  # its failure only
             out.add(s, **_start_failed(e))
             return
         s.inputs = {}
@@ -290,7 +290,7 @@ class StepLoop:
         try:
             with torch.inference_mode():
                 release(s.state)
-        except Exception:  # a release that fails frees nothing more; the loop goes on
+        except BaseException:  # a release that fails frees nothing more; the loop goes on
             log.exception("model %s: release() raised", self.cfg.name)
         s.state = None
 
@@ -321,13 +321,9 @@ def on_sequence(loops: Mapping[str, StepLoop], frontend: int, header: wire.Heade
     return loop.add(frontend, header, frames, device)
 
 
-def _start_failed(e: Exception) -> dict[str, Any]:
+def _start_failed(e: BaseException) -> dict[str, Any]:
     """How a sequence whose start() raised `e` ends: refused inputs are its caller's
     fault (InputRefused), anything else the model's."""
     if isinstance(e, InputRefused):
-        return {"error": str(e), "invalid": True}
-    return {"error": f"start() raised: {_why(e)}"}
-
-
-def _why(e: Exception) -> str:
-    return str(e) if isinstance(e, BatchError) else f"{type(e).__name__}: {e}"
+        return {"error": why(e), "invalid": True}
+    return {"error": f"start() raised: {why(e)}"}

@@ -20,8 +20,11 @@ here must pass weights_only=True (a test checks every call).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import os
+import re
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -36,26 +39,45 @@ ModelFn = Callable[..., Any]
 log = logging.getLogger("batchd.worker")
 
 
+_modules: dict[str, str] = {}  # model key -> the name its model.py is loaded under
+_loads = itertools.count(1)
+
+
 def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
-    module_name = f"batchd_model_{cfg.name}"
+    # Each load of a model.py is a package of its own, under a name no other model,
+    # version or reload shares, registered in sys.modules while the version is loaded:
+    # `from . import helper` finds helper.py beside it, afresh for each version (never
+    # another model's helper of that name), and what looks a class's module up there
+    # (dataclasses under `from __future__ import annotations`, pickle) finds it.
+    module_name = f"batchd_model_{re.sub(r'[^0-9A-Za-z_]', '_', cfg.name)}_{next(_loads)}"
     # __file__ is absolute whatever --model-repository was: Path(__file__).parent is
     # the model's folder. The working directory is not changed for the load: it is
     # the whole process's, and the I/O thread runs on while the compute thread loads
     # (it reconnects relative ipc:// paths and re-reads --worker-keys DIR when it opens
     # a new socket); the model's forward would also see another directory than load.
-    spec = importlib.util.spec_from_file_location(module_name, cfg.artifact.absolute())
+    folder = [str(cfg.artifact.parent.absolute())]
+    spec = importlib.util.spec_from_file_location(
+        module_name, cfg.artifact.absolute(), submodule_search_locations=folder
+    )
     if spec is None or spec.loader is None:
         raise ImportError(f"{cfg.artifact}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
         load = getattr(module, "load", None)
         if not callable(load):
             raise TypeError(f"{cfg.artifact}: defines no load(device) function")
-        fn = load(device)
+        fn = _eval(load(device))
     except FileNotFoundError as e:
+        _forget_module(module_name)
         _explain_relative_path(cfg, e)
         raise
+    except BaseException:
+        _forget_module(module_name)
+        raise
+    forget(cfg.key)  # (the same version loaded again: the last load's module goes)
+    _modules[cfg.key] = module_name
     if cfg.generate is not None:  # a step-wise model: start / step (/ release)
         missing = [m for m in ("start", "step") if not callable(getattr(fn, m, None))]
         if missing:
@@ -85,10 +107,24 @@ def _explain_relative_path(cfg: ModelConfig, e: FileNotFoundError) -> None:
         ) from e
 
 
-def _eval(module: Any) -> ModelFn:
+def forget(key: str) -> None:
+    """A model version is unloaded: its model.py's modules leave sys.modules, so that
+    what they hold is freed with the model."""
+    if (name := _modules.pop(key, None)) is not None:
+        _forget_module(name)
+
+
+def _forget_module(name: str) -> None:
+    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[loaded]
+
+
+def _eval(module: Any) -> Any:
+    """An nn.Module in inference mode: dropout off, batch norm on its running
+    statistics, so an answer never depends on the requests batched beside it."""
     if isinstance(module, torch.nn.Module):
         module.eval()
-    return module  # type: ignore[no-any-return]
+    return module
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
@@ -101,7 +137,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
             module = torch.jit.load(str(cfg.artifact), map_location=device)
         if caught:
             log.warning("model %s: %s (%s)", cfg.name, caught[0].message, cfg.artifact)
-        return _eval(module)
+        return _eval(module)  # type: ignore[no-any-return]
     if cfg.platform == "torch_export":
         program = torch.export.load(str(cfg.artifact))
         if device.type != "cpu":

@@ -29,6 +29,7 @@ import zmq
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.protos.repository import find_model
+from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, load_model
 
 log = logging.getLogger("batchd.worker")
@@ -59,9 +60,10 @@ def load(
         log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
                  cfg.artifact, time.perf_counter() - start, extra={"model": cfg.name})  # fmt: skip
         return Loaded((cfg, fn))
-    except Exception as e:  # a model that will not load is reply data too
+    except BaseException as e:  # a model that will not load is reply data too, even
+        # one that calls sys.exit(): it would end this thread, and the compute thread
         log.exception("cannot load model %s", header.model, extra={"model": header.model})
-        return Loaded(error=wire.text(f"{type(e).__name__}: {e}"))
+        return Loaded(error=wire.text(why(e)))
 
 
 def settle_heap() -> None:

@@ -36,8 +36,8 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.worker import InputRefused, merge
-from batchd.worker.execute import BatchError, run_batch
+from batchd.worker import InputRefused, loader, merge
+from batchd.worker.execute import BatchError, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence
@@ -183,6 +183,7 @@ class Runner:
         del loop  # the model's last references here go before the collection below
         if entry is not None:
             del entry
+            loader.forget(key)  # its model.py's modules
             gc.unfreeze()  # the model's objects may be among the frozen: collect them now
             settle_heap()
             if self.options.device.type == "cuda":
@@ -208,10 +209,9 @@ class Runner:
             device = self.options.device
             out_tensors, out_frames = run_batch(fn, cfg, device, tensors, frames, sum(rows))
             compute_ns = time.perf_counter_ns() - start
-        except Exception as e:  # any model failure is reply data, never a dead worker
+        except BaseException as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
-            plain = isinstance(e, BatchError | InputRefused)
-            message = wire.text(str(e) if plain else f"{type(e).__name__}: {e}")
+            message = wire.text(why(e))  # (SystemExit too: it would end this thread)
             return [  # forward_rows: whether the batch ran alone (server/recovery.py)
                 (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
                                           model=h.model, error=message, forward_rows=sum(rows),
