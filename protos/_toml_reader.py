@@ -3,8 +3,15 @@ every error. Used by model_config.py only."""
 
 from __future__ import annotations
 
+import math
+import tomllib
 from pathlib import Path
 from typing import Any
+
+# The widest integers TOML holds (its spec: 64-bit signed; tomllib takes any), and
+# the widest a key may take where it travels in an int32 field (ModelConfig's
+# max_batch_size: server/describe.py).
+INT64_MAX, INT32_MAX = 2**63 - 1, 2**31 - 1
 
 
 class ConfigError(ValueError):
@@ -14,10 +21,38 @@ class ConfigError(ValueError):
 _REQUIRED = object()
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The document in `path`: UTF-8 TOML (as its spec says) whose integers are 64-bit;
+    any other file is a ConfigError naming it, never a UnicodeDecodeError."""
+    try:
+        doc = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 (TOML is): byte {e.object[e.start]:#04x} at "
+                          f"offset {e.start}") from None  # fmt: skip
+    except ValueError as e:  # TOMLDecodeError; an integer of over 4300 digits
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    _check_integers(path, doc)
+    return doc
+
+
+def _check_integers(path: Path, value: Any) -> None:
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        for v in value:
+            _check_integers(path, v)
+    elif isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ConfigError(f"{path}: not valid TOML: an integer of {len(str(abs(value)))} "
+                          "digits, beyond the 64 bits TOML integers have")  # fmt: skip
+
+
 class Reader:
     def __init__(self, path: Path, table: Any, where: str) -> None:
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: {where.strip() or 'the file'} must be a table")
+            what = where.strip() or "the file"
+            raise ConfigError(f"{path}: {what} must be a table, got {type(table).__name__}")
         self.path, self.table, self.where = path, dict(table), where
 
     def fail(self, key: str, problem: str) -> ConfigError:
@@ -35,15 +70,18 @@ class Reader:
             raise self.fail(key, f"expected {names}, got {value!r}")
         return value
 
-    def integer(self, key: str, default: int, minimum: int = 0) -> int:
+    def integer(self, key: str, default: int, minimum: int = 0, maximum: int = INT64_MAX) -> int:
         value: int = self.get(key, int, default)
-        if value < minimum:
-            raise self.fail(key, f"expected an integer >= {minimum}, got {value}")
+        if not minimum <= value <= maximum:
+            bound = f">= {minimum}" if maximum == INT64_MAX else f"from {minimum} to {maximum}"
+            raise self.fail(key, f"expected an integer {bound}, got {value}")
         return value
 
     def number(self, key: str, default: float, minimum: float = 0.0) -> float:
+        """A float or integer >= `minimum`; inf passes (a limit that never ends), NaN,
+        which compares false with everything and so would pass any bound, does not."""
         value = float(self.get(key, (int, float), default))
-        if value < minimum:
+        if math.isnan(value) or value < minimum:
             raise self.fail(key, f"expected a number >= {minimum}, got {value}")
         return value
 
@@ -58,6 +96,14 @@ class Reader:
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
             raise self.fail(key, f"expected a list of integers >= {minimum}, got {values!r}")
         return tuple(values)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """A tensor's dims: each positive, or -1 (variable)."""
+        dims = self.get(key, list)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and (d > 0 or d == -1)
+                   for d in dims):  # fmt: skip
+            raise self.fail(key, f"expected a list of positive integers or -1, got {dims!r}")
+        return tuple(dims)
 
     def table_of(self, key: str) -> Reader:
         return Reader(self.path, self.table.pop(key, {}), f"[{key}] ")

@@ -26,12 +26,11 @@ name can be turned into a directory without escaping (repository.py).
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchd.protos._toml_reader import ConfigError, Reader
+from batchd.protos._toml_reader import INT32_MAX, ConfigError, Reader, read_toml
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
 
 __all__ = ["MODEL_NAME", "ConfigError", "ModelConfig", "load_model_config"]
@@ -71,6 +70,8 @@ class BatchInputSpec:
 
 
 AUTO_DELAY_MAX_US = 20_000  # the longest an automatic queue delay waits
+# The scheduler looks at every level's queue for each batch it forms.
+MAX_PRIORITY_LEVELS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +176,6 @@ def model_key(name: str, version: str) -> str:
     return f"{name}@{version}"
 
 
-def _shape(r: Reader) -> tuple[int, ...]:
-    shape = r.get("shape", list)
-    if not all(
-        isinstance(d, int) and not isinstance(d, bool) and (d > 0 or d == -1) for d in shape
-    ):
-        raise r.fail("shape", f"expected a list of positive integers or -1, got {shape!r}")
-    return tuple(shape)
-
-
 def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
     r = Reader(path, table, f"[[{kind}]] #{index + 1} ")
     name = r.get("name", str)
@@ -191,7 +183,7 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
     datatype = r.get("datatype", str)
     if datatype not in DATATYPES:
         raise r.fail("datatype", f"expected one of {DATATYPE_NAMES}, got {datatype!r}")
-    spec = TensorSpec(name, datatype, _shape(r))
+    spec = TensorSpec(name, datatype, r.shape("shape"))
     if kind == "input" and r.get("ragged", bool, False):
         packed = r.get("packed", bool, False)
         fixed = spec.shape[1:] if packed else ()  # packed: [-1, d, ...] too
@@ -262,7 +254,7 @@ def _batch_inputs(path: Path, tables: Any, inputs: tuple[TensorSpec, ...]) -> tu
 
 def _batching(r: Reader, max_batch_size: int, ragged: bool, packed: bool) -> BatchingConfig:
     d = _BATCHING
-    levels = r.integer("priority_levels", 0)
+    levels = r.integer("priority_levels", 0, maximum=MAX_PRIORITY_LEVELS)
     preferred = r.int_list("preferred_batch_sizes", 1)
     if any(p > max_batch_size for p in preferred):
         raise r.fail(
@@ -304,22 +296,28 @@ def _batching(r: Reader, max_batch_size: int, ragged: bool, packed: bool) -> Bat
 
 
 def load_model_config(directory: Path) -> ModelConfig:
-    """Parse and validate `directory/model.toml`; raise ConfigError on any problem."""
+    """Parse and validate `directory/model.toml`; raise ConfigError on any problem.
+    A failure the checks below did not foresee is one too, naming the file: callers
+    (start-up, `--check`, RepositoryIndex) report a ConfigError and catch no other."""
     path = directory / "model.toml"
     try:
-        doc = tomllib.loads(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from e
-    doc.update(doc.pop("model", {}))
+        return _parse(directory, path, read_toml(path))
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot be read as a model: {type(e).__name__}: "
+                          f"{str(e)[:200]}") from e  # fmt: skip
+
+
+def _parse(directory: Path, path: Path, doc: dict[str, Any]) -> ModelConfig:
+    doc.update(Reader(path, doc.pop("model", {}), "[model] ").table)
     top = Reader(path, doc, "")
     name = top.get("name", str, directory.name)
     if not MODEL_NAME.fullmatch(name):
         raise top.fail(
             "name", f"expected letters, digits, '_', '-', '.' (no leading '.'), got {name!r}"
         )
-    max_batch_size = top.integer("max_batch_size", 0)
+    max_batch_size = top.integer("max_batch_size", 0, maximum=INT32_MAX)  # int32 on the wire
     inputs = _tensors(path, "input", top.table.pop("input", None))
     outputs = _tensors(path, "output", top.table.pop("output", None))
     batch_inputs = _batch_inputs(path, top.table.pop("batch_input", None), inputs)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, load_model_config
 
-__all__ = ["confined", "find_model", "load_repository", "model_directory"]
+__all__ = ["confined", "find_model", "load_each", "load_repository", "model_directory"]
 
 
 def confined(root: Path, path: Path) -> Path:
@@ -58,14 +58,33 @@ def find_model(root: Path, name: str) -> ModelConfig:
     raise ConfigError(f"{root}: no model named {name!r} in the repository")
 
 
+def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:
+    """Every model directory of repository `root`, with its config or why it is
+    refused: what load_repository refuses, a name used twice included, but model by
+    model, so that a report (`batchd models DIR --check`) goes on past the first."""
+    found: list[tuple[Path, ModelConfig | ConfigError]] = []
+    seen: dict[str, Path] = {}
+    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+        try:
+            cfg = _load_confined(root, sub)
+            if cfg.name in seen:
+                raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used "
+                                  f"twice (also by {seen[cfg.name].name}/)")  # fmt: skip
+        except ConfigError as e:
+            found.append((sub, e))
+            continue
+        seen[cfg.name] = sub
+        found.append((sub, cfg))
+    return found
+
+
 def load_repository(root: Path) -> dict[str, ModelConfig]:
     """Every model of a repository: each subdirectory holding a model.toml."""
     if not root.is_dir():
         raise ConfigError(f"{root}: model repository is not a directory")
     models: dict[str, ModelConfig] = {}
-    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
-        cfg = _load_confined(root, sub)
-        if cfg.name in models:
-            raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used twice")
+    for _, cfg in load_each(root):
+        if isinstance(cfg, ConfigError):
+            raise cfg
         models[cfg.name] = cfg
     return models

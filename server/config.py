@@ -323,6 +323,9 @@ class ServerConfig:
         w, m, f, s = self.workers, self.models, self.frontends, self.security
         if w.count is not None and w.devices != "auto":
             raise ConfigError("--workers and --devices exclude each other: give one")
+        if w.local and w.devices != "auto" and not w.device_list():  # e.g. "," or ""
+            raise ConfigError(f"--devices takes a list such as cpu or cuda:0,cuda:1, got "
+                              f"{w.devices[:40]!r} (no workers: --no-local-workers)")  # fmt: skip
         if m.load and not m.explicit:
             raise ConfigError("--load-model needs --model-control explicit")
         if (s.tls_cert is None) != (s.tls_key is None):
@@ -374,9 +377,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             text = f"{text} (default {f.default})"
         if "action" not in kw and "choices" not in kw:
             kw.setdefault("metavar", f.metadata["flag"].lstrip("-").upper().replace("-", "_"))
-        default = None if kw.get("action") == "append" else f.default
-        if default is dataclasses.MISSING:
-            default = None
+        default = f.default if f.default is not dataclasses.MISSING else None
+        default = None if kw.get("action") == "append" else default
         target.add_argument(f.metadata["flag"], dest=path, default=default, help=text, **kw)
 
 

@@ -242,7 +242,7 @@ def test_an_output_that_is_not_what_the_model_declares_fails_its_sequence() -> N
 def test_models_check_runs_a_step_wise_model_through_the_loop(tmp_path: Path) -> None:
     """`batchd models DIR --check` on step-wise models: a sequence of zeros runs to its
     end; one whose outputs are not as declared fails; one whose start() refuses zeros
-    is ok, with a note that its outputs were not checked."""
+    (InputRefused) is ok, with a note that its outputs were not checked."""
     toml = (
         '[[input]]\nname = "N"\ndatatype = "INT64"\nshape = [1]\n'
         '[[output]]\nname = "OUT"\ndatatype = "{out}"\nshape = [1]\n'
@@ -250,10 +250,11 @@ def test_models_check_runs_a_step_wise_model_through_the_loop(tmp_path: Path) ->
     )
     model = (
         "import torch\n"
+        "from batchd.worker import InputRefused\n"
         "class M:\n"
         "    def start(self, requests):\n"
         "        if {refuse}:\n"
-        "            raise ValueError('N must be >= 1')\n"
+        "            raise InputRefused('N must be >= 1')\n"
         "        return [0 for _ in requests]\n"
         "    def step(self, states):\n"
         "        return [({{'OUT': torch.tensor([7])}}, False) for _ in states]\n"
@@ -269,7 +270,7 @@ def test_models_check_runs_a_step_wise_model_through_the_loop(tmp_path: Path) ->
     assert rows["good"].problem is None and rows["good"].note == "a sequence of zeros ran 3 step(s)"
     assert "declared FP32" in (rows["wrong"].problem or "")
     assert rows["picky"].problem is None
-    assert "refused (start() raised: ValueError: N must be >= 1)" in (rows["picky"].note or "")
+    assert "refused (N must be >= 1)" in (rows["picky"].note or "")
 
 
 def test_the_readme_step_wise_example_runs(tmp_path: Path) -> None:

@@ -1,0 +1,207 @@
+"""Hostile model.toml files and `batchd serve` flags: each is refused at start-up
+(or by `batchd models DIR --check`) with a ConfigError naming the file and the key,
+never accepted into a server that then fails every request, and never a traceback."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from batchd.protos.model_config import ConfigError, load_model_config
+from batchd.protos.repository import find_model, load_repository
+from batchd.server.config import ServerConfig, Workers
+from batchd.server.describe import model_config
+from batchd.worker.check import batch_sizes, check_model, check_repository
+from tests.servers import EXAMPLES
+
+GOOD = """max_batch_size = 4
+[[input]]
+name = "X"
+datatype = "FP32"
+shape = [2]
+[[output]]
+name = "Y"
+datatype = "FP32"
+shape = [2]
+"""
+ECHO = "def load(device):\n    return lambda x: x\n"
+
+
+def write(root: Path, name: str, toml: str | bytes, model: str = ECHO) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    if isinstance(toml, str):
+        toml = toml.encode()
+    (d / "model.toml").write_bytes(toml)
+    (d / "model.py").write_text(model)
+    return d
+
+
+def refused(d: Path, *parts: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_model_config(d)
+    message = str(info.value)
+    assert message.startswith(f"{d / 'model.toml'}: "), message
+    for part in parts:
+        assert part in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("table", "key"),
+    [("instances", "execution_timeout_s"), ("batching", "target_latency_ms")],
+)
+def test_a_nan_number_is_refused(tmp_path: Path, table: str, key: str) -> None:
+    """NaN compares false with every bound: a NaN execution_timeout_s would never
+    declare a hung forward overdue. inf stays what it was, a limit never reached."""
+    d = write(tmp_path, "nan", f"{GOOD}[{table}]\n{key} = nan\n")
+    refused(d, f"[{table}] key '{key}': expected a number >= ", "got nan")
+    (d / "model.toml").write_text(f"{GOOD}[{table}]\n{key} = inf\n")
+    cfg = load_model_config(d)
+    assert math.isinf(getattr(cfg.instances if table == "instances" else cfg.batching, key))
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        (b"# mod\xe8le de r\xe9f\xe9rence\n" + GOOD.encode(), "not UTF-8 (TOML is): byte 0xe8"),
+        ('model = "x"\n' + GOOD, "[model] must be a table, got str"),
+        ("pad = " + "9" * 5000 + "\n" + GOOD, "not valid TOML"),
+        ("pad = " + "9" * 40 + "\n" + GOOD, "an integer of 40 digits, beyond the 64 bits"),
+    ],
+)
+def test_a_malformed_file_is_a_config_error_naming_it(
+    tmp_path: Path, toml: str | bytes, message: str
+) -> None:
+    refused(write(tmp_path, "bad", toml), message)
+
+
+def test_an_unforeseen_failure_while_parsing_is_a_config_error_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backstop: whatever escapes the checks still names the file."""
+
+    def broken(*args: object) -> None:
+        raise KeyError("surprise")
+
+    monkeypatch.setattr("batchd.protos.model_config._batching", broken)
+    refused(write(tmp_path, "m", GOOD), "cannot be read as a model: KeyError: 'surprise'")
+
+
+def test_a_malformed_neighbour_is_reported_not_raised(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Start-up names the file; a model found by its declared name loads past a broken
+    neighbour (RepositoryIndex, a worker's LOAD); `--check` reports it as FAILED."""
+    write(tmp_path, "a_latin", b"# \xe9\n" + GOOD.encode())
+    write(tmp_path, "b_scalar", 'model = "x"\n' + GOOD)
+    write(tmp_path, "c_good", 'name = "declared"\n' + GOOD)
+    with pytest.raises(ConfigError, match=r"a_latin/model\.toml: not UTF-8"):
+        load_repository(tmp_path)
+    assert find_model(tmp_path, "declared").directory == tmp_path / "c_good"
+    assert check_repository(tmp_path) == 2
+    out = capsys.readouterr().out
+    assert "b_scalar/model.toml: [model] must be a table" in out and "1 ok, 2 failed" in out
+
+
+def test_models_check_refuses_a_name_used_twice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As serving does (load_repository), not each directory on its own."""
+    for sub in ("dupA", "dupB"):
+        write(tmp_path, sub, 'name = "same"\n' + GOOD)
+    assert check_repository(tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "dupB/model.toml: model name 'same' is used twice (also by dupA/)" in out
+    assert "1 ok, 1 failed" in out
+
+
+STEPWISE = """[[input]]
+name = "N"
+datatype = "INT64"
+shape = [1]
+[[output]]
+name = "OUT"
+datatype = "INT64"
+shape = [1]
+[generate]
+max_steps = 2
+"""
+STARTS = """import torch
+from batchd.worker import InputRefused
+class M:
+    def start(self, requests):
+        {start}
+        return [0 for _ in requests]
+    def step(self, states):
+        return [({{'OUT': torch.tensor([7])}}, False) for _ in states]
+def load(device):
+    return M()
+"""
+
+
+def test_models_check_fails_a_start_that_raises_anything_but_input_refused(
+    tmp_path: Path,
+) -> None:
+    """Refused zeros (InputRefused: the caller's fault) are a note; a bug is a failure."""
+    buggy = check_model(write(tmp_path, "buggy", STEPWISE, STARTS.format(start="undefined")))
+    assert "start() raised: NameError: name 'undefined' is not defined" in (buggy.problem or "")
+    picky = STARTS.format(start="raise InputRefused('N must be >= 1')")
+    row = check_model(write(tmp_path, "picky", STEPWISE, picky))
+    assert row.problem is None, row.problem
+    assert row.note == "a sequence of zeros was refused (N must be >= 1): outputs not checked"
+
+
+def test_models_check_runs_one_row_and_the_largest_batch(tmp_path: Path) -> None:
+    """A model that takes only batches of 2 (a .pt2 exported with a fixed batch dim)
+    fails --check; a huge max_batch_size is checked with MAX_ROWS rows, no more."""
+    fixed = "def load(device):\n    return lambda x: x.reshape(2, 2)\n"
+    row = check_model(write(tmp_path, "fixed", GOOD, fixed))
+    assert (row.problem or "").startswith("a batch of 1 row(s): RuntimeError: shape '[2, 2]'")
+    huge = GOOD.replace("max_batch_size = 4", "max_batch_size = 100000")
+    capped = "def load(device):\n    return lambda x: x[:64] if len(x) <= 64 else None\n"
+    d = write(tmp_path, "huge", huge, capped)
+    assert batch_sizes(load_model_config(d)) == [2, 1, 64]
+    assert check_model(d).problem is None
+    tokens = huge.replace("shape = [2]\n", "shape = [-1]\nragged = true\n", 1)
+    tokens += "[batching]\nmax_batch_tokens = 12\n"  # 3 rows of the check's length 4
+    assert batch_sizes(load_model_config(write(tmp_path, "tokens", tokens))) == [2, 1, 3]
+    assert batch_sizes(load_model_config(EXAMPLES / "decoder")) == [0]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("priority_levels", 257, "expected an integer from 0 to 256, got 257"),
+        ("max_batch_size", 2**31, "expected an integer from 0 to 2147483647"),
+        ("max_batch_size", 2**63 - 1, "expected an integer from 0 to 2147483647"),
+    ],
+)
+def test_integers_are_bounded(tmp_path: Path, key: str, value: int, message: str) -> None:
+    """priority_levels: the scheduler scans every level per batch; max_batch_size
+    travels in ModelConfig's int32 field."""
+    toml = GOOD.replace("max_batch_size = 4", f"max_batch_size = {value}")
+    if key == "priority_levels":
+        toml = f"{GOOD}[batching]\npriority_levels = {value}\n"
+    refused(write(tmp_path, "m", toml), f"key '{key}': {message}")
+
+
+def test_the_largest_accepted_integers_describe_on_the_wire(tmp_path: Path) -> None:
+    toml = GOOD.replace("max_batch_size = 4", f"max_batch_size = {2**31 - 1}")
+    toml += f"[batching]\npriority_levels = 256\nmax_queue_delay_us = {2**63 - 1}\n"
+    cfg = load_model_config(write(tmp_path, "m", toml))
+    config = model_config(cfg).config
+    assert config.max_batch_size == 2**31 - 1 and config.dynamic_batching.priority_levels == 256
+    assert config.SerializeToString()
+
+
+@pytest.mark.parametrize("devices", [",", "", " , "])
+def test_a_device_list_naming_no_device_is_refused(devices: str) -> None:
+    """It would start no worker, and the server would never be ready."""
+    workers = Workers(devices=devices)
+    with pytest.raises(ConfigError, match=r"--devices takes a list such as cpu or cuda:0,cuda:1"):
+        ServerConfig(model_repository=EXAMPLES, workers=workers).check()
+    away = Workers(devices=devices, local=False)  # workers join with `batchd worker`
+    ServerConfig(model_repository=EXAMPLES, workers=away).check()
