@@ -1,4 +1,14 @@
-"""numpy <-> ModelInferRequest / ModelInferResponse for the client. Pure."""
+"""numpy <-> ModelInferRequest / ModelInferResponse for the client. Pure.
+
+A `datatypes=` override that narrows (FP64 values sent as UINT8, INT64 as INT32,
+FP64 as FP16) is checked, never wrapped: numpy's cast would send 300 as UINT8
+44, 2**40 as INT32 0, 1.7 as INT32 1 and 1e6 as FP16 inf, values the server
+refuses when they come typed. An integer datatype takes whole numbers in its
+range (1.0 is 1; 1.7 is refused, not truncated), BOOL 0 and 1, a float type
+any number it can hold short of overflowing to inf (rounding to its precision,
+as any float cast does). An array already of the datatype, or one numpy casts
+to it safely (uint8 as INT32), is sent unchecked.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from batchd.client.errors import InvalidInput
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.datatypes import DATATYPES
+from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
 from batchd.protos.tensors import from_raw, set_parameter, to_raw
 
 
@@ -24,7 +35,10 @@ def build_request(
 ) -> pb.ModelInferRequest:
     msg = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, value in inputs.items():
-        datatype, shape, raw = to_raw(_array(value), (datatypes or {}).get(name))
+        a, override = _array(value), (datatypes or {}).get(name)
+        if override is not None:
+            a = _as_datatype(name, a, override)
+        datatype, shape, raw = to_raw(a, override)
         msg.inputs.add(name=name, datatype=datatype, shape=shape)
         msg.raw_input_contents.append(raw)
     for name in outputs or ():
@@ -42,6 +56,92 @@ def _array(value: Any) -> np.ndarray:
         return value
     a = np.asarray(value)
     return np.array(value, dtype=object) if a.dtype.kind in "SU" else a
+
+
+def _as_datatype(name: str, a: np.ndarray, datatype: str) -> np.ndarray:
+    """`a` cast to the override `datatype`, or InvalidInput naming the first value
+    the cast would change (the module docstring's rules). Vectorized: the checks
+    run only when the cast is not safe, at numpy speed."""
+    dt = DATATYPES.get(datatype)
+    if dt is None:
+        raise InvalidInput(f"input {name!r}: datatype {datatype!r} is not one of {DATATYPE_NAMES}")
+    if dt.is_bytes or datatype == "BF16" or np.can_cast(a.dtype, dt.numpy, "safe"):
+        return a  # BYTES and BF16 (uint16 bits) are to_raw's to check
+    given = a  # the values as the caller gave them, for the error
+    if a.dtype.kind == "O":
+        a = _numeric(name, a, datatype)
+        if a.dtype == dt.numpy:
+            return a
+    if a.dtype.kind not in "biuf":
+        raise InvalidInput(
+            f"input {name!r}: datatypes= sends it as {datatype}, which holds numbers; "
+            f"got a numpy {a.dtype} array"
+        )
+    with np.errstate(all="ignore"):
+        out = a.astype(dt.numpy)
+        changed = _changed(a, out)
+    if (at := np.flatnonzero(changed)).size:
+        raise _refused(name, datatype, given, int(at[0]))
+    return out
+
+
+def _changed(a: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Where `out`, `a` cast, does not hold `a`'s value (float rounding aside)."""
+    kind = out.dtype.kind
+    changed: np.ndarray
+    if kind == "f":
+        changed = np.isfinite(a) & ~np.isfinite(out)
+    elif kind == "b":
+        changed = (a != 0) & (a != 1)
+    elif a.dtype.kind == "f":  # bounds as floats: info.max + 1 is exact, info.max may not be
+        info = np.iinfo(out.dtype)
+        low, past = float(info.min), float(info.max + 1)
+        changed = ~np.isfinite(a) | (a != np.trunc(a)) | (a < low) | (a >= past)
+    else:
+        info = np.iinfo(out.dtype)
+        changed = (a < info.min) | (a > info.max)
+    return changed
+
+
+def _refused(name: str, datatype: str, a: np.ndarray, i: int) -> InvalidInput:
+    """The error for element `i` (row-major) of `a`, which `datatype` cannot hold."""
+    target = DATATYPES[datatype].numpy
+    if target.kind == "b":
+        holds = "0 and 1"
+    elif target.kind == "f":
+        holds = f"numbers from {-np.finfo(target).max.item()} to {np.finfo(target).max.item()}"
+    else:
+        info = np.iinfo(target)
+        holds = (
+            f"whole numbers from {info.min} to {info.max} (fractions are refused, not truncated)"
+        )
+    value = a.flat[i]
+    got = repr(value.item() if isinstance(value, np.generic) else value)
+    got = got if len(got) <= 40 else f"{got[:37]}..."
+    where = f" at {[int(k) for k in np.unravel_index(i, a.shape)]}" if a.ndim else ""
+    return InvalidInput(
+        f"input {name!r}: datatypes= sends it as {datatype}, which holds {holds}; got {got}{where}"
+    )
+
+
+def _numeric(name: str, a: np.ndarray, datatype: str) -> np.ndarray:
+    """An object array (values numpy would not type: past 64 bits, or mixed) as a
+    numeric one: as numpy types it, or else value by value as `datatype`, each
+    checked as the server checks a typed value. A loop, but over Python objects
+    already: only an object array comes here."""
+    b = np.array(a.tolist())
+    if b.dtype.kind in "biuf":
+        return b
+    out = np.empty(a.shape, DATATYPES[datatype].numpy)
+    for i, v in enumerate(a.flat):
+        value = v.item() if isinstance(v, np.generic) else v
+        try:
+            if not isinstance(value, int | float):
+                raise ValueError("not a number")
+            out.flat[i] = element(datatype, value)
+        except (ValueError, OverflowError):
+            raise _refused(name, datatype, a, i) from None
+    return out
 
 
 def _typed(t: pb.InferOutputTensor) -> np.ndarray:

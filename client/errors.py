@@ -4,10 +4,20 @@ BatchdClientError            any failed call; .code is the grpc.StatusCode
 ├── InvalidInput             INVALID_ARGUMENT   (never worth retrying)
 ├── ModelNotFound            NOT_FOUND
 ├── ServerBusy               RESOURCE_EXHAUSTED (.retry_after_ms from the pushback trailer)
+│   └── LimitExceeded        RESOURCE_EXHAUSTED with no pushback: a limit the call passed
 ├── DeadlineExceeded         DEADLINE_EXCEEDED
 ├── ServerUnavailable        UNAVAILABLE
 ├── InferenceFailed          INTERNAL (the model raised)
 └── Unauthenticated          UNAUTHENTICATED (no token, or a wrong one)
+
+RESOURCE_EXHAUSTED means two things. A server that is busy (batchd: a full queue,
+a full decode backlog) says when to come back, with a `grpc-retry-pushback-ms`
+trailer; one answering a call that passed a limit (a response over
+--max-message-bytes, too many streams on a connection, a job's limits) sends none,
+and neither does gRPC for a message over this client's own max_message_bytes. The
+same call would fail again, after the model ran again: LimitExceeded, never
+retried. It stays a ServerBusy so that `except ServerBusy` still catches every
+RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -39,6 +49,10 @@ class ModelNotFound(BatchdClientError):
 class ServerBusy(BatchdClientError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     retry_after_ms: int | None = None
+
+
+class LimitExceeded(ServerBusy):
+    """RESOURCE_EXHAUSTED without a pushback: the message names the limit."""
 
 
 class DeadlineExceeded(BatchdClientError):
@@ -75,12 +89,23 @@ def from_rpc_error(error: grpc.RpcError) -> BatchdClientError:
     """The typed exception for a failed gRPC call."""
     code = error.code()
     cls = _BY_CODE.get(code, BatchdClientError)
-    exc = cls(error.details() or "", code)
-    if isinstance(exc, ServerBusy):
-        for key, value in error.trailing_metadata() or ():
-            if key == "grpc-retry-pushback-ms" and str(value).isdigit():
-                exc.retry_after_ms = int(value)
-    return exc
+    if cls is not ServerBusy:
+        return cls(error.details() or "", code)
+    pushback = _pushback_ms(error)
+    if pushback is None:
+        return LimitExceeded(error.details() or "", code)
+    busy = ServerBusy(error.details() or "", code)
+    busy.retry_after_ms = pushback
+    return busy
+
+
+def _pushback_ms(error: grpc.RpcError) -> int | None:
+    """The `grpc-retry-pushback-ms` trailer; None when absent or not a count of
+    milliseconds (gRFC A6: a negative or malformed pushback means do not retry)."""
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-retry-pushback-ms" and str(value).isdigit():
+            return int(value)
+    return None
 
 
 def from_status_name(name: str, message: str) -> BatchdClientError:

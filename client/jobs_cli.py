@@ -18,14 +18,16 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from batchd.client.client import Client
-from batchd.client.errors import BatchdClientError
+from batchd.client.errors import BatchdClientError, ServerUnavailable
 from batchd.client.jobs import Job
 from batchd.client.options import add_security, connection
 
 POLL_S = 0.5
+RETRY_MAX_S = 5.0  # the longest pause between polls that failed UNAVAILABLE
 PLAIN_EVERY_S = 30.0  # a progress line this often when stderr is not a terminal
 
 
@@ -55,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     ls = verb("list", "your jobs, newest first")
     ls.add_argument("--status", default="", help="only jobs in this status")
     ls.add_argument("--json", action="store_true", help="print JSON lines")
-    w = verb("wait", "follow a job until it ends; exit 0 iff it completed")
+    w = verb("wait", "follow a job until it ends; exit 0 iff it completed (--timeout: how "
+             "long polls may fail UNAVAILABLE, as while a server restarts)")  # fmt: skip
     w.add_argument("id")
     r = verb("results", "download a job's results (so far, while it runs)")
     r.add_argument("id")
@@ -101,12 +104,27 @@ def bar(job: Job, width: int = 30) -> str:
     )
 
 
-def wait(client: Client, job_id: str, out: TextIO) -> Job:
-    """Poll until the job ends, drawing a bar on a terminal (a line now and then elsewhere)."""
+def wait(client: Client, job_id: str, out: TextIO, give_up_s: float | None = None,
+         sleep: Callable[[float], None] = time.sleep) -> Job:  # fmt: skip
+    """Poll until the job ends, drawing a bar on a terminal (a line now and then elsewhere).
+    A poll answered UNAVAILABLE (a replica or the jobs database restarting) is tried
+    again with backoff, until polls have failed for `give_up_s` (None: for ever)."""
     tty = out.isatty()
     shown = -PLAIN_EVERY_S
+    failing_since: float | None = None
     while True:
-        job = client.job(job_id)
+        try:
+            job = client.job(job_id)
+        except ServerUnavailable as e:
+            now = time.monotonic()
+            if failing_since is None:
+                failing_since = now
+                out.write(f"{chr(10) if tty else ''}job {job_id}: {e}; asking again\n")
+            elif give_up_s is not None and now - failing_since >= give_up_s:
+                raise
+            sleep(min(RETRY_MAX_S, POLL_S * 2 ** min(10, int(now - failing_since).bit_length())))
+            continue
+        failing_since = None
         now = time.monotonic()
         if tty:
             out.write("\r\033[K" + bar(job))
@@ -145,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.verb == "list":
             _list(c.jobs(status=args.status), args.json)
         elif args.verb == "wait":
-            job = wait(c, args.id, sys.stderr)
+            job = wait(c, args.id, sys.stderr, give_up_s=args.timeout)
             if job.status != "completed":
                 why = f": {job.error}" if job.error else ""
                 print(f"job {job.id} {job.status}{why}", file=sys.stderr)

@@ -1,9 +1,14 @@
 """When to retry a failed call, and after how long. Pure: no sleeping here.
 
-Only RESOURCE_EXHAUSTED (ServerBusy) and UNAVAILABLE are retried; an input
-the server rejected, an unknown model or a failed model never is. The wait is
-"full jitter" exponential backoff, and never shorter than the server's
-`grpc-retry-pushback-ms`. All attempts share the caller's timeout.
+Retried: UNAVAILABLE, and RESOURCE_EXHAUSTED that came with the server's
+`grpc-retry-pushback-ms` (ServerBusy with .retry_after_ms: batchd sends it for a
+full queue and a full decode backlog). A RESOURCE_EXHAUSTED without it is a
+limit the call passed (LimitExceeded: a response over --max-message-bytes, a
+message over the client's own max_message_bytes): the same call would fail
+again, after running the model again, so it is not retried. Nor is an input
+the server rejected, an unknown model or a failed model. The wait is "full
+jitter" exponential backoff, and never shorter than the server's pushback. All
+attempts share the caller's timeout.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from dataclasses import dataclass
 
 from batchd.client.errors import BatchdClientError, ServerBusy, ServerUnavailable
 
-RETRYABLE = (ServerBusy, ServerUnavailable)
+
+def retryable(error: BatchdClientError) -> bool:
+    """Whether the same call may succeed later (the module docstring's rules)."""
+    if isinstance(error, ServerBusy):
+        return error.retry_after_ms is not None
+    return isinstance(error, ServerUnavailable)
 
 
 @dataclass(frozen=True)
@@ -26,7 +36,7 @@ class RetryPolicy:
         self, attempt: int, error: BatchdClientError, remaining_s: float | None, rng: random.Random
     ) -> float | None:
         """Seconds to wait before attempt `attempt + 1`, or None to give up and raise."""
-        if attempt >= self.retries or not isinstance(error, RETRYABLE):
+        if attempt >= self.retries or not retryable(error):
             return None
         wait = rng.uniform(0.0, min(self.max_s, self.base_s * 2**attempt))
         if isinstance(error, ServerBusy) and error.retry_after_ms:

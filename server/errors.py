@@ -4,7 +4,7 @@
     ├── ModelNotFound            NOT_FOUND
     ├── InvalidInput             INVALID_ARGUMENT
     ├── QueueFull                RESOURCE_EXHAUSTED  + grpc-retry-pushback-ms
-    ├── TooManyCalls             RESOURCE_EXHAUSTED  (--max-concurrent-streams)
+    ├── TooManyCalls             RESOURCE_EXHAUSTED  (--max-concurrent-streams) + pushback
     ├── ResponseTooLarge         RESOURCE_EXHAUSTED  (--max-message-bytes, outbound)
     ├── StreamBehind             RESOURCE_EXHAUSTED  (a stream's caller does not read)
     ├── LimitExceeded            RESOURCE_EXHAUSTED  (a job over --jobs-max-* limits)
@@ -90,6 +90,11 @@ class QueueFull(BatchdError):
 class TooManyCalls(BatchdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "too_many_calls"
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        # Calls on the connection end, and the same call then passes: worth a retry
+        # (clients retry RESOURCE_EXHAUSTED only with a pushback, client/retry.py).
+        return (("grpc-retry-pushback-ms", "100"),)
 
 
 class ResponseTooLarge(BatchdError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -24,7 +24,7 @@ from batchd.client import (
 )
 from batchd.client.codec import build_request
 from batchd.client.core import ClientCore, Open, Rpc, Wait
-from batchd.client.errors import from_rpc_error
+from batchd.client.errors import LimitExceeded, from_rpc_error
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
 from tests.conftest import Gate
@@ -58,6 +58,18 @@ def test_policy_retries_only_busy_and_unavailable() -> None:
     assert policy.delay(0, busy, 0.1, rng) is None  # the wait would pass the deadline
     invalid = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT))
     assert policy.delay(0, invalid, None, rng) is None
+
+
+def test_resource_exhausted_without_pushback_is_a_limit_never_retried() -> None:
+    """Only a busy server sends grpc-retry-pushback-ms; RESOURCE_EXHAUSTED without it
+    (a message past a size limit) would fail again: LimitExceeded, still a ServerBusy."""
+    rng = random.Random(0)
+    limit = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED))
+    assert isinstance(limit, LimitExceeded) and isinstance(limit, ServerBusy)
+    assert limit.retry_after_ms is None
+    assert RetryPolicy(retries=3).delay(0, limit, None, rng) is None
+    now = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, 0))  # "come back now"
+    assert type(now) is ServerBusy and RetryPolicy(retries=3).delay(0, now, None, rng) is not None
 
 
 class FakeStub:
@@ -274,3 +286,115 @@ def test_retrying_client_gets_through_once_the_queue_frees(
     assert value == 10.0
     assert codes[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert codes[-1] == grpc.StatusCode.OK and len(codes) >= 2  # it got through on a retry
+
+
+# ---- limits: refused for good, never retried ----
+
+BIG_TOML = (  # Y: X[0, 0] floats a row
+    'max_batch_size = 8\n[[input]]\nname = "X"\ndatatype = "FP32"\nshape = [1]\n'
+    '[[output]]\nname = "Y"\ndatatype = "FP32"\nshape = [-1]\n'
+)
+BIG_PY = (
+    "import torch\ndef load(device):\n    return lambda x: torch.zeros(x.shape[0], int(x[0, 0]))\n"
+)
+LIMIT = 65536  # the server's --max-message-bytes
+
+
+@pytest.fixture(scope="module")
+def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server whose model `big` answers as many floats a row as X asks for."""
+    root = tmp_path_factory.mktemp("big")
+    (root / "repo" / "big").mkdir(parents=True)
+    (root / "repo" / "big" / "model.toml").write_text(BIG_TOML)
+    (root / "repo" / "big" / "model.py").write_text(BIG_PY)
+    server = ServerProcess(root / "repo", "--max-message-bytes", str(LIMIT), log_dir=root)
+    yield server.start()
+    assert server.stop() == 0, server.log()
+
+
+class CountingStub:
+    """The real stub, counting ModelInfer attempts."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub, self.attempts = stub, 0
+
+    def __getattr__(self, method: str) -> Any:
+        return getattr(self._stub, method)
+
+    def ModelInfer(self, msg: pb.ModelInferRequest, **kwargs: Any) -> Any:
+        self.attempts += 1
+        return self._stub.ModelInfer(msg, **kwargs)
+
+
+def test_a_call_past_a_message_limit_is_not_retried(big_server: ServerProcess) -> None:
+    """A response over the server's --max-message-bytes, and a request over the
+    client's max_message_bytes, are RESOURCE_EXHAUSTED with no pushback: retrying
+    would run the model again for the same refusal, so retries=3 makes one attempt."""
+    with Client(big_server.url, retries=3) as c:
+        (before,) = c.model_statistics("big")
+        c._stub = counting = CountingStub(c._stub)  # type: ignore[assignment]
+        with pytest.raises(LimitExceeded, match="--max-message-bytes") as e:
+            c.infer("big", {"X": np.full((1, 1), LIMIT // 4 + 1, np.float32)}, timeout=30)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and counting.attempts == 1
+        (after,) = c.model_statistics("big")
+    assert after.execution_count - before.execution_count == 1
+    with Client(big_server.url, retries=3, max_message_bytes=LIMIT) as small:
+        small._stub = counting = CountingStub(small._stub)  # type: ignore[assignment]
+        with pytest.raises(LimitExceeded, match="larger than max"):
+            small.infer("big", {"X": np.ones((LIMIT // 4 + 1, 1), np.float32)}, timeout=30)
+        assert counting.attempts == 1
+
+
+# ---- datatypes=: checked, never wrapped ----
+
+
+@pytest.mark.parametrize(
+    ("values", "datatype", "message"),
+    [
+        (
+            [[300, -1, 1.7, 70000.0]],
+            "UINT8",
+            "which holds whole numbers from 0 to 255 (fractions are refused, not truncated); "
+            "got 300.0 at [0, 0]",
+        ),
+        (
+            np.array([[7, 2**40]]),
+            "INT32",
+            "2147483647 (fractions are refused, not truncated); got 1099511627776 at [0, 1]",
+        ),
+        ([1.0, 1.7], "INT64", "got 1.7 at [1]"),
+        ([np.nan], "INT16", "got nan at [0]"),
+        ([0.5, 1e6], "FP16", "which holds numbers from -65504.0 to 65504.0; got 1000000.0 at [1]"),
+        (np.array([0, 1, 2], np.int8), "BOOL", "which holds 0 and 1; got 2 at [2]"),
+        (np.array([2**63], np.uint64), "INT64", "got 9223372036854775808 at [0]"),
+        (np.array([1, 2**70], dtype=object), "UINT64", "got 1180591620717411303424 at [1]"),
+        (np.array([1, "2"], dtype=object), "INT32", "got '2' at [1]"),
+    ],
+)
+def test_a_datatypes_override_refuses_values_the_datatype_cannot_hold(
+    values: Any, datatype: str, message: str
+) -> None:
+    """numpy's cast would send 300 as UINT8 44, 2**40 as INT32 0, 1.7 as INT64 1 and
+    1e6 as FP16 inf: the client refuses them, as the server refuses such typed values."""
+    with pytest.raises(InvalidInput) as e:
+        build_request("m", {"X": values}, datatypes={"X": datatype})
+    assert e.value.message.startswith(f"input 'X': datatypes= sends it as {datatype}, which ")
+    assert message in e.value.message
+
+
+def test_a_datatypes_override_sends_values_the_datatype_holds() -> None:
+    """Whole floats as integers, integers within range, any finite number as a float
+    type (rounded to its precision); an array already of the datatype as it is."""
+    cases = [
+        ([[1.0, 255.0]], "UINT8", np.uint8([[1, 255]])),
+        (np.array([-(2**31), 2**31 - 1]), "INT32", np.int32([-(2**31), 2**31 - 1])),
+        ([0.1, -65504.0, np.inf], "FP16", np.float16([0.1, -65504.0, np.inf])),
+        ([0.0, 1.0], "BOOL", np.array([False, True])),
+        (np.array([2**70, 1], dtype=object), "FP64", np.float64([2.0**70, 1.0])),
+        (np.float32([1.5]), "FP32", np.float32([1.5])),
+    ]
+    for values, datatype, sent in cases:
+        msg = build_request("m", {"X": values}, datatypes={"X": datatype})
+        assert msg.raw_input_contents[0] == sent.tobytes(), (values, datatype)
+    with pytest.raises(InvalidInput, match="datatype 'UINT7' is not one of BOOL"):
+        build_request("m", {"X": [1]}, datatypes={"X": "UINT7"})

@@ -375,6 +375,8 @@ def test_max_concurrent_streams(grpc_server: GrpcServer) -> None:
             stub.ServerLive(pb.ServerLiveRequest(), timeout=10)
         assert rpc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-concurrent-streams 1" in (rpc.value.details() or "")
+        # the call would pass once one ends: clients that retry only with a pushback do
+        assert ("grpc-retry-pushback-ms", "100") in (rpc.value.trailing_metadata() or ())
         with grpc.insecure_channel(grpc_server.url, options=own) as other:
             live = pb_grpc.GRPCInferenceServiceStub(other).ServerLive
             assert live(pb.ServerLiveRequest(), timeout=10).live
