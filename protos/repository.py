@@ -9,11 +9,13 @@ name received over the network maps onto a directory only inside it
 
 from __future__ import annotations
 
+import contextlib
+import stat
 from pathlib import Path
 
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, load_model_config
 
-__all__ = ["confined", "find_model", "load_each", "load_repository", "model_directory"]
+__all__ = ["confined", "files_of", "find_model", "load_each", "load_repository", "model_directory"]
 
 
 def confined(root: Path, path: Path) -> Path:
@@ -88,3 +90,19 @@ def load_repository(root: Path) -> dict[str, ModelConfig]:
             raise cfg
         models[cfg.name] = cfg
     return models
+
+
+def files_of(directory: Path) -> frozenset[tuple[str, int, int]]:
+    """What a model version is loaded from: each file under its directory, by path,
+    size and modification time; not __pycache__, hidden files or *.log, which loading
+    and serving may write there themselves."""
+    found = set()
+    for path in directory.rglob("*"):
+        rel = path.relative_to(directory)
+        if path.suffix == ".log" or any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile
+            st = path.stat()
+            if stat.S_ISREG(st.st_mode):
+                found.add((str(rel), st.st_size, st.st_mtime_ns))
+    return frozenset(found)

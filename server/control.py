@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import stat
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from batchd.protos.model_config import (
     load_model_config,
     model_key,
 )
-from batchd.protos.repository import find_model
+from batchd.protos.repository import files_of, find_model
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
 from batchd.server.link import WorkerLink
@@ -41,6 +40,7 @@ from batchd.server.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("batchd.control")
 T = TypeVar("T")
+Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 
 
@@ -75,20 +75,36 @@ class ModelControl:
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
         self._files: dict[str, frozenset[tuple[str, int, int]]] = {}  # key -> files_of then
-        self._lock = asyncio.Lock()  # one load or unload at a time
+        # One load or unload at a time per model; another model's (a hung load(), a
+        # long drain) holds up none: name -> its lock, and how many hold or await it.
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
 
     def start_with(self, configs: dict[str, ModelConfig]) -> None:
         """The models serving from the start (before any worker registered)."""
         for cfg in configs.values():
-            self._install(self._next_version(cfg))
+            self._install(self._next_version(cfg, files_of(cfg.directory)))
 
-    def _next_version(self, cfg: ModelConfig) -> ModelConfig:
+    def _next_version(
+        self, cfg: ModelConfig, files: frozenset[tuple[str, int, int]]
+    ) -> ModelConfig:
         version = self._versions.get(cfg.name, 0) + 1
         self._versions[cfg.name] = version
         cfg = dataclasses.replace(cfg, version=str(version))
-        self._files[cfg.key] = files_of(cfg.directory)
+        self._files[cfg.key] = files
         return cfg
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, name: str) -> Any:
+        lock, users = self._locks.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[name]
 
     def _changed_files(self, cfg: ModelConfig) -> str:
         """Why a worker starting now must not load version `cfg` (its model's files are
@@ -136,26 +152,60 @@ class ModelControl:
     # ---- the load protocol ----
 
     def worker_ready(self, worker: WorkerHandle) -> None:
-        """A worker registered: have it load every current (and loading) version it may run."""
+        """A worker registered: have it load every current (and loading) version it may
+        run, in order, if that version's files are still those it was loaded from."""
+        joins = []
         for cfg in [*self.current.values(), *self._loading.values()]:
-            if not worker.accepts(cfg.name):
-                continue
-            new = cfg.key not in worker.models and cfg.key not in worker.loads
-            if new and (why := self._changed_files(cfg)):
-                worker.load_errors[cfg.key] = why
-                log.warning("worker %s: %s", worker.name, why, extra={"model": cfg.name})
-            else:
-                self._load_on(worker, cfg)
-            self._judge(cfg.key)  # loading again: not broken while it tries
+            if worker.accepts(cfg.name) and cfg.key not in worker.models:
+                if cfg.key not in worker.loads:
+                    joins.append((cfg, self._load_on(worker, cfg, send=False)))
+                self._judge(cfg.key)  # loading again: not broken while it tries
+        if joins:
+            self._keep(asyncio.create_task(self._join(worker, joins)))
         self._log_if_ready(worker)
 
-    def _load_on(self, worker: WorkerHandle, model: ModelConfig) -> asyncio.Future[str]:
-        """Ask `worker` to load `model`; the future gives "" once loaded, else why not."""
+    async def _join(self, worker: WorkerHandle, joins: list[tuple[ModelConfig, Loading]]) -> None:
+        """A worker that registered late (a restart) loads a version only if its files
+        are still those the version was loaded from, and keeps it only if they still
+        are once it has it: it loads its models one by one, so they may change before
+        it reads them, and it would answer with other weights under that version's
+        number. Files are read off the loop (a model's folder may hold thousands)."""
+        whys = await asyncio.to_thread(lambda: [self._changed_files(cfg) for cfg, _ in joins])
+        for (cfg, fut), why in zip(joins, whys, strict=True):
+            if not why and not fut.done():  # (done: the worker was lost, or cfg unloaded)
+                header = wire.Header(kind=wire.Header.LOAD, model=cfg.name, version=cfg.version)
+                self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
+        for (cfg, fut), why in zip(joins, whys, strict=True):
+            if not why:
+                if await fut or not (why := await asyncio.to_thread(self._changed_files, cfg)):
+                    continue  # it could not load it (it said why), or the files are the same
+                if cfg.key not in worker.models:
+                    continue  # unloaded meanwhile
+                worker.models.discard(cfg.key)
+                unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
+                self._link.send(worker.identity, wire.pack(unload))
+            elif fut.done():
+                continue
+            else:
+                fut.set_result(why)
+            worker.loads.pop(cfg.key, None)
+            worker.load_errors[cfg.key] = why
+            log.warning("worker %s: %s", worker.name, why, extra={"model": cfg.name})
+            self._judge(cfg.key)
+            self._log_if_ready(worker)
+            self._changed()
+
+    def _load_on(
+        self, worker: WorkerHandle, model: ModelConfig, send: bool = True
+    ) -> asyncio.Future[str]:
+        """Ask `worker` to load `model` (unless `send` is False: the caller will); the
+        future gives "" once loaded, else why not."""
         fut = worker.loads.get(model.key)
         if fut is None:
             fut = worker.loads[model.key] = asyncio.get_running_loop().create_future()
-            header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
-            self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
+            if send:
+                header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
+                self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
         return fut
 
     def on_loaded(self, worker: WorkerHandle, header: wire.Header) -> None:
@@ -166,14 +216,9 @@ class ModelControl:
         if header.error:
             del worker.loads[key]
             worker.load_errors[key] = header.error
-            log.error(
-                "worker %s could not load model %s version %s: %s",
-                worker.name,
-                header.model,
-                header.version,
-                header.error,
-                extra={"worker": worker.name, "model": header.model},
-            )
+            log.error("worker %s could not load model %s version %s: %s", worker.name,
+                      header.model, header.version, header.error,
+                      extra={"worker": worker.name, "model": header.model})  # fmt: skip
         else:
             worker.models.add(key)
             worker.load_errors.pop(key, None)
@@ -206,14 +251,10 @@ class ModelControl:
 
     def _log_if_ready(self, worker: WorkerHandle) -> None:
         if all(f.done() for f in worker.loads.values()):
-            log.info(
-                "worker %s ready (pid %d, device %s) with models %s",
-                worker.name,
-                worker.info.pid,
-                worker.info.device,
-                ", ".join(sorted(worker.models)) or "none",
-                extra={"worker": worker.name, "device": worker.info.device},
-            )
+            models = ", ".join(sorted(worker.models)) or "none"
+            log.info("worker %s ready (pid %d, device %s) with models %s", worker.name,
+                     worker.info.pid, worker.info.device, models,
+                     extra={"worker": worker.name, "device": worker.info.device})  # fmt: skip
 
     # ---- RepositoryModelLoad / RepositoryModelUnload ----
 
@@ -235,11 +276,12 @@ class ModelControl:
         return await self._to_the_end(self._load(name))
 
     async def _load(self, name: str) -> ModelConfig:
-        async with self._lock:
-            try:
-                cfg = self._next_version(find_model(self.repository, name))
-            except ConfigError as e:
-                raise InvalidInput(f"cannot load model {name!r}: {e}") from None
+        try:
+            found = find_model(self.repository, name)
+        except ConfigError as e:
+            raise InvalidInput(f"cannot load model {name!r}: {e}") from None
+        async with self._one_at_a_time(found.name):
+            cfg = self._next_version(found, await asyncio.to_thread(files_of, found.directory))
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
                 raise Unavailable(f"no live worker may load model {name!r}; try again later")
@@ -258,14 +300,9 @@ class ModelControl:
                 before = self._what_stays(old)
                 raise ModelFailed(f"model {name!r} failed to load; {before}: " + "; ".join(failed))
             self._install(cfg)
-            log.info(
-                "model %s version %s loaded on %d worker(s)%s",
-                name,
-                cfg.version,
-                len(workers),
-                f"; version {old.version} drains" if old else "",
-                extra={"model": name},
-            )
+            log.info("model %s version %s loaded on %d worker(s)%s", name, cfg.version,
+                     len(workers), f"; version {old.version} drains" if old else "",
+                     extra={"model": name})  # fmt: skip
             self._changed()
             if old is not None:
                 self._keep(asyncio.create_task(self._retire(old), name=f"retire-{old.key}"))
@@ -286,7 +323,9 @@ class ModelControl:
         await self._to_the_end(self._unload(name))
 
     async def _unload(self, name: str) -> None:
-        async with self._lock:
+        if name not in self.current:
+            return  # not loaded: nothing to do (as Triton does)
+        async with self._one_at_a_time(name):
             cfg = self.current.pop(name, None)
             if cfg is None:
                 return  # not loaded: nothing to do (as Triton does)
@@ -354,19 +393,3 @@ class ModelControl:
                 name, cfg.version, "READY" if ready else "UNAVAILABLE", reason
             )
         return sorted(entries.values(), key=lambda e: e.name)
-
-
-def files_of(directory: Path) -> frozenset[tuple[str, int, int]]:
-    """What a model version is loaded from: each file under its directory, by path,
-    size and modification time; not __pycache__, hidden files or *.log, which loading
-    and serving may write there themselves."""
-    found = set()
-    for path in directory.rglob("*"):
-        rel = path.relative_to(directory)
-        if path.suffix == ".log" or any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
-            continue
-        with contextlib.suppress(OSError):  # gone meanwhile
-            st = path.stat()
-            if stat.S_ISREG(st.st_mode):
-                found.add((str(rel), st.st_size, st.st_mtime_ns))
-    return frozenset(found)

@@ -381,7 +381,7 @@ max_queue_delay_us = 2000
 
 # Y = X * the number in scale.txt, read when the module loads, so each version
 # answers differently; a negative scale refuses to load. Gates are files in the
-# model's folder: while `hold-load` exists load() waits, and while `hold-<scale>`
+# model's folder: while `.hold-load` exists load() waits, and while `hold-<scale>`
 # exists (see batch_gate) a batch of that version waits. The logs beside it:
 # loads.log (each load() call), entered.log (a batch started, before its gate),
 # calls.log (a batch ran); each line names the scale and the worker's pid.
@@ -407,7 +407,7 @@ def hold(gate):
 
 def load(device):
     note("loads.log")
-    hold("hold-load")
+    hold(".hold-load")
     if SCALE < 0:
         raise RuntimeError(f"scale {SCALE} refuses to load")
 
@@ -437,8 +437,9 @@ def batch_gate(model_dir: Path, scale: float) -> Path:
 
 
 def load_gate(model_dir: Path) -> Path:
-    """The file that holds every load() of the model while it exists."""
-    return model_dir / "hold-load"
+    """The file that holds every load() of the model while it exists (hidden: not one
+    of the files a version is loaded from, repository.files_of)."""
+    return model_dir / ".hold-load"
 
 
 def model_log(model_dir: Path, log: str) -> list[dict[str, Any]]:

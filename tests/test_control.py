@@ -347,16 +347,21 @@ def test_models_answer_while_another_loads_and_a_drain_holds_up_no_load(
 ) -> None:
     """Workers load on a thread of their own: while every worker's load() of one model
     is held, the models they hold answer (a load on the compute thread held every
-    batch behind it). An unload waiting for its model's held batch holds up no load
+    batch behind it), and another model unloads (one lock for all held every load
+    and unload behind a hung load()). An unload waiting for its model's held batch holds up no load
     of another model (it held the control lock while it drained)."""
     d = make_model(repo, "beside", 7.0)
     gate, held = load_gate(d), batch_gate(d, 7.0)
-    gate.touch()
+    make_model(repo, "meanwhile", 4.0)
     try:
         with Client(server.url) as c, ThreadPoolExecutor(2) as pool:
+            c.load_model("meanwhile", timeout=30)
+            gate.touch()
             loading = pool.submit(Client(server.url).load_model, "beside", timeout=60)
             wait_for(lambda: loaded_by(d) == WORKERS, 60, "every worker in the held load()")
             assert y(c, "spare", 1.0) == 3.0  # while both workers load
+            c.unload_model("meanwhile", timeout=30)  # waits for no other model's load
+            assert not loading.done()  # (one lock for all: for ever, behind a hung load())
             gate.unlink()
             loading.result(60)
             assert y(c, "beside", 1.0) == 7.0
@@ -403,4 +408,37 @@ def test_a_restarted_worker_does_not_load_files_changed_since_the_version_loaded
             c.load_model("edited")
             assert y(c, "edited", 1.0) == 7.0
     finally:
+        assert s.stop() == 0, s.log()
+
+
+def test_a_restarted_worker_keeps_no_version_whose_files_changed_while_it_loaded(
+    tmp_path: Path,
+) -> None:
+    """The files are checked when a worker registers, but it loads its models one by
+    one: a version's files may change before it reads them. They are checked again
+    once it has the version, and a worker that read other files drops it, rather
+    than answer with other weights under that version's number."""
+    repo = tmp_path / "repo"
+    first, edited = make_model(repo, "first", 1.0), make_model(repo, "edited", 2.0)
+    args = ("--model-control", "explicit", "--load-model", "first", "--load-model", "edited")
+    s = ServerProcess(repo, *args, log_dir=tmp_path, workers=1).start()
+    gate = load_gate(first)
+    try:
+        with Client(s.url) as c:
+            assert y(c, "edited", 1.0) == 2.0
+            gate.touch()  # the restarted worker's load of `first` waits here...
+            (worker,) = s.worker_pids()
+            os.kill(worker, signal.SIGKILL)
+            wait_for(lambda: loaded_by(first) == 2, 60, "the restarted worker in first's load()")
+            (edited / "scale.txt").write_text("7.0")  # ... while `edited` is edited
+            gate.unlink()
+            wait_for(lambda: "changed since version 1 was loaded (scale.txt)" in s.log(), 60,
+                     "the restarted worker to drop version 1 of edited")  # fmt: skip
+            assert loaded_by(edited, 7.0) == 1  # it did read the new files
+            with pytest.raises(BatchdClientError) as e:
+                y(c, "edited", 1.0)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            assert y(c, "first", 1.0) == 1.0
+    finally:
+        gate.unlink(missing_ok=True)
         assert s.stop() == 0, s.log()
