@@ -72,6 +72,7 @@ class BatchInputSpec:
 AUTO_DELAY_MAX_US = 20_000  # the longest an automatic queue delay waits
 # The scheduler looks at every level's queue for each batch it forms.
 MAX_PRIORITY_LEVELS = 256
+MAX_COPIES = 64  # [instances] count: a worker process (and its torch) each, per device
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +343,7 @@ def _parse(directory: Path, path: Path, doc: dict[str, Any]) -> ModelConfig:
     generate = _generate(top, max_batch_size, inputs, outputs) if "generate" in top.table else None
     i = top.table_of("instances")
     instances = InstanceConfig(
-        count=i.integer("count", 1, 1),
+        count=i.integer("count", 1, 1, maximum=MAX_COPIES),
         execution_timeout_s=i.number("execution_timeout_s", _INSTANCES.execution_timeout_s, 1e-3),
     )
     i.done()

@@ -177,14 +177,17 @@ def test_models_check_runs_one_row_and_the_largest_batch(tmp_path: Path) -> None
         ("priority_levels", 257, "expected an integer from 0 to 256, got 257"),
         ("max_batch_size", 2**31, "expected an integer from 0 to 2147483647"),
         ("max_batch_size", 2**63 - 1, "expected an integer from 0 to 2147483647"),
+        ("count", 1000, "expected an integer from 1 to 64, got 1000"),
     ],
 )
 def test_integers_are_bounded(tmp_path: Path, key: str, value: int, message: str) -> None:
     """priority_levels: the scheduler scans every level per batch; max_batch_size
-    travels in ModelConfig's int32 field."""
+    travels in ModelConfig's int32 field; each of `count` copies is a worker process."""
     toml = GOOD.replace("max_batch_size = 4", f"max_batch_size = {value}")
     if key == "priority_levels":
         toml = f"{GOOD}[batching]\npriority_levels = {value}\n"
+    if key == "count":
+        toml = f"{GOOD}[instances]\ncount = {value}\n"
     refused(write(tmp_path, "m", toml), f"key '{key}': {message}")
 
 
