@@ -151,6 +151,7 @@ def _build(
         launch=launch,
         credits=w.credits,
         load=load,
+        load_timeout_s=cfg.models.load_timeout_s,
     )
     core.control.start_with(_models_at_start(cfg, repository))
     limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)

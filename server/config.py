@@ -145,6 +145,8 @@ class Models:
         (), "--load-model", "with --model-control explicit: load NAME at start (repeatable; "
         "'*': all)", action="append", metavar="NAME",
     )  # fmt: skip
+    load_timeout_s: float = duration(
+        600.0, "--load-timeout", "a worker in a model's load() for S s is restarted")  # fmt: skip
 
     @property
     def explicit(self) -> bool:
@@ -296,11 +298,9 @@ class ServerConfig:
     )  # fmt: skip
     drain_timeout_s: float = duration(30.0, "--drain-timeout",
                                       "seconds to finish admitted requests on SIGTERM")  # fmt: skip
-    drain_notice_s: float = duration(
-        3.0, "--drain-notice", "on SIGTERM, first S seconds (of --drain-timeout) of still "
-        "serving new requests while health and readiness say not ready, so load balancers "
-        "stop sending before any is refused (SIGINT: none)"
-    )  # fmt: skip
+    drain_notice_s: float = duration(3.0, "--drain-notice", "on SIGTERM, first S seconds (of "
+        "--drain-timeout) of still serving new requests while health and readiness say not "
+        "ready, so load balancers stop sending before any is refused (SIGINT: none)")  # fmt: skip
     network: Network = section(Network)
     workers: Workers = section(Workers)
     models: Models = section(Models)
@@ -313,8 +313,7 @@ class ServerConfig:
     tracing: Tracing = section(Tracing)
 
     def check(self) -> None:
-        """Every setting within its bounds, then every rule that spans settings; raises
-        ConfigError naming the flags."""
+        """Each setting in its bounds, then each rule across settings; ConfigError if not."""
         for path, leaf in _leaves(ServerConfig):
             lo, hi, what = leaf.metadata.get("bounds", (0, 0, ""))
             value: Any = functools.reduce(getattr, path.split("."), self)

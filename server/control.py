@@ -60,6 +60,7 @@ class ModelControl:
         link: WorkerLink,
         scheduler: Scheduler,
         explicit: bool,
+        clock: Callable[[], float],
         changed: Callable[[], None],  # readiness may have changed
         pump_soon: Callable[[], None],  # capacity changed: decide again, once, soon
     ) -> None:
@@ -69,6 +70,7 @@ class ModelControl:
         self._pool = pool
         self._link = link
         self._scheduler = scheduler
+        self._clock = clock
         self._changed = changed
         self._pump_soon = pump_soon
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
@@ -173,8 +175,7 @@ class ModelControl:
         whys = await asyncio.to_thread(lambda: [self._changed_files(cfg) for cfg, _ in joins])
         for (cfg, fut), why in zip(joins, whys, strict=True):
             if not why and not fut.done():  # (done: the worker was lost, or cfg unloaded)
-                header = wire.Header(kind=wire.Header.LOAD, model=cfg.name, version=cfg.version)
-                self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
+                self._send_load(worker, cfg)
         for (cfg, fut), why in zip(joins, whys, strict=True):
             if not why:
                 if await fut or not (why := await asyncio.to_thread(self._changed_files, cfg)):
@@ -204,13 +205,18 @@ class ModelControl:
         if fut is None:
             fut = worker.loads[model.key] = asyncio.get_running_loop().create_future()
             if send:
-                header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
-                self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
+                self._send_load(worker, model)
         return fut
+
+    def _send_load(self, worker: WorkerHandle, model: ModelConfig) -> None:
+        header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
+        self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
+        worker.load_sent[model.key] = self._clock()  # (--load-timeout: pool.overdue)
 
     def on_loaded(self, worker: WorkerHandle, header: wire.Header) -> None:
         key = model_key(header.model, header.version)
         fut = worker.loads.get(key)
+        worker.load_sent.pop(key, None)
         if fut is None or fut.done():
             return
         if header.error:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,13 +65,14 @@ class Core:
         credits: int | None = None,  # batches a worker holds; None: 1 on CPU, 2 on GPU
         clock: Callable[[], float] = time.monotonic,
         load: LoopLoad | None = None,  # the event loop's (None: never saturated nor patient)
+        load_timeout_s: float = math.inf,  # --load-timeout
     ) -> None:
         self.stats = stats
         self.changed = asyncio.Event()  # readiness may have changed
         self._clock = clock
         self._stopping = False
         self._pump_armed = False
-        self.pool = WorkerPool(credits)
+        self.pool = WorkerPool(credits, load_timeout_s)
         self.link = WorkerLink(socket, self, clock)
         self._saturated: Callable[[], bool] = load if load is not None else (lambda: False)
         self.scheduler = (
@@ -79,7 +81,7 @@ class Core:
             else Scheduler(self, clock, load.patient, idle=load.idle_s, busy=lambda: load.busy)
         )
         self.control = ModelControl(
-            repository, self.pool, self.link, self.scheduler, explicit,
+            repository, self.pool, self.link, self.scheduler, explicit, clock,
             self.changed.set, self.pump_soon,
         )  # fmt: skip
         self.supervisor = Supervisor(launch or Launch(repository=repository), self.worker_exited)
@@ -264,14 +266,9 @@ class Core:
         return own and bool(worker.inflight or worker.sequences)
 
     def on_tick(self, now: float) -> None:
-        for worker, batch in self.pool.overdue(now):
+        for worker, why in self.pool.overdue(now):
             self.link.send(worker.identity, _STOP)  # if it can hear
-            limit = batch.model.instances.execution_timeout_s
-            self.lose(
-                worker,
-                f"batch {batch.id} of model {batch.model.name!r} ran past "
-                f"execution_timeout_s {limit}",
-            )
+            self.lose(worker, why)
 
     def worker_exited(self, name: str, reason: str) -> None:
         """The supervisor saw a local worker's process exit."""

@@ -44,6 +44,7 @@ class WorkerHandle:
     progress: dict[str, float] = field(default_factory=dict)  # key -> its last STEP came
     step_rounds: dict[str, int] = field(default_factory=dict)  # model -> last round counted
     loads: dict[str, asyncio.Future[str]] = field(default_factory=dict)  # key -> error or ""
+    load_sent: dict[str, float] = field(default_factory=dict)  # key -> when its LOAD went
     load_errors: dict[str, str] = field(default_factory=dict)  # key -> why it did not load
     credits: int = 1  # batches it may hold at once
     # step-wise: key -> the sequences other frontends have on it, as its last heartbeat
@@ -77,8 +78,9 @@ class Joined(enum.Enum):
 
 
 class WorkerPool:
-    def __init__(self, credits: int | None = None) -> None:
+    def __init__(self, credits: int | None = None, load_timeout_s: float = math.inf) -> None:
         self._credits = credits  # None: 1 per CPU worker, 2 per GPU worker
+        self._load_timeout_s = load_timeout_s  # --load-timeout
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._order: list[WorkerHandle] = []
         self._rr = 0
@@ -243,11 +245,13 @@ class WorkerPool:
         """The batch a reply answers, out of the table; None if it is no longer there."""
         return worker.inflight.pop(batch_id, None)
 
-    def overdue(self, now: float) -> list[tuple[WorkerHandle, Batch]]:
-        """One batch (or sequence) per worker that has run past its model's
-        execution_timeout_s: a batch since it was sent; a sequence since it started (or
-        got credit again after its worker held it) or since the last step of its model
-        on that worker, whichever is later; never one held for its caller."""
+    def overdue(self, now: float) -> list[tuple[WorkerHandle, str]]:
+        """The workers stuck in their work, each with why: a batch (or sequence) past
+        its model's execution_timeout_s (a batch since it was sent; a sequence since it
+        started, or got credit again after its worker held it, or since the last step of
+        its model on that worker, whichever is later; never one held for its caller),
+        or a load past --load-timeout (a load() that never returns holds up the worker's
+        later loads: only a new process ends it)."""
         late = []
         for w in self._order:
             for b in [*w.inflight.values(), *w.sequences.values()]:
@@ -256,7 +260,17 @@ class WorkerPool:
                     if (stream := b.requests[0].stream) is not None and stream.paused:
                         continue  # held for want of credit: its worker owes it nothing now
                     since = max(since, w.progress.get(b.model.key, since))
-                if now - since > b.model.instances.execution_timeout_s:
-                    late.append((w, b))
+                if now - since > (limit := b.model.instances.execution_timeout_s):
+                    late.append((w, f"batch {b.id} of model {b.model.name!r} ran past "
+                                    f"execution_timeout_s {limit}"))  # fmt: skip
                     break
+            else:
+                for key, sent in w.load_sent.items():
+                    fut = w.loads.get(key)
+                    limit = self._load_timeout_s
+                    if fut is not None and not fut.done() and now - sent > limit:
+                        name, _, version = key.rpartition("@")
+                        late.append((w, f"its load of model {name!r} version {version} ran "
+                                        f"past --load-timeout {limit:g} s"))  # fmt: skip
+                        break
         return late

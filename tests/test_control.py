@@ -442,3 +442,33 @@ def test_a_restarted_worker_keeps_no_version_whose_files_changed_while_it_loaded
     finally:
         gate.unlink(missing_ok=True)
         assert s.stop() == 0, s.log()
+
+
+def test_a_load_that_never_returns_fails_at_the_load_timeout_and_its_worker_restarts(
+    tmp_path: Path,
+) -> None:
+    """A worker loads one model at a time, and only a new process ends a load() that
+    never returns: past --load-timeout the load fails, naming the limit, and the
+    worker is restarted (the models it held load again); the next load is served."""
+    repo = tmp_path / "repo"
+    make_model(repo, "serving", 2.0)
+    stuck = make_model(repo, "stuck", 3.0)
+    args = ("--model-control", "explicit", "--load-model", "serving", "--load-timeout", "2")
+    s = ServerProcess(repo, *args, log_dir=tmp_path, workers=1).start()
+    gate = load_gate(stuck)
+    gate.touch()
+    try:
+        with Client(s.url) as c:
+            before = s.worker_pids()
+            with pytest.raises(InferenceFailed) as e:
+                c.load_model("stuck", timeout=60)
+            assert "its load of model 'stuck' version 1 ran past --load-timeout 2 s" in str(e.value)
+            gate.unlink()
+            wait_for(lambda: s.worker_pids() and s.worker_pids() != before, 60, "a new worker")
+            wait_for(lambda: c.model_ready("serving"), 60, "the new worker to load serving")
+            assert y(c, "serving", 1.0) == 2.0
+            c.load_model("stuck", timeout=60)
+            assert y(c, "stuck", 1.0) == 3.0
+    finally:
+        gate.unlink(missing_ok=True)
+        assert s.stop() == 0, s.log()

@@ -309,6 +309,7 @@ def test_a_worker_of_several_frontends_hears_pass_when_its_reply_leaves_us_nothi
         alone = register(core, "a", cfg.key)
         third = core.submit(request(cfg))
         await answer(alone)
-        assert third.done() and [k for _, k in sent] == ["CANCEL", "LOAD", "BATCH"]  # no PASS
+        kinds = [k for _, k in sent if k != "LOAD"]  # (a LOAD goes once the files are read)
+        assert third.done() and kinds == ["CANCEL", "BATCH"]  # no PASS
 
     run(body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -128,5 +129,24 @@ def test_batches_past_their_execution_limit_are_found() -> None:
     late = pool.hand(a, cfg, [request(cfg)], 0.0)
     pool.hand(b, cfg, [request(cfg)], 59.0)
     limit = cfg.instances.execution_timeout_s  # 60 s by default
-    assert pool.overdue(limit + 0.5) == [(a, late)]
+    assert pool.overdue(limit + 0.5) == [
+        (a, f"batch {late.id} of model 'm' ran past execution_timeout_s {limit}")
+    ]
     assert pool.inflight(cfg.key) == 2 and pool.model_ready(cfg.key)
+
+
+def test_a_load_past_the_load_timeout_is_found_and_only_while_it_is_pending() -> None:
+    """A load() that never returns holds up a worker's later loads: pool.overdue names
+    it once --load-timeout has passed since its LOAD went."""
+    pool = WorkerPool(credits=1, load_timeout_s=10.0)
+    (a,) = serving(pool, "a", key="other@1")
+    loop = asyncio.new_event_loop()
+    try:
+        a.loads["m@2"], a.load_sent["m@2"] = loop.create_future(), 100.0
+        assert pool.overdue(110.0) == []
+        why = "its load of model 'm' version 2 ran past --load-timeout 10 s"
+        assert pool.overdue(110.5) == [(a, why)]
+        a.loads["m@2"].set_result("")
+        assert pool.overdue(200.0) == []
+    finally:
+        loop.close()
