@@ -67,8 +67,7 @@ class ModelControl:
         self.repository = repository
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
-        self._pool = pool
-        self._link = link
+        self._pool, self._link = pool, link
         self._scheduler = scheduler
         self._clock = clock
         self._changed = changed
