@@ -141,7 +141,7 @@ http {{
     }}
     server {{
         listen {listen} http2;
-        client_max_body_size 64m;       # batchd's --max-message-bytes
+        client_max_body_size 0;         # off: an upload is one stream; batchd limits its own
         grpc_read_timeout 10m;
         grpc_send_timeout 10m;
         location / {{

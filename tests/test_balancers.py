@@ -8,6 +8,7 @@ test runs as root with apt-get, skipped with the reason otherwise.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -516,3 +517,21 @@ def test_replicas_in_their_own_network_namespaces(cluster: Cluster, tmp_path: Pa
     finally:
         for r in replicas:
             r.remove()
+
+
+def test_nginx_passes_a_job_upload_larger_than_64_mib(
+    cluster: Cluster, nginx: str, tmp_path: Path
+) -> None:
+    """A SubmitJob stream is one request body to nginx: its client_max_body_size is off
+    (0), or a 70 MB upload gets 413; batchd applies its own limits."""
+    line = json.dumps({"custom_id": "c{}", "inputs": [{"name": "INPUT0", "datatype": "FP32",
+                       "shape": [1, 8000], "data": [1.5] * 8000}]})  # fmt: skip
+    path = tmp_path / "big.jsonl"
+    with path.open("w") as f:
+        n = 70_000_000 // len(line) + 1
+        for i in range(n):
+            f.write(line.replace("c{}", f"c{i}") + "\n")
+    assert path.stat().st_size > 64 * 1024 * 1024
+    with Client(nginx, timeout=None) as c:
+        job = c.submit_job("tiny", path)  # (the replica's own jobs: SQLite, not shared)
+        assert job.total == n
