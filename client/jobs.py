@@ -118,12 +118,17 @@ def cancel_job(core: ClientCore, job_id: str) -> Steps[Job]:
 
 
 class ResultsFile:
-    """Where job_results writes: a path (opened and closed here) or a binary file."""
+    """Where job_results writes: a path (opened and closed here) or a binary file. A
+    path is written whole or not at all: the results go to PATH.partial beside it,
+    which replaces PATH only once every piece came, so a download that fails (the job
+    gone past its retention, a lost connection) leaves an earlier copy as it was."""
 
     def __init__(self, out: str | os.PathLike[str] | BinaryIO) -> None:
-        self._mine = isinstance(out, str | os.PathLike)
+        self._path: Path | None = None
         if isinstance(out, str | os.PathLike):
-            self.file: BinaryIO = Path(out).open("wb")  # noqa: SIM115 (closed in __exit__)
+            self._path = Path(out)
+            self._partial = self._path.with_name(self._path.name + ".partial")
+            self.file: BinaryIO = self._partial.open("wb")
         else:
             self.file = out
         self.lines = 0
@@ -135,6 +140,10 @@ class ResultsFile:
     def __enter__(self) -> ResultsFile:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._mine:
+    def __exit__(self, failed: type[BaseException] | None, *exc: object) -> None:
+        if self._path is not None:
             self.file.close()
+            if failed is None:
+                os.replace(self._partial, self._path)
+            else:
+                self._partial.unlink(missing_ok=True)

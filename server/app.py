@@ -283,16 +283,16 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     notice = min(notice, cfg.drain_timeout_s)
     log.info("stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
              "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
-    if p.jobs is not None:  # first: failing the queues below would answer their lines
-        await p.jobs.stop()
+    p.service.leaving = True  # readiness and health say so at once (before a jobs database
+    p.core.changed.set()  # that hangs); _track_health: every service NOT_SERVING but LIVENESS
+    jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s)) if p.jobs else None
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
-    p.service.leaving = True  # readiness and health say so at once
-    p.core.changed.set()  # _track_health: every service NOT_SERVING but LIVENESS
-    if notice:
-        await asyncio.sleep(notice)
+    await asyncio.sleep(notice)
     left = await p.service.drain(cfg.drain_timeout_s - notice)
     if left:
         log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
+    if jobs is not None:  # before the queues fail below, which would answer their lines
+        await jobs
     p.core.fail_all(Unavailable("the server stopped before this request could finish"))
     await p.server.stop(grace=1.0)
     if p.http is not None:

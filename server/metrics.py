@@ -31,6 +31,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
 
 log = logging.getLogger("batchd.metrics")
+REFRESH_S = 2.0  # a scrape waits this long, at most, for the jobs store's counts
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -294,7 +295,20 @@ async def start_metrics(
 ) -> asyncio.Server:  # fmt: skip
     """Answer GET /metrics on host:port, from now until the server returned is closed;
     `refresh` first, on each scrape (what a collector must not read on the loop: the
-    jobs store). Binding raises OSError (a port in use) before anything is served."""
+    jobs store), waited for REFRESH_S at most: a refresh that does not come in time
+    (a database that hangs) goes on alone, one at a time, and the scrape is answered
+    with what the last one read. Binding raises OSError (a port in use) before
+    anything is served."""
+    pending: asyncio.Future[None] | None = None  # the refresh in flight
+
+    async def refreshed() -> None:
+        nonlocal pending
+        if refresh is None:
+            return
+        if pending is None or pending.done():
+            pending = asyncio.ensure_future(refresh())
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved
+        await asyncio.wait([pending], timeout=REFRESH_S)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # A request that is not one (no blank line within the stream's 64 KiB limit, or
@@ -304,8 +318,7 @@ async def start_metrics(
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
-                if refresh is not None:
-                    await refresh()
+                await refreshed()
                 body, status = generate_latest(registry), b"200 OK"
                 kind = b"text/plain; version=0.0.4; charset=utf-8"
             else:

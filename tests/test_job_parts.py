@@ -352,6 +352,9 @@ class FakeCore:
         f.set_result([Tensor("Y", "FP32", request.inputs[0].shape, (2 * x).tobytes())])
         return f
 
+    def model_ready(self, name: str) -> bool:
+        return name in self.models
+
 
 def test_a_run_resumed_after_a_crash_answers_each_line_once(tmp_path: Path) -> None:
     """The crash left results written after the last checkpoint: they are cut off and
@@ -454,12 +457,13 @@ class FailingStore(SqliteStore):
             raise Unavailable("the jobs database is down")
         return await super().recover()
 
-    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> Any:
+    async def claim(self, exclude_models: frozenset[str] = frozenset(),
+                    only: Mapping[str, str] | None = None) -> Any:  # fmt: skip
         self.claims += 1
         if "claim" in self.failures:
             self.failures.remove("claim")
             raise sqlite3.OperationalError("database or disk is full")
-        return await super().claim(exclude_models)
+        return await super().claim(exclude_models, only)
 
     async def finish(self, row: Any, status: str, error: str = "") -> None:
         if self.finish_fails:
@@ -573,10 +577,11 @@ def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> 
         claiming = asyncio.Event()
         answer = asyncio.Event()
 
-        async def claim(self, exclude_models: frozenset[str] = frozenset()) -> Any:
+        async def claim(self, exclude_models: frozenset[str] = frozenset(),
+                        only: Mapping[str, str] | None = None) -> Any:  # fmt: skip
             self.claiming.set()
             await self.answer.wait()  # a database round trip, during which stop() comes
-            return await super().claim(exclude_models)
+            return await super().claim(exclude_models, only)
 
     async def body() -> None:
         SlowClaim.claiming, SlowClaim.answer = asyncio.Event(), asyncio.Event()
@@ -585,8 +590,10 @@ def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> 
         jobs = jobs_of(store, cfg)
         task = asyncio.create_task(jobs.run())
         await store.claiming.wait()
-        await jobs.stop()
+        stopping = asyncio.create_task(jobs.stop())  # it waits for the claim in flight
+        await asyncio.sleep(0)
         store.answer.set()
+        await asyncio.wait_for(stopping, 10)
         await asyncio.wait_for(task, 10)  # the runner ends ...
         assert jobs.running == {}  # ... without starting the job it claimed
         got = await store.get(row.id)

@@ -269,8 +269,12 @@ def test_a_job_belongs_to_its_token(gate: Gate, tmp_path: Path) -> None:
                 cb.job(job.id)
             with pytest.raises(ModelNotFound, match="no job"):
                 cb.cancel_job(job.id)
+            (tmp_path / "stolen.jsonl").write_text("b's own results\n")
             with pytest.raises(ModelNotFound, match="no job"):
                 cb.job_results(job.id, tmp_path / "stolen.jsonl")
+            # a failed download leaves the file it would have replaced as it was
+            assert (tmp_path / "stolen.jsonl").read_text() == "b's own results\n"
+            assert not (tmp_path / "stolen.jsonl.partial").exists()
             assert [j.id for j in cb.jobs()] == []
             assert [j.id for j in ca.jobs()] == [job.id]
             assert [j.id for j in cadmin.jobs()] == [job.id]
@@ -362,3 +366,69 @@ def test_limits_on_file_size_and_open_jobs_refuse_with_the_flag(gate: Gate, tmp_
     finally:
         held.unlink(missing_ok=True)
         assert server.stop() == 0, server.log()
+
+
+# ---- a jobs database that hangs, or restarts, seen from a scrape and from `jobs wait` ----
+
+
+def test_a_scrape_is_answered_while_the_jobs_store_hangs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refresh (the jobs store's counts) is waited for REFRESH_S at most; every other
+    metric is served at once, and the hanging refresh is not started again."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as Count
+
+    from batchd.server import metrics
+
+    monkeypatch.setattr(metrics, "REFRESH_S", 0.05)
+    registry = CollectorRegistry()
+    Count("batchd_seen", "a metric", registry=registry).inc()
+    started: list[float] = []
+
+    async def hangs() -> None:
+        started.append(0)
+        await asyncio.Event().wait()  # a database that never answers
+
+    async def body() -> None:
+        server = await metrics.start_metrics(registry, "127.0.0.1", 0, refresh=hangs)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            for _ in range(2):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+                got = await asyncio.wait_for(reader.read(), 10)
+                writer.close()
+                assert got.startswith(b"HTTP/1.1 200") and b"batchd_seen_total 1.0" in got
+        finally:
+            server.close()
+
+    asyncio.run(body())
+    assert started == [0]
+
+
+def test_jobs_wait_asks_again_while_the_server_is_unavailable() -> None:
+    """A restart (of a replica, or of the jobs database) answers a poll UNAVAILABLE:
+    `batchd jobs wait` asks again with backoff, and gives up only after --timeout."""
+    import io
+
+    from batchd.client.errors import ServerUnavailable
+    from batchd.client.jobs import Job
+    from batchd.client.jobs_cli import wait
+
+    job = Job("job-1", "m", "", "completed", 1, 1, 0, 0, 0, 0, 0, None, "", 1, 1)
+
+    class Flaky:
+        def __init__(self, failures: int) -> None:
+            self.failures = failures
+
+        def job(self, job_id: str) -> Job:
+            if self.failures:
+                self.failures -= 1
+                raise ServerUnavailable("the jobs database failed: the connection was lost")
+            return job
+
+    pauses: list[float] = []
+    out = io.StringIO()
+    assert wait(Flaky(3), "job-1", out, give_up_s=60, sleep=pauses.append) is job  # type: ignore[arg-type]
+    assert len(pauses) == 3 and "asking again" in out.getvalue()
+    with pytest.raises(ServerUnavailable):
+        wait(Flaky(10**9), "job-1", out, give_up_s=0, sleep=pauses.append)  # type: ignore[arg-type]

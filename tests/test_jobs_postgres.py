@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -27,19 +29,23 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchd.client import AsyncClient, Client
 from batchd.protos import jobs_pb2 as pb
 from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ConfigError
-from batchd.server.config import add_arguments, from_arguments
+from batchd.server.config import Limits, add_arguments, from_arguments
 from batchd.server.errors import Unavailable
+from batchd.server.jobs import database, runner
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PART_BYTES, PostgresStore
+from batchd.server.jobs.runner import JobRun, Jobs
 from batchd.server.jobs.store import JobRow, LeaseLost, Progress
-from tests.conftest import Gate, run
+from tests.conftest import Gate, model, run
 from tests.postgres import PostgresServer
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
+from tests.test_job_parts import FakeCore
 from tests.test_jobs_upload import until
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (batchd[postgres]) is not installed")
@@ -101,7 +107,8 @@ def test_a_lease_that_runs_out_moves_the_job_and_fences_the_old_runner(
 
         # a comes back: it writes nothing more, of results or offsets
         out.write(b"late\n")
-        with pytest.raises(LeaseLost):
+        with pytest.raises(LeaseLost, match=f"job {row.id}: this replica no longer holds its "
+                           "claim .*another replica took it over"):  # fmt: skip
             await a.checkpoint(mine, out, Progress(20, 2, 2, 0))
         with pytest.raises(LeaseLost):
             await a.finish(mine, "completed")
@@ -235,6 +242,234 @@ def test_a_jobs_db_that_is_not_postgresql_is_refused_without_echoing_it() -> Non
         assert "secret" not in str(e.value)
 
 
+# ---- what a replica claims, and what it gives back ----
+
+
+class Core(FakeCore):
+    """A core whose model may be loaded yet have no live worker (loading, or broken)."""
+
+    def __init__(self, *models: Any, ready: bool = True) -> None:
+        super().__init__(models[0])
+        self.models = {m.name: m for m in models}
+        self.ready = ready
+
+    def model_ready(self, name: str) -> bool:
+        return self.ready and name in self.models
+
+
+def named(name: str) -> Any:
+    return dataclasses.replace(model(shape=(1,)), name=name)
+
+
+def _jobs(store: PostgresStore, core: Core) -> Jobs:
+    return Jobs(store, core, Limits(), max_file_bytes=1 << 20, max_open=4, retention_s=3600.0,
+                min_upload_rate=0, upload_grace_s=0.0)  # fmt: skip
+
+
+async def _queued(store: PostgresStore, name: str, version: str = "", n: int = 3) -> JobRow:
+    row = await store.create("", name, version)
+    text = job_lines(n)
+    store.upload_path(row.id).write_text(text)
+    await store.queue(row.id, n, len(text))
+    return row
+
+
+def test_a_replica_claims_only_jobs_it_can_run_and_gives_back_one_whose_model_went(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """A job of a model not loaded here, of another version, or loaded without a live
+    worker (loading, failed to load) is left to a replica that can run it; one whose
+    model goes after the claim is given back (queued), never failed for it."""
+    dbl2, gated = named("dbl2"), named("gated")
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=3600)
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=3600)
+
+    async def body() -> None:
+        row = await _queued(a, "dbl2")
+        assert await _jobs(a, Core(gated))._claim() is None  # not loaded here
+        assert await _jobs(a, Core(dbl2, ready=False))._claim() is None  # no live worker
+        other = await _queued(a, "gated", version="7")
+        assert await _jobs(a, Core(gated))._claim() is None  # gated has version "1" here
+        mine = await _jobs(a, Core(dbl2))._claim()
+        assert mine is not None and mine.id == row.id
+        await JobRun(mine, a, Core(gated), Limits(), lambda *x: None).run()  # dbl2 unloaded
+        back = await b.get(row.id)
+        assert back is not None and (back.status, back.error) == ("queued", "")
+        taken = await b.claim(only={"dbl2": "1"})  # at once: no lease to wait out
+        assert taken is not None and taken.id == row.id
+        assert (await b.get(other.id)).status == "queued"  # type: ignore[union-attr]
+
+    try:
+        run(body)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_job_whose_model_has_no_live_worker_is_given_back(
+    jobs_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its workers all gone after the claim: the run makes no progress, so it stops
+    renewing its lease and gives the job back instead of holding it "0 of N"."""
+    monkeypatch.setattr(runner, "NOT_READY_S", 0.0)
+    monkeypatch.setattr(runner, "CHECKPOINT_S", 0.01)
+    dbl2 = named("dbl2")
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=3600)
+
+    class Stuck(Core):  # the lines wait in the queue for a worker that never comes
+        def submit(self, request: Any) -> asyncio.Future[Any]:
+            self.ready = False
+            return asyncio.get_running_loop().create_future()
+
+    async def body() -> None:
+        row = await _queued(a, "dbl2")
+        mine = await a.claim()
+        assert mine is not None
+        await asyncio.wait_for(JobRun(mine, a, Stuck(dbl2), Limits(), lambda *x: None).run(), 30)
+        back = await a.get(row.id)
+        assert back is not None and (back.status, back.done) == ("queued", 0)
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
+def _signal_postgres(postgres: PostgresServer, sig: signal.Signals) -> None:
+    """`sig` to the postmaster and every backend: SIGSTOP freezes the database."""
+    pid = int((postgres.data / "postmaster.pid").read_text().split()[0])
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    for p in [pid, *map(int, children)]:
+        os.kill(p, sig)
+
+
+def test_a_database_that_stops_answering_makes_calls_unavailable_in_bounded_time(
+    postgres: PostgresServer, jobs_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(database, "CALL_TIMEOUT_S", 1.0)
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+
+    async def body() -> None:
+        row = await _queued(a, "gated")
+        mine = await a.claim()
+        assert mine is not None
+        _signal_postgres(postgres, signal.SIGSTOP)
+        try:
+            with pytest.raises(Unavailable, match=r"did not answer within 1 s"):
+                await asyncio.wait_for(a.get(row.id), 10)
+            with pytest.raises(Unavailable, match=r"did not answer"):
+                await asyncio.wait_for(a.renew(mine), 10)
+            with pytest.raises(Unavailable):  # a new connection: libpq's connect_timeout
+                await asyncio.wait_for(a.get(row.id), 10)
+        finally:
+            _signal_postgres(postgres, signal.SIGCONT)
+        got = await a.get(row.id)  # connected again
+        assert got is not None and got.status == "running"
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
+def test_a_stop_gives_the_job_back_in_every_window(jobs_db: str, tmp_path: Path) -> None:
+    """A checkpoint in flight (it commits anyway: the release keeps each result once), the
+    input still loading from the database, a claim in flight: each is given back."""
+    gated = named("gated")
+
+    class Slow(PostgresStore):
+        gate = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def open_input(self, row: JobRow) -> Path:
+            self.entered.set()
+            await self.gate.wait()  # parts still coming from the database
+            return await super().open_input(row)
+
+        async def claim(self, exclude_models: frozenset[str] = frozenset(),
+                        only: Any = None) -> JobRow | None:  # fmt: skip
+            self.entered.set()
+            await self.gate.wait()  # a claim's round trip, during which stop() comes
+            return await super().claim(exclude_models, only)
+
+    a = Slow(jobs_db, tmp_path / "a", lease_s=3600)
+
+    async def status(job_id: str) -> str:
+        return (await a.get(job_id)).status  # type: ignore[union-attr]
+
+    async def body() -> None:
+        Slow.gate, Slow.entered = asyncio.Event(), asyncio.Event()
+        row = await _queued(a, "gated")
+        mine = await PostgresStore.claim(a)
+        assert mine is not None
+        out = a.open_results(mine)
+        out.write(b"abc\n")
+        with psycopg.connect(jobs_db) as blocker:  # holds the row: the checkpoint waits
+            blocker.execute("SELECT 1 FROM batchd_jobs WHERE id = %s FOR UPDATE", (row.id,))
+            cp = asyncio.create_task(a.checkpoint(mine, out, Progress(9, 1, 1, 0)))
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+
+            async def blocked() -> bool:
+                return blocker.execute(waiting).fetchone() != (0,)
+
+            await asyncio.wait_for(until(blocked), 30)
+            cp.cancel()  # SIGTERM now
+            release = asyncio.create_task(a.release(mine, out, Progress(9, 1, 1, 0)))
+            await asyncio.sleep(0.1)
+        await release  # the checkpoint commits, then the release: no duplicate key
+        got = await a.get(row.id)
+        assert got is not None and (got.status, got.results_bytes) == ("queued", 4)
+        assert b"".join([x async for x in a.read_results(row.id, 0, 4)]) == b"abc\n"
+
+        mine = await PostgresStore.claim(a)
+        assert mine is not None
+        task = asyncio.create_task(JobRun(mine, a, Core(gated), Limits(), lambda *x: None).run())
+        await a.entered.wait()
+        task.cancel()  # SIGTERM while its input loads
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert await status(row.id) == "queued"
+
+        Slow.gate, Slow.entered = asyncio.Event(), asyncio.Event()
+        jobs = _jobs(a, Core(gated))
+        loop = asyncio.create_task(jobs.run())
+        await a.entered.wait()
+        stopping = asyncio.create_task(jobs.stop())
+        await asyncio.sleep(0)
+        a.gate.set()  # the claim comes in after the stop
+        await asyncio.wait_for(stopping, 30)
+        await asyncio.wait_for(loop, 30)
+        assert await status(row.id) == "queued"
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
+def test_a_lease_is_renewed_while_a_long_call_holds_the_other_connection(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """A big upload being stored, or an input read back, never costs a running job its
+    lease: the running jobs' calls have a connection of their own."""
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+
+    async def body() -> None:
+        await _queued(a, "gated")
+        mine = await a.claim()
+        assert mine is not None
+        long = asyncio.create_task(a._db.run(database.one, "SELECT pg_sleep(3)"))
+        await asyncio.sleep(0.2)
+        assert not long.done()
+        assert await asyncio.wait_for(a.renew(mine), 2) == "running"
+        await long
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
 # ---- real replicas ----
 
 
@@ -313,6 +548,37 @@ def test_a_replica_stopped_with_sigterm_hands_its_job_over_at_once(
         lambda first: first.proc.send_signal(signal.SIGTERM),  # type: ignore[union-attr]
     )  # fmt: skip
     assert first.proc.wait(60) == 0, first.log()  # type: ignore[union-attr]
+
+
+def test_sigterm_says_not_ready_at_once_while_the_jobs_database_hangs(
+    postgres: PostgresServer, jobs_db: str, gate: Gate, tmp_path: Path
+) -> None:
+    """Readiness goes NOT_SERVING at SIGTERM, before the job runner's stop gives its
+    running job back to a database that does not answer (a balancer would keep
+    sending for as long); the replica still ends once the database is back."""
+    held = gate.state / "hold-3"
+    held.touch()
+    replica = _replica(tmp_path, gate, jobs_db, "--drain-notice", "1", "--drain-timeout", "30")
+    check = health_pb2.HealthCheckRequest(service="")
+    try:
+        with Client(replica.url) as c, grpc.insecure_channel(replica.url) as channel:
+            job = c.submit_job("gated", [json.loads(x) for x in job_lines(10).splitlines()])
+            wait_for(lambda: c.job(job.id).status == "running", 60, "the job to run")
+            health = health_pb2_grpc.HealthStub(channel)
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            _signal_postgres(postgres, signal.SIGSTOP)
+            try:
+                replica.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+                # (before: only once the give-back gave up, database.CALL_TIMEOUT_S later)
+                wait_for(lambda: health.Check(check, timeout=10).status == not_serving, 5, "not")
+            finally:
+                _signal_postgres(postgres, signal.SIGCONT)
+                held.unlink()
+        assert replica.proc.wait(60) == 0, replica.log()  # type: ignore[union-attr]
+    except BaseException:
+        held.unlink(missing_ok=True)
+        replica.stop(signal.SIGKILL)
+        raise
 
 
 async def _paused(resume: asyncio.Event) -> AsyncIterator[pb.SubmitJobRequest]:

@@ -5,13 +5,22 @@ connects (an advisory lock: replicas that start together make them once).
 
 A database that is down, or refuses, makes a call raise Unavailable saying why
 (never the URL's password); the next call connects again, so a database that
-was down when a replica started is used as soon as it is up.
+was down when a replica started is used as soon as it is up. A database that
+stops answering (a host gone, a frozen server) is as down: every call is bounded
+(TCP keepalives and tcp_user_timeout in the kernel, and `timeout_s` here, after
+which its socket is shut, so the thread's call fails and the connection is made
+again), and a call that waited its whole time for another to finish is not run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -23,6 +32,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SCHEMA_LOCK = 0x62617463  # the advisory lock held while the tables are made
+CALL_TIMEOUT_S = 10.0  # a call (waiting for the connection included) that takes longer fails
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batchd_jobs (
     id TEXT PRIMARY KEY,
@@ -86,13 +96,16 @@ class Database:
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._schema = False  # the tables are there
+        self._busy: object | None = None  # the call on the connection now (its token)
 
     def _connect(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
             self._conn = self._psycopg.connect(
                 self.url, autocommit=True, connect_timeout=5,
                 options="-c statement_timeout=30000 -c lock_timeout=10000",
-                application_name="batchd",
+                application_name="batchd",  # and a peer that stops answering is dropped:
+                keepalives=1, keepalives_idle=5, keepalives_interval=2, keepalives_count=3,
+                tcp_user_timeout=10_000,  # ms
             )  # fmt: skip
         if not self._schema:
             with self._conn.transaction(), self._conn.cursor() as cur:
@@ -101,29 +114,74 @@ class Database:
             self._schema = True
         return self._conn
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(cursor, *args)` in one transaction (on the caller's thread)."""
-        with self._lock:
-            try:
-                conn = self._connect()
-                with conn.transaction(), conn.cursor() as cur:
-                    return fn(cur, *args)
-            except self._psycopg.Error as e:
-                if isinstance(e, self._psycopg.OperationalError) and self._conn is not None:
-                    self._conn.close()
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise Unavailable(
-                    f"the jobs database {safe_url(self.url)} failed: {first[:200]}"
-                ) from None
+    def call(self, fn: Callable[..., T], *args: Any, token: object = None,
+             until: float = math.inf, then: Callable[[T], None] | None = None) -> T:  # fmt: skip
+        """`fn(cursor, *args)` in one transaction (on the caller's thread), then, once it
+        is committed and before another call runs, `then(its result)`; not run at all
+        if the connection is not free before `until` (time.monotonic)."""
+        if not self._lock.acquire(timeout=max(0.0, min(until - time.monotonic(), 3600.0))):
+            raise self._gone("did not answer in time (another call held the connection)")
+        try:
+            self._busy = token
+            conn = self._connect()
+            with conn.transaction(), conn.cursor() as cur:
+                got = fn(cur, *args)
+            if then is not None:
+                then(got)
+            return got
+        except self._psycopg.Error as e:
+            if isinstance(e, self._psycopg.OperationalError) and self._conn is not None:
+                self._conn.close()
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise self._gone(f"failed: {first[:200]}") from None
+        finally:
+            self._busy = None
+            self._lock.release()
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(cursor, *args)` in one transaction, on a thread."""
-        return await asyncio.to_thread(self.call, fn, *args)
+    def _gone(self, why: str) -> Unavailable:
+        return Unavailable(f"the jobs database {safe_url(self.url)} {why}")
+
+    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None,
+                  then: Callable[[T], None] | None = None) -> T:  # fmt: skip
+        """`fn(cursor, *args)` in one transaction, on a thread; Unavailable if it has not
+        answered within `timeout_s` (its connection is then shut: the call fails, and
+        the next connects again). A caller cancelled does not stop the call: it runs
+        to its end on its thread (bounded the same way), `then` included."""
+        timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        token = object()
+        until = time.monotonic() + timeout_s
+        call = asyncio.ensure_future(
+            asyncio.to_thread(self.call, fn, *args, token=token, until=until, then=then)
+        )
+        call.add_done_callback(lambda c: c.cancelled() or c.exception())  # always retrieved
+        done, _ = await asyncio.wait([call], timeout=timeout_s)
+        if done:
+            return call.result()
+        if self._busy is token:
+            self._shut()
+        raise self._gone(f"did not answer within {timeout_s:g} s")
+
+    def _shut(self) -> None:
+        """Shut the connection's socket under the thread that waits on it: its call
+        fails at once, and the connection is made again by the next call."""
+        conn = self._conn
+        with contextlib.suppress(Exception):
+            if conn is not None and not conn.closed:
+                sock = socket.socket(fileno=os.dup(conn.fileno()))
+                with sock:
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        with self._lock:
+        """Close the connection; a call still hanging on it is cut off first."""
+        if not self._lock.acquire(timeout=CALL_TIMEOUT_S):
+            self._shut()
+            if not self._lock.acquire(timeout=CALL_TIMEOUT_S):
+                return  # the thread is stuck outside the socket: the process exit ends it
+        try:
             if self._conn is not None:
                 self._conn.close()
+        finally:
+            self._lock.release()
 
 
 def one(cur: psycopg.Cursor[Any], sql: str, args: tuple[Any, ...] = ()) -> Any:

@@ -23,11 +23,17 @@ disagree; a run that takes over starts where the last committed checkpoint
 left off. Stopping (SIGTERM) checkpoints and gives the job back at once, so
 another replica runs it on without waiting for the lease.
 
+A replica claims only jobs of models it can run now (loaded, with a live worker,
+the version the job names): `claim(only=...)`; a job whose model went away
+after its claim is given back (jobs/runner.py), never failed for it.
+
 Leases use the database's clock, never a replica's, so replicas' clocks need
-not agree. Calls run on a thread (one connection, one call at a time): the
-event loop never waits on the database. A database that does not answer makes
-the job calls fail UNAVAILABLE and running jobs stop where they were
-checkpointed; inference goes on.
+not agree. Calls run on a thread, one call at a time on each of two connections:
+the running jobs' (claims, checkpoints, renewals, their ends) and every other
+call's (uploads, inputs read back, questions), so a long upload never holds up
+a lease. The event loop never waits on the database. A database that does not
+answer (database.py bounds every call) makes the job calls fail UNAVAILABLE and
+running jobs stop where they were checkpointed; inference goes on.
 """
 
 from __future__ import annotations
@@ -39,11 +45,11 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchd.server.jobs.database import Database, every, one
+from batchd.server.jobs.database import CALL_TIMEOUT_S, Database, every, one
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
@@ -62,6 +68,7 @@ if TYPE_CHECKING:
     import psycopg
 
 PART_BYTES = 4 * 1024 * 1024  # of input or results per row
+STORE_RATE = 8 * 1024 * 1024  # bytes/s an upload is given to be stored, at the least
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in seconds
 _ROW = ", ".join(COLUMNS)
 
@@ -104,7 +111,8 @@ class PostgresStore(Store):
         self, url: str, directory: Path, *, lease_s: float, keep_inputs: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:  # fmt: skip
-        self._db = Database(url)
+        self._db = Database(url)  # uploads, inputs read back, questions
+        self._runs = Database(url)  # the running jobs': claims, checkpoints, leases
         self.directory, self.lease_s, self._clock = directory, lease_s, clock
         self._keep_inputs = keep_inputs  # an upload stays as the input cache (a runner's)
         self.renew_every_s = lease_s / 3
@@ -115,6 +123,7 @@ class PostgresStore(Store):
 
     def close(self) -> None:
         self._db.close()
+        self._runs.close()
         os.close(self._lock_fd)
 
     # ---- rows ----
@@ -160,7 +169,7 @@ class PostgresStore(Store):
                     cur.execute(sql, (job_id, part, data))
             return True
 
-        if not await self._db.run(store):
+        if not await self._db.run(store, timeout_s=CALL_TIMEOUT_S + input_bytes / STORE_RATE):
             return False
         self._uploads.discard(job_id)
         if not self._keep_inputs:  # this frontend runs no jobs: nothing would read it
@@ -192,8 +201,10 @@ class PostgresStore(Store):
 
     # ---- running: claims and leases ----
 
-    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> JobRow | None:
+    async def claim(self, exclude_models: frozenset[str] = frozenset(),
+                    only: Mapping[str, str] | None = None) -> JobRow | None:  # fmt: skip
         now = self._clock()
+        names, versions = (None, None) if only is None else (list(only), list(only.values()))
 
         def claim(cur: psycopg.Cursor[Any]) -> Any:
             # A cancel whose replica died before it ended the job: it ends here.
@@ -204,9 +215,11 @@ class PostgresStore(Store):
             )
             cur.execute(
                 "SELECT id FROM batchd_jobs WHERE (status = 'queued' OR (status = 'running' "
-                f"AND lease_until < {_NOW})) AND NOT (model = ANY(%s)) "
+                f"AND lease_until < {_NOW})) AND NOT (model = ANY(%s)) AND (%s::text[] IS NULL "
+                "OR EXISTS (SELECT 1 FROM unnest(%s::text[], %s::text[]) AS m (name, version) "
+                "WHERE m.name = model AND batchd_jobs.version IN ('', m.version))) "
                 "ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
-                (sorted(exclude_models),),
+                (sorted(exclude_models), names, names, versions),
             )
             found = cur.fetchone()
             if found is None:
@@ -220,7 +233,7 @@ class PostgresStore(Store):
             )
             return cur.fetchone()
 
-        got = await self._db.run(claim)
+        got = await self._runs.run(claim)
         if got is None:
             return None
         row = JobRow(*got[1:])
@@ -238,8 +251,12 @@ class PostgresStore(Store):
         )
         found = cur.fetchone()
         if found is None:
-            self._claims.pop(row.id, None)
-            raise LeaseLost(row.id)
+            epoch = self._claims.pop(row.id, None)
+            raise LeaseLost(
+                f"job {row.id}: this replica no longer holds its claim (epoch {epoch}): "
+                "its lease ran out and another replica took it over, or it was given back; "
+                "nothing more of this run is written"
+            )
         return str(found[0])
 
     async def open_input(self, row: JobRow) -> Path:
@@ -289,17 +306,21 @@ class PostgresStore(Store):
 
     async def checkpoint(self, row: JobRow, results: Results, progress: Progress) -> str:
         assert isinstance(results, _Pending)
-        status = await self._db.run(self._save, row, results, progress)
-        results.saved, results.parts, results.size = results.tell(), [], 0
-        return status
+
+        def saved(_: str) -> None:  # once committed, even if this run is cancelled meanwhile:
+            results.saved, results.parts, results.size = results.tell(), [], 0  # (a stop's
+            # release, next on the connection, then inserts none of them again)
+
+        return await self._runs.run(self._save, row, results, progress, then=saved)
 
     async def renew(self, row: JobRow) -> str:
-        return await self._db.run(self._fenced, row, f"lease_until = {_NOW} + %s", (self.lease_s,))
+        sets = f"lease_until = {_NOW} + %s"
+        return await self._runs.run(self._fenced, row, sets, (self.lease_s,))
 
     async def release(self, row: JobRow, results: Results, progress: Progress) -> None:
         assert isinstance(results, _Pending)
         try:
-            await self._db.run(self._save, row, results, progress, self._clock())
+            await self._runs.run(self._save, row, results, progress, self._clock())
         finally:
             self._claims.pop(row.id, None)
 
@@ -307,7 +328,7 @@ class PostgresStore(Store):
         assert status in ENDED
         sets = "status = %s, error = %s, finished_at = %s, runner = '', lease_until = 0"
         try:
-            await self._db.run(self._fenced, row, sets, (status, error, self._clock()))
+            await self._runs.run(self._fenced, row, sets, (status, error, self._clock()))
         finally:
             self._claims.pop(row.id, None)
             shutil.rmtree(self.folder(row.id), ignore_errors=True)  # the input cache

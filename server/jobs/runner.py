@@ -14,6 +14,15 @@ size, and the job lane a bounded number of requests. Lines are decoded by
 codec.decode_request exactly as online requests are, and answered one request
 per line (the scheduler batches them). A line that does not parse, is refused
 by the codec or fails in the model becomes that line's error line.
+
+Shared jobs (a store with `shared`): the runner claims only jobs of models it can
+run now (loaded here, a live worker serving them); a job whose model goes away
+after its claim, or whose workers are all gone for NOT_READY_S, is given back
+(queued, fenced) for a replica that can run it, never failed for it. One server
+(SQLite) claims no job of a model still loading or that failed to load (it waits
+queued), and fails a job of a model it does not have, saying so: no other server
+would ever run it. A stop gives every claimed job back (shared: at once), a
+claim that comes in during the stop included.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -43,6 +52,8 @@ DEPTH = 4  # chunks in the core at once
 CHECKPOINT_S = 1.0
 CHECKPOINT_BYTES = 16 * 1024 * 1024  # results written since the last checkpoint, at most
 POLL_S = 1.0  # how often the runner looks for queued jobs another frontend took in
+NOT_READY_S = 3.0  # shared: a running job's model without a live worker this long: given back
+STOP_S = 30.0  # a stop waits this long, at most, for its jobs to be given back
 EXPIRE_EVERY_S = 60.0
 
 
@@ -52,9 +63,16 @@ class JobCore(Protocol):
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
 
+    def model_ready(self, name: str) -> bool: ...
+
 
 class JobFailed(Exception):
     """The job cannot go on (its model is gone): it ends `failed` with this message."""
+
+
+class ModelGone(JobFailed):
+    """The job's model (that version) is not loaded here, or has no live worker:
+    shared, the job is given back for another replica; else it fails."""
 
 
 def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:
@@ -62,9 +80,9 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
     cfg = models.get(name)
     if cfg is None:
         known = ", ".join(sorted(models)) or "none"
-        raise JobFailed(f"model {clip(name)} is not loaded (loaded: {known})")
+        raise ModelGone(f"model {clip(name)} is not loaded (loaded: {known})")
     if version and version != cfg.version:
-        raise JobFailed(
+        raise ModelGone(
             f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
         )
     if cfg.generate is not None:
@@ -86,6 +104,7 @@ class JobRun:
         # Through the last chunk written, and the input offset of the last checkpoint.
         self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
         self._saved = row.input_offset
+        self._unready_since = math.inf  # when its model was last seen without a live worker
 
     def cancel(self) -> None:
         self.cancelling = True
@@ -96,12 +115,14 @@ class JobRun:
     async def run(self) -> None:
         row = self.row
         try:
-            status, error = await self._outcome()
+            outcome = await self._outcome()
+            if outcome is None:  # given back: another replica runs it
+                return
+            status, error = outcome
             await self._store.finish(row, status, error)
         except (LeaseLost, Unavailable) as e:  # it runs on elsewhere, or here once the
-            what = "another replica took it over" if isinstance(e, LeaseLost) else str(e)
             log.warning("job %s: stopped here (%s); it runs on from its last checkpoint", row.id,
-                        what, extra={"job": row.id, "model": row.model})  # fmt: skip
+                        e, extra={"job": row.id, "model": row.model})  # fmt: skip
             return  # database answers again: from its last checkpoint either way
         except Exception as e:  # its end was not written (a full disk): the server lives
             log.error("job %s: its end (%s) could not be recorded (%s: %s); it runs on from its "
@@ -113,9 +134,15 @@ class JobRun:
             f" ({error})" if error else "", extra={"job": row.id, "model": row.model},
         )  # fmt: skip
 
-    async def _outcome(self) -> tuple[str, str]:
+    async def _outcome(self) -> tuple[str, str] | None:
         try:
             return await self._run()
+        except ModelGone as e:
+            if not self._store.shared:
+                return "failed", str(e)
+            log.warning("job %s: given back (%s); a replica that can run it takes it", self.row.id,
+                        e, extra={"job": self.row.id, "model": self.row.model})  # fmt: skip
+            return None
         except JobFailed as e:
             return "failed", str(e)
         except (LeaseLost, Unavailable):
@@ -128,25 +155,45 @@ class JobRun:
 
     async def _run(self) -> tuple[str, str]:
         row, store = self.row, self._store
-        model = job_model(self._core.models, row.model, row.version)
-        reader = Reader(await store.open_input(row), row.input_offset, row.lines_read)
         out = store.open_results(row)
         try:
-            return await self._loop(model, reader, out)
+            model = job_model(self._core.models, row.model, row.version)
+            reader = Reader(await store.open_input(row), row.input_offset, row.lines_read)
+            try:
+                return await self._steps(model, reader, out)
+            finally:
+                reader.close()
+        except asyncio.CancelledError:  # the server stops: keep what is written, run on later
+            await self._give_back(out, "the stop")  # (its input perhaps still loading)
+            raise
+        except ModelGone:
+            if store.shared:
+                self.cancel()
+                await self._give_back(out, "its return")
+            raise
         finally:
-            reader.close()
             out.close()
 
-    async def _loop(self, model: ModelConfig, reader: Reader, out: Results) -> tuple[str, str]:
+    async def _give_back(self, out: Results, when: str) -> None:
+        """Checkpoint what is written and give the job back (shared: queued at once)."""
         try:
-            return await self._steps(model, reader, out)
-        except asyncio.CancelledError:  # the server stops: keep what is written, run on later
-            try:
-                await self._store.release(self.row, out, self._done)
-            except Exception as e:  # what was checkpointed before stays
-                log.warning("job %s: its last results were not kept at the stop: %s",
-                            self.row.id, e)  # fmt: skip
-            raise
+            await self._store.release(self.row, out, self._done)
+        except Exception as e:  # what was checkpointed before stays
+            log.warning("job %s: its last results were not kept at %s (%s: %s); it runs on "
+                        "from its last checkpoint", self.row.id, when, type(e).__name__, e,
+                        extra={"job": self.row.id, "model": self.row.model})  # fmt: skip
+
+    def _check_ready(self, model: ModelConfig, answers: Iterable[object] = ()) -> None:
+        """Shared: ModelGone once the model has had no live worker here for NOT_READY_S,
+        or at once when lines were refused for it (a model that failed to load)."""
+        if not self._store.shared or self._core.model_ready(model.name):
+            self._unready_since = math.inf
+            return
+        now = time.monotonic()
+        self._unready_since = min(self._unready_since, now)
+        refused = any(isinstance(a, Unavailable) for a in answers)
+        if refused or now - self._unready_since >= NOT_READY_S:
+            raise ModelGone(f"model {model.name!r} has no live worker here")
 
     async def _steps(self, model: ModelConfig, reader: Reader, out: Results) -> tuple[str, str]:
         started, start_done = time.monotonic(), self.completed + self.failed
@@ -162,6 +209,7 @@ class JobRun:
             head = self._inflight[0]
             answered = asyncio.gather(*head.futures, return_exceptions=True)
             while not (await asyncio.wait([answered], timeout=CHECKPOINT_S))[0]:
+                self._check_ready(model)  # no worker: it makes no progress here
                 saved_at = time.monotonic()  # a slow model: save, or say it still runs
                 if self._done.input_offset != self._saved:
                     await self._checkpoint(out)
@@ -171,6 +219,7 @@ class JobRun:
             if self.cancelling:
                 break
             job_model(self._core.models, self.row.model, self.row.version)  # not unloaded
+            self._check_ready(model, answers)  # nor failed for want of a worker
             self._inflight.popleft()
             it = iter(answers)
             got = [line.error if line.future is None else next(it) for line in head.lines]
@@ -225,6 +274,7 @@ class Jobs:
         self.counts: dict[str, int] = {}  # jobs by status, as count_statuses() last read them
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._claiming: asyncio.Future[JobRow | None] | None = None  # a claim in flight
         self._stopped = False
 
     def wake(self) -> None:
@@ -263,8 +313,8 @@ class Jobs:
                     expired_at = time.monotonic()
                     for job_id in await self.store.expire(self.retention_s):
                         log.info("job %s: past --jobs-retention-hours; removed", job_id)
-                busy = frozenset(r.row.model for r in self.running.values())
-                row = await self.store.claim(exclude_models=busy)
+                self._claiming = asyncio.ensure_future(self._claim())
+                row = await asyncio.shield(self._claiming)  # a stop waits for it
             except Unavailable as e:  # the jobs database is down: online traffic goes on
                 log.warning("batch jobs wait: %s", e)
                 row = None
@@ -276,8 +326,8 @@ class Jobs:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), POLL_S)
                 continue
-            if self._stopped:  # stop() came during the claim: the job is not started here
-                break  # (it stays claimed: taken over when its lease runs out, or at restart)
+            if self._stopped:  # stop() came during the claim: it gives the job back
+                break
             log.info("job %s of model %s: running from line %d", row.id, row.model,
                      row.lines_read + 1, extra={"job": row.id, "model": row.model})  # fmt: skip
             run = JobRun(row, self.store, self._core, self._limits, self._count)
@@ -286,14 +336,36 @@ class Jobs:
             self._tasks.add(task)
             task.add_done_callback(functools.partial(self._ended, row.id))
 
-    async def stop(self) -> None:
+    async def _claim(self) -> JobRow | None:
+        """The next job this server can run now (module docstring), claimed."""
+        busy = frozenset(r.row.model for r in self.running.values())
+        ready = {n: c.version for n, c in self._core.models.items() if self._core.model_ready(n)}
+        if self.store.shared:
+            return await self.store.claim(busy, only=ready)
+        return await self.store.claim(busy | (self._core.models.keys() - ready.keys()))
+
+    async def stop(self, timeout_s: float = STOP_S) -> None:
         """Stop running jobs where they are (each runs on from its checkpoint, here at the next
-        start or on another replica); before the core fails what is queued."""
+        start or on another replica), a job claimed meanwhile given back too; before the
+        core fails what is queued. At most `timeout_s` (a database that hangs)."""
         self._stopped = True
         self._wake.set()
+        until = time.monotonic() + timeout_s
+        claiming = self._claiming
+        if claiming is not None:
+            await asyncio.wait([claiming], timeout=timeout_s)
+            row = claiming.result() if claiming.done() and not claiming.exception() else None
+            if row is not None and row.id not in self.running and self.store.shared:
+                progress = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
+                out = self.store.open_results(row)
+                with contextlib.suppress(asyncio.TimeoutError, LeaseLost, Unavailable):
+                    await asyncio.wait_for(self.store.release(row, out, progress),
+                                           max(0.0, until - time.monotonic()))  # fmt: skip
+                log.info("job %s: claimed as the server stopped; given back", row.id)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=max(0.0, until - time.monotonic()))
 
     async def count_statuses(self) -> None:
         """Read the jobs by status, before each scrape; a database that fails keeps the last."""

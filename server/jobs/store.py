@@ -24,7 +24,7 @@ import math
 import os
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -102,7 +102,8 @@ def lock_directory(directory: Path) -> int:
 
 class LeaseLost(Exception):
     """This server no longer runs the job: another replica took it over (its lease
-    here ran out), or it was given back. Nothing of this run is kept past it."""
+    here ran out), or it was given back. Nothing of this run is kept past it. Its
+    message says which job, and so."""
 
 
 def new_job_id() -> str:
@@ -172,9 +173,12 @@ class Store(ABC):
     async def by_status(self) -> dict[str, int]: ...
 
     @abstractmethod
-    async def claim(self, exclude_models: frozenset[str] = frozenset()) -> JobRow | None:
-        """The oldest job waiting to run, of a model not in `exclude_models`, now running
-        here (PostgreSQL: also one whose replica stopped renewing its lease)."""
+    async def claim(self, exclude_models: frozenset[str] = frozenset(),
+                    only: Mapping[str, str] | None = None) -> JobRow | None:  # fmt: skip
+        """The oldest job waiting to run, of a model not in `exclude_models` and, given
+        `only` (model name -> the version loaded), of one of those models asking for no
+        version or that one; now running here (PostgreSQL: also one whose replica
+        stopped renewing its lease)."""
 
     @abstractmethod
     async def open_input(self, row: JobRow) -> Path:
