@@ -30,7 +30,7 @@ from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ConfigError
 from batchd.server.config import Jobs as JobsConfig
 from batchd.server.config import Limits, add_arguments, from_arguments
-from batchd.server.errors import Cancelled, LimitExceeded, http_status
+from batchd.server.errors import Cancelled, LimitExceeded, Unavailable, http_status
 from batchd.server.jobs import runner
 from batchd.server.jobs.service import JobsService, upload_deadline
 from batchd.server.jobs.sqlite import SqliteStore
@@ -174,6 +174,32 @@ def test_a_cancel_stops_an_upload_to_this_process_at_once(tmp_path: Path) -> Non
         assert http_status(e.value) == (409, {})  # over HTTP
 
     run(lambda: asyncio.wait_for(body(), 30))
+
+
+def test_a_stop_lets_uploads_under_way_end_and_refuses_new_ones(tmp_path: Path) -> None:
+    """SIGTERM's stop waits (within its time) for uploads under way, which a cut would
+    make their clients send again whole, and refuses new ones with UNAVAILABLE: the
+    client retries it through a balancer, to another replica."""
+    store = SqliteStore(tmp_path)
+    jobs = jobs_of(store)
+    service = JobsService(jobs)
+
+    async def body() -> None:
+        resume = asyncio.Event()
+        upload = asyncio.ensure_future(
+            service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
+        )
+        await validating(service)
+        stop = asyncio.ensure_future(jobs.stop(timeout_s=30))
+        await asyncio.sleep(0)  # it begins
+        with pytest.raises(Unavailable, match="this server is stopping: submit the job again"):
+            await service.submit(EVERYONE, CFG.name, "", whole(ONE_LINE.encode()))
+        assert not stop.done()  # (it waits for the upload, not for the time)
+        resume.set()
+        assert (await upload).status == "queued"
+        await asyncio.wait_for(stop, 30)
+
+    run(lambda: asyncio.wait_for(body(), 60))
 
 
 def test_a_cancel_through_another_frontend_stops_the_upload_at_its_next_look(

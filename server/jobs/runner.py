@@ -15,14 +15,12 @@ codec.decode_request exactly as online requests are, and answered one request
 per line (the scheduler batches them). A line that does not parse, is refused
 by the codec or fails in the model becomes that line's error line.
 
-Shared jobs (a store with `shared`): the runner claims only jobs of models it can
-run now (loaded here, a live worker serving them); a job whose model goes away
-after its claim, or whose workers are all gone for NOT_READY_S, is given back
-(queued, fenced) for a replica that can run it, never failed for it. One server
-(SQLite) claims no job of a model still loading or that failed to load (it waits
-queued), and fails a job of a model it does not have, saying so: no other server
-would ever run it. A stop gives every claimed job back (shared: at once), a
-claim that comes in during the stop included.
+Shared jobs (a store with `shared`): only jobs of models this replica can run now
+(loaded, a live worker serving them) are claimed; one whose model goes away after
+its claim, or whose workers are gone for NOT_READY_S, is given back (queued,
+fenced), never failed for it. One server (SQLite) claims no job of a model still
+loading or that failed to load (it waits queued), and fails a job of a model it
+does not have: no other server would run it. A stop gives claimed jobs back.
 """
 
 from __future__ import annotations
@@ -239,14 +237,12 @@ class JobRun:
 
     def _submit(self, chunk: Chunk) -> None:
         for line in chunk.lines:
-            if line.request is None:
-                continue
-            try:
-                line.future = self._core.submit(line.request)
-            except BatchdError as e:
-                line.error = lines.LineError(line.custom_id, e.message, e.code.name)
-                continue
-            chunk.futures.append(line.future)
+            if line.request is not None:
+                try:
+                    line.future = self._core.submit(line.request)
+                    chunk.futures.append(line.future)
+                except BatchdError as e:
+                    line.error = lines.LineError(line.custom_id, e.message, e.code.name)
 
     async def _checkpoint(self, out: Results) -> None:
         """The results made durable, then the offsets that cover them (store.py)."""
@@ -275,7 +271,7 @@ class Jobs:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._claiming: asyncio.Future[JobRow | None] | None = None  # a claim in flight
-        self._stopped = False
+        self.stopping = False  # (new uploads are refused: service.py)
 
     def wake(self) -> None:
         self._wake.set()
@@ -302,7 +298,7 @@ class Jobs:
         if not self.runs:
             return
         recovered, expired_at = False, -math.inf
-        while not self._stopped:
+        while not self.stopping:
             try:
                 if not recovered:  # (a database down at the start is waited for too)
                     for job_id in await self.store.recover():
@@ -326,7 +322,7 @@ class Jobs:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), POLL_S)
                 continue
-            if self._stopped:  # stop() came during the claim: it gives the job back
+            if self.stopping:  # stop() came during the claim: it gives the job back
                 break
             log.info("job %s of model %s: running from line %d", row.id, row.model,
                      row.lines_read + 1, extra={"job": row.id, "model": row.model})  # fmt: skip
@@ -345,10 +341,10 @@ class Jobs:
         return await self.store.claim(busy | (self._core.models.keys() - ready.keys()))
 
     async def stop(self, timeout_s: float = STOP_S) -> None:
-        """Stop running jobs where they are (each runs on from its checkpoint, here at the next
-        start or on another replica), a job claimed meanwhile given back too; before the
-        core fails what is queued. At most `timeout_s` (a database that hangs)."""
-        self._stopped = True
+        """Stop jobs where they are (each runs on from its checkpoint, here or on another
+        replica; one claimed meanwhile too) and let uploads under way end: one cut off is
+        sent again whole. Before the core fails what is queued; `timeout_s` at most."""
+        self.stopping = True
         self._wake.set()
         until = time.monotonic() + timeout_s
         claiming = self._claiming
@@ -366,6 +362,10 @@ class Jobs:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=max(0.0, until - time.monotonic()))
+        while self.uploads and (left := until - time.monotonic()) > 0:
+            self._wake.clear()  # (an upload that ends wakes it: service.py)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
 
     async def count_statuses(self) -> None:
         """Read the jobs by status, before each scrape; a database that fails keeps the last."""

@@ -270,6 +270,8 @@ class JobsService(pb_grpc.JobsServicer):
     ) -> pb.Job:
         """A job from its file's `pieces`, once the whole file is on disk and checked."""
         jobs = self._on()
+        if jobs.stopping:  # (uploads under way may end: runner.Jobs.stop)
+            raise Unavailable("this server is stopping: submit the job again, to another replica")
         if not model_name:
             raise InvalidInput("a job must name its model (model_name)")
         try:
@@ -296,6 +298,7 @@ class JobsService(pb_grpc.JobsServicer):
         finally:
             watching.cancel()
             jobs.uploads.pop(row.id, None)
+            jobs.wake()  # (a stop waits for the uploads under way)
         jobs.wake()
         return self._message(await self._job(row.id, caller))
 
