@@ -387,13 +387,13 @@ class ModelControl:
                 entries[sub.name] = IndexEntry(sub.name, "", "UNAVAILABLE", str(e))
                 continue
             entries[name] = IndexEntry(name, "", "UNAVAILABLE", "not loaded")
-        for name, cfg in self._loading.items():
+        for name, cfg in self._loading.items():  # (a reload: its serving version, below)
             entries[name] = IndexEntry(name, cfg.version, "LOADING", "")
         for name, cfg in self.current.items():
-            if name in self._loading:
-                continue
             ready = self._pool.model_ready(cfg.key)
             reason = "" if ready else self.broken.get(cfg.key, "no live worker serves it")
+            if name in self._loading:
+                reason = f"version {self._loading[name].version} loading; {reason or 'serving'}"
             entries[name] = IndexEntry(
                 name, cfg.version, "READY" if ready else "UNAVAILABLE", reason
             )

@@ -153,6 +153,9 @@ def test_reload_lands_while_old_batches_are_in_flight(server: ServerProcess, rep
             enough = callers - WORKERS * 8
             await asyncio.to_thread(wait_for, lambda: queued() >= enough, 60, "a queue")
             assert not load.done()  # the swap waits for every worker's load
+            (entry,) = [e for e in await c.repository_index(ready=True) if e["name"] == "scaled"]
+            assert (entry["version"], entry["state"]) == (version, "READY")  # it serves on
+            assert entry["reason"] == f"version {int(version) + 1} loading; serving"
             queued_at_swap.append(queued())  # old requests; none can leave before the swap
             new_load.unlink()
             await asyncio.wait_for(load, 60)
