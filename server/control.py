@@ -215,7 +215,8 @@ class ModelControl:
     def on_loaded(self, worker: WorkerHandle, header: wire.Header) -> None:
         key = model_key(header.model, header.version)
         fut = worker.loads.get(key)
-        worker.load_sent.pop(key, None)
+        worker.load_sent.pop(key, None)  # and the worker, which loads one model at a time,
+        worker.load_sent = dict.fromkeys(worker.load_sent, self._clock())  # starts the next
         if fut is None or fut.done():
             return
         if header.error:
@@ -328,12 +329,11 @@ class ModelControl:
         await self._to_the_end(self._unload(name))
 
     async def _unload(self, name: str) -> None:
-        if name not in self.current:
-            return  # not loaded: nothing to do (as Triton does)
+        if name not in self.current and name not in self._loading:
+            return  # not loaded: nothing to do (as Triton does); a first load: after it
         async with self._one_at_a_time(name):
-            cfg = self.current.pop(name, None)
-            if cfg is None:
-                return  # not loaded: nothing to do (as Triton does)
+            if (cfg := self.current.pop(name, None)) is None:
+                return
             log.info("model %s version %s unloading", name, cfg.version, extra={"model": name})
             self._changed()
         await self._retire(cfg)  # its drain holds up no other load or unload, as a reload's

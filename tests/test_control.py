@@ -34,6 +34,7 @@ from batchd.client import (
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import (
+    MODEL_TOML,
     batch_gate,
     load_gate,
     make_model,
@@ -475,3 +476,57 @@ def test_a_load_that_never_returns_fails_at_the_load_timeout_and_its_worker_rest
     finally:
         gate.unlink(missing_ok=True)
         assert s.stop() == 0, s.log()
+
+
+SLOW_LOAD = """
+import time
+
+def load(device):
+    time.sleep(1.5)
+    return lambda x: x * 2
+"""
+
+
+def test_the_load_timeout_counts_each_load_from_its_start_not_from_the_load_call(
+    tmp_path: Path,
+) -> None:
+    """A worker loads its models one at a time: three loads of 1.5 s each under a 2 s
+    limit all land (counted from when each was sent, the worker was killed and
+    restarted for ever, and the server was never ready)."""
+    for name in ("a", "b", "c"):
+        d = tmp_path / "repo" / name
+        d.mkdir(parents=True)
+        (d / "model.toml").write_text(MODEL_TOML)
+        (d / "model.py").write_text(SLOW_LOAD)
+    s = ServerProcess(tmp_path / "repo", "--load-timeout", "2", log_dir=tmp_path, workers=1)
+    s.start()
+    try:
+        with Client(s.url) as c:
+            assert [y(c, name, 1.0) for name in "abc"] == [2.0, 2.0, 2.0]
+        assert "ran past --load-timeout" not in s.log()
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def test_an_unload_during_a_model_s_first_load_unloads_it_once_loaded(
+    server: ServerProcess, repo: Path
+) -> None:
+    """It waits for the load, then unloads (it used to return at once, a silent
+    success, and the load installed the model after it)."""
+    d = make_model(repo, "first", 6.0)
+    gate = load_gate(d)
+    gate.touch()
+    try:
+        with Client(server.url) as c, ThreadPoolExecutor(2) as pool:
+            loading = pool.submit(Client(server.url).load_model, "first", timeout=60)
+            wait_for(lambda: loaded_by(d) == WORKERS, 60, "every worker in first's load()")
+            unloading = pool.submit(Client(server.url).unload_model, "first", timeout=60)
+            with pytest.raises(TimeoutError):  # it waits for the load (before: done at once)
+                unloading.result(1)
+            gate.unlink()
+            loading.result(60)
+            unloading.result(60)
+            with pytest.raises(ModelNotFound):
+                y(c, "first", 1.0)
+    finally:
+        gate.unlink(missing_ok=True)
