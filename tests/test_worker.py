@@ -568,3 +568,15 @@ def test_a_worker_thread_that_dies_takes_its_process_with_it() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 70
     assert "thread compute died; exiting" in done.stderr and "ZeroDivisionError" in done.stderr
+
+
+def test_nothing_of_a_load_that_failed_stays_in_sys_modules(tmp_path: Path) -> None:
+    """Its module would hold what it made (weights) for good: the frontend sends no
+    UNLOAD for a version that did not load, and each try is a version of its own."""
+    code = "def load(device):\n    return 7\n"
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
+    before = set(sys.modules)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="load\\(device\\) returned int, expected a callable"):
+            load_model(load_model_config(d), CPU)
+    assert set(sys.modules) - before == set()

@@ -68,16 +68,21 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
         load = getattr(module, "load", None)
         if not callable(load):
             raise TypeError(f"{cfg.artifact}: defines no load(device) function")
-        fn = _eval(load(device))
+        fn = _checked(cfg, _eval(load(device)))
     except FileNotFoundError as e:
         _forget_module(module_name)
         _explain_relative_path(cfg, e)
         raise
-    except BaseException:
+    except BaseException:  # nothing of a load that failed stays
         _forget_module(module_name)
         raise
     forget(cfg.key)  # (the same version loaded again: the last load's module goes)
     _modules[cfg.key] = module_name
+    return fn
+
+
+def _checked(cfg: ModelConfig, fn: Any) -> ModelFn:
+    """What load(device) returned, if it is what `cfg` declares."""
     if cfg.generate is not None:  # a step-wise model: start / step (/ release)
         missing = [m for m in ("start", "step") if not callable(getattr(fn, m, None))]
         if missing:
@@ -115,7 +120,8 @@ def forget(key: str) -> None:
 
 
 def _forget_module(name: str) -> None:
-    for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+    # (a copy first, in one step: another thread may be importing meanwhile)
+    for loaded in [m for m in list(sys.modules) if m == name or m.startswith(name + ".")]:
         del sys.modules[loaded]
 
 
