@@ -97,6 +97,7 @@ class Database:
         self._conn: psycopg.Connection[Any] | None = None
         self._schema = False  # the tables are there
         self._busy: object | None = None  # the call on the connection now (its token)
+        self._busy_lock = threading.Lock()  # a late call's shut never hits the next call
 
     def _connect(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -122,7 +123,8 @@ class Database:
         if not self._lock.acquire(timeout=max(0.0, min(until - time.monotonic(), 3600.0))):
             raise self._gone("did not answer in time (another call held the connection)")
         try:
-            self._busy = token
+            with self._busy_lock:
+                self._busy = token
             conn = self._connect()
             with conn.transaction(), conn.cursor() as cur:
                 got = fn(cur, *args)
@@ -135,7 +137,8 @@ class Database:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise self._gone(f"failed: {first[:200]}") from None
         finally:
-            self._busy = None
+            with self._busy_lock:
+                self._busy = None
             self._lock.release()
 
     def _gone(self, why: str) -> Unavailable:
@@ -157,8 +160,9 @@ class Database:
         done, _ = await asyncio.wait([call], timeout=timeout_s)
         if done:
             return call.result()
-        if self._busy is token:
-            self._shut()
+        with self._busy_lock:
+            if self._busy is token:
+                self._shut()
         raise self._gone(f"did not answer within {timeout_s:g} s")
 
     def _shut(self) -> None:

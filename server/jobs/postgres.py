@@ -23,9 +23,9 @@ disagree; a run that takes over starts where the last committed checkpoint
 left off. Stopping (SIGTERM) checkpoints and gives the job back at once, so
 another replica runs it on without waiting for the lease.
 
-A replica claims only jobs of models it can run now (loaded, with a live worker,
-the version the job names): `claim(only=...)`; a job whose model went away
-after its claim is given back (jobs/runner.py), never failed for it.
+A replica claims only jobs of models it can run now (loaded, with a live worker):
+`claim(only=...)`; a job whose model went away after its claim is given back
+(jobs/runner.py), never failed for it.
 
 Leases use the database's clock, never a replica's, so replicas' clocks need
 not agree. Calls run on a thread, one call at a time on each of two connections:
@@ -45,7 +45,7 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,9 +202,9 @@ class PostgresStore(Store):
     # ---- running: claims and leases ----
 
     async def claim(self, exclude_models: frozenset[str] = frozenset(),
-                    only: Mapping[str, str] | None = None) -> JobRow | None:  # fmt: skip
+                    only: Collection[str] | None = None) -> JobRow | None:  # fmt: skip
         now = self._clock()
-        names, versions = (None, None) if only is None else (list(only), list(only.values()))
+        names = None if only is None else sorted(only)
 
         def claim(cur: psycopg.Cursor[Any]) -> Any:
             # A cancel whose replica died before it ended the job: it ends here.
@@ -216,10 +216,8 @@ class PostgresStore(Store):
             cur.execute(
                 "SELECT id FROM batchd_jobs WHERE (status = 'queued' OR (status = 'running' "
                 f"AND lease_until < {_NOW})) AND NOT (model = ANY(%s)) AND (%s::text[] IS NULL "
-                "OR EXISTS (SELECT 1 FROM unnest(%s::text[], %s::text[]) AS m (name, version) "
-                "WHERE m.name = model AND batchd_jobs.version IN ('', m.version))) "
-                "ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
-                (sorted(exclude_models), names, names, versions),
+                "OR model = ANY(%s)) ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED",
+                (sorted(exclude_models), names, names),
             )
             found = cur.fetchone()
             if found is None:

@@ -69,7 +69,7 @@ class JobFailed(Exception):
 
 
 class ModelGone(JobFailed):
-    """The job's model (that version) is not loaded here, or has no live worker:
+    """The job's model is not loaded here, or has no live worker:
     shared, the job is given back for another replica; else it fails."""
 
 
@@ -80,7 +80,7 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
         known = ", ".join(sorted(models)) or "none"
         raise ModelGone(f"model {clip(name)} is not loaded (loaded: {known})")
     if version and version != cfg.version:
-        raise ModelGone(
+        raise JobFailed(  # not given back: a version is each server's own count of its loads
             f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
         )
     if cfg.generate is not None:
@@ -335,10 +335,10 @@ class Jobs:
     async def _claim(self) -> JobRow | None:
         """The next job this server can run now (module docstring), claimed."""
         busy = frozenset(r.row.model for r in self.running.values())
-        ready = {n: c.version for n, c in self._core.models.items() if self._core.model_ready(n)}
+        ready = {n for n in self._core.models if self._core.model_ready(n)}
         if self.store.shared:
             return await self.store.claim(busy, only=ready)
-        return await self.store.claim(busy | (self._core.models.keys() - ready.keys()))
+        return await self.store.claim(busy | (self._core.models.keys() - ready))
 
     async def stop(self, timeout_s: float = STOP_S) -> None:
         """Stop jobs where they are (each runs on from its checkpoint, here or on another

@@ -17,7 +17,7 @@ import os
 import shutil
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import BinaryIO
 
@@ -188,13 +188,12 @@ class SqliteStore(Store):
         )
 
     async def claim(self, exclude_models: frozenset[str] = frozenset(),
-                    only: Mapping[str, str] | None = None) -> JobRow | None:  # fmt: skip
+                    only: Collection[str] | None = None) -> JobRow | None:  # fmt: skip
         marks = ", ".join("?" * len(exclude_models))
         among, args = "", tuple(exclude_models)
         if only is not None:
-            among = " AND (" + (" OR ".join(["(model = ? AND version IN ('', ?))"] * len(only))
-                                or "0") + ")"  # fmt: skip
-            args += tuple(x for pair in only.items() for x in pair)
+            among = f" AND model IN ({', '.join('?' * len(only))})"
+            args += tuple(only)
         found = self._db.execute(
             f"SELECT id FROM jobs WHERE status = 'queued' AND model NOT IN ({marks}){among} "
             "ORDER BY created_at LIMIT 1",

@@ -24,7 +24,7 @@ import math
 import os
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -174,11 +174,12 @@ class Store(ABC):
 
     @abstractmethod
     async def claim(self, exclude_models: frozenset[str] = frozenset(),
-                    only: Mapping[str, str] | None = None) -> JobRow | None:  # fmt: skip
+                    only: Collection[str] | None = None) -> JobRow | None:  # fmt: skip
         """The oldest job waiting to run, of a model not in `exclude_models` and, given
-        `only` (model name -> the version loaded), of one of those models asking for no
-        version or that one; now running here (PostgreSQL: also one whose replica
-        stopped renewing its lease)."""
+        `only` (the models this replica can run now), of one of those; now running here
+        (PostgreSQL: also one whose replica stopped renewing its lease). A job naming a
+        version other than the one loaded fails when it runs (runner.job_model): version
+        numbers are each server's own count of its loads."""
 
     @abstractmethod
     async def open_input(self, row: JobRow) -> Path:
