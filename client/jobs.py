@@ -126,11 +126,16 @@ class ResultsFile:
     def __init__(self, out: str | os.PathLike[str] | BinaryIO) -> None:
         self._path: Path | None = None
         if isinstance(out, str | os.PathLike):
-            self._path = Path(out)
-            self._partial = self._path.with_name(self._path.name + ".partial")
-            self.file: BinaryIO = self._partial.open("wb")
+            path = Path(out)
+            if path.exists() and not path.is_file():  # /dev/stdout, a FIFO: written as it is
+                self.file: BinaryIO = path.open("wb")
+                self._mine = True
+            else:
+                self._path, self._mine = path.resolve(), True  # (a link: where it points)
+                self._partial = self._path.with_name(self._path.name + ".partial")
+                self.file = self._partial.open("wb")
         else:
-            self.file = out
+            self.file, self._mine = out, False
         self.lines = 0
 
     def write(self, data: bytes) -> None:
@@ -141,8 +146,9 @@ class ResultsFile:
         return self
 
     def __exit__(self, failed: type[BaseException] | None, *exc: object) -> None:
-        if self._path is not None:
+        if self._mine:
             self.file.close()
+        if self._path is not None:
             if failed is None:
                 os.replace(self._partial, self._path)
             else:

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchd.client.jobs import ResultsFile
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.codec import decode_request
@@ -689,3 +690,18 @@ def test_a_job_line_of_a_bucketed_model_with_priority_levels_plans_in_its_lane()
         assert [[r.id for r in batch] for batch in dispatch.sent] == [["c3", "c4", "c5"]]
 
     run(body)
+
+
+def test_results_to_a_path_that_is_not_a_regular_file_go_to_it_as_it_is(tmp_path: Path) -> None:
+    """A download to /dev/null (or /dev/stdout, a FIFO) is written there, not to a
+    .partial beside it; one to a symbolic link replaces the file the link names."""
+    with ResultsFile("/dev/null") as f:
+        f.write(b"a\n")
+    assert f.lines == 1
+    (tmp_path / "real.jsonl").write_text("old\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "real.jsonl")
+    with ResultsFile(tmp_path / "link.jsonl") as f:
+        f.write(b"new\n")
+    assert (tmp_path / "link.jsonl").is_symlink()
+    assert (tmp_path / "real.jsonl").read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]
