@@ -15,17 +15,8 @@ from batchd.server.config import ServerConfig, Workers
 from batchd.server.describe import model_config
 from batchd.worker.check import batch_sizes, check_model, check_repository
 from tests.servers import EXAMPLES
+from tests.test_contracts import GOOD  # X FP32 [2] -> Y FP32 [2], max_batch_size 4
 
-GOOD = """max_batch_size = 4
-[[input]]
-name = "X"
-datatype = "FP32"
-shape = [2]
-[[output]]
-name = "Y"
-datatype = "FP32"
-shape = [2]
-"""
 ECHO = "def load(device):\n    return lambda x: x\n"
 
 
