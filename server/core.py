@@ -375,10 +375,11 @@ class Core:
         for r, result in zip(batch.requests, results, strict=True):
             if not r.future.done():
                 r.future.set_result(result)
-        self._record(batch, received, header.compute_ns, header.forward_rows)
+        self._record(batch, received, header)
 
-    def _record(self, batch: Batch, received: float, infer_ns: int, forward_rows: int) -> None:
+    def _record(self, batch: Batch, received: float, reply: wire.Header) -> None:
         done, model = self._clock(), batch.model
+        infer_ns, waited_ns = reply.compute_ns, reply.waited_ns  # (waited: staged on the worker)
         round_trip_ns = int((received - batch.sent_at) * 1e9)
         rows = sum(r.rows for r in batch.requests)
         if model.ragged:  # a packed batch computes its real tokens, and no more
@@ -387,11 +388,12 @@ class Core:
             self.stats.padding(model.name, model.version, real, computed)
         self.scheduler.observe(model.key, rows, infer_ns / 1e9)
         # Per-request durations: of the callers it answered (not a job's lines, not a
-        # caller gone), each chunk of a split request for itself (stats.py).
+        # caller gone), each chunk of a split request for itself (stats.py). A batch
+        # staged on its worker behind another waited there: queue time too.
         online = [r for r in batch.requests if not r.background and not r.future.cancelled()]
         self.stats.batch_done(
             model.name, model.version, rows=rows, requests=len(online),
-            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) for r in online),
-            input_ns=max(0, round_trip_ns - infer_ns), infer_ns=infer_ns,
-            output_ns=int((done - received) * 1e9), forward_rows=forward_rows,
+            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) + waited_ns for r in online),
+            input_ns=max(0, round_trip_ns - infer_ns - waited_ns), infer_ns=infer_ns,
+            output_ns=int((done - received) * 1e9), forward_rows=reply.forward_rows,
         )  # fmt: skip

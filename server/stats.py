@@ -1,9 +1,10 @@
 """Per-model-version inference statistics, in the shape of Triton's ModelStatistics.
 
     success / fail   requests answered, and their time from admission to answer
-    queue            time from admission until its batch was sent to a worker
-    compute_input    send -> result round trip minus the model's own time
-                     (ZeroMQ transfer, worker-side tensor conversion)
+    queue            time from admission until its batch was sent to a worker, and
+                     then until the worker began its forward (staged behind another)
+    compute_input    send -> result round trip minus the model's own time and that
+                     wait (ZeroMQ transfer, worker-side tensor conversion)
     compute_infer    the model's forward time as the worker measured it
     compute_output   time to split a batch's outputs back into responses
     inference_count  rows inferred; execution_count: batches run;

@@ -65,12 +65,12 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
-def answer(core: Core, worker: WorkerHandle, batch: Batch) -> None:
+def answer(core: Core, worker: WorkerHandle, batch: Batch, waited_ns: int = 0) -> None:
     """The worker's RESULT for `batch`: Y as wide as X (conftest.model), zeros."""
     rows = sum(r.rows for r in batch.requests)
     y = wire.Tensor(name="Y", datatype="FP32", shape=[rows, 2])
     result = wire.Header(kind=wire.Header.RESULT, batch_id=batch.id, tensors=[y],
-                         compute_ns=INFER_NS)  # fmt: skip
+                         compute_ns=INFER_NS, waited_ns=waited_ns)  # fmt: skip
     core.on_message(worker.identity, result, [bytes(rows * 8)])
 
 
@@ -120,6 +120,29 @@ def test_a_split_request_counts_once_with_its_chunks_durations_and_job_lines_not
         assert (m.inference_count, m.execution_count) == (11, 4)
         assert [m.success.count, m.queue.count, m.compute_infer.count] == [1, 1, 1]
         assert (m.queue.ns, m.compute_infer.ns) == (3_000_000, 3 * INFER_NS)
+
+    run(body)
+
+
+def test_a_batch_s_wait_on_its_worker_counts_as_queue_not_compute_input(
+    router: zmq.Socket[bytes],
+) -> None:
+    """Staged behind another batch on its worker (a GPU worker holds two), a batch
+    waits there: its RESULT says how long, and that is queue time. compute_input keeps
+    the rest of the round trip beside the model's own time (the transfers)."""
+
+    async def body() -> None:
+        clock = Clock()
+        core, service = serving(router, clock, model(max_batch_size=4, queue=8, delay_us=0))
+        worker = register(core, "w", core.models["m"].key)
+        call = asyncio.ensure_future(service.infer(infer_msg(2), None))
+        await until(lambda: len(worker.inflight) == 1, "the batch sent")
+        clock.now += 0.001
+        answer(core, worker, next(iter(worker.inflight.values())), waited_ns=300_000)
+        await call
+        m = core.stats.model("m", "1")
+        assert (m.queue.ns, m.compute_infer.ns) == (300_000, INFER_NS)
+        assert m.compute_input.ns == 1_000_000 - INFER_NS - 300_000
 
     run(body)
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -580,3 +581,20 @@ def test_nothing_of_a_load_that_failed_stays_in_sys_modules(tmp_path: Path) -> N
         with pytest.raises(TypeError, match="load\\(device\\) returned int, expected a callable"):
             load_model(load_model_config(d), CPU)
     assert set(sys.modules) - before == set()
+
+
+def test_a_result_says_how_long_its_batch_waited_on_the_worker(tmp_path: Path) -> None:
+    """RESULT's waited_ns: from the BATCH's arrival (the I/O thread stamps it) to its
+    forward. The frontend counts it as queue time: in compute_input, a GPU worker's
+    staged batch showed the forward it had waited behind."""
+    now = time.perf_counter_ns()
+    items = []
+    for batch_id, arrived in ((1, now - 20_000_000), (2, now)):  # 1 came 20 ms earlier
+        header = batch_of(batch_id, X[:1])
+        header.waited_ns = arrived  # as runner._from_frontend stamps it
+        items.append((0, header, batch(X[:1])[1]))
+    got = compute(tmp_path, RAISING_MODEL, items)  # (it echoes X >= 0)
+    replies = {h.batch_id: h for _, h, _ in got}
+    assert replies[1].forward_rows == 2  # one forward: the same start for both
+    assert replies[1].waited_ns - replies[2].waited_ns == 20_000_000
+    assert replies[2].waited_ns > 0

@@ -227,6 +227,7 @@ class Runner:
             reply = wire.Header(
                 kind=wire.Header.RESULT, batch_id=h.batch_id, model=h.model,
                 compute_ns=compute_ns, forward_rows=sum(rows), tensors=ts,
+                waited_ns=max(0, start - h.waited_ns) if h.waited_ns else 0,
             )  # fmt: skip
             replies.append((f, wire.pack(reply, fs)))
         return replies
@@ -350,6 +351,8 @@ class Runner:
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
         loads = (wire.Header.LOAD, wire.Header.UNLOAD)  # to the loader, in their order
         to = self._loader if header.kind in loads else self._work
+        if header.kind == wire.Header.BATCH:  # its arrival: RESULT's waited_ns
+            header.waited_ns = time.perf_counter_ns()
         if header.kind in _COUNTED and not io.stopping:
             to.put((i, header, frames))
             io.pending += 1
