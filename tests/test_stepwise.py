@@ -317,6 +317,10 @@ def test_a_lost_worker_retries_sequences_that_streamed_nothing_and_fails_the_oth
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             streamed = stub.ModelStreamInfer(iter([stepper(61, 40)]), timeout=60)
             assert [values(next(streamed)), values(next(streamed))] == [[61001], [61002]]
+            # 61's third step has begun, and holds its worker, before 63 is sent there
+            # (on a loaded host the worker could be between steps when 63 came, and step it)
+            wait_for(lambda: sum(61 in r["stepped"] for r in records(gate, "stepped")) >= 3,
+                     30, "61's third step")  # fmt: skip
             other = stub.ModelStreamInfer(iter([stepper(62, 5)]), timeout=60)
             fresh = stub.ModelStreamInfer(iter([stepper(63, 3)]), timeout=60)
             active = {"model": "stepper", "version": "1"}
