@@ -98,6 +98,8 @@ class ModelControl:
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, name: str) -> Any:
         lock, users = self._locks.setdefault(name, (asyncio.Lock(), [0]))
+        if lock.locked():
+            log.info("model %s: waits for the load or unload under way", name)
         users[0] += 1
         try:
             async with lock:
@@ -243,9 +245,8 @@ class ModelControl:
 
     def _unload_everywhere(self, model: ModelConfig) -> None:
         """Every worker drops `model` (a version nothing is queued for or running)."""
-        header = wire.pack(
-            wire.Header(kind=wire.Header.UNLOAD, model=model.name, version=model.version)
-        )
+        unload = wire.Header(kind=wire.Header.UNLOAD, model=model.name, version=model.version)
+        header = wire.pack(unload)
         for w in self._pool.workers():
             fut = w.loads.pop(model.key, None)
             if fut is not None:
@@ -394,7 +395,6 @@ class ModelControl:
             reason = "" if ready else self.broken.get(cfg.key, "no live worker serves it")
             if name in self._loading:
                 reason = f"version {self._loading[name].version} loading; {reason or 'serving'}"
-            entries[name] = IndexEntry(
-                name, cfg.version, "READY" if ready else "UNAVAILABLE", reason
-            )
+            state = "READY" if ready else "UNAVAILABLE"
+            entries[name] = IndexEntry(name, cfg.version, state, reason)
         return sorted(entries.values(), key=lambda e: e.name)
