@@ -6,7 +6,6 @@ typed-contents fields out again.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,11 +85,18 @@ def element(datatype: str, value: float) -> np.generic:
         return whole
     if kind != "f":
         raise ValueError(f"a {datatype} tensor has no such element")
-    with np.errstate(over="ignore"):
-        as_float = np.array([value], np.float32 if datatype == "BF16" else dt.numpy)
-        bits = bf16_bits(as_float) if datatype == "BF16" else as_float
-        back = (bits.astype("<u4") << 16).view("<f4") if datatype == "BF16" else bits
-    if math.isfinite(value) and not np.isfinite(back[0]):
+    bits, past = float_elements(np.array([value], np.float64), datatype)
+    if past[0]:
         raise ValueError(f"{datatype} cannot hold {value!r}: past its largest number")
     one: np.generic = bits[0]
     return one
+
+
+def float_elements(values: np.ndarray, datatype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Numbers as elements of the float `datatype` (BF16: their bits), and where a
+    finite number is past the type's largest (the cast made it inf)."""
+    with np.errstate(over="ignore"):
+        as_float = values.astype(np.float32 if datatype == "BF16" else DATATYPES[datatype].numpy)
+        bits = bf16_bits(as_float) if datatype == "BF16" else as_float
+        back = (bits.astype("<u4") << 16).view("<f4") if datatype == "BF16" else bits
+    return bits, np.isinf(back) & np.isfinite(values)

@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, bf16_bits
+from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, float_elements
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
 from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, clip
@@ -117,12 +117,10 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
             f"{where}: {datatype} holds {info.min} to {info.max}, "
             f"got {_number(arr.min() if arr.min() < info.min else arr.max())}"
         )
-    with np.errstate(over="ignore"):  # a number past a float type's range: refused below
-        narrow = arr.astype(np.float32 if datatype == "BF16" else dt.numpy)
-        bits = bf16_bits(narrow) if datatype == "BF16" else narrow
-        if datatype == "BF16":
-            narrow = (bits.astype("<u4") << 16).view("<f4")
-    if narrow.dtype.kind == "f" and (past := np.isinf(narrow) > np.isinf(arr)).any():
+    if datatype in _INT_LIMITS:
+        return arr.astype(dt.numpy).tobytes()
+    bits, past = float_elements(arr, datatype)  # a number past the type's range: refused
+    if past.any():
         big = _BF16_MAX if datatype == "BF16" else float(np.finfo(dt.numpy).max)
         raise InvalidInput(
             f"{where}: {datatype} holds numbers of magnitude up to {big:.5g}, "

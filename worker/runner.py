@@ -386,7 +386,7 @@ class _IO:
 def _failed(header: wire.Header, e: Exception) -> tuple[list[Any], int]:
     """The reply owed for work that raised outside the model's own guard, and the units
     of work it ends: ERROR for a batch, LOADED for a load, a final STEP for a sequence."""
-    error, h = wire.text(f"the worker failed on it: {type(e).__name__}: {e}"), header
+    error, h = wire.text(f"the worker failed on it: {why(e)}"), header
     if h.kind not in _COUNTED:
         return [], 0
     kind = {wire.Header.BATCH: wire.Header.ERROR, wire.Header.LOAD: wire.Header.LOADED}
