@@ -37,13 +37,16 @@ class WorkerSpec:
 def plan_workers(
     models: Sequence[ModelConfig], devices: Sequence[str], threads: int | None = None
 ) -> list[WorkerSpec]:
-    """One process per device and per model copy: the first copy of a device may
-    load any model (models=()), copy i > 0 the models whose `instances.count`
-    exceeds i. CPU worker threads split the cores."""
+    """One process per listed device (listed twice: two) and per model copy: the first
+    copy of a device may load any model (models=()), copy i > 0 the models whose
+    `instances.count` exceeds i. CPU worker threads split the cores."""
     copies = max((m.instances.count for m in models), default=1)
     specs = []
+    seen: set[str] = set()
     for d, device in enumerate(devices):
         base = device.replace(":", "") if device != "cpu" else f"cpu{d}"
+        base = f"{base}-{d}" if base in seen else base  # cuda:0,cuda:0: two workers on one GPU
+        seen.add(base)
         for i in range(copies):
             names = tuple(m.name for m in models if m.instances.count > i) if i else ()
             if names or not i:

@@ -13,6 +13,7 @@ from batchd.protos.model_config import ConfigError, load_model_config
 from batchd.protos.repository import find_model, load_repository
 from batchd.server.config import ServerConfig, Workers
 from batchd.server.describe import model_config
+from batchd.server.supervisor import plan_workers
 from batchd.worker.check import batch_sizes, check_model, check_repository
 from tests.servers import EXAMPLES
 from tests.test_contracts import GOOD  # X FP32 [2] -> Y FP32 [2], max_batch_size 4
@@ -199,3 +200,11 @@ def test_a_device_list_naming_no_device_is_refused(devices: str) -> None:
         ServerConfig(model_repository=EXAMPLES, workers=workers).check()
     away = Workers(devices=devices, local=False)  # workers join with `batchd worker`
     ServerConfig(model_repository=EXAMPLES, workers=away).check()
+
+
+def test_a_device_listed_twice_gets_two_workers_of_distinct_names() -> None:
+    """`--devices cuda:0,cuda:0`: two processes on one GPU. One name for both gave them
+    one process handle (by slot) and one socket identity (slot#generation)."""
+    models = list(load_repository(EXAMPLES).values())
+    slots = [s.slot for s in plan_workers(models, ["cuda:0", "cuda:0", "cpu", "cpu"], 1)]
+    assert slots == ["cuda0", "cuda0-1", "cpu2", "cpu3"]
