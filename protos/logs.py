@@ -42,3 +42,6 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # A model's or a library's warnings (torch's among them) are log lines too: written
+    # to stderr by `warnings` itself, they broke the one-JSON-object-a-line stream.
+    logging.captureWarnings(True)

@@ -20,6 +20,7 @@ from batchd.client import Client, DeadlineExceeded, InvalidInput
 from batchd.protos._pool import slow_backend
 from tests.conftest import Gate, scrape, value
 from tests.servers import EXAMPLES, ServerProcess, wait_for
+from tests.test_contracts import GOOD  # X FP32 [2] -> Y FP32 [2]
 
 
 def test_metrics_count_known_traffic_exactly(test_server: ServerProcess) -> None:
@@ -106,6 +107,24 @@ def test_json_logs_carry_ids_as_fields(tmp_path: Path) -> None:
         for line in lines
         if line["level"] == "INFO" and "tiny" in line["msg"] and "infer" in line["msg"].lower()
     ]  # no per-request lines at INFO
+
+
+def test_a_model_s_warnings_are_json_log_lines_too(tmp_path: Path) -> None:
+    """Python's warnings go to stderr on their own: torch's (a .pt2 loaded by an older
+    torch, seen on a GPU machine) broke the JSON log stream."""
+    (repo := tmp_path / "repo" / "warns").mkdir(parents=True)
+    (repo / "model.toml").write_text(GOOD)
+    (repo / "model.py").write_text(
+        "import warnings\n"
+        "def load(device):\n"
+        "    warnings.warn('the weights were saved by a newer version', UserWarning)\n"
+        "    return lambda x: {'Y': x}\n"
+    )
+    server = ServerProcess(repo.parent, "--log-format", "json", log_dir=tmp_path).start()
+    assert server.stop() == 0
+    lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    warned = [line for line in lines if "saved by a newer version" in line["msg"]]
+    assert [(w["level"], w["logger"]) for w in warned] == [("WARNING", "py.warnings")]
 
 
 def test_bench_measures_closed_and_open_loop(example_server: ServerProcess, tmp_path: Path) -> None:
