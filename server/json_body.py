@@ -10,7 +10,6 @@ is refused here, as orjson refuses it, not failed later as a defect.
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import orjson
@@ -65,10 +64,10 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
             value = json.loads(raw) if b"NaN" in raw or b"Infinity" in raw else None
         except ValueError:
             value = None
-        except RecursionError:  # nesting past the interpreter's stack (about 1,000 levels)
+        except RecursionError:  # past the interpreter's limit: 1,000 levels on 3.11, 8,000 on 3.12
             raise InvalidInput(
                 f"{what} is not valid JSON: it holds NaN or Infinity, read by Python's json, "
-                f"and nests deeper than that takes (about {sys.getrecursionlimit()} levels)"
+                "and nests deeper than Python's json reads (a tensor's data: at most 32 levels)"
             ) from None
         if value is None:
             raise InvalidInput(f"{what} is not valid JSON: {e}") from None

@@ -52,12 +52,12 @@ from batchd.server.errors import (
 )
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
-from batchd.server.json_body import load_json
 from batchd.server.rest_codec import (
     HEADER_LENGTH,
     generate_response,
     infer_response,
     parse_generate,
+    parse_index,
     parse_infer,
     parse_load,
     tensors,
@@ -321,8 +321,7 @@ class RestApi:
 
     async def index(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        ready = load_json(body).get("ready", False) if body.strip() else False
-        index = self._service.index(pb.RepositoryIndexRequest(ready=ready is True))
+        index = self._service.index(parse_index(body))
         return json_response([as_json(m, defaults=True) for m in index.models])
 
     async def load(self, request: web.Request) -> web.Response:

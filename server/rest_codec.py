@@ -55,7 +55,8 @@ def _field(obj: dict[str, Any], key: str, kind: type, where: str, default: Any =
     if value is default and key not in obj:
         return default
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        expected = {str: "a string", list: "a list", dict: "an object", int: "an integer"}[kind]
+        expected = {str: "a string", list: "a list", dict: "an object", int: "an integer",
+                    bool: "true or false"}[kind]  # fmt: skip
         raise InvalidInput(f"{where}: '{key}' must be {expected}, got {_kind(value)}")
     return value
 
@@ -254,6 +255,12 @@ def parse_load(body: bytes, model: str) -> pb.RepositoryModelLoadRequest:
         params = _field(load_json(body), "parameters", dict, "the request", {})
         _parameters(msg.parameters, dict(islice(params.items(), CLIP_ITEMS + 1)), "the request")
     return msg
+
+
+def parse_index(body: bytes) -> pb.RepositoryIndexRequest:
+    """A repository index body: empty, or `{"ready": true}` (only models ready to serve)."""
+    ready = _field(load_json(body), "ready", bool, "the request", False) if body.strip() else False
+    return pb.RepositoryIndexRequest(ready=ready)
 
 
 def parse_generate(body: bytes, cfg: ModelConfig) -> pb.ModelInferRequest:
