@@ -356,8 +356,8 @@ async def serve_rest(
         # On shutdown, after the drain: a caller that does not read its answer holds
         # the stop at most this long (aiohttp's default: 60 s, twice).
         shutdown_timeout=1.0,
-        # Closes a connection that has not sent a whole request by then: slow headers
-        # (slow loris) and idle keep-alive connections alike.
+        # Closes a connection that has not sent a whole request by then (counted from its
+        # start since aiohttp 3.14.4): slow loris and idle keep-alive connections alike.
         keepalive_timeout=header_timeout_s,
         max_line_size=8190,
         max_field_size=8190,
