@@ -77,6 +77,18 @@ def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
+TEST_DEVICE = os.environ.get("BATCHD_TEST_DEVICE", "")  # .ci/gpu-test: cuda:0
+FIRST_SLOT = TEST_DEVICE.replace(":", "") if TEST_DEVICE not in ("", "cpu") else "cpu0"
+
+
+def workers_on(count: int) -> tuple[str, ...]:
+    """`--workers COUNT` (CPU), or with BATCHD_TEST_DEVICE=cuda:0 that many workers on
+    that device: how the suite runs the servers it starts on a GPU machine."""
+    if TEST_DEVICE:
+        return ("--devices", ",".join([TEST_DEVICE] * count))
+    return ("--workers", str(count))
+
+
 class ServerProcess:
     def __init__(
         self,
@@ -123,8 +135,7 @@ class ServerProcess:
             *(() if "--http-port" in self.args else ("--http-port", "0")),
             "--metrics-port",
             "0",
-            "--workers",
-            str(self.workers),
+            *workers_on(self.workers),
             "--threads-per-worker",
             "1",
             *self.args,

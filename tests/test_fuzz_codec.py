@@ -33,6 +33,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import batchd.protos
+import batchd.server
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
@@ -47,7 +49,7 @@ from batchd.server.batching.split_join import (
 from batchd.server.codec import Limits, decode_request, encode_response
 from batchd.server.errors import InvalidInput
 from batchd.server.request import Request, Tensor
-from tests.servers import EXAMPLES, ROOT, TEST_MODELS
+from tests.servers import EXAMPLES, TEST_MODELS
 
 EXAMPLES_N = int(os.environ.get("FUZZ_EXAMPLES", "300"))
 LIMITS = Limits(max_inputs=16, max_tensor_elements=4096, max_response_bytes=1 << 20)
@@ -72,7 +74,8 @@ MAX_MESSAGE_CHARS = 1000
 
 # ---- work, counted ----
 
-_OURS = tuple(str(ROOT / d) for d in ("protos", "server"))
+# Where the imported code is: the checkout, or a link to it (`batchd` -> it, on a GPU machine).
+_OURS = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (batchd.protos, batchd.server))
 
 
 def lines_run(fn: Callable[[], Any]) -> tuple[int, Any]:

@@ -19,7 +19,7 @@ import pytest
 from batchd.client import Client, DeadlineExceeded, InvalidInput
 from batchd.protos._pool import slow_backend
 from tests.conftest import Gate, scrape, value
-from tests.servers import EXAMPLES, ServerProcess, wait_for
+from tests.servers import EXAMPLES, FIRST_SLOT, TEST_DEVICE, ServerProcess, wait_for
 from tests.test_contracts import GOOD  # X FP32 [2] -> Y FP32 [2]
 
 
@@ -100,7 +100,8 @@ def test_json_logs_carry_ids_as_fields(tmp_path: Path) -> None:
     lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
     assert all({"ts", "level", "logger", "msg", "pid"} <= set(line) for line in lines)
     ready = [line for line in lines if "ready (pid" in line["msg"]]
-    assert ready and ready[0]["worker"] == "cpu0" + "#0" and ready[0]["device"] == "cpu"
+    assert ready and ready[0]["worker"] == f"{FIRST_SLOT}#0"
+    assert ready[0]["device"] == (TEST_DEVICE or "cpu")
     assert any(line.get("model") == "tiny" and line["logger"] == "batchd.server" for line in lines)
     assert not [
         line

@@ -18,7 +18,7 @@ from batchd.client.views import ModelStats
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from tests.conftest import Gate, batch_gate, make_model, model_log, scrape, value
-from tests.servers import ServerProcess, wait_for
+from tests.servers import FIRST_SLOT, TEST_DEVICE, ServerProcess, wait_for
 
 
 def counts(s: ModelStats) -> dict[str, int]:
@@ -146,13 +146,13 @@ def test_worker_up_is_0_while_its_slot_restarts_under_one_label(tmp_path: Path) 
     def up() -> dict[tuple[tuple[str, str], ...], float]:
         return {k[1]: v for k, v in scrape(server).items() if k[0] == "batchd_worker_up"}
 
-    slot = (("device", "cpu"), ("worker", "cpu0"))
+    slot = (("device", TEST_DEVICE or "cpu"), ("worker", FIRST_SLOT))
     try:
         assert up() == {slot: 1.0}
         for pid in server.worker_pids():
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: up() == {slot: 0.0}, 30, "worker_up 0 while it restarts")
         wait_for(lambda: up() == {slot: 1.0}, 60, "worker_up 1 again")
-        assert value(scrape(server), "batchd_worker_restarts_total", slot="cpu0") == 1
+        assert value(scrape(server), "batchd_worker_restarts_total", slot=FIRST_SLOT) == 1
     finally:
         assert server.stop() == 0, server.log()

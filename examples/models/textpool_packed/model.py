@@ -9,7 +9,9 @@ embedding equals textpool's for the same tokens, up to float rounding.
 
 On a GPU, the packed tensors become a torch.nested jagged tensor without a copy
 (`torch.nested.nested_tensor_from_jagged(values, offsets)`), which SDPA runs as
-one variable-length kernel; on the CPU a loop over the rows is faster.
+one variable-length kernel; on the CPU a loop over the rows is faster. A GPU's
+index_add_ sums with atomic adds, in no fixed order: there the same request's
+embedding can differ in its last bits from one call to the next.
 """
 
 import torch

@@ -22,9 +22,8 @@ def load(device: torch.device):
         nested = torch.nested.nested_tensor_from_jagged(x, offsets)
         shared = int(nested.values().data_ptr() == x.data_ptr())
         counted = torch.bincount(segments, minlength=rows)
-        seen = torch.stack(
-            [lengths, offsets.diff(), counted, torch.full((rows,), shared, dtype=torch.int64)], 1
-        )
+        flag = torch.full((rows,), shared, dtype=torch.int64, device=x.device)
+        seen = torch.stack([lengths, offsets.diff(), counted, flag], 1)
         return {"Y": x * 2, "SEEN": seen}
 
     return run
