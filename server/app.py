@@ -41,6 +41,7 @@ from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, endpoints, watch_parent
 from batchd.server.handlers import add_service
+from batchd.server.http_site import serve_rest
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PostgresStore
 from batchd.server.jobs.runner import Jobs
@@ -49,7 +50,7 @@ from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, start_metrics, worker_views
-from batchd.server.rest import RestApi, serve_rest
+from batchd.server.rest import RestApi
 from batchd.server.security import grpc_options, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
@@ -168,8 +169,7 @@ def _build(
     server, port = _grpc_server(cfg, service, health, jobs_service)
     rest = RestApi(
         service, core, jobs_service, tokens,
-        max_body_bytes=cfg.network.max_message_bytes,
-        body_timeout_s=cfg.connections.handshake_timeout_s,
+        max_body_bytes=cfg.network.max_message_bytes, connections=cfg.connections,
     )  # fmt: skip
     registry = CollectorRegistry()  # this server's own: nothing is registered globally
     if jobs is not None:
@@ -251,9 +251,8 @@ async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
     if port >= 0:
         try:
             p.http, port = await serve_rest(
-                p.rest, host, port, ssl_context=ssl_context(cfg.security),
-                reuse_port=cfg.frontends.count > 1,
-                header_timeout_s=cfg.connections.handshake_timeout_s,
+                p.rest.app, host, port, ssl_context=ssl_context(cfg.security),
+                reuse_port=cfg.frontends.count > 1, connections=cfg.connections,
             )  # fmt: skip
         except OSError as e:
             raise _refused("HTTP", "--http-port", host, port, e) from e

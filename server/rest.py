@@ -17,10 +17,9 @@ are gRPC's. A BatchdError is answered with errors.http_status of its gRPC code a
     POST /v2/repository/models/{m}/load | /unload
     /v2/jobs...                                  batch jobs (jobs/rest.py)
 
-Bodies over --max-message-bytes are refused (413) before they are read whole; a
-body must arrive within --handshake-timeout, and so must a request's headers (the
-keep-alive timer closes a connection that has not sent a whole request by then),
-and so must a TLS handshake (0: no limit to any of them).
+Bodies over --max-message-bytes are refused (413) before they are read whole, and
+inflated ones at that size; a body must arrive within --handshake-timeout. The
+bounds on connections (headers, TLS, answers not read) are http_site.py's.
 A body above INLINE_BYTES is parsed on the decode thread, as a heavy gRPC request
 is decoded, so the loop keeps serving everyone else.
 """
@@ -29,9 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import ssl
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -42,6 +39,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.protos.to_json import as_json
 from batchd.server import __version__
 from batchd.server.auth import ADMIN, DENIED, INFER, Tokens, bearer_header
+from batchd.server.config import Connections
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import (
     BatchdError,
@@ -50,6 +48,7 @@ from batchd.server.errors import (
     clip,
     http_status,
 )
+from batchd.server.http_site import Handler, bounded_send, encoding, inflate
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
 from batchd.server.rest_codec import (
@@ -65,26 +64,9 @@ from batchd.server.rest_codec import (
 from batchd.server.service import EXTENSIONS, Body, Core, InferenceService
 
 log = logging.getLogger("batchd.server")
-# aiohttp reports every malformed request a client sends (bad request line, a negative
-# Content-Length) as an ERROR with a traceback: a log flood any client can cause. The
-# client gets its 400; here such a report is one DEBUG line. batchd's own failures are
-# logged by _errors.
-protocol_log = logging.getLogger("batchd.server.http")
-
-
-def _client_error(record: logging.LogRecord) -> bool:
-    if not log.isEnabledFor(logging.DEBUG):
-        return False
-    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-    record.exc_info = record.exc_text = None
-    return True
-
-
-protocol_log.addFilter(_client_error)
 INLINE_BYTES = 256 * 1024  # a larger body is parsed off the event loop
 REST_EXTENSIONS = sorted([*EXTENSIONS, "binary_tensor_data", "generate"])
 JSON = "application/json"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(
@@ -143,31 +125,33 @@ class RestApi:
         jobs: JobsService,
         tokens: Tokens | None,
         max_body_bytes: int,
-        body_timeout_s: float,
+        connections: Connections,
     ) -> None:
         self._service, self._core = service, core
         self._tokens = tokens
+        body_timeout_s = connections.handshake_timeout_s
         self._body_timeout_s = body_timeout_s or None  # 0: none (asyncio's 0 is "at once")
         self._max_body = max_body_bytes
+        sent = bounded_send(connections.max_age_grace_s)  # outermost: error answers too
         self.app = web.Application(
-            client_max_size=max_body_bytes, middlewares=[_errors, self._auth]
+            client_max_size=max_body_bytes, middlewares=[sent, _errors, self._auth]
         )
-        add = self.app.router.add_route
-        add("GET", "/v2", self.server_metadata)
-        add("GET", "/v2/health/live", self.live)
-        add("GET", "/v2/health/ready", self.ready)
-        add("GET", "/v2/models/stats", self.stats)
+        get, post = self.app.router.add_get, self.app.router.add_post  # GET: HEAD too
+        get("/v2", self.server_metadata)
+        get("/v2/health/live", self.live)
+        get("/v2/health/ready", self.ready)
+        get("/v2/models/stats", self.stats)
         for m in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            add("GET", m, self.metadata)
-            add("GET", m + "/ready", self.model_ready)
-            add("GET", m + "/config", self.config)
-            add("GET", m + "/stats", self.stats)
-            add("POST", m + "/infer", self.infer)
-            add("POST", m + "/generate", self.generate)
-            add("POST", m + "/generate_stream", self.generate_stream)
-        add("POST", "/v2/repository/index", self.index)
-        add("POST", "/v2/repository/models/{model}/load", self.load)
-        add("POST", "/v2/repository/models/{model}/unload", self.unload)
+            get(m, self.metadata)
+            get(m + "/ready", self.model_ready)
+            get(m + "/config", self.config)
+            get(m + "/stats", self.stats)
+            post(m + "/infer", self.infer)
+            post(m + "/generate", self.generate)
+            post(m + "/generate_stream", self.generate_stream)
+        post("/v2/repository/index", self.index)
+        post("/v2/repository/models/{model}/load", self.load)
+        post("/v2/repository/models/{model}/unload", self.unload)
         JobRoutes(jobs, body_timeout_s).add_to(self.app.router)
 
     @web.middleware
@@ -187,11 +171,15 @@ class RestApi:
     async def _body(self, request: web.Request) -> bytes:
         """The whole body: one that says it is over the limit is refused before a byte
         of it is read; one that does not come within --handshake-timeout, 408."""
-        limit = self._max_body
+        limit, coding = self._max_body, encoding(request)
         if (declared := request.content_length or 0) > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
         async with asyncio.timeout(self._body_timeout_s):
-            return await request.read()
+            body = await request.read()
+        if coding and len(body := await self._service.aside(inflate, body, coding, limit)) > limit:
+            too_big = f"the {coding} body inflates to more than {limit} bytes (--max-message-bytes)"
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=limit + 1, text=too_big)
+        return body
 
     def _model(self, request: web.Request) -> ModelConfig:
         info = request.match_info
@@ -321,7 +309,7 @@ class RestApi:
 
     async def index(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        index = self._service.index(parse_index(body))
+        index = self._service.index(await self._parse(body, parse_index))
         return json_response([as_json(m, defaults=True) for m in index.models])
 
     async def load(self, request: web.Request) -> web.Response:
@@ -332,66 +320,3 @@ class RestApi:
     async def unload(self, request: web.Request) -> web.Response:
         await self._core.unload(request.match_info["model"])
         return json_response({})
-
-
-async def serve_rest(
-    api: RestApi,
-    host: str,
-    port: int,
-    *,
-    ssl_context: ssl.SSLContext | None,
-    reuse_port: bool,
-    header_timeout_s: float,
-) -> tuple[web.AppRunner, int]:
-    """Start serving `api` on host:port; returns the runner (to stop it) and the port.
-    `header_timeout_s` bounds a TLS handshake, and a request's headers (0: no bound)."""
-    header_timeout_s = header_timeout_s or math.inf
-    runner = web.AppRunner(
-        api.app,
-        access_log=None,
-        handle_signals=False,
-        logger=protocol_log,
-        # A caller that leaves cancels its request, as a gRPC cancel does.
-        handler_cancellation=True,
-        # On shutdown, after the drain: a caller that does not read its answer holds
-        # the stop at most this long (aiohttp's default: 60 s, twice).
-        shutdown_timeout=1.0,
-        # Closes a connection that has not sent a whole request by then (counted from its
-        # start since aiohttp 3.14.4): slow loris and idle keep-alive connections alike.
-        keepalive_timeout=header_timeout_s,
-        max_line_size=8190,
-        max_field_size=8190,
-    )
-    await runner.setup()
-    site = _Site(runner, host, port, ssl_context, reuse_port=reuse_port,
-                 ssl_handshake_timeout=header_timeout_s if ssl_context else None)  # fmt: skip
-    await site.start()
-    sockets = getattr(site._server, "sockets", None)
-    assert sockets
-    return runner, int(sockets[0].getsockname()[1])
-
-
-class _Site(web.BaseSite):
-    """aiohttp's TCPSite, which takes no TLS handshake timeout (aiohttp 3.14): asyncio's
-    default, 60 s, let a connection that never finishes its handshake hold a socket."""
-
-    __slots__ = ("_host", "_options", "_port")
-
-    def __init__(
-        self, runner: web.BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
-        **options: Any,
-    ) -> None:  # fmt: skip
-        super().__init__(runner, ssl_context=ssl_context)
-        self._host, self._port, self._options = host, port, options
-
-    @property
-    def name(self) -> str:
-        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
-
-    async def start(self) -> None:
-        await super().start()
-        assert self._runner.server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            self._runner.server, self._host, self._port, ssl=self._ssl_context,
-            backlog=self._backlog, **self._options,
-        )  # fmt: skip

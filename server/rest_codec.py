@@ -108,7 +108,12 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data holds true and false only")
         return arr.tobytes()
-    if kind not in "iuf" or (datatype in _INT_LIMITS and kind == "f"):
+    # numpy makes [true, 5] integers: JSON's true is no number (one pass, in C)
+    if (
+        kind not in "iuf"
+        or (datatype in _INT_LIMITS and kind == "f")
+        or bool in set(map(type, values))
+    ):
         wanted = "integers" if datatype in _INT_LIMITS else "numbers"
         raise InvalidInput(f"{where}: {datatype} data holds {wanted} only")
     if (info := _INT_LIMITS.get(datatype)) is not None and (
@@ -221,7 +226,7 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
         values, _ = flatten(item["data"], where)
         if len(values) != math.prod(shape):
             raise InvalidInput(
-                f"{where}: shape {shape[:8]} needs {math.prod(shape)} values, "
+                f"{where}: shape {shape[:8]} needs {_number(math.prod(shape))} values, "
                 f"'data' holds {len(values)}"
             )
         raw = to_raw(datatype, values, where)

@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             *("batching.split_join", "batching.queues", "batching.scheduler", "pool", "recovery"),
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
             "unary_steps",
-            *("rest_codec", "json_body", "handlers", "jobs.chunks"),
+            *("rest_codec", "json_body", "handlers", "jobs.chunks", "http_site"),
         },
     ),
     ("model control and sequences", {"control", "sequences"}),

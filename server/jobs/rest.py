@@ -23,6 +23,7 @@ from google.protobuf.message import Message
 from batchd.protos.to_json import as_json
 from batchd.server.auth import bearer_header
 from batchd.server.errors import InvalidInput, clip
+from batchd.server.http_site import encoding
 from batchd.server.jobs.service import Caller, JobsService
 
 UPLOAD_PIECE = 1024 * 1024  # bytes of an upload read and written at a time
@@ -50,15 +51,18 @@ class JobRoutes:
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         router.add_route("POST", "/v2/jobs", self.submit)
-        router.add_route("GET", "/v2/jobs", self.listing)
-        router.add_route("GET", "/v2/jobs/{job}", self.get)
+        router.add_get("/v2/jobs", self.listing)
+        router.add_get("/v2/jobs/{job}", self.get)
         router.add_route("POST", "/v2/jobs/{job}/cancel", self.cancel)
-        router.add_route("GET", "/v2/jobs/{job}/results", self.results)
+        router.add_get("/v2/jobs/{job}/results", self.results)
 
     def _caller(self, request: web.Request) -> Caller:
         return self._jobs.caller(bearer_header(request.headers.get("Authorization", "")))
 
     async def submit(self, request: web.Request) -> web.Response:
+        if encoding(request):  # read as it streams to disk: no room for a bounded inflate
+            raise web.HTTPUnsupportedMediaType(text="a job upload takes no Content-Encoding")
+
         async def pieces() -> AsyncIterator[bytes]:
             while True:
                 async with asyncio.timeout(self._timeout_s):

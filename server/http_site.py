@@ -1,0 +1,161 @@
+"""The HTTP edge's connections: aiohttp serving an application on a port, with the
+bounds a hostile client meets before and after its request runs.
+
+    before   a TLS handshake, the request line and headers: --handshake-timeout
+             (aiohttp's keep-alive timer, armed when a connection opens)
+    body     gzip and deflate bodies inflated off the event loop, at most the
+             body limit (a small bomb inflates no further); other encodings, 415
+    after    an answer its caller does not read within --max-connection-age-grace
+             is dropped with its connection, as gRPC ends a connection past its age
+             and grace: a client that never reads held the answer's memory for ever
+
+aiohttp reports every malformed request a client sends (bad request line, a
+negative Content-Length) as an ERROR with a traceback: a log flood any client can
+cause. The client gets its 400; here such a report is one DEBUG line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import ssl
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from batchd.server.config import Connections
+
+log = logging.getLogger("batchd.server")
+protocol_log = logging.getLogger("batchd.server.http")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Content-Encoding -> zlib's wbits: gzip's header, or zlib's (HTTP's "deflate")
+ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _client_error(record: logging.LogRecord) -> bool:
+    if not log.isEnabledFor(logging.DEBUG):
+        return False
+    record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+    record.exc_info = record.exc_text = None
+    return True
+
+
+protocol_log.addFilter(_client_error)
+
+
+def encoding(request: web.Request) -> str:
+    """The body's Content-Encoding, "" for none; one batchd cannot read: 415 at once,
+    before a byte of the body is read."""
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding in ("", "identity"):
+        return ""
+    if coding not in ENCODINGS:
+        raise web.HTTPUnsupportedMediaType(
+            text=f"Content-Encoding {coding[:40]!r} is not supported: send identity, gzip or "
+            "deflate"
+        )
+    return coding
+
+
+def inflate(body: bytes, coding: str, limit: int) -> bytes:
+    """A gzip or deflate body, inflated to at most `limit` + 1 bytes: the caller refuses
+    more, and a bomb costs no more than that. Holds no GIL while zlib works."""
+    d = zlib.decompressobj(ENCODINGS[coding])
+    try:
+        out = d.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise web.HTTPBadRequest(text=f"the {coding} body does not inflate: {e}") from None
+    if len(out) <= limit and not d.eof:
+        raise web.HTTPBadRequest(text=f"the {coding} body ends inside its compressed stream")
+    return out
+
+
+def bounded_send(seconds: float) -> Middleware:
+    """A middleware: a whole answer (not a stream) is sent here, within `seconds`, or its
+    connection is closed (0: no bound)."""
+
+    @web.middleware
+    async def send(request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        if seconds and isinstance(response, web.Response) and not response.prepared:
+            try:
+                async with asyncio.timeout(seconds):
+                    await response.prepare(request)
+                    await response.write_eof()
+            except TimeoutError:
+                log.info("HTTP %s %s: its answer was not read within %g s; connection "
+                         "closed", request.method, request.path[:100], seconds)  # fmt: skip
+                if request.transport is not None:
+                    request.transport.abort()
+        return response
+
+    return send
+
+
+async def serve_rest(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None,
+    reuse_port: bool,
+    connections: Connections,
+) -> tuple[web.AppRunner, int]:
+    """Start serving `app` on host:port; returns the runner (to stop it) and the port."""
+    header_timeout_s = connections.handshake_timeout_s or math.inf
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        logger=protocol_log,
+        # A caller that leaves cancels its request, as a gRPC cancel does.
+        handler_cancellation=True,
+        # On shutdown, after the drain: a caller that does not read its answer holds
+        # the stop at most this long (aiohttp's default: 60 s, twice).
+        shutdown_timeout=1.0,
+        # Closes a connection that has not sent a whole request by then (counted from its
+        # start since aiohttp 3.14.4): slow loris and idle keep-alive connections alike.
+        keepalive_timeout=header_timeout_s,
+        max_line_size=8190,
+        max_field_size=8190,
+        # Bodies are inflated by RestApi, off the loop and bounded: aiohttp inflates on
+        # the loop, even a body it then refuses (a 1 MB gzip held it 0.5 s per GB).
+        auto_decompress=False,
+    )
+    await runner.setup()
+    site = _Site(runner, host, port, ssl_context, reuse_port=reuse_port,
+                 ssl_handshake_timeout=header_timeout_s if ssl_context else None)  # fmt: skip
+    await site.start()
+    sockets = getattr(site._server, "sockets", None)
+    assert sockets
+    return runner, int(sockets[0].getsockname()[1])
+
+
+class _Site(web.BaseSite):
+    """aiohttp's TCPSite, which takes no TLS handshake timeout (aiohttp 3.14): asyncio's
+    default, 60 s, let a connection that never finishes its handshake hold a socket."""
+
+    __slots__ = ("_host", "_options", "_port")
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
+        **options: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(runner, ssl_context=ssl_context)
+        self._host, self._port, self._options = host, port, options
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        assert self._runner.server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._runner.server, self._host, self._port, ssl=self._ssl_context,
+            backlog=self._backlog, **self._options,
+        )  # fmt: skip

@@ -1,0 +1,139 @@
+"""The HTTP edge's connection bounds (server/http_site.py), against real servers:
+compressed bodies inflated off the loop and only to the body limit, encodings it
+cannot read refused before the body, HEAD on every GET route, and an answer its
+caller never reads dropped with its connection."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.servers import ServerProcess, wait_for
+from tests.test_rest import TINY, assert_serving, call, tiny_body
+
+BIG_ROW = 4_000_000  # FP32 values in one row of `wide`'s answer: 16 MB
+
+
+@pytest.mark.parametrize("coding", ["gzip", "x-gzip", "deflate"])
+def test_compressed_bodies_are_answered_as_plain_ones(
+    example_server: ServerProcess, coding: str
+) -> None:
+    """tritonclient.http compresses bodies on request (gzip or deflate): the answer is
+    the one the same body gets uncompressed."""
+    body = json.dumps(tiny_body(0.5)).encode()
+    packed = zlib.compress(body) if coding == "deflate" else gzip.compress(body)
+    plain = call(example_server, "POST", TINY, body)
+    got = call(example_server, "POST", TINY, packed, {"Content-Encoding": coding.upper()})
+    assert plain.status == got.status == 200, got.body[:300]
+    assert got.json()["outputs"] == plain.json()["outputs"]
+
+
+def test_a_compression_bomb_inflates_only_to_the_body_limit(
+    example_server: ServerProcess,
+) -> None:
+    """200 KB of gzip that would inflate to 200 MB, past --max-message-bytes (64 MiB):
+    413 naming the limit, and the server serves on. aiohttp inflated it whole, on the
+    event loop, even to answer 401 or 404."""
+    bomb = gzip.compress(b"\0" * (200 * 1024 * 1024), compresslevel=9)
+    for path in (TINY, "/v2/models/nope/infer"):
+        r = call(example_server, "POST", path, bomb, {"Content-Encoding": "gzip"})
+        if path == TINY:
+            assert r.status == 413, r.body[:300]
+            assert f"the gzip body inflates to more than {64 * 1024 * 1024} bytes" in r.error
+        else:
+            assert r.status == 404, r.body[:300]
+    assert_serving(example_server)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"not gzip at all", "the gzip body does not inflate: Error -3"),
+        (gzip.compress(json.dumps(tiny_body()).encode())[:30], "ends inside its compressed"),
+    ],
+    ids=["not gzip", "cut short"],
+)
+def test_a_broken_gzip_body_is_a_400(
+    example_server: ServerProcess, body: bytes, message: str
+) -> None:
+    r = call(example_server, "POST", TINY, body, {"Content-Encoding": "gzip"})
+    assert r.status == 400 and message in r.error, r.body[:300]
+
+
+def test_an_encoding_batchd_cannot_read_is_415_before_the_body(
+    example_server: ServerProcess,
+) -> None:
+    for path in (TINY, "/v2/jobs?model=tiny"):
+        r = call(example_server, "POST", path, b"\x8b\x00" * 1000, {"Content-Encoding": "br"})
+        assert r.status == 415, r.body[:300]
+    r = call(example_server, "POST", TINY, b"x", {"Content-Encoding": "zstd, gzip"})
+    assert r.status == 415 and "'zstd, gzip' is not supported: send identity, gzip" in r.error
+    jobs = call(example_server, "POST", "/v2/jobs?model=tiny", gzip.compress(b"{}\n"),
+                {"Content-Encoding": "gzip"})  # fmt: skip
+    assert jobs.status == 415 and "a job upload takes no Content-Encoding" in jobs.error
+
+
+@pytest.mark.parametrize("path", ["/v2/health/live", "/v2/health/ready", "/v2/models/tiny"])
+def test_head_is_answered_on_get_routes(example_server: ServerProcess, path: str) -> None:
+    """Load balancers probe with HEAD: it was 405."""
+    r = call(example_server, "HEAD", path)
+    assert r.status == 200 and r.body == b""
+
+
+@pytest.fixture
+def wide(tmp_path: Path) -> Iterator[ServerProcess]:
+    """`wide` answers 16 MB a row; answers unread for 1 s are dropped."""
+    d = tmp_path / "repo" / "wide"
+    d.mkdir(parents=True)
+    (d / "model.toml").write_text(
+        'max_batch_size = 4\n[[input]]\nname = "X"\ndatatype = "FP32"\nshape = [1]\n'
+        f'[[output]]\nname = "Y"\ndatatype = "FP32"\nshape = [{BIG_ROW}]\n'
+    )
+    (d / "model.py").write_text(
+        "import torch\n"
+        "def load(device):\n"
+        f"    return lambda x: {{'Y': x.expand(-1, {BIG_ROW}).contiguous()}}\n"
+    )
+    server = ServerProcess(d.parent, "--max-connection-age-grace", "1", log_dir=tmp_path)
+    yield server.start()
+    assert server.stop() == 0, server.log()
+
+
+def test_an_answer_its_caller_never_reads_is_dropped_with_its_connection(
+    wide: ServerProcess,
+) -> None:
+    """A caller asks for 16 MB and reads nothing: the server held the answer (and its
+    memory) as long as the connection lived. Past --max-connection-age-grace it
+    closes the connection; the caller then finds the answer cut short."""
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1], "data": [7.0]}],
+            "parameters": {"binary_data_output": True}}  # fmt: skip
+    raw = json.dumps(body).encode()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        s.connect(("127.0.0.1", wide.http_port))
+        s.sendall(
+            b"POST /v2/models/wide/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+        )
+        wait_for(lambda: "its answer was not read within 1 s" in wide.log(), 30, "dropped")
+        s.settimeout(30)
+        got = bytearray()
+        try:
+            while chunk := s.recv(1 << 20):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    assert got.startswith(b"HTTP/1.1 200")
+    assert len(got) < 4 * BIG_ROW  # cut short: the whole answer is larger
+    # a caller that reads gets all of it
+    r = call(wide, "POST", "/v2/models/wide/infer", body)
+    head_length = int(r.headers["Inference-Header-Content-Length"])
+    values = np.frombuffer(r.body[head_length:], np.float32)
+    assert r.status == 200 and values.size == BIG_ROW and (values == 7.0).all()
