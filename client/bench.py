@@ -11,13 +11,17 @@ schedule whether or not earlier ones were answered, so queueing shows
 honestly. Load comes from `--processes` processes (default: one per 4 cores)
 so that the tool is not the bottleneck; a level is split whole over them (3
 callers over 2 processes: 2 + 1; open loop: they take turns on one schedule,
-so every request of the rate leaves). Inputs are random, shaped from
-the model's metadata (`--batch` rows, -1 dims as `--dim`), or read from .npy.
-When the server reports statistics, the table shows its average batch size.
+so every request of the rate leaves, from one start instant). req/s is what
+was answered, over the time from the level's start to its last answer (at
+least --duration): an open loop faster than the server shows the server's
+rate. Inputs are random, shaped from the model's metadata (`--batch` rows,
+-1 dims as `--dim`), or read from .npy. When the server reports statistics,
+the table shows its average batch size.
 Failed requests are counted per status code, each with the first message the
-server gave for it (in the table and in --json). Exit status: 0, 1 when some
-requests failed, 2 when the bench could not run (no server, an input it
-cannot build, a load process that died).
+server gave for it (in the table and in --json); percentiles without a sample
+are "-" (null in --json). Exit status: 0, 1 when some requests failed, 2 when
+the bench could not run (no server, an input it cannot build, a load process
+that died, a level that sent nothing) or was asked a load it cannot run.
 
 `--stream` sends each request alone over ModelStreamInfer and reads it to its
 final response: for a step-wise (decoupled) model, whose outputs come one
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -90,21 +95,27 @@ def measure(args: argparse.Namespace, msg: Any, mode: str, load: float) -> Level
     return level
 
 
+def _ms(value: float | None) -> str:
+    """A percentile's cell: "-" when it had no sample (no request answered)."""
+    text = "-" if value is None else f"{value:.2f}"
+    return f"{text:>9}"
+
+
 def rows(lv: Level) -> list[str]:
     """A level's line of the table, then the first message of each error code under it."""
     load = f"{'c=' if lv.mode == 'concurrency' else 'r='}{lv.load:g}"
     errs = ", ".join(f"{k} {v}" for k, v in sorted(lv.errors.items())) or "none"
     if (s := lv.stream) is not None:
         line = (
-            f"{load:>10} {lv.throughput:>9.1f} {s.outputs_per_s:>10.1f} {s.ttfo_p50_ms:>9.2f} "
-            f"{s.ttfo_p99_ms:>9.2f} {s.inter_output_p50_ms:>9.2f} "
-            f"{s.inter_output_p99_ms:>9.2f}  {errs}"
+            f"{load:>10} {lv.throughput:>9.1f} {s.outputs_per_s:>10.1f} {_ms(s.ttfo_p50_ms)} "
+            f"{_ms(s.ttfo_p99_ms)} {_ms(s.inter_output_p50_ms)} "
+            f"{_ms(s.inter_output_p99_ms)}  {errs}"
         )
     else:
         batch = f"{lv.server_avg_batch:.1f}" if lv.server_avg_batch else "-"
         line = (
-            f"{load:>10} {lv.throughput:>10.1f} {lv.p50_ms:>9.2f} {lv.p90_ms:>9.2f} "
-            f"{lv.p99_ms:>9.2f} {batch:>10}  {errs}"
+            f"{load:>10} {lv.throughput:>10.1f} {_ms(lv.p50_ms)} {_ms(lv.p90_ms)} "
+            f"{_ms(lv.p99_ms)} {batch:>10}  {errs}"
         )
     return [line] + [f"{'':>10}   {k}: {m}" for k, m in sorted(lv.error_messages.items())]
 
@@ -132,6 +143,9 @@ def plot(levels: Sequence[Level], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def y(v: float | None) -> float:
+        return math.nan if v is None else v  # a percentile with no sample: a gap
+
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [lv.load for lv in levels]
     ax.set_xlabel("concurrency" if levels[0].mode == "concurrency" else "offered rate (req/s)")
@@ -140,14 +154,14 @@ def plot(levels: Sequence[Level], path: str, title: str) -> None:
     if len(streams) == len(levels):  # outputs/s, and the time to first output
         ax.plot(x, [s.outputs_per_s for s in streams], "o-", color="tab:blue")
         ax.set_ylabel("outputs / s", color="tab:blue")
-        ax2.plot(x, [s.ttfo_p50_ms for s in streams], "^:", color="tab:red", label="p50")
-        ax2.plot(x, [s.ttfo_p99_ms for s in streams], "s--", color="tab:red", label="p99")
+        ax2.plot(x, [y(s.ttfo_p50_ms) for s in streams], "^:", color="tab:red", label="p50")
+        ax2.plot(x, [y(s.ttfo_p99_ms) for s in streams], "s--", color="tab:red", label="p99")
         ax2.set_ylabel("time to first output (ms)", color="tab:red")
         ax2.legend(loc="upper left")
     else:
         ax.plot(x, [lv.throughput for lv in levels], "o-", color="tab:blue", label="throughput")
         ax.set_ylabel("requests / s", color="tab:blue")
-        ax2.plot(x, [lv.p99_ms for lv in levels], "s--", color="tab:red", label="p99")
+        ax2.plot(x, [y(lv.p99_ms) for lv in levels], "s--", color="tab:red", label="p99")
         ax2.set_ylabel("p99 latency (ms)", color="tab:red")
     if levels[0].mode == "concurrency":
         ax.set_xscale("log", base=2)
@@ -193,7 +207,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "spreads connections, not requests, over its processes)",
     )
     add_security(p)
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON ('-': stdout)")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the results as JSON ('-': stdout, the table then on stderr)",
+    )
     p.add_argument(
         "--plot",
         metavar="FILE.png",
@@ -202,22 +220,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
     args = p.parse_args(argv)
+    if not 0 < args.duration < math.inf:
+        p.error(f"argument --duration: {args.duration:g}: must be a positive number of seconds")
+    try:
+        loads(args)
+    except ValueError as e:
+        p.error(str(e))
     args.quiet = args.quiet or not sys.stderr.isatty()  # progress only on a terminal
     return args
 
 
 def loads(args: argparse.Namespace) -> tuple[str, list[float]]:
-    if args.rate:
-        return "rate", [float(r) for r in args.rate.split(",")]
-    spec = args.concurrency
-    if ":" in spec:
-        lo, hi = (int(v) for v in spec.split(":")[:2])
-        out, c = [], lo
-        while c <= hi:
-            out.append(float(c))
-            c *= 2
-        return "concurrency", out
-    return "concurrency", [float(c) for c in spec.split(",")]
+    """The mode and its levels; ValueError for a level that cannot run (parse_args says it)."""
+    mode = "rate" if args.rate else "concurrency"
+    spec = args.rate or args.concurrency
+    try:
+        if args.rate:
+            out = [float(r) for r in spec.split(",")]
+        elif ":" in spec:
+            lo, hi = (int(v) for v in spec.split(":")[:2])
+            if not 1 <= lo <= hi:  # c = 0 would double forever
+                raise ValueError("a range start:end needs 1 <= start <= end")
+            out, c = [], lo
+            while c <= hi:
+                out.append(float(c))
+                c *= 2
+        else:
+            out = [float(int(c)) for c in spec.split(",")]  # whole callers
+    except ValueError as e:
+        raise ValueError(f"argument --{mode}: {spec}: {e}") from None
+    if not all(0 < v < math.inf for v in out):
+        raise ValueError(f"argument --{mode}: {spec}: each level must be positive and finite")
+    return mode, out
 
 
 def request_for(args: argparse.Namespace, meta: dict[str, Any]) -> Any:
@@ -249,11 +283,13 @@ def run_levels(
 
 def report(args: argparse.Namespace, results: Sequence[Level]) -> None:
     how = ", streamed: each request read to its final response" if args.stream else ""
+    out = sys.stderr if args.json == "-" else sys.stdout  # --json -: stdout is the JSON alone
     print(
         f"\n{args.model} @ {args.url}, {args.duration:g} s per level, "
-        f"{args.batch} row(s) per request{how}\n"
+        f"{args.batch} row(s) per request{how}\n",
+        file=out,
     )
-    print(table(results))
+    print(table(results), file=out)
     if args.json:
         text = json.dumps(
             {

@@ -11,12 +11,15 @@ With `stream`, each request goes over ModelStreamInfer alone and is read to
 its final response (a decoupled model's outputs, one response per step). A
 load process also measures the time to each request's first output, the gaps
 between its outputs, and how many came; the rates of a streamed level are over
-the time its load took, the tails of its last streams included.
+the time its load took, the tails of its last streams included. The load
+processes of a level keep one schedule: the parent gives them one start
+instant once every one of them is ready.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing as mp
 import queue
 import signal
@@ -38,6 +41,7 @@ from batchd.protos.datatypes import DATATYPES
 
 REQUEST_TIMEOUT_S = 30.0  # each request's deadline
 START_GRACE_S = 60.0  # how long a load process may take to start and to hand its results over
+START_LEAD_S = 0.1  # from the parent's go to the level's start: each process reads it by then
 
 
 class LoadFailed(Exception):
@@ -50,10 +54,10 @@ class StreamMetrics:
 
     outputs: int = 0  # output responses received (the empty final ones not counted)
     outputs_per_s: float = 0.0
-    ttfo_p50_ms: float = 0.0  # time to first output: from sending the request
-    ttfo_p99_ms: float = 0.0
-    inter_output_p50_ms: float = 0.0  # between two outputs of one request
-    inter_output_p99_ms: float = 0.0
+    ttfo_p50_ms: float | None = None  # time to first output: from sending the request
+    ttfo_p99_ms: float | None = None  # (percentiles: None when there is no sample)
+    inter_output_p50_ms: float | None = None  # between two outputs of one request
+    inter_output_p99_ms: float | None = None
     elapsed_s: float = 0.0  # the longest load process's time, the last streams' tails included
 
 
@@ -62,17 +66,18 @@ class Level:
     """One measured load level."""
 
     mode: str  # "concurrency" or "rate"
-    load: float
+    load: float  # callers, or the offered rate (requests/s)
     seconds: float = 0.0
     ok: int = 0
-    throughput: float = 0.0
-    p50_ms: float = 0.0
-    p90_ms: float = 0.0
-    p99_ms: float = 0.0
+    throughput: float = 0.0  # achieved: ok over elapsed_s, or over seconds if longer
+    p50_ms: float | None = None  # None when no request was answered
+    p90_ms: float | None = None
+    p99_ms: float | None = None
     errors: dict[str, int] = field(default_factory=dict)
     error_messages: dict[str, str] = field(default_factory=dict)  # the first one per code
     server_avg_batch: float | None = None
     stream: StreamMetrics | None = None  # --stream only; then throughput is over elapsed_s
+    elapsed_s: float = 0.0  # from the level's start to its last answer, the slowest process's
 
 
 def random_tensor(datatype: str, shape: Sequence[int], rng: np.random.Generator) -> np.ndarray:
@@ -118,7 +123,7 @@ class _Report:
     latencies: np.ndarray  # of the requests answered (streamed: to their final response)
     errors: dict[str, int]
     messages: dict[str, str]
-    elapsed: float  # from the first request sent to the last one answered
+    elapsed: float  # from the level's start (its first request sent) to the last one answered
     outputs: int  # streamed: output responses
     ttfo: np.ndarray  # streamed: to each request's first output
     gaps: np.ndarray  # streamed: between outputs of one request
@@ -179,21 +184,13 @@ class _Tally:
             call.cancel()
 
     def report(self, elapsed: float) -> _Report:
-        def array(values: list[float]) -> np.ndarray:
-            return np.asarray(values, np.float64)
-
-        return _Report(
-            array(self.latencies),
-            dict(self.errors),
-            self.messages,
-            elapsed,
-            self.outputs,
-            array(self.ttfo),
-            array(self.gaps),
-        )
+        values = (self.latencies, self.ttfo, self.gaps)
+        lat, ttfo, gaps = (np.asarray(v, np.float64) for v in values)
+        return _Report(lat, dict(self.errors), self.messages, elapsed, self.outputs, ttfo, gaps)
 
 
 async def _drive(
+    at: float,
     url: str,
     conn: dict[str, Any],
     connections: int,
@@ -204,13 +201,18 @@ async def _drive(
     stream: bool,
     share: range,
 ) -> _Report:
-    """One load process: `share` (split_level) of a level of `load` callers or requests/s."""
+    """One load process: `share` (split_level) of a level of `load` callers or requests/s,
+    from `at`, the start instant (time.time()) every load process of the level shares."""
     tally = _Tally(msg)
     once = tally.streamed if stream else tally.unary
-    end = time.monotonic() + seconds
+    # Wall time is what processes can compare (time.monotonic's zero is undefined across
+    # processes, in Python's words); read once, then the schedule runs on time.monotonic.
+    start = time.monotonic() + (at - time.time())
+    end = start + seconds
 
     clients = [AsyncClient(url, own_connection=True, **conn) for _ in range(max(1, connections))]
     try:
+        await asyncio.sleep(max(0.0, start - time.monotonic()))
         if mode == "concurrency":
 
             async def caller(c: AsyncClient) -> None:
@@ -219,7 +221,7 @@ async def _drive(
 
             await asyncio.gather(*(caller(clients[k % len(clients)]) for k in range(len(share))))
         else:
-            start, pending = time.monotonic(), set()
+            pending = set()
             for k, i in enumerate(share):
                 delay = start + i / load - time.monotonic()
                 if delay > 0:
@@ -228,17 +230,19 @@ async def _drive(
                 pending.add(task)
                 task.add_done_callback(pending.discard)
             await asyncio.gather(*pending)
-        elapsed = time.monotonic() - (end - seconds)
+        elapsed = time.monotonic() - start
     finally:
         for c in clients:
             await c.close()
     return tally.report(elapsed)
 
 
-def _process(out: Any, *drive_args: Any) -> None:
-    """A load process: drive the load, then put one _Report, or a str saying why not."""
+def _process(out: Any, go: Any, *drive_args: Any) -> None:
+    """A load process: put None (ready), take the level's start instant from `go`, drive
+    the load, then put one _Report, or a str saying why not."""
     try:
-        report: _Report | str = asyncio.run(_drive(*drive_args))
+        out.put(None)  # imported: what makes a spawned process slow to start is behind it
+        report: _Report | str = asyncio.run(_drive(go.get(timeout=START_GRACE_S), *drive_args))
     except Exception as e:
         traceback.print_exc()
         report = f"{type(e).__name__}: {e}"
@@ -258,9 +262,10 @@ def _death(p: BaseProcess) -> str:
 
 def _collect(
     procs: Sequence[BaseProcess], out: Any, give_up_at: float, progress: Callable[[], None]
-) -> list[_Report]:
-    """One report from each load process, or LoadFailed as soon as one cannot come."""
-    reports: list[_Report] = []
+) -> list[Any]:
+    """One item (None: ready, then a report) from each load process, or LoadFailed as
+    soon as one cannot come."""
+    reports: list[Any] = []
     while len(reports) < len(procs):
         progress()
         try:
@@ -305,8 +310,10 @@ def split_level(mode: str, load: float, seconds: float, processes: int) -> list[
     """Each load process's share of a level: the callers it runs (closed loop), or the
     numbers of the requests it sends, request i leaving i / load seconds in (open loop).
     Process k of n takes every n-th from k: the shares differ by one at most and add up
-    to the whole level, and open-loop processes take turns rather than send together."""
-    total = int(load) if mode == "concurrency" else int(load * seconds)
+    to the whole level, and open-loop processes take turns rather than send together.
+    A rate sends rate * seconds requests rounded up, so at least one (less 1e-12 of it:
+    float noise, 0.1 * 30 is 3.0000000000000004)."""
+    total = int(load) if mode == "concurrency" else math.ceil(load * seconds * (1 - 1e-12))
     n = max(1, min(processes, total))
     return [range(k, total, n) for k in range(n)]
 
@@ -326,10 +333,10 @@ def run_level(
     """Measure one level with `processes` load processes sharing `load`; with `stream`,
     over ModelStreamInfer (`msg` must then ask for the empty final response)."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out, go = ctx.Queue(), ctx.Queue()
     drive = (url, conn, connections, msg, mode, load, seconds, stream)
     procs = [
-        ctx.Process(target=_process, args=(out, *drive, share))
+        ctx.Process(target=_process, args=(out, go, *drive, share))
         for share in split_level(mode, load, seconds, processes)
     ]
     started = time.monotonic()
@@ -338,6 +345,10 @@ def run_level(
     try:
         for p in procs:
             p.start()
+        _collect(procs, out, give_up_at, lambda: progress(time.monotonic() - started))
+        at = time.time() + START_LEAD_S  # all ready: one start, in wall time (see _drive)
+        for _ in procs:
+            go.put(at)
         reports = _collect(procs, out, give_up_at, lambda: progress(time.monotonic() - started))
         reported = True
     finally:
@@ -350,26 +361,28 @@ def run_level(
 
 
 def _summary(mode: str, load: float, seconds: float, reports: Sequence[_Report]) -> Level:
-    lat = np.sort(np.concatenate([r.latencies for r in reports])) * 1e3
+    lat = np.concatenate([r.latencies for r in reports])
     errors: Counter[str] = Counter()
     messages: dict[str, str] = {}
     for r in reports:
         errors.update(r.errors)
         for code, message in r.messages.items():
             messages.setdefault(code, message)
-    level = Level(mode, load, seconds, len(lat), len(lat) / seconds)
-    if len(lat):
-        level.p50_ms, level.p90_ms, level.p99_ms = (
-            float(np.percentile(lat, q)) for q in (50, 90, 99)
-        )
-    level.errors = dict(errors)
-    level.error_messages = messages
+    if not len(lat) and not errors:
+        raise LoadFailed(f"no request was sent in {seconds:g} s")
+    # Achieved, not offered: the answers over the time they took, the level's start to its
+    # last answer (an overloaded server's backlog included), and at least the level's length.
+    elapsed = max(r.elapsed for r in reports)
+    window = max(seconds, elapsed)
+    level = Level(mode, load, seconds, len(lat), len(lat) / window if window > 0 else 0.0)
+    level.p50_ms, level.p90_ms, level.p99_ms = (_ms([lat], q) for q in (50, 90, 99))
+    level.errors, level.error_messages, level.elapsed_s = dict(errors), messages, elapsed
     return level
 
 
-def _ms(samples: Sequence[np.ndarray], q: float) -> float:
+def _ms(samples: Sequence[np.ndarray], q: float) -> float | None:
     values = np.concatenate(samples)
-    return float(np.percentile(values, q)) * 1e3 if len(values) else 0.0
+    return float(np.percentile(values, q)) * 1e3 if len(values) else None
 
 
 def _stream_summary(reports: Sequence[_Report]) -> StreamMetrics:

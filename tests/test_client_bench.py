@@ -1,27 +1,37 @@
 """`batchd bench` (client/bench.py, client/loadgen.py): every datatype, the server's
-error messages, and a load process that dies."""
+error messages, a load process that dies, the arguments it refuses, the achieved
+rate, percentiles without samples, and the one start its load processes share."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
 import signal
 import subprocess
 import sys
+import threading
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from batchd.client import bench
+from batchd.client import bench, loadgen
 from batchd.client.codec import build_request
 from batchd.client.loadgen import (
+    Level,
     LoadFailed,
     _collect,
+    _Report,
+    _stream_summary,
+    _summary,
     declared_datatypes,
     make_inputs,
+    run_level,
     split_level,
 )
 from batchd.protos.datatypes import DATATYPES
@@ -63,6 +73,122 @@ def test_a_rate_level_sends_every_request_once_over_the_processes() -> None:
     assert sorted(i for s in shares for i in s) == list(range(15))
     assert [len(s) for s in shares] == [4, 4, 4, 3]
     assert [s[0] for s in shares] == [0, 1, 2, 3]
+
+
+def test_a_rate_level_sends_its_requests_rounded_up() -> None:
+    """0.5 req/s for 1 s sends one request, not int(0.5) = none; 0.1 req/s for 30 s
+    sends 3, though 0.1 * 30 is 3.0000000000000004."""
+    assert split_level("rate", 0.5, 1.0, 2) == [range(0, 1)]
+    assert [len(s) for s in split_level("rate", 0.1, 30.0, 1)] == [3]
+
+
+def report(answered: int, elapsed: float, **errors: int) -> _Report:
+    """A load process's report: `answered` latencies of 10 ms, over `elapsed` s."""
+    empty = np.zeros(0)
+    return _Report(np.full(answered, 0.01), errors, {}, elapsed, 0, empty, empty)
+
+
+def test_the_throughput_of_a_rate_is_what_was_answered() -> None:
+    """150 req/s offered for 2 s to a model serving ~46 req/s: the 300 answers took
+    6.5 s (two processes, the slower's time counts), so 46 req/s, not 150. A rate
+    kept up with is over the level: its last request left 1.9 s into 2 s, and its
+    answer came 1.95 s in: 20 / 2 s, not 20 / 1.95 s."""
+    level = _summary("rate", 150.0, 2.0, [report(150, 6.5), report(150, 6.0)])
+    assert level.throughput == pytest.approx(300 / 6.5)
+    assert (level.load, level.ok, level.elapsed_s) == (150.0, 300, 6.5)
+    assert _summary("rate", 10.0, 2.0, [report(20, 1.95)]).throughput == 10.0
+
+
+def test_a_level_of_no_time_divides_by_nothing() -> None:
+    assert _summary("concurrency", 1.0, 0.0, [report(1, 0.0)]).throughput == 0.0
+
+
+def test_a_level_that_sent_nothing_is_an_error() -> None:
+    with pytest.raises(LoadFailed, match="no request was sent in 1 s"):
+        _summary("rate", 0.5, 1.0, [report(0, 1.0)])
+
+
+def test_percentiles_without_samples_are_none_and_shown_as_a_dash() -> None:
+    """Every request failed: no latency to take a percentile of (not 0.0 ms)."""
+    level = _summary("concurrency", 2.0, 1.0, [report(0, 1.0, UNAVAILABLE=3)])
+    assert (level.p50_ms, level.p90_ms, level.p99_ms) == (None, None, None)
+    assert json.loads(json.dumps(asdict(level)))["p50_ms"] is None
+    assert bench.rows(level)[0].split()[:5] == ["c=2", "0.0", "-", "-", "-"]
+    s = _stream_summary([report(0, 1.0, UNAVAILABLE=3)])
+    assert (s.ttfo_p50_ms, s.ttfo_p99_ms, s.inter_output_p50_ms) == (None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--concurrency", "0:4"], "--concurrency: 0:4: a range start:end needs"),
+        (["--concurrency=-2:4"], "--concurrency: -2:4: a range start:end needs"),
+        (["--concurrency", "8:4"], "--concurrency: 8:4: a range start:end needs"),
+        (["--concurrency", "4,0"], "--concurrency: 4,0: each level must be positive"),
+        (["--rate", "0"], "--rate: 0: each level must be positive"),
+        (["--rate", "100,-5"], "--rate: 100,-5: each level must be positive"),
+        (["--rate", "inf"], "--rate: inf: each level must be positive and finite"),
+        (["--duration", "0"], "--duration: 0: must be a positive number"),
+        (["--duration", "-1"], "--duration: -1: must be a positive number"),
+        (["--duration", "nan"], "--duration: nan: must be a positive number"),
+    ],
+)
+def test_a_load_that_cannot_run_is_a_usage_error(
+    argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything runs (`--concurrency 0:4` doubled 0 forever)."""
+    with pytest.raises(SystemExit) as raised:
+        bench.parse_args(["--model", "m", *argv])
+    assert raised.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+def test_json_to_stdout_leaves_stdout_to_the_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--json -`: the table goes to stderr, so stdout parses."""
+    args = argparse.Namespace(
+        model="m", url="u", duration=1.0, batch=1, stream=False, json="-", plot=None
+    )
+    bench.report(args, [Level("rate", 10.0, 1.0, ok=10, throughput=10.0, p50_ms=1.0)])
+    out, err = capsys.readouterr()
+    assert json.loads(out)["levels"][0]["throughput"] == 10.0
+    assert "req/s" in err and "r=10" in err
+
+
+class ThreadProcess:
+    """A load process as a thread: run_level's hand-over, in this process."""
+
+    def __init__(self, target: Any, args: tuple[Any, ...]) -> None:
+        self.thread, self.pid = threading.Thread(target=target, args=args), 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.thread.is_alive() else 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.thread.join(timeout)
+
+    def terminate(self) -> None:
+        pass
+
+
+def test_the_load_processes_of_a_level_share_one_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each process is handed the same start instant (not each its own clock's now),
+    so that two of them keep one schedule."""
+    starts: list[Any] = []
+
+    async def drive(*args: Any) -> _Report:
+        starts.append(args[0])
+        return report(len(args[-1]), 1.0)
+
+    context = SimpleNamespace(Queue=queue.Queue, Process=ThreadProcess)
+    monkeypatch.setattr(loadgen, "mp", SimpleNamespace(get_context=lambda _: context))
+    monkeypatch.setattr(loadgen, "_drive", drive)
+    level = run_level("u", {}, 1, None, "rate", 4.0, 1.0, 2, lambda _: None)
+    assert level.ok == 4 and len(starts) == 2
+    assert isinstance(starts[0], float) and starts[0] == starts[1]
 
 
 def test_bench_drives_a_model_with_every_datatype(
@@ -155,3 +281,17 @@ def test_bench_ends_with_an_error_when_a_load_process_dies(
         gate.open()
     assert proc.returncode == 2, err
     assert f"load process {load_pid} died (killed by SIGKILL)" in err.decode()
+
+
+def test_an_open_loop_over_two_processes_prints_json_alone(
+    test_server: ServerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--rate 3 --duration 0.5`: 2 requests (1.5 rounded up), one per load process,
+    both answered; with `--json -` stdout is the JSON and the table is on stderr."""
+    argv = ["--url", test_server.url, "--model", "echo", "--rate", "3", "--duration", "0.5"]
+    code = bench.main([*argv, "--warmup", "0", "--processes", "2", "--json", "-"])
+    out, err = capsys.readouterr()
+    (level,) = json.loads(out)["levels"]
+    assert (code, level["ok"], level["errors"]) == (0, 2, {})
+    assert level["throughput"] == pytest.approx(2 / max(0.5, level["elapsed_s"]))
+    assert "r=3" in err
