@@ -243,7 +243,9 @@ class Client(_Connection):
 
     def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
         """Write the job's results (all of them once it has ended; those kept so far
-        while it runs) to `out`, a path or a binary file. Returns the lines written."""
+        while it runs) to `out`, a path or a binary file. Returns the lines written.
+        No deadline: a download takes as long as the results (the client's timeout
+        bounded it, and failed every one longer)."""
         with job_ops.ResultsFile(out) as f:
             try:
                 for piece in self._jobs_stub.JobResults(

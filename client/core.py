@@ -150,6 +150,11 @@ def channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[
         # gRPC shares one connection among a process's channels to the same target
         # unless told otherwise; a server with --frontends N balances connections.
         ("grpc.use_local_subchannel_pool", int(own_connection)),
+        # A call with no deadline (a job's upload or download) on a connection gone
+        # silent (a cut network): pinged after 60 s, failed 20 s later. The server
+        # permits a ping every 10 s (--keepalive-permit-time).
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
     ]
 
 
@@ -208,8 +213,9 @@ class ClientCore:
         self._meta: dict[str, dict[str, Any]] = {}
 
     def results_kwargs(self) -> dict[str, Any]:
-        """What a streaming call the steps do not drive passes: the timeout, the token."""
-        return {"timeout": self.timeout, **self.call_kwargs}
+        """What a job's download passes: the token, and no deadline (it takes as long as
+        the results; a connection gone silent fails by keepalive, channel_options)."""
+        return {"timeout": None, **self.call_kwargs}
 
     def call(
         self,

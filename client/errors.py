@@ -6,7 +6,7 @@ BatchdClientError            any failed call; .code is the grpc.StatusCode
 ├── ServerBusy               RESOURCE_EXHAUSTED (.retry_after_ms from the pushback trailer)
 │   └── LimitExceeded        RESOURCE_EXHAUSTED with no pushback: a limit the call passed
 ├── DeadlineExceeded         DEADLINE_EXCEEDED
-├── ServerUnavailable        UNAVAILABLE
+├── ServerUnavailable        UNAVAILABLE (.retry_after_ms: a pushback says nothing was done)
 ├── InferenceFailed          INTERNAL (the model raised)
 └── Unauthenticated          UNAUTHENTICATED (no token, or a wrong one)
 
@@ -61,6 +61,7 @@ class DeadlineExceeded(BatchdClientError):
 
 class ServerUnavailable(BatchdClientError):
     code = grpc.StatusCode.UNAVAILABLE
+    retry_after_ms: int | None = None  # with a pushback: the server did nothing, send it again
 
 
 class InferenceFailed(BatchdClientError):
@@ -89,6 +90,10 @@ def from_rpc_error(error: grpc.RpcError) -> BatchdClientError:
     """The typed exception for a failed gRPC call."""
     code = error.code()
     cls = _BY_CODE.get(code, BatchdClientError)
+    if cls is ServerUnavailable:
+        down = ServerUnavailable(error.details() or "", code)
+        down.retry_after_ms = _pushback_ms(error)
+        return down
     if cls is not ServerBusy:
         return cls(error.details() or "", code)
     pushback = _pushback_ms(error)

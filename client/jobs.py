@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from batchd.client.core import ClientCore, Steps
+from batchd.client.core import ClientCore, Steps, Wait
+from batchd.client.errors import BatchdClientError, ServerUnavailable
 from batchd.protos import jobs_pb2 as pb
 
 PIECE = 1024 * 1024  # bytes of the job file per SubmitJobRequest
@@ -66,13 +67,37 @@ class Job:
         )  # fmt: skip
 
 
-def _pieces(model: str, version: str, source: Source) -> Iterator[pb.SubmitJobRequest]:
-    yield pb.SubmitJobRequest(model_name=model, model_version=version)
-    if isinstance(source, str | os.PathLike):
-        with Path(source).open("rb") as f:
-            while piece := f.read(PIECE):
-                yield pb.SubmitJobRequest(data=piece)
-        return
+class _Upload:
+    """A job's SubmitJobRequests, and the error that ended them early: gRPC reads them
+    in its own thread and reports any such error as "Exception iterating requests!".
+    A path is opened here, before the call: a missing file fails as itself."""
+
+    def __init__(self, model: str, version: str, source: Source) -> None:
+        self.error: Exception | None = None
+        self._head = pb.SubmitJobRequest(model_name=model, model_version=version)
+        self._file = None
+        if isinstance(source, str | os.PathLike):
+            self._file = Path(source).open("rb")  # noqa: SIM115 (closed by close())
+        self._source = source
+
+    def __iter__(self) -> Iterator[pb.SubmitJobRequest]:
+        try:
+            yield self._head
+            if self._file is not None:
+                while piece := self._file.read(PIECE):
+                    yield pb.SubmitJobRequest(data=piece)
+            else:
+                yield from _lines(self._source)  # type: ignore[arg-type]
+        except Exception as e:
+            self.error = e
+            raise
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _lines(source: Iterable[Mapping[str, Any]]) -> Iterator[pb.SubmitJobRequest]:
     buffer: list[bytes] = []
     size = 0
     for line in source:
@@ -91,10 +116,27 @@ def submit_job(
 ) -> Steps[Job]:
     """Upload a job: `source` is a JSONL file's path, or an iterable of request lines
     (dicts). Returns once the server has stored and checked it (status "queued");
-    duplicate custom_ids raise InvalidInput naming the lines. Not retried."""
-    pieces = _pieces(model, version, source)
-    reply = yield from core.call("SubmitJob", pieces, timeout, retries=0, service="jobs")
-    return Job.from_pb(reply)
+    duplicate custom_ids raise InvalidInput naming the lines. Retried (up to the
+    client's retries) only when the server refused it saying it kept nothing (a
+    stopping replica: a balancer sends it again elsewhere), and only a path or a
+    sequence of lines, which can be sent again."""
+    again = isinstance(source, str | os.PathLike | Sequence)
+    attempt = 0
+    while True:
+        upload = _Upload(model, version, source)
+        try:
+            reply = yield from core.call("SubmitJob", iter(upload), timeout, 0, "jobs")
+            return Job.from_pb(reply)
+        except BatchdClientError as e:
+            if upload.error is not None:  # the lines, not the server: say what broke
+                raise upload.error from None
+            pushback = e.retry_after_ms if isinstance(e, ServerUnavailable) else None
+            if not again or pushback is None or attempt >= core.retry.retries:
+                raise
+        finally:
+            upload.close()
+        attempt += 1
+        yield Wait(max(pushback / 1000, core.retry.base_s * 2**attempt))
 
 
 def job(core: ClientCore, job_id: str) -> Steps[Job]:

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -153,7 +155,9 @@ def _list(jobs: list[Job], as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout, **connection(args)) as c:
+    # retries: status, list, cancel and results are idempotent; a submission is sent
+    # again only when the server said it kept nothing (a stopping replica)
+    with Client(args.url, timeout=args.timeout, retries=3, **connection(args)) as c:
         if args.verb == "submit":
             print(c.submit_job(args.model, args.file, version=args.model_version).id)
         elif args.verb == "status":
@@ -176,8 +180,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds as Ctrl-C does: no results .partial left
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():  # (called from a thread: not)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return run(args)
     except BatchdClientError as e:

@@ -284,7 +284,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
              "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
     p.service.leaving = True  # readiness and health say so at once (before a jobs database
     p.core.changed.set()  # that hangs); _track_health: every service NOT_SERVING but LIVENESS
-    jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s)) if p.jobs else None
+    jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s, notice)) if p.jobs else None
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
     await asyncio.sleep(notice)
     left = await p.service.drain(cfg.drain_timeout_s - notice)

@@ -10,6 +10,7 @@
     ├── LimitExceeded            RESOURCE_EXHAUSTED  (a job over --jobs-max-* limits)
     ├── DeadlineExceeded         DEADLINE_EXCEEDED
     ├── Unavailable              UNAVAILABLE
+    │   └── Refused              UNAVAILABLE  + pushback: nothing done, send it again
     ├── NotAllowed               FAILED_PRECONDITION
     ├── Cancelled                CANCELLED  (a job cancelled while it was uploaded)
     ├── Unauthenticated          UNAUTHENTICATED  (auth.py)
@@ -19,8 +20,8 @@ The code lives on the class; `grpc_status` turns any BatchdError into the
 call's status, in one place, for every RPC, the stream and the token check.
 Nothing else in the server names a gRPC status code. HTTP (http.py) answers
 with HTTP_STATUS of that same code and the same message: 400 invalid, 404
-unknown, 409 cancelled, 429 full (with Retry-After), 503 unavailable, 504
-deadline.
+unknown, 409 cancelled, 429 full (with Retry-After), 503 unavailable (refused:
+with Retry-After), 504 deadline.
 
 A message quotes what the client sent through `clip`: a short prefix, never all
 of it (a name of megabytes would otherwise come back whole, and past the
@@ -122,6 +123,16 @@ class Unavailable(BatchdError):
     reason = "unavailable"
 
 
+class Refused(Unavailable):
+    """UNAVAILABLE before anything was done or kept (a stopping server's new job upload):
+    its pushback trailer tells a client the same call may be sent again, as it was."""
+
+    retry_after_ms = 100
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return (("grpc-retry-pushback-ms", str(self.retry_after_ms)),)
+
+
 class NotAllowed(BatchdError):
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "not_allowed"
@@ -159,7 +170,7 @@ def http_status(error: BatchdError) -> tuple[int, dict[str, str]]:
     """The HTTP status and headers of a BatchdError: its gRPC code's (HTTP_STATUS); a
     full queue's retry-after in whole seconds, as Retry-After takes it."""
     headers: dict[str, str] = {}
-    if isinstance(error, QueueFull):
+    if isinstance(error, QueueFull | Refused):
         headers["Retry-After"] = str(max(1, -(-error.retry_after_ms // 1000)))
     elif isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"

@@ -69,8 +69,7 @@ class JobFailed(Exception):
 
 
 class ModelGone(JobFailed):
-    """The job's model is not loaded here, or has no live worker:
-    shared, the job is given back for another replica; else it fails."""
+    """The job's model is not here, or has no live worker: shared, given back; else failed."""
 
 
 def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:
@@ -97,8 +96,7 @@ class JobRun:
         self._on_lines = on_lines  # (model, answered, failed): for the metrics
         self.cancelling = False
         self._inflight: deque[Chunk] = deque()
-        self.completed, self.failed = row.completed, row.failed
-        self.rate = 0.0
+        self.completed, self.failed, self.rate = row.completed, row.failed, 0.0
         # Through the last chunk written, and the input offset of the last checkpoint.
         self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
         self._saved = row.input_offset
@@ -271,7 +269,7 @@ class Jobs:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._claiming: asyncio.Future[JobRow | None] | None = None  # a claim in flight
-        self.stopping = False  # (new uploads are refused: service.py)
+        self.stopping, self.taking_uploads = False, True  # uploads: till the drain notice ends
 
     def wake(self) -> None:
         self._wake.set()
@@ -340,13 +338,12 @@ class Jobs:
             return await self.store.claim(busy, only=ready)
         return await self.store.claim(busy | (self._core.models.keys() - ready))
 
-    async def stop(self, timeout_s: float = STOP_S) -> None:
-        """Stop jobs where they are (each runs on from its checkpoint, here or on another
-        replica; one claimed meanwhile too) and let uploads under way end: one cut off is
-        sent again whole. Before the core fails what is queued; `timeout_s` at most."""
-        self.stopping = True
+    async def stop(self, timeout_s: float = STOP_S, notice_s: float = 0.0) -> None:
+        """Stop jobs where they are (they go on from a checkpoint, here or elsewhere), a claim
+        in flight too; take uploads `notice_s` more, then let those under way end. `timeout_s`."""
+        self.stopping, self.taking_uploads = True, notice_s > 0  # (SIGINT: no notice)
         self._wake.set()
-        until = time.monotonic() + timeout_s
+        until, noticed = time.monotonic() + timeout_s, time.monotonic() + min(notice_s, timeout_s)
         claiming = self._claiming
         if claiming is not None:
             await asyncio.wait([claiming], timeout=timeout_s)
@@ -362,6 +359,9 @@ class Jobs:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=max(0.0, until - time.monotonic()))
+        await asyncio.sleep(max(0.0, noticed - time.monotonic()))
+        self.taking_uploads = False
+        log.info("the drain notice is over: new job uploads are refused")
         while self.uploads and (left := until - time.monotonic()) > 0:
             self._wake.clear()  # (an upload that ends wakes it: service.py)
             with contextlib.suppress(TimeoutError):

@@ -42,6 +42,7 @@ from batchd.server.errors import (
     LimitExceeded,
     ModelNotFound,
     NotAllowed,
+    Refused,
     Unavailable,
     clip,
     grpc_status,
@@ -270,8 +271,9 @@ class JobsService(pb_grpc.JobsServicer):
     ) -> pb.Job:
         """A job from its file's `pieces`, once the whole file is on disk and checked."""
         jobs = self._on()
-        if jobs.stopping:  # (uploads under way may end: runner.Jobs.stop)
-            raise Unavailable("this server is stopping: submit the job again, to another replica")
+        if not jobs.taking_uploads:  # (uploads under way may end: runner.Jobs.stop)
+            log.info("new job upload refused: this server is stopping")
+            raise Refused("this server is stopping: submit the job again, to another replica")
         if not model_name:
             raise InvalidInput("a job must name its model (model_name)")
         try:

@@ -1,0 +1,140 @@
+"""The jobs client against real servers: what a submission that cannot be sent says,
+a stopping server's refusal (taken during the drain notice, refused after it with
+a pushback the client retries), a download longer than the client's timeout, and
+`batchd jobs results` stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.client import Client, ServerUnavailable
+from batchd.protos import jobs_pb2, jobs_pb2_grpc
+from tests.conftest import Gate
+from tests.servers import TEST_MODELS, ServerProcess, wait_for
+from tests.test_jobs import gated_lines, line
+
+
+def test_a_submission_that_cannot_be_read_says_why(example_server: ServerProcess,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    """gRPC reads an upload's pieces in its own thread and called any error there
+    "Exception iterating requests!" (UNKNOWN): the client raises the error itself."""
+    with Client(example_server.url) as c:
+        with pytest.raises(FileNotFoundError):
+            c.submit_job("tiny", tmp_path / "nope.jsonl")
+        with pytest.raises(IsADirectoryError):
+            c.submit_job("tiny", tmp_path)
+        bad = [line("a", "INPUT0", "FP32", np.float32(1.0), [1, 1])]  # numpy: not JSON
+        with pytest.raises(TypeError, match="not JSON serializable"):
+            c.submit_job("tiny", iter(bad))
+
+
+def test_a_stopping_server_takes_uploads_through_its_notice_then_refuses_with_a_pushback(
+    gate: Gate, tmp_path: Path
+) -> None:
+    """SIGTERM with --drain-notice 2: balancers still send for 2 s, so a submission
+    then is taken (it was refused at once, with nothing to retry it). After the
+    notice a submission is refused UNAVAILABLE with a pushback: nothing was kept,
+    and the client sends it again (to another replica, behind a balancer)."""
+    server = ServerProcess(TEST_MODELS, "--drain-notice", "2", log_dir=tmp_path,
+                           env={"BATCHD_TEST_DIR": str(gate.state)}).start()  # fmt: skip
+    answered: list[Any] = []
+    with Client(server.url, retries=2) as c:
+        gate.close()  # a request in flight keeps the drain going past the notice
+        online = threading.Thread(
+            target=lambda: answered.append(c.infer("gated", np.ones((1, 1), np.float32)))
+        )
+        online.start()
+        try:
+            wait_for(lambda: gate.records("gated", log="entered"), 30, "the request's batch")
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "stopping: not ready" in server.log(), 30, "the notice")
+            taken = c.submit_job("gated", gated_lines(range(5, 7)))
+            assert taken.status == "queued"
+            wait_for(lambda: "the drain notice is over" in server.log(), 30, "notice over")
+            with pytest.raises(ServerUnavailable, match="this server is stopping") as refused:
+                c.submit_job("gated", gated_lines(range(8, 9)))
+            assert refused.value.retry_after_ms == 100
+            assert server.log().count("new job upload refused") == 3  # sent 3 times
+        finally:
+            gate.open()
+            online.join(60)
+    assert server.stop() == 0, server.log()
+    assert len(answered) == 1  # the drain answered it
+
+
+class _SlowResults(jobs_pb2_grpc.JobsServicer):
+    """JobResults sends one piece, then holds the stream until `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def JobResults(self, request: Any, context: Any) -> Iterator[jobs_pb2.JobResultsChunk]:
+        yield jobs_pb2.JobResultsChunk(data=b'{"custom_id": "a"}\n')
+        self.release.wait(60)
+        yield jobs_pb2.JobResultsChunk(data=b'{"custom_id": "b"}\n')
+
+
+@pytest.fixture
+def slow_results() -> Iterator[tuple[str, _SlowResults]]:
+    servicer = _SlowResults()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    jobs_pb2_grpc.add_JobsServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}", servicer
+    servicer.release.set()
+    server.stop(None)
+
+
+def test_a_download_takes_longer_than_the_client_s_timeout(
+    slow_results: tuple[str, _SlowResults], tmp_path: Path
+) -> None:
+    """The client's timeout (seconds per call) bounded the whole download, so every
+    download longer than it failed DEADLINE_EXCEEDED half way (60 s in the CLI)."""
+    url, servicer = slow_results
+
+    class Out:
+        def __init__(self) -> None:
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+            servicer.release.wait(60)  # the first piece: held until past the timeout
+
+    out = Out()
+    with Client(url, timeout=0.5) as c:
+        threading.Timer(1.5, servicer.release.set).start()
+        assert c.job_results("j", out) == 2  # type: ignore[arg-type]
+    assert out.data.count(b"\n") == 2
+
+
+def test_sigterm_during_a_download_leaves_no_partial_file(
+    slow_results: tuple[str, _SlowResults], tmp_path: Path
+) -> None:
+    """Ctrl-C removed OUT.partial; SIGTERM (a service manager, `timeout`) left it."""
+    url, _ = slow_results
+    out = tmp_path / "results.jsonl"
+    cmd = [str(Path(sys.executable).parent / "batchd"), "jobs", "results", "--url", url, "j",
+           "-o", str(out)]  # fmt: skip
+    partial = tmp_path / "results.jsonl.partial"
+    with subprocess.Popen(cmd, stderr=subprocess.PIPE) as proc:
+        try:
+            wait_for(partial.exists, 30, "the download to begin")
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert not partial.exists() and not out.exists()
