@@ -240,14 +240,14 @@ class RestApi:
         cfg = self._model(request)
         body = await self._body(request)
         parsed, got = self._request(cfg, body, _infer_body, request.headers.get(HEADER_LENGTH), cfg)
-        response = await self._service.infer(parsed, None, request.headers)
-        wanted = got[0][1]
-        if sum(len(r) for r in response.raw_output_contents) > INLINE_BYTES:
-            text, json_length = await self._service.aside(
-                infer_response, response, wanted, bounded=False
-            )
-        else:
-            text, json_length = infer_response(response, wanted)
+
+        async def encode(response: pb.ModelInferResponse) -> tuple[bytes, int | None]:
+            """In the request's scope: a failure here is counted and traced as one."""
+            if sum(len(r) for r in response.raw_output_contents) > INLINE_BYTES:
+                return await self._service.aside(infer_response, response, got[0][1], bounded=False)
+            return infer_response(response, got[0][1])
+
+        text, json_length = await self._service.infer(parsed, None, request.headers, encode)
         if json_length is None:
             return web.Response(body=text, content_type=JSON)
         return web.Response(
@@ -259,10 +259,12 @@ class RestApi:
     async def generate(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
         parsed, _ = self._request(cfg, await self._body(request), parse_generate, cfg)
-        response = await self._service.infer(parsed, None, request.headers)
-        return web.Response(
-            body=generate_response(cfg, response.id, tensors(response)), content_type=JSON
-        )
+
+        async def encode(response: pb.ModelInferResponse) -> bytes:
+            return generate_response(cfg, response.id, tensors(response))
+
+        body = await self._service.infer(parsed, None, request.headers, encode)
+        return web.Response(body=body, content_type=JSON)
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         """Server-Sent Events: one `data:` event per output, then `event: final` (or
@@ -298,8 +300,11 @@ class RestApi:
         self, cfg: ModelConfig, parsed: Body, headers: Mapping[str, str]
     ) -> AsyncGenerator[bytes]:
         if cfg.generate is None:  # a one-shot model: one output
-            response = await self._service.infer(parsed, None, headers)
-            yield generate_response(cfg, response.id, tensors(response))
+
+            async def encode(response: pb.ModelInferResponse) -> bytes:
+                return generate_response(cfg, response.id, tensors(response))
+
+            yield await self._service.infer(parsed, None, headers, encode)
             return
         async for r, outputs, _final in self._service.sequence(parsed, None, headers):
             chosen = [t for t in outputs if t.name in r.outputs]

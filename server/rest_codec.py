@@ -29,9 +29,9 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, float_elements
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
-from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, clip
+from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
+from batchd.server.json_body import MAX_JSON_BYTES, load_json
 from batchd.server.json_body import json_kind as _kind
-from batchd.server.json_body import load_json
 from batchd.server.request import Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -336,6 +336,7 @@ def infer_response(response: pb.ModelInferResponse, wanted: Wanted) -> tuple[byt
     """The REST body of a response: JSON, or JSON + binary outputs, and the JSON's
     length when binary parts follow (for Inference-Header-Content-Length)."""
     results = tensors(response)
+    _json_room([t for t in results if not wanted.binary(t.name)])
     outputs = []
     parts: list[bytes] = []
     for t in results:
@@ -359,8 +360,19 @@ def infer_response(response: pb.ModelInferResponse, wanted: Wanted) -> tuple[byt
     return text + b"".join(parts), len(text)
 
 
+def _json_room(in_json: Sequence[Tensor]) -> None:
+    """Tensors written as JSON hold the GIL while orjson writes them, and grow about 3x:
+    at most MAX_JSON_BYTES of them, as of a request's JSON."""
+    if (size := sum(len(t.data) for t in in_json)) > MAX_JSON_BYTES:
+        raise ResponseTooLarge(
+            f"the answer's JSON outputs hold {size} bytes of tensors, more than "
+            f"{MAX_JSON_BYTES}: ask for them in binary form (binary_data_output)"
+        )
+
+
 def generate_response(model: ModelConfig, request_id: str, results: Sequence[Tensor]) -> bytes:
     """A generate body: each output by name, a one-element output as its value."""
+    _json_room(results)
     body: dict[str, Any] = {"model_name": model.name, "model_version": model.version}
     if request_id:
         body["id"] = request_id

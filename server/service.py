@@ -58,6 +58,7 @@ Carrier = Mapping[str, str]  # where a call's W3C trace context is: HTTP headers
 # so a body that does not parse is a failed request of that model, as a gRPC message
 # that does not decode is.
 Body = tuple[ModelConfig, Callable[[], Awaitable[pb.ModelInferRequest]]]
+Encode = Callable[[pb.ModelInferResponse], Awaitable[Any]]  # an answer -> an HTTP body
 EXTENSIONS = ["model_configuration", "model_repository", "parameters", "statistics"]
 # Elements walked one by one (~0.1 us each) above which decoding leaves the event
 # loop: below it, a request costs the loop at most ~2 ms, less than the hand-off.
@@ -196,8 +197,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         )
 
     async def infer(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
-                    carrier: Carrier | None = None) -> pb.ModelInferResponse:  # fmt: skip
-        """One request, one answer; a step-wise model's every output, joined."""
+                    carrier: Carrier | None = None, encode: Encode | None = None,
+                    ) -> Any:  # a ModelInferResponse; with `encode`, what it returned  # fmt: skip
+        """One request, one answer; a step-wise model's every output, joined. `encode`:
+        what the answer becomes (HTTP's body), counted and traced as part of it."""
         async with _Answering(self, msg, time_remaining) as a:
             request = await self._admit(a, msg, carrier)
             cfg, trace = a.cfg, a.trace
@@ -208,9 +211,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if trace is not None:
                 trace.mark = tracing.now_ns()
             response = encode_response(request, results, self._limits.max_response_bytes)
+            answer = response if encode is None else await encode(response)
             if trace is not None:
                 trace.phase("response")
-            return response
+            return answer
 
     async def sequence(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
                        carrier: Carrier | None = None, budget: StreamBudget | None = None,
@@ -232,10 +236,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         cfg = a.cfg
         if self.draining:
             raise Unavailable("the server is shutting down and takes no new requests")
-        if isinstance(msg, tuple):
+        if isinstance(msg, tuple):  # an HTTP body: traced from before its parse, which can fail
+            a.trace = trace = tracing.begin(self.tracing, cfg.name, "", carrier)
             msg = await msg[1]()
             self.model(msg.model_name, msg.model_version)  # not replaced while it came
-        a.trace = trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
+            if trace is not None and msg.id:
+                trace.span.set_attribute("batchd.request_id", msg.id[:64])
+        else:
+            a.trace = trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
         self._core.check_room(cfg.key)
         if decode_work(msg, self._limits) > INLINE_WORK:
             request = await self.aside(decode_request, msg, cfg, a.now, a.deadline, self._limits)
@@ -276,7 +284,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        return await self.infer(request, context.time_remaining(), self._carrier(context))
+        answer: pb.ModelInferResponse = await self.infer(
+            request, context.time_remaining(), self._carrier(context)
+        )
+        return answer
 
     def _carrier(self, context: grpc.aio.ServicerContext) -> Carrier | None:  # traceparent
         return None if self.tracing is None else dict(context.invocation_metadata() or ())

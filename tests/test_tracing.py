@@ -3,6 +3,7 @@ frontend and worker processes, exported by OTLP to a receiver and to a real coll
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -202,6 +203,34 @@ def test_one_request_over_http_is_one_trace_through_frontend_and_worker(
     with urllib.request.urlopen(request, timeout=30) as r:
         assert r.status == 200
     _check_tree(_tree(receiver[0], trace_id), trace_id)
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [(b'{"inputs": [', "InvalidInput"), (b'{"inputs": [{"name": "INPUT0"}]}', "InvalidInput")],
+    ids=["not JSON", "no datatype"],
+)
+def test_an_http_body_that_does_not_parse_is_traced_as_an_error(
+    traced: ServerProcess, receiver: tuple[Receiver, int], body: bytes, error: str
+) -> None:
+    """The trace began after the parse: a body that failed it left no span, though
+    the same mistake over gRPC was traced, and both were counted."""
+    trace_id = os.urandom(16).hex()
+    conn = http.client.HTTPConnection("127.0.0.1", traced.http_port, timeout=30)
+    try:
+        conn.request("POST", "/v2/models/tiny/infer", body, {"traceparent": _traceparent(trace_id)})
+        assert conn.getresponse().status == 400
+    finally:
+        conn.close()
+    wait_for(lambda: receiver[0].of_trace(trace_id), 30, "the request's span")
+    [(process, root)] = receiver[0].of_trace(trace_id)
+    assert (process, root.name, root.parent_span_id.hex()) == (
+        "frontend",
+        "infer tiny",
+        PARENT_SPAN,
+    )
+    assert root.status.code == 2  # ERROR
+    assert {a.key: a.value.string_value for a in root.attributes}["batchd.error"] == error
 
 
 def _infer_over_grpc(url: str) -> str:
