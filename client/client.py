@@ -283,7 +283,9 @@ class Client(_Connection):
 
 
 class AsyncClient(_Connection):
-    """The asyncio twin of Client, over grpc.aio; same methods, awaited."""
+    """The asyncio twin of Client, over grpc.aio; same methods, awaited. Make it inside
+    the event loop that uses it (grpc.aio binds its channel to the loop running when it
+    is made: one made before asyncio.run() fails there, "attached to a different loop")."""
 
     def _open(
         self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]

@@ -38,7 +38,10 @@ def build_request(
         a, override = _array(value), (datatypes or {}).get(name)
         if override is not None:
             a = _as_datatype(name, a, override)
-        datatype, shape, raw = to_raw(a, override)
+        try:
+            datatype, shape, raw = to_raw(a, override)
+        except (ValueError, TypeError) as e:  # a dtype with no datatype, an odd element
+            raise InvalidInput(f"input {name!r}: {e}") from None
         msg.inputs.add(name=name, datatype=datatype, shape=shape)
         msg.raw_input_contents.append(raw)
     for name in outputs or ():

@@ -163,7 +163,7 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
-    if not isinstance(inputs, np.ndarray):
+    if isinstance(inputs, Mapping):
         return inputs
     assert meta is not None
     if len(meta["inputs"]) != 1:
@@ -270,7 +270,7 @@ class ClientCore:
         """The ModelInferRequest for `inputs`; a bare array is named from the model's
         metadata (one input), looked up within the operation's `deadline`."""
         meta = None
-        if isinstance(inputs, np.ndarray):
+        if not isinstance(inputs, Mapping):  # one array (a list, a numpy scalar): its name
             meta = yield from self._metadata(model, deadline, retries)
         return build_request(
             model,

@@ -398,3 +398,31 @@ def test_a_datatypes_override_sends_values_the_datatype_holds() -> None:
         assert msg.raw_input_contents[0] == sent.tobytes(), (values, datatype)
     with pytest.raises(InvalidInput, match="datatype 'UINT7' is not one of BOOL"):
         build_request("m", {"X": [1]}, datatypes={"X": "UINT7"})
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (np.array([1 + 2j]), "complex128"),
+        (np.array(["2026-11-26"], dtype="datetime64[D]"), "datetime64"),
+        (np.array([1, 2], dtype=object), "a BYTES element is bytes or str, not int"),
+    ],
+)
+def test_an_array_with_no_datatype_is_invalid_input_naming_it(value: Any, message: str) -> None:
+    """It raised a bare ValueError or TypeError, past `except InvalidInput`."""
+    with pytest.raises(InvalidInput, match=rf"input 'X': .*{message}"):
+        build_request("m", {"X": value})
+
+
+def test_one_input_given_as_a_list_or_a_numpy_scalar_is_named_from_the_metadata() -> None:
+    """Only an ndarray was looked up: a list or a numpy scalar failed with an
+    AttributeError ('numpy.float32' object has no attribute 'items')."""
+    meta = pb.ModelMetadataResponse(
+        name="m", inputs=[pb.TensorMetadata(name="X", datatype="FP32", shape=[-1])]
+    )
+    for value in ([[1.0, 2.0]], np.float32(3.0)):
+        steps = ClientCore(timeout=None, retries=0, call_kwargs={}).infer("m", value)
+        assert next(steps).method == "ModelMetadata"  # type: ignore[union-attr]
+        call = steps.send(meta)
+        assert isinstance(call, Rpc) and call.request.inputs[0].name == "X"
+        steps.close()
