@@ -107,6 +107,10 @@ backend batchd
     retry-on conn-failure empty-response
     retries 3
     option redispatch 1
+    # A job submission has one: a replica that stored the job and died before its
+    # answer would get it twice. Sent again only when no replica took the connection
+    # (a stopping one's refusal carries a pushback; the client sends that one again).
+    http-request disable-l7-retry if {{ path /batchd.jobs.v1.Jobs/SubmitJob }}
     # The active health check: one grpc.health.v1.Health/Check call as raw HTTP/2
     # frames; a replica is up only while it answers SERVING (NOT_SERVING while its
     # models load, after it lost its workers, and once it drains).

@@ -535,3 +535,73 @@ def test_nginx_passes_a_job_upload_larger_than_64_mib(
     with Client(nginx, timeout=None) as c:
         job = c.submit_job("tiny", path)  # (the replica's own jobs: SQLite, not shared)
         assert job.total == n
+
+
+DYING_BACKEND = """
+import os, sys
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from batchd.protos import inference_pb2_grpc, jobs_pb2_grpc
+
+def died(name):
+    with open(sys.argv[2], "a") as f:
+        f.write(name + "\\n")
+    os._exit(1)  # after the call came whole, before any answer: haproxy sees none
+
+class Jobs(jobs_pb2_grpc.JobsServicer):
+    def SubmitJob(self, pieces, context):
+        for _ in pieces:
+            pass
+        died("SubmitJob")
+
+class Inference(inference_pb2_grpc.GRPCInferenceServiceServicer):
+    def ModelInfer(self, request, context):
+        died("ModelInfer")
+
+server = grpc.server(futures.ThreadPoolExecutor(4))
+checks = health.HealthServicer()
+checks.set("", health_pb2.HealthCheckResponse.SERVING)
+health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+jobs_pb2_grpc.add_JobsServicer_to_server(Jobs(), server)
+inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Inference(), server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+server.wait_for_termination()
+"""
+
+
+def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
+    """Three replicas that each die once a call has come whole, before answering:
+    an inference call is sent again to the next (it has no side effect), a job
+    submission is not (the replica may have stored it: a second would run it twice).
+    grpc's Python client ends a client stream in a frame of its own, which haproxy
+    does not resend anyway; the config's disable-l7-retry covers clients that end it
+    with their last piece, as a unary call is sent."""
+
+    class Url:
+        def __init__(self, port: int) -> None:
+            self.url = f"127.0.0.1:{port}"
+
+    (tmp_path / "backend.py").write_text(DYING_BACKEND)
+    calls = tmp_path / "calls.log"
+    backends, procs = [Url(_free_port()) for _ in range(3)], []
+    for b in backends:
+        cmd = [sys.executable, str(tmp_path / "backend.py"), b.url.split(":")[1], str(calls)]
+        procs.append(subprocess.Popen(cmd))
+    nodes = Cluster(tmp_path, tmp_path, tmp_path)
+    nodes.replicas = backends  # type: ignore[assignment]  (they have .url)
+    h = Haproxy(distro_binary("haproxy", "haproxy"), nodes, tmp_path).start()
+    try:
+        with Client(h.url) as c, pytest.raises(BatchdClientError):
+            c.submit_job("m", [{"custom_id": "a", "inputs": []}])
+        assert calls.read_text().split() == ["SubmitJob"]
+        wait_for(lambda: h.states().count("UP") == 2, 30, "haproxy to see it down")
+        with Client(h.url) as c, pytest.raises(BatchdClientError):
+            c.infer("m", {"X": np.zeros((1, 1), np.float32)})
+        assert calls.read_text().split() == ["SubmitJob", "ModelInfer", "ModelInfer"]
+    finally:
+        h.stop()
+        for p in procs:
+            p.kill()
+            p.wait()
