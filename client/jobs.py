@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,9 +73,10 @@ class _Upload:
     in its own thread and reports any such error as "Exception iterating requests!".
     A path is opened here, before the call: a missing file fails as itself."""
 
-    def __init__(self, model: str, version: str, source: Source) -> None:
+    def __init__(self, model: str, version: str, source: Source, key: str) -> None:
         self.error: Exception | None = None
-        self._head = pb.SubmitJobRequest(model_name=model, model_version=version)
+        self._head = pb.SubmitJobRequest(model_name=model, model_version=version,
+                                         idempotency_key=key)  # fmt: skip
         self._file = None
         if isinstance(source, str | os.PathLike):
             self._file = Path(source).open("rb")  # noqa: SIM115 (closed by close())
@@ -112,31 +114,35 @@ def _lines(source: Iterable[Mapping[str, Any]]) -> Iterator[pb.SubmitJobRequest]
 
 
 def submit_job(
-    core: ClientCore, model: str, source: Source, version: str = "", timeout: float | None = None
-) -> Steps[Job]:
+    core: ClientCore, model: str, source: Source, version: str = "", timeout: float | None = None,
+    idempotency_key: str | None = None,
+) -> Steps[Job]:  # fmt: skip
     """Upload a job: `source` is a JSONL file's path, or an iterable of request lines
     (dicts). Returns once the server has stored and checked it (status "queued");
-    duplicate custom_ids raise InvalidInput naming the lines. Retried (up to the
-    client's retries) only when the server refused it saying it kept nothing (a
-    stopping replica: a balancer sends it again elsewhere), and only a path or a
-    sequence of lines, which can be sent again."""
+    duplicate custom_ids raise InvalidInput naming the lines. It goes with an
+    idempotency key (a new one unless given): sent again with it, the server answers
+    the job it made, never a second. So a path or a sequence of lines, which can be
+    sent again, is, up to the client's retries, when the server was unavailable."""
     again = isinstance(source, str | os.PathLike | Sequence)
+    key = uuid.uuid4().hex if idempotency_key is None else idempotency_key
     attempt = 0
     while True:
-        upload = _Upload(model, version, source)
+        upload = _Upload(model, version, source, key)
         try:
             reply = yield from core.call("SubmitJob", iter(upload), timeout, 0, "jobs")
             return Job.from_pb(reply)
         except BatchdClientError as e:
             if upload.error is not None:  # the lines, not the server: say what broke
                 raise upload.error from None
-            pushback = e.retry_after_ms if isinstance(e, ServerUnavailable) else None
-            if not again or pushback is None or attempt >= core.retry.retries:
+            if not isinstance(e, ServerUnavailable) or not again or attempt >= core.retry.retries:
                 raise
+            if not key and e.retry_after_ms is None:  # it may have kept it: not again
+                raise
+            pushback = (e.retry_after_ms or 0) / 1000
         finally:
             upload.close()
         attempt += 1
-        yield Wait(max(pushback / 1000, core.retry.base_s * 2**attempt))
+        yield Wait(max(pushback, core.retry.base_s * 2**attempt))
 
 
 def job(core: ClientCore, job_id: str) -> Steps[Job]:

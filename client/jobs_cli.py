@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--model", required=True)
     s.add_argument("--model-version", default="", help="a version ('': the loaded one)")
     s.add_argument("file", metavar="FILE.jsonl")
+    s.add_argument(
+        "--idempotency-key", metavar="KEY",
+        help="the same KEY again answers the job it made, never a second (default: a new one)",
+    )  # fmt: skip
     s.set_defaults(timeout=None)  # an upload takes as long as the file
     for name, what in (
         ("status", "a job's status, counts, rate and ETA"),
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     # again only when the server said it kept nothing (a stopping replica)
     with Client(args.url, timeout=args.timeout, retries=3, **connection(args)) as c:
         if args.verb == "submit":
-            print(c.submit_job(args.model, args.file, version=args.model_version).id)
+            key = args.idempotency_key
+            print(c.submit_job(args.model, args.file, args.model_version, idempotency_key=key).id)
         elif args.verb == "status":
             _print_job(c.job(args.id), args.json)
         elif args.verb == "cancel":

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _batchd_pool.AddSerializedFile(b'\n\x18\x62\x61tchd/protos/jobs.proto\x12\x0e\x62\x61tchd.jobs.v1\"K\n\x10SubmitJobRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xa4\x02\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\r\n\x05total\x18\x05 \x01(\x04\x12\x11\n\tcompleted\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x04\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\n \x01(\x01\x12\x17\n\x0frows_per_second\x18\x0b \x01(\x01\x12\x13\n\x0b\x65ta_seconds\x18\x0c \x01(\x01\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x13\n\x0binput_bytes\x18\x0e \x01(\x04\x12\x15\n\rresults_bytes\x18\x0f \x01(\x04\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"0\n\x0fListJobsRequest\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.batchd.jobs.v1.Job\"\x1e\n\x10\x43\x61ncelJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"/\n\x11JobResultsRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x1f\n\x0fJobResultsChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xf1\x02\n\x04Jobs\x12\x44\n\tSubmitJob\x12 .batchd.jobs.v1.SubmitJobRequest\x1a\x13.batchd.jobs.v1.Job(\x01\x12<\n\x06GetJob\x12\x1d.batchd.jobs.v1.GetJobRequest\x1a\x13.batchd.jobs.v1.Job\x12M\n\x08ListJobs\x12\x1f.batchd.jobs.v1.ListJobsRequest\x1a .batchd.jobs.v1.ListJobsResponse\x12\x42\n\tCancelJob\x12 .batchd.jobs.v1.CancelJobRequest\x1a\x13.batchd.jobs.v1.Job\x12R\n\nJobResults\x12!.batchd.jobs.v1.JobResultsRequest\x1a\x1f.batchd.jobs.v1.JobResultsChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _batchd_pool.AddSerializedFile(b'\n\x18\x62\x61tchd/protos/jobs.proto\x12\x0e\x62\x61tchd.jobs.v1\"d\n\x10SubmitJobRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x17\n\x0fidempotency_key\x18\x04 \x01(\t\"\xa4\x02\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\t\x12\r\n\x05total\x18\x05 \x01(\x04\x12\x11\n\tcompleted\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\x04\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\n \x01(\x01\x12\x17\n\x0frows_per_second\x18\x0b \x01(\x01\x12\x13\n\x0b\x65ta_seconds\x18\x0c \x01(\x01\x12\r\n\x05\x65rror\x18\r \x01(\t\x12\x13\n\x0binput_bytes\x18\x0e \x01(\x04\x12\x15\n\rresults_bytes\x18\x0f \x01(\x04\"\x1b\n\rGetJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"0\n\x0fListJobsRequest\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\r\"5\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.batchd.jobs.v1.Job\"\x1e\n\x10\x43\x61ncelJobRequest\x12\n\n\x02id\x18\x01 \x01(\t\"/\n\x11JobResultsRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x1f\n\x0fJobResultsChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xf1\x02\n\x04Jobs\x12\x44\n\tSubmitJob\x12 .batchd.jobs.v1.SubmitJobRequest\x1a\x13.batchd.jobs.v1.Job(\x01\x12<\n\x06GetJob\x12\x1d.batchd.jobs.v1.GetJobRequest\x1a\x13.batchd.jobs.v1.Job\x12M\n\x08ListJobs\x12\x1f.batchd.jobs.v1.ListJobsRequest\x1a .batchd.jobs.v1.ListJobsResponse\x12\x42\n\tCancelJob\x12 .batchd.jobs.v1.CancelJobRequest\x1a\x13.batchd.jobs.v1.Job\x12R\n\nJobResults\x12!.batchd.jobs.v1.JobResultsRequest\x1a\x1f.batchd.jobs.v1.JobResultsChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'batchd.protos.jobs_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITJOBREQUEST']._serialized_start=44
-  _globals['_SUBMITJOBREQUEST']._serialized_end=119
-  _globals['_JOB']._serialized_start=122
-  _globals['_JOB']._serialized_end=414
-  _globals['_GETJOBREQUEST']._serialized_start=416
-  _globals['_GETJOBREQUEST']._serialized_end=443
-  _globals['_LISTJOBSREQUEST']._serialized_start=445
-  _globals['_LISTJOBSREQUEST']._serialized_end=493
-  _globals['_LISTJOBSRESPONSE']._serialized_start=495
-  _globals['_LISTJOBSRESPONSE']._serialized_end=548
-  _globals['_CANCELJOBREQUEST']._serialized_start=550
-  _globals['_CANCELJOBREQUEST']._serialized_end=580
-  _globals['_JOBRESULTSREQUEST']._serialized_start=582
-  _globals['_JOBRESULTSREQUEST']._serialized_end=629
-  _globals['_JOBRESULTSCHUNK']._serialized_start=631
-  _globals['_JOBRESULTSCHUNK']._serialized_end=662
-  _globals['_JOBS']._serialized_start=665
-  _globals['_JOBS']._serialized_end=1034
+  _globals['_SUBMITJOBREQUEST']._serialized_end=144
+  _globals['_JOB']._serialized_start=147
+  _globals['_JOB']._serialized_end=439
+  _globals['_GETJOBREQUEST']._serialized_start=441
+  _globals['_GETJOBREQUEST']._serialized_end=468
+  _globals['_LISTJOBSREQUEST']._serialized_start=470
+  _globals['_LISTJOBSREQUEST']._serialized_end=518
+  _globals['_LISTJOBSRESPONSE']._serialized_start=520
+  _globals['_LISTJOBSRESPONSE']._serialized_end=573
+  _globals['_CANCELJOBREQUEST']._serialized_start=575
+  _globals['_CANCELJOBREQUEST']._serialized_end=605
+  _globals['_JOBRESULTSREQUEST']._serialized_start=607
+  _globals['_JOBRESULTSREQUEST']._serialized_end=654
+  _globals['_JOBRESULTSCHUNK']._serialized_start=656
+  _globals['_JOBRESULTSCHUNK']._serialized_end=687
+  _globals['_JOBS']._serialized_start=690
+  _globals['_JOBS']._serialized_end=1059
 # @@protoc_insertion_point(module_scope)

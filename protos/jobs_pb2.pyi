@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model_name", "model_version", "data")
+    __slots__ = ("model_name", "model_version", "data", "idempotency_key")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_version: str
     data: bytes
-    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, model_name: _Optional[str] = ..., model_version: _Optional[str] = ..., data: _Optional[bytes] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
     __slots__ = ("id", "model_name", "model_version", "status", "total", "completed", "failed", "created_at", "started_at", "finished_at", "rows_per_second", "eta_seconds", "error", "input_bytes", "results_bytes")

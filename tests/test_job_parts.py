@@ -31,9 +31,10 @@ from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import chunks, lines, runner
 from batchd.server.jobs.runner import JobRun
-from batchd.server.jobs.service import JobsService, check_ids
+from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Progress
+from batchd.server.jobs.upload import check_ids
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, ragged_model, request, run
 from tests.test_fuzz_codec import lines_run

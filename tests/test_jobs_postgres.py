@@ -41,7 +41,7 @@ from batchd.server.jobs import database, runner
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PART_BYTES, PostgresStore
 from batchd.server.jobs.runner import JobRun, Jobs
-from batchd.server.jobs.store import JobRow, LeaseLost, Progress
+from batchd.server.jobs.store import JobRow, LeaseLost, Progress, Submitted
 from tests.conftest import Gate, model, run
 from tests.postgres import PostgresServer
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
@@ -224,6 +224,38 @@ def test_a_cancel_through_one_replica_reaches_an_upload_on_another(
             assert conn.execute(parts, (row.id,)).fetchone() == (0,)
         await a.delete(row.id)
         assert await b.get(row.id) is None
+
+    try:
+        run(body)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_key_queued_through_one_replica_answers_for_every_replica(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """A submission's idempotency key, once its job is queued through replica a, names
+    that job on b too; b's upload with the same key keeps nothing (Submitted). A
+    database made by an older batchd (no key column) gets the column."""
+    with psycopg.connect(jobs_db, autocommit=True) as conn:
+        older = database.SCHEMA.split("-- a submission's idempotency key")[0]
+        assert "submission" not in older
+        conn.execute(older)
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=60)
+    text = job_lines(2)
+
+    async def body() -> None:
+        first, second = await a.create("o", "gated", ""), await b.create("o", "gated", "")
+        for store, row in ((a, first), (b, second)):
+            store.upload_path(row.id).write_text(text)
+        assert await a.queue(first.id, 2, len(text), "k") is True
+        with pytest.raises(Submitted) as taken:
+            await b.queue(second.id, 2, len(text), "k")
+        assert taken.value.job_id == first.id
+        assert (await b.get(second.id)).status == "validating"  # type: ignore[union-attr]
+        assert await b.keyed("o", "k") == first.id and await b.keyed("p", "k") is None
 
     try:
         run(body)

@@ -32,9 +32,10 @@ from batchd.server.config import Jobs as JobsConfig
 from batchd.server.config import Limits, add_arguments, from_arguments
 from batchd.server.errors import Cancelled, LimitExceeded, Unavailable, http_status
 from batchd.server.jobs import runner
-from batchd.server.jobs.service import JobsService, upload_deadline
+from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import OPEN
+from batchd.server.jobs.upload import upload_deadline
 from tests.conftest import Gate, model, run
 from tests.servers import TEST_MODELS, ServerProcess
 from tests.test_job_parts import ONE_LINE, FakeCore

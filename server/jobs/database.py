@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SCHEMA_LOCK = 0x62617463  # the advisory lock held while the tables are made
+PART_BYTES = 4 * 1024 * 1024  # of input or results per row
 CALL_TIMEOUT_S = 10.0  # a call (waiting for the connection included) that takes longer fails
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batchd_jobs (
@@ -58,6 +59,10 @@ CREATE TABLE IF NOT EXISTS batchd_jobs (
     lease_until DOUBLE PRECISION NOT NULL DEFAULT 0  -- the database's clock
 );
 CREATE INDEX IF NOT EXISTS batchd_jobs_by_status ON batchd_jobs (status, created_at);
+-- a submission's idempotency key, set once its job is queued (and a database of an older batchd)
+ALTER TABLE batchd_jobs ADD COLUMN IF NOT EXISTS submission TEXT NOT NULL DEFAULT '';
+CREATE UNIQUE INDEX IF NOT EXISTS batchd_jobs_by_key ON batchd_jobs (owner, submission)
+    WHERE submission <> '';
 CREATE TABLE IF NOT EXISTS batchd_job_input (
     job_id TEXT NOT NULL REFERENCES batchd_jobs (id) ON DELETE CASCADE,
     part INTEGER NOT NULL,
@@ -186,6 +191,13 @@ class Database:
                 self._conn.close()
         finally:
             self._lock.release()
+
+
+def parts(pieces: list[bytes], size: int) -> Iterator[bytes]:
+    """`pieces` joined again and cut into parts of PART_BYTES: one a row."""
+    data = b"".join(pieces)
+    for at in range(0, size, PART_BYTES):
+        yield data[at : at + PART_BYTES]
 
 
 def one(cur: psycopg.Cursor[Any], sql: str, args: tuple[Any, ...] = ()) -> Any:

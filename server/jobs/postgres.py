@@ -4,9 +4,9 @@ Every replica that names the same database sees every job, its input and its
 results; any of them answers for any job, and a job whose replica died runs on
 elsewhere from its last checkpoint, without losing or repeating a result.
 
-    batchd_jobs          the rows SqliteStore keeps, plus who runs a job:
-                         runner (a replica's id), epoch (claims so far) and
-                         lease_until (the database's clock)
+    batchd_jobs          the rows SqliteStore keeps, plus who runs a job: runner (a
+                         replica's id), epoch (claims so far), lease_until (the
+                         database's clock) and submission (an idempotency key)
     batchd_job_input     the uploaded file, in parts of PART_BYTES
     batchd_job_results   the results, in parts, each written by one checkpoint
 
@@ -18,22 +18,19 @@ which bumps its epoch. Every write of a run names the epoch it claimed, so a
 replica that lost its lease, and comes back, writes nothing: its checkpoint
 finds no row of its epoch, rolls back and stops the run (LeaseLost). A
 checkpoint inserts the results written since the last one in the same
-transaction as the offsets that cover them, so results and offsets can never
-disagree; a run that takes over starts where the last committed checkpoint
-left off. Stopping (SIGTERM) checkpoints and gives the job back at once, so
-another replica runs it on without waiting for the lease.
+transaction as the offsets that cover them, so results and offsets never
+disagree; a run that takes over starts where the last committed checkpoint left
+off. A stop (SIGTERM) checkpoints and gives the job back at once. A replica
+claims only jobs of models it can run now (`claim(only=...)`); a job whose
+model went away after its claim is given back (jobs/runner.py), never failed.
 
-A replica claims only jobs of models it can run now (loaded, with a live worker):
-`claim(only=...)`; a job whose model went away after its claim is given back
-(jobs/runner.py), never failed for it.
-
-Leases use the database's clock, never a replica's, so replicas' clocks need
-not agree. Calls run on a thread, one call at a time on each of two connections:
-the running jobs' (claims, checkpoints, renewals, their ends) and every other
-call's (uploads, inputs read back, questions), so a long upload never holds up
-a lease. The event loop never waits on the database. A database that does not
-answer (database.py bounds every call) makes the job calls fail UNAVAILABLE and
-running jobs stop where they were checkpointed; inference goes on.
+Leases use the database's clock, so replicas' clocks need not agree. Calls run
+on a thread, one at a time on each of two connections: the running jobs'
+(claims, checkpoints, renewals, their ends) and every other call's (uploads,
+inputs read back, questions), so a long upload never holds up a lease. A
+database that does not answer (database.py bounds every call) makes the job
+calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
+inference goes on.
 """
 
 from __future__ import annotations
@@ -45,11 +42,11 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchd.server.jobs.database import CALL_TIMEOUT_S, Database, every, one
+from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, every, one, parts
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
@@ -60,6 +57,7 @@ from batchd.server.jobs.store import (
     Progress,
     Results,
     Store,
+    Submitted,
     lock_directory,
     new_job_id,
 )
@@ -67,10 +65,10 @@ from batchd.server.jobs.store import (
 if TYPE_CHECKING:
     import psycopg
 
-PART_BYTES = 4 * 1024 * 1024  # of input or results per row
 STORE_RATE = 8 * 1024 * 1024  # bytes/s an upload is given to be stored, at the least
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in seconds
 _ROW = ", ".join(COLUMNS)
+_KEYED = "SELECT id FROM batchd_jobs WHERE submission = %s AND submission <> ''"
 
 
 class _Pending(Results):
@@ -95,13 +93,6 @@ class _Pending(Results):
     def close(self) -> None:
         self.parts.clear()
         self.size = 0
-
-
-def _pieces(parts: list[bytes], size: int) -> Iterator[bytes]:
-    """`parts` joined again and cut into pieces of PART_BYTES."""
-    data = b"".join(parts)
-    for at in range(0, size, PART_BYTES):
-        yield data[at : at + PART_BYTES]
 
 
 class PostgresStore(Store):
@@ -144,6 +135,10 @@ class PostgresStore(Store):
             self._forget_upload(job_id)
             raise
 
+    async def keyed(self, owner: str, key: str) -> str | None:
+        found = await self._db.run(one, f"{_KEYED} AND owner = %s", (key, owner))
+        return None if found is None else str(found[0])
+
     async def uploading(self, job_id: str) -> str:
         sql = (
             f"UPDATE batchd_jobs SET lease_until = CASE status WHEN 'validating' THEN {_NOW} + %s "
@@ -152,14 +147,20 @@ class PostgresStore(Store):
         found = await self._db.run(one, sql, (self.lease_s, job_id))
         return "" if found is None else str(found[0])
 
-    async def queue(self, job_id: str, total: int, input_bytes: int) -> bool:
+    async def queue(self, job_id: str, total: int, input_bytes: int, key: str = "") -> bool:
         path = self.upload_path(job_id)
 
         def store(cur: psycopg.Cursor[Any]) -> bool:
+            # (two replicas queueing one key at once: the unique index fails the second)
+            taken = key and one(cur, f"{_KEYED} AND owner = (SELECT owner FROM batchd_jobs "
+                                "WHERE id = %s)", (key, job_id))  # fmt: skip
+            if taken:
+                raise Submitted(taken[0])
             cur.execute(  # first: the row stays locked, so a cancel waits for the commit
-                "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, "
-                "runner = '', lease_until = 0 WHERE id = %s AND status = 'validating' RETURNING id",
-                (total, input_bytes, job_id),
+                "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, runner "
+                "= '', lease_until = 0, submission = %s WHERE id = %s AND status = 'validating' "
+                "RETURNING id",
+                (total, input_bytes, key, job_id),
             )
             if cur.fetchone() is None:
                 return False  # cancelled meanwhile, through any replica
@@ -294,7 +295,7 @@ class PostgresStore(Store):
                 (*progress, give_back_at),
             )  # fmt: skip
         at = pending.saved
-        for data in _pieces(pending.parts, pending.size):
+        for data in parts(pending.parts, pending.size):
             cur.execute(
                 "INSERT INTO batchd_job_results (job_id, start, data) VALUES (%s, %s, %s)",
                 (row.id, at, data),

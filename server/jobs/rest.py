@@ -2,7 +2,8 @@
 with the same owners, limits and messages.
 
     POST /v2/jobs?model=M[&version=V]   body: the JSONL job file, streamed to disk;
-                                        201 and the job
+                                        201 and the job (Idempotency-Key: a job
+                                        made by the same key before, as it is)
     GET  /v2/jobs[?status=S&limit=N]    {"jobs": [...]}, newest first
     GET  /v2/jobs/{id}                  the job
     POST /v2/jobs/{id}/cancel           the job, cancelled
@@ -71,9 +72,9 @@ class JobRoutes:
                     return
                 yield data
 
-        query = request.query
+        query, key = request.query, request.headers.get("Idempotency-Key", "")
         job = await self._jobs.submit(
-            self._caller(request), query.get("model", ""), query.get("version", ""), pieces()
+            self._caller(request), query.get("model", ""), query.get("version", ""), pieces(), key
         )
         return _job(job, 201)
 

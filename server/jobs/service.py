@@ -3,16 +3,18 @@
 A job belongs to the token that submitted it (a digest of it is kept, never the
 token): another infer token gets NOT_FOUND for it, exactly as for a job that does
 not exist, and an admin token sees and cancels every job. Without
---auth-token-file there is one owner. The upload is written to disk as it comes,
-bounded by --jobs-max-file-bytes; once it is whole its custom_ids are checked for
-duplicates on a thread against a scratch SQLite table on disk, so neither the
-upload nor the check holds the file in memory.
+--auth-token-file there is one owner. An upload (upload.py) is on disk and
+checked before its job is queued.
 
 An upload holds a --jobs-max-open place, so it must keep up --jobs-min-upload-rate
 (upload_deadline): one that falls behind, pieces coming or not, ends
 RESOURCE_EXHAUSTED. A cancel ends it CANCELLED: at once when it comes to this
 process, else when the upload next looks at its row (store.renew_every_s). Either
 way the job and its files are removed.
+
+A submission may carry an idempotency key: sent again with the same key (by the
+same token) it answers the job the first made, once that one was queued, and
+reads no more of its upload; two sent at once make one job (store.queue).
 """
 
 from __future__ import annotations
@@ -23,11 +25,8 @@ import dataclasses
 import hashlib
 import logging
 import math
-import shutil
-import sqlite3
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -36,8 +35,6 @@ from batchd.protos import jobs_pb2 as pb
 from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.server.auth import ADMIN, Tokens, bearer
 from batchd.server.errors import (
-    BatchdError,
-    Cancelled,
     InvalidInput,
     LimitExceeded,
     ModelNotFound,
@@ -47,173 +44,11 @@ from batchd.server.errors import (
     clip,
     grpc_status,
 )
-from batchd.server.jobs import lines
 from batchd.server.jobs.runner import JobFailed, Jobs, job_model
-from batchd.server.jobs.store import OPEN, STATUSES, JobRow
+from batchd.server.jobs.store import MAX_KEY_CHARS, OPEN, STATUSES, JobRow, Submitted
+from batchd.server.jobs.upload import Upload, upload_stopped
 
 log = logging.getLogger("batchd.jobs")
-SHOWN_DUPLICATES = 5  # custom_ids named in a duplicates error ...
-SHOWN_LINES = 4  # ... and line numbers for each
-MIN_FREE_BYTES = 256 * 1024 * 1024  # an upload stops before the jobs disk has less free
-
-
-def _first_lines(db: sqlite3.Connection, cid: str, count: int) -> str:
-    """The first SHOWN_LINES line numbers of `cid` (of its `count`): a message stays short
-    whatever the file repeats."""
-    found = db.execute(
-        f"SELECT line FROM ids WHERE cid = ? ORDER BY line LIMIT {SHOWN_LINES}", (cid,)
-    )
-    at = ", ".join(str(n) for (n,) in found)
-    return at if count <= SHOWN_LINES else f"{at}, ... ({count} lines)"
-
-
-def check_ids(path: Path, scratch: Path) -> int:
-    """The number of request lines in the job file at `path`; InvalidInput naming the
-    lines of duplicate custom_ids. Runs on a thread; memory does not grow with the file."""
-    total = 0
-    db = sqlite3.connect(scratch)
-    try:
-        db.execute("CREATE TABLE ids (cid TEXT, line INTEGER)")
-        batch: list[tuple[str, int]] = []
-        with path.open("rb") as f:
-            number = 0
-            while True:
-                raw, length, too_long = lines.read_line(f)
-                if not length:
-                    break
-                number += 1
-                if too_long:  # blank or not: it becomes an error line when the job runs
-                    total += 1
-                    continue
-                if not raw.strip():
-                    continue
-                total += 1
-                try:
-                    batch.append((lines.custom_id_of(lines.load(raw)), number))
-                except ValueError:
-                    continue  # so does this one
-                if len(batch) >= 10_000:
-                    db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
-                    batch.clear()
-        db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
-        twice = db.execute(
-            "SELECT cid, count(*) FROM ids GROUP BY cid HAVING count(*) > 1 "
-            f"ORDER BY min(line) LIMIT {SHOWN_DUPLICATES + 1}"
-        ).fetchall()
-        shown = "; ".join(
-            f"{clip(cid)} on lines {_first_lines(db, cid, n)}"
-            for cid, n in twice[:SHOWN_DUPLICATES]
-        )
-    finally:
-        db.close()
-        scratch.unlink(missing_ok=True)
-    if twice:
-        more = " (and more)" if len(twice) > SHOWN_DUPLICATES else ""
-        raise InvalidInput(f"duplicate custom_id: {shown}{more}; each must be unique")
-    return total
-
-
-def upload_deadline(started: float, received: int, min_rate: int, grace_s: float) -> float:
-    """When an upload that began at `started` and has `received` bytes falls behind
-    `min_rate` bytes/s (--jobs-min-upload-rate; 0: never): after a head start of
-    `grace_s` it must have sent `min_rate` bytes for every second since it began. The
-    head start is also the allowance of the piece on its way: a piece counts once it has
-    all come (gRPC reads whole messages), so a client sending pieces of up to
-    min_rate x grace_s bytes is never cut while it keeps up the rate."""
-    if min_rate <= 0:
-        return math.inf
-    return started + grace_s + received / min_rate
-
-
-def upload_stopped(job_id: str, status: str) -> BatchdError:
-    """Why an upload stops whose job is no longer `validating` (its status now)."""
-    if status == "cancelled":
-        return Cancelled(f"job {job_id} was cancelled while it was uploading; none of it is kept")
-    return Unavailable(
-        f"job {job_id} was removed while it was uploading (taken for dead: this server did "
-        "not renew it within --jobs-lease); submit it again"
-    )
-
-
-class Upload:
-    """One upload taken in by this process, under a deadline that moves: after each
-    piece, to upload_deadline; to now when it is stopped (a cancel). The check of its
-    ids runs under it too, with no rate: a cancel stops that as well."""
-
-    def __init__(self, jobs: Jobs, job_id: str) -> None:
-        self._jobs, self.job_id = jobs, job_id
-        self.size = 0
-        self._why: BatchdError | None = None  # it was stopped: the error it ends with
-        self._timeout: asyncio.Timeout | None = None  # while pieces come or the ids are checked
-
-    def stop(self, why: BatchdError) -> None:
-        self._why = self._why or why
-        if self._timeout is not None and not self._timeout.expired():
-            self._timeout.reschedule(asyncio.get_running_loop().time())
-
-    def cancel(self) -> None:
-        self.stop(upload_stopped(self.job_id, "cancelled"))
-
-    async def take(self, pieces: AsyncIterator[bytes]) -> tuple[int, int]:
-        """(bytes, request lines) of the job file from `pieces`, on disk and checked."""
-        jobs, path = self._jobs, self._jobs.store.upload_path(self.job_id)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        try:
-            async with asyncio.timeout(None) as self._timeout:
-                self._reschedule(started)
-                with path.open("wb") as f:
-                    async for data in pieces:
-                        self._write(f.name, data)
-                        f.write(data)
-                        self._reschedule(started)
-                if self._why is None:  # the check: no rate, but a cancel still stops it
-                    self._timeout.reschedule(None)
-                scratch = jobs.store.folder(self.job_id) / "ids.sqlite"
-                total = await asyncio.to_thread(check_ids, path, scratch)
-        except TimeoutError:
-            if self._timeout is None or not self._timeout.expired():
-                raise  # not ours: an HTTP piece later than --handshake-timeout
-            error = self._why or self._too_slow(loop.time() - started)
-            log.info("job %s: upload stopped: %s", self.job_id, error.message,
-                     extra={"job": self.job_id})  # fmt: skip
-            raise error from None
-        finally:
-            self._timeout = None
-        return self.size, total
-
-    def _reschedule(self, started: float) -> None:
-        assert self._timeout is not None
-        if self._why is not None:
-            return  # stopped: it expires now
-        jobs = self._jobs
-        when = upload_deadline(started, self.size, jobs.min_upload_rate, jobs.upload_grace_s)
-        self._timeout.reschedule(None if when == math.inf else when)
-
-    def _write(self, name: str, data: bytes) -> None:
-        """Count `data` in; LimitExceeded if it makes the file or the disk too full."""
-        jobs = self._jobs
-        self.size += len(data)
-        if self.size > jobs.max_file_bytes:
-            raise LimitExceeded(
-                f"the job file is over {jobs.max_file_bytes} bytes "
-                "(--jobs-max-file-bytes); split it into several jobs"
-            )
-        if shutil.disk_usage(name).free - len(data) < MIN_FREE_BYTES:
-            raise LimitExceeded(
-                f"the disk of --jobs-dir would have less than {MIN_FREE_BYTES >> 20} MiB "
-                "free; remove ended jobs or give the server more room"
-            )
-
-    def _too_slow(self, elapsed: float) -> LimitExceeded:
-        jobs = self._jobs
-        return LimitExceeded(
-            f"the upload averaged {self.size / max(elapsed, 1e-3):.1f} B/s over {elapsed:.1f} s, "
-            f"under --jobs-min-upload-rate {jobs.min_upload_rate} (after --jobs-upload-grace "
-            f"{jobs.upload_grace_s:g}); send it faster, with the whole file ready before it starts"
-        )
-
-
 Caller = tuple[str, bool]  # (owner: a digest of the token, sees every job: an admin token)
 
 
@@ -266,11 +101,16 @@ class JobsService(pb_grpc.JobsServicer):
 
     # ---- what gRPC (below) and HTTP (http.py) call ----
 
-    async def submit(
-        self, caller: Caller, model_name: str, model_version: str, pieces: AsyncIterator[bytes]
-    ) -> pb.Job:
-        """A job from its file's `pieces`, once the whole file is on disk and checked."""
+    async def submit(self, caller: Caller, model_name: str, model_version: str,
+                     pieces: AsyncIterator[bytes], key: str = "") -> pb.Job:  # fmt: skip
+        """A job from its file's `pieces`, once the whole file is on disk and checked; the
+        job an earlier submission with idempotency `key` made, if one did (store.queue)."""
         jobs = self._on()
+        if len(key) > MAX_KEY_CHARS:
+            raise InvalidInput(f"an idempotency key has at most {MAX_KEY_CHARS} characters, "
+                               f"got {len(key)}: {clip(key)}")  # fmt: skip
+        if key and (made := await jobs.store.keyed(caller[0], key)) is not None:
+            return await self.get(caller, made)  # (what is left of the upload is not read)
         if not jobs.taking_uploads:  # (uploads under way may end: runner.Jobs.stop)
             log.info("new job upload refused: this server is stopping")
             raise Refused("this server is stopping: submit the job again, to another replica")
@@ -291,9 +131,12 @@ class JobsService(pb_grpc.JobsServicer):
         watching = asyncio.create_task(self._watching(jobs, upload))
         try:
             size, total = await upload.take(pieces)
-            if not await jobs.store.queue(row.id, total, size):  # cancelled meanwhile
+            if not await jobs.store.queue(row.id, total, size, key):  # cancelled meanwhile
                 now = await jobs.store.get(row.id)
                 raise upload_stopped(row.id, "" if now is None else now.status)
+        except Submitted as same:  # sent twice at once: the first to be queued is the job
+            await asyncio.shield(jobs.store.delete(row.id))
+            return await self.get(caller, same.job_id)
         except BaseException:
             await asyncio.shield(jobs.store.delete(row.id))
             raise
@@ -368,8 +211,8 @@ class JobsService(pb_grpc.JobsServicer):
                 async for piece in request_iterator:
                     yield piece.data
 
-            caller = self._caller(context)
-            return await self.submit(caller, first.model_name, first.model_version, pieces())
+            caller, key = self._caller(context), first.idempotency_key
+            return await self.submit(caller, first.model_name, first.model_version, pieces(), key)
         return None
 
     async def GetJob(self, request: pb.GetJobRequest, context: Any) -> pb.Job | None:

@@ -30,6 +30,7 @@ from batchd.server.jobs.store import (
     Progress,
     Results,
     Store,
+    Submitted,
     lock_directory,
     new_job_id,
 )
@@ -53,10 +54,16 @@ CREATE TABLE IF NOT EXISTS jobs (
     input_offset INTEGER NOT NULL DEFAULT 0,   -- the checkpoint: input answered
     lines_read INTEGER NOT NULL DEFAULT 0,     -- physical lines answered (blank ones too)
     resumed_at REAL NOT NULL DEFAULT 0,        -- when it last started running, for its rate
-    resumed_done INTEGER NOT NULL DEFAULT 0    -- lines answered by then
+    resumed_done INTEGER NOT NULL DEFAULT 0,   -- lines answered by then
+    submission TEXT NOT NULL DEFAULT ''        -- its idempotency key, once queued
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
 """
+# Made once a database of an older batchd has the column (ALTER TABLE, below).
+_KEYS = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_key ON jobs (owner, submission) "
+    "WHERE submission <> ''"
+)
 _COLUMNS = ", ".join(COLUMNS)
 
 
@@ -101,6 +108,9 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        if "submission" not in {c[1] for c in self._db.execute("PRAGMA table_info(jobs)")}:
+            self._db.execute("ALTER TABLE jobs ADD COLUMN submission TEXT NOT NULL DEFAULT ''")
+        self._db.execute(_KEYS)
 
     @staticmethod
     def holder(directory: Path) -> int | None:
@@ -178,14 +188,28 @@ class SqliteStore(Store):
         current = self._get(job_id)
         return "" if current is None else current.status
 
-    async def queue(self, job_id: str, total: int, input_bytes: int) -> bool:
-        return bool(
-            self._db.execute(
-                "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ? "
-                "WHERE id = ? AND status = 'validating'",
-                (total, input_bytes, job_id),
-            ).rowcount
-        )
+    async def queue(self, job_id: str, total: int, input_bytes: int, key: str = "") -> bool:
+        try:
+            return bool(
+                self._db.execute(
+                    "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ?, "
+                    "submission = ? WHERE id = ? AND status = 'validating'",
+                    (total, input_bytes, key, job_id),
+                ).rowcount
+            )
+        except sqlite3.IntegrityError:  # the key is on another job of its owner
+            row = self._get(job_id)
+            other = None if row is None else await self.keyed(row.owner, key)
+            if other is None:
+                raise
+            raise Submitted(other) from None
+
+    async def keyed(self, owner: str, key: str) -> str | None:
+        found = self._db.execute(
+            "SELECT id FROM jobs WHERE owner = ? AND submission = ? AND submission <> ''",
+            (owner, key),
+        ).fetchone()
+        return None if found is None else str(found[0])
 
     async def claim(self, exclude_models: frozenset[str] = frozenset(),
                     only: Collection[str] | None = None) -> JobRow | None:  # fmt: skip

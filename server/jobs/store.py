@@ -106,6 +106,18 @@ class LeaseLost(Exception):
     message says which job, and so."""
 
 
+class Submitted(Exception):
+    """The submission's idempotency key is already on a stored job, `job_id`: the
+    one it made before (its answer lost), or one sent at the same time."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
+MAX_KEY_CHARS = 256  # of an idempotency key
+
+
 def new_job_id() -> str:
     return "job-" + secrets.token_hex(8)
 
@@ -155,9 +167,14 @@ class Store(ABC):
         Anything but `validating` stops the upload: it was cancelled (anywhere)."""
 
     @abstractmethod
-    async def queue(self, job_id: str, total: int, input_bytes: int) -> bool:
+    async def queue(self, job_id: str, total: int, input_bytes: int, key: str = "") -> bool:
         """The upload is whole and checked: keep it, and let the job wait to run. False,
-        and nothing kept, if the job is no longer `validating` (it was cancelled)."""
+        and nothing kept, if the job is no longer `validating` (it was cancelled);
+        Submitted, and nothing kept, if its owner's `key` is on another job already."""
+
+    @abstractmethod
+    async def keyed(self, owner: str, key: str) -> str | None:
+        """The job that `owner`'s submission with idempotency `key` made, if any."""
 
     @abstractmethod
     async def get(self, job_id: str) -> JobRow | None: ...
