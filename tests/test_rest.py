@@ -1493,7 +1493,7 @@ def test_handshake_timeout_0_waits_for_each_piece_of_a_job_upload() -> None:
         def caller(self, token: bytes | None) -> tuple[str, bool]:
             return "owner", False
 
-        async def submit(self, caller: Any, model: str, version: str, pieces: Any) -> Any:
+        async def submit(self, caller: Any, model: str, version: str, pieces: Any, key: str) -> Any:
             got = [piece async for piece in pieces]
             return jobs_pb2.Job(id="j", model_name=model, total=len(got))
 
