@@ -3,8 +3,9 @@ bounds a hostile client meets before and after its request runs.
 
     before   a TLS handshake, the request line and headers: --handshake-timeout
              (aiohttp's keep-alive timer, armed when a connection opens)
-    body     gzip and deflate bodies inflated off the event loop, at most the
-             body limit (a small bomb inflates no further); other encodings, 415
+    body     gzip and deflate bodies inflated, at most the body limit (a small
+             bomb inflates no further): the first INLINE_BYTES on the event loop,
+             any more on the decode thread; other encodings, 415
     after    an answer its caller does not read within --max-connection-age-grace
              is dropped with its connection, as gRPC ends a connection past its age
              and grace: a client that never reads held the answer's memory for ever
@@ -32,8 +33,7 @@ from batchd.server.config import Connections
 log = logging.getLogger("batchd.server")
 protocol_log = logging.getLogger("batchd.server.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# Content-Encoding -> zlib's wbits: gzip's header, or zlib's (HTTP's "deflate")
-ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+ENCODINGS = ("gzip", "x-gzip", "deflate")
 
 
 def _client_error(record: logging.LogRecord) -> bool:
@@ -61,17 +61,48 @@ def encoding(request: web.Request) -> str:
     return coding
 
 
-def inflate(body: bytes, coding: str, limit: int) -> bytes:
-    """A gzip or deflate body, inflated to at most `limit` + 1 bytes: the caller refuses
-    more, and a bomb costs no more than that. Holds no GIL while zlib works."""
-    d = zlib.decompressobj(ENCODINGS[coding])
-    try:
-        out = d.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise web.HTTPBadRequest(text=f"the {coding} body does not inflate: {e}") from None
-    if len(out) <= limit and not d.eof:
-        raise web.HTTPBadRequest(text=f"the {coding} body ends inside its compressed stream")
-    return out
+class Inflating:
+    """A gzip or deflate body, inflated in steps (run) to at most `limit` + 1 bytes: the
+    caller refuses more, and a bomb costs no more than that. gzip may hold several
+    members, one after the other; "deflate" is zlib's format, or raw deflate (as some
+    clients send it). zlib holds no GIL while it works."""
+
+    def __init__(self, body: bytes, coding: str, limit: int) -> None:
+        self.coding, self.limit, self.out = coding, limit, bytearray()
+        self._rest = body  # compressed bytes not yet inflated
+        self._d: Any = None  # the member being inflated
+
+    def run(self, budget: int) -> bool:
+        """Inflate at most `budget` more bytes; True once all is (or more than `limit`)."""
+        while len(self.out) <= self.limit and budget > 0:
+            if self._d is None:
+                if not self._rest:
+                    return True  # every member inflated (or an empty body)
+                self._d = zlib.decompressobj(self._wbits(self._rest))
+            want = min(budget, self.limit + 1 - len(self.out))
+            try:
+                got = self._d.decompress(self._rest, want)
+            except zlib.error as e:
+                why = f"the {self.coding} body does not inflate: {e}"
+                raise web.HTTPBadRequest(text=why) from None
+            self.out += got
+            budget -= len(got)
+            if self._d.eof:  # a member ends: another may follow (gzip), else nothing may
+                self._rest, self._d = self._d.unused_data, None
+                if self._rest and self.coding == "deflate":
+                    raise web.HTTPBadRequest(text="the deflate body has bytes after its end")
+            else:
+                self._rest = self._d.unconsumed_tail
+                if not got and not self._rest:  # no input left, and the stream goes on
+                    why = f"the {self.coding} body ends inside its compressed stream"
+                    raise web.HTTPBadRequest(text=why)
+        return len(self.out) > self.limit or (self._d is None and not self._rest)
+
+    def _wbits(self, data: bytes) -> int:
+        if self.coding != "deflate":
+            return 16 + zlib.MAX_WBITS  # a gzip member
+        zlib_header = len(data) > 1 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
+        return zlib.MAX_WBITS if zlib_header else -zlib.MAX_WBITS
 
 
 def bounded_send(seconds: float) -> Middleware:

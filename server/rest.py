@@ -48,7 +48,7 @@ from batchd.server.errors import (
     clip,
     http_status,
 )
-from batchd.server.http_site import Handler, bounded_send, encoding, inflate
+from batchd.server.http_site import Handler, Inflating, bounded_send, encoding
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
 from batchd.server.rest_codec import (
@@ -176,10 +176,15 @@ class RestApi:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
         async with asyncio.timeout(self._body_timeout_s):
             body = await request.read()
-        if coding and len(body := await self._service.aside(inflate, body, coding, limit)) > limit:
+        if not coding:
+            return body
+        inflating = Inflating(body, coding, limit)  # a small body on the loop, more aside
+        if not inflating.run(INLINE_BYTES):
+            await self._service.aside(inflating.run, limit + 1)
+        if len(inflating.out) > limit:
             too_big = f"the {coding} body inflates to more than {limit} bytes (--max-message-bytes)"
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=limit + 1, text=too_big)
-        return body
+        return bytes(inflating.out)
 
     def _model(self, request: web.Request) -> ModelConfig:
         info = request.match_info

@@ -5,16 +5,26 @@ caller never reads dropped with its connection."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
+import http.client
 import json
 import socket
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
+from aiohttp import streams
+from aiohttp.test_utils import make_mocked_request
 
+from batchd.client import Client
+from batchd.server.config import Connections
+from batchd.server.jobs.service import JobsService
+from batchd.server.rest import INLINE_BYTES, RestApi
 from tests.servers import ServerProcess, wait_for
 from tests.test_rest import TINY, assert_serving, call, tiny_body
 
@@ -52,13 +62,87 @@ def test_a_compression_bomb_inflates_only_to_the_body_limit(
     assert_serving(example_server)
 
 
+def _raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+@pytest.mark.parametrize(
+    ("coding", "pack"),
+    [
+        ("deflate", _raw_deflate),  # no zlib header: .NET's DeflateStream, some others
+        ("gzip", lambda b: gzip.compress(b[:10]) + gzip.compress(b[10:])),  # two members
+    ],
+    ids=["raw deflate", "gzip of two members"],
+)
+def test_every_form_of_gzip_and_deflate_aiohttp_read_is_read(
+    example_server: ServerProcess, coding: str, pack: Any
+) -> None:
+    body = json.dumps(tiny_body(0.25)).encode()
+    plain = call(example_server, "POST", TINY, body)
+    got = call(example_server, "POST", TINY, pack(body), {"Content-Encoding": coding})
+    assert got.status == 200 and got.json()["outputs"] == plain.json()["outputs"], got.body
+    empty = call(example_server, "POST", "/v2/repository/index", b"", {"Content-Encoding": coding})
+    assert empty.status == 200, empty.body
+
+
+def test_a_small_compressed_body_is_inflated_on_the_loop_a_large_one_aside() -> None:
+    """Every compressed body went to the decode thread, counted as a heavy request, so
+    tritonclient's compressed calls were refused 429 past 64 at once. Now the first
+    INLINE_BYTES inflate on the loop: only a larger body goes aside."""
+
+    class Service:
+        asides = 0
+
+        async def aside(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            Service.asides += 1
+            return fn(*args)
+
+    async def read(api: RestApi, body: bytes) -> bytes:
+        payload = streams.StreamReader(mock.Mock(_reading_paused=False), 2**16,
+                                       loop=asyncio.get_running_loop())  # fmt: skip
+        payload.feed_data(body)
+        payload.feed_eof()
+        headers = {"Content-Encoding": "gzip", "Content-Length": str(len(body))}
+        request = make_mocked_request("POST", TINY, headers=headers, payload=payload)
+        return await api._body(request)
+
+    async def scenario() -> None:
+        api = RestApi(Service(), None, JobsService(None), None,  # type: ignore[arg-type]
+                      max_body_bytes=1 << 24, connections=Connections())  # fmt: skip
+        small, large = b"x" * 1000, b"y" * (INLINE_BYTES + 1)
+        assert await read(api, gzip.compress(small)) == small and Service.asides == 0
+        assert await read(api, gzip.compress(large)) == large and Service.asides == 1
+
+    asyncio.run(scenario())
+
+
+def test_head_of_a_job_s_results_is_refused_not_streamed(example_server: ServerProcess) -> None:
+    """A stream's HEAD sent the whole body without framing, breaking the connection."""
+    lines = [{"custom_id": "a", "inputs": [{"name": "INPUT0", "datatype": "FP32",
+                                            "shape": [1, 16], "data": [0.0] * 16}]}]  # fmt: skip
+    with Client(example_server.url) as c:
+        job = c.submit_job("tiny", lines)
+    conn = http.client.HTTPConnection("127.0.0.1", example_server.http_port, timeout=30)
+    try:
+        conn.request("HEAD", f"/v2/jobs/{job.id}/results")
+        head = conn.getresponse()
+        head.read()
+        assert head.status == 405
+        conn.request("GET", "/v2/health/live")  # the same connection: still sound
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
         (b"not gzip at all", "the gzip body does not inflate: Error -3"),
         (gzip.compress(json.dumps(tiny_body()).encode())[:30], "ends inside its compressed"),
+        (gzip.compress(json.dumps(tiny_body()).encode()) + b"junk", "does not inflate"),
     ],
-    ids=["not gzip", "cut short"],
+    ids=["not gzip", "cut short", "junk after it"],
 )
 def test_a_broken_gzip_body_is_a_400(
     example_server: ServerProcess, body: bytes, message: str

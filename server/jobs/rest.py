@@ -55,7 +55,7 @@ class JobRoutes:
         router.add_get("/v2/jobs", self.listing)
         router.add_get("/v2/jobs/{job}", self.get)
         router.add_route("POST", "/v2/jobs/{job}/cancel", self.cancel)
-        router.add_get("/v2/jobs/{job}/results", self.results)
+        router.add_route("GET", "/v2/jobs/{job}/results", self.results)  # (no HEAD: a stream)
 
     def _caller(self, request: web.Request) -> Caller:
         return self._jobs.caller(bearer_header(request.headers.get("Authorization", "")))
