@@ -24,6 +24,7 @@ import re
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,7 @@ def test_a_key_queued_through_one_replica_answers_for_every_replica(
     that job on b too; b's upload with the same key keeps nothing (Submitted). A
     database made by an older batchd (no key column) gets the column."""
     with psycopg.connect(jobs_db, autocommit=True) as conn:
-        older = database.SCHEMA.split("-- a submission's idempotency key")[0]
+        older = database.SCHEMA.split("-- a submission's idempotency key")[0]  # 9f07a6e's
         assert "submission" not in older
         conn.execute(older)
     a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
@@ -262,6 +263,50 @@ def test_a_key_queued_through_one_replica_answers_for_every_replica(
     finally:
         a.close()
         b.close()
+
+
+def test_one_key_queued_by_two_replicas_at_once_makes_one_job(jobs_db: str, tmp_path: Path) -> None:
+    """Both pass any look for the key before either commits; the unique index then makes
+    the second wait for the first and fail: Submitted, naming the first, not a 503."""
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=60)
+    text = job_lines(1)
+    first, second = run(lambda: a.create("o", "gated", "")), run(lambda: b.create("o", "gated", ""))
+    b.upload_path(second.id).write_text(text)
+    try:
+        with psycopg.connect(jobs_db) as other:  # a's queue, under way: not yet committed
+            other.execute("UPDATE batchd_jobs SET status = 'queued', submission = 'k' "
+                          "WHERE id = %s", (first.id,))  # fmt: skip
+            with ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(run, lambda: b.queue(second.id, 1, len(text), "k"))
+                waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                with psycopg.connect(jobs_db, autocommit=True) as look:
+                    wait_for(lambda: look.execute(waiting).fetchone() == (1,), 30, "b to wait")
+                other.commit()
+                with pytest.raises(Submitted) as taken:
+                    queued.result(30)
+        assert taken.value.job_id == first.id
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_replica_that_starts_while_others_write_waits_on_no_lock(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """Each replica's first call makes the tables: ALTER TABLE and CREATE INDEX ... IF NOT
+    EXISTS lock the table even when there is nothing to make, so one started while
+    another replica's transaction wrote waited out lock_timeout (10 s) and failed."""
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+    run(lambda: a.create("o", "gated", ""))  # the tables are made
+    with psycopg.connect(jobs_db) as writer:  # a transaction that wrote, still open
+        writer.execute("UPDATE batchd_jobs SET error = 'x'")
+        b = PostgresStore(jobs_db, tmp_path / "b", lease_s=60)
+        try:
+            assert run(lambda: b.count(("validating",))) == 1
+        finally:
+            b.close()
+            a.close()
 
 
 def test_a_jobs_db_that_is_not_postgresql_is_refused_without_echoing_it() -> None:

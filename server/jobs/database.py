@@ -58,11 +58,23 @@ CREATE TABLE IF NOT EXISTS batchd_jobs (
     epoch BIGINT NOT NULL DEFAULT 0,          -- claims so far: a run's writes name its own
     lease_until DOUBLE PRECISION NOT NULL DEFAULT 0  -- the database's clock
 );
-CREATE INDEX IF NOT EXISTS batchd_jobs_by_status ON batchd_jobs (status, created_at);
--- a submission's idempotency key, set once its job is queued (and a database of an older batchd)
-ALTER TABLE batchd_jobs ADD COLUMN IF NOT EXISTS submission TEXT NOT NULL DEFAULT '';
-CREATE UNIQUE INDEX IF NOT EXISTS batchd_jobs_by_key ON batchd_jobs (owner, submission)
-    WHERE submission <> '';
+-- a submission's idempotency key, set once its job is queued (a database of an older
+-- batchd gets it). Looked up first: ALTER TABLE and CREATE INDEX lock the table even
+-- when there is nothing to do, and a replica starts while others use it.
+DO $$ BEGIN
+    IF to_regclass('batchd_jobs_by_status') IS NULL THEN
+        CREATE INDEX batchd_jobs_by_status ON batchd_jobs (status, created_at);
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema =
+                   current_schema() AND table_name = 'batchd_jobs' AND column_name = 'submission')
+    THEN
+        ALTER TABLE batchd_jobs ADD COLUMN submission TEXT NOT NULL DEFAULT '';
+    END IF;
+    IF to_regclass('batchd_jobs_by_key') IS NULL THEN
+        CREATE UNIQUE INDEX batchd_jobs_by_key ON batchd_jobs (owner, submission)
+            WHERE submission <> '';
+    END IF;
+END $$;
 CREATE TABLE IF NOT EXISTS batchd_job_input (
     job_id TEXT NOT NULL REFERENCES batchd_jobs (id) ON DELETE CASCADE,
     part INTEGER NOT NULL,

@@ -76,9 +76,8 @@ class _Pending(Results):
     runner.CHECKPOINT_BYTES and one chunk's answers."""
 
     def __init__(self, at: int) -> None:
-        self.saved = at
+        self.saved, self.size = at, 0
         self.parts: list[bytes] = []
-        self.size = 0
 
     def write(self, data: bytes) -> None:
         self.parts.append(data)
@@ -151,18 +150,21 @@ class PostgresStore(Store):
         path = self.upload_path(job_id)
 
         def store(cur: psycopg.Cursor[Any]) -> bool:
-            # (two replicas queueing one key at once: the unique index fails the second)
-            taken = key and one(cur, f"{_KEYED} AND owner = (SELECT owner FROM batchd_jobs "
-                                "WHERE id = %s)", (key, job_id))  # fmt: skip
-            if taken:
-                raise Submitted(taken[0])
-            cur.execute(  # first: the row stays locked, so a cancel waits for the commit
-                "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, runner "
-                "= '', lease_until = 0, submission = %s WHERE id = %s AND status = 'validating' "
-                "RETURNING id",
-                (total, input_bytes, key, job_id),
-            )
-            if cur.fetchone() is None:
+            from psycopg.errors import UniqueViolation
+
+            try:  # first: the row stays locked, so a cancel waits for the commit
+                with cur.connection.transaction():  # a savepoint: the key's index may refuse
+                    cur.execute(
+                        "UPDATE batchd_jobs SET status = 'queued', total = %s, input_bytes = %s, "
+                        "runner = '', lease_until = 0, submission = %s WHERE id = %s AND status "
+                        "= 'validating' RETURNING id",
+                        (total, input_bytes, key, job_id),
+                    )
+                    queued = cur.fetchone()
+            except UniqueViolation:  # the key is on a job queued already (or just now)
+                mine = f"{_KEYED} AND owner = (SELECT owner FROM batchd_jobs WHERE id = %s)"
+                raise Submitted(one(cur, mine, (key, job_id))[0]) from None
+            if queued is None:
                 return False  # cancelled meanwhile, through any replica
             with path.open("rb") as f:
                 for part, data in enumerate(iter(lambda: f.read(PART_BYTES), b"")):
