@@ -11,12 +11,14 @@ schedule whether or not earlier ones were answered, so queueing shows
 honestly. Load comes from `--processes` processes (default: one per 4 cores)
 so that the tool is not the bottleneck; a level is split whole over them (3
 callers over 2 processes: 2 + 1; open loop: they take turns on one schedule,
-so every request of the rate leaves, from one start instant). req/s is what
-was answered, over the time from the level's start to its last answer (at
-least --duration): an open loop faster than the server shows the server's
-rate. Inputs are random, shaped from the model's metadata (`--batch` rows,
--1 dims as `--dim`), or read from .npy. When the server reports statistics,
-the table shows its average batch size.
+so every request of the rate leaves, from one start instant; rate * duration
+requests, rounded up). req/s is what was answered, over the time from the
+level's start to its last answer (at least --duration, and at least the time
+the schedule takes to send its requests, so never more than the rate): an
+open loop faster than the server shows the server's rate. Inputs are random,
+shaped from the model's metadata (`--batch` rows, -1 dims as `--dim`), or
+read from .npy. When the server reports statistics, the table shows its
+average batch size.
 Failed requests are counted per status code, each with the first message the
 server gave for it (in the table and in --json); percentiles without a sample
 are "-" (null in --json). Exit status: 0, 1 when some requests failed, 2 when
@@ -222,6 +224,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 0 < args.duration < math.inf:
         p.error(f"argument --duration: {args.duration:g}: must be a positive number of seconds")
+    if not 0 <= args.warmup < math.inf:  # 0: no warmup
+        p.error(f"argument --warmup: {args.warmup:g}: must be 0 or a positive number of seconds")
+    # 0 processes or connections would quietly run 1; a batch of 0 rows, requests all refused.
+    for name in ("batch", "processes", "connections"):
+        if (value := getattr(args, name)) < 1:
+            p.error(f"argument --{name}: {value}: must be at least 1")
     try:
         loads(args)
     except ValueError as e:

@@ -11,9 +11,9 @@ With `stream`, each request goes over ModelStreamInfer alone and is read to
 its final response (a decoupled model's outputs, one response per step). A
 load process also measures the time to each request's first output, the gaps
 between its outputs, and how many came; the rates of a streamed level are over
-the time its load took, the tails of its last streams included. The load
-processes of a level keep one schedule: the parent gives them one start
-instant once every one of them is ready.
+the time its load took, its last streams' tails included (an open loop's: at
+least its schedule's). The load processes of a level keep one schedule: the
+parent gives them one start instant once every one of them is ready.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Level:
     load: float  # callers, or the offered rate (requests/s)
     seconds: float = 0.0
     ok: int = 0
-    throughput: float = 0.0  # achieved: ok over elapsed_s, or over seconds if longer
+    throughput: float = 0.0  # achieved: ok over max(elapsed_s, seconds, the schedule's span)
     p50_ms: float | None = None  # None when no request was answered
     p90_ms: float | None = None
     p99_ms: float | None = None
@@ -335,10 +335,8 @@ def run_level(
     ctx = mp.get_context("spawn")
     out, go = ctx.Queue(), ctx.Queue()
     drive = (url, conn, connections, msg, mode, load, seconds, stream)
-    procs = [
-        ctx.Process(target=_process, args=(out, go, *drive, share))
-        for share in split_level(mode, load, seconds, processes)
-    ]
+    shares = split_level(mode, load, seconds, processes)
+    procs = [ctx.Process(target=_process, args=(out, go, *drive, s)) for s in shares]
     started = time.monotonic()
     give_up_at = started + seconds + REQUEST_TIMEOUT_S + START_GRACE_S
     reported = False
@@ -353,30 +351,28 @@ def run_level(
         reported = True
     finally:
         _stop(procs, grace=5.0 if reported else 0.0)
-    level = _summary(mode, load, seconds, reports)
-    if stream:
-        level.stream = _stream_summary(reports)
-        level.throughput = sum(len(r.latencies) / r.elapsed for r in reports if r.elapsed > 0)
-    return level
+    return _summary(mode, load, seconds, reports, stream)
 
 
-def _summary(mode: str, load: float, seconds: float, reports: Sequence[_Report]) -> Level:
+def _summary(
+    mode: str, load: float, seconds: float, reports: Sequence[_Report], stream: bool = False
+) -> Level:
     lat = np.concatenate([r.latencies for r in reports])
-    errors: Counter[str] = Counter()
-    messages: dict[str, str] = {}
-    for r in reports:
-        errors.update(r.errors)
-        for code, message in r.messages.items():
-            messages.setdefault(code, message)
+    errors: Counter[str] = sum((Counter(r.errors) for r in reports), Counter())
+    messages = {c: m for r in reversed(reports) for c, m in r.messages.items()}  # first wins
     if not len(lat) and not errors:
         raise LoadFailed(f"no request was sent in {seconds:g} s")
     # Achieved, not offered: the answers over the time they took, the level's start to its
-    # last answer (an overloaded server's backlog included), and at least the level's length.
+    # last answer (an overloaded server's backlog included), at least the level's length and
+    # the schedule's span (0.3/s for 1 s sends 1 request, over 3.3 s): never above the rate.
     elapsed = max(r.elapsed for r in reports)
-    window = max(seconds, elapsed)
+    span = (len(lat) + errors.total()) / load if mode == "rate" else 0.0
+    window = max(seconds, span, elapsed)
     level = Level(mode, load, seconds, len(lat), len(lat) / window if window > 0 else 0.0)
     level.p50_ms, level.p90_ms, level.p99_ms = (_ms([lat], q) for q in (50, 90, 99))
     level.errors, level.error_messages, level.elapsed_s = dict(errors), messages, elapsed
+    if stream:
+        level.throughput, level.stream = _stream_summary(reports, span)
     return level
 
 
@@ -385,12 +381,17 @@ def _ms(samples: Sequence[np.ndarray], q: float) -> float | None:
     return float(np.percentile(values, q)) * 1e3 if len(values) else None
 
 
-def _stream_summary(reports: Sequence[_Report]) -> StreamMetrics:
-    """Outputs and their timing; the rates add up each load process's own, over its time."""
+def _stream_summary(reports: Sequence[_Report], span: float) -> tuple[float, StreamMetrics]:
+    """Requests/s, and outputs and their timing; the rates add up each load process's own,
+    over its time, at least `span` (its share of an open loop leaves over all of it)."""
+
+    def per_s(count: Callable[[_Report], int]) -> float:
+        return sum(count(r) / t for r in reports if (t := max(r.elapsed, span)) > 0)
+
     ttfo, gaps = [r.ttfo for r in reports], [r.gaps for r in reports]
-    return StreamMetrics(
+    return per_s(lambda r: len(r.latencies)), StreamMetrics(
         outputs=sum(r.outputs for r in reports),
-        outputs_per_s=sum(r.outputs / r.elapsed for r in reports if r.elapsed > 0),
+        outputs_per_s=per_s(lambda r: r.outputs),
         ttfo_p50_ms=_ms(ttfo, 50),
         ttfo_p99_ms=_ms(ttfo, 99),
         inter_output_p50_ms=_ms(gaps, 50),

@@ -99,6 +99,30 @@ def test_the_throughput_of_a_rate_is_what_was_answered() -> None:
     assert _summary("rate", 10.0, 2.0, [report(20, 1.95)]).throughput == 10.0
 
 
+def test_a_rate_rounded_up_is_never_exceeded() -> None:
+    """`--rate 0.3 --duration 1` sends one request (0.3 rounded up), answered in 11 ms:
+    0.3 req/s, the time the schedule takes to send it, not 1 req/s over the 1 s level
+    (nor, `--duration 0.0001`, 88.8 req/s over the 11 ms it took). elapsed_s stays."""
+    level = _summary("rate", 0.3, 1.0, [report(1, 0.011)])
+    assert (level.throughput, level.elapsed_s) == (pytest.approx(0.3), 0.011)
+    assert _summary("rate", 1.0, 0.0001, [report(1, 0.0113)]).throughput == 1.0
+    streamed = _summary("rate", 0.3, 1.0, [report(1, 0.011)], stream=True)
+    assert streamed.throughput == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_throughput_of_a_rate_never_exceeds_the_offered_rate(stream: bool) -> None:
+    """Every request answered 1 ms after it left, over 1 to 3 processes: the throughput
+    is at most the rate (a streamed level adds up each process's own, over its time)."""
+    for rate in (0.3, 1.0, 3.0, 7.5, 10.0, 150.0):
+        for seconds in (0.0001, 0.5, 1.0, 2.2):
+            for processes in (1, 2, 3):
+                shares = split_level("rate", rate, seconds, processes)
+                reports = [report(len(s), s[-1] / rate + 0.001) for s in shares]
+                level = _summary("rate", rate, seconds, reports, stream=stream)
+                assert 0 < level.throughput <= rate * (1 + 1e-12), (rate, seconds, processes)
+
+
 def test_a_level_of_no_time_divides_by_nothing() -> None:
     assert _summary("concurrency", 1.0, 0.0, [report(1, 0.0)]).throughput == 0.0
 
@@ -114,7 +138,7 @@ def test_percentiles_without_samples_are_none_and_shown_as_a_dash() -> None:
     assert (level.p50_ms, level.p90_ms, level.p99_ms) == (None, None, None)
     assert json.loads(json.dumps(asdict(level)))["p50_ms"] is None
     assert bench.rows(level)[0].split()[:5] == ["c=2", "0.0", "-", "-", "-"]
-    s = _stream_summary([report(0, 1.0, UNAVAILABLE=3)])
+    _, s = _stream_summary([report(0, 1.0, UNAVAILABLE=3)], 0.0)
     assert (s.ttfo_p50_ms, s.ttfo_p99_ms, s.inter_output_p50_ms) == (None, None, None)
 
 
@@ -131,12 +155,21 @@ def test_percentiles_without_samples_are_none_and_shown_as_a_dash() -> None:
         (["--duration", "0"], "--duration: 0: must be a positive number"),
         (["--duration", "-1"], "--duration: -1: must be a positive number"),
         (["--duration", "nan"], "--duration: nan: must be a positive number"),
+        (["--warmup", "-1"], "--warmup: -1: must be 0 or a positive number"),
+        (["--warmup", "inf"], "--warmup: inf: must be 0 or a positive number"),
+        (["--batch", "0"], "--batch: 0: must be at least 1"),
+        (["--batch=-2"], "--batch: -2: must be at least 1"),
+        (["--processes", "0"], "--processes: 0: must be at least 1"),
+        (["--processes=-1"], "--processes: -1: must be at least 1"),
+        (["--connections", "0"], "--connections: 0: must be at least 1"),
+        (["--connections=-3"], "--connections: -3: must be at least 1"),
     ],
 )
 def test_a_load_that_cannot_run_is_a_usage_error(
     argv: list[str], why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Refused before anything runs (`--concurrency 0:4` doubled 0 forever)."""
+    """Refused before anything runs (`--concurrency 0:4` doubled 0 forever; `--batch 0`
+    ran every level with every request refused; `--processes 0` quietly ran one)."""
     with pytest.raises(SystemExit) as raised:
         bench.parse_args(["--model", "m", *argv])
     assert raised.value.code == 2
@@ -287,11 +320,12 @@ def test_an_open_loop_over_two_processes_prints_json_alone(
     test_server: ServerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`--rate 3 --duration 0.5`: 2 requests (1.5 rounded up), one per load process,
-    both answered; with `--json -` stdout is the JSON and the table is on stderr."""
+    both answered, over at least the 2/3 s they take to send at 3/s; with `--json -`
+    stdout is the JSON and the table is on stderr."""
     argv = ["--url", test_server.url, "--model", "echo", "--rate", "3", "--duration", "0.5"]
     code = bench.main([*argv, "--warmup", "0", "--processes", "2", "--json", "-"])
     out, err = capsys.readouterr()
     (level,) = json.loads(out)["levels"]
     assert (code, level["ok"], level["errors"]) == (0, 2, {})
-    assert level["throughput"] == pytest.approx(2 / max(0.5, level["elapsed_s"]))
+    assert level["throughput"] == pytest.approx(2 / max(2 / 3, level["elapsed_s"]))
     assert "r=3" in err
