@@ -40,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     def verb(name: str, help: str) -> argparse.ArgumentParser:
         v = verbs.add_parser(name, help=help)
         v.add_argument("--url", default="127.0.0.1:8001", help="the server (HOST:PORT)")
-        v.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+        v.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds per call (an upload or a download has no limit)")  # fmt: skip
         add_security(v)
         return v
 

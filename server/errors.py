@@ -174,6 +174,8 @@ def http_status(error: BatchdError) -> tuple[int, dict[str, str]]:
         headers["Retry-After"] = str(max(1, -(-error.retry_after_ms // 1000)))
     elif isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
+    elif isinstance(error, ResponseTooLarge):  # the same request fails again: not 429's "later"
+        return 400, headers
     return HTTP_STATUS.get(error.code, 500), headers
 
 

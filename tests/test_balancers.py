@@ -29,6 +29,7 @@ import pytest
 from batchd.client import BatchdClientError, Client
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos import jobs_pb2
 from tests.conftest import Gate
 from tests.servers import EXAMPLES, ROOT, TEST_MODELS, ServerProcess, distro_binary, wait_for
 
@@ -572,12 +573,12 @@ server.wait_for_termination()
 
 
 def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
-    """Three replicas that each die once a call has come whole, before answering:
-    an inference call is sent again to the next (it has no side effect), a job
-    submission is not (the replica may have stored it: a second would run it twice).
-    grpc's Python client ends a client stream in a frame of its own, which haproxy
-    does not resend anyway; the config's disable-l7-retry covers clients that end it
-    with their last piece, as a unary call is sent."""
+    """Five replicas that each die once a call has come whole, before answering: an
+    inference call is sent again to the next (it has no side effect), a job submission
+    is not (the replica may have stored it: a second would run it twice), whether it
+    comes as grpc's Python client sends it (a client stream ending in a frame of its
+    own, which haproxy does not resend anyway) or ending with its one piece, as a
+    unary call is sent and as other clients may send it (resent without the rule)."""
 
     class Url:
         def __init__(self, port: int) -> None:
@@ -585,7 +586,7 @@ def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
 
     (tmp_path / "backend.py").write_text(DYING_BACKEND)
     calls = tmp_path / "calls.log"
-    backends, procs = [Url(_free_port()) for _ in range(3)], []
+    backends, procs = [Url(_free_port()) for _ in range(5)], []
     for b in backends:
         cmd = [sys.executable, str(tmp_path / "backend.py"), b.url.split(":")[1], str(calls)]
         procs.append(subprocess.Popen(cmd))
@@ -596,10 +597,19 @@ def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
         with Client(h.url) as c, pytest.raises(BatchdClientError):
             c.submit_job("m", [{"custom_id": "a", "inputs": []}])
         assert calls.read_text().split() == ["SubmitJob"]
-        wait_for(lambda: h.states().count("UP") == 2, 30, "haproxy to see it down")
+        wait_for(lambda: h.states().count("UP") == 4, 30, "haproxy to see it down")
+        with grpc.insecure_channel(h.url) as channel, pytest.raises(grpc.RpcError):
+            unary = channel.unary_unary(
+                "/batchd.jobs.v1.Jobs/SubmitJob",
+                request_serializer=jobs_pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=jobs_pb2.Job.FromString,
+            )
+            unary(jobs_pb2.SubmitJobRequest(model_name="m", data=b"{}\n"), timeout=30)
+        assert calls.read_text().split() == ["SubmitJob", "SubmitJob"]
+        wait_for(lambda: h.states().count("UP") == 3, 30, "haproxy to see it down")
         with Client(h.url) as c, pytest.raises(BatchdClientError):
             c.infer("m", {"X": np.zeros((1, 1), np.float32)})
-        assert calls.read_text().split() == ["SubmitJob", "ModelInfer", "ModelInfer"]
+        assert calls.read_text().split().count("ModelInfer") >= 2  # sent again
     finally:
         h.stop()
         for p in procs:

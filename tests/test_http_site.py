@@ -236,6 +236,6 @@ def test_an_answer_too_large_for_json_is_refused_and_counted_failed(wide: Server
 
     before = counts()
     r = call(wide, "POST", "/v2/models/wide/infer", body)
-    assert r.status == 429 and "ask for them in binary form (binary_data_output)" in r.error
+    assert r.status == 400 and "ask for them in binary form (binary_data_output)" in r.error
     assert "the answer's JSON outputs hold 16000000 bytes of tensors" in r.error
     assert counts() == (before[0], before[1] + 1)

@@ -41,6 +41,11 @@ def test_a_key_sent_again_answers_the_job_it_made(tmp_path: Path) -> None:
                    for _ in range(2)]  # fmt: skip
         assert unkeyed[0].id != unkeyed[1].id
         assert len((await service.listing(EVERYONE)).jobs) == 4
+        with pytest.raises(InvalidInput, match=rf"key 'k1' made job {first.id} of model 'm'"):
+            await service.submit(ALICE, "other", "", whole(ONE_LINE.encode()), "k1")
+        await service.cancel(ALICE, first.id)  # a key names its job whatever became of it
+        again = await service.submit(ALICE, CFG.name, "", whole(ONE_LINE.encode()), "k1")
+        assert (again.id, again.status) == (first.id, "cancelled")
         with pytest.raises(InvalidInput, match="at most 256 characters, got 300"):
             await service.submit(ALICE, CFG.name, "", whole(ONE_LINE.encode()), "x" * 300)
 

@@ -203,6 +203,34 @@ def test_a_stop_lets_uploads_under_way_end_and_refuses_new_ones(tmp_path: Path) 
     run(lambda: asyncio.wait_for(body(), 60))
 
 
+def test_a_notice_as_long_as_the_drain_leaves_uploads_half_of_it_to_end(tmp_path: Path) -> None:
+    """--drain-notice >= --drain-timeout took uploads until the drain ended: one begun
+    late was cut with no answer at all. Uploads are now refused after half the drain,
+    and those under way have the rest to end."""
+    store = SqliteStore(tmp_path)
+    jobs = jobs_of(store)
+    service = JobsService(jobs)
+
+    async def body() -> None:
+        resume = asyncio.Event()
+        upload = asyncio.ensure_future(
+            service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
+        )
+        await validating(service)
+        stop = asyncio.ensure_future(jobs.stop(timeout_s=2.0, notice_s=10.0))
+
+        async def refused() -> bool:
+            return not jobs.taking_uploads
+
+        await until(refused)
+        assert not stop.done()  # the drain goes on: the upload under way may end
+        resume.set()
+        assert (await upload).status == "queued"
+        await asyncio.wait_for(stop, 30)
+
+    run(lambda: asyncio.wait_for(body(), 60))
+
+
 def test_a_cancel_through_another_frontend_stops_the_upload_at_its_next_look(
     tmp_path: Path,
 ) -> None:

@@ -99,8 +99,7 @@ class JobRun:
         self.completed, self.failed, self.rate = row.completed, row.failed, 0.0
         # Through the last chunk written, and the input offset of the last checkpoint.
         self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
-        self._saved = row.input_offset
-        self._unready_since = math.inf  # when its model was last seen without a live worker
+        self._saved, self._unready_since = row.input_offset, math.inf  # (model seen workerless)
 
     def cancel(self) -> None:
         self.cancelling = True
@@ -252,8 +251,7 @@ class JobRun:
 
 
 class Jobs:
-    """The jobs of this server: the store, and (in the frontend that runs jobs) the
-    runner that takes queued jobs in order, one per model at a time."""
+    """This server's jobs: the store and (where jobs run) the runner, in order, one a model."""
 
     def __init__(self, store: Store, core: JobCore, limits: Limits, *, max_file_bytes: int,
                  max_open: int, retention_s: float, min_upload_rate: int, upload_grace_s: float,
@@ -343,7 +341,8 @@ class Jobs:
         in flight too; take uploads `notice_s` more, then let those under way end. `timeout_s`."""
         self.stopping, self.taking_uploads = True, notice_s > 0  # (SIGINT: no notice)
         self._wake.set()
-        until, noticed = time.monotonic() + timeout_s, time.monotonic() + min(notice_s, timeout_s)
+        until = time.monotonic() + timeout_s  # uploads taken: the notice, at most half of it all
+        asyncio.get_running_loop().call_later(min(notice_s, timeout_s / 2), self._no_uploads)
         claiming = self._claiming
         if claiming is not None:
             await asyncio.wait([claiming], timeout=timeout_s)
@@ -359,13 +358,14 @@ class Jobs:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=max(0.0, until - time.monotonic()))
-        await asyncio.sleep(max(0.0, noticed - time.monotonic()))
-        self.taking_uploads = False
-        log.info("the drain notice is over: new job uploads are refused")
         while self.uploads and (left := until - time.monotonic()) > 0:
             self._wake.clear()  # (an upload that ends wakes it: service.py)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), left)
+
+    def _no_uploads(self) -> None:
+        self.taking_uploads = False
+        log.info("the drain notice is over: new job uploads are refused")
 
     async def count_statuses(self) -> None:
         """Read the jobs by status, before each scrape; a database that fails keeps the last."""

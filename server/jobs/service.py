@@ -80,6 +80,18 @@ class JobsService(pb_grpc.JobsServicer):
             raise ModelNotFound(f"no job {clip(job_id)}")
         return row
 
+    async def _same(self, caller: Caller, job_id: str, key: str, model: str, version: str,
+                    ) -> pb.Job:  # fmt: skip
+        """The job an idempotency key made, as it is now (what is left of the upload is
+        not read): the same submission's, or refused if it named another model."""
+        row = await self._job(job_id, caller)
+        if (row.model, row.version) != (model, version):
+            raise InvalidInput(
+                f"idempotency key {clip(key)} made job {row.id} of model {row.model!r} version "
+                f"{row.version!r}, not of {clip(model)} {clip(version)}: use a new key"
+            )
+        return self._message(row)
+
     def _message(self, row: JobRow) -> pb.Job:
         jobs = self._on()
         run = jobs.running.get(row.id)
@@ -110,7 +122,7 @@ class JobsService(pb_grpc.JobsServicer):
             raise InvalidInput(f"an idempotency key has at most {MAX_KEY_CHARS} characters, "
                                f"got {len(key)}: {clip(key)}")  # fmt: skip
         if key and (made := await jobs.store.keyed(caller[0], key)) is not None:
-            return await self.get(caller, made)  # (what is left of the upload is not read)
+            return await self._same(caller, made, key, model_name, model_version)
         if not jobs.taking_uploads:  # (uploads under way may end: runner.Jobs.stop)
             log.info("new job upload refused: this server is stopping")
             raise Refused("this server is stopping: submit the job again, to another replica")
@@ -136,7 +148,7 @@ class JobsService(pb_grpc.JobsServicer):
                 raise upload_stopped(row.id, "" if now is None else now.status)
         except Submitted as same:  # sent twice at once: the first to be queued is the job
             await asyncio.shield(jobs.store.delete(row.id))
-            return await self.get(caller, same.job_id)
+            return await self._same(caller, same.job_id, key, model_name, model_version)
         except BaseException:
             await asyncio.shield(jobs.store.delete(row.id))
             raise
