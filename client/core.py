@@ -209,7 +209,7 @@ class ClientCore:
         self.timeout = timeout  # seconds per call, all attempts together; None: no limit
         self.retry = RetryPolicy(retries)
         self.call_kwargs = call_kwargs  # passed with every RPC: the token metadata
-        self._rng = random.Random()
+        self.rng = random.Random()  # the retries' jitter
         self._meta: dict[str, dict[str, Any]] = {}
 
     def results_kwargs(self) -> dict[str, Any]:
@@ -250,7 +250,7 @@ class ClientCore:
                 return reply
             error = from_rpc_error(reply)
             remaining = None if deadline is None else deadline - time.monotonic()
-            wait = policy.delay(attempt, error, remaining, self._rng)
+            wait = policy.delay(attempt, error, remaining, self.rng)
             if wait is None:
                 raise error
             yield Wait(wait)

@@ -134,15 +134,17 @@ def submit_job(
         except BatchdClientError as e:
             if upload.error is not None:  # the lines, not the server: say what broke
                 raise upload.error from None
-            if not isinstance(e, ServerUnavailable) or not again or attempt >= core.retry.retries:
+            # The policy's rules (client/retry.py), but an unkeyed upload only where the
+            # server's pushback says it kept nothing: one lost after it was kept ran twice.
+            pushback = getattr(e, "retry_after_ms", None)
+            safe = again and (key or not isinstance(e, ServerUnavailable) or pushback is not None)
+            wait = core.retry.delay(attempt, e, None, core.rng) if safe else None
+            if wait is None:
                 raise
-            if not key and e.retry_after_ms is None:  # it may have kept it: not again
-                raise
-            pushback = (e.retry_after_ms or 0) / 1000
         finally:
             upload.close()
         attempt += 1
-        yield Wait(max(pushback, core.retry.base_s * 2**attempt))
+        yield Wait(wait)
 
 
 def job(core: ClientCore, job_id: str) -> Steps[Job]:
