@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
@@ -136,7 +137,11 @@ class RestApi:
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[sent, _errors, self._auth]
         )
-        get, post = self.app.router.add_get, self.app.router.add_post  # GET: HEAD too
+        get = self.app.router.add_get  # GET: HEAD too
+
+        def post(path: str, handler: Handler) -> None:
+            self.app.router.add_post(path, handler, expect_handler=self._expect)
+
         get("/v2", self.server_metadata)
         get("/v2/health/live", self.live)
         get("/v2/health/ready", self.ready)
@@ -167,6 +172,15 @@ class RestApi:
         return await handler(request)
 
     # ---- helpers ----
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """`Expect: 100-continue`: a body declared over the limit is refused before its
+        client sends it (aiohttp said 100 Continue, then refused it)."""
+        if (declared := request.content_length or 0) > self._max_body:
+            return error_response(413, f"the body is {declared} bytes, more than "
+                                  f"{self._max_body} (--max-message-bytes)")  # fmt: skip
+        await _default_expect_handler(request)  # 100 Continue
+        return None
 
     async def _body(self, request: web.Request) -> bytes:
         """The whole body: one that says it is over the limit is refused before a byte

@@ -239,3 +239,22 @@ def test_an_answer_too_large_for_json_is_refused_and_counted_failed(wide: Server
     assert r.status == 400 and "ask for them in binary form (binary_data_output)" in r.error
     assert "the answer's JSON outputs hold 16000000 bytes of tensors" in r.error
     assert counts() == (before[0], before[1] + 1)
+
+
+def test_expect_100_continue_refuses_a_body_over_the_limit_before_it_comes(
+    example_server: ServerProcess,
+) -> None:
+    """curl sends a large body after `Expect: 100-continue`: it was told to go on, then
+    refused once it had sent it all. Over the limit it is now refused at once; under
+    it, told to go on."""
+    big = 65 * 1024 * 1024  # over --max-message-bytes, 64 MiB
+    for length, first in ((big, b"HTTP/1.1 413"), (10, b"HTTP/1.1 100 Continue")):
+        with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
+            s.sendall(
+                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
+            )
+            answer = s.recv(4096)
+            assert answer.startswith(first), answer[:200]
+            if length == big:
+                assert b"the body is 68157440 bytes, more than 67108864" in answer
