@@ -22,13 +22,18 @@ from typing import Any
 
 from batchd.protos.traces import Tracing, extract, inject
 
+# Batch spans of one request (three spans each: queue, batch, compute): one of 16,384
+# rows split into 512 batches made 1,536, more than the exporter's queue of 2,048 holds
+# for every request's spans together. The batches past this are counted on the request.
+MAX_TRACED_BATCHES = 64
+
 now_ns = time.time_ns
 
 
 class RequestTrace:
     """One traced request's span and the start of its current phase."""
 
-    __slots__ = ("context", "mark", "span", "tracer")
+    __slots__ = ("batches", "context", "mark", "span", "tracer")
 
     def __init__(self, tracer: Any, span: Any) -> None:
         from opentelemetry import trace
@@ -36,6 +41,7 @@ class RequestTrace:
         self.tracer, self.span = tracer, span
         self.context = trace.set_span_in_context(span)
         self.mark = now_ns()  # when the phase under way began
+        self.batches = 0  # that carried it (a request split into many: the first traced)
 
     def phase(self, name: str, links: Sequence[Any] = (), **attributes: Any) -> None:
         """Record the phase that began at `mark` and ends now; the next begins now."""
@@ -47,6 +53,8 @@ class RequestTrace:
         self.mark = end
 
     def end(self, error: BaseException | None) -> None:
+        if self.batches > MAX_TRACED_BATCHES:
+            self.span.set_attribute("batchd.batches_untraced", self.batches - MAX_TRACED_BATCHES)
         if error is not None:
             from opentelemetry.trace import Status, StatusCode
 
@@ -76,9 +84,15 @@ def begin(tracing: Tracing | None, model: str, request_id: str,
 def start_batch(traces: Sequence[RequestTrace], model: str, batch_id: int, worker: str,
                 rows: int) -> tuple[Any, str]:  # fmt: skip
     """The span of a batch carrying `traces` (at least one) and its traceparent for the
-    wire; each request's queue phase ends here, linked to it."""
+    wire; each request's queue phase ends here, linked to it. A request's batches past
+    MAX_TRACED_BATCHES are counted, not traced: (None, "") if no request is left."""
     from opentelemetry.trace import Link
 
+    for t in traces:
+        t.batches += 1
+    traces = [t for t in traces if t.batches <= MAX_TRACED_BATCHES]
+    if not traces:
+        return None, ""
     first = traces[0]
     span = first.tracer.start_span(
         "batch",

@@ -351,6 +351,28 @@ def test_a_request_split_into_batches_traces_each_batch(
     assert {s.parent_span_id for s in spans if s.name == "compute"} == batches
 
 
+def test_a_request_of_many_batches_traces_the_first_64_and_counts_the_rest(
+    traced: ServerProcess, receiver: tuple[Receiver, int]
+) -> None:
+    """2,240 rows of tiny go as 70 batches of 32: three spans each filled the exporter's
+    queue (2,048 for every request together) with one request. 64 are traced; the
+    root says how many were not."""
+    trace_id = os.urandom(16).hex()
+    client = tc_grpc.InferenceServerClient(traced.url)
+    x = tc_grpc.InferInput("INPUT0", [2240, 16], "FP32")
+    x.set_data_from_numpy(np.ones((2240, 16), np.float32))
+    client.infer("tiny", [x], headers={"traceparent": _traceparent(trace_id)})
+    client.close()
+
+    def names() -> list[str]:
+        return [s.name for _, s in receiver[0].of_trace(trace_id)]
+
+    wait_for(lambda: names().count("compute") == 64 and "infer tiny" in names(), 30, "spans")
+    assert names().count("batch") == names().count("queue") == 64
+    [root] = [s for _, s in receiver[0].of_trace(trace_id) if s.name == "infer tiny"]
+    assert {a.key: a.value.int_value for a in root.attributes}["batchd.batches_untraced"] == 6
+
+
 def test_a_collector_that_is_down_does_not_hold_the_stop(tmp_path: Path) -> None:
     """Spans that cannot be exported are given up at shutdown (a few seconds), not
     retried while the process is asked to stop; serving is unaffected meanwhile."""
