@@ -384,6 +384,8 @@ async def serve(cfg: ServerConfig) -> None:
             if worker_auth is not None:
                 worker_auth.start(ctx, router)
             router.bind(endpoint)
+            if every and cfg.workers.endpoint:  # local workers join where it listens too
+                every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, repository, router, ",".join(every) or endpoint)
             await _run(cfg, p, children, endpoint)
         finally:

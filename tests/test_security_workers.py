@@ -273,6 +273,30 @@ def test_local_workers_get_the_keys(tmp_path: Path) -> None:
         assert server.stop() == 0, server.log()
 
 
+@pytest.mark.parametrize("keyed", [True, False], ids=["CURVE", "plain"])
+def test_local_workers_join_a_worker_endpoint_of_its_own(tmp_path: Path, keyed: bool) -> None:
+    """--worker-endpoint tcp://... (so remote workers can join), local workers as well:
+    they were sent to a private ipc:// path no socket listened on, and the server was
+    never ready."""
+    key_dir = tmp_path / "keys"
+    keys.generate(key_dir)
+    args = ("--worker-keys", str(key_dir)) if keyed else ()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    server = ServerProcess(_tiny_repo(tmp_path), "--worker-endpoint", endpoint, *args,
+                           log_dir=tmp_path).start()  # fmt: skip
+    try:
+        with Client(server.url) as c:
+            assert c.infer("tiny", np.ones((1, 16), np.float32), timeout=30)["OUTPUT0"].any()
+        [worker] = server.worker_pids()
+        argv = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--connect") + 1] == endpoint.encode()
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_keys_cli(tmp_path: Path) -> None:
     batchd = str(Path(sys.executable).parent / "batchd")
     out = subprocess.run([batchd, "keys", "generate", str(tmp_path / "k")], capture_output=True,
