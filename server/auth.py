@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,9 +72,12 @@ def load_tokens(path: Path) -> Tokens:
         text = path.read_text()
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the token file: {e.strerror}") from e
+    except UnicodeDecodeError as e:  # (the bytes may be a token: not quoted)
+        raise ConfigError(f"{path}: not UTF-8 (byte {e.start} of the file)") from None
     scopes: dict[str, list[bytes]] = {INFER: [], ADMIN: []}
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
+        # A comment: a line from `#`, or `#` after a space; a `#` in a token is the token's
+        line = re.sub(r"(^|\s)#.*", "", line).strip()
         if not line:
             continue
         scope, sep, token = (s.strip() for s in line.partition(":"))
@@ -104,7 +108,10 @@ def bearer(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
 def bearer_header(value: str) -> bytes | None:
     """The token of an HTTP `Authorization: Bearer <token>` header, if any."""
     kind, _, token = value.partition(" ")
-    return token.strip().encode() if kind.lower() == "bearer" and token.strip() else None
+    if kind.lower() != "bearer" or not token.strip():
+        return None
+    # aiohttp decodes a header as UTF-8 with surrogate escapes: encoded back, the bytes sent
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 async def _deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:

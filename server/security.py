@@ -146,6 +146,11 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
                 "them",
                 host,
             )
+        if cfg.network.metrics_port >= 0:  # (TLS and tokens guard gRPC and HTTP only)
+            log.warning(
+                "/metrics on %s:%d is in clear and open to anyone who reaches it: keep that "
+                "network trusted, or --metrics-port -1", host, cfg.network.metrics_port,
+            )  # fmt: skip
     try:  # grpc raises RuntimeError (older versions returned 0), saying only "failed"
         port = server.add_insecure_port(address) if creds is None else server.add_secure_port(
             address, creds)  # fmt: skip

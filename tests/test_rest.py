@@ -896,7 +896,8 @@ def test_tokens_are_401_with_the_grpc_message_and_health_stays_open(
     wrong = grpc_error(strict_stub.ModelInfer, x_request("gated", 1.0),
                        metadata=[("authorization", "Bearer not-the-token-0123456789")])  # fmt: skip
     assert wrong.details() == e.details()
-    refusals = ["", "Bearer not-the-token-0123456789", f"Basic {INFER_TOKEN}", "Bearer"]
+    refusals: list[Any] = ["", "Bearer not-the-token-0123456789", f"Basic {INFER_TOKEN}", "Bearer"]
+    refusals += [b"Bearer \xff\xfe" + b"x" * 20, "Bearer caf\xe9-0123456789abcdef"]  # not UTF-8
     for headers in [{"Authorization": a} if a else {} for a in refusals]:
         for method, path, body in (
             ("POST", "/v2/models/gated/infer", x_body(1.0)),

@@ -49,7 +49,7 @@ from batchd.server.security import connection_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
-from tests.servers import EXAMPLES
+from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
 
 # ---- the real gRPC server, in this process ----
 
@@ -161,6 +161,19 @@ def test_token_file_format(tmp_path: Path, token_file: Path) -> None:
         with pytest.raises(ConfigError, match=expected) as e:
             load_tokens(bad)
         assert secret not in str(e.value)  # errors never echo a token
+    bad.write_bytes(b"infer: " + secret.encode() + b"\xe9\n")  # Latin-1, say
+    with pytest.raises(ConfigError, match=r"bad: not UTF-8 \(byte 47 of the file\)"):
+        load_tokens(bad)
+
+
+def test_a_hash_inside_a_token_is_the_token_s(tmp_path: Path) -> None:
+    """`#` began a comment anywhere: `0123456789abcdef#rest` let its first 16
+    characters pass for it. A comment is a line from `#`, or `#` after a space."""
+    path = tmp_path / "tokens"
+    path.write_text("# tokens\ninfer: 0123456789abcdef#rest-of-it   # the CI's\n")
+    tokens = load_tokens(path)
+    assert tokens.allows("infer", b"0123456789abcdef#rest-of-it")
+    assert not tokens.allows("infer", b"0123456789abcdef")
 
 
 def test_scopes() -> None:
@@ -513,3 +526,15 @@ def test_a_grpc_port_in_use_is_refused_naming_the_address() -> None:
         f"cannot serve gRPC on 127.0.0.1:{port}: Address already in use (--grpc-port; 0: a "
         "free one)"
     )
+
+
+def test_a_server_off_loopback_warns_of_each_port_in_clear(tmp_path: Path) -> None:
+    """--host 0.0.0.0 with TLS and tokens guards gRPC and HTTP; /metrics is neither, and
+    nothing said so."""
+    server = ServerProcess(TEST_MODELS, "--host", "0.0.0.0", log_dir=tmp_path).start()
+    try:
+        log = server.log()
+        assert "gRPC and HTTP on 0.0.0.0 without TLS" in log
+        assert "/metrics on 0.0.0.0:" in log and "or --metrics-port -1" in log
+    finally:
+        assert server.stop() == 0, server.log()
