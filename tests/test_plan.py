@@ -94,7 +94,8 @@ def test_without_a_token_budget_a_padded_batch_stays_within_what_one_request_may
     """One row of 40M tokens (under --max-tensor-elements) batched with 7 short ones
     was padded to 8 x 40M: 2.5 GB of INT64 for 320 MB sent, and 16 GB for the
     longest row a request may have beside 31 others. It now rides alone; short rows
-    still batch together, and a packed model (no padding) is not bounded so."""
+    still batch together. A packed model (no padding) batches them all, but its sum
+    of tokens is bounded the same: two such rows were one batch of 80M."""
     cfg = ragged_model()  # no max_batch_tokens
     long, *short = [text(cfg, loop, 3, arrival=NOW - 1 + i / 100) for i in range(8)]
     long.length = 40_000_000  # (its tokens are never read here)
@@ -104,6 +105,10 @@ def test_without_a_token_budget_a_padded_batch_stays_within_what_one_request_may
     assert p is not None and p.requests == short
     p = plan_batch(levels_of(long, *short), NOW, 8, cfg.batching, 64, packed=True)
     assert p is not None and len(p.requests) == 8
+    other = text(cfg, loop, 3, arrival=NOW - 0.5)
+    other.length = 40_000_000
+    p = plan_batch(levels_of(long, other), NOW, 8, cfg.batching, 64, packed=True)
+    assert p is not None and p.requests == [long] and p.full
     assert Limits().max_tensor_elements == PADDED_TOKENS
 
 

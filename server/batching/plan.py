@@ -18,9 +18,11 @@ requests whose non-ragged shapes equal the anchor's can join it. Then:
   * `preferred_batch_sizes`: if a prefix of the chosen requests has exactly a
     preferred number of rows, the batch is cut there and may leave at once.
 
-Without `max_batch_tokens`, a padded batch still holds at most PADDED_TOKENS
-(rows x longest): one row of millions of tokens rides alone rather than have
-thirty short rows padded to its length, a batch far larger than any request.
+Without `max_batch_tokens`, a batch still holds at most PADDED_TOKENS tokens
+(padded: rows x longest; packed: their sum): one row of millions of tokens
+rides alone rather than have thirty short rows padded to its length, and
+thirty requests of the most one may send never make one batch thirty times
+that (a worker's memory).
 
 A suspect (a request whose batch lost its worker or made the model raise)
 rides alone, so a poison request or a bad input takes nobody else down.
@@ -100,7 +102,6 @@ def plan_batch(
         candidates = sorted(
             candidates, key=lambda r: (rank[r.level], abs(r.length - anchor.length), r.arrival)
         )
-    padded_at_most = 0 if packed else PADDED_TOKENS
     chosen, rows, length, blocked = [anchor], anchor.rows, anchor.length, False
     shortest, summed = anchor.length, anchor.rows * anchor.length
     for r in candidates:
@@ -109,7 +110,7 @@ def plan_batch(
         if bucket and new_len > 2 * min(shortest, r.length):
             continue  # not of this bucket: it anchors a batch of its own later
         tokens = new_sum if packed else new_rows * new_len
-        if not _fits(new_rows, tokens, cap, cfg.max_batch_tokens or padded_at_most):
+        if not _fits(new_rows, tokens, cap, cfg.max_batch_tokens or PADDED_TOKENS):
             blocked = True
             if not bucket:
                 break
