@@ -38,8 +38,10 @@ def generate(directory: Path) -> list[Path]:
     """Write a server pair, a worker pair and authorized/worker.key; refuse to overwrite."""
     if any((directory / f"{name}.key_secret").exists() for name in (SERVER, WORKER)):
         raise ConfigError(f"{directory}: holds keys already; not overwriting them")
+    made = not directory.exists()  # one of the user's (`batchd keys generate ~`) keeps its mode
     (directory / AUTHORIZED).mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
+    if made:
+        os.chmod(directory, 0o700)
     written = []
     for name in (SERVER, WORKER):
         public, secret = zmq.auth.create_certificates(directory, name)

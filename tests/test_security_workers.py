@@ -114,6 +114,11 @@ def test_keys_generate_and_load(tmp_path: Path) -> None:
     keys.generate(d)
     assert (d / "server.key_secret").stat().st_mode & 0o777 == 0o600
     assert (d / "worker.key_secret").stat().st_mode & 0o777 == 0o600
+    assert d.stat().st_mode & 0o777 == 0o700  # made here: private
+    home = tmp_path / "home"  # one of the user's, `batchd keys generate ~`: left as it was
+    home.mkdir(mode=0o755)
+    keys.generate(home)
+    assert home.stat().st_mode & 0o777 == 0o755
     assert keys.load_authorized(d) == {keys.load_public(d, "worker")}
     assert keys.load_pair(d, "worker").public == keys.load_public(d, "worker")
     with pytest.raises(ConfigError, match="not overwriting"):
