@@ -177,13 +177,23 @@ def test_a_cancel_stops_an_upload_to_this_process_at_once(tmp_path: Path) -> Non
     run(lambda: asyncio.wait_for(body(), 30))
 
 
-def test_a_stop_lets_uploads_under_way_end_and_refuses_new_ones(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("timeout_s", "notice_s"), [(30.0, 0.0), (2.0, 10.0)], ids=["no notice", "notice >= drain"]
+)
+def test_a_stop_lets_uploads_under_way_end_and_refuses_new_ones(
+    tmp_path: Path, timeout_s: float, notice_s: float
+) -> None:
     """SIGTERM's stop waits (within its time) for uploads under way, which a cut would
     make their clients send again whole, and refuses new ones with UNAVAILABLE: the
-    client retries it through a balancer, to another replica."""
+    client retries it through a balancer, to another replica. New ones are taken
+    through the drain notice, but at most half the drain: a notice as long as the
+    drain took uploads to its very end, and cut one begun late with no answer."""
     store = SqliteStore(tmp_path)
     jobs = jobs_of(store)
     service = JobsService(jobs)
+
+    async def refused() -> bool:
+        return not jobs.taking_uploads
 
     async def body() -> None:
         resume = asyncio.Event()
@@ -191,39 +201,11 @@ def test_a_stop_lets_uploads_under_way_end_and_refuses_new_ones(tmp_path: Path) 
             service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
         )
         await validating(service)
-        stop = asyncio.ensure_future(jobs.stop(timeout_s=30))
-        await asyncio.sleep(0)  # it begins
+        stop = asyncio.ensure_future(jobs.stop(timeout_s=timeout_s, notice_s=notice_s))
+        await until(refused)
         with pytest.raises(Unavailable, match="this server is stopping: submit the job again"):
             await service.submit(EVERYONE, CFG.name, "", whole(ONE_LINE.encode()))
         assert not stop.done()  # (it waits for the upload, not for the time)
-        resume.set()
-        assert (await upload).status == "queued"
-        await asyncio.wait_for(stop, 30)
-
-    run(lambda: asyncio.wait_for(body(), 60))
-
-
-def test_a_notice_as_long_as_the_drain_leaves_uploads_half_of_it_to_end(tmp_path: Path) -> None:
-    """--drain-notice >= --drain-timeout took uploads until the drain ended: one begun
-    late was cut with no answer at all. Uploads are now refused after half the drain,
-    and those under way have the rest to end."""
-    store = SqliteStore(tmp_path)
-    jobs = jobs_of(store)
-    service = JobsService(jobs)
-
-    async def body() -> None:
-        resume = asyncio.Event()
-        upload = asyncio.ensure_future(
-            service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
-        )
-        await validating(service)
-        stop = asyncio.ensure_future(jobs.stop(timeout_s=2.0, notice_s=10.0))
-
-        async def refused() -> bool:
-            return not jobs.taking_uploads
-
-        await until(refused)
-        assert not stop.done()  # the drain goes on: the upload under way may end
         resume.set()
         assert (await upload).status == "queued"
         await asyncio.wait_for(stop, 30)
