@@ -197,12 +197,14 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
     security = cfg.security
     _credentials(security)
     ssl_context(security)
+    key_dir = security.worker_keys
+    secrets = [] if key_dir is None else [key_dir / f"{keys.SERVER}.key_secret"]
     if security.auth_token_file is not None:
         load_tokens(security.auth_token_file)
-        if security.auth_token_file.stat().st_mode & 0o077:
-            log.warning(
-                "token file %s is readable by other users: chmod 600 it", security.auth_token_file
-            )
+        secrets.append(security.auth_token_file)
+    for path in secrets:  # (a missing key secret fails at WorkerAuth, naming it)
+        if path.exists() and path.stat().st_mode & 0o077:
+            log.warning("%s is readable by other users: chmod 600 it", path)
     check_worker_endpoint(cfg.workers.endpoint or "", security.worker_keys)
     return None if security.worker_keys is None else WorkerAuth(security.worker_keys)
 

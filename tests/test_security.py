@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from batchd.client import AsyncClient, Client, Unauthenticated
 from batchd.client.errors import BatchdClientError
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos import keys
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
 from batchd.server.app import _grpc_server
@@ -538,3 +540,19 @@ def test_a_server_off_loopback_warns_of_each_port_in_clear(tmp_path: Path) -> No
         assert "/metrics on 0.0.0.0:" in log and "or --metrics-port -1" in log
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_secrets_readable_by_others_are_warned_of(
+    tmp_path: Path, token_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The token file was checked; the frontend's CURVE secret was not."""
+    key_dir = tmp_path / "keys"
+    keys.generate(key_dir)
+    for path in (token_file, key_dir / "server.key_secret"):
+        path.chmod(0o644)
+    security = Security(auth_token_file=token_file, worker_keys=key_dir)
+    with caplog.at_level(logging.WARNING, "batchd.server"):
+        preflight(server_config(security=security))
+    warned = {r.getMessage() for r in caplog.records if "readable by other users" in r.message}
+    assert warned == {f"{p} is readable by other users: chmod 600 it"
+                      for p in (token_file, key_dir / "server.key_secret")}  # fmt: skip
