@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -10,8 +11,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from batchd.client import Client
@@ -194,3 +199,17 @@ class ServerProcess:
         code = self.proc.wait(timeout)
         wait_for(lambda: not any(alive(p) for p in workers), 10, "workers to exit")
         return code
+
+
+@contextlib.contextmanager
+def grpc_servicer(add: Callable[[Any, Any], None], servicer: Any) -> Iterator[int]:
+    """An in-process gRPC server of one servicer (`add_XServicer_to_server`) on a free
+    loopback port, serving while the block runs: its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(None)

@@ -10,18 +10,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
 from batchd.client import Client, ServerUnavailable
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from tests.conftest import Gate
-from tests.servers import TEST_MODELS, ServerProcess, wait_for
+from tests.servers import TEST_MODELS, ServerProcess, grpc_servicer, wait_for
 from tests.test_jobs import gated_lines, line
 
 
@@ -89,13 +87,9 @@ class _SlowResults(jobs_pb2_grpc.JobsServicer):
 @pytest.fixture
 def slow_results() -> Iterator[tuple[str, _SlowResults]]:
     servicer = _SlowResults()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    jobs_pb2_grpc.add_JobsServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
-    servicer.release.set()
-    server.stop(None)
+    with grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, servicer) as port:
+        yield f"127.0.0.1:{port}", servicer
+        servicer.release.set()
 
 
 def test_a_download_takes_longer_than_the_client_s_timeout(

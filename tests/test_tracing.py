@@ -12,11 +12,9 @@ import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tc_grpc
@@ -27,7 +25,7 @@ from opentelemetry.trace import StatusCode
 from batchd.protos import traces
 from batchd.protos.model_config import ConfigError
 from batchd.server import tracing
-from tests.servers import EXAMPLES, ServerProcess, wait_for
+from tests.servers import EXAMPLES, ServerProcess, grpc_servicer, wait_for
 
 PARENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN = "b7ad6b7169203331"
@@ -139,12 +137,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[tuple[Receiver, int]]:
     found = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(found, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield found, port
-    server.stop(None)
+    with grpc_servicer(trace_service_pb2_grpc.add_TraceServiceServicer_to_server, found) as port:
+        yield found, port
 
 
 @pytest.fixture(scope="module")
@@ -328,17 +322,23 @@ def test_a_server_without_an_endpoint_never_loads_the_sdk(tmp_path: Path) -> Non
     assert out.stdout.strip() == "False"
 
 
+def _infer_rows(url: str, rows: int) -> str:
+    """One request of `rows` rows of tiny, by tritonclient with a traceparent: its trace id."""
+    trace_id = os.urandom(16).hex()
+    client = tc_grpc.InferenceServerClient(url)
+    x = tc_grpc.InferInput("INPUT0", [rows, 16], "FP32")
+    x.set_data_from_numpy(np.ones((rows, 16), np.float32))
+    client.infer("tiny", [x], headers={"traceparent": _traceparent(trace_id)})
+    client.close()
+    return trace_id
+
+
 def test_a_request_split_into_batches_traces_each_batch(
     traced: ServerProcess, receiver: tuple[Receiver, int]
 ) -> None:
     """40 rows of tiny (max_batch_size 32) go as two batches: both are in the request's
     trace, each with the worker's compute span under it."""
-    trace_id = os.urandom(16).hex()
-    client = tc_grpc.InferenceServerClient(traced.url)
-    x = tc_grpc.InferInput("INPUT0", [40, 16], "FP32")
-    x.set_data_from_numpy(np.ones((40, 16), np.float32))
-    client.infer("tiny", [x], headers={"traceparent": _traceparent(trace_id)})
-    client.close()
+    trace_id = _infer_rows(traced.url, 40)
 
     def both() -> bool:
         names = [s.name for _, s in receiver[0].of_trace(trace_id)]
@@ -357,12 +357,7 @@ def test_a_request_of_many_batches_traces_the_first_64_and_counts_the_rest(
     """2,240 rows of tiny go as 70 batches of 32: three spans each filled the exporter's
     queue (2,048 for every request together) with one request. 64 are traced; the
     root says how many were not."""
-    trace_id = os.urandom(16).hex()
-    client = tc_grpc.InferenceServerClient(traced.url)
-    x = tc_grpc.InferInput("INPUT0", [2240, 16], "FP32")
-    x.set_data_from_numpy(np.ones((2240, 16), np.float32))
-    client.infer("tiny", [x], headers={"traceparent": _traceparent(trace_id)})
-    client.close()
+    trace_id = _infer_rows(traced.url, 2240)
 
     def names() -> list[str]:
         return [s.name for _, s in receiver[0].of_trace(trace_id)]
