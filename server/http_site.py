@@ -61,6 +61,10 @@ def encoding(request: web.Request) -> str:
     return coding
 
 
+MAX_MEMBERS = 64  # gzip members of one body: each costs a decompressor, even an empty one
+STEP = 64 * 1024  # compressed bytes given zlib at a time: what it hands back stays small
+
+
 class Inflating:
     """A gzip or deflate body, inflated in steps (run) to at most `limit` + 1 bytes: the
     caller refuses more, and a bomb costs no more than that. gzip may hold several
@@ -69,36 +73,44 @@ class Inflating:
 
     def __init__(self, body: bytes, coding: str, limit: int) -> None:
         self.coding, self.limit, self.out = coding, limit, bytearray()
-        self._rest = body  # compressed bytes not yet inflated
+        self._body, self._at = memoryview(body), 0  # not yet inflated: body[at:]
         self._d: Any = None  # the member being inflated
+        self._members = 0
 
     def run(self, budget: int) -> bool:
-        """Inflate at most `budget` more bytes; True once all is (or more than `limit`)."""
+        """Inflate, spending about `budget` (bytes read or made, whichever is more); True
+        once all is (or more than `limit`). Linear in the body, whatever its members."""
         while len(self.out) <= self.limit and budget > 0:
             if self._d is None:
-                if not self._rest:
+                if self._at >= len(self._body):
                     return True  # every member inflated (or an empty body)
-                self._d = zlib.decompressobj(self._wbits(self._rest))
+                self._members += 1
+                if self._members > MAX_MEMBERS:
+                    raise web.HTTPBadRequest(text=f"the {self.coding} body holds more than "
+                                             f"{MAX_MEMBERS} members")  # fmt: skip
+                self._d = zlib.decompressobj(self._wbits(self._body[self._at : self._at + 2]))
+            chunk = self._body[self._at : self._at + STEP]
             want = min(budget, self.limit + 1 - len(self.out))
             try:
-                got = self._d.decompress(self._rest, want)
+                got = self._d.decompress(chunk, want)
             except zlib.error as e:
                 why = f"the {self.coding} body does not inflate: {e}"
                 raise web.HTTPBadRequest(text=why) from None
+            left = self._d.unused_data if self._d.eof else self._d.unconsumed_tail
+            used = len(chunk) - len(left)
+            self._at += used
             self.out += got
-            budget -= len(got)
+            budget -= max(len(got), used, 1)
             if self._d.eof:  # a member ends: another may follow (gzip), else nothing may
-                self._rest, self._d = self._d.unused_data, None
-                if self._rest and self.coding == "deflate":
+                self._d = None
+                if self._at < len(self._body) and self.coding == "deflate":
                     raise web.HTTPBadRequest(text="the deflate body has bytes after its end")
-            else:
-                self._rest = self._d.unconsumed_tail
-                if not got and not self._rest:  # no input left, and the stream goes on
-                    why = f"the {self.coding} body ends inside its compressed stream"
-                    raise web.HTTPBadRequest(text=why)
-        return len(self.out) > self.limit or (self._d is None and not self._rest)
+            elif not got and not used:  # no input left, and the stream goes on
+                why = f"the {self.coding} body ends inside its compressed stream"
+                raise web.HTTPBadRequest(text=why)
+        return len(self.out) > self.limit or (self._d is None and self._at >= len(self._body))
 
-    def _wbits(self, data: bytes) -> int:
+    def _wbits(self, data: memoryview) -> int:
         if self.coding != "deflate":
             return 16 + zlib.MAX_WBITS  # a gzip member
         zlib_header = len(data) > 1 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0

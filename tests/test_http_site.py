@@ -141,8 +141,9 @@ def test_head_of_a_job_s_results_is_refused_not_streamed(example_server: ServerP
         (b"not gzip at all", "the gzip body does not inflate: Error -3"),
         (gzip.compress(json.dumps(tiny_body()).encode())[:30], "ends inside its compressed"),
         (gzip.compress(json.dumps(tiny_body()).encode()) + b"junk", "does not inflate"),
+        (gzip.compress(b"") * 100_000, "the gzip body holds more than 64 members"),
     ],
-    ids=["not gzip", "cut short", "junk after it"],
+    ids=["not gzip", "cut short", "junk after it", "100,000 empty members"],
 )
 def test_a_broken_gzip_body_is_a_400(
     example_server: ServerProcess, body: bytes, message: str
@@ -256,5 +257,6 @@ def test_expect_100_continue_refuses_a_body_over_the_limit_before_it_comes(
             )
             answer = s.recv(4096)
             assert answer.startswith(first), answer[:200]
-            if length == big:
+            if length == big:  # the body it announced never comes: no next request either
                 assert b"the body is 68157440 bytes, more than 67108864" in answer
+                assert b"Connection: close" in answer
