@@ -163,24 +163,33 @@ class RestApi:
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """--auth-token-file, as on gRPC: health is open, model control needs an admin
         token, the rest an infer or admin one; one answer for every refusal."""
-        path = request.path
-        if self._tokens is not None and not path.startswith("/v2/health/"):
-            scope = ADMIN if path.startswith("/v2/repository") else INFER
-            token = bearer_header(request.headers.get("Authorization", ""))
-            if not self._tokens.allows(scope, token):
-                raise Unauthenticated(DENIED)
+        if not self._allowed(request):
+            raise Unauthenticated(DENIED)
         return await handler(request)
+
+    def _allowed(self, request: web.Request) -> bool:
+        path = request.path
+        if self._tokens is None or path.startswith("/v2/health/"):
+            return True
+        scope = ADMIN if path.startswith("/v2/repository") else INFER
+        return self._tokens.allows(scope, bearer_header(request.headers.get("Authorization", "")))
 
     # ---- helpers ----
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
-        """`Expect: 100-continue`: a body declared over the limit is refused before its
-        client sends it (aiohttp said 100 Continue, then refused it)."""
-        if (declared := request.content_length or 0) > self._max_body:
-            return error_response(413, f"the body is {declared} bytes, more than "
-                                  f"{self._max_body} (--max-message-bytes)")  # fmt: skip
-        await _default_expect_handler(request)  # 100 Continue
-        return None
+        """`Expect: 100-continue` (it comes before the middlewares): a caller without its
+        token, or a body declared over the limit, is refused before the body is sent
+        (aiohttp said 100 Continue, then refused it), and the connection closed."""
+        if not self._allowed(request):
+            refused = error_response(401, DENIED, {"WWW-Authenticate": "Bearer"})
+        elif (declared := request.content_length or 0) > self._max_body:
+            refused = error_response(413, f"the body is {declared} bytes, more than "
+                                     f"{self._max_body} (--max-message-bytes)")  # fmt: skip
+        else:
+            await _default_expect_handler(request)  # 100 Continue
+            return None
+        refused.force_close()  # the body it announced never came: no next request
+        return refused
 
     async def _body(self, request: web.Request) -> bytes:
         """The whole body: one that says it is over the limit is refused before a byte

@@ -540,6 +540,18 @@ def test_unknown_routes_and_methods_answer_json(example_server: ServerProcess) -
     assert set(wrong.headers["Allow"].split(",")) == {"GET", "HEAD"}
 
 
+def test_expect_100_continue_asks_for_the_token_first(strict: ServerProcess) -> None:
+    """The Expect handler runs before the middlewares: a caller without a token was told
+    413 (naming the limit) or 100 Continue, never 401, before it sent its body."""
+    for auth, first in ((b"", b"HTTP/1.1 401"), (INFER["Authorization"].encode(), b"HTTP/1.1 413")):
+        head = b"Authorization: " + auth + b"\r\n" if auth else b""
+        with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
+            expect = b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
+            s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n" + head + expect)
+            answer = s.recv(4096)
+        assert answer.startswith(first) and b"Connection: close" in answer, answer[:300]
+
+
 def test_load_and_unload_over_http_with_an_admin_token(
     strict: ServerProcess, strict_stub: pb_grpc.GRPCInferenceServiceStub
 ) -> None:
