@@ -226,9 +226,13 @@ class ClientCore:
         service: str = "inference",
     ) -> Steps[Any]:
         """One RPC, retried by the policy within one deadline; its typed error if it fails."""
-        return (yield from self._call(method, msg, self._deadline(timeout), retries, service))
+        return (yield from self._call(method, msg, self.deadline(timeout), retries, service))
 
-    def _deadline(self, timeout: float | None) -> float | None:
+    def call_by(self, method: str, msg: Any, deadline: float | None, service: str) -> Steps[Any]:
+        """One RPC, not retried, under `deadline` (an operation's, fixed before it)."""
+        return (yield from self._call(method, msg, deadline, 0, service))
+
+    def deadline(self, timeout: float | None) -> float | None:
         """The monotonic deadline of an operation starting now: `timeout`, or the default."""
         timeout = self.timeout if timeout is None else timeout
         return None if timeout is None else time.monotonic() + timeout
@@ -294,7 +298,7 @@ class ClientCore:
         retries: int | None = None,
     ) -> Steps[dict[str, np.ndarray]]:
         """Run `model` on `inputs` (name->array, or one array for a one-input model)."""
-        deadline = self._deadline(timeout)  # the metadata lookup's and the call's
+        deadline = self.deadline(timeout)  # the metadata lookup's and the call's
         msg = yield from self._request(
             model, inputs, outputs, request_id, datatypes, parameters, deadline, retries
         )
@@ -314,7 +318,7 @@ class ClientCore:
         """Send one request to a decoupled (step-wise) model over ModelStreamInfer and emit
         each response's outputs, until its final response. `timeout`: the whole stream.
         Not retried: outputs may have reached the caller."""
-        deadline = self._deadline(timeout)  # the metadata lookup's and the stream's
+        deadline = self.deadline(timeout)  # the metadata lookup's and the stream's
         parameters = {**STREAM_PARAMETERS, **(parameters or {})}
         msg = yield from self._request(
             model, inputs, outputs, request_id, datatypes, parameters, deadline
@@ -352,7 +356,7 @@ class ClientCore:
 
     def model_metadata(self, model: str) -> Steps[dict[str, Any]]:
         """name, versions, platform, inputs and outputs (name, datatype, shape); cached."""
-        return (yield from self._metadata(model, self._deadline(None)))
+        return (yield from self._metadata(model, self.deadline(None)))
 
     def _metadata(
         self, model: str, deadline: float | None, retries: int | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -125,11 +126,11 @@ def submit_job(
     sent again, is, up to the client's retries, when the server was unavailable."""
     again = isinstance(source, str | os.PathLike | Sequence)
     key = uuid.uuid4().hex if idempotency_key is None else idempotency_key
-    attempt = 0
+    attempt, deadline = 0, core.deadline(timeout)  # one, for every attempt and wait
     while True:
         upload = _Upload(model, version, source, key)
         try:
-            reply = yield from core.call("SubmitJob", iter(upload), timeout, 0, "jobs")
+            reply = yield from core.call_by("SubmitJob", iter(upload), deadline, "jobs")
             return Job.from_pb(reply)
         except BatchdClientError as e:
             if upload.error is not None:  # the lines, not the server: say what broke
@@ -138,7 +139,8 @@ def submit_job(
             # server's pushback says it kept nothing: one lost after it was kept ran twice.
             pushback = getattr(e, "retry_after_ms", None)
             safe = again and (key or not isinstance(e, ServerUnavailable) or pushback is not None)
-            wait = core.retry.delay(attempt, e, None, core.rng) if safe else None
+            remaining = None if deadline is None else deadline - time.monotonic()
+            wait = core.retry.delay(attempt, e, remaining, core.rng) if safe else None
             if wait is None:
                 raise
         finally:

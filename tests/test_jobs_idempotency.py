@@ -139,3 +139,18 @@ def test_a_real_server_answers_a_key_sent_again_over_grpc_and_http(
         ids.append(json.loads(r.read())["id"])
         conn.close()
     assert ids[0] == ids[1] != first.id
+
+
+def test_a_keyed_submission_s_attempts_share_its_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attempt had a timeout of its own: timeout=5 with three retries could take 20 s."""
+    now = [100.0]
+    monkeypatch.setattr("time.monotonic", lambda: now[0])
+    core = ClientCore(timeout=None, retries=3, call_kwargs={})
+    steps = submit_job(core, "m", [{"custom_id": "a", "inputs": []}], timeout=5.0)
+    first = next(steps)
+    assert isinstance(first, Rpc) and first.timeout == 5.0
+    now[0] += 3.0  # the attempt took 3 s, then failed
+    assert isinstance(steps.send(FakeRpcError(grpc.StatusCode.UNAVAILABLE, None)), Wait)
+    again = steps.send(None)
+    assert isinstance(again, Rpc) and again.timeout is not None and again.timeout <= 2.0
+    steps.close()
