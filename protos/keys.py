@@ -26,6 +26,7 @@ import zmq.auth
 from batchd.protos._toml_reader import ConfigError
 
 SERVER, WORKER, AUTHORIZED = "server", "worker", "authorized"
+PAIRS = (SERVER, WORKER)
 
 
 @dataclass(frozen=True)
@@ -36,14 +37,14 @@ class KeyPair:
 
 def generate(directory: Path) -> list[Path]:
     """Write a server pair, a worker pair and authorized/worker.key; refuse to overwrite."""
-    if any((directory / f"{name}.key_secret").exists() for name in (SERVER, WORKER)):
+    if any((directory / f"{name}.key_secret").exists() for name in PAIRS):
         raise ConfigError(f"{directory}: holds keys already; not overwriting them")
     made = not directory.exists()  # one of the user's (`batchd keys generate ~`) keeps its mode
     (directory / AUTHORIZED).mkdir(mode=0o700, parents=True, exist_ok=True)
     if made:
         os.chmod(directory, 0o700)
     written = []
-    for name in (SERVER, WORKER):
+    for name in PAIRS:
         public, secret = zmq.auth.create_certificates(directory, name)
         os.chmod(secret, 0o600)
         written += [Path(public), Path(secret)]

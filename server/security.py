@@ -198,7 +198,7 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
     _credentials(security)
     ssl_context(security)
     key_dir = security.worker_keys
-    secrets = [] if key_dir is None else [key_dir / f"{keys.SERVER}.key_secret"]
+    secrets = [] if key_dir is None else [key_dir / f"{n}.key_secret" for n in keys.PAIRS]
     if security.auth_token_file is not None:
         load_tokens(security.auth_token_file)
         secrets.append(security.auth_token_file)

@@ -545,14 +545,15 @@ def test_a_server_off_loopback_warns_of_each_port_in_clear(tmp_path: Path) -> No
 def test_secrets_readable_by_others_are_warned_of(
     tmp_path: Path, token_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The token file was checked; the frontend's CURVE secret was not."""
+    """The token file was checked; the CURVE secrets (the frontend's, the local
+    workers') were not."""
     key_dir = tmp_path / "keys"
     keys.generate(key_dir)
-    for path in (token_file, key_dir / "server.key_secret"):
+    secrets = [token_file, key_dir / "server.key_secret", key_dir / "worker.key_secret"]
+    for path in secrets:
         path.chmod(0o644)
     security = Security(auth_token_file=token_file, worker_keys=key_dir)
     with caplog.at_level(logging.WARNING, "batchd.server"):
         preflight(server_config(security=security))
     warned = {r.getMessage() for r in caplog.records if "readable by other users" in r.message}
-    assert warned == {f"{p} is readable by other users: chmod 600 it"
-                      for p in (token_file, key_dir / "server.key_secret")}  # fmt: skip
+    assert warned == {f"{p} is readable by other users: chmod 600 it" for p in secrets}
