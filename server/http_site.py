@@ -110,6 +110,11 @@ class Inflating:
                 raise web.HTTPBadRequest(text=why)
         return len(self.out) > self.limit or (self._d is None and self._at >= len(self._body))
 
+    def finish(self) -> None:
+        """Inflate the rest, however much is left (bounded by `limit` and the body)."""
+        while not self.run(self.limit + 1):
+            pass
+
     def _wbits(self, data: memoryview) -> int:
         if self.coding != "deflate":
             return 16 + zlib.MAX_WBITS  # a gzip member

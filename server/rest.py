@@ -203,7 +203,7 @@ class RestApi:
             return body
         inflating = Inflating(body, coding, limit)  # a small body on the loop, more aside
         if not inflating.run(INLINE_BYTES):
-            await self._service.aside(inflating.run, limit + 1)
+            await self._service.aside(inflating.finish)
         if len(inflating.out) > limit:
             too_big = f"the {coding} body inflates to more than {limit} bytes (--max-message-bytes)"
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=limit + 1, text=too_big)

@@ -9,6 +9,7 @@ import asyncio
 import gzip
 import http.client
 import json
+import random
 import socket
 import zlib
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from batchd.client import Client
 from batchd.server.config import Connections
+from batchd.server.http_site import Inflating
 from batchd.server.jobs.service import JobsService
 from batchd.server.rest import INLINE_BYTES, RestApi
 from tests.servers import ServerProcess, wait_for
@@ -260,3 +262,16 @@ def test_expect_100_continue_refuses_a_body_over_the_limit_before_it_comes(
             if length == big:  # the body it announced never comes: no next request either
                 assert b"the body is 68157440 bytes, more than 67108864" in answer
                 assert b"Connection: close" in answer
+
+
+def test_finish_inflates_all_where_one_step_of_the_limit_stops_short() -> None:
+    """A step's budget counts bytes read as well as made (gzip's headers and trailers
+    too), so run(limit + 1) may stop before the end of a body that inflates to exactly
+    the limit; the decode thread's finish() runs to the end."""
+    data = random.Random(0).randbytes(1000)  # incompressible: read about as much as made
+    body = b"".join(gzip.compress(data) for _ in range(10))
+    step = Inflating(body, "gzip", len(data) * 10)
+    assert not step.run(len(data) * 10 + 1)
+    whole = Inflating(body, "gzip", len(data) * 10)
+    whole.finish()
+    assert bytes(whole.out) == data * 10
