@@ -53,6 +53,7 @@ from batchd.client.core import (
     StreamSteps,
     Wait,
     channel_options,
+    open_channel,
 )
 from batchd.client.errors import from_rpc_error
 from batchd.client.retry import RetryPolicy
@@ -68,6 +69,8 @@ T = TypeVar("T")
 
 class _Connection:
     """The channel, its stub and the core: what both clients hold."""
+
+    _grpc: Any = grpc  # the channel's kind: blocking (Client) or grpc.aio (AsyncClient)
 
     def __init__(
         self,
@@ -87,14 +90,10 @@ class _Connection:
         self.url = url
         self._core = ClientCore(timeout, retries, security.call_kwargs())
         options = channel_options(max_message_bytes, own_connection)
-        self._channel = self._open(url, security.credentials(), options)
+        self._opens = (url, security.credentials(), options)
+        self._channel = open_channel(self._grpc, *self._opens)
         self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
         self._jobs_stub: Any = jobs_grpc.JobsStub(self._channel)
-
-    def _open(
-        self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
-    ) -> Any:
-        raise NotImplementedError  # a blocking or an asyncio channel
 
     @property
     def timeout(self) -> float | None:
@@ -178,13 +177,6 @@ def _async_streaming(
 
 class Client(_Connection):
     """A blocking client. Thread-safe; reuse one per process."""
-
-    def _open(
-        self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
-    ) -> grpc.Channel:
-        if credentials is None:
-            return grpc.insecure_channel(url, options=options)
-        return grpc.secure_channel(url, credentials, options=options)
 
     def _run(self, steps: Steps[T]) -> T:
         """Drive an operation: make its calls, sleep its waits, return its result."""
@@ -287,12 +279,8 @@ class AsyncClient(_Connection):
     the event loop that uses it (grpc.aio binds its channel to the loop running when it
     is made: one made before asyncio.run() fails there, "attached to a different loop")."""
 
-    def _open(
-        self, url: str, credentials: grpc.ChannelCredentials | None, options: list[Any]
-    ) -> grpc.aio.Channel:
-        if credentials is None:
-            return grpc.aio.insecure_channel(url, options=options)
-        return grpc.aio.secure_channel(url, credentials, options=options)
+    _grpc = grpc.aio
+    _uploads: grpc.Channel | None = None  # SubmitJob's (_upload)
 
     async def _run(self, steps: Steps[T]) -> T:
         """Drive an operation: await its calls and its waits, return its result."""
@@ -309,6 +297,8 @@ class AsyncClient(_Connection):
         if isinstance(step, Wait):
             await asyncio.sleep(step.seconds)
             return None
+        if step.method == "SubmitJob":
+            return await self._upload(step)
         try:
             call = getattr(
                 self._stub if step.service == "inference" else self._jobs_stub, step.method
@@ -316,6 +306,26 @@ class AsyncClient(_Connection):
             return await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
+
+    async def _upload(self, step: Rpc) -> Any:
+        """SubmitJob, made over a blocking channel in a thread: grpc.aio reports a call
+        the server ended while the client still sent (an upload refused, or answered by
+        its idempotency key) as INTERNAL "Internal error from Core" whenever a write
+        failed after it (grpc/grpc#36066), and it would read the job file on the loop."""
+        if self._uploads is None:
+            self._uploads = open_channel(grpc, *self._opens)
+        stub = jobs_grpc.JobsStub(self._uploads)
+        loop, ended = asyncio.get_running_loop(), asyncio.Event()  # (no thread waits)
+        call = stub.SubmitJob.future(step.request, timeout=step.timeout,
+                                     **self._core.call_kwargs)  # fmt: skip
+        call.add_done_callback(lambda _: loop.call_soon_threadsafe(ended.set))
+        try:
+            await ended.wait()
+            return call.result()
+        except grpc.RpcError as e:
+            return e
+        finally:
+            call.cancel()  # the awaiting task cancelled: the upload too (nothing once ended)
 
     async def _drive_stream(self, steps: StreamSteps) -> AsyncIterator[Outputs]:
         """Client._drive_stream, awaited. An iterator left without aclose() is closed,
@@ -379,6 +389,8 @@ class AsyncClient(_Connection):
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._uploads is not None:
+            self._uploads.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -143,6 +143,14 @@ def _pem(value: Pem | None) -> bytes | None:
     return Path(value).read_bytes()
 
 
+def open_channel(kind: Any, url: str, credentials: grpc.ChannelCredentials | None,
+                 options: list[tuple[str, int]]) -> Any:  # fmt: skip
+    """A channel of `kind` (grpc: blocking; grpc.aio), over TLS with `credentials`."""
+    if credentials is None:
+        return kind.insecure_channel(url, options=options)
+    return kind.secure_channel(url, credentials, options=options)
+
+
 def channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
