@@ -26,7 +26,9 @@ from batchd.client.core import ClientCore, Steps, Wait
 from batchd.client.errors import BatchdClientError, ServerUnavailable
 from batchd.protos import jobs_pb2 as pb
 
-PIECE = 1024 * 1024  # bytes of the job file per SubmitJobRequest
+# Bytes of the job file per SubmitJobRequest, at most: under the --max-message-bytes of
+# any server set for small requests (the file's own size is --jobs-max-file-bytes').
+PIECE = 256 * 1024
 ENDED = ("completed", "failed", "cancelled")
 Source = str | os.PathLike[str] | Iterable[Mapping[str, Any]]
 
@@ -108,9 +110,11 @@ def _lines(source: Iterable[Mapping[str, Any]]) -> Iterator[pb.SubmitJobRequest]
         buffer.append(encoded)
         size += len(encoded)
         if size >= PIECE:
-            yield pb.SubmitJobRequest(data=b"".join(buffer))
-            buffer, size = [], 0
-    if buffer:
+            data = b"".join(buffer)
+            cut = len(data) - len(data) % PIECE
+            yield from (pb.SubmitJobRequest(data=data[i : i + PIECE]) for i in range(0, cut, PIECE))
+            buffer, size = [data[cut:]], len(data) - cut
+    if size:
         yield pb.SubmitJobRequest(data=b"".join(buffer))
 
 

@@ -195,3 +195,30 @@ def test_cancelling_an_async_submission_ends_its_upload(tmp_path: Path) -> None:
         more.set()
         assert server.stop() == 0, server.log()
 
+
+def test_uploads_go_in_pieces_a_small_max_message_takes(tmp_path: Path) -> None:
+    """A server with --max-message-bytes 300000 (set for small requests) refused every
+    upload of the client's 1 MiB pieces. A file, many lines, and one line longer than a
+    piece now go in pieces of at most client.jobs.PIECE bytes, whole."""
+    server = ServerProcess(TEST_MODELS, "--max-message-bytes", "300000",
+                           log_dir=tmp_path).start()  # fmt: skip
+    many = gated_lines(range(1, 20_001))  # about 2 MB
+    path = tmp_path / "many.jsonl"
+    path.write_text("".join(json.dumps(v) + "\n" for v in many))
+    long = {**line("long", "X", "FP32", [1.0], [1, 1]), "parameters": {"note": "n" * 700_000}}
+    mixed = [long, *many[:2]]
+    try:
+        with Client(server.url) as c:
+            for source, total, size in (
+                (path, 20_000, path.stat().st_size), (many, 20_000, compact(many)),
+                (mixed, 3, compact(mixed)),
+            ):  # fmt: skip
+                job = c.submit_job("gated", source)
+                assert (job.status, job.total, job.input_bytes) == ("queued", total, size)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def compact(rows: list[dict[str, Any]]) -> int:
+    """The bytes of `rows` as the client sends them."""
+    return sum(len(json.dumps(v, separators=(",", ":"))) + 1 for v in rows)
