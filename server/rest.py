@@ -27,7 +27,9 @@ is decoded, so the loop keeps serving everyone else.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
@@ -157,7 +159,8 @@ class RestApi:
         post("/v2/repository/index", self.index)
         post("/v2/repository/models/{model}/load", self.load)
         post("/v2/repository/models/{model}/unload", self.unload)
-        JobRoutes(jobs, body_timeout_s).add_to(self.app.router)
+        uploads = functools.partial(self._expect, limit=math.inf)  # (--jobs-max-file-bytes)
+        JobRoutes(jobs, body_timeout_s).add_to(self.app.router, uploads)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -176,13 +179,15 @@ class RestApi:
 
     # ---- helpers ----
 
-    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+    async def _expect(
+        self, request: web.Request, limit: float | None = None
+    ) -> web.StreamResponse | None:
         """`Expect: 100-continue` (it comes before the middlewares): a caller without its
         token, or a body declared over the limit, is refused before the body is sent
         (aiohttp said 100 Continue, then refused it), and the connection closed."""
         if not self._allowed(request):
             refused = error_response(401, DENIED, {"WWW-Authenticate": "Bearer"})
-        elif (declared := request.content_length or 0) > self._max_body:
+        elif (declared := request.content_length or 0) > (limit or self._max_body):
             refused = error_response(413, f"the body is {declared} bytes, more than "
                                      f"{self._max_body} (--max-message-bytes)")  # fmt: skip
         else:

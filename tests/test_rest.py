@@ -542,14 +542,22 @@ def test_unknown_routes_and_methods_answer_json(example_server: ServerProcess) -
 
 def test_expect_100_continue_asks_for_the_token_first(strict: ServerProcess) -> None:
     """The Expect handler runs before the middlewares: a caller without a token was told
-    413 (naming the limit) or 100 Continue, never 401, before it sent its body."""
-    for auth, first in ((b"", b"HTTP/1.1 401"), (INFER["Authorization"].encode(), b"HTTP/1.1 413")):
+    413 (naming the limit) or 100 Continue, never 401, before it sent its body; a job's
+    upload (its limit --jobs-max-file-bytes) was told 100 Continue, then 401."""
+    token = INFER["Authorization"].encode()
+    for path, auth, first in (
+        (b"/v2/models/gated/infer", b"", b"HTTP/1.1 401"),
+        (b"/v2/models/gated/infer", token, b"HTTP/1.1 413"),
+        (b"/v2/jobs?model=gated", b"", b"HTTP/1.1 401"),
+        (b"/v2/jobs?model=gated", token, b"HTTP/1.1 100 Continue"),
+    ):
         head = b"Authorization: " + auth + b"\r\n" if auth else b""
         with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
             expect = b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
-            s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n" + head + expect)
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n" + head + expect)
             answer = s.recv(4096)
-        assert answer.startswith(first) and b"Connection: close" in answer, answer[:300]
+        refused_and_closed = b"Connection: close" in answer or first.endswith(b"Continue")
+        assert answer.startswith(first) and refused_and_closed, (path, answer[:300])
 
 
 def test_load_and_unload_over_http_with_an_admin_token(

@@ -15,7 +15,8 @@ A job is the JSON of protos/jobs.proto's Job, integers as numbers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -50,11 +51,12 @@ class JobRoutes:
         self._jobs = jobs
         self._timeout_s = body_timeout_s or None  # for each piece of an upload; 0: none
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
-        router.add_route("POST", "/v2/jobs", self.submit)
+    def add_to(self, router: web.UrlDispatcher, expect: Callable[..., Awaitable[Any]]) -> None:
+        """The routes; `expect` answers a POST's `Expect: 100-continue` (rest.py)."""
+        router.add_post("/v2/jobs", self.submit, expect_handler=expect)
         router.add_get("/v2/jobs", self.listing)
         router.add_get("/v2/jobs/{job}", self.get)
-        router.add_route("POST", "/v2/jobs/{job}/cancel", self.cancel)
+        router.add_post("/v2/jobs/{job}/cancel", self.cancel, expect_handler=expect)
         router.add_route("GET", "/v2/jobs/{job}/results", self.results)  # (no HEAD: a stream)
 
     def _caller(self, request: web.Request) -> Caller:
