@@ -35,7 +35,7 @@ from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
-from batchd.server.auth import load_tokens
+from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
@@ -87,17 +87,15 @@ async def _track_health(health: HealthServicer, service: InferenceService, core:
 
 
 def _grpc_server(
-    cfg: ServerConfig,
-    service: InferenceService,
-    health: HealthServicer,
-    jobs: JobsService | None = None,
-) -> tuple[grpc.aio.Server, int]:
+    cfg: ServerConfig, service: InferenceService, health: HealthServicer,
+    jobs: JobsService | None = None, tokens: Tokens | None = None,
+) -> tuple[grpc.aio.Server, int]:  # fmt: skip
     options = [
         ("grpc.max_receive_message_length", cfg.network.max_message_bytes),
         ("grpc.max_send_message_length", cfg.network.max_message_bytes),
         ("grpc.so_reuseport", int(cfg.frontends.count > 1)),
     ]
-    more_options, interceptors = grpc_options(cfg)
+    more_options, interceptors = grpc_options(cfg, tokens)
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
     inference = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     jobs_service = jobs_pb2.DESCRIPTOR.services_by_name["Jobs"]
@@ -166,7 +164,7 @@ def _build(
     token_file = cfg.security.auth_token_file
     tokens = None if token_file is None else load_tokens(token_file)
     jobs_service = JobsService(jobs, off, tokens)
-    server, port = _grpc_server(cfg, service, health, jobs_service)
+    server, port = _grpc_server(cfg, service, health, jobs_service, tokens)
     rest = RestApi(
         service, core, jobs_service, tokens,
         max_body_bytes=cfg.network.max_message_bytes, connections=cfg.connections,
@@ -387,7 +385,7 @@ async def serve(cfg: ServerConfig) -> None:
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, repository, router, ",".join(every) or endpoint)
-            await _run(cfg, p, children, endpoint)
+            await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT))
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 asyncio.get_running_loop().remove_signal_handler(sig)

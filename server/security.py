@@ -26,7 +26,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from batchd.protos import keys
 from batchd.protos.model_config import ConfigError
-from batchd.server.auth import TokenAuth, load_tokens
+from batchd.server.auth import TokenAuth, Tokens, load_tokens
 from batchd.server.config import INT_MAX, STREAM_HEADROOM, Connections, Security, ServerConfig
 
 log = logging.getLogger("batchd.server")
@@ -112,10 +112,12 @@ def ssl_context(cfg: Security) -> ssl.SSLContext | None:
     return context
 
 
-def grpc_options(cfg: ServerConfig) -> tuple[list[tuple[str, Any]], list[Any]]:
-    """Channel options and interceptors of the gRPC server."""
-    token_file = cfg.security.auth_token_file
-    interceptors: list[Any] = [] if token_file is None else [TokenAuth(load_tokens(token_file))]
+def grpc_options(
+    cfg: ServerConfig, tokens: Tokens | None
+) -> tuple[list[tuple[str, Any]], list[Any]]:
+    """Channel options and interceptors of the gRPC server (`tokens`: --auth-token-file's,
+    read once for gRPC and HTTP)."""
+    interceptors: list[Any] = [] if tokens is None else [TokenAuth(tokens)]
     return connection_options(cfg.connections), interceptors
 
 
@@ -148,8 +150,9 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
             )
         if cfg.network.metrics_port >= 0:  # (TLS and tokens guard gRPC and HTTP only)
             log.warning(
-                "/metrics on %s:%d is in clear and open to anyone who reaches it: keep that "
-                "network trusted, or --metrics-port -1", host, cfg.network.metrics_port,
+                "/metrics on %s (--metrics-port %d) is in clear and open to anyone who reaches "
+                "it: keep that network trusted, or --metrics-port -1", host,
+                cfg.network.metrics_port,
             )  # fmt: skip
     try:  # grpc raises RuntimeError (older versions returned 0), saying only "failed"
         port = server.add_insecure_port(address) if creds is None else server.add_secure_port(

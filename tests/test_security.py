@@ -108,7 +108,9 @@ class GrpcServer:
         )
         health = HealthServicer()
         await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.server, port = _grpc_server(cfg, service, health)
+        token_file = cfg.security.auth_token_file
+        tokens = None if token_file is None else load_tokens(token_file)
+        self.server, port = _grpc_server(cfg, service, health, tokens=tokens)
         await self.server.start()
         return port
 
