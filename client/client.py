@@ -55,10 +55,8 @@ from batchd.client.core import (
     channel_options,
     open_channel,
 )
-from batchd.client.errors import from_rpc_error
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2_grpc as pb_grpc
-from batchd.protos import jobs_pb2 as jobs_pb
 from batchd.protos import jobs_pb2_grpc as jobs_grpc
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "AsyncClient", "Client", "Inputs", "Pem"]
@@ -237,16 +235,17 @@ class Client(_Connection):
         """Write the job's results (all of them once it has ended; those kept so far
         while it runs) to `out`, a path or a binary file. Returns the lines written.
         No deadline: a download takes as long as the results (the client's timeout
-        bounded it, and failed every one longer)."""
+        bounded it, and failed every one longer). Cut off, it goes on from where it got
+        to, within the client's retries (job_ops.Resume)."""
+        resume = job_ops.Resume(self._core, job_id)
         with job_ops.ResultsFile(out) as f:
-            try:
-                for piece in self._jobs_stub.JobResults(
-                    jobs_pb.JobResultsRequest(id=job_id), **self._core.results_kwargs()
-                ):
-                    f.write(piece.data)
-            except grpc.RpcError as e:
-                raise from_rpc_error(e) from None
-        return f.lines
+            while True:
+                try:
+                    for piece in resume.call(self._jobs_stub.JobResults, f.size):
+                        f.write(piece.data)
+                    return f.lines
+                except grpc.RpcError as e:
+                    time.sleep(resume.wait(e))
 
     submit_job = _blocking(job_ops.submit_job)
     job = _blocking(job_ops.job)
@@ -361,15 +360,15 @@ class AsyncClient(_Connection):
 
     async def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
         """Client.job_results, awaited (the file is written from the event loop)."""
+        resume = job_ops.Resume(self._core, job_id)
         with job_ops.ResultsFile(out) as f:
-            try:
-                async for piece in self._jobs_stub.JobResults(
-                    jobs_pb.JobResultsRequest(id=job_id), **self._core.results_kwargs()
-                ):
-                    f.write(piece.data)
-            except grpc.RpcError as e:
-                raise from_rpc_error(e) from None
-        return f.lines
+            while True:
+                try:
+                    async for piece in resume.call(self._jobs_stub.JobResults, f.size):
+                        f.write(piece.data)
+                    return f.lines
+                except grpc.RpcError as e:
+                    await asyncio.sleep(resume.wait(e))
 
     submit_job = _awaitable(job_ops.submit_job)
     job = _awaitable(job_ops.job)

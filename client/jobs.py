@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import grpc
+
 from batchd.client.core import ClientCore, Steps, Wait
-from batchd.client.errors import BatchdClientError, ServerUnavailable
+from batchd.client.errors import BatchdClientError, ServerUnavailable, from_rpc_error
 from batchd.protos import jobs_pb2 as pb
 
 # Bytes of the job file per SubmitJobRequest, at most: under the --max-message-bytes of
@@ -192,11 +194,12 @@ class ResultsFile:
                 self.file = self._partial.open("wb")
         else:
             self.file, self._mine = out, False
-        self.lines = 0
+        self.lines = self.size = 0
 
     def write(self, data: bytes) -> None:
         self.file.write(data)
         self.lines += data.count(b"\n")
+        self.size += len(data)
 
     def __enter__(self) -> ResultsFile:
         return self
@@ -209,3 +212,28 @@ class ResultsFile:
                 os.replace(self._partial, self._path)
             else:
                 self._partial.unlink(missing_ok=True)
+
+
+class Resume:
+    """A download's retries, under the client's retry policy: it asks again from the
+    offset it got to (results only grow, so the bytes are the same), and one that got
+    further since its last failure counts its attempts again."""
+
+    def __init__(self, core: ClientCore, job_id: str) -> None:
+        self._core, self._job_id, self._attempt, self._had = core, job_id, 0, 0
+
+    def call(self, method: Any, offset: int) -> Any:
+        """JobResults (blocking or grpc.aio) from `offset`: its pieces."""
+        if offset > self._had:
+            self._attempt, self._had = 0, offset
+        request = pb.JobResultsRequest(id=self._job_id, offset=offset)
+        return method(request, **self._core.results_kwargs())
+
+    def wait(self, failure: grpc.RpcError) -> float:
+        """Seconds to wait before asking again; the client's error when not to."""
+        error = from_rpc_error(failure)
+        wait = self._core.retry.delay(self._attempt, error, None, self._core.rng)
+        if wait is None:
+            raise error from None
+        self._attempt += 1
+        return wait

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -115,6 +116,42 @@ def test_a_download_takes_longer_than_the_client_s_timeout(
         threading.Timer(1.5, servicer.release.set).start()
         assert c.job_results("j", out) == 2  # type: ignore[arg-type]
     assert out.data.count(b"\n") == 2
+
+
+class _CutResults(jobs_pb2_grpc.JobsServicer):
+    """JobResults of 3 lines whose connection is cut after each line: UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+
+    def JobResults(self, request: Any, context: Any) -> Iterator[jobs_pb2.JobResultsChunk]:
+        self.offsets.append(request.offset)
+        results = b"a\nb\nc\n"[request.offset :]
+        yield jobs_pb2.JobResultsChunk(data=results[:2])
+        if len(results) > 2:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+
+def test_a_cut_download_goes_on_from_where_it_got_to(tmp_path: Path) -> None:
+    """A download cut off went back to nothing: it failed (the CLI's retries=3 never
+    reached it). Within the client's retries it asks again from the bytes it has, a
+    retry counted again after each one that got further; without retries it fails and
+    leaves no file."""
+    servicer = _CutResults()
+    out = tmp_path / "results.jsonl"
+    with grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, servicer) as port:
+        with Client(f"127.0.0.1:{port}", retries=1) as c:
+            assert c.job_results("j", out) == 3
+        assert (out.read_bytes(), servicer.offsets) == (b"a\nb\nc\n", [0, 2, 4])
+
+        async def download() -> int:
+            async with AsyncClient(f"127.0.0.1:{port}", retries=1) as c:
+                return await c.job_results("j", tmp_path / "again.jsonl")
+
+        assert run(download) == 3 and (tmp_path / "again.jsonl").read_bytes() == b"a\nb\nc\n"
+        with Client(f"127.0.0.1:{port}") as c, pytest.raises(ServerUnavailable):
+            c.job_results("j", tmp_path / "none.jsonl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.jsonl", "results.jsonl"]
 
 
 def test_sigterm_during_a_download_leaves_no_partial_file(
