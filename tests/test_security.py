@@ -539,7 +539,7 @@ def test_a_server_off_loopback_warns_of_each_port_in_clear(tmp_path: Path) -> No
     try:
         log = server.log()
         assert "gRPC and HTTP on 0.0.0.0 without TLS" in log
-        assert "/metrics on 0.0.0.0:" in log and "or --metrics-port -1" in log
+        assert "/metrics on 0.0.0.0 (--metrics-port 0)" in log and "or --metrics-port -1" in log
     finally:
         assert server.stop() == 0, server.log()
 
