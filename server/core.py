@@ -294,7 +294,7 @@ class Core:
         if joined is Joined.AGAIN:
             return  # the same process, which heard nothing from us for a while: kept as is
         if joined is Joined.REPLACED:  # another process under the same id: the old one is gone
-            self.lose(worker, f"it registered again as pid {info.pid}", stuck=False)
+            self.lose(worker, f"it registered again, a new process (pid {info.pid})", stuck=False)
             joined, worker = self.pool.join(identity, info)
         self.link.watch(identity)
         self.link.send(identity, _FORGET)  # what it runs for us now is a predecessor's, or lost

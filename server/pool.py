@@ -100,11 +100,12 @@ class WorkerPool:
 
     def join(self, identity: bytes, info: wire.WorkerInfo) -> tuple[Joined, WorkerHandle]:
         """Register the worker that said READY. AGAIN: it is the same process (same
-        pid and device) saying it again, and keeps its batches; REPLACED: the
-        handle returned is the old one, which the caller must `leave` first."""
+        instance, pid and device) saying it again, and keeps its batches; REPLACED:
+        the handle returned is the old one, which the caller must `leave` first."""
         old = self._by_identity.get(identity)
         if old is not None:
-            same = old.info.pid == info.pid and old.info.device == info.device
+            was, now = old.info, info
+            same = (was.instance, was.pid, was.device) == (now.instance, now.pid, now.device)
             return (Joined.AGAIN if same else Joined.REPLACED), old
         credits = self._credits or (1 if info.device == "cpu" else 2)
         worker = WorkerHandle(identity, info, credits=credits)

@@ -13,8 +13,9 @@ from batchd.server.pool import Joined, WorkerHandle, WorkerPool
 from tests.conftest import model, request, stepwise_model
 
 
-def info(name: str, device: str = "cpu", pid: int = 1) -> wire.WorkerInfo:
-    return wire.WorkerInfo(worker_id=name, device=device, pid=pid, protocol=wire.PROTOCOL_VERSION)
+def info(name: str, device: str = "cpu", pid: int = 1, instance: str = "i1") -> wire.WorkerInfo:
+    return wire.WorkerInfo(worker_id=name, device=device, pid=pid, instance=instance,
+                           protocol=wire.PROTOCOL_VERSION)  # fmt: skip
 
 
 def serving(pool: WorkerPool, *names: str, key: str) -> list[WorkerHandle]:
@@ -116,6 +117,8 @@ def test_joining_again_from_the_same_process_keeps_the_worker_and_its_batches() 
     assert pool.join(b"a", info("a")) == (Joined.AGAIN, a)
     assert a.inflight == {batch.id: batch}
     assert pool.join(b"a", info("a", pid=2)) == (Joined.REPLACED, a)
+    # A container restarted: the same host name and pid 1, another process.
+    assert pool.join(b"a", info("a", instance="i2")) == (Joined.REPLACED, a)
     assert pool.leave(a) == ([batch], []) and pool.workers() == []
     assert pool.leave(a) == ([], [])  # already gone
     joined, new = pool.join(b"a", info("a", pid=2))

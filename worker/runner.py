@@ -23,6 +23,7 @@ import gc
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 import traceback
@@ -81,9 +82,8 @@ class Runner:
         self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}
         self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
         # (index of the frontend that sent it, header, frames)
-        self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]
+        self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # WorkerInfo's
         self._stop = threading.Event()
         self._tables = threading.Lock()  # the loader and the compute thread replace them
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
@@ -252,6 +252,7 @@ class Runner:
             models=self.options.allowed,
             protocol=wire.PROTOCOL_VERSION,
             frontends=self._frontends,
+            instance=self._instance,
         )
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
