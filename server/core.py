@@ -364,8 +364,8 @@ class Core:
             return
         try:
             results = split_outputs(batch.requests, header.tensors, frames)
-        except ValueError as e:
-            error = ModelFailed(
+        except Exception as e:  # (ValueError: bad outputs; anything else, from a peer
+            error = ModelFailed(  # that is not a batchd worker, must not stop the server)
                 f"model {batch.model.name!r} on worker {worker.name} returned bad outputs: {e}"
             )
             for r in batch.requests:

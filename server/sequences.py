@@ -29,6 +29,7 @@ from typing import Any
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.scheduler import Scheduler
+from batchd.server.batching.split_join import check_outputs
 from batchd.server.errors import InvalidInput, ModelFailed, StreamBehind
 from batchd.server.link import WorkerLink
 from batchd.server.pool import WorkerHandle, WorkerPool
@@ -141,6 +142,14 @@ class Sequences:
             self._end_sequence(worker, sequence, failed)
             return
         if tensors:
+            try:
+                check_outputs(model, tensors, frames)
+            except ValueError as e:
+                bad = ModelFailed(
+                    f"model {model.name!r} on worker {worker.name} sent bad outputs: {e}"
+                )
+                self._end_sequence(worker, sequence, bad)
+                return
             outputs = [
                 Tensor(h.name, h.datatype, tuple(h.shape), memoryview(f))
                 for h, f in zip(tensors, frames, strict=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -311,5 +312,77 @@ def test_a_worker_of_several_frontends_hears_pass_when_its_reply_leaves_us_nothi
         await answer(alone)
         kinds = [k for _, k in sent if k != "LOAD"]  # (a LOAD goes once the files are read)
         assert third.done() and kinds == ["CANCEL", "BATCH"]  # no PASS
+
+    run(body)
+
+
+BAD_OUTPUTS = [  # (tensors, frames, what the error says): model m's one output is Y FP32 [2]
+    ([wire.Tensor(name="Y", datatype="NOPE", shape=[1, 2])], [bytes(8)], "expected FP32"),
+    ([wire.Tensor(name="Z", datatype="FP32", shape=[1, 2])], [bytes(8)], "outputs ['Y']"),
+    ([], [], "outputs ['Y'], got []"),
+    ([wire.Tensor(name="Y", datatype="FP32", shape=[1, -1, -2])], [bytes(8)], "shape [1, -1, -2]"),
+    ([wire.Tensor(name="Y", datatype="FP32", shape=[1, 2])], [bytes(4)], "needs 8 bytes, got 4"),
+    ([wire.Tensor(name="Y", datatype="FP32", shape=[1, 2])], [], "1 outputs came in 0 frames"),
+]
+
+
+@pytest.mark.parametrize(("tensors", "frames", "says"), BAD_OUTPUTS)
+def test_a_reply_that_is_not_the_model_s_outputs_fails_its_batch_only(
+    router: zmq.Socket[bytes], tensors: list[wire.Tensor], frames: list[bytes], says: str
+) -> None:
+    """A RESULT from a peer that is not a batchd worker (a broken one, another build)
+    whose outputs are not the model's: an unknown datatype raised KeyError out of the
+    link and stopped the server; a missing output was UNKNOWN "KeyError"; a negative
+    dim or short frame went to the caller. The batch fails, ModelFailed saying what
+    came; the worker's next batch is answered."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        cfg = core.models["m"]
+        worker = register(core, "w", cfg.key)
+        core.link.send = lambda *_, **__: None  # type: ignore[method-assign]
+
+        def reply(tensors: list[wire.Tensor], frames: list[bytes]) -> None:
+            (batch,) = worker.inflight.values()
+            header = wire.Header(kind=wire.Header.RESULT, batch_id=batch.id, tensors=tensors)
+            core.on_message(b"w", header, frames)
+
+        bad = core.submit(request(cfg))
+        reply(tensors, frames)
+        with pytest.raises(
+            ModelFailed, match=f"on worker w returned bad outputs: .*{re.escape(says)}"
+        ):
+            bad.result()
+        await asyncio.sleep(0)
+        good = core.submit(request(cfg))
+        reply([wire.Tensor(name="Y", datatype="FP32", shape=[1, 2])], [bytes(8)])
+        assert good.result()[0].shape == (1, 2)
+
+    run(body)
+
+
+def test_a_step_that_is_not_the_model_s_outputs_ends_its_sequence(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A STEP whose outputs are not the model's (here an unknown datatype, which went to
+    the caller as it came) ends its sequence with ModelFailed, and frees its slot."""
+
+    async def body() -> None:
+        core = Core(router, Stats(), Path("."), clock=Clock())
+        cfg = stepwise_model("gen")
+        core.control.start_with({"gen": cfg})
+        worker = register(core, "w", cfg.key)
+        core.link.send = lambda *_, **__: None  # type: ignore[method-assign]
+        r = Request(cfg, "", [Tensor("N", "INT64", (1,), bytes(8))], ("OUT",), 1, math.inf)
+        r.stream = StepStream(limit=4)
+        future = core.submit(r)
+        (sequence_id,) = worker.sequences
+        header = wire.Header(kind=wire.Header.STEP, model="gen", active=1, round=1)
+        header.steps.add(id=sequence_id, tensors=1)
+        header.tensors.add(name="OUT", datatype="NOPE", shape=[1])
+        core.on_message(b"w", header, [bytes(8)])
+        with pytest.raises(ModelFailed, match="sent bad outputs: output 'OUT': expected INT64"):
+            future.result()
+        assert worker.sequences == {} and r.stream.sent == 0
 
     run(body)

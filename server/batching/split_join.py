@@ -24,7 +24,7 @@ from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES, element
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import batch_input
-from batchd.server.errors import ModelFailed
+from batchd.server.errors import ModelFailed, clip, clip_list
 from batchd.server.request import Request, RowOffsets, Tensor
 
 
@@ -167,14 +167,45 @@ def _cut_packed(src: int, h: wire.Tensor, buf: memoryview, requests: Sequence[Re
     return out
 
 
+def check_outputs(
+    model: ModelConfig, headers: Sequence[wire.Tensor], frames: Sequence[Any]
+) -> None:
+    """ValueError unless `headers` and `frames` are the model's declared outputs, in
+    order: each in its datatype, no dim under 0, and (fixed-size types) as many bytes
+    as its shape needs. A batchd worker checks its model's (worker/execute.py); this
+    keeps a peer that does not (a broken one, another build) from taking the frontend
+    down or sending callers garbage."""
+    names = [o.name for o in model.outputs]
+    if len(headers) != len(names) or [h.name for h in headers] != names:
+        got = clip_list([clip(h.name) for h in headers[: len(names) + 1]])
+        raise ValueError(f"expected the outputs {names}, got {got}")
+    if len(frames) != len(headers):
+        raise ValueError(f"{len(headers)} outputs came in {len(frames)} frames")
+    for spec, h, frame in zip(model.outputs, headers, frames, strict=True):
+        shape, dt = tuple(h.shape), DATATYPES[spec.datatype]
+        if h.datatype != spec.datatype or any(d < 0 for d in shape):
+            raise ValueError(
+                f"output {spec.name!r}: expected {spec.datatype}, got {clip(h.datatype)} "
+                f"of shape {clip_list(shape)}"
+            )
+        size = memoryview(frame).nbytes
+        if not dt.is_bytes and size != math.prod(shape) * dt.itemsize:
+            raise ValueError(
+                f"output {spec.name!r}: {spec.datatype} of shape {clip_list(shape)} "
+                f"needs {math.prod(shape) * dt.itemsize} bytes, got {size}"
+            )
+
+
 def split_outputs(
     requests: Sequence[Request], headers: Sequence[wire.Tensor], frames: Sequence[Any]
 ) -> list[list[Tensor]]:
     """One list of output tensors per request, cut by each request's rows.
 
-    Raises ValueError when the worker's outputs do not cover the batch's rows.
+    Raises ValueError when the worker's outputs are not the model's (check_outputs)
+    or do not cover the batch's rows.
     """
     model = requests[0].model
+    check_outputs(model, headers, frames)
     if len(requests) == 1 and not model.batches:
         return [
             [
