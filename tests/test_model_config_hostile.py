@@ -208,3 +208,15 @@ def test_a_device_listed_twice_gets_two_workers_of_distinct_names() -> None:
     models = list(load_repository(EXAMPLES).values())
     slots = [s.slot for s in plan_workers(models, ["cuda:0", "cuda:0", "cpu", "cpu"], 1)]
     assert slots == ["cuda0", "cuda0-1", "cpu2", "cpu3"]
+
+
+def test_models_check_reports_a_load_that_calls_sys_exit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """sys.exit(0) in a model's load() ended the whole check with status 0, its
+    neighbours unchecked (a CI gate passed); it fails that model only, as serving does."""
+    write(tmp_path, "a_exits", GOOD, "import sys\ndef load(device):\n    sys.exit(0)\n")
+    write(tmp_path, "b_good", GOOD, "def load(device):\n    return lambda x: x\n")
+    assert check_repository(tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "SystemExit: 0" in out and "1 ok, 1 failed" in out

@@ -107,7 +107,10 @@ def check_model(directory: Path, loaded: ModelConfig | ConfigError | None = None
             start = time.perf_counter()
             run_batch(fn, cfg, CPU, headers, frames, rows)
             row.run_ms = row.run_ms or (time.perf_counter() - start) * 1e3  # the first's
-    except Exception as e:  # the report is the point: every failure becomes a line
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # the report is the point: every failure becomes a line
+        # (SystemExit too: a model calling sys.exit() ended the check, exit status 0)
         batch = f"a batch of {rows} row(s): " if rows else ""
         row.problem = f"{batch}{type(e).__name__}: {e}"
     return row
