@@ -245,7 +245,8 @@ def _refused(what: str, flag: str, host: str, port: int, e: OSError) -> ConfigEr
 async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
     """Serve the REST API on --http-port and /metrics on --metrics-port, before gRPC
     starts: a port in use stops start-up cleanly. The HTTP port, or -1 when it is off."""
-    host, port, metrics = cfg.network.host, cfg.network.http_port, cfg.network.metrics_port
+    net = cfg.network
+    host, port, metrics = net.host.strip("[]"), net.http_port, net.metrics_port  # (IPv6: bare)
     if port >= 0:
         try:
             p.http, port = await serve_rest(

@@ -337,5 +337,6 @@ async def start_metrics(
         writer.close()
 
     server = await asyncio.start_server(handle, host, port)
-    log.info("metrics on http://%s:%d/metrics", host, server.sockets[0].getsockname()[1])
+    where = f"[{host}]" if ":" in host else host  # (an IPv6 address, in a URL)
+    log.info("metrics on http://%s:%d/metrics", where, server.sockets[0].getsockname()[1])
     return server

@@ -134,7 +134,10 @@ def _loopback(host: str) -> bool:
 def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
     """Open the gRPC port, over TLS when configured; warn when it is exposed in the clear."""
     host, security = cfg.network.host, cfg.security
-    address = f"{host}:{cfg.network.grpc_port}"
+    bare = host.strip("[]")  # an IPv6 address goes in brackets, as gRPC takes it ([::1] or ::1)
+    address = (
+        f"[{bare}]:{cfg.network.grpc_port}" if ":" in bare else f"{bare}:{cfg.network.grpc_port}"
+    )
     creds = _credentials(security)
     if not _loopback(host):
         if creds is None:

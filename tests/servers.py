@@ -24,8 +24,8 @@ from batchd.client import Client
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "models"
 TEST_MODELS = Path(__file__).resolve().parent / "models"
-_LISTENING = re.compile(r"serving gRPC on [^:]+:(\d+)")
-_HTTP = re.compile(r"serving HTTP on [^:]+:(\d+)")
+_LISTENING = re.compile(r"serving gRPC on \S*:(\d+);")  # (an IPv6 host has colons)
+_HTTP = re.compile(r"serving HTTP on \S*:(\d+)$", re.MULTILINE)
 _METRICS = re.compile(r"metrics on (http://\S+/metrics)")
 
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from batchd.server.security import connection_options, listen, preflight
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
-from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess
+from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess, wait_for
 
 # ---- the real gRPC server, in this process ----
 
@@ -540,6 +541,22 @@ def test_a_server_off_loopback_warns_of_each_port_in_clear(tmp_path: Path) -> No
         log = server.log()
         assert "gRPC and HTTP on 0.0.0.0 without TLS" in log
         assert "/metrics on 0.0.0.0 (--metrics-port 0)" in log and "or --metrics-port -1" in log
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_host_serves_grpc_and_http(tmp_path: Path, host: str) -> None:
+    """--host ::1 failed to bind gRPC (it took "::1:0"), --host [::1] failed HTTP and
+    /metrics (aiohttp took the brackets): either form serves all three."""
+    server = ServerProcess(TEST_MODELS, "--host", host, log_dir=tmp_path).start(ready=False)
+    try:
+        with Client(f"[::1]:{server.port}") as c:
+            wait_for(c.ready, 60, "ServerReady over IPv6")
+        with urllib.request.urlopen(f"http://[::1]:{server.http_port}/v2/health/ready") as r:
+            assert r.status == 200
+        with urllib.request.urlopen(server.metrics_url()) as r:
+            assert b"batchd_" in r.read()
     finally:
         assert server.stop() == 0, server.log()
 
