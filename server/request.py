@@ -180,8 +180,9 @@ class StepStream:
     """The outputs of one sequence, in order, for its caller."""
 
     def __init__(
-        self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False
-    ) -> None:
+        self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False,
+        handed_on: bool = False,
+    ) -> None:  # fmt: skip
         self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
         self._sizes: deque[int] = deque()  # the bytes each item counts (credit, budget)
         self.limit = limit  # outputs held for a caller that has not read them
@@ -189,6 +190,10 @@ class StepStream:
         # True: the outputs are joined into one answer at the end (a unary call), so
         # its caller has seen none of them until then, and a restart loses nothing
         self.held = held
+        # True: an output taken (next) stays held in the budget, its caller's to give back
+        # once its own caller took it (streaming.py's queue): in between, the budget never
+        # looked emptier than it was, and gave credit for outputs it had no room for
+        self.handed_on, self.last_bytes = handed_on, 0
         self.restarts = 0  # times its sequence started over (recovery), dropping its outputs
         self._wake: asyncio.Future[None] | None = None
         self.closed = False
@@ -212,7 +217,9 @@ class StepStream:
         size = output_bytes(outputs) + OUTPUT_COST
         if len(self._items) >= self.limit:
             return False
-        if self.budget is not None and not self.budget.take(size):
+        if self.budget is not None and size > self.budget.limit:  # no wait makes room: held
+            self.budget.hold(size)  # as it is, to be refused as too large, not as unread
+        elif self.budget is not None and not self.budget.take(size):
             return False
         self._items.append((outputs, final))
         self._sizes.append(size)
@@ -278,10 +285,10 @@ class StepStream:
                 return None
             self._wake = asyncio.get_running_loop().create_future()
             await self._wake
-        size = self._sizes.popleft()
+        size = self.last_bytes = self._sizes.popleft()
         item = self._items.popleft()
         self._owed, self.taken_at = self._owed + size, time.monotonic()
-        if self.budget is not None:
+        if self.budget is not None and not self.handed_on:
             self.budget.give(size)
         self.give_credit()
         return item

@@ -221,11 +221,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                        ) -> AsyncGenerator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
         """A step-wise model's request: each output as it comes, and whether it is the
         last. Leaving early (the caller went) frees its slot. `budget`: the bytes its
-        caller's stream holds (request.StreamBudget); none given: its own."""
+        caller's stream holds (request.StreamBudget), each output's the caller's to give
+        back (StepStream.handed_on, .last_bytes); none given: its own."""
         async with _Answering(self, msg, time_remaining) as a:
             request = await self._admit(a, msg, carrier)
-            budget = budget if budget is not None else stream_budget(self.max_response_bytes())
-            request.stream = StepStream(budget=budget)
+            mine = budget is None  # (one given: each output's bytes its caller's to give back)
+            budget = stream_budget(self.max_response_bytes()) if mine else budget
+            request.stream = StepStream(budget=budget, handed_on=not mine)
             async with contextlib.aclosing(follow(self._core, request)) as steps:
                 async for outputs, final in steps:
                     yield request, outputs, final

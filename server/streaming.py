@@ -78,7 +78,7 @@ def _empty_final(msg: pb.ModelInferRequest, model: ModelConfig) -> pb.ModelStrea
     return _final(response, True)
 
 
-Put = Callable[[pb.ModelStreamInferResponse], Awaitable[None]]
+Put = Callable[[pb.ModelStreamInferResponse, int], Awaitable[None]]
 
 
 async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, put: Put,
@@ -91,10 +91,15 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, 
     async with contextlib.aclosing(sequence):
         async for request, outputs, final in sequence:
             last = final and not empty_final
-            response = encode_response(request, outputs, service.max_response_bytes())
-            await put(_final(response, last))
+            held = request.stream.last_bytes if request.stream is not None else 0  # (handed on)
+            try:
+                response = encode_response(request, outputs, service.max_response_bytes())
+            except BaseException:
+                budget.give(held)
+                raise
+            await put(_final(response, last), held)
     if not last:
-        await put(_empty_final(msg, request.model if request is not None else cfg))
+        await put(_empty_final(msg, request.model if request is not None else cfg), 0)
 
 
 def _size(response: pb.ModelStreamInferResponse) -> int:
@@ -117,10 +122,11 @@ async def respond(
     window = asyncio.Semaphore(STREAM_WINDOW)
     budget = stream_budget(service.max_response_bytes())
 
-    async def put(response: pb.ModelStreamInferResponse) -> None:
-        """Queue a response; its bytes are held in the budget until the client took it."""
-        size = _size(response)
-        budget.hold(size)
+    async def put(response: pb.ModelStreamInferResponse, held: int = 0) -> None:
+        """Queue a response; its bytes are held in the budget until the client took it
+        (`held`: a step's output's, held since it came)."""
+        size = held or _size(response)
+        budget.hold(size - held)
         await responses.put((response, size))
 
     async def one(msg: pb.ModelInferRequest | Undecodable) -> None:

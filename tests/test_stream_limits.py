@@ -434,6 +434,28 @@ def test_a_caller_slower_than_its_model_holds_its_sequence_and_gets_every_output
     assert total(scrape(server), "batchd_sequences_held") == 0
 
 
+def test_a_steady_reader_of_outputs_near_the_message_limit_gets_every_one(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """Outputs of 0.72 MiB (the limit is 1 MiB, a stream's budget 2 MiB) read one every
+    0.1 s: an output taken left the budget before its response entered the stream's
+    queue, so the budget looked empty for a moment, gave credit for an output it had
+    no room for, and the sequence was stopped RESOURCE_EXHAUSTED after 4, its caller
+    blamed for not reading. Every output comes now. One output over the whole budget
+    is refused as too large for a response, not as unread."""
+    width = int(0.72 * MiB) // 8
+    got, error = 0, ""
+    for r in stub.ModelStreamInfer(iter([wide_request(71, 12, width=width)]), timeout=120):
+        error = error or r.error_message
+        got += bool(r.infer_response.raw_output_contents)
+        time.sleep(0.1)  # a slow, steady reader (the load, not a check)
+    assert (got, error) == (12, "")
+    (too_large,) = list(
+        stub.ModelStreamInfer(iter([wide_request(72, 3, width=3 * MiB // 8)]), timeout=60)
+    )
+    assert "more than a response may carry" in too_large.error_message, too_large.error_message
+
+
 def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_worker(
     wide: tuple[ServerProcess, Path], stub: Any
 ) -> None:
