@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, ClassVar
 
 import grpc
 
@@ -181,20 +181,28 @@ class ResultsFile:
     which replaces PATH only once every piece came, so a download that fails (the job
     gone past its retention, a lost connection) leaves an earlier copy as it was."""
 
+    writing: ClassVar[set[Path]] = set()  # the PATH.partial files open now (jobs_cli's SIGTERM)
+
     def __init__(self, out: str | os.PathLike[str] | BinaryIO) -> None:
+        self._out, self._mine = out, False
         self._path: Path | None = None
-        if isinstance(out, str | os.PathLike):
-            path = Path(out)
-            if path.exists() and not path.is_file():  # /dev/stdout, a FIFO: written as it is
-                self.file: BinaryIO = path.open("wb")
-                self._mine = True
-            else:
-                self._path, self._mine = path.resolve(), True  # (a link: where it points)
-                self._partial = self._path.with_name(self._path.name + ".partial")
-                self.file = self._partial.open("wb")
-        else:
-            self.file, self._mine = out, False
+        self.file: BinaryIO
         self.lines = self.size = 0
+
+    def _open(self) -> None:
+        out = self._out
+        if not isinstance(out, str | os.PathLike):
+            self.file = out
+            return
+        path, self._mine = Path(out), True
+        if path.exists() and not path.is_file():  # /dev/stdout, a FIFO: written as it is
+            self.file = path.open("wb")
+            return
+        where = path.resolve()  # (a link: where it points)
+        self._partial = where.with_name(where.name + ".partial")
+        self._path = where
+        ResultsFile.writing.add(self._partial)
+        self.file = self._partial.open("wb")
 
     def write(self, data: bytes) -> None:
         self.file.write(data)
@@ -202,16 +210,22 @@ class ResultsFile:
         self.size += len(data)
 
     def __enter__(self) -> ResultsFile:
+        try:
+            self._open()
+        except BaseException:  # (Ctrl-C, which lands anywhere) leaves no PATH.partial
+            self.__exit__(BaseException)
+            raise
         return self
 
     def __exit__(self, failed: type[BaseException] | None, *exc: object) -> None:
-        if self._mine:
+        if self._mine and hasattr(self, "file"):
             self.file.close()
         if self._path is not None:
             if failed is None:
                 os.replace(self._partial, self._path)
             else:
                 self._partial.unlink(missing_ok=True)
+            ResultsFile.writing.discard(self._partial)
 
 
 class Resume:
