@@ -307,9 +307,12 @@ class ModelControl:
                 before = self._what_stays(old)
                 raise ModelFailed(f"model {name!r} failed to load; {before}: " + "; ".join(failed))
             self._install(cfg)
-            log.info("model %s version %s loaded on %d worker(s)%s", name, cfg.version,
-                     len(workers), f"; version {old.version} drains" if old else "",
-                     extra={"model": name})  # fmt: skip
+            short = cfg.instances.count * len({w.info.device for w in workers}) > len(workers)
+            note = "; [instances] count takes effect at start-up: restart for more" if short else ""
+            log.log(logging.WARNING if short else logging.INFO,
+                    "model %s version %s loaded on %d worker(s)%s%s", name, cfg.version,
+                    len(workers), f"; version {old.version} drains" if old else "", note,
+                    extra={"model": name})  # fmt: skip
             self._changed()
             if old is not None:
                 self._keep(asyncio.create_task(self._retire(old), name=f"retire-{old.key}"))
@@ -360,13 +363,9 @@ class ModelControl:
                 # which takes its requests if it takes the same (a job's lines too).
                 now = self.current.get(cfg.name)
                 if now is None or not self._scheduler.move_queued(cfg.key, now):
-                    self._scheduler.fail_queued(
-                        cfg.key,
-                        Unavailable(
-                            f"model {cfg.name!r} version {cfg.version} was replaced or unloaded "
-                            "and no worker holds it any more; retry"
-                        ),
-                    )
+                    self._scheduler.fail_queued(cfg.key, Unavailable(
+                        f"model {cfg.name!r} version {cfg.version} was replaced or unloaded "
+                        "and no worker holds it any more; retry"))  # fmt: skip
                 else:
                     self._pump_soon()
                 break

@@ -531,3 +531,16 @@ def test_an_unload_during_a_model_s_first_load_unloads_it_once_loaded(
                 y(c, "first", 1.0)
     finally:
         gate.unlink(missing_ok=True)
+
+
+def test_a_load_asking_for_more_instances_than_started_says_so(
+    server: ServerProcess, repo: Path
+) -> None:
+    """Worker processes are planned when the server starts: a model loaded later with
+    [instances] count = 3 ran on the workers there were, and nothing said so."""
+    make_model(repo, "copies", 7.0, MODEL_TOML + "\n[instances]\ncount = 3\n")
+    with Client(server.url) as c:
+        c.load_model("copies", timeout=60)
+        assert y(c, "copies", 1.0) == 7.0
+        c.unload_model("copies", timeout=60)
+    assert "[instances] count takes effect at start-up: restart for more" in server.log()
