@@ -39,7 +39,7 @@ from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
-from batchd.server.frontends import Children, endpoints, watch_parent
+from batchd.server.frontends import Children, bind, endpoints, watch_parent
 from batchd.server.handlers import add_service
 from batchd.server.http_site import serve_rest
 from batchd.server.jobs.database import safe_url
@@ -382,7 +382,7 @@ async def serve(cfg: ServerConfig) -> None:
         try:
             if worker_auth is not None:
                 worker_auth.start(ctx, router)
-            router.bind(endpoint)
+            bind(router, endpoint)
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, repository, router, ",".join(every) or endpoint)

@@ -23,6 +23,11 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from batchd.protos.model_config import ConfigError
 
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
@@ -33,6 +38,14 @@ def endpoints(tmp: str, count: int) -> list[str]:
     return [f"ipc://{tmp}/workers.sock"] + [
         f"ipc://{tmp}/workers-{i}.sock" for i in range(1, count)
     ]
+
+
+def bind(router: zmq.Socket[Any], endpoint: str) -> None:
+    """The workers' socket on `endpoint`; ConfigError naming the flag if it cannot be."""
+    try:
+        router.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise ConfigError(f"cannot bind --worker-endpoint {endpoint}: {e}") from None
 
 
 class Children:

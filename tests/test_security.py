@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -47,6 +48,7 @@ from batchd.server.config import (
 )
 from batchd.server.control import IndexEntry
 from batchd.server.errors import NotAllowed
+from batchd.server.frontends import bind
 from batchd.server.request import Request, Tensor
 from batchd.server.security import connection_options, listen, preflight
 from batchd.server.service import InferenceService
@@ -508,6 +510,24 @@ def test_tls_files_that_ssl_cannot_load_are_named_at_start_up(certs: Path, tmp_p
         assert reason in str(e.value) and "_ssl.c" not in str(e.value)
     good = Security(tls_cert=cert, tls_key=key, tls_client_ca=certs / "ca.pem")
     assert preflight(server_config(security=good)) is None
+
+
+def test_a_worker_endpoint_that_cannot_be_bound_is_refused_naming_the_flag() -> None:
+    """ZeroMQ's ZMQError came out of `batchd serve` as a traceback."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as busy:
+            port = busy.getsockname()[1]
+            for endpoint, why in ((f"tcp://127.0.0.1:{port}", "Address already in use"),
+                                  ("garbage://x", "Protocol not supported")):  # fmt: skip
+                with pytest.raises(
+                    ConfigError, match=f"^cannot bind --worker-endpoint {endpoint}: {why}"
+                ):
+                    bind(router, endpoint)
+    finally:
+        router.close(linger=0)
+        ctx.term()
 
 
 def test_a_grpc_port_in_use_is_refused_naming_the_address() -> None:
