@@ -91,14 +91,10 @@ class Network:
 class Workers:
     """workers"""
 
-    count: int | None = setting(
-        None, "--workers", "run N CPU worker processes (instead of --devices)", **positive(),
-        metavar="N",
-    )  # fmt: skip
-    devices: str = setting(
-        "auto", "--devices", "auto (every visible GPU, else one CPU worker) or a list: "
-        "cuda:0,cuda:1",
-    )  # fmt: skip
+    count: int | None = setting(None, "--workers", "run N CPU worker processes (instead of "
+                                "--devices)", **positive(), metavar="N")  # fmt: skip
+    devices: str = setting("auto", "--devices", "auto (every visible GPU, else one CPU worker) "
+                           "or a list: cuda:0,cuda:1")  # fmt: skip
     threads: int | None = setting(
         None, "--threads-per-worker", "torch threads per CPU worker (none: cores / workers)",
         **positive(),
@@ -112,19 +108,24 @@ class Workers:
         None, "--worker-endpoint", "ZeroMQ endpoint workers connect to (none: a private "
         "ipc:// socket; tcp://0.0.0.0:5555 lets `batchd worker` join from other hosts)",
     )  # fmt: skip
-    local: bool = setting(
-        True, "--no-local-workers", "start no workers; wait for `batchd worker --connect`",
-        action="store_false",
-    )  # fmt: skip
+    local: bool = setting(True, "--no-local-workers", "start no workers; wait for `batchd "
+                          "worker --connect`", action="store_false")  # fmt: skip
 
     def device_list(self) -> list[str]:
         if self.count is not None:
             return ["cpu"] * self.count
         if self.devices == "auto":
             return _visible_gpus() or ["cpu"]
-        return [d.strip() for d in self.devices.split(",") if d.strip()]
+        listed = [d.strip() for d in self.devices.split(",") if d.strip()]
+        # (a worker restarted forever on "gpu0"; on "cuda:0" here, every call failed)
+        gpus = _visible_gpus() if set(listed) - {"cpu"} else []
+        if unknown := [d for d in listed if d not in ("cpu", *gpus, *("cuda",) * bool(gpus))]:
+            raise ConfigError(f"--devices: {unknown[0][:40]!r} is not a device of this host; it "
+                              f"has {', '.join(['cpu', *gpus])}")  # fmt: skip
+        return listed
 
 
+@functools.cache
 def _visible_gpus() -> list[str]:
     """Asked of a worker interpreter: the frontend never imports torch."""
     out = subprocess.run([sys.executable, "-m", "batchd.worker", "--list-devices"], check=True,
@@ -338,14 +339,11 @@ class ServerConfig:
             raise ConfigError(f"--jobs-lease must be at least 1 s, got {self.jobs.lease_s}")
         if f.count > 1 and not f.index:
             clash = (
-                "--model-control explicit (each frontend would load its own versions)"
-                if m.explicit
-                else "--worker-endpoint (frontends use private ipc:// endpoints)"
-                if w.endpoint
-                else "--no-local-workers (the first frontend starts the workers)"
-                if not w.local
+                "--model-control explicit (each frontend would load its own versions)" if m.explicit
+                else "--worker-endpoint (frontends use private ipc:// endpoints)" if w.endpoint
+                else "--no-local-workers (the first frontend starts the workers)" if not w.local
                 else None
-            )
+            )  # fmt: skip
             if clash:
                 raise ConfigError(f"--frontends {f.count} does not work with {clash}")
 

@@ -5,6 +5,8 @@ never accepted into a server that then fails every request, and never a tracebac
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -200,6 +202,23 @@ def test_a_device_list_naming_no_device_is_refused(devices: str) -> None:
         ServerConfig(model_repository=EXAMPLES, workers=workers).check()
     away = Workers(devices=devices, local=False)  # workers join with `batchd worker`
     ServerConfig(model_repository=EXAMPLES, workers=away).check()
+
+
+@pytest.mark.parametrize("devices", ["gpu0", "cpu,cuda:64"])
+def test_a_device_this_host_does_not_have_is_refused_by_server_and_worker(devices: str) -> None:
+    """`--devices gpu0` restarted a worker that failed on it forever; `--devices cuda:0`
+    on a host without one served, every call failing. Both stop start-up, naming it;
+    `batchd worker --device` likewise."""
+    workers = Workers(devices=devices)
+    with pytest.raises(ConfigError, match=r"--devices: '(gpu0|cuda:64)' is not a device of this"):
+        ServerConfig(model_repository=EXAMPLES, workers=workers).check()
+    device = devices.split(",")[-1]
+    worker = subprocess.run(
+        [sys.executable, "-m", "batchd.worker", "--connect", "tcp://127.0.0.1:1",
+         "--device", device, "--model-repository", str(EXAMPLES)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert worker.returncode == 2 and f"--device {device!r}: " in worker.stderr, worker.stderr
 
 
 def test_a_device_listed_twice_gets_two_workers_of_distinct_names() -> None:

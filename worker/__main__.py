@@ -114,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     tag_log_lines(worker_id)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise RuntimeError(f"this host has {torch.cuda.device_count()} CUDA device(s)")
+    except RuntimeError as e:
+        print(f"batchd worker: --device {args.device[:40]!r}: {e}", file=sys.stderr)
+        return 2
     if not args.model_repository.is_dir():
         print(f"batchd worker: {args.model_repository}: not a directory", file=sys.stderr)
         return 2
