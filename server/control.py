@@ -67,11 +67,8 @@ class ModelControl:
         self.repository = repository
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
-        self._pool, self._link = pool, link
-        self._scheduler = scheduler
-        self._clock = clock
-        self._changed = changed
-        self._pump_soon = pump_soon
+        self._pool, self._link, self._scheduler = pool, link, scheduler
+        self._clock, self._changed, self._pump_soon = clock, changed, pump_soon
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
@@ -160,7 +157,9 @@ class ModelControl:
         joins = []
         for cfg in [*self.current.values(), *self._loading.values()]:
             if worker.accepts(cfg.name) and cfg.key not in worker.models:
-                if cfg.key not in worker.loads:
+                if hung := self._pool.hung.get(cfg.key):  # it would hang here too, and take
+                    worker.load_errors[cfg.key] = hung  # this worker's other models with it
+                elif cfg.key not in worker.loads:
                     joins.append((cfg, self._load_on(worker, cfg, send=False)))
                 self._judge(cfg.key)  # loading again: not broken while it tries
         if joins:
@@ -372,6 +371,7 @@ class ModelControl:
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)
         self._files.pop(cfg.key, None)
+        self._pool.hung.pop(cfg.key, None)
         self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
 

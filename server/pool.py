@@ -81,6 +81,9 @@ class WorkerPool:
     def __init__(self, credits: int | None = None, load_timeout_s: float = math.inf) -> None:
         self._credits = credits  # None: 1 per CPU worker, 2 per GPU worker
         self._load_timeout_s = load_timeout_s  # --load-timeout
+        # Versions whose load ran past it (key -> why): no worker is asked again, as a
+        # restart would be (control.worker_ready): it hung there too, again and again
+        self.hung: dict[str, str] = {}
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._order: list[WorkerHandle] = []
         self._rr = 0
@@ -273,5 +276,6 @@ class WorkerPool:
                         name, _, version = key.rpartition("@")
                         late.append((w, f"its load of model {name!r} version {version} ran "
                                         f"past --load-timeout {limit:g} s"))  # fmt: skip
+                        self.hung[key] = f"{w.name}: {late[-1][1]}"
                         break
         return late

@@ -478,6 +478,33 @@ def test_a_load_that_never_returns_fails_at_the_load_timeout_and_its_worker_rest
         assert s.stop() == 0, s.log()
 
 
+def test_a_model_whose_load_never_returns_is_broken_not_retried_by_each_new_worker(
+    tmp_path: Path,
+) -> None:
+    """--model-control none: past --load-timeout the worker is restarted, and the new
+    one was sent the same load, hung again, and was killed again, for ever: the server
+    was never ready, and the healthy model on that worker went down each time. The
+    new worker loads the others; the hung version is broken, saying why."""
+    repo = tmp_path / "repo"
+    make_model(repo, "good", 2.0)
+    hung = make_model(repo, "hung", 3.0)
+    gate = load_gate(hung)
+    gate.touch()
+    s = ServerProcess(repo, "--load-timeout", "2", log_dir=tmp_path, workers=1)
+    try:
+        s.start()  # ready: one broken model does not hold the server out of service
+        with Client(s.url) as c:
+            assert y(c, "good", 1.0) == 2.0
+            (entry,) = [m for m in c.repository_index() if m["name"] == "hung"]
+            assert (
+                entry["state"] == "UNAVAILABLE" and "ran past --load-timeout 2 s" in entry["reason"]
+            )
+        assert loaded_by(hung) == 1  # the new worker was not sent it
+    finally:
+        gate.unlink(missing_ok=True)
+        assert s.stop() == 0, s.log()
+
+
 SLOW_LOAD = """
 import time
 
