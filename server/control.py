@@ -42,6 +42,7 @@ log = logging.getLogger("batchd.control")
 T = TypeVar("T")
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
+TOML = "model.toml"  # a version's config: the workers read it again as they load it
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +107,12 @@ class ModelControl:
             if not users[0]:
                 del self._locks[name]
 
-    def _changed_files(self, cfg: ModelConfig) -> str:
-        """Why a worker starting now must not load version `cfg` (its model's files are
-        no longer those it was loaded from: it would serve other weights under its
-        number), or "" if they are the same."""
+    def _changed_files(self, cfg: ModelConfig, only: str = "") -> str:
+        """Why a worker starting now must not load version `cfg` (its model's files, or
+        the one named `only`, are no longer those it was loaded from: it would serve
+        other weights under its number), or "" if they are the same."""
         then, now = self._files.get(cfg.key, frozenset()), files_of(cfg.directory)
+        then, now = (frozenset(f for f in fs if not only or f[0] == only) for fs in (then, now))
         if then == now:
             return ""
         changed = sorted({f for f, *_ in then ^ now})
@@ -132,8 +134,7 @@ class ModelControl:
     def load_error(self, name: str) -> str | None:
         """Why model `name` cannot be served: every worker that may run its current
         version tried to load it and failed (and none is still trying)."""
-        cfg = self.current.get(name)
-        return None if cfg is None else self.broken.get(cfg.key)
+        return None if (cfg := self.current.get(name)) is None else self.broken.get(cfg.key)
 
     def _judge(self, key: str) -> None:
         """Whether version `key` is broken: no worker has it, none is loading it, and
@@ -266,10 +267,8 @@ class ModelControl:
 
     def _allowed(self) -> None:
         if not self.explicit:
-            raise NotAllowed(
-                "model control is disabled: start batchd with --model-control explicit "
-                "to load and unload models at run time"
-            )
+            raise NotAllowed("model control is disabled: start batchd with --model-control "
+                             "explicit to load and unload models at run time")  # fmt: skip
 
     async def load(self, name: str) -> ModelConfig:
         """Load `name` from the repository (again); swap it in once every worker has it."""
@@ -282,11 +281,11 @@ class ModelControl:
         return await self._to_the_end(self._load(name))
 
     async def _load(self, name: str) -> ModelConfig:
-        try:
-            found = find_model(self.repository, name)
-        except ConfigError as e:
-            raise InvalidInput(f"cannot load model {name!r}: {e}") from None
-        async with self._one_at_a_time(found.name):
+        async with self._one_at_a_time(name):  # (read in it: the files as they are now)
+            try:
+                found = find_model(self.repository, name)
+            except ConfigError as e:
+                raise InvalidInput(f"cannot load model {name!r}: {e}") from None
             cfg = self._next_version(found, await asyncio.to_thread(files_of, found.directory))
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
@@ -297,6 +296,8 @@ class ModelControl:
             finally:
                 del self._loading[name]
             failed = [f"{w.name}: {e}" for w, e in zip(workers, errors, strict=True) if e]
+            if not failed and (why := await asyncio.to_thread(self._changed_files, cfg, TOML)):
+                failed = [why]  # changed as the workers read it: not this version's config
             old = self.current.get(name)
             if failed:
                 self._unload_everywhere(cfg)

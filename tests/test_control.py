@@ -505,6 +505,42 @@ def test_a_model_whose_load_never_returns_is_broken_not_retried_by_each_new_work
         assert s.stop() == 0, s.log()
 
 
+def test_a_model_edited_while_loads_wait_is_served_as_its_files_are(tmp_path: Path) -> None:
+    """Load 1 runs (held in load()), load 2 waits for it, and model.toml changes Y's
+    shape: load 2 read model.toml when called, its files only once load 1 ended, so
+    its version was READY with the old shape in its metadata, the new one on the
+    workers, and every call failed. Load 1, whose files changed as it loaded, fails;
+    load 2 serves the files as they are, metadata and outputs alike."""
+    repo = tmp_path / "repo"
+    d = make_model(repo, "edited", 2.0)
+    args = ("--model-control", "explicit", "--load-model", "edited")
+    s = ServerProcess(repo, *args, log_dir=tmp_path, workers=1).start()
+    gate = load_gate(d)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            reset_model_logs(d)
+            gate.touch()
+            first = pool.submit(Client(s.url).load_model, "edited", timeout=60)
+            wait_for(lambda: loaded_by(d) == 1, 60, "the first load in load()")
+            second = pool.submit(Client(s.url).load_model, "edited", timeout=60)
+            waits = "model edited: waits for the load or unload under way"
+            wait_for(lambda: waits in s.log(), 30, "the second load to wait")
+            (d / "model.toml").write_text(MODEL_TOML.replace("shape = [1]", "shape = [2]"))
+            gate.unlink()
+            with pytest.raises(
+                InferenceFailed, match=r"the files of model .edited. changed .*model\.toml"
+            ):
+                first.result(60)
+            second.result(60)
+        with Client(s.url) as c:
+            assert c.model_metadata("edited")["inputs"][0]["shape"] == [-1, 2]
+            out = c.infer("edited", {"X": np.array([[1.0, 2.0]], np.float32)}, timeout=10)
+            assert out["Y"].tolist() == [[2.0, 4.0]]
+    finally:
+        gate.unlink(missing_ok=True)
+        assert s.stop() == 0, s.log()
+
+
 SLOW_LOAD = """
 import time
 
