@@ -129,8 +129,9 @@ def nginx(listen: str, replicas: list[str]) -> str:
 # batchd replicas behind nginx (rendered by deploy/render.py; do not edit by hand).
 # grpc_pass balances per call (per HTTP/2 stream). nginx's open-source build has no
 # active health check: a replica is skipped for fail_timeout after a failed call,
-# and only calls that fail before any byte of the answer is sent are tried on the
-# next replica (grpc_next_upstream); haproxy (deploy/haproxy) is the recommended one.
+# and a call goes to the next replica (grpc_next_upstream) only if it never reached
+# one: nginx streams a gRPC request to its replica, so none is sent twice (a job
+# submission neither). haproxy (deploy/haproxy) is the recommended one.
 worker_processes 1;
 error_log stderr warn;
 pid nginx.pid;

@@ -615,3 +615,52 @@ def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_nginx_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
+    """Five replicas that each die once a call has come whole, before answering, behind
+    nginx as deploy/ configures it: nginx streams a gRPC request body to its replica,
+    so it sends no call again once it went, a job submission in either framing (the
+    replica may have stored it) nor an inference call, which then fails."""
+    (tmp_path / "backend.py").write_text(DYING_BACKEND)
+    calls = tmp_path / "calls.log"
+    ports, procs = [_free_port() for _ in range(5)], []
+    for port in ports:
+        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port),
+                                       str(calls)]))  # fmt: skip
+    url = f"127.0.0.1:{_free_port()}"
+    (tmp_path / "nginx.conf").write_text(render.nginx(url, [f"127.0.0.1:{p}" for p in ports]))
+    binary = distro_binary("nginx", "nginx")
+    with (tmp_path / "nginx.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [binary, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        for port in ports:
+            wait_for(lambda p=port: _listening(p), 30, "the backends to listen")
+        with Client(url) as c, pytest.raises(BatchdClientError):
+            c.submit_job("m", [{"custom_id": "a", "inputs": []}])
+        assert calls.read_text().split() == ["SubmitJob"]
+        with grpc.insecure_channel(url) as channel, pytest.raises(grpc.RpcError):
+            unary = channel.unary_unary(
+                "/batchd.jobs.v1.Jobs/SubmitJob",
+                request_serializer=jobs_pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=jobs_pb2.Job.FromString,
+            )
+            unary(jobs_pb2.SubmitJobRequest(model_name="m", data=b"{}\n"), timeout=30)
+        assert calls.read_text().split() == ["SubmitJob", "SubmitJob"]
+        with Client(url) as c, pytest.raises(BatchdClientError):
+            c.infer("m", {"X": np.zeros((1, 1), np.float32)})
+        assert calls.read_text().split() == ["SubmitJob", "SubmitJob", "ModelInfer"]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
