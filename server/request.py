@@ -193,7 +193,7 @@ class StepStream:
         # True: an output taken (next) stays held in the budget, its caller's to give back
         # once its own caller took it (streaming.py's queue): in between, the budget never
         # looked emptier than it was, and gave credit for outputs it had no room for
-        self.handed_on, self.last_bytes = handed_on, 0
+        self.handed_on, self.last_bytes, self.offered = handed_on, 0, 0
         self.restarts = 0  # times its sequence started over (recovery), dropping its outputs
         self._wake: asyncio.Future[None] | None = None
         self.closed = False
@@ -214,12 +214,10 @@ class StepStream:
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
         when the caller is too far behind (`behind` says how)."""
-        size = output_bytes(outputs) + OUTPUT_COST
+        size = self.offered = output_bytes(outputs) + OUTPUT_COST
         if len(self._items) >= self.limit:
             return False
-        if self.budget is not None and size > self.budget.limit:  # no wait makes room: held
-            self.budget.hold(size)  # as it is, to be refused as too large, not as unread
-        elif self.budget is not None and not self.budget.take(size):
+        if self.budget is not None and not self.budget.take(size):
             return False
         self._items.append((outputs, final))
         self._sizes.append(size)
@@ -246,6 +244,11 @@ class StepStream:
         more, self._owed, paused = self._owed, 0, self.paused
         self.credit += more
         self.grant(more, paused)
+
+    def too_large(self) -> bool:
+        """Whether the output a push refused is more than its stream ever holds: no read
+        makes room for it (its caller is not behind)."""
+        return self.budget is not None and self.offered > self.budget.limit
 
     def behind(self) -> str:
         """What the caller has not read, once a push was refused."""

@@ -30,7 +30,13 @@ from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import check_outputs
-from batchd.server.errors import InvalidInput, ModelFailed, StreamBehind
+from batchd.server.errors import (
+    BatchdError,
+    InvalidInput,
+    ModelFailed,
+    ResponseTooLarge,
+    StreamBehind,
+)
 from batchd.server.link import WorkerLink
 from batchd.server.pool import WorkerHandle, WorkerPool
 from batchd.server.request import Batch, Request, Tensor
@@ -157,11 +163,16 @@ class Sequences:
             first = stream.sent == 0
             if not stream.push(outputs, step.final):
                 self._cancel(worker.identity, sequence.id)
-                behind = StreamBehind(
-                    f"this stream's caller has not read {stream.behind()} of model "
-                    f"{model.name!r}; the sequence was stopped after {stream.sent}"
-                )
-                self._end_sequence(worker, sequence, behind)
+                stopped = f"model {model.name!r}; the sequence was stopped after {stream.sent}"
+                stop: BatchdError = (
+                    ResponseTooLarge(f"an output of {stream.offered} bytes is more than a stream "
+                                     f"holds for its caller ({stream.budget.limit} bytes: "
+                                     f"twice --max-message-bytes) of {stopped}")
+                    if stream.too_large() and stream.budget is not None
+                    else StreamBehind(f"this stream's caller has not read {stream.behind()} of "
+                                      f"{stopped}")
+                )  # fmt: skip
+                self._end_sequence(worker, sequence, stop)
                 return
             since = r.arrival if first else sequence.sent_at
             self._stats.output(model.name, model.version, int((now - since) * 1e9), first)

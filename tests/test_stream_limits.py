@@ -442,7 +442,8 @@ def test_a_steady_reader_of_outputs_near_the_message_limit_gets_every_one(
     queue, so the budget looked empty for a moment, gave credit for an output it had
     no room for, and the sequence was stopped RESOURCE_EXHAUSTED after 4, its caller
     blamed for not reading. Every output comes now. One output over the whole budget
-    is refused as too large for a response, not as unread."""
+    is refused as too large, not as unread, and only its own sequence: one on the same
+    stream whose outputs come beside it is answered whole."""
     width = int(0.72 * MiB) // 8
     got, error = 0, ""
     for r in stub.ModelStreamInfer(iter([wide_request(71, 12, width=width)]), timeout=120):
@@ -450,10 +451,13 @@ def test_a_steady_reader_of_outputs_near_the_message_limit_gets_every_one(
         got += bool(r.infer_response.raw_output_contents)
         time.sleep(0.1)  # a slow, steady reader (the load, not a check)
     assert (got, error) == (12, "")
-    (too_large,) = list(
-        stub.ModelStreamInfer(iter([wide_request(72, 3, width=3 * MiB // 8)]), timeout=60)
-    )
-    assert "more than a response may carry" in too_large.error_message, too_large.error_message
+    both = [wide_request(72, 3, width=3 * MiB // 8), wide_request(73, 20, width=16)]
+    answers: dict[str, list[str]] = {"72": [], "73": []}
+    for r in stub.ModelStreamInfer(iter(both), timeout=60):
+        answers[r.infer_response.id].append(r.error_message)
+    assert answers["73"] == [""] * 20
+    (refused,) = answers["72"]
+    assert "an output of 3146752 bytes is more than a stream holds" in refused, refused
 
 
 def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_worker(
