@@ -158,8 +158,8 @@ class ModelControl:
         joins = []
         for cfg in [*self.current.values(), *self._loading.values()]:
             if worker.accepts(cfg.name) and cfg.key not in worker.models:
-                if hung := self._pool.hung.get(cfg.key):  # it would hang here too, and take
-                    worker.load_errors[cfg.key] = hung  # this worker's other models with it
+                if hung := self._pool.hung.get((worker.slot, cfg.key)):  # it would hang again
+                    worker.load_errors[cfg.key] = hung
                 elif cfg.key not in worker.loads:
                     joins.append((cfg, self._load_on(worker, cfg, send=False)))
                 self._judge(cfg.key)  # loading again: not broken while it tries
@@ -372,7 +372,7 @@ class ModelControl:
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)
         self._files.pop(cfg.key, None)
-        self._pool.hung.pop(cfg.key, None)
+        self._pool.hung = {k: v for k, v in self._pool.hung.items() if k[1] != cfg.key}
         self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
 

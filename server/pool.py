@@ -59,6 +59,11 @@ class WorkerHandle:
     def name(self) -> str:
         return self.info.worker_id
 
+    @property
+    def slot(self) -> str:
+        """Where it runs: a local worker's restarts share it (cpu0#0, cpu0#1: cpu0)."""
+        return self.name.partition("#")[0]
+
     def accepts(self, model: str) -> bool:
         return not self.info.models or model in self.info.models
 
@@ -81,9 +86,10 @@ class WorkerPool:
     def __init__(self, credits: int | None = None, load_timeout_s: float = math.inf) -> None:
         self._credits = credits  # None: 1 per CPU worker, 2 per GPU worker
         self._load_timeout_s = load_timeout_s  # --load-timeout
-        # Versions whose load ran past it (key -> why): no worker is asked again, as a
-        # restart would be (control.worker_ready): it hung there too, again and again
-        self.hung: dict[str, str] = {}
+        # Versions whose load ran past it, by worker slot ((slot, key) -> why): the worker
+        # that replaces the one it hung is not asked again (control.worker_ready): it hung
+        # there too, again and again, taking that worker's other models with it
+        self.hung: dict[tuple[str, str], str] = {}
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._order: list[WorkerHandle] = []
         self._rr = 0
@@ -276,6 +282,6 @@ class WorkerPool:
                         name, _, version = key.rpartition("@")
                         late.append((w, f"its load of model {name!r} version {version} ran "
                                         f"past --load-timeout {limit:g} s"))  # fmt: skip
-                        self.hung[key] = f"{w.name}: {late[-1][1]}"
+                        self.hung[w.slot, key] = f"{w.name}: {late[-1][1]}"
                         break
         return late

@@ -541,6 +541,47 @@ def test_a_model_edited_while_loads_wait_is_served_as_its_files_are(tmp_path: Pa
         assert s.stop() == 0, s.log()
 
 
+ONCE_HUNG = r"""
+import os
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+def load(device):
+    try:  # the first load() ever stalls (a slow disk, a lock): the others do not
+        os.close(os.open(HERE / ".stalled", os.O_CREAT | os.O_EXCL))
+        time.sleep(3600)
+    except FileExistsError:
+        pass
+    with open(HERE / ".loaded-by", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return lambda x: x * 2
+"""
+
+
+def test_a_load_that_hung_on_one_worker_is_still_loaded_by_the_others(tmp_path: Path) -> None:
+    """A hung load marks the version for the worker slot it hung on, not for every
+    worker: marked for all, the version was gone for good once the worker that had
+    loaded it was lost, as no new worker would load it."""
+    d = tmp_path / "repo" / "flaky"
+    d.mkdir(parents=True)
+    (d / "model.toml").write_text(MODEL_TOML)
+    (d / "model.py").write_text(ONCE_HUNG)
+    s = ServerProcess(tmp_path / "repo", "--load-timeout", "2", log_dir=tmp_path, workers=2)
+    try:
+        s.start()
+        wait_for(lambda: "ran past --load-timeout 2 s" in s.log(), 60, "the stalled load's end")
+        (healthy,) = {int(p) for p in (d / ".loaded-by").read_text().split()}
+        os.kill(healthy, signal.SIGKILL)  # the worker that holds it is lost (OOM, a crash)
+        with Client(s.url) as c:
+            wait_for(lambda: healthy not in s.worker_pids() and c.model_ready("flaky"), 60,
+                     "the new worker in its slot to load it")  # fmt: skip
+            assert y(c, "flaky", 1.0) == 2.0
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 SLOW_LOAD = """
 import time
 
