@@ -28,9 +28,10 @@ from batchd.client.core import ClientCore, Steps, Wait
 from batchd.client.errors import BatchdClientError, ServerUnavailable, from_rpc_error
 from batchd.protos import jobs_pb2 as pb
 
-# Bytes of the job file per SubmitJobRequest, at most: under the --max-message-bytes of
-# any server set for small requests (the file's own size is --jobs-max-file-bytes').
-PIECE = 256 * 1024
+# Bytes of the job file per SubmitJobRequest, at most: with the message's own few bytes,
+# under the --max-message-bytes of a server set for small requests, down to 256 KiB
+# (the file's own size is --jobs-max-file-bytes').
+PIECE = 256 * 1024 - 64
 ENDED = ("completed", "failed", "cancelled")
 Source = str | os.PathLike[str] | Iterable[Mapping[str, Any]]
 

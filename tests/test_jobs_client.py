@@ -234,10 +234,11 @@ def test_cancelling_an_async_submission_ends_its_upload(tmp_path: Path) -> None:
 
 
 def test_uploads_go_in_pieces_a_small_max_message_takes(tmp_path: Path) -> None:
-    """A server with --max-message-bytes 300000 (set for small requests) refused every
-    upload of the client's 1 MiB pieces. A file, many lines, and one line longer than a
+    """A server with --max-message-bytes 262144 (set for small requests) refused every
+    upload of the client's 1 MiB pieces, and then of 256 KiB ones (with the message's
+    own bytes, 262148). A file, many lines, and one line longer than a
     piece now go in pieces of at most client.jobs.PIECE bytes, whole."""
-    server = ServerProcess(TEST_MODELS, "--max-message-bytes", "300000",
+    server = ServerProcess(TEST_MODELS, "--max-message-bytes", str(256 * 1024),
                            log_dir=tmp_path).start()  # fmt: skip
     many = gated_lines(range(1, 20_001))  # about 2 MB
     path = tmp_path / "many.jsonl"

@@ -64,7 +64,7 @@ def test_an_upload_has_its_head_start_then_a_second_for_each_rate_bytes() -> Non
 
 
 def test_the_defaults_never_cut_the_client_s_pieces_while_it_keeps_up_the_rate() -> None:
-    """A piece counts once it has all come. batchd's client sends 256 KiB pieces: at the
+    """A piece counts once it has all come. batchd's client sends ~256 KiB pieces: at the
     default rate, or faster, each arrives before the deadline the last one set."""
     rate, grace = JobsConfig().min_upload_rate, JobsConfig().upload_grace_s
     assert rate * grace >= PIECE
