@@ -325,6 +325,7 @@ class AsyncClient(_Connection):
             return e
         finally:
             call.cancel()  # the awaiting task cancelled: the upload too (nothing once ended)
+            step.request.stop()  # and no more of its source is read
 
     async def _drive_stream(self, steps: StreamSteps) -> AsyncIterator[Outputs]:
         """Client._drive_stream, awaited. An iterator left without aclose() is closed,

@@ -17,7 +17,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
@@ -32,6 +32,7 @@ from batchd.protos import jobs_pb2 as pb
 # under the --max-message-bytes of a server set for small requests, down to 256 KiB
 # (the file's own size is --jobs-max-file-bytes').
 PIECE = 256 * 1024 - 64
+_END = object()  # (a source's end)
 ENDED = ("completed", "failed", "cancelled")
 Source = str | os.PathLike[str] | Iterable[Mapping[str, Any]]
 
@@ -75,9 +76,10 @@ class Job:
 
 
 class _Upload:
-    """A job's SubmitJobRequests, and the error that ended them early: gRPC reads them
-    in its own thread and reports any such error as "Exception iterating requests!".
-    A path is opened here, before the call: a missing file fails as itself."""
+    """A job's SubmitJobRequests (an iterator), and the error that ended them early:
+    gRPC reads them in its own thread and reports any such error as "Exception
+    iterating requests!". A path is opened here, before the call: a missing file fails
+    as itself. Once `stop`ped (the caller gave up), no more of the source is read."""
 
     def __init__(self, model: str, version: str, source: Source, key: str) -> None:
         self.error: Exception | None = None
@@ -86,16 +88,31 @@ class _Upload:
         self._file = None
         if isinstance(source, str | os.PathLike):
             self._file = Path(source).open("rb")  # noqa: SIM115 (closed by close())
-        self._source = source
+        self._source, self._stopped = source, False
+        self._messages = self._generate()
 
     def __iter__(self) -> Iterator[pb.SubmitJobRequest]:
+        return self
+
+    def __next__(self) -> pb.SubmitJobRequest:
+        return next(self._messages)
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    def _more(self) -> bool:
+        if self._stopped:  # (raised: gRPC cancels the call, never ends the upload as whole)
+            raise RuntimeError("the upload was given up")
+        return True
+
+    def _generate(self) -> Iterator[pb.SubmitJobRequest]:
         try:
             yield self._head
             if self._file is not None:
-                while piece := self._file.read(PIECE):
+                while self._more() and (piece := self._file.read(PIECE)):
                     yield pb.SubmitJobRequest(data=piece)
             else:
-                yield from _lines(self._source)  # type: ignore[arg-type]
+                yield from _lines(self._source, self._more)  # type: ignore[arg-type]
         except Exception as e:
             self.error = e
             raise
@@ -105,10 +122,12 @@ class _Upload:
             self._file.close()
 
 
-def _lines(source: Iterable[Mapping[str, Any]]) -> Iterator[pb.SubmitJobRequest]:
+def _lines(source: Iterable[Mapping[str, Any]], more: Callable[[], bool]
+           ) -> Iterator[pb.SubmitJobRequest]:  # fmt: skip
+    """`source` as messages of PIECE bytes at most; `more()` before each line is drawn."""
     buffer: list[bytes] = []
-    size = 0
-    for line in source:
+    size, lines = 0, iter(source)
+    while more() and (line := next(lines, _END)) is not _END:
         encoded = json.dumps(line, separators=(",", ":")).encode() + b"\n"
         buffer.append(encoded)
         size += len(encoded)
@@ -137,7 +156,7 @@ def submit_job(
     while True:
         upload = _Upload(model, version, source, key)
         try:
-            reply = yield from core.call_by("SubmitJob", iter(upload), deadline, "jobs")
+            reply = yield from core.call_by("SubmitJob", upload, deadline, "jobs")
             return Job.from_pb(reply)
         except BatchdClientError as e:
             if upload.error is not None:  # the lines, not the server: say what broke

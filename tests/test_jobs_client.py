@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from batchd.client import AsyncClient, Client, LimitExceeded, ServerUnavailable
+from batchd.client.jobs import _Upload
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from tests.conftest import Gate, run
 from tests.servers import TEST_MODELS, ServerProcess, grpc_servicer, wait_for
@@ -260,3 +261,22 @@ def test_uploads_go_in_pieces_a_small_max_message_takes(tmp_path: Path) -> None:
 def compact(rows: list[dict[str, Any]]) -> int:
     """The bytes of `rows` as the client sends them."""
     return sum(len(json.dumps(v, separators=(",", ":"))) + 1 for v in rows)
+
+
+def test_a_stopped_upload_reads_no_more_of_its_source() -> None:
+    """AsyncClient.submit_job cancelled: gRPC's thread went on drawing lines from the
+    caller's iterable, up to a whole piece (thousands of lines), after the coroutine
+    had ended. Stopped, the upload draws none and ends the call as given up."""
+    drawn: list[int] = []
+
+    def source() -> Iterator[dict[str, Any]]:
+        for i in range(100_000):
+            drawn.append(i)
+            yield {"custom_id": str(i), "inputs": []}
+
+    upload = _Upload("m", "", source(), "key")
+    assert next(upload).model_name == "m"
+    upload.stop()
+    with pytest.raises(RuntimeError, match="given up"):
+        next(upload)
+    assert drawn == []
