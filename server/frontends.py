@@ -40,12 +40,14 @@ def endpoints(tmp: str, count: int) -> list[str]:
     ]
 
 
-def bind(router: zmq.Socket[Any], endpoint: str) -> None:
-    """The workers' socket on `endpoint`; ConfigError naming the flag if it cannot be."""
+def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:
+    """The workers' socket on `endpoint` (`given`: by --worker-endpoint, else a private
+    ipc:// path under TMPDIR); ConfigError saying which, if it cannot be."""
     try:
         router.bind(endpoint)
     except zmq.ZMQError as e:
-        raise ConfigError(f"cannot bind --worker-endpoint {endpoint}: {e}") from None
+        which = "--worker-endpoint" if given else "the workers' socket (under TMPDIR)"
+        raise ConfigError(f"cannot bind {which} {endpoint}: {e}") from None
 
 
 class Children:

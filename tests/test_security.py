@@ -524,7 +524,10 @@ def test_a_worker_endpoint_that_cannot_be_bound_is_refused_naming_the_flag() -> 
                 with pytest.raises(
                     ConfigError, match=f"^cannot bind --worker-endpoint {endpoint}: {why}"
                 ):
-                    bind(router, endpoint)
+                    bind(router, endpoint, given=True)
+        private = "ipc:///" + "x" * 200 + "/workers.sock"  # past a socket path's length
+        with pytest.raises(ConfigError, match=r"^cannot bind the workers' socket \(under TMPDIR\)"):
+            bind(router, private, given=False)
     finally:
         router.close(linger=0)
         ctx.term()
