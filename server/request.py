@@ -206,6 +206,10 @@ class StepStream:
         # sequence at 0 or below, as this does); bytes read and not given back yet;
         # and what sends CREDIT to its worker (set when it starts)
         self.window = min(WINDOW, budget.limit // 8) if budget is not None else WINDOW
+        # The most bytes one step's outputs may hold: handed on, what one response may
+        # carry (its caller's responses: gRPC's, --max-message-bytes); else the budget
+        limit = budget.limit if budget is not None else 0
+        self.cap = limit // STREAM_BUDGET_RESPONSES if handed_on else limit
         self.credit, self._owed = self.window, 0
         self.grant: Callable[[int, bool], None] | None = None
         self.taken_at = time.monotonic()  # when its caller last took an output
@@ -214,10 +218,11 @@ class StepStream:
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
         when the caller is too far behind (`behind` says how)."""
-        size = self.offered = output_bytes(outputs) + OUTPUT_COST
+        self.offered = output_bytes(outputs)
+        size = self.offered + OUTPUT_COST
         if len(self._items) >= self.limit:
             return False
-        if self.budget is not None and not self.budget.take(size):
+        if self.budget is not None and (self.too_large() or not self.budget.take(size)):
             return False
         self._items.append((outputs, final))
         self._sizes.append(size)
@@ -246,9 +251,9 @@ class StepStream:
         self.grant(more, paused)
 
     def too_large(self) -> bool:
-        """Whether the output a push refused is more than its stream ever holds: no read
-        makes room for it (its caller is not behind)."""
-        return self.budget is not None and self.offered > self.budget.limit
+        """Whether the outputs a push refused are more than its stream can ever pass on
+        (`cap`): no read makes room for them (its caller is not behind)."""
+        return self.budget is not None and self.offered > self.cap
 
     def behind(self) -> str:
         """What the caller has not read, once a push was refused."""

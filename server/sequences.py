@@ -156,19 +156,20 @@ class Sequences:
                 )
                 self._end_sequence(worker, sequence, bad)
                 return
-            outputs = [
+            outputs = [  # the ones it asked for: all it holds and counts on their way out
                 Tensor(h.name, h.datatype, tuple(h.shape), memoryview(f))
                 for h, f in zip(tensors, frames, strict=True)
+                if h.name in r.outputs
             ]
             first = stream.sent == 0
             if not stream.push(outputs, step.final):
                 self._cancel(worker.identity, sequence.id)
                 stopped = f"model {model.name!r}; the sequence was stopped after {stream.sent}"
                 stop: BatchdError = (
-                    ResponseTooLarge(f"an output of {stream.offered} bytes is more than a stream "
-                                     f"holds for its caller ({stream.budget.limit} bytes: "
-                                     f"twice --max-message-bytes) of {stopped}")
-                    if stream.too_large() and stream.budget is not None
+                    ResponseTooLarge(f"a step's outputs for this request hold {stream.offered} "
+                                     f"bytes, more than its stream can carry ({stream.cap}, from "
+                                     f"--max-message-bytes), of {stopped}")
+                    if stream.too_large()
                     else StreamBehind(f"this stream's caller has not read {stream.behind()} of "
                                       f"{stopped}")
                 )  # fmt: skip

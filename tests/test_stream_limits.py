@@ -441,9 +441,9 @@ def test_a_steady_reader_of_outputs_near_the_message_limit_gets_every_one(
     0.1 s: an output taken left the budget before its response entered the stream's
     queue, so the budget looked empty for a moment, gave credit for an output it had
     no room for, and the sequence was stopped RESOURCE_EXHAUSTED after 4, its caller
-    blamed for not reading. Every output comes now. One output over the whole budget
-    is refused as too large, not as unread, and only its own sequence: one on the same
-    stream whose outputs come beside it is answered whole."""
+    blamed for not reading. Every output comes now. An output over what a response may
+    carry (1.5 MiB) is refused as too large, not as unread, and only its own sequence:
+    one on the same stream whose outputs come beside it is answered whole."""
     width = int(0.72 * MiB) // 8
     got, error = 0, ""
     for r in stub.ModelStreamInfer(iter([wide_request(71, 12, width=width)]), timeout=120):
@@ -451,13 +451,17 @@ def test_a_steady_reader_of_outputs_near_the_message_limit_gets_every_one(
         got += bool(r.infer_response.raw_output_contents)
         time.sleep(0.1)  # a slow, steady reader (the load, not a check)
     assert (got, error) == (12, "")
-    both = [wide_request(72, 3, width=3 * MiB // 8), wide_request(73, 20, width=16)]
+    both = [wide_request(72, 3, width=3 * MiB // 16), wide_request(73, 5, width=MiB * 6 // 80)]
     answers: dict[str, list[str]] = {"72": [], "73": []}
     for r in stub.ModelStreamInfer(iter(both), timeout=60):
         answers[r.infer_response.id].append(r.error_message)
-    assert answers["73"] == [""] * 20
+        time.sleep(0.05)  # the reader's pace (the load, not a check)
+    assert answers["73"] == [""] * 5  # (0.6 MiB each: with 72's held, past the budget)
     (refused,) = answers["72"]
-    assert "an output of 3146752 bytes is more than a stream holds" in refused, refused
+    assert (
+        "a step's outputs for this request hold 1572864 bytes, more than its stream can "
+        "carry (1048576, from --max-message-bytes)" in refused
+    ), refused
 
 
 def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_worker(
