@@ -158,7 +158,7 @@ class ModelControl:
         joins = []
         for cfg in [*self.current.values(), *self._loading.values()]:
             if worker.accepts(cfg.name) and cfg.key not in worker.models:
-                if hung := self._pool.hung.get((worker.slot, cfg.key)):  # it would hang again
+                if hung := self._pool.hung_for(worker, cfg.key):  # it would hang again
                     worker.load_errors[cfg.key] = hung
                 elif cfg.key not in worker.loads:
                     joins.append((cfg, self._load_on(worker, cfg, send=False)))

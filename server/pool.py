@@ -61,8 +61,9 @@ class WorkerHandle:
 
     @property
     def slot(self) -> str:
-        """Where it runs: a local worker's restarts share it (cpu0#0, cpu0#1: cpu0)."""
-        return self.name.partition("#")[0]
+        """Where it runs, the same for its restarts: a local worker's name before '#'
+        (cpu0#1: cpu0), a remote one's without its default pid (host-cpu-4242: host-cpu)."""
+        return self.name.rpartition("#")[0] or self.name.removesuffix(f"-{self.info.pid}")
 
     def accepts(self, model: str) -> bool:
         return not self.info.models or model in self.info.models
@@ -90,6 +91,7 @@ class WorkerPool:
         # that replaces the one it hung is not asked again (control.worker_ready): it hung
         # there too, again and again, taking that worker's other models with it
         self.hung: dict[tuple[str, str], str] = {}
+        self._stuck: dict[str, tuple[int, str]] = {}  # slot -> the pid whose load hung, why
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._order: list[WorkerHandle] = []
         self._rr = 0
@@ -100,6 +102,14 @@ class WorkerPool:
         self._next_id = secrets.randbits(31) << 32
 
     # ---- the registry ----
+
+    def hung_for(self, worker: WorkerHandle, key: str) -> str:
+        """Why `worker` must not be sent version `key` to load, or "": that version's load
+        hung on its slot (it would hang again), or this very process is the one whose
+        load hung (a remote worker that outlived its STOP and registered again: every
+        load would wait behind the hung one, and be judged hung in its turn)."""
+        pid, why = self._stuck.get(worker.slot, (0, ""))
+        return why if pid == worker.info.pid else self.hung.get((worker.slot, key), "")
 
     def workers(self) -> list[WorkerHandle]:
         return list(self._order)
@@ -283,5 +293,6 @@ class WorkerPool:
                         late.append((w, f"its load of model {name!r} version {version} ran "
                                         f"past --load-timeout {limit:g} s"))  # fmt: skip
                         self.hung[w.slot, key] = f"{w.name}: {late[-1][1]}"
+                        self._stuck[w.slot] = (w.info.pid, self.hung[w.slot, key])
                         break
         return late

@@ -154,3 +154,27 @@ def test_a_load_past_the_load_timeout_is_found_and_only_while_it_is_pending() ->
         assert pool.overdue(200.0) == []
     finally:
         loop.close()
+
+
+def test_a_hung_load_is_kept_from_its_slot_and_from_the_process_it_hung() -> None:
+    """A remote worker's default id ends in its pid, so each restart was a new slot and
+    hung on the version again; the process whose load hung, still alive after STOP,
+    registered again and each load it was sent waited behind the hung one, to be
+    judged hung in turn (a healthy model marked for good)."""
+    pool = WorkerPool(credits=1, load_timeout_s=10.0)
+    _, local = pool.join(b"l", info("cpu0#3", pid=5))
+    _, hung = pool.join(b"r", info("vm-cpu-77", pid=77))
+    assert (local.slot, hung.slot) == ("cpu0", "vm-cpu")
+    loop = asyncio.new_event_loop()
+    try:
+        hung.loads["m@1"], hung.load_sent["m@1"] = loop.create_future(), 0.0
+        assert [w for w, _ in pool.overdue(11.0)] == [hung]
+    finally:
+        loop.close()
+    pool.leave(hung)
+    _, again = pool.join(b"r", info("vm-cpu-77", pid=77))  # the same process, back
+    assert pool.hung_for(again, "m@1") and pool.hung_for(again, "healthy@1")
+    pool.leave(again)
+    _, restarted = pool.join(b"r2", info("vm-cpu-78", pid=78))  # a new process in the slot
+    assert pool.hung_for(restarted, "m@1") and not pool.hung_for(restarted, "healthy@1")
+    assert not pool.hung_for(local, "m@1")
