@@ -382,7 +382,7 @@ async def serve(cfg: ServerConfig) -> None:
         try:
             if worker_auth is not None:
                 worker_auth.start(ctx, router)
-            bind(router, endpoint, given=bool(cfg.workers.endpoint))
+            bind(router, endpoint, given=bool(cfg.workers.endpoint) and not fronts.index)
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, repository, router, ",".join(every) or endpoint)

@@ -34,10 +34,16 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
 
 
 def endpoints(tmp: str, count: int) -> list[str]:
-    """The private ipc:// endpoint of each frontend, index 0 first."""
-    return [f"ipc://{tmp}/workers.sock"] + [
+    """The private ipc:// endpoint of each frontend, index 0 first; ConfigError if one
+    is longer than a socket's path may be (a long TMPDIR: each child failed to bind
+    it, and was started again and again)."""
+    every = [f"ipc://{tmp}/workers.sock"] + [
         f"ipc://{tmp}/workers-{i}.sock" for i in range(1, count)
     ]
+    if len(every[-1]) - len("ipc://") > (most := zmq.IPC_PATH_MAX_LEN):
+        raise ConfigError(f"the workers' socket {every[-1]} is longer than a socket path may "
+                          f"be ({most} bytes): set TMPDIR to a shorter path")  # fmt: skip
+    return every
 
 
 def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:

@@ -48,7 +48,7 @@ from batchd.server.config import (
 )
 from batchd.server.control import IndexEntry
 from batchd.server.errors import NotAllowed
-from batchd.server.frontends import bind
+from batchd.server.frontends import bind, endpoints
 from batchd.server.request import Request, Tensor
 from batchd.server.security import connection_options, listen, preflight
 from batchd.server.service import InferenceService
@@ -531,6 +531,16 @@ def test_a_worker_endpoint_that_cannot_be_bound_is_refused_naming_the_flag() -> 
     finally:
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused_at_once() -> None:
+    """--frontends 2 under a TMPDIR where workers.sock fits a socket path and
+    workers-1.sock does not: frontend 1 failed to bind, naming --worker-endpoint (which
+    frontend 0 passes it), and was started again and again. Frontend 0 refuses it."""
+    tmp = "/tmp/" + "t" * (zmq.IPC_PATH_MAX_LEN - len("/tmp//workers.sock"))
+    assert len(endpoints(tmp, 1)) == 1
+    with pytest.raises(ConfigError, match=r"workers-1\.sock is longer than a socket path"):
+        endpoints(tmp, 2)
 
 
 def test_a_grpc_port_in_use_is_refused_naming_the_address() -> None:
