@@ -14,6 +14,7 @@ A request line: {"custom_id": "...", "inputs": [{"name", "datatype", "shape",
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -75,6 +76,21 @@ class Job:
         )  # fmt: skip
 
 
+class _GivenUp(RuntimeError):
+    """Raised into gRPC's thread by an upload its caller gave up (its call is cancelled)."""
+
+
+class _QuietGivenUp(logging.Filter):
+    """gRPC logs every exception of a request iterator with a traceback, at ERROR: not
+    this one, which is no failure (an AsyncClient.submit_job cancelled)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], _GivenUp))
+
+
+logging.getLogger("grpc._channel").addFilter(_QuietGivenUp())
+
+
 class _Upload:
     """A job's SubmitJobRequests (an iterator), and the error that ended them early:
     gRPC reads them in its own thread and reports any such error as "Exception
@@ -102,7 +118,7 @@ class _Upload:
 
     def _more(self) -> bool:
         if self._stopped:  # (raised: gRPC cancels the call, never ends the upload as whole)
-            raise RuntimeError("the upload was given up")
+            raise _GivenUp("the upload was given up")
         return True
 
     def _generate(self) -> Iterator[pb.SubmitJobRequest]:
@@ -113,6 +129,8 @@ class _Upload:
                     yield pb.SubmitJobRequest(data=piece)
             else:
                 yield from _lines(self._source, self._more)  # type: ignore[arg-type]
+        except _GivenUp:
+            raise  # (not the upload's error: the server's, if it ended the call, stays it)
         except Exception as e:
             self.error = e
             raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from batchd.client import AsyncClient, Client, LimitExceeded, ServerUnavailable
-from batchd.client.jobs import _Upload
+from batchd.client.jobs import _GivenUp, _Upload
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from tests.conftest import Gate, run
 from tests.servers import TEST_MODELS, ServerProcess, grpc_servicer, wait_for
@@ -279,4 +280,16 @@ def test_a_stopped_upload_reads_no_more_of_its_source() -> None:
     upload.stop()
     with pytest.raises(RuntimeError, match="given up"):
         next(upload)
-    assert drawn == []
+    assert drawn == [] and upload.error is None  # (the server's error, if any, stays it)
+
+
+def test_grpc_logs_no_error_for_an_upload_given_up(caplog: pytest.LogCaptureFixture) -> None:
+    """gRPC logs a request iterator's exception at ERROR with its traceback: every
+    cancelled AsyncClient.submit_job did, though nothing failed. Other ones still are."""
+    log = logging.getLogger("grpc._channel")
+    for error in (_GivenUp("the upload was given up"), ValueError("a line that broke")):
+        try:
+            raise error
+        except Exception:
+            log.exception("Exception iterating requests!")
+    assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [ValueError]
