@@ -572,6 +572,18 @@ server.wait_for_termination()
 """
 
 
+def submit_in_one_frame(url: str) -> None:
+    """A SubmitJob as a unary call sends it (as other clients may): its one piece ends
+    the stream. The backends here die on it: it fails."""
+    with grpc.insecure_channel(url) as channel, pytest.raises(grpc.RpcError):
+        unary = channel.unary_unary(
+            "/batchd.jobs.v1.Jobs/SubmitJob",
+            request_serializer=jobs_pb2.SubmitJobRequest.SerializeToString,
+            response_deserializer=jobs_pb2.Job.FromString,
+        )
+        unary(jobs_pb2.SubmitJobRequest(model_name="m", data=b"{}\n"), timeout=30)
+
+
 def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
     """Five replicas that each die once a call has come whole, before answering: an
     inference call is sent again to the next (it has no side effect), a job submission
@@ -598,13 +610,7 @@ def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
             c.submit_job("m", [{"custom_id": "a", "inputs": []}])
         assert calls.read_text().split() == ["SubmitJob"]
         wait_for(lambda: h.states().count("UP") == 4, 30, "haproxy to see it down")
-        with grpc.insecure_channel(h.url) as channel, pytest.raises(grpc.RpcError):
-            unary = channel.unary_unary(
-                "/batchd.jobs.v1.Jobs/SubmitJob",
-                request_serializer=jobs_pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=jobs_pb2.Job.FromString,
-            )
-            unary(jobs_pb2.SubmitJobRequest(model_name="m", data=b"{}\n"), timeout=30)
+        submit_in_one_frame(h.url)
         assert calls.read_text().split() == ["SubmitJob", "SubmitJob"]
         wait_for(lambda: h.states().count("UP") == 3, 30, "haproxy to see it down")
         with Client(h.url) as c, pytest.raises(BatchdClientError):
@@ -642,13 +648,7 @@ def test_nginx_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
         with Client(url) as c, pytest.raises(BatchdClientError):
             c.submit_job("m", [{"custom_id": "a", "inputs": []}])
         assert calls.read_text().split() == ["SubmitJob"]
-        with grpc.insecure_channel(url) as channel, pytest.raises(grpc.RpcError):
-            unary = channel.unary_unary(
-                "/batchd.jobs.v1.Jobs/SubmitJob",
-                request_serializer=jobs_pb2.SubmitJobRequest.SerializeToString,
-                response_deserializer=jobs_pb2.Job.FromString,
-            )
-            unary(jobs_pb2.SubmitJobRequest(model_name="m", data=b"{}\n"), timeout=30)
+        submit_in_one_frame(url)
         assert calls.read_text().split() == ["SubmitJob", "SubmitJob"]
         with Client(url) as c, pytest.raises(BatchdClientError):
             c.infer("m", {"X": np.zeros((1, 1), np.float32)})
