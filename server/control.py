@@ -25,13 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from batchd.protos import wire
-from batchd.protos.model_config import (
-    MODEL_NAME,
-    ConfigError,
-    ModelConfig,
-    load_model_config,
-    model_key,
-)
+from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
 from batchd.protos.repository import files_of, find_model
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
@@ -282,8 +276,8 @@ class ModelControl:
 
     async def _load(self, name: str) -> ModelConfig:
         async with self._one_at_a_time(name):  # (read in it: the files as they are now)
-            try:
-                found = find_model(self.repository, name)
+            try:  # (off the loop: a name no folder has is looked for in every model.toml)
+                found = await asyncio.to_thread(find_model, self.repository, name)
             except ConfigError as e:
                 raise InvalidInput(f"cannot load model {name!r}: {e}") from None
             cfg = self._next_version(found, await asyncio.to_thread(files_of, found.directory))
@@ -378,16 +372,13 @@ class ModelControl:
 
     # ---- RepositoryIndex ----
 
-    def index(self) -> list[IndexEntry]:
-        """Every model of the repository, loaded or not, sorted by name."""
+    def index(self, on_disk: list[tuple[Path, ModelConfig | ConfigError]]) -> list[IndexEntry]:
+        """Every model of the repository, loaded or not, sorted by name; `on_disk`: what
+        repository.load_each read (off the loop: it parses every model.toml)."""
         entries: dict[str, IndexEntry] = {}
-        for sub in sorted(p for p in self.repository.iterdir() if (p / "model.toml").is_file()):
-            try:
-                name = load_model_config(sub).name
-            except ConfigError as e:
-                entries[sub.name] = IndexEntry(sub.name, "", "UNAVAILABLE", str(e))
-                continue
-            entries[name] = IndexEntry(name, "", "UNAVAILABLE", "not loaded")
+        for sub, cfg in on_disk:
+            name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")
+            entries[name] = IndexEntry(name, "", "UNAVAILABLE", why or "not loaded")
         for name, cfg in self._loading.items():  # (a reload: its serving version, below)
             entries[name] = IndexEntry(name, cfg.version, "LOADING", "")
         for name, cfg in self.current.items():

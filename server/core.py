@@ -30,6 +30,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
+from batchd.protos.repository import load_each
 from batchd.server import recovery, tracing
 from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
@@ -119,8 +120,8 @@ class Core:
     async def unload(self, name: str) -> None:
         await self.control.unload(name)
 
-    def index(self) -> list[IndexEntry]:
-        return self.control.index()
+    async def index(self) -> list[IndexEntry]:
+        return self.control.index(await asyncio.to_thread(load_each, self.control.repository))
 
     def cancel(self, request: Request) -> None:
         """The caller of a step-wise request left: free its queue place or its slot."""

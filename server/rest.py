@@ -347,7 +347,7 @@ class RestApi:
 
     async def index(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        index = self._service.index(await self._parse(body, parse_index))
+        index = await self._service.index(await self._parse(body, parse_index))
         return json_response([as_json(m, defaults=True) for m in index.models])
 
     async def load(self, request: web.Request) -> web.Response:

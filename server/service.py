@@ -83,7 +83,7 @@ class Core(Protocol):
     def load_error(self, name: str) -> str | None: ...  # why no worker could load it
     async def load(self, name: str) -> ModelConfig: ...
     async def unload(self, name: str) -> None: ...
-    def index(self) -> list[IndexEntry]: ...
+    async def index(self) -> list[IndexEntry]: ...
     def cancel(self, request: Request) -> None: ...  # a step-wise request's caller left
 
 
@@ -364,11 +364,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
     ) -> pb.RepositoryIndexResponse:
-        return self.index(request)
+        return await self.index(request)
 
-    def index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
+    async def index(self, request: pb.RepositoryIndexRequest) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse()
-        for e in self._core.index():
+        for e in await self._core.index():
             if not request.ready or e.state == "READY":
                 index.models.add(name=e.name, version=e.version, state=e.state, reason=e.reason)
         return index

@@ -648,3 +648,19 @@ def test_a_load_asking_for_more_instances_than_started_says_so(
         assert y(c, "copies", 1.0) == 7.0
         c.unload_model("copies", timeout=60)
     assert "[instances] count takes effect at start-up: restart for more" in server.log()
+
+
+def test_the_index_reads_nothing_outside_the_repository(
+    server: ServerProcess, repo: Path, tmp_path: Path
+) -> None:
+    """RepositoryIndex parsed each folder's model.toml itself, a folder linked from
+    outside the repository too (loading refuses it); it reads the repository as loading
+    does now, off the event loop: that folder is listed, refused, saying why."""
+    outside = make_model(tmp_path, "elsewhere", 1.0)
+    (repo / "linked").symlink_to(outside)
+    try:
+        with Client(server.url) as c:
+            entry = {m["name"]: m for m in c.repository_index()}["linked"]
+        assert entry["state"] == "UNAVAILABLE" and "outside the model repository" in entry["reason"]
+    finally:
+        (repo / "linked").unlink()

@@ -84,7 +84,7 @@ class _NoWorkers:
     async def unload(self, name: str) -> None:
         raise NotAllowed("model control is disabled")
 
-    def index(self) -> list[IndexEntry]:
+    async def index(self) -> list[IndexEntry]:
         return [IndexEntry("tiny", "1", "UNAVAILABLE", "no live worker serves it")]
 
     def cancel(self, request: Request) -> None:
