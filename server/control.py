@@ -366,7 +366,7 @@ class ModelControl:
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)
         self._files.pop(cfg.key, None)
-        self._pool.hung = {k: v for k, v in self._pool.hung.items() if k[1] != cfg.key}
+        self._pool.forget_hung(cfg.key)
         self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
 

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 )
 
 from batchd.protos.model_config import ModelConfig
+from batchd.server.security import in_url
 from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
 
 log = logging.getLogger("batchd.metrics")
@@ -337,6 +338,5 @@ async def start_metrics(
         writer.close()
 
     server = await asyncio.start_server(handle, host, port)
-    where = f"[{host}]" if ":" in host else host  # (an IPv6 address, in a URL)
-    log.info("metrics on http://%s:%d/metrics", where, server.sockets[0].getsockname()[1])
+    log.info("metrics on http://%s:%d/metrics", in_url(host), server.sockets[0].getsockname()[1])
     return server

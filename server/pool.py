@@ -111,6 +111,10 @@ class WorkerPool:
         pid, why = self._stuck.get(worker.slot, (0, ""))
         return why if pid == worker.info.pid else self.hung.get((worker.slot, key), "")
 
+    def forget_hung(self, key: str) -> None:
+        """Version `key` is gone (retired): its hung loads are nobody's concern now."""
+        self.hung = {k: why for k, why in self.hung.items() if k[1] != key}
+
     def workers(self) -> list[WorkerHandle]:
         return list(self._order)
 

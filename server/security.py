@@ -131,13 +131,16 @@ def _loopback(host: str) -> bool:
         return False  # "*", "0.0.0.0" is an address; interface names: not loopback
 
 
+def in_url(host: str) -> str:
+    """`host` (--host: an IPv6 address bare or in brackets) as an address or URL takes it."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
     """Open the gRPC port, over TLS when configured; warn when it is exposed in the clear."""
     host, security = cfg.network.host, cfg.security
-    bare = host.strip("[]")  # an IPv6 address goes in brackets, as gRPC takes it ([::1] or ::1)
-    address = (
-        f"[{bare}]:{cfg.network.grpc_port}" if ":" in bare else f"{bare}:{cfg.network.grpc_port}"
-    )
+    address = f"{in_url(host)}:{cfg.network.grpc_port}"
     creds = _credentials(security)
     if not _loopback(host):
         if creds is None:
