@@ -184,8 +184,13 @@ class RestApi:
     ) -> web.StreamResponse | None:
         """`Expect: 100-continue` (it comes before the middlewares): a caller without its
         token, or a body declared over the limit, is refused before the body is sent
-        (aiohttp said 100 Continue, then refused it), and the connection closed."""
-        if not self._allowed(request):
+        (aiohttp said 100 Continue, then refused it), and the connection closed. Any
+        other expectation is 417 (it was 413 for a large body, aiohttp's text/plain else)."""
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            refused = error_response(417, f"Expect: only 100-continue is understood; came "
+                                     f"{clip(expect)}")  # fmt: skip
+        elif not self._allowed(request):
             refused = error_response(401, DENIED, {"WWW-Authenticate": "Bearer"})
         elif (declared := request.content_length or 0) > (limit or self._max_body):
             refused = error_response(413, f"the body is {declared} bytes, more than "

@@ -558,6 +558,18 @@ def test_expect_100_continue_asks_for_the_token_first(strict: ServerProcess) -> 
             answer = s.recv(4096)
         refused_and_closed = b"Connection: close" in answer or first.endswith(b"Continue")
         assert answer.startswith(first) and refused_and_closed, (path, answer[:300])
+    # An expectation it does not understand is 417 saying so, whatever the body's size
+    with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
+        s.sendall(
+            b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\nAuthorization: "
+            + token
+            + b"\r\nExpect: foo\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
+        )
+        status, answer = read_response(s)
+    assert (status, json.loads(answer)) == (
+        417,
+        {"error": "Expect: only 100-continue is understood; came 'foo'"},
+    )
 
 
 def test_load_and_unload_over_http_with_an_admin_token(
