@@ -37,13 +37,14 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 11  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 12  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
 # 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
 # for several frontends' batches); 8: CREDIT, START's credit (per-sequence
 # flow control of step-wise outputs); 9: Header.invalid, Step.invalid (a model refusing
 # its inputs: INVALID_ARGUMENT); 10: HEARTBEAT's occupied (step-wise slots, every
-# frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time)
+# frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time); 12: HEARTBEAT's
+# busy_ns and running (a batch is timed from its forward's start)
 HEARTBEAT_INTERVAL_S = 1.0
 # What one step's outputs take from their sequence's credit (Header.credit) beyond their
 # bytes, for the objects that carry them (on the frontend, about 1 KiB an output: 487 MiB

@@ -244,7 +244,7 @@ class Core:
         elif kind == wire.Header.LOADED:
             self.control.on_loaded(worker, header)
         elif kind == wire.Header.HEARTBEAT:
-            self.pool.occupied(worker, header.occupied)
+            self.pool.beat(worker, header, self._clock())
 
     def on_silent(self, identity: bytes, silent_s: float) -> None:
         worker = self.pool.get(identity)

@@ -160,5 +160,4 @@ class WorkerLink:
             return
         if identity in self._heard:
             self._heard[identity] = self._clock()
-        if header.kind != wire.Header.HEARTBEAT or header.occupied:  # (step-wise slots)
-            self._events.on_message(identity, header, frames)
+        self._events.on_message(identity, header, frames)

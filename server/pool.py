@@ -54,6 +54,10 @@ class WorkerHandle:
     # follows sends it another, it is told PASS, so its next forward need not wait
     # for us (worker/gather.py).
     owes_pass: bool = False
+    # When its heartbeats last showed it running a forward, and our batches in the one
+    # running with when each began (as estimated from them): see WorkerPool.overdue.
+    busy_at: float = -math.inf
+    running: dict[int, float] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -235,6 +239,18 @@ class WorkerPool:
                     best, most = w, free
         return best
 
+    def beat(self, worker: WorkerHandle, header: wire.Header, now: float) -> None:
+        """A heartbeat of `worker`, come at `now`: the forward it runs (see overdue),
+        and the sequences every frontend has on it."""
+        if header.busy_ns:
+            began, worker.busy_at = now - header.busy_ns / 1e9, now
+            worker.running = {i: worker.running.get(i, began) for i in header.running}
+        else:
+            worker.running = {}
+            if header.idle_ns:  # (a beat between two forwards says it was busy just now)
+                worker.busy_at = max(worker.busy_at, now - header.idle_ns / 1e9)
+        self.occupied(worker, header.occupied)
+
     def occupied(self, worker: WorkerHandle, occupied: Mapping[str, int]) -> None:
         """A heartbeat's count of the sequences on `worker`, every frontend's: keep the
         others' (ours are counted as they start and end)."""
@@ -271,11 +287,20 @@ class WorkerPool:
 
     def overdue(self, now: float) -> list[tuple[WorkerHandle, str]]:
         """The workers stuck in their work, each with why: a batch (or sequence) past
-        its model's execution_timeout_s (a batch since it was sent; a sequence since it
-        started, or got credit again after its worker held it, or since the last step of
-        its model on that worker, whichever is later; never one held for its caller),
-        or a load past --load-timeout (a load() that never returns holds up the worker's
-        later loads: only a new process ends it)."""
+        its model's execution_timeout_s, or a load past --load-timeout (a load() that
+        never returns holds up the worker's later loads: only a new process ends it).
+
+        A batch is timed from its forward's start as the worker's heartbeats tell it;
+        one they do not show running, from the last time they showed the worker in any
+        forward (or its send, if later), a heartbeat interval more: a batch waiting
+        behind other frontends' forwards on a shared worker, or staged behind another,
+        is not late. (Timed from its send, a batch queued behind another frontend's
+        forwards was taken for stuck, its worker killed, and its retry failed as a
+        poison.) A worker stuck outside its forwards (an unload that hangs), or silent
+        in one that holds the GIL, is timed from the last that its heartbeats said.
+        A sequence: since it started, or got credit again after its worker held it,
+        or since the last step of its model on that worker, whichever is later; never
+        one held for its caller."""
         late = []
         for w in self._order:
             for b in [*w.inflight.values(), *w.sequences.values()]:
@@ -284,6 +309,10 @@ class WorkerPool:
                     if (stream := b.requests[0].stream) is not None and stream.paused:
                         continue  # held for want of credit: its worker owes it nothing now
                     since = max(since, w.progress.get(b.model.key, since))
+                elif b.id in w.running:
+                    since = max(since, w.running[b.id])
+                else:  # it may have begun since the last heartbeat: the next tells
+                    since = max(since, w.busy_at) + wire.HEARTBEAT_INTERVAL_S
                 if now - since > (limit := b.model.instances.execution_timeout_s):
                     late.append((w, f"batch {b.id} of model {b.model.name!r} ran past "
                                     f"execution_timeout_s {limit}"))  # fmt: skip

@@ -161,7 +161,8 @@ def test_a_batch_past_its_execution_limit_stops_and_loses_its_worker(
         core.pool.hand(worker, cfg, [r], clock.now)
         core.on_tick(clock.now + 1)
         assert core.pool.workers() == [worker]
-        core.on_tick(clock.now + cfg.instances.execution_timeout_s + 1)
+        # (a heartbeat interval more than its limit: no heartbeat said when it began)
+        core.on_tick(clock.now + cfg.instances.execution_timeout_s + 2)
         assert core.pool.workers() == [] and killed == ["w"]
         assert isinstance(r.future.exception(), ModelFailed)
         assert "execution_timeout_s" in str(r.future.exception())

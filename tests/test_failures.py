@@ -334,3 +334,35 @@ def test_drain_timeout_still_answers_every_request(
     # the hung model's worker leaves by itself after the 5 s grace (README, failure model),
     # however often the stopping frontend answers its READY with STOP again
     assert "the model is still running after 5 s; exiting without it" in log
+
+
+def test_a_batch_staged_behind_others_is_timed_from_its_own_forward(tmp_path: Path) -> None:
+    """Three batches on one worker at once (three credits, as with several frontends
+    sharing it): each forward takes 1 s, the limit is 1.5 s. The third waits 2 s behind
+    the others and runs in 3 s from its send: timed from its send it was taken for
+    stuck (a frontend's heartbeat round, once a second, always fell in its 1.5 s
+    window past the limit), its worker killed and the calls retried until they failed."""
+    repo = tmp_path / "repo"
+    slow = repo / "slow"
+    slow.mkdir(parents=True)
+    toml = MODEL_TOML.replace("max_batch_size = 8", "max_batch_size = 1")
+    (slow / "model.toml").write_text(toml + "\n[instances]\nexecution_timeout_s = 1.5\n")
+    (slow / "model.py").write_text(
+        "import time\n\ndef load(device):\n"
+        "    def run(x):\n        time.sleep(1.0)  # a forward's work\n        return x * 2\n"
+        "    return run\n"
+    )
+    server = ServerProcess(repo, "--credits-per-worker", "3", log_dir=tmp_path).start()
+
+    async def scenario() -> list[object]:
+        async with AsyncClient(server.url) as client:
+            calls = [client.infer("slow", x(v), timeout=60) for v in (1, 2, 3)]
+            return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    try:
+        out = asyncio.run(scenario())
+        assert [o["Y"][0, 0] for o in out] == [2, 4, 6], out  # type: ignore[index]
+        assert worker_restarts(server) == 0
+    finally:
+        assert server.stop() == 0
+    assert "ran past execution_timeout_s" not in server.log()

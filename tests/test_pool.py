@@ -132,10 +132,45 @@ def test_batches_past_their_execution_limit_are_found() -> None:
     late = pool.hand(a, cfg, [request(cfg)], 0.0)
     pool.hand(b, cfg, [request(cfg)], 59.0)
     limit = cfg.instances.execution_timeout_s  # 60 s by default
-    assert pool.overdue(limit + 0.5) == [
+    # (with no heartbeat saying when it began, a heartbeat interval more than from its send)
+    assert pool.overdue(limit + 0.5) == []
+    assert pool.overdue(limit + 1.5) == [
         (a, f"batch {late.id} of model 'm' ran past execution_timeout_s {limit}")
     ]
     assert pool.inflight(cfg.key) == 2 and pool.model_ready(cfg.key)
+
+
+def test_a_batch_is_timed_from_its_forward_s_start_as_the_worker_s_heartbeats_tell() -> None:
+    """A shared worker runs other frontends' forwards before ours (or a GPU worker the
+    one staged ahead): timed from its send, a batch waiting there was taken for stuck.
+    A heartbeat that shows a forward running excuses our batches not in it; one in it is
+    timed from when the forward began; a worker stuck outside its forwards (a hung
+    unload) is timed from the end of its last."""
+    cfg = model()  # execution_timeout_s 60
+    pool = WorkerPool(credits=2)
+    (w,) = serving(pool, "w", key=cfg.key)
+    first, second = (pool.hand(w, cfg, [request(cfg)], 0.0) for _ in range(2))
+
+    def beat(at: float, busy_s: float, *running: int, idle_s: float = 0.0) -> None:
+        header = wire.Header(kind=wire.Header.HEARTBEAT, busy_ns=int(busy_s * 1e9),
+                             idle_ns=int(idle_s * 1e9), running=running)  # fmt: skip
+        pool.beat(w, header, at)
+
+    beat(50.0, 45.0)  # another frontend's forward for 45 s: both of ours wait behind it
+    assert pool.overdue(100.0) == []  # 100 s after their send
+    beat(100.0, 0.0, idle_s=0.001)  # between two forwards
+    beat(101.0, 1.0, first.id)  # ours began at 100
+    beat(150.0, 50.0, first.id)
+    assert pool.overdue(159.0) == []  # the second, staged, waits for the first
+    assert pool.overdue(160.5) == [
+        (w, f"batch {first.id} of model 'm' ran past execution_timeout_s 60.0")
+    ]
+    pool.finish(w, first.id)
+    beat(170.0, 0.0, idle_s=10.0)  # stuck outside its forwards since the first's end, 160
+    # (a batch not shown running may have begun since the last heartbeat: 1 s more)
+    assert pool.overdue(220.5) == [] and pool.overdue(221.5) == [
+        (w, f"batch {second.id} of model 'm' ran past execution_timeout_s 60.0")
+    ]
 
 
 def test_a_load_past_the_load_timeout_is_found_and_only_while_it_is_pending() -> None:

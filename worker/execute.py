@@ -25,6 +25,9 @@ from batchd.protos.tensors import bytes_row_offsets, from_raw, serialize_bytes
 from batchd.worker import InputRefused
 from batchd.worker.loader import ModelFn
 
+# What the compute thread owes an answer for: a STOP waits for those (a sequence
+# counts until its last STEP).
+COUNTED = (wire.Header.BATCH, wire.Header.LOAD, wire.Header.START)
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
     "UINT8": torch.uint8,
@@ -55,6 +58,21 @@ def why(e: BaseException) -> str:
     except Exception:
         text = "(its message could not be read)"
     return text if isinstance(e, BatchError | InputRefused) else f"{type(e).__name__}: {text}"
+
+
+def failed(header: wire.Header, e: Exception) -> tuple[list[Any], int]:
+    """The reply owed for work that raised outside the model's own guard, and the units
+    of work it ends: ERROR for a batch, LOADED for a load, a final STEP for a sequence."""
+    error, h = wire.text(f"the worker failed on it: {why(e)}"), header
+    if h.kind not in COUNTED:
+        return [], 0
+    kind = {wire.Header.BATCH: wire.Header.ERROR, wire.Header.LOAD: wire.Header.LOADED}
+    out = wire.Header(kind=kind.get(h.kind, wire.Header.STEP), model=h.model, version=h.version)
+    if h.kind == wire.Header.START:
+        out.steps.add(id=h.batch_id, final=True, error=error)
+    else:
+        out.batch_id, out.error = h.batch_id, error
+    return wire.pack(out), 1
 
 
 def to_model_input(t: wire.Tensor, frame: Any, device: torch.device) -> Any:

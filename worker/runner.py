@@ -19,6 +19,7 @@ with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -38,7 +39,7 @@ import zmq
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker import InputRefused, loader, merge
-from batchd.worker.execute import BatchError, run_batch, why
+from batchd.worker.execute import COUNTED, BatchError, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence
@@ -47,9 +48,6 @@ from batchd.worker.loading import Loaded, Loader, addressed, settle_heap
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
-# What the compute thread owes an answer for: a STOP waits for those (a sequence
-# counts until its last STEP).
-_COUNTED = (wire.Header.BATCH, wire.Header.LOAD, wire.Header.START)
 _SEQUENCE = (wire.Header.START, wire.Header.CANCEL, wire.Header.CREDIT)
 # The longest the I/O loop waits for a message. A SIGTERM only sets a flag: the loop
 # reads it when it wakes, so this bounds how long a stop takes (exit well within 1 s).
@@ -84,6 +82,8 @@ class Runner:
         # (index of the frontend that sent it, header, frames)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]
         self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # WorkerInfo's
+        # Since when the forward now running runs, and its batches; none: since when none
+        self._busy: tuple[int, list[merge.Item] | None] = (time.perf_counter_ns(), None)
         self._stop = threading.Event()
         self._tables = threading.Lock()  # the loader and the compute thread replace them
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
@@ -136,7 +136,7 @@ class Runner:
                     held = self._handle(item, reply)
                 except Exception as e:  # a defect, or a message no frontend sends: that
                     log.exception("work of kind %d failed", item[1].kind)  # work fails, the
-                    reply(item[0], *_failed(item[1], e))  # compute thread lives on
+                    reply(item[0], *failed(item[1], e))  # compute thread lives on
         finally:
             out.close(linger=0)
 
@@ -158,7 +158,15 @@ class Runner:
             entry = self.models.get(model_key(header.model, header.version))
             stepping = any(loop.busy for loop in self.loops.values())
             group, held = self._gatherer.gather(entry[0] if entry else None, item, not stepping)
-            for to, parts in self._run(group):
+            self._busy = (time.perf_counter_ns(), group)  # (the heartbeats tell it)
+            try:
+                replies = self._run(group)
+            except Exception as e:  # past the forward (a split, a pack): all of it fails
+                log.exception("batch %d failed", header.batch_id)
+                replies = [(f, failed(h, e)[0]) for f, h, _ in group]
+            finally:
+                self._busy = (time.perf_counter_ns(), None)
+            for to, parts in replies:
                 reply(to, parts)
             return held
         return None
@@ -256,12 +264,19 @@ class Runner:
         )
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
-    def _beat(self) -> list[Any]:
-        """A heartbeat; with step-wise models, each one's sequences here, every
-        frontend's, so that a frontend of several can place its own where the fewest
-        are (it sees only its own). The loops are read from the I/O thread: `loops`
-        is replaced whole on a load or unload, and a list's length is one read."""
+    def _beat(self, frontend: int) -> list[Any]:
+        """A heartbeat to one frontend: the forward running and its batches in it (it
+        times a batch from its forward's start); with step-wise models, each one's
+        sequences here, every frontend's, so that a frontend of several can place its
+        own where the fewest are. Read from the I/O thread: `_busy` and `loops` are
+        replaced whole, and a list's length is one read."""
         beat = wire.Header(kind=wire.Header.HEARTBEAT)
+        since, group = self._busy
+        if group is None:
+            beat.idle_ns = max(1, time.perf_counter_ns() - since)
+        else:
+            beat.busy_ns = max(1, time.perf_counter_ns() - since)
+            beat.running.extend(h.batch_id for f, h, _ in group if f == frontend)
         for key, loop in self.loops.items():
             beat.occupied[key] = len(loop.active) + len(loop.waiting)
         return wire.pack(beat)
@@ -309,8 +324,8 @@ class Runner:
         now = time.monotonic()
         for link in links:
             link.open(now)
-        poller = _poller(links, results)
-        io = _IO()
+        poller, io = _poller(links, results), _IO()
+        beats = [functools.partial(self._beat, i) for i in range(len(links))]
         while not (io.stopping and io.pending == 0) and not self._stop.is_set():
             events = dict(poller.poll(timeout=POLL_MS))
             now = time.monotonic()
@@ -324,7 +339,8 @@ class Runner:
                 if events.get(link.socket, 0) & zmq.POLLIN and (msg := link.receive(now)):
                     self._from_frontend(io, i, *msg)
             self._keep_up(links, poller, now)
-            if any([link.tick(now, self._beat) for link in links]):  # a link opened a new socket
+            # (a link opened a new socket: poll that one)
+            if any([link.tick(now, beat) for link, beat in zip(links, beats, strict=True)]):
                 poller = _poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return 0.0  # the batch at hand will not finish: serve() leaves without it
@@ -354,7 +370,7 @@ class Runner:
         to = self._loader if header.kind in loads else self._work
         if header.kind == wire.Header.BATCH:  # its arrival: RESULT's waited_ns
             header.waited_ns = time.perf_counter_ns()
-        if header.kind in _COUNTED and not io.stopping:
+        if header.kind in COUNTED and not io.stopping:
             to.put((i, header, frames))
             io.pending += 1
         elif header.kind in (wire.Header.UNLOAD, wire.Header.PASS, *_SEQUENCE[1:]):
@@ -382,18 +398,3 @@ class _IO:
     pending: int = 0  # batches and loads handed to the compute thread, not yet answered
     stopping: bool = False  # STOP came: finish what is pending, take nothing new
     stop_at: float = 0.0
-
-
-def _failed(header: wire.Header, e: Exception) -> tuple[list[Any], int]:
-    """The reply owed for work that raised outside the model's own guard, and the units
-    of work it ends: ERROR for a batch, LOADED for a load, a final STEP for a sequence."""
-    error, h = wire.text(f"the worker failed on it: {why(e)}"), header
-    if h.kind not in _COUNTED:
-        return [], 0
-    kind = {wire.Header.BATCH: wire.Header.ERROR, wire.Header.LOAD: wire.Header.LOADED}
-    out = wire.Header(kind=kind.get(h.kind, wire.Header.STEP), model=h.model, version=h.version)
-    if h.kind == wire.Header.START:
-        out.steps.add(id=h.batch_id, final=True, error=error)
-    else:
-        out.batch_id, out.error = h.batch_id, error
-    return wire.pack(out), 1
