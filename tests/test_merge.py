@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
+import torch
 
 from batchd.protos import wire
 from batchd.protos.tensors import bytes_row_offsets, from_raw, serialize_bytes, to_raw
 from batchd.worker import merge
+from batchd.worker.runner import Runner, RunnerOptions
 from tests.conftest import model, ragged_model
 
 
@@ -51,3 +56,31 @@ def test_bytes_outputs_are_cut_by_their_row_offsets() -> None:
     second_t, second_f = parts[1][0][0], parts[1][1][0]
     assert list(second_t.shape) == [3, 1] and second_t.row_offsets[0] == 0
     assert from_raw("BYTES", (3, 1), bytes(second_f)).ravel().tolist() == [b"bcd", b"", b"efgh"]
+
+
+def test_every_batch_of_a_merged_forward_is_answered_when_cutting_its_outputs_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure past the forward (splitting or packing the outputs) fails every batch
+    of it, to its own frontend: the compute thread answered only the first, and the
+    others' frontends waited for their execution limit."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    options = RunnerOptions("w", "ipc://a,ipc://b", torch.device("cpu"), tmp_path)
+    runner = Runner(options)
+    runner.models = {cfg.key: (cfg, lambda x: x * 2)}
+    runner._threads_all = runner._threads_now = 1  # (the compute thread sets them)
+    h1, f1 = batch_header(np.ones((1, 1), np.float32), batch_id=1)
+    h2, f2 = batch_header(np.ones((2, 1), np.float32), batch_id=2)
+    runner._work.put((1, h2, f2))  # waiting behind the first: merged into its forward
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("cutting failed")
+
+    monkeypatch.setattr(merge, "split", broken)
+    replies: list[tuple[int, wire.Header]] = []
+    held = runner._handle((0, h1, f1), lambda to, parts, ends=1: replies.append(
+        (to, wire.unpack(parts)[0])))  # fmt: skip
+    assert held is None
+    assert [(to, h.kind, h.batch_id) for to, h in replies] == [
+        (0, wire.Header.ERROR, 1), (1, wire.Header.ERROR, 2)]  # fmt: skip
+    assert all("RuntimeError: cutting failed" in h.error for _, h in replies), replies
