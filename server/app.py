@@ -51,7 +51,7 @@ from batchd.server.jobs.store import InUse, Store
 from batchd.server.loopload import LoopLoad
 from batchd.server.metrics import Collector, start_metrics, worker_views
 from batchd.server.rest import RestApi
-from batchd.server.security import grpc_options, listen, preflight, ssl_context
+from batchd.server.security import grpc_options, in_url, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Launch, WorkerSpec, plan_workers
@@ -255,7 +255,7 @@ async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
             )  # fmt: skip
         except OSError as e:
             raise _refused("HTTP", "--http-port", host, port, e) from e
-        log.info("serving HTTP on %s:%d", host, port)
+        log.info("serving HTTP on %s:%d", in_url(host), port)
     if metrics >= 0:
         refresh = None if p.jobs is None else p.jobs.count_statuses
         try:
@@ -338,8 +338,9 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
     gc.freeze()
     fronts = cfg.frontends
     which = f"; frontend {fronts.index} of {fronts.count}" if fronts.count > 1 else ""
+    local = len(p.core.supervisor.specs)
     log.info("serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
-             cfg.network.host, p.port, endpoint, len(p.core.supervisor.specs), which)  # fmt: skip
+             in_url(cfg.network.host), p.port, endpoint, local, which)  # fmt: skip
     stop = asyncio.Event()
     got = _on_signals(asyncio.get_running_loop(), stop)
     async with asyncio.TaskGroup() as tg:

@@ -325,7 +325,8 @@ class WorkerPool:
                         name, _, version = key.rpartition("@")
                         late.append((w, f"its load of model {name!r} version {version} ran "
                                         f"past --load-timeout {limit:g} s"))  # fmt: skip
-                        self.hung[w.slot, key] = f"{w.name}: {late[-1][1]}"
+                        self.hung[w.slot, key] = (f"not sent: its load on {w.name} ran past "
+                                                  f"--load-timeout {limit:g} s")  # fmt: skip
                         self._stuck[w.slot] = (w.info.pid, self.hung[w.slot, key])
                         break
         return late

@@ -496,8 +496,9 @@ def test_a_model_whose_load_never_returns_is_broken_not_retried_by_each_new_work
         with Client(s.url) as c:
             assert y(c, "good", 1.0) == 2.0
             (entry,) = [m for m in c.repository_index() if m["name"] == "hung"]
-            assert (
-                entry["state"] == "UNAVAILABLE" and "ran past --load-timeout 2 s" in entry["reason"]
+            assert entry["state"] == "UNAVAILABLE" and entry["reason"] == (
+                "model 'hung' could not be loaded: cpu0#1: not sent: its load on cpu0#0 ran "
+                "past --load-timeout 2 s"
             )
         assert loaded_by(hung) == 1  # the new worker was not sent it
     finally:

@@ -590,6 +590,9 @@ def test_an_ipv6_host_serves_grpc_and_http(tmp_path: Path, host: str) -> None:
             assert r.status == 200
         with urllib.request.urlopen(server.metrics_url()) as r:
             assert b"batchd_" in r.read()
+        # the log gives each address as a client takes it (it said ::1:PORT)
+        assert f"serving gRPC on [::1]:{server.port};" in server.log()
+        assert f"serving HTTP on [::1]:{server.http_port}" in server.log()
     finally:
         assert server.stop() == 0, server.log()
 
