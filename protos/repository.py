@@ -13,9 +13,25 @@ import contextlib
 import stat
 from pathlib import Path
 
-from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, load_model_config
+from batchd.protos.model_config import (
+    ARTIFACTS,
+    MODEL_NAME,
+    ConfigError,
+    ModelConfig,
+    load_model_config,
+)
 
-__all__ = ["confined", "files_of", "find_model", "load_each", "load_repository", "model_directory"]
+__all__ = [
+    "NO_MODELS",
+    "check_root",
+    "confined",
+    "files_of",
+    "find_model",
+    "load_each",
+    "load_repository",
+    "model_directory",
+    "strays",
+]
 
 
 def confined(root: Path, path: Path) -> Path:
@@ -80,10 +96,35 @@ def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:
     return found
 
 
-def load_repository(root: Path) -> dict[str, ModelConfig]:
-    """Every model of a repository: each subdirectory holding a model.toml."""
+NO_MODELS = (
+    "the model repository holds no model: each model is a folder of it holding model.toml "
+    f"beside one of {', '.join(ARTIFACTS)}"
+)
+
+
+def check_root(root: Path) -> None:
+    """ConfigError unless `root` can be a repository: a directory, not a model's own."""
     if not root.is_dir():
         raise ConfigError(f"{root}: model repository is not a directory")
+    if (root / "model.toml").is_file():
+        raise ConfigError(f"{root} holds a model.toml: it is one model's folder; a model "
+                          f"repository is the folder above it ({root.parent})")  # fmt: skip
+
+
+def strays(root: Path) -> list[str]:
+    """What looks like a model but is not one: a subdirectory holding a model artifact
+    (model.py, model.pt, model.pt2) but no model.toml, which is passed over."""
+    return [
+        f"{sub}: {artifact} but no model.toml beside it: not a model, passed over"
+        for sub in sorted(p for p in root.iterdir() if p.is_dir())
+        if not (sub / "model.toml").exists()
+        for artifact in [a for a in ARTIFACTS if (sub / a).exists()][:1]
+    ]
+
+
+def load_repository(root: Path) -> dict[str, ModelConfig]:
+    """Every model of a repository: each subdirectory holding a model.toml."""
+    check_root(root)
     models: dict[str, ModelConfig] = {}
     for _, cfg in load_each(root):
         if isinstance(cfg, ConfigError):

@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.protos.repository import load_repository
+from batchd.protos.repository import NO_MODELS, load_repository, strays
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
@@ -141,17 +141,11 @@ def _build(
         cfg.security.worker_keys, cfg.tracing.otlp_endpoint,
     )  # fmt: skip
     load = LoopLoad.current()
-    core = Core(
-        # A plain socket for the link (the asyncio one serves CURVE's authenticator).
-        zmq.Socket.shadow(router.underlying),
-        Stats(),
-        cfg.model_repository,
-        explicit=cfg.models.explicit,
-        launch=launch,
-        credits=w.credits,
-        load=load,
+    core = Core(  # (a plain socket for the link: the asyncio one serves CURVE's authenticator)
+        zmq.Socket.shadow(router.underlying), Stats(), cfg.model_repository,
+        explicit=cfg.models.explicit, launch=launch, credits=w.credits, load=load,
         load_timeout_s=cfg.models.load_timeout_s,
-    )
+    )  # fmt: skip
     core.control.start_with(_models_at_start(cfg, repository))
     limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)
     otlp = traces.endpoint(cfg.tracing.otlp_endpoint)
@@ -366,6 +360,8 @@ async def serve(cfg: ServerConfig) -> None:
     repository = load_repository(cfg.model_repository)
     log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(repository)
              or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
+    for stray in strays(cfg.model_repository) + ([] if repository else [NO_MODELS]):
+        log.warning("%s", stray)
     if (slow := slow_backend()) is not None:
         log.warning("%s", slow)
     cfg.check()

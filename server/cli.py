@@ -11,7 +11,7 @@ from pathlib import Path
 from batchd.protos import keys
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
-from batchd.protos.repository import load_repository
+from batchd.protos.repository import NO_MODELS, load_repository, strays
 from batchd.server import __version__, config
 from batchd.server.app import serve
 from batchd.server.loopload import new_loop
@@ -57,12 +57,14 @@ def _models(directory: Path, check: bool) -> int:
     except ConfigError as e:
         print(f"batchd: {e}", file=sys.stderr)
         return 2
+    for stray in strays(directory) + ([] if models else [NO_MODELS]):
+        print(f"batchd: {stray}", file=sys.stderr)
     for cfg in models.values():
         ins = ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.inputs)
         outs = ", ".join(f"{t.name} {t.datatype}{list(t.shape)}" for t in cfg.outputs)
         batch = f"max_batch_size {cfg.max_batch_size:<4}"
         print(f"{cfg.name:16} {cfg.platform:17} {batch} {ins} -> {outs}")
-    return 0
+    return 0 if models else 1
 
 
 def main(argv: list[str] | None = None) -> int:

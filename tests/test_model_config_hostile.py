@@ -112,6 +112,31 @@ def test_models_check_refuses_a_name_used_twice(
     assert "1 ok, 1 failed" in out
 
 
+def test_a_repository_pointed_at_the_wrong_folder_is_said_to_be_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model's own folder given as the repository, an empty one, and a model folder
+    without its model.toml were served (or checked: "0 ok, 0 failed", exit 0) without
+    a word: the server then said "unknown model" to every call."""
+    model = write(tmp_path, "scaler", GOOD)
+    with pytest.raises(ConfigError, match=r"scaler holds a model.toml: it is one model's folder"):
+        load_repository(model)
+    assert check_repository(model) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert check_repository(empty) == 1
+    (tmp_path / "noconf").mkdir()
+    (tmp_path / "noconf" / "model.py").write_text(ECHO)
+    assert check_repository(tmp_path) == 0  # scaler passes; noconf is said to be no model
+    out = capsys.readouterr().out
+    assert "a model repository is the folder above it" in out
+    assert "the model repository holds no model: each model is a folder of it" in out
+    assert "noconf: model.py but no model.toml beside it: not a model, passed over" in out
+    batchd = str(Path(sys.executable).parent / "batchd")
+    listing = subprocess.run([batchd, "models", str(empty)], capture_output=True, text=True)
+    assert listing.returncode == 1 and "holds no model" in listing.stderr
+
+
 STEPWISE = """[[input]]
 name = "N"
 datatype = "INT64"

@@ -25,7 +25,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ConfigError, ModelConfig, load_model_config
-from batchd.protos.repository import load_each
+from batchd.protos.repository import NO_MODELS, check_root, load_each, strays
 from batchd.protos.tensors import batch_input, to_raw
 from batchd.worker.execute import run_batch
 from batchd.worker.generate import StepLoop
@@ -140,12 +140,16 @@ def run_sequence(model: Any, cfg: ModelConfig, headers: list[wire.Tensor],
 
 
 def check_repository(root: Path) -> int:
-    """Print a report; return the number of models that failed."""
-    if not root.is_dir():
-        print(f"{root}: not a directory")
+    """Print a report; return the number of models that failed (1 if it has none)."""
+    try:
+        check_root(root)
+    except ConfigError as e:
+        print(e)
         return 1
     rows = [check_model(d, loaded) for d, loaded in load_each(root)]
     print(f"model repository {root}: {len(rows)} model(s)\n")
+    for stray in strays(root) + ([] if rows else [NO_MODELS]):
+        print(stray)
     for r in rows:
         status = "ok" if r.problem is None else "FAILED"
         print(
@@ -159,4 +163,4 @@ def check_repository(root: Path) -> int:
             print(f"       {r.note}")
     failed = sum(r.problem is not None for r in rows)
     print(f"\n{len(rows) - failed} ok, {failed} failed")
-    return failed
+    return failed if rows else 1  # (none: a repository pointed at the wrong folder)
