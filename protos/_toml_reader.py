@@ -3,6 +3,7 @@ every error. Used by model_config.py only."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from pathlib import Path
@@ -61,7 +62,7 @@ class Reader:
     def get(self, key: str, kind: type | tuple[type, ...], default: Any = _REQUIRED) -> Any:
         if key not in self.table:
             if default is _REQUIRED:
-                raise self.fail(key, "is required")
+                raise self.fail(key, f"is required{self.near(key)}")
             return default
         value = self.table.pop(key)
         kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -104,6 +105,12 @@ class Reader:
                    for d in dims):  # fmt: skip
             raise self.fail(key, f"expected a list of positive integers or -1, got {dims!r}")
         return tuple(dims)
+
+    def near(self, key: str) -> str:
+        """For a key that is not there: the key not yet read that is most like it, if
+        any (`shap` for `shape`, `dtype` for `datatype`), said as a likely misspelling."""
+        like = difflib.get_close_matches(key, [k for k in self.table if isinstance(k, str)], 1)
+        return f" ('{like[0]}' is there: misspelt?)" if like else ""
 
     def table_of(self, key: str) -> Reader:
         return Reader(self.path, self.table.pop(key, {}), f"[{key}] ")

@@ -213,9 +213,9 @@ def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
     return spec
 
 
-def _tensors(path: Path, kind: str, tables: Any) -> tuple[TensorSpec, ...]:
+def _tensors(path: Path, kind: str, tables: Any, near: str = "") -> tuple[TensorSpec, ...]:
     if not isinstance(tables, list) or not tables:
-        raise ConfigError(f"{path}: key '{kind}': expected at least one [[{kind}]] table")
+        raise ConfigError(f"{path}: key '{kind}': expected at least one [[{kind}]] table{near}")
     specs = tuple(_tensor(path, kind, i, t) for i, t in enumerate(tables))
     _unique(path, kind, [s.name for s in specs])
     return specs
@@ -319,8 +319,8 @@ def _parse(directory: Path, path: Path, doc: dict[str, Any]) -> ModelConfig:
             "name", f"expected letters, digits, '_', '-', '.' (no leading '.'), got {name!r}"
         )
     max_batch_size = top.integer("max_batch_size", 0, maximum=INT32_MAX)  # int32 on the wire
-    inputs = _tensors(path, "input", top.table.pop("input", None))
-    outputs = _tensors(path, "output", top.table.pop("output", None))
+    inputs = _tensors(path, "input", top.table.pop("input", None), top.near("input"))
+    outputs = _tensors(path, "output", top.table.pop("output", None), top.near("output"))
     batch_inputs = _batch_inputs(path, top.table.pop("batch_input", None), inputs)
     ragged = any(t.ragged for t in inputs)
     if ragged and not max_batch_size:

@@ -58,6 +58,25 @@ def test_a_nan_number_is_refused(tmp_path: Path, table: str, key: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [
+        ("shape = [2]\n[[output]]", "shap = [2]\n[[output]]",
+         "[[input]] 'X' key 'shape': is required ('shap' is there: misspelt?)"),
+        ('datatype = "FP32"\nshape = [2]\n[[output]]', 'dtype = "FP32"\nshape = [2]\n[[output]]',
+         "[[input]] 'X' key 'datatype': is required ('dtype' is there: misspelt?)"),
+        ("[[input]]", "[[inputs]]",
+         "key 'input': expected at least one [[input]] table ('inputs' is there: misspelt?)"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_key_is_named_where_its_key_is_missed(
+    tmp_path: Path, old: str, new: str, said: str
+) -> None:
+    """The error named only the key it missed ("is required"), never the misspelling
+    beside it: the unknown key would have been reported once every key was read."""
+    refused(write(tmp_path, "m", GOOD.replace(old, new, 1)), said)
+
+
+@pytest.mark.parametrize(
     ("toml", "message"),
     [
         (b"# mod\xe8le de r\xe9f\xe9rence\n" + GOOD.encode(), "not UTF-8 (TOML is): byte 0xe8"),
