@@ -13,9 +13,15 @@ PYTEST_ARGS ?=
 PYTEST_JOBS ?= 2
 BENCH_ARGS ?=
 
-.PHONY: install protos check-protos serve test lint format bench bench-hostile fuzz clean
+.PHONY: install protos check-protos serve test lint format bench bench-hostile fuzz clean FORCE
 
-$(STAMP): pyproject.toml
+# The torch asked for, kept so that another TORCH_SPEC installs again (written only
+# when it changes: make then sees it newer than the stamp).
+TORCH_WANTED := $(VENV)/.torch-spec
+$(TORCH_WANTED): FORCE
+	@mkdir -p $(VENV) && echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(STAMP): pyproject.toml $(TORCH_WANTED)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e ".[dev]"
