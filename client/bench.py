@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Client(args.url, **connection(args)) as client:
             meta = client.model_metadata(args.model)
-    except (BatchdClientError, OSError) as e:
+    except (BatchdClientError, OSError, ValueError) as e:  # (ValueError: a URL)
         print(f"batchd bench: {args.url}: {e}", file=sys.stderr)
         return 2
     try:

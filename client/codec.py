@@ -12,7 +12,7 @@ to it safely (uint8 as INT32), is sent unchecked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,9 @@ def build_request(
             raise InvalidInput(f"input {name!r}: {e}") from None
         msg.inputs.add(name=name, datatype=datatype, shape=shape)
         msg.raw_input_contents.append(raw)
+    if isinstance(outputs, str | bytes) or not isinstance(outputs, Iterable | None):
+        raise TypeError(f"outputs: a list of output names, got {repr(outputs)[:40]} "
+                        f"({type(outputs).__name__}); a timeout goes as timeout=")  # fmt: skip
     for name in outputs or ():
         msg.outputs.add(name=name)
     for key, v in (parameters or {}).items():

@@ -138,14 +138,14 @@ class Security:
 
 
 def _pem(value: Pem | None) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    return Path(value).read_bytes()
+    return value if value is None or isinstance(value, bytes) else Path(value).read_bytes()
 
 
 def open_channel(kind: Any, url: str, credentials: grpc.ChannelCredentials | None,
                  options: list[tuple[str, int]]) -> Any:  # fmt: skip
     """A channel of `kind` (grpc: blocking; grpc.aio), over TLS with `credentials`."""
+    if url.startswith(("http://", "https://")):  # gRPC said "Misformatted domain name"
+        raise ValueError(f"url {url[:60]!r}: a gRPC target is HOST:PORT, no http:// (tls=True)")
     if credentials is None:
         return kind.insecure_channel(url, options=options)
     return kind.secure_channel(url, credentials, options=options)

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     except BatchdClientError as e:
         print(f"batchd jobs {args.verb}: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
+    except (OSError, ValueError) as e:  # (ValueError: a URL, a certificate without its key)
         print(f"batchd jobs {args.verb}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

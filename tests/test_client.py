@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import random
+import re
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -170,6 +171,24 @@ def test_bytes_given_as_lists_travel_exactly() -> None:
     assert [(t.datatype, list(t.shape)) for t in msg.inputs] == [("BYTES", [2, 1]), ("BYTES", [2])]
     assert msg.raw_input_contents[0] == b"\x04\0\0\0ab\0\0" + b"\x02\0\0\0\x01\0"
     assert msg.raw_input_contents[1] == b"\x02\0\0\0x\0" + b"\x02\0\0\0\xc3\xa9"
+
+
+@pytest.mark.parametrize(("outputs", "came"), [("OUTPUT0", "'OUTPUT0' (str)"), (5, "5 (int)")])
+def test_outputs_given_as_a_name_or_a_timeout_are_refused_saying_so(
+    outputs: Any, came: str
+) -> None:
+    """infer(model, inputs, outputs, timeout): `infer("m", x, 5)` raised a bare "'int'
+    object is not iterable", and `infer("m", x, "OUTPUT0")` asked for 7 outputs."""
+    with pytest.raises(TypeError, match=re.escape(f"outputs: a list of output names, got {came}")):
+        build_request("m", {"X": np.zeros(2)}, outputs)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8001", "https://h:1"])
+def test_a_url_with_an_http_scheme_is_refused_saying_what_to_pass(url: str) -> None:
+    """gRPC said UNAVAILABLE "Misformatted domain name" at the first call."""
+    for client in (Client, AsyncClient):
+        with pytest.raises(ValueError, match="a gRPC target is HOST:PORT, no http://"):
+            client(url)
 
 
 def test_both_clients_offer_the_same_methods() -> None:
