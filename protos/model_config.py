@@ -263,8 +263,9 @@ def _batching(r: Reader, max_batch_size: int, ragged: bool, packed: bool) -> Bat
             f"every size must be <= max_batch_size {max_batch_size}, got {list(preferred)}",
         )
     default_level = r.integer("default_priority_level", levels)
-    if levels and not 1 <= default_level <= levels:
-        raise r.fail("default_priority_level", f"expected 1..{levels}, got {default_level}")
+    if (levels or default_level) and not 1 <= default_level <= levels:  # (0 levels: only 0)
+        raise r.fail("default_priority_level",
+                     f"expected 1..priority_levels ({levels}), got {default_level}")  # fmt: skip
     level_sizes = r.int_list("priority_queue_sizes")
     if level_sizes and len(level_sizes) != levels:
         raise r.fail(

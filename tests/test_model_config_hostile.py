@@ -66,6 +66,9 @@ def test_a_nan_number_is_refused(tmp_path: Path, table: str, key: str) -> None:
          "[[input]] 'X' key 'datatype': is required ('dtype' is there: misspelt?)"),
         ("[[input]]", "[[inputs]]",
          "key 'input': expected at least one [[input]] table ('inputs' is there: misspelt?)"),
+        # (not a misspelling: a level with no levels, which passed and was never used)
+        ("shape = [2]\n", "shape = [2]\n[batching]\ndefault_priority_level = 2\n",
+         "[batching] key 'default_priority_level': expected 1..priority_levels (0), got 2"),
     ],
 )  # fmt: skip
 def test_a_misspelt_key_is_named_where_its_key_is_missed(
