@@ -41,15 +41,17 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
+
+import numpy as np
 
 from batchd.client.client import Client
 from batchd.client.codec import build_request
 from batchd.client.core import STREAM_PARAMETERS
 from batchd.client.errors import BatchdClientError
-from batchd.client.loadgen import Level, LoadFailed, declared_datatypes, make_inputs, run_level
+from batchd.client.loadgen import Level, LoadFailed, random_tensor, run_level
 from batchd.client.options import add_security, connection
 
 
@@ -262,10 +264,48 @@ def loads(args: argparse.Namespace) -> tuple[str, list[float]]:
     return mode, out
 
 
+def make_inputs(
+    meta: dict[str, Any], batch: int, dim: int, files: Mapping[str, str]
+) -> dict[str, Any]:
+    """One tensor per input of the model's metadata: read from its .npy file, or random,
+    `batch` rows (a file's, where one gives a batched input) with every other -1 dim as
+    `dim`. ValueError for a file named for an input the model does not have."""
+    names = [t["name"] for t in meta["inputs"]]
+    if unknown := sorted(set(files) - set(names)):
+        raise ValueError(f"argument --input: model {meta.get('name', '')!r} has no input "
+                         f"{', '.join(unknown)} (its inputs: {', '.join(names)})")  # fmt: skip
+    loaded = {name: np.load(path, allow_pickle=False) for name, path in files.items()}
+    inputs: dict[str, Any] = {}
+    rng = np.random.default_rng(0)
+    for t in meta["inputs"]:
+        if (given := loaded.get(t["name"])) is not None and t["shape"][:1] == [-1] and given.ndim:
+            batch = len(given)  # the rows the request carries
+    for t in meta["inputs"]:
+        if t["name"] in loaded:
+            inputs[t["name"]] = loaded[t["name"]]
+            continue
+        shape = [
+            batch if i == 0 and d == -1 else (dim if d == -1 else d)
+            for i, d in enumerate(t["shape"])
+        ]
+        inputs[t["name"]] = random_tensor(t["datatype"], shape, rng)
+    return inputs
+
+
+def declared_datatypes(meta: dict[str, Any]) -> dict[str, str]:
+    """The datatypes a numpy array cannot name by itself (BF16 travels as uint16)."""
+    return {t["name"]: "BF16" for t in meta["inputs"] if t["datatype"] == "BF16"}
+
+
 def request_for(args: argparse.Namespace, meta: dict[str, Any]) -> Any:
     """The one request every load process sends, built from the model's metadata."""
+    if bad := [item for item in args.input if "=" not in item]:
+        raise ValueError(f"argument --input: expected NAME=FILE.npy, got {bad[0][:60]!r}")
     files = dict(item.split("=", 1) for item in args.input)
     inputs = make_inputs(meta, args.batch, args.dim, files)
+    batched = [t["name"] for t in meta["inputs"] if t["shape"][:1] == [-1]]
+    if batched and np.ndim(inputs[batched[0]]):
+        args.batch = len(inputs[batched[0]])  # the rows sent (a file's), as the report says
     parameters = STREAM_PARAMETERS if args.stream else None
     return build_request(
         args.model, inputs, datatypes=declared_datatypes(meta), parameters=parameters

@@ -26,7 +26,7 @@ import signal
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -92,30 +92,6 @@ def random_tensor(datatype: str, shape: Sequence[int], rng: np.random.Generator)
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     return rng.integers(0, 100, shape).astype(dtype)  # fits INT8 and every UINT
-
-
-def make_inputs(
-    meta: dict[str, Any], batch: int, dim: int, files: Mapping[str, str]
-) -> dict[str, Any]:
-    """One tensor per input of the model's metadata: read from its .npy file, or random,
-    `batch` rows with every other -1 dim as `dim`."""
-    inputs: dict[str, Any] = {}
-    rng = np.random.default_rng(0)
-    for t in meta["inputs"]:
-        if t["name"] in files:
-            inputs[t["name"]] = np.load(files[t["name"]], allow_pickle=False)
-            continue
-        shape = [
-            batch if i == 0 and d == -1 else (dim if d == -1 else d)
-            for i, d in enumerate(t["shape"])
-        ]
-        inputs[t["name"]] = random_tensor(t["datatype"], shape, rng)
-    return inputs
-
-
-def declared_datatypes(meta: dict[str, Any]) -> dict[str, str]:
-    """The datatypes a numpy array cannot name by itself (BF16 travels as uint16)."""
-    return {t["name"]: "BF16" for t in meta["inputs"] if t["datatype"] == "BF16"}
 
 
 @dataclass

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from batchd.client import bench, loadgen
+from batchd.client.bench import declared_datatypes, make_inputs
 from batchd.client.codec import build_request
 from batchd.client.loadgen import (
     Level,
@@ -29,8 +30,6 @@ from batchd.client.loadgen import (
     _Report,
     _stream_summary,
     _summary,
-    declared_datatypes,
-    make_inputs,
     run_level,
     split_level,
 )
@@ -53,6 +52,28 @@ def test_random_inputs_travel_as_each_declared_datatype() -> None:
     assert [(t.name, t.datatype, list(t.shape)) for t in msg.inputs] == [
         (f"IN_{d}", d, [2, 3]) for d in DATATYPES
     ]
+
+
+def test_input_files_are_checked_and_set_the_rows_sent(tmp_path: Path) -> None:
+    """`--input x.npy` gave "dictionary update sequence element #0 has length 1", a name
+    the model lacks was passed over (random data sent), and `--batch 3` with a file of
+    1 row said "3 row(s) per request" while sending 1, with the other inputs' 3."""
+    meta = {"name": "m", "inputs": [{"name": n, "datatype": "FP32", "shape": [-1, 2]}
+                                    for n in ("A", "B")]}  # fmt: skip
+    np.save(tmp_path / "a.npy", np.ones((1, 2), np.float32))
+
+    def request(*inputs: str) -> Any:
+        args = bench.parse_args(["--model", "m", "--batch", "3", *inputs])
+        return args, bench.request_for(args, meta)
+
+    args, msg = request("--input", f"A={tmp_path / 'a.npy'}")
+    assert args.batch == 1 and [list(t.shape) for t in msg.inputs] == [[1, 2], [1, 2]]
+    with pytest.raises(
+        ValueError, match=r"argument --input: expected NAME=FILE\.npy, got 'a\.npy'"
+    ):
+        request("--input", "a.npy")
+    with pytest.raises(ValueError, match=r"model 'm' has no input C \(its inputs: A, B\)"):
+        request("--input", f"C={tmp_path / 'a.npy'}")
 
 
 @pytest.mark.parametrize(
