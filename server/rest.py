@@ -205,10 +205,14 @@ class RestApi:
         """The whole body: one that says it is over the limit is refused before a byte
         of it is read; one that does not come within --handshake-timeout, 408."""
         limit, coding = self._max_body, encoding(request)
+        over = f"more than {limit} bytes (--max-message-bytes)"  # (aiohttp's text named neither)
         if (declared := request.content_length or 0) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
+            raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {declared} bytes, {over}")
         async with asyncio.timeout(self._body_timeout_s):
-            body = await request.read()
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past it
+                raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {over}") from None
         if not coding:
             return body
         inflating = Inflating(body, coding, limit)  # a small body on the loop, more aside
