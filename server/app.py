@@ -347,7 +347,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         if p.jobs is not None:
             tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
         if fronts.index:
-            tasks.append(tg.create_task(watch_parent(os.getppid(), stop), name="parent"))
+            tasks.append(tg.create_task(watch_parent(stop), name="parent"))
         await stop.wait()
         notice = cfg.drain_notice_s if signal.SIGTERM in got else 0.0
         await _shutdown(cfg, p, children, notice)

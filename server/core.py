@@ -31,7 +31,7 @@ import zmq
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.repository import load_each
-from batchd.server import recovery, tracing
+from batchd.server import frontends, recovery, tracing
 from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import join_inputs, split_outputs
@@ -68,11 +68,9 @@ class Core:
         load: LoopLoad | None = None,  # the event loop's (None: never saturated nor patient)
         load_timeout_s: float = math.inf,  # --load-timeout
     ) -> None:
-        self.stats = stats
+        self.stats, self._clock = stats, clock
         self.changed = asyncio.Event()  # readiness may have changed
-        self._clock = clock
-        self._stopping = False
-        self._pump_armed = False
+        self._stopping = self._pump_armed = False
         self.pool = WorkerPool(credits, load_timeout_s)
         self.link = WorkerLink(socket, self, clock)
         self._saturated: Callable[[], bool] = load if load is not None else (lambda: False)
@@ -255,16 +253,17 @@ class Core:
 
     def _may_be_silent(self, worker: WorkerHandle, silent_s: float) -> bool:
         """Whether `worker`, silent `silent_s`, is still given time (asked again each
-        heartbeat round). Its I/O thread cannot beat while the compute thread holds
-        the GIL: torch.jit.load of gigabytes, a C call in a forward that does not
-        release it. A loading worker gets LOADING_SILENCE_S. One of our own processes
-        with work on it gets as long as the work's execution_timeout_s (on_tick):
-        the supervisor sees such a process exit at once, so its silence says only
-        that it is busy. A `batchd worker` on another host could as well be gone."""
+        heartbeat round). Its I/O thread cannot beat while its compute thread holds the
+        GIL (torch.jit.load of gigabytes, a C call in a forward). A loading worker gets
+        LOADING_SILENCE_S. A live local process with work on it, or serving several
+        frontends (its forward may be another's), gets its work's execution_timeout_s
+        (on_tick): frontend 0 sees it exit at once, a child sees it alive, so its
+        silence is busy (they killed it at 3 s); a remote one could as well be gone."""
         if silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
             return True
-        own = self.supervisor.pids().get(worker.name) == worker.info.pid
-        return own and bool(worker.inflight or worker.sequences)
+        pid, shared = worker.info.pid, worker.info.frontends > 1
+        local = self.supervisor.pids().get(worker.name) == pid or frontends.sibling(pid)
+        return local and bool(worker.inflight or worker.sequences or shared)
 
     def on_tick(self, now: float) -> None:
         for worker, why in self.pool.overdue(now):

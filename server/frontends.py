@@ -23,12 +23,14 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import zmq
 
 from batchd.protos.model_config import ConfigError
 
+PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
 
@@ -82,7 +84,9 @@ class Children:
     async def _keep_running(self, i: int, port: int, http_port: int) -> None:
         backoff = BACKOFF_FIRST_S
         while not self._stopping:
-            proc = await asyncio.create_subprocess_exec(*self._command(i, port, http_port))
+            proc = await asyncio.create_subprocess_exec(
+                *self._command(i, port, http_port), env={**os.environ, PARENT: str(os.getpid())}
+            )
             self._procs[i] = proc
             log.info("started frontend %d (pid %d)", i, proc.pid)
             code = await proc.wait()
@@ -111,11 +115,28 @@ class Children:
                         p.kill()
 
 
-async def watch_parent(parent: int, stop: asyncio.Event) -> None:
-    """A child frontend stops (draining) when the process that started it is gone."""
-    while True:
-        await asyncio.sleep(0.5)
-        if os.getppid() != parent:
+def parent() -> int:
+    """A child frontend's frontend 0, as it said when it started the child: read from its
+    parent process once that is gone, the child would take init for frontend 0."""
+    return int(os.environ.get(PARENT) or os.getppid())
+
+
+def sibling(pid: int) -> bool:
+    """Whether process `pid` is alive and was started by this child frontend's frontend 0
+    (a local worker: its silence is the GIL held, its exit is seen by frontend 0)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat.rpartition(")")[2].split()[1]) == parent()  # (ppid: after the name)
+
+
+async def watch_parent(stop: asyncio.Event) -> None:
+    """A child frontend stops (draining) when frontend 0 is gone, or was before it looked
+    (it watched init for ever: it held the ports, and every call hung)."""
+    while True:  # (no event tells a process its parent exited)
+        if os.getppid() != parent():
             break
-    log.warning("frontend 0 (pid %d) is gone; stopping", parent)
+        await asyncio.sleep(0.5)
+    log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -237,20 +238,27 @@ def load(device):
 
 
 @pytest.mark.parametrize(
-    "model_py", [GIL_HOLDING_LOAD, GIL_HOLDING_FORWARD], ids=["load", "forward"]
+    ("model_py", "frontends"),
+    [(GIL_HOLDING_LOAD, 1), (GIL_HOLDING_FORWARD, 1), (GIL_HOLDING_FORWARD, 2)],
+    ids=["load", "forward", "forward-2-frontends"],
 )
 def test_a_worker_holding_the_gil_longer_than_the_heartbeat_window_is_not_lost(
-    tmp_path: Path, model_py: str
+    tmp_path: Path, model_py: str, frontends: int
 ) -> None:
     """The worker's I/O thread cannot beat while load() or forward() holds the GIL: a
     worker that is loading, or one of the server's own with a batch on it, may be
-    silent longer than 3 missed heartbeats, not lost and restarted for ever."""
+    silent longer than 3 missed heartbeats, not lost and restarted for ever. With
+    --frontends 2 the frontend without the batch (frontend 0: the one that kills; or
+    the child, whose workers are frontend 0's) took the silence for a death."""
     (tmp_path / "repo" / "slow").mkdir(parents=True)
     (tmp_path / "repo" / "slow" / "model.toml").write_text(MODEL_TOML)
     (tmp_path / "repo" / "slow" / "model.py").write_text(model_py)
-    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    args = ("--frontends", str(frontends))
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
     try:
-        with Client(server.url) as c:
+        ready = "model slow is ready"
+        wait_for(lambda: server.log().count(ready) == frontends, 60, "every frontend ready")
+        with Client(server.url, own_connection=True) as c:
             out = c.infer("slow", {"X": np.array([[3.0]], np.float32)}, timeout=30)
         assert out["Y"][0, 0] == 6.0
         assert "no message for" not in server.log()
@@ -376,6 +384,24 @@ def test_frontends_share_the_port_and_the_workers(tmp_path: Path) -> None:
     # spread the 16 connections over both frontends, whose counts add up to 80.
     assert seen[0] > 0 and seen[-1] < 80 and seen[0] + seen[-1] == 80, seen
     assert not any(alive(p) for p in children)
+
+
+def test_a_frontend_whose_frontend_0_dies_while_it_starts_stops(tmp_path: Path) -> None:
+    """Frontend 0 killed just after it started frontend 1: the child took the parent it
+    found when it began watching (init, by then) for frontend 0, and served for ever,
+    holding the ports with no worker, every call hanging. It stops now, however early
+    frontend 0 went."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path)
+    server.start(ready=False)  # listening: frontend 0 is up and starts frontend 1 now
+    found: list[int] = []
+    started = re.compile(r"started frontend 1 \(pid (\d+)\)")
+    wait_for(lambda: found.extend(int(m) for m in started.findall(server.log())) or found, 30,
+             "frontend 1 started")  # fmt: skip
+    assert server.proc is not None
+    server.proc.kill()  # before frontend 1 is up
+    server.proc.wait()
+    wait_for(lambda: not alive(found[0]), 60, "frontend 1 to stop without frontend 0")
 
 
 def test_frontends_refuse_what_they_cannot_share(tmp_path: Path) -> None:
