@@ -1,10 +1,15 @@
-"""A job's input, read a chunk at a time into decoded lines, and a chunk's answers
-encoded as results lines (jobs/runner.py runs them).
+"""A job's input, read a chunk at a time into decoded lines for its model (job_model),
+and a chunk's answers encoded as results lines (jobs/runner.py runs them).
 
 A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input. Lines are decoded by
 codec.decode_request exactly as online requests are, except that a job's requests
 have no deadline (lines.py); a line that does not parse or is refused by the codec
 becomes that line's error line.
+
+A chunk's lines are written as they are answered, in input order: `answered()` is
+how far its lines are answered without a gap, `written` how far they are in the
+results, and `through()` the input offset a checkpoint then covers (the end of the
+last line written), so progress moves line by line, not a chunk at a time.
 """
 
 from __future__ import annotations
@@ -12,14 +17,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
-from batchd.server.errors import BatchdError
+from batchd.server.errors import BatchdError, clip
 from batchd.server.jobs import lines
 from batchd.server.request import Request, Tensor
 
@@ -34,6 +39,23 @@ class Line:
     request: Request | None = None
     error: lines.LineError | None = None
     future: asyncio.Future[list[Tensor]] | None = None
+    end_offset: int = 0  # input bytes consumed through this line
+
+    def answered(self, cancelling: bool) -> bool:
+        """Its result is known: an error line, or its future done (one the job's cancel
+        cancelled is not answered; one the core cancelled is, as an error)."""
+        f = self.future
+        return f is None or (f.done() and not (cancelling and f.cancelled()))
+
+    def result(self) -> object:
+        """What encode() takes for an answered line."""
+        f = self.future
+        if f is None:
+            return self.error
+        if f.cancelled():
+            return asyncio.CancelledError("the line was cancelled in the core")
+        e = f.exception()
+        return f.result() if e is None else e
 
 
 @dataclass(slots=True)
@@ -42,6 +64,43 @@ class Chunk:
     end_offset: int  # input bytes consumed through this chunk
     lines_read: int  # physical lines consumed through this chunk
     futures: list[asyncio.Future[list[Tensor]]] = field(default_factory=list)
+    written: int = 0  # lines[:written] are in the results
+
+    def submit(self, submit: Callable[[Request], asyncio.Future[list[Tensor]]]) -> None:
+        """Its lines' requests to the core (`submit`); one refused is its error line."""
+        for line in self.lines:
+            if line.request is not None:
+                try:
+                    line.future = submit(line.request)
+                    self.futures.append(line.future)
+                except BatchdError as e:
+                    line.error = lines.LineError(line.custom_id, e.message, e.code.name)
+
+    @property
+    def whole(self) -> bool:
+        return self.written == len(self.lines)
+
+    def pending(self) -> asyncio.Future[list[Tensor]] | None:
+        """The future of the first line not written, if it is not answered yet."""
+        if self.whole:
+            return None
+        f = self.lines[self.written].future
+        return None if f is None or f.done() else f
+
+    def answered(self, cancelling: bool) -> int:
+        """The end of the lines answered without a gap from `written` on."""
+        end = self.written
+        while end < len(self.lines) and self.lines[end].answered(cancelling):
+            end += 1
+        return end
+
+    def through(self) -> tuple[int, int]:
+        """(input offset, lines read) through the lines written: where a resume reads on."""
+        if self.whole:
+            return self.end_offset, self.lines_read
+        assert self.written, "no line of the chunk is written"
+        last = self.lines[self.written - 1]
+        return last.end_offset, last.number
 
 
 class Reader:
@@ -72,7 +131,47 @@ class Reader:
                 out.append(Line(self.lines_read, None, error=error))
             elif raw.strip():
                 out.append(decode(raw, self.lines_read, model, limits))
+            else:
+                continue
+            out[-1].end_offset = self.offset
         return Chunk(out, self.offset, self.lines_read)
+
+
+def ahead(chunks: Iterable[Chunk]) -> tuple[int, int]:
+    """(completed, failed) of the chunks' lines answered but not written yet: those
+    answered ahead of a line still out (an error line is answered as it is read)."""
+    ok = failed = 0
+    for chunk in chunks:
+        for line in chunk.lines[chunk.written :]:
+            f = line.future
+            if f is None:
+                failed += 1
+            elif f.done() and not f.cancelled():
+                ok, failed = (ok + 1, failed) if f.exception() is None else (ok, failed + 1)
+    return ok, failed
+
+
+class JobFailed(Exception):
+    """The job cannot go on (its model is gone): it ends `failed` with this message."""
+
+
+class ModelGone(JobFailed):
+    """The job's model is not here, or has no live worker: shared, given back; else failed."""
+
+
+def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:
+    """The model a job's lines go to; JobFailed saying why there is none."""
+    cfg = models.get(name)
+    if cfg is None:
+        known = ", ".join(sorted(models)) or "none"
+        raise ModelGone(f"model {clip(name)} is not loaded (loaded: {known})")
+    if version and version != cfg.version:
+        raise JobFailed(  # not given back: a version is each server's own count of its loads
+            f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
+        )
+    if cfg.generate is not None:
+        raise JobFailed(f"model {name!r} is step-wise (decoupled); jobs run one-shot models only")
+    return cfg
 
 
 def decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
@@ -94,10 +193,11 @@ def decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
     return Line(number, cid, request)
 
 
-def encode(chunk: Chunk, results: list[Any]) -> tuple[bytes, int, int]:
-    """The chunk's results lines, and how many answered and failed."""
+def encode(answered: list[Line], results: list[object]) -> tuple[bytes, int, int]:
+    """The results lines of answered lines (their Line.result()), and how many answered
+    and failed."""
     parts, ok, failed = [], 0, 0
-    for line, result in zip(chunk.lines, results, strict=True):
+    for line, result in zip(answered, results, strict=True):
         if isinstance(result, list):
             assert line.custom_id is not None and line.request is not None
             by_name = {t.name: t for t in result}

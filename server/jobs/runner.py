@@ -4,7 +4,7 @@ their answers in input order, checkpoint.
     Jobs.run ──claim──▶ JobRun (one per running job; at most one per model)
     JobRun:   input.jsonl ──read + parse + decode (a thread)──▶ Chunk
               Chunk's requests ──Core.submit (background)──▶ the model's job lane
-              the oldest chunk, all answered ──encode (a thread)──▶ results.jsonl
+              the oldest chunk's lines answered in order ──encode (a thread)──▶ results.jsonl
               every CHECKPOINT_S (or CHECKPOINT_BYTES): results made durable, then
               the offsets that cover them committed (store.py)
 
@@ -14,6 +14,10 @@ size, and the job lane a bounded number of requests. Lines are decoded by
 codec.decode_request exactly as online requests are, and answered one request
 per line (the scheduler batches them). A line that does not parse, is refused
 by the codec or fails in the model becomes that line's error line.
+
+A line is written once it and every line before it are answered, so counts, rate and
+checkpoints move line by line; a status also counts the lines answered ahead of one still
+out (live()). A cancel keeps the lines answered without a gap, and writes no other.
 
 Shared jobs (a store with `shared`): only jobs of models this replica can run now
 (loaded, a live worker serving them) are claimed; one whose model goes away after
@@ -39,9 +43,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.config import Limits
-from batchd.server.errors import BatchdError, Unavailable, clip
-from batchd.server.jobs import lines
-from batchd.server.jobs.chunks import Chunk, Reader, encode
+from batchd.server.errors import Unavailable
+from batchd.server.jobs.chunks import Chunk, JobFailed, ModelGone, Reader, ahead, encode, job_model
 from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store
 from batchd.server.request import Request, Tensor
 
@@ -64,29 +67,6 @@ class JobCore(Protocol):
     def model_ready(self, name: str) -> bool: ...
 
 
-class JobFailed(Exception):
-    """The job cannot go on (its model is gone): it ends `failed` with this message."""
-
-
-class ModelGone(JobFailed):
-    """The job's model is not here, or has no live worker: shared, given back; else failed."""
-
-
-def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:
-    """The model a job's lines go to; JobFailed saying why there is none."""
-    cfg = models.get(name)
-    if cfg is None:
-        known = ", ".join(sorted(models)) or "none"
-        raise ModelGone(f"model {clip(name)} is not loaded (loaded: {known})")
-    if version and version != cfg.version:
-        raise JobFailed(  # not given back: a version is each server's own count of its loads
-            f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
-        )
-    if cfg.generate is not None:
-        raise JobFailed(f"model {name!r} is step-wise (decoupled); jobs run one-shot models only")
-    return cfg
-
-
 class JobRun:
     """One job, running in this process."""
 
@@ -96,8 +76,9 @@ class JobRun:
         self._on_lines = on_lines  # (model, answered, failed): for the metrics
         self.cancelling = False
         self._inflight: deque[Chunk] = deque()
-        self.completed, self.failed, self.rate = row.completed, row.failed, 0.0
-        # Through the last chunk written, and the input offset of the last checkpoint.
+        self.completed, self.failed = row.completed, row.failed  # written: the results'
+        self._started, self._start_done = -math.inf, row.done  # (monotonic; -inf: not running)
+        # Through the last line written, and the input offset of the last checkpoint.
         self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
         self._saved, self._unready_since = row.input_offset, math.inf  # (model seen workerless)
 
@@ -106,6 +87,13 @@ class JobRun:
         for chunk in self._inflight:
             for f in chunk.futures:
                 f.cancel()
+
+    def live(self) -> tuple[int, int, float]:
+        """(completed, failed, lines a second) now: those written, and those answered ahead."""
+        ok, failed = ahead(self._inflight)
+        ok, failed = self.completed + ok, self.failed + failed
+        took = time.monotonic() - self._started  # (inf when it does not run: rate 0)
+        return ok, failed, (ok + failed - self._start_done) / max(took, 1e-3)
 
     async def run(self) -> None:
         row = self.row
@@ -147,6 +135,7 @@ class JobRun:
             return "failed", f"{type(e).__name__}: {e}"
         finally:
             self.cancel()
+            self._inflight.clear()  # its lines answered ahead, never written, count no more
 
     async def _run(self) -> tuple[str, str]:
         row, store = self.row, self._store
@@ -191,55 +180,61 @@ class JobRun:
             raise ModelGone(f"model {model.name!r} has no live worker here")
 
     async def _steps(self, model: ModelConfig, reader: Reader, out: Results) -> tuple[str, str]:
-        started, start_done = time.monotonic(), self.completed + self.failed
-        saved_at = started
+        self._started, self._start_done = time.monotonic(), self.completed + self.failed
+        saved_at = self._started
         while True:
             while not reader.eof and len(self._inflight) < DEPTH and not self.cancelling:
                 model = job_model(self._core.models, self.row.model, self.row.version)
                 chunk = await asyncio.to_thread(reader.read, model, self._limits)
-                self._submit(chunk)
+                if self.cancelling:  # (cancelled while it was read: never submitted)
+                    break
+                chunk.submit(self._core.submit)
                 self._inflight.append(chunk)
-            if self.cancelling or not self._inflight:
+            if not self._inflight:
                 break
             head = self._inflight[0]
-            answered = asyncio.gather(*head.futures, return_exceptions=True)
-            while not (await asyncio.wait([answered], timeout=CHECKPOINT_S))[0]:
+            pending = None if self.cancelling else head.pending()
+            if pending is not None and not (await asyncio.wait([pending], timeout=CHECKPOINT_S))[0]:
                 self._check_ready(model)  # no worker: it makes no progress here
                 saved_at = time.monotonic()  # a slow model: save, or say it still runs
                 if self._done.input_offset != self._saved:
                     await self._checkpoint(out)
                 elif await self._store.renew(self.row) == "cancelling":
                     self.cancel()
-            answers = answered.result()
-            if self.cancelling:
-                break
-            job_model(self._core.models, self.row.model, self.row.version)  # not unloaded
-            self._check_ready(model, answers)  # nor failed for want of a worker
-            self._inflight.popleft()
-            it = iter(answers)
-            got = [line.error if line.future is None else next(it) for line in head.lines]
-            data, ok, failed = await asyncio.to_thread(encode, head, got)
-            out.write(data)
-            self.completed, self.failed = self.completed + ok, self.failed + failed
-            self._done = Progress(head.end_offset, head.lines_read, self.completed, self.failed)
-            self._on_lines(model.name, ok, failed)
+                continue
+            if not await self._write(head, model, out) and self.cancelling:
+                break  # what was answered in order is written; the rest is not
             now = time.monotonic()
-            self.rate = (self.completed + self.failed - start_done) / max(now - started, 1e-3)
             if now - saved_at >= CHECKPOINT_S or out.unsaved() >= CHECKPOINT_BYTES:
                 saved_at = now
                 await self._checkpoint(out)
         await self._checkpoint(out)
-        self.rate = 0.0
+        self._started = -math.inf
         return ("cancelled", "") if self.cancelling else ("completed", "")
 
-    def _submit(self, chunk: Chunk) -> None:
-        for line in chunk.lines:
-            if line.request is not None:
-                try:
-                    line.future = self._core.submit(line.request)
-                    chunk.futures.append(line.future)
-                except BatchdError as e:
-                    line.error = lines.LineError(line.custom_id, e.message, e.code.name)
+    async def _write(self, head: Chunk, model: ModelConfig, out: Results) -> bool:
+        """Write the head chunk's lines answered in order; True once it is all written."""
+        start, end = head.written, head.answered(self.cancelling)
+        if end > start:
+            done = head.lines[start:end]
+            got = [line.result() for line in done]
+            try:
+                job_model(self._core.models, self.row.model, self.row.version)  # not unloaded
+                self._check_ready(model, got)  # nor failed for want of a worker
+            except JobFailed:
+                if not self.cancelling:
+                    raise
+                return False  # cancelled: what its model's going failed is not kept
+            data, ok, failed = await asyncio.to_thread(encode, done, got)
+            out.write(data)
+            head.written = end
+            self.completed, self.failed = self.completed + ok, self.failed + failed
+            self._on_lines(model.name, ok, failed)
+        if end > start or head.whole:  # (a chunk of blank lines only: whole at once)
+            self._done = Progress(*head.through(), self.completed, self.failed)
+        if head.whole:
+            self._inflight.popleft()
+        return head.whole
 
     async def _checkpoint(self, out: Results) -> None:
         """The results made durable, then the offsets that cover them (store.py)."""
@@ -396,5 +391,5 @@ class Jobs:
             "batchd_job_rows_per_second", "Lines per second of the jobs running", labels=["model"]
         )
         for run in self.running.values():
-            rate.add_metric([run.row.model], run.rate)
+            rate.add_metric([run.row.model], run.live()[2])
         yield rate

@@ -44,7 +44,8 @@ from batchd.server.errors import (
     clip,
     grpc_status,
 )
-from batchd.server.jobs.runner import JobFailed, Jobs, job_model
+from batchd.server.jobs.chunks import JobFailed, job_model
+from batchd.server.jobs.runner import Jobs
 from batchd.server.jobs.store import MAX_KEY_CHARS, OPEN, STATUSES, JobRow, Submitted
 from batchd.server.jobs.upload import Upload, upload_stopped
 
@@ -98,7 +99,7 @@ class JobsService(pb_grpc.JobsServicer):
         done, completed, failed = row.done, row.completed, row.failed
         rate = 0.0
         if run is not None:
-            completed, failed, rate = run.completed, run.failed, run.rate
+            completed, failed, rate = run.live()
             done = completed + failed
         elif row.status == "running" and row.resumed_at:  # run by another frontend
             rate = (row.done - row.resumed_done) / max(time.time() - row.resumed_at, 1e-3)

@@ -195,7 +195,7 @@ class Store(ABC):
         """The oldest job waiting to run, of a model not in `exclude_models` and, given
         `only` (the models this replica can run now), of one of those; now running here
         (PostgreSQL: also one whose replica stopped renewing its lease). A job naming a
-        version other than the one loaded fails when it runs (runner.job_model): version
+        version other than the one loaded fails when it runs (chunks.job_model): version
         numbers are each server's own count of its loads."""
 
     @abstractmethod
