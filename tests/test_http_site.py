@@ -165,6 +165,10 @@ def test_an_encoding_batchd_cannot_read_is_415_before_the_body(
     jobs = call(example_server, "POST", "/v2/jobs?model=tiny", gzip.compress(b"{}\n"),
                 {"Content-Encoding": "gzip"})  # fmt: skip
     assert jobs.status == 415 and "a job upload takes no Content-Encoding" in jobs.error
+    # an upload naming no model is told how, over HTTP (it named the gRPC field alone)
+    unnamed = call(example_server, "POST", "/v2/jobs", b"{}\n")
+    assert (unnamed.status, unnamed.error) == (
+        400, "a job must name its model (gRPC: model_name; HTTP: ?model=NAME)")  # fmt: skip
 
 
 @pytest.mark.parametrize("path", ["/v2/health/live", "/v2/health/ready", "/v2/models/tiny"])

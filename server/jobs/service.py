@@ -128,7 +128,7 @@ class JobsService(pb_grpc.JobsServicer):
             log.info("new job upload refused: this server is stopping")
             raise Refused("this server is stopping: submit the job again, to another replica")
         if not model_name:
-            raise InvalidInput("a job must name its model (model_name)")
+            raise InvalidInput("a job must name its model (gRPC: model_name; HTTP: ?model=NAME)")
         try:
             job_model(jobs.models, model_name, model_version)
         except JobFailed as e:
