@@ -278,7 +278,9 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     p.service.leaving = True  # readiness and health say so at once (before a jobs database
     p.core.changed.set()  # that hangs); _track_health: every service NOT_SERVING but LIVENESS
     jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s, notice)) if p.jobs else None
-    others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10)) if children else None
+    # (the children get the notice this one takes: SIGINT, none; they had 3 s after Ctrl-C)
+    sig = signal.SIGTERM if notice else signal.SIGINT
+    others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10, sig)) if children else None
     await asyncio.sleep(notice)
     left = await p.service.drain(cfg.drain_timeout_s - notice)
     if left:
@@ -349,7 +351,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         if fronts.index:
             tasks.append(tg.create_task(watch_parent(stop), name="parent"))
         await stop.wait()
-        notice = cfg.drain_notice_s if signal.SIGTERM in got else 0.0
+        notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)
         await _shutdown(cfg, p, children, notice)
         for t in tasks:
             t.cancel()
@@ -367,8 +369,9 @@ async def serve(cfg: ServerConfig) -> None:
     cfg.check()
     worker_auth = preflight(cfg)
     fronts = cfg.frontends
-    with tempfile.TemporaryDirectory(prefix="batchd-") as tmp:
-        every = endpoints(tmp, fronts.count) if fronts.index == 0 else []
+    private = tempfile.TemporaryDirectory(prefix="batchd-") if fronts.index == 0 else None
+    with private or contextlib.nullcontext() as tmp:  # (frontend 0's: a child's was left)
+        every = endpoints(tmp, fronts.count) if tmp is not None else []
         endpoint = cfg.workers.endpoint or every[0]
         children = Children(fronts.argv, every) if len(every) > 1 else None
         ctx = zmq.asyncio.Context()

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from batchd.protos.model_config import ConfigError
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 log = logging.getLogger("batchd.server")
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 10.0
+BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.5, 10.0, 30.0
 
 
 def endpoints(tmp: str, count: int) -> list[str]:
@@ -82,8 +83,9 @@ class Children:
                 tg.create_task(self._keep_running(i, port, http_port), name=f"frontend-{i}")
 
     async def _keep_running(self, i: int, port: int, http_port: int) -> None:
-        backoff = BACKOFF_FIRST_S
+        backoff = 0.0
         while not self._stopping:
+            started = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
                 *self._command(i, port, http_port), env={**os.environ, PARENT: str(os.getpid())}
             )
@@ -92,17 +94,17 @@ class Children:
             code = await proc.wait()
             if self._stopping:
                 return
+            backoff = restart_after(backoff, time.monotonic() - started)
             log.warning("frontend %d exited with code %s; restarting in %.1f s", i, code, backoff)
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    async def stop(self, timeout_s: float) -> None:
-        """SIGTERM every child (each drains as this process does); wait, then kill."""
+    async def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> None:
+        """Signal every child (each drains as this process does); wait, then kill."""
         self._stopping = True
         procs = [p for p in self._procs.values() if p.returncode is None]
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(sig)
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout_s)
         except TimeoutError:
@@ -129,6 +131,14 @@ def sibling(pid: int) -> bool:
     except OSError:
         return False
     return int(stat.rpartition(")")[2].split()[1]) == parent()  # (ppid: after the name)
+
+
+def restart_after(last: float, ran_s: float) -> float:
+    """How long to wait before starting a child again that ran `ran_s` and exited, the
+    last wait having been `last` (0: none yet): doubling, from BACKOFF_FIRST_S to
+    BACKOFF_MAX_S, and back to the first after a run of STABLE_AFTER_S (it never went
+    back: after a few crashes over days, each cost 10 s of that frontend)."""
+    return BACKOFF_FIRST_S if ran_s > STABLE_AFTER_S or not last else min(last * 2, BACKOFF_MAX_S)
 
 
 async def watch_parent(stop: asyncio.Event) -> None:

@@ -25,6 +25,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import to_raw
+from batchd.server import frontends
 from tests.conftest import (
     MODEL_TOML,
     SAMPLES,
@@ -386,6 +387,22 @@ def test_frontends_share_the_port_and_the_workers(tmp_path: Path) -> None:
     assert not any(alive(p) for p in children)
 
 
+def test_frontend_0_passes_on_ctrl_c_and_alone_keeps_a_private_folder(tmp_path: Path) -> None:
+    """SIGINT (Ctrl-C) stops without the drain notice: frontend 0 sent its children
+    SIGTERM, which took --drain-notice, so they served 3 s more while it refused.
+    Only frontend 0 makes a folder in TMPDIR (each child's was unused, and left behind
+    by a child killed)."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    (tmp := tmp_path / "tmp").mkdir()
+    args = ("--frontends", "2", "--drain-notice", "3")
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path, env={"TMPDIR": str(tmp)})
+    server.start()
+    wait_for(lambda: server.log().count("model scaled is ready") == 2, 60, "both frontends")
+    assert len(list(tmp.glob("batchd-*"))) == 1
+    assert server.stop(signal.SIGINT) == 0, server.log()
+    assert server.log().count("serving new requests 0.0 s more") == 2, server.log()
+
+
 def test_a_frontend_whose_frontend_0_dies_while_it_starts_stops(tmp_path: Path) -> None:
     """Frontend 0 killed just after it started frontend 1: the child took the parent it
     found when it began watching (init, by then) for frontend 0, and served for ever,
@@ -402,6 +419,14 @@ def test_a_frontend_whose_frontend_0_dies_while_it_starts_stops(tmp_path: Path) 
     server.proc.kill()  # before frontend 1 is up
     server.proc.wait()
     wait_for(lambda: not alive(found[0]), 60, "frontend 1 to stop without frontend 0")
+
+
+def test_a_child_frontend_restarts_sooner_again_after_a_stable_run() -> None:
+    waits, last = [], 0.0
+    for ran_s in (0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 40.0, 0.1):
+        last = frontends.restart_after(last, ran_s)
+        waits.append(last)
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 0.5, 1.0]  # (it stayed at 10 s)
 
 
 def test_frontends_refuse_what_they_cannot_share(tmp_path: Path) -> None:
