@@ -35,6 +35,7 @@ from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import NO_MODELS, load_repository, strays
+from batchd.server import security
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
@@ -222,8 +223,7 @@ def _models_at_start(
 ) -> dict[str, ModelConfig]:
     if not cfg.models.explicit or "*" in cfg.models.load:
         return repository
-    unknown = [n for n in cfg.models.load if n not in repository]
-    if unknown:
+    if unknown := [n for n in cfg.models.load if n not in repository]:
         raise ConfigError(
             f"--load-model {', '.join(unknown)}: not in {cfg.model_repository} "
             f"(it has: {', '.join(repository) or 'no models'})"
@@ -232,7 +232,7 @@ def _models_at_start(
 
 
 def _refused(what: str, flag: str, host: str, port: int, e: OSError) -> ConfigError:
-    why = os.strerror(e.errno) if e.errno else str(e)
+    why = os.strerror(e.errno) if e.errno else str(e)  # (an OSError(why): why)
     return ConfigError(f"cannot serve {what} on {host}:{port}: {why} ({flag}; -1 turns it off)")
 
 
@@ -242,6 +242,8 @@ async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
     net = cfg.network
     host, port, metrics = net.host.strip("[]"), net.http_port, net.metrics_port  # (IPv6: bare)
     if port >= 0:
+        if security.shared_port(cfg) and (why := security.taken(host, port)):
+            raise _refused("HTTP", "--http-port", host, port, OSError(why))
         try:
             p.http, port = await serve_rest(
                 p.rest.app, host, port, ssl_context=ssl_context(cfg.security),
@@ -278,8 +280,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     p.service.leaving = True  # readiness and health say so at once (before a jobs database
     p.core.changed.set()  # that hangs); _track_health: every service NOT_SERVING but LIVENESS
     jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s, notice)) if p.jobs else None
-    # (the children get the notice this one takes: SIGINT, none; they had 3 s after Ctrl-C)
-    sig = signal.SIGTERM if notice else signal.SIGINT
+    sig = signal.SIGTERM if notice else signal.SIGINT  # children: this one's notice (SIGINT: 0)
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10, sig)) if children else None
     await asyncio.sleep(notice)
     left = await p.service.drain(cfg.drain_timeout_s - notice)

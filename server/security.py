@@ -160,19 +160,28 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
                 "it: keep that network trusted, or --metrics-port -1", host,
                 cfg.network.metrics_port,
             )  # fmt: skip
+    why = taken(host, cfg.network.grpc_port) if shared_port(cfg) else None
     try:  # grpc raises RuntimeError (older versions returned 0), saying only "failed"
-        port = server.add_insecure_port(address) if creds is None else server.add_secure_port(
-            address, creds)  # fmt: skip
+        port = 0 if why else server.add_insecure_port(address) if creds is None else (
+            server.add_secure_port(address, creds))  # fmt: skip
     except RuntimeError:
         port = 0
     if not port:
-        why = _why_not(host, cfg.network.grpc_port)
+        why = why or taken(host, cfg.network.grpc_port) or "gRPC could not bind it"
         raise ConfigError(f"cannot serve gRPC on {address}: {why} (--grpc-port; 0: a free one)")
     return int(port)
 
 
-def _why_not(host: str, port: int) -> str:
-    """The OS's reason a port cannot be bound (gRPC says only that it failed)."""
+def shared_port(cfg: ServerConfig) -> bool:
+    """Whether this process binds its ports with SO_REUSEPORT for frontends to come (frontend
+    0 of several): a port another such server holds would then be shared, not refused, and
+    the kernel would spread the callers over two servers. taken() asks first."""
+    return cfg.frontends.count > 1 and cfg.frontends.index == 0
+
+
+def taken(host: str, port: int) -> str | None:
+    """Why `port` cannot be bound, as the OS says (gRPC says only that it failed); None if
+    it can. Port 0 can."""
     try:
         family, kind, _, _, where = socket.getaddrinfo(
             host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -182,7 +191,7 @@ def _why_not(host: str, port: int) -> str:
             probe.bind(where)
     except OSError as e:
         return e.strerror or str(e)
-    return "gRPC could not bind it"
+    return None
 
 
 def check_worker_endpoint(endpoint: str, worker_keys: Path | None) -> None:

@@ -421,6 +421,29 @@ def test_a_frontend_whose_frontend_0_dies_while_it_starts_stops(tmp_path: Path) 
     wait_for(lambda: not alive(found[0]), 60, "frontend 1 to stop without frontend 0")
 
 
+def test_a_second_server_of_several_frontends_is_refused_a_port_in_use(tmp_path: Path) -> None:
+    """Frontends bind with SO_REUSEPORT: a second `serve --frontends 2` on the ports of
+    a first shared them (the kernel spread the callers over two unrelated servers)
+    where a port in use must stop start-up."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    first = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    try:
+        for grpc_port, http_port, what in (
+            (first.port, 0, f"cannot serve gRPC on 127.0.0.1:{first.port}"),
+            (0, first.http_port, f"cannot serve HTTP on 127.0.0.1:{first.http_port}"),
+        ):
+            second = subprocess.run(
+                [sys.executable, "-m", "batchd.server", "--model-repository",
+                 str(tmp_path / "repo"), "--frontends", "2", "--grpc-port", str(grpc_port),
+                 "--http-port", str(http_port), "--metrics-port", "-1"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert second.returncode == 2, second.stderr
+            assert f"{what}: Address already in use" in second.stderr
+    finally:
+        assert first.stop() == 0, first.log()
+
+
 def test_a_child_frontend_restarts_sooner_again_after_a_stable_run() -> None:
     waits, last = [], 0.0
     for ran_s in (0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 40.0, 0.1):
