@@ -350,7 +350,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         if p.jobs is not None:
             tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
         if fronts.index:
-            tasks.append(tg.create_task(watch_parent(stop), name="parent"))
+            tasks.append(tg.create_task(watch_parent(stop, p.core), name="parent"))
         await stop.wait()
         notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)
         await _shutdown(cfg, p, children, notice)

@@ -25,11 +25,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from batchd.protos.model_config import ConfigError
+from batchd.server.errors import Unavailable
+
+if TYPE_CHECKING:
+    from batchd.server.core import Core
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 log = logging.getLogger("batchd.server")
@@ -141,12 +145,19 @@ def restart_after(last: float, ran_s: float) -> float:
     return BACKOFF_FIRST_S if ran_s > STABLE_AFTER_S or not last else min(last * 2, BACKOFF_MAX_S)
 
 
-async def watch_parent(stop: asyncio.Event) -> None:
+async def watch_parent(stop: asyncio.Event, core: Core) -> None:
     """A child frontend stops (draining) when frontend 0 is gone, or was before it looked
-    (it watched init for ever: it held the ports, and every call hung)."""
+    (it watched init for ever: it held the ports, and every call hung). Once the workers,
+    frontend 0's, are gone too, what is left is answered UNAVAILABLE at once: no worker
+    comes back (it waited out --drain-timeout)."""
     while True:  # (no event tells a process its parent exited)
         if os.getppid() != parent():
             break
         await asyncio.sleep(0.5)
     log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()
+    while True:
+        if not core.pool.workers():
+            break
+        await asyncio.sleep(0.2)
+    core.fail_all(Unavailable("this frontend's frontend 0 and its workers are gone; retry"))

@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
-from batchd.client import Client
+from batchd.client import AsyncClient, Client, ServerUnavailable
 from batchd.client.codec import build_request, parse_response
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
@@ -385,6 +385,38 @@ def test_frontends_share_the_port_and_the_workers(tmp_path: Path) -> None:
     # spread the 16 connections over both frontends, whose counts add up to 80.
     assert seen[0] > 0 and seen[-1] < 80 and seen[0] + seen[-1] == 80, seen
     assert not any(alive(p) for p in children)
+
+
+def test_a_child_frontend_s_callers_are_answered_once_frontend_0_dies(tmp_path: Path) -> None:
+    """Frontend 0 killed with batches on its worker: the worker left without sending
+    their replies, and the child, its workers gone for good, held its callers for the
+    whole --drain-timeout. The worker now sends what it was running; the child answers
+    the rest UNAVAILABLE once no worker is left."""
+    model_dir = make_model(tmp_path / "repo", "held", 2.0)
+    (gate := batch_gate(model_dir, 2.0)).touch()
+    args = ("--frontends", "2", "--drain-timeout", "120")
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+    wait_for(lambda: server.log().count("model held is ready") == 2, 60, "both frontends")
+
+    async def scenario() -> list[object]:
+        clients = [AsyncClient(server.url, own_connection=True) for _ in range(8)]
+        x = [{"X": np.array([[float(k)]], np.float32)} for k in range(8)]
+        calls = [asyncio.ensure_future(c.infer("held", x[k], timeout=60))
+                 for k, c in enumerate(clients)]  # fmt: skip
+        await asyncio.to_thread(wait_for, lambda: model_log(model_dir, "entered.log"), 30)
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait()
+        gate.unlink()
+        try:
+            return list(await asyncio.gather(*calls, return_exceptions=True))
+        finally:
+            for c in clients:
+                await c.close()
+
+    out = asyncio.run(scenario())
+    assert all(isinstance(o, dict | ServerUnavailable) for o in out), out  # none held 60 s
+    assert all(o["Y"][0, 0] == 2 * k for k, o in enumerate(out) if isinstance(o, dict)), out
 
 
 def test_frontend_0_passes_on_ctrl_c_and_alone_keeps_a_private_folder(tmp_path: Path) -> None:

@@ -344,9 +344,9 @@ class Runner:
                 poller = _poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return 0.0  # the batch at hand will not finish: serve() leaves without it
-            if self._parent_gone():
-                log.warning("parent process exited; stopping")
-                return STOP_GRACE_S
+            if not io.stopping and self._parent_gone():  # as a STOP: the replies still go
+                log.warning("parent process exited; stopping")  # (to frontends of several)
+                io.stopping, io.stop_at = True, now
         return STOP_GRACE_S
 
     def _keep_up(self, links: list[FrontendLink], poller: zmq.Poller, now: float) -> None:
