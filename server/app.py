@@ -34,13 +34,13 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.protos.repository import NO_MODELS, load_repository, strays
+from batchd.protos.repository import NO_MODELS, strays
 from batchd.server import security
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
-from batchd.server.frontends import Children, bind, endpoints, watch_parent
+from batchd.server.frontends import Children, Models, bind, endpoints, models_at_start, watch_parent
 from batchd.server.handlers import add_service
 from batchd.server.http_site import serve_rest
 from batchd.server.jobs.database import safe_url
@@ -55,7 +55,7 @@ from batchd.server.rest import RestApi
 from batchd.server.security import grpc_options, in_url, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
-from batchd.server.supervisor import Launch, WorkerSpec, plan_workers
+from batchd.server.supervisor import Launch, plan_workers
 
 log = logging.getLogger("batchd.server")
 
@@ -129,11 +129,11 @@ class _Parts:
 
 def _build(
     cfg: ServerConfig,
-    repository: dict[str, ModelConfig],
+    models: Models,  # the repository's at start, and their files
     router: zmq.asyncio.Socket,
     endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
-    specs: list[WorkerSpec] = []
+    (repository, files), specs = models, []
     w = cfg.workers
     if w.local and (repository or cfg.models.explicit):
         specs = plan_workers(list(repository.values()), w.device_list(), w.threads)
@@ -147,7 +147,7 @@ def _build(
         explicit=cfg.models.explicit, launch=launch, credits=w.credits, load=load,
         load_timeout_s=cfg.models.load_timeout_s,
     )  # fmt: skip
-    core.control.start_with(_models_at_start(cfg, repository))
+    core.control.start_with(_models_at_start(cfg, repository), files)
     limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)
     otlp = traces.endpoint(cfg.tracing.otlp_endpoint)
     service = InferenceService(
@@ -360,8 +360,8 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
 
 async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
-    repository = load_repository(cfg.model_repository)
-    log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(repository)
+    models = models_at_start(cfg.model_repository)  # (a child: as frontend 0 read them)
+    log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(repository := models[0])
              or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
     for stray in strays(cfg.model_repository) + ([] if repository else [NO_MODELS]):
         log.warning("%s", stray)
@@ -374,7 +374,7 @@ async def serve(cfg: ServerConfig) -> None:
     with private or contextlib.nullcontext() as tmp:  # (frontend 0's: a child's was left)
         every = endpoints(tmp, fronts.count) if tmp is not None else []
         endpoint = cfg.workers.endpoint or every[0]
-        children = Children(fronts.argv, every) if len(every) > 1 else None
+        children = Children(fronts.argv, every, models, tmp) if tmp and len(every) > 1 else None
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -386,7 +386,7 @@ async def serve(cfg: ServerConfig) -> None:
             bind(router, endpoint, given=bool(cfg.workers.endpoint) and not fronts.index)
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
-            p = _build(cfg, repository, router, ",".join(every) or endpoint)
+            p = _build(cfg, models, router, ",".join(every) or endpoint)
             await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT))
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,6 +34,7 @@ from batchd.server.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("batchd.control")
 T = TypeVar("T")
+Files = frozenset[tuple[str, int, int]]  # repository.files_of
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 TOML = "model.toml"  # a version's config: the workers read it again as they load it
@@ -73,10 +74,14 @@ class ModelControl:
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
 
-    def start_with(self, configs: dict[str, ModelConfig]) -> None:
-        """The models serving from the start (before any worker registered)."""
+    def start_with(
+        self, configs: dict[str, ModelConfig], files: Mapping[str, Files] | None = None
+    ) -> None:
+        """The models serving from the start (before any worker registered), with their
+        files as the repository was read (frontends.models_at_start), else as they are."""
         for cfg in configs.values():
-            self._install(self._next_version(cfg, files_of(cfg.directory)))
+            then = (files or {}).get(cfg.name)
+            self._install(self._next_version(cfg, then or files_of(cfg.directory)))
 
     def _next_version(
         self, cfg: ModelConfig, files: frozenset[tuple[str, int, int]]

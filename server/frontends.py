@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import pickle
 import signal
 import sys
 import time
@@ -29,13 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from batchd.protos.model_config import ConfigError
+from batchd.protos.model_config import ConfigError, ModelConfig
+from batchd.protos.repository import files_of, load_repository
 from batchd.server.errors import Unavailable
 
 if TYPE_CHECKING:
     from batchd.server.core import Core
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
+MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
+Files = frozenset[tuple[str, int, int]]  # repository.files_of
+Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.5, 10.0, 30.0
 
@@ -66,9 +71,12 @@ def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:
 class Children:
     """Frontends 1..N-1, started and kept running by frontend 0."""
 
-    def __init__(self, argv: Sequence[str], endpoints: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], endpoints: Sequence[str], models: Models,
+                 tmp: str) -> None:  # fmt: skip
         self._argv = list(argv)
         self._endpoints = list(endpoints)
+        (saved := Path(tmp) / "models.pickle").write_bytes(pickle.dumps(models))
+        self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(saved)}
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
 
@@ -91,7 +99,7 @@ class Children:
         while not self._stopping:
             started = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
-                *self._command(i, port, http_port), env={**os.environ, PARENT: str(os.getpid())}
+                *self._command(i, port, http_port), env=self._env
             )
             self._procs[i] = proc
             log.info("started frontend %d (pid %d)", i, proc.pid)
@@ -119,6 +127,18 @@ class Children:
                     )
                     with contextlib.suppress(ProcessLookupError):
                         p.kill()
+
+
+def models_at_start(root: Path) -> Models:
+    """The repository's models and their files: read from it, or, in a child frontend
+    (restarted ones too), as frontend 0 read them. A child that read it again served a
+    model's files changed since as the version frontend 0 refused them for, and one
+    that found a model added broken failed to start, again and again."""
+    if saved := os.environ.get(MODELS):
+        models: Models = pickle.loads(Path(saved).read_bytes())  # (frontend 0's, 0700)
+        return models
+    repository = load_repository(root)
+    return repository, {name: files_of(cfg.directory) for name, cfg in repository.items()}
 
 
 def parent() -> int:

@@ -39,6 +39,10 @@ from tests.conftest import (
 from tests.servers import EXAMPLES, ServerProcess, alive, wait_for
 
 
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -417,6 +421,24 @@ def test_a_child_frontend_s_callers_are_answered_once_frontend_0_dies(tmp_path: 
     out = asyncio.run(scenario())
     assert all(isinstance(o, dict | ServerUnavailable) for o in out), out  # none held 60 s
     assert all(o["Y"][0, 0] == 2 * k for k, o in enumerate(out) if isinstance(o, dict)), out
+
+
+def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: Path) -> None:
+    """A child restarted after a crash read the repository again: a model folder added
+    broken since stopped it starting, again and again (and files changed since were
+    served as the version frontend 0 refused them for). It takes frontend 0's models."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    try:
+        ready = "model scaled is ready"
+        wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
+        (tmp_path / "repo" / "broken").mkdir()
+        (tmp_path / "repo" / "broken" / "model.toml").write_text("max_batch_size = 'x'\n")
+        (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
+        os.kill(child, signal.SIGKILL)
+        wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 back, serving")
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_frontend_0_passes_on_ctrl_c_and_alone_keeps_a_private_folder(tmp_path: Path) -> None:
