@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
+BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the pipe it beats on (watch_parent)
+HUNG_S = 10.0  # a child not beating this long is killed (and restarted)
 Files = frozenset[tuple[str, int, int]]  # repository.files_of
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
@@ -97,13 +99,20 @@ class Children:
     async def _keep_running(self, i: int, port: int, http_port: int) -> None:
         backoff = 0.0
         while not self._stopping:
-            started = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(
-                *self._command(i, port, http_port), env=self._env
-            )
+            started, (beats, beating) = time.monotonic(), os.pipe()
+            env = {**self._env, BEAT: str(beating)}
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._command(i, port, http_port), env=env, pass_fds=(beating,)
+                )
+            finally:
+                os.close(beating)
             self._procs[i] = proc
             log.info("started frontend %d (pid %d)", i, proc.pid)
-            code = await proc.wait()
+            try:
+                code = await _watched(proc, beats, i)
+            finally:
+                os.close(beats)
             if self._stopping:
                 return
             backoff = restart_after(backoff, time.monotonic() - started)
@@ -157,6 +166,37 @@ def sibling(pid: int) -> bool:
     return int(stat.rpartition(")")[2].split()[1]) == parent()  # (ppid: after the name)
 
 
+async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int | None:
+    """Wait for a child frontend's exit; kill it if it stops beating (watch_parent writes
+    a byte to `beats` each round): a child hung (its event loop blocked, stopped) kept
+    its listening socket and took its share of new connections, which hung."""
+    heard = time.monotonic()
+
+    def beat() -> None:
+        nonlocal heard
+        with contextlib.suppress(BlockingIOError):
+            if os.read(beats, 4096):
+                heard = time.monotonic()
+
+    os.set_blocking(beats, False)
+    loop = asyncio.get_running_loop()
+    loop.add_reader(beats, beat)
+    try:
+        while (code := await _exit_within(proc, 1.0)) is None:
+            if time.monotonic() - heard > HUNG_S and proc.returncode is None:
+                log.error("frontend %d (pid %d) silent for %.0f s; killing it", i, proc.pid, HUNG_S)
+                proc.kill()
+        return code
+    finally:
+        loop.remove_reader(beats)
+
+
+async def _exit_within(proc: asyncio.subprocess.Process, seconds: float) -> int | None:
+    with contextlib.suppress(TimeoutError):
+        return await asyncio.wait_for(asyncio.shield(proc.wait()), seconds)
+    return None
+
+
 def restart_after(last: float, ran_s: float) -> float:
     """How long to wait before starting a child again that ran `ran_s` and exited, the
     last wait having been `last` (0: none yet): doubling, from BACKOFF_FIRST_S to
@@ -170,9 +210,15 @@ async def watch_parent(stop: asyncio.Event, core: Core) -> None:
     (it watched init for ever: it held the ports, and every call hung). Once the workers,
     frontend 0's, are gone too, what is left is answered UNAVAILABLE at once: no worker
     comes back (it waited out --drain-timeout)."""
+    beat = int(os.environ.get(BEAT, -1))  # frontend 0 hears from this child each round
+    if beat >= 0:
+        os.set_blocking(beat, False)
     while True:  # (no event tells a process its parent exited)
         if os.getppid() != parent():
             break
+        if beat >= 0:
+            with contextlib.suppress(OSError):  # (a full pipe: frontend 0 is behind)
+                os.write(beat, b".")
         await asyncio.sleep(0.5)
     log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()

@@ -441,6 +441,22 @@ def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: 
         assert server.stop() == 0, server.log()
 
 
+def test_a_hung_child_frontend_is_killed_and_started_again(tmp_path: Path) -> None:
+    """A child frontend whose event loop stops (here SIGSTOP) kept its listening socket,
+    and the new connections the kernel gave it hung; frontend 0 never knew."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    try:
+        ready = "model scaled is ready"
+        wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
+        (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
+        os.kill(child, signal.SIGSTOP)
+        wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 replaced, serving")
+        assert f"frontend 1 (pid {child}) silent for 10 s; killing it" in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_frontend_0_passes_on_ctrl_c_and_alone_keeps_a_private_folder(tmp_path: Path) -> None:
     """SIGINT (Ctrl-C) stops without the drain notice: frontend 0 sent its children
     SIGTERM, which took --drain-notice, so they served 3 s more while it refused.
