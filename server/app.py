@@ -338,8 +338,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
     local = len(p.core.supervisor.specs)
     log.info("serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
              in_url(cfg.network.host), p.port, endpoint, local, which)  # fmt: skip
-    stop = asyncio.Event()
-    got = _on_signals(asyncio.get_running_loop(), stop)
+    got = _on_signals(asyncio.get_running_loop(), stop := asyncio.Event())
     async with asyncio.TaskGroup() as tg:
         tasks = [
             tg.create_task(p.core.run(), name="core"),
@@ -350,7 +349,8 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         if p.jobs is not None:
             tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
         if fronts.index:
-            tasks.append(tg.create_task(watch_parent(stop, p.core), name="parent"))
+            orphaned = watch_parent(stop, p.core.pool.workers, p.core.fail_all)
+            tasks.append(tg.create_task(orphaned, name="parent"))
         await stop.wait()
         notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)
         await _shutdown(cfg, p, children, notice)

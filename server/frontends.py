@@ -24,18 +24,15 @@ import pickle
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import files_of, load_repository
 from batchd.server.errors import Unavailable
-
-if TYPE_CHECKING:
-    from batchd.server.core import Core
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
@@ -205,7 +202,9 @@ def restart_after(last: float, ran_s: float) -> float:
     return BACKOFF_FIRST_S if ran_s > STABLE_AFTER_S or not last else min(last * 2, BACKOFF_MAX_S)
 
 
-async def watch_parent(stop: asyncio.Event, core: Core) -> None:
+async def watch_parent(
+    stop: asyncio.Event, workers: Callable[[], Sized], fail_all: Callable[[Exception], None]
+) -> None:
     """A child frontend stops (draining) when frontend 0 is gone, or was before it looked
     (it watched init for ever: it held the ports, and every call hung). Once the workers,
     frontend 0's, are gone too, what is left is answered UNAVAILABLE at once: no worker
@@ -223,7 +222,7 @@ async def watch_parent(stop: asyncio.Event, core: Core) -> None:
     log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()
     while True:
-        if not core.pool.workers():
+        if not workers():
             break
         await asyncio.sleep(0.2)
-    core.fail_all(Unavailable("this frontend's frontend 0 and its workers are gone; retry"))
+    fail_all(Unavailable("this frontend's frontend 0 and its workers are gone; retry"))
