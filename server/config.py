@@ -257,8 +257,8 @@ class Connections:
     # at random above this many, all of them above twice as many. Its default, 1000,
     # shed calls of well-behaved clients whenever the loop fell behind a burst.
     max_pending_calls: int = setting(
-        16384, "--max-pending-calls", "calls arrived but not yet taken, server-wide, before "
-        "gRPC sheds them with CANCELLED", **positive(INT_MAX // 2), metavar="N",
+        16384, "--max-pending-calls", "calls arrived but not yet taken, per frontend process "
+        "(all its connections), before gRPC sheds them with CANCELLED", **positive(INT_MAX // 2), metavar="N",
     )  # fmt: skip
     handshake_timeout_s: float = duration(
         20.0, "--handshake-timeout", "close a connection not set up (HTTP/2 preface, TLS) "
