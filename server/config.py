@@ -258,7 +258,8 @@ class Connections:
     # shed calls of well-behaved clients whenever the loop fell behind a burst.
     max_pending_calls: int = setting(
         16384, "--max-pending-calls", "calls arrived but not yet taken, per frontend process "
-        "(all its connections), before gRPC sheds them with CANCELLED", **positive(INT_MAX // 2), metavar="N",
+        "(all its connections), before gRPC sheds them with CANCELLED",
+        **positive(INT_MAX // 2), metavar="N",
     )  # fmt: skip
     handshake_timeout_s: float = duration(
         20.0, "--handshake-timeout", "close a connection not set up (HTTP/2 preface, TLS) "
