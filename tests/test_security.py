@@ -543,10 +543,13 @@ def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused_at_on
         endpoints(tmp, 2)
 
 
-def test_a_grpc_port_in_use_is_refused_naming_the_address() -> None:
+def test_a_grpc_port_in_use_is_refused_naming_the_address(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     """gRPC raises a bare RuntimeError ("Failed to bind to address"): listen names the
     address and the OS's reason in a ConfigError, which `batchd serve` prints without a
-    traceback (as it does for a busy HTTP port)."""
+    traceback (as it does for a busy HTTP port), in one line: the port is asked first,
+    so gRPC does not log one of its own ("add_port.cc ... Failed to add port")."""
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
         cfg = ServerConfig(model_repository=EXAMPLES, network=Network(grpc_port=port))
@@ -564,6 +567,7 @@ def test_a_grpc_port_in_use_is_refused_naming_the_address() -> None:
         f"cannot serve gRPC on 127.0.0.1:{port}: Address already in use (--grpc-port; 0: a "
         "free one)"
     )
+    assert "Failed to add port" not in capfd.readouterr().err
 
 
 def test_a_server_off_loopback_warns_of_each_port_in_clear(tmp_path: Path) -> None:
