@@ -160,7 +160,8 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
                 "it: keep that network trusted, or --metrics-port -1", host,
                 cfg.network.metrics_port,
             )  # fmt: skip
-    why = taken(host, cfg.network.grpc_port)  # (asked first: gRPC logs a line of its own)
+    # Asked first (gRPC logs a line of its own), but by a child frontend: its port is shared
+    why = None if cfg.frontends.index else taken(host, cfg.network.grpc_port)
     try:  # grpc raises RuntimeError (older versions returned 0), saying only "failed"
         port = 0 if why else server.add_insecure_port(address) if creds is None else (
             server.add_secure_port(address, creds))  # fmt: skip
