@@ -360,7 +360,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
 
 async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
-    models = models_at_start(cfg.model_repository)  # (a child: as frontend 0 read them)
+    models = models_at_start(cfg.model_repository, cfg.frontends.index > 0)  # (a child: 0's)
     log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(repository := models[0])
              or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
     for stray in strays(cfg.model_repository) + ([] if repository else [NO_MODELS]):

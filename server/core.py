@@ -2,18 +2,17 @@
 pool, the link to the workers, their processes and model control.
 
 A transport (the gRPC servicer in service.py) converts a request and calls
-`submit`; it never sees a worker or a queue. Inside, the pieces do not call
-each other: the scheduler asks the core for capacity and hands it batches;
-the link reports messages, silences and ticks; the pool and recovery are pure.
-The core decides what follows each event. Sending and replying never re-enter
-the planner: a send that fails, a reply, a worker lost or loaded each put
-requests back or free a credit and schedule one deferred pump (`pump_soon`).
+`submit`; it never sees a worker or a queue. Inside, the pieces do not call each
+other: the scheduler asks the core for capacity and hands it batches; the link
+reports messages, silences and ticks; the pool and recovery are pure. The core
+decides what follows each event. Sending and replying never re-enter the planner: a
+send that fails, a reply, a worker lost or loaded each put requests back or free a
+credit and schedule one deferred pump (`pump_soon`).
 
     transport ──submit──▶ Scheduler (batching/) ──send──▶ Core ──▶ WorkerPool.hand
                                                                  ──▶ WorkerLink.send
                                           (a step-wise model's: ──▶ Sequences.start)
-    WorkerLink ──on_message / on_silent / on_tick──▶ Core ──▶ futures, recovery,
-                                                             ModelControl, pump_soon
+    WorkerLink ──on_message / on_silent / on_tick──▶ Core ──▶ futures, recovery, control, pump
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ _FORGET = wire.pack(wire.Header(kind=wire.Header.CANCEL, batch_id=0))  # our eve
 _PASS = wire.pack(wire.Header(kind=wire.Header.PASS))
 # A worker loading a model may be silent this long: a load can hold the GIL for seconds
 # (torch.jit.load of a model of gigabytes starved the heartbeat thread 6.6 s of 6.7).
-LOADING_SILENCE_S = 120.0
+LOADING_SILENCE_S, LIVE_S = 120.0, wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # (3 s: lost)
 
 
 class Core:
@@ -255,15 +254,17 @@ class Core:
         """Whether `worker`, silent `silent_s`, is still given time (asked again each
         heartbeat round). Its I/O thread cannot beat while its compute thread holds the
         GIL (torch.jit.load of gigabytes, a C call in a forward). A loading worker gets
-        LOADING_SILENCE_S. A live local process with work on it, or serving several
-        frontends (its forward may be another's), gets its work's execution_timeout_s
-        (on_tick): frontend 0 sees it exit at once, a child sees it alive, so its
-        silence is busy (they killed it at 3 s); a remote one could as well be gone."""
+        LOADING_SILENCE_S. A live local process with work on it gets its work's limit
+        (on_tick), one of several frontends (its forward may be another's, or a gone
+        one's) the longest execution_timeout_s; a remote one could as well be gone."""
         if silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
             return True
-        pid, shared = worker.info.pid, worker.info.frontends > 1
-        local = self.supervisor.pids().get(worker.name) == pid or frontends.sibling(pid)
-        return local and bool(worker.inflight or worker.sequences or shared)
+        pid, models = worker.info.pid, self.models.values()
+        if not (self.supervisor.pids().get(worker.name) == pid or frontends.sibling(pid)):
+            return False  # (not a local process)
+        longest = max((c.instances.execution_timeout_s for c in models), default=0.0) + LIVE_S
+        return bool(worker.inflight or worker.sequences) or (
+            worker.info.frontends > 1 and silent_s < longest)  # fmt: skip
 
     def on_tick(self, now: float) -> None:
         for worker, why in self.pool.overdue(now):

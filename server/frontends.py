@@ -135,11 +135,14 @@ class Children:
                         p.kill()
 
 
-def models_at_start(root: Path) -> Models:
+def models_at_start(root: Path, child: bool) -> Models:
     """The repository's models and their files: read from it, or, in a child frontend
     (restarted ones too), as frontend 0 read them. A child that read it again served a
     model's files changed since as the version frontend 0 refused them for, and one
     that found a model added broken failed to start, again and again."""
+    if not child:  # (a variable inherited from elsewhere is not this process's)
+        for name in (PARENT, MODELS, BEAT):
+            os.environ.pop(name, None)
     if saved := os.environ.get(MODELS):
         models: Models = pickle.loads(Path(saved).read_bytes())  # (frontend 0's, 0700)
         return models
@@ -154,8 +157,11 @@ def parent() -> int:
 
 
 def sibling(pid: int) -> bool:
-    """Whether process `pid` is alive and was started by this child frontend's frontend 0
-    (a local worker: its silence is the GIL held, its exit is seen by frontend 0)."""
+    """Whether this is a child frontend and process `pid` is alive and was started by its
+    frontend 0 (a local worker: its silence is the GIL held, its exit seen by frontend 0).
+    Never in frontend 0: a remote worker's pid, of another host, is not in its /proc."""
+    if PARENT not in os.environ:
+        return False
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:

@@ -58,6 +58,7 @@ class WorkerHandle:
     # running with when each began (as estimated from them): see WorkerPool.overdue.
     busy_at: float = -math.inf
     running: dict[int, float] = field(default_factory=dict)
+    forward: tuple[float, float] | None = None  # the one it runs: began, its time limit
 
     @property
     def name(self) -> str:
@@ -245,8 +246,9 @@ class WorkerPool:
         if header.busy_ns:
             began, worker.busy_at = now - header.busy_ns / 1e9, now
             worker.running = {i: worker.running.get(i, began) for i in header.running}
+            worker.forward = began, header.busy_limit_s  # (each beat's: a forward has no id)
         else:
-            worker.running = {}
+            worker.running, worker.forward = {}, None
             if header.idle_ns:  # (a beat between two forwards says it was busy just now)
                 worker.busy_at = max(worker.busy_at, now - header.idle_ns / 1e9)
         self.occupied(worker, header.occupied)
@@ -297,10 +299,11 @@ class WorkerPool:
         is not late. (Timed from its send, a batch queued behind another frontend's
         forwards was taken for stuck, its worker killed, and its retry failed as a
         poison.) A worker stuck outside its forwards (an unload that hangs), or silent
-        in one that holds the GIL, is timed from the last that its heartbeats said.
-        A sequence: since it started, or got credit again after its worker held it,
-        or since the last step of its model on that worker, whichever is later; never
-        one held for its caller."""
+        in one that holds the GIL, is timed from the last that its heartbeats said. The
+        forward it runs is held to its own limit by every frontend (the one whose
+        batches it runs may be gone), a heartbeat interval more. A sequence: since it
+        started, or got credit again after its worker held it, or since the last step of
+        its model on that worker, whichever is later; never one held for its caller."""
         late = []
         for w in self._order:
             for b in [*w.inflight.values(), *w.sequences.values()]:
@@ -318,6 +321,10 @@ class WorkerPool:
                                     f"execution_timeout_s {limit}"))  # fmt: skip
                     break
             else:
+                began, limit = w.forward or (now, 0.0)  # (whosever it is: its owner may be gone)
+                if limit and now - began > limit + wire.HEARTBEAT_INTERVAL_S:
+                    late.append((w, f"its forward ran past execution_timeout_s {limit}"))
+                    continue
                 for key, sent in w.load_sent.items():
                     fut = w.loads.get(key)
                     limit = self._load_timeout_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,30 @@ def test_a_batch_past_its_execution_limit_stops_and_loses_its_worker(
         assert core.pool.workers() == [] and killed == ["w"]
         assert isinstance(r.future.exception(), ModelFailed)
         assert "execution_timeout_s" in str(r.future.exception())
+
+    run(body)
+
+
+def test_a_silent_local_worker_of_several_frontends_is_busy_for_the_longest_limit(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A local worker silent with no batch of ours: one serving several frontends may be
+    in another's forward holding the GIL, so it is not lost at 3 s (frontend 0 killed
+    it), but not for ever either (a worker wedged on a child's batch, which only
+    frontend 0 can kill, stayed so); a remote one is lost at 3 s, whatever /proc holds."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())  # model m: execution_timeout_s 60
+        shared, alone = register(core, "s", "m@1", frontends=2), register(core, "a", "m@1")
+        core.supervisor.pids = lambda: {"s": 7, "a": 7}  # type: ignore[method-assign]
+        shared.loads.clear(), alone.loads.clear()  # (loaded: no load's allowance)
+        assert core._may_be_silent(shared, 30.0) and not core._may_be_silent(shared, 63.5)
+        assert not core._may_be_silent(alone, 3.5)
+        # A remote one whose pid, on its host, is here a process of frontend 0's parent
+        # (as two containers' pid 1 are) was taken for a child frontend's local worker.
+        remote = register(core, "r", "m@1", pid=os.getpid(), frontends=2)
+        remote.loads.clear()
+        assert not core._may_be_silent(remote, 3.5)
 
     run(body)
 

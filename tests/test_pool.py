@@ -173,6 +173,20 @@ def test_a_batch_is_timed_from_its_forward_s_start_as_the_worker_s_heartbeats_te
     ]
 
 
+def test_a_forward_of_a_frontend_gone_is_held_to_its_limit_by_every_frontend() -> None:
+    """A forward hung (the GIL released) whose frontend died: only its own frontend timed
+    it, so the worker was never stopped and every later batch waited behind it."""
+    cfg = model()
+    pool = WorkerPool()
+    (w,) = serving(pool, "w", key=cfg.key)
+    header = wire.Header(kind=wire.Header.HEARTBEAT, busy_ns=int(2e9), busy_limit_s=3.0)
+    pool.beat(w, header, 10.0)  # another frontend's forward, begun at 8
+    assert pool.overdue(11.9) == []
+    assert pool.overdue(12.1) == [(w, "its forward ran past execution_timeout_s 3.0")]
+    pool.beat(w, wire.Header(kind=wire.Header.HEARTBEAT, idle_ns=1), 12.0)  # it ended
+    assert pool.overdue(20.0) == []
+
+
 def test_a_load_past_the_load_timeout_is_found_and_only_while_it_is_pending() -> None:
     """A load() that never returns holds up a worker's later loads: pool.overdue names
     it once --load-timeout has passed since its LOAD went."""

@@ -75,15 +75,14 @@ class Runner:
 
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
-        # By ModelConfig.key; replaced whole under _tables, so a thread reading one never
-        # sees it change.
-        self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}
+        # By ModelConfig.key; replaced whole under _tables (a thread reading one never sees
+        self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # it change)
         self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
         # (index of the frontend that sent it, header, frames)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]
         self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # WorkerInfo's
-        # Since when the forward now running runs, and its batches; none: since when none
-        self._busy: tuple[int, list[merge.Item] | None] = (time.perf_counter_ns(), None)
+        self._busy: tuple[int, list[merge.Item] | None, float]  # forward: since, batches, limit
+        self._busy = (time.perf_counter_ns(), None, 0.0)  # (None: since when none runs)
         self._stop = threading.Event()
         self._tables = threading.Lock()  # the loader and the compute thread replace them
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
@@ -155,17 +154,18 @@ class Runner:
             ):
                 reply(to, parts, ends)
         else:
-            entry = self.models.get(model_key(header.model, header.version))
+            cfg, _ = self.models.get(model_key(header.model, header.version), (None, None))
             stepping = any(loop.busy for loop in self.loops.values())
-            group, held = self._gatherer.gather(entry[0] if entry else None, item, not stepping)
-            self._busy = (time.perf_counter_ns(), group)  # (the heartbeats tell it)
+            group, held = self._gatherer.gather(cfg, item, not stepping)
+            limit = cfg.instances.execution_timeout_s if cfg else 0.0  # (the heartbeats tell)
+            self._busy = (time.perf_counter_ns(), group, limit)
             try:
                 replies = self._run(group)
             except Exception as e:  # past the forward (a split, a pack): all of it fails
                 log.exception("batch %d failed", header.batch_id)
                 replies = [(f, failed(h, e)[0]) for f, h, _ in group]
             finally:
-                self._busy = (time.perf_counter_ns(), None)
+                self._busy = (time.perf_counter_ns(), None, 0.0)
             for to, parts in replies:
                 reply(to, parts)
             return held
@@ -271,7 +271,7 @@ class Runner:
         own where the fewest are. Read from the I/O thread: `_busy` and `loops` are
         replaced whole, and a list's length is one read."""
         beat = wire.Header(kind=wire.Header.HEARTBEAT)
-        since, group = self._busy
+        since, group, beat.busy_limit_s = self._busy
         if group is None:
             beat.idle_ns = max(1, time.perf_counter_ns() - since)
         else:
