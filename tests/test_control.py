@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -496,10 +497,11 @@ def test_a_model_whose_load_never_returns_is_broken_not_retried_by_each_new_work
         with Client(s.url) as c:
             assert y(c, "good", 1.0) == 2.0
             (entry,) = [m for m in c.repository_index() if m["name"] == "hung"]
-            assert entry["state"] == "UNAVAILABLE" and entry["reason"] == (
-                "model 'hung' could not be loaded: cpu0#1: not sent: its load on cpu0#0 ran "
-                "past --load-timeout 2 s"
-            )
+            assert entry["state"] == "UNAVAILABLE" and re.fullmatch(
+                r"model 'hung' could not be loaded: (\w+)#1: not sent: its load on \1#0 ran "
+                r"past --load-timeout 2 s",
+                entry["reason"],
+            ), entry  # (the worker's name: cpu0#1, or cuda0#1 on a GPU)
         assert loaded_by(hung) == 1  # the new worker was not sent it
     finally:
         gate.unlink(missing_ok=True)
