@@ -27,6 +27,7 @@ from batchd.protos.wire_pb2 import Header, Step, Tensor, WorkerInfo
 __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "LIVENESS",
+    "NOT_HELD",
     "OUTPUT_COST",
     "PROTOCOL_VERSION",
     "Header",
@@ -44,8 +45,9 @@ PROTOCOL_VERSION = 12  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # flow control of step-wise outputs); 9: Header.invalid, Step.invalid (a model refusing
 # its inputs: INVALID_ARGUMENT); 10: HEARTBEAT's occupied (step-wise slots, every
 # frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time); 12: HEARTBEAT's
-# busy_ns and running (a batch is timed from its forward's start)
+# busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held
 HEARTBEAT_INTERVAL_S = 1.0
+NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What one step's outputs take from their sequence's credit (Header.credit) beyond their
 # bytes, for the objects that carry them (on the frontend, about 1 KiB an output: 487 MiB
 # for 500,000 unread outputs of 8 bytes); the frontend's stream budget counts the same.

@@ -174,8 +174,8 @@ class ModelControl:
         number. Files are read off the loop (a model's folder may hold thousands)."""
         whys = await asyncio.to_thread(lambda: [self._changed_files(cfg) for cfg, _ in joins])
         for (cfg, fut), why in zip(joins, whys, strict=True):
-            if not why and not fut.done():  # (done: the worker was lost, or cfg unloaded)
-                self._send_load(worker, cfg)
+            if not fut.done():  # (done: the worker was lost, or cfg unloaded)
+                self._send_load(worker, cfg, held=bool(why))  # changed: only a copy it holds
         for (cfg, fut), why in zip(joins, whys, strict=True):
             if not why:
                 if await fut or not (why := await asyncio.to_thread(self._changed_files, cfg)):
@@ -185,10 +185,10 @@ class ModelControl:
                 worker.models.discard(cfg.key)
                 unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
                 self._link.send(worker.identity, wire.pack(unload))
-            elif fut.done():
-                continue
-            else:
-                fut.set_result(why)
+            elif not await fut or cfg.key in worker.models:
+                continue  # it held that version (a frontend that joined it later): kept
+            elif worker.load_errors.get(cfg.key) != wire.NOT_HELD:
+                continue  # lost, or unloaded meanwhile (it said why)
             worker.loads.pop(cfg.key, None)
             worker.load_errors[cfg.key] = why
             log.warning("worker %s: %s", worker.name, why, extra={"model": cfg.name})
@@ -208,8 +208,9 @@ class ModelControl:
                 self._send_load(worker, model)
         return fut
 
-    def _send_load(self, worker: WorkerHandle, model: ModelConfig) -> None:
-        header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version)
+    def _send_load(self, worker: WorkerHandle, model: ModelConfig, held: bool = False) -> None:
+        header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version,
+                             held=held)  # (held: only a copy it holds already)  # fmt: skip
         self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
         worker.load_sent[model.key] = self._clock()  # (--load-timeout: pool.overdue)
 
@@ -223,9 +224,10 @@ class ModelControl:
         if header.error:
             del worker.loads[key]
             worker.load_errors[key] = header.error
-            log.error("worker %s could not load model %s version %s: %s", worker.name,
-                      header.model, header.version, header.error,
-                      extra={"worker": worker.name, "model": header.model})  # fmt: skip
+            if not header.held:  # (else _join says why it was not asked to load it)
+                log.error("worker %s could not load model %s version %s: %s", worker.name,
+                          header.model, header.version, header.error,
+                          extra={"worker": worker.name, "model": header.model})  # fmt: skip
         else:
             worker.models.add(key)
             worker.load_errors.pop(key, None)

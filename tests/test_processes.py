@@ -426,14 +426,17 @@ def test_a_child_frontend_s_callers_are_answered_once_frontend_0_dies(tmp_path: 
 def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: Path) -> None:
     """A child restarted after a crash read the repository again: a model folder added
     broken since stopped it starting, again and again (and files changed since were
-    served as the version frontend 0 refused them for). It takes frontend 0's models."""
-    make_model(tmp_path / "repo", "scaled", 2.0)
+    served as the version frontend 0 refused them for). It takes frontend 0's models,
+    and a version the worker holds, whose files changed since (here a mere touch), it
+    takes from the worker, which does not read them."""
+    scaled = make_model(tmp_path / "repo", "scaled", 2.0)
     server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
     try:
         ready = "model scaled is ready"
         wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
         (tmp_path / "repo" / "broken").mkdir()
         (tmp_path / "repo" / "broken" / "model.toml").write_text("max_batch_size = 'x'\n")
+        os.utime(scaled / "model.py", ns=(1, 1))  # (the worker holds version 1 still)
         (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
         os.kill(child, signal.SIGKILL)
         wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 back, serving")

@@ -53,6 +53,8 @@ def load(
             raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
         if model_key(header.model, header.version) in have:
             return Loaded()
+        if header.held:  # (its files changed: they are not that version's)
+            return Loaded(error=wire.NOT_HELD)
         start = time.perf_counter()
         cfg = dataclasses.replace(find_model(repository, header.model), version=header.version)
         fn = load_model(cfg, device)
@@ -135,7 +137,8 @@ class Loader:
                     self._install(loaded)
                     self._have.add(key)
                 reply = wire.Header(kind=wire.Header.LOADED, model=header.model,
-                                    version=header.version, error=loaded.error)  # fmt: skip
+                                    version=header.version, error=loaded.error,
+                                    held=header.held and bool(loaded.error))  # fmt: skip
                 out.send_multipart([addressed(frontend, 1), *wire.pack(reply)])
         finally:
             out.close(linger=0)
