@@ -252,7 +252,7 @@ class Connections:
 
     max_concurrent_streams: int = setting(1024, "--max-concurrent-streams",
         "open RPCs per client connection", **positive(INT_MAX - STREAM_HEADROOM))  # fmt: skip
-    # Calls that have arrived but that the event loop has not taken yet, server-wide.
+    # Calls that have arrived but that the event loop has not taken yet, per process.
     # gRPC sheds that backlog itself, answering CANCELLED (its own word, not ours):
     # at random above this many, all of them above twice as many. Its default, 1000,
     # shed calls of well-behaved clients whenever the loop fell behind a burst.

@@ -74,8 +74,8 @@ class Children:
                  tmp: str) -> None:  # fmt: skip
         self._argv = list(argv)
         self._endpoints = list(endpoints)
-        (saved := Path(tmp) / "models.pickle").write_bytes(pickle.dumps(models))
-        self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(saved)}
+        self._models, self._saved = pickle.dumps(models), Path(tmp) / "models.pickle"
+        self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(self._saved)}
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
 
@@ -96,20 +96,25 @@ class Children:
     async def _keep_running(self, i: int, port: int, http_port: int) -> None:
         backoff = 0.0
         while not self._stopping:
+            # Written before each start: a /tmp cleaner may have taken it since (each
+            # restart then failed to read it, for good)
+            with contextlib.suppress(OSError):
+                self._saved.write_bytes(self._models)
             started, (beats, beating) = time.monotonic(), os.pipe()
             env = {**self._env, BEAT: str(beating)}
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self._command(i, port, http_port), env=env, pass_fds=(beating,)
                 )
-            finally:
+                self._procs[i] = proc
+                log.info("started frontend %d (pid %d)", i, proc.pid)
                 os.close(beating)
-            self._procs[i] = proc
-            log.info("started frontend %d (pid %d)", i, proc.pid)
-            try:
+                beating = -1
                 code = await _watched(proc, beats, i)
             finally:
-                os.close(beats)
+                for fd in (beats, beating):
+                    if fd >= 0:
+                        os.close(fd)
             if self._stopping:
                 return
             backoff = restart_after(backoff, time.monotonic() - started)
@@ -144,7 +149,11 @@ def models_at_start(root: Path, child: bool) -> Models:
         for name in (PARENT, MODELS, BEAT):
             os.environ.pop(name, None)
     if saved := os.environ.get(MODELS):
-        models: Models = pickle.loads(Path(saved).read_bytes())  # (frontend 0's, 0700)
+        try:
+            models: Models = pickle.loads(Path(saved).read_bytes())  # (frontend 0's, 0700)
+        except (OSError, pickle.UnpicklingError, EOFError) as e:
+            why = f"frontend 0's models at start ({saved}) cannot be read: {e}"
+            raise ConfigError(why) from None
         return models
     repository = load_repository(root)
     return repository, {name: files_of(cfg.directory) for name, cfg in repository.items()}

@@ -430,10 +430,15 @@ def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: 
     and a version the worker holds, whose files changed since (here a mere touch), it
     takes from the worker, which does not read them."""
     scaled = make_model(tmp_path / "repo", "scaled", 2.0)
-    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    (tmp := tmp_path / "tmp").mkdir()
+    args = ("--frontends", "2")
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path, env={"TMPDIR": str(tmp)})
+    server.start()
     try:
         ready = "model scaled is ready"
         wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
+        for saved in tmp.glob("batchd-*/models.pickle"):  # a /tmp cleaner took it: written
+            saved.unlink()  # again for each start (every restart failed to read it)
         (tmp_path / "repo" / "broken").mkdir()
         (tmp_path / "repo" / "broken" / "model.toml").write_text("max_batch_size = 'x'\n")
         os.utime(scaled / "model.py", ns=(1, 1))  # (the worker holds version 1 still)
