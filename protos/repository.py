@@ -23,6 +23,7 @@ from batchd.protos.model_config import (
 
 __all__ = [
     "NO_MODELS",
+    "Files",
     "check_root",
     "confined",
     "files_of",
@@ -133,7 +134,10 @@ def load_repository(root: Path) -> dict[str, ModelConfig]:
     return models
 
 
-def files_of(directory: Path) -> frozenset[tuple[str, int, int]]:
+Files = frozenset[tuple[str, int, int]]  # a model's files: path, size, mtime (files_of)
+
+
+def files_of(directory: Path) -> Files:
     """What a model version is loaded from: each file under its directory, by path,
     size and modification time; not __pycache__, hidden files or *.log, which loading
     and serving may write there themselves."""

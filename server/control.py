@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from batchd.protos import wire
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
-from batchd.protos.repository import files_of, find_model
+from batchd.protos.repository import Files, files_of, find_model
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
 from batchd.server.link import WorkerLink
@@ -34,7 +34,6 @@ from batchd.server.pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger("batchd.control")
 T = TypeVar("T")
-Files = frozenset[tuple[str, int, int]]  # repository.files_of
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 TOML = "model.toml"  # a version's config: the workers read it again as they load it
@@ -68,7 +67,7 @@ class ModelControl:
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
-        self._files: dict[str, frozenset[tuple[str, int, int]]] = {}  # key -> files_of then
+        self._files: dict[str, Files] = {}  # key -> files_of then
         # One load or unload at a time per model; another model's (a hung load(), a
         # long drain) holds up none: name -> its lock, and how many hold or await it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -83,9 +82,7 @@ class ModelControl:
             then = (files or {}).get(cfg.name)
             self._install(self._next_version(cfg, then or files_of(cfg.directory)))
 
-    def _next_version(
-        self, cfg: ModelConfig, files: frozenset[tuple[str, int, int]]
-    ) -> ModelConfig:
+    def _next_version(self, cfg: ModelConfig, files: Files) -> ModelConfig:
         version = self._versions.get(cfg.name, 0) + 1
         self._versions[cfg.name] = version
         cfg = dataclasses.replace(cfg, version=str(version))

@@ -31,14 +31,13 @@ from typing import Any
 import zmq
 
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.protos.repository import files_of, load_repository
+from batchd.protos.repository import Files, files_of, load_repository
 from batchd.server.errors import Unavailable
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
 BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the pipe it beats on (watch_parent)
 HUNG_S = 10.0  # a child not beating this long is killed (and restarted)
-Files = frozenset[tuple[str, int, int]]  # repository.files_of
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.5, 10.0, 30.0
