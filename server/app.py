@@ -34,7 +34,6 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.protos.repository import NO_MODELS, strays
 from batchd.server import security
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
@@ -361,10 +360,8 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
 async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
     models = models_at_start(cfg.model_repository, cfg.frontends.index > 0)  # (a child: 0's)
-    log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(repository := models[0])
+    log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(models[0])
              or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
-    for stray in strays(cfg.model_repository) + ([] if repository else [NO_MODELS]):
-        log.warning("%s", stray)
     if (slow := slow_backend()) is not None:
         log.warning("%s", slow)
     cfg.check()

@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.protos.repository import Files, files_of, load_repository
+from batchd.protos.repository import NO_MODELS, Files, files_of, load_repository, strays
 from batchd.server.errors import Unavailable
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
@@ -155,6 +155,8 @@ def models_at_start(root: Path, child: bool) -> Models:
             raise ConfigError(why) from None
         return models
     repository = load_repository(root)
+    for stray in strays(root) + ([] if repository else [NO_MODELS]):  # (not again in a child)
+        log.warning("%s", stray)
     return repository, {name: files_of(cfg.directory) for name, cfg in repository.items()}
 
 
