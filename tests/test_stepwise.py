@@ -127,9 +127,14 @@ def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
     reader.start()
     short.join(60)
     reader.join(60)
-    assert ends == ["short", "long"]
-    together = [r["stepped"] for r in records(gate, "stepped") if 22 in r["stepped"]]
-    assert together == [[21, 22], [21, 22]]  # it joined the running batch
+    assert sorted(ends) == ["long", "short"]  # both streams read to their end
+    # Which stream's reader thread ends first is the host's scheduling (on a loaded
+    # host the short one's slept past the long one's 48 steps): the model's own record
+    # of its rounds says which sequence finished first.
+    rounds = [r["stepped"] for r in records(gate, "stepped") if {21, 22} & set(r["stepped"])]
+    assert [r for r in rounds if 22 in r] == [[21, 22], [21, 22]]  # it joined the batch
+    assert max(i for i, r in enumerate(rounds) if 22 in r) < len(rounds) - 1  # and ended
+    assert rounds[-1] == [21]  # first: the long one stepped on alone
 
 
 def test_a_cancelled_sequence_frees_its_slot_and_is_not_stepped_again(
