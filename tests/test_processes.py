@@ -445,6 +445,7 @@ def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: 
         (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
         os.kill(child, signal.SIGKILL)
         wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 back, serving")
+        assert "connected again to frontend" in server.log()  # READY at once, not in 3 s
     finally:
         assert server.stop() == 0, server.log()
 

@@ -77,6 +77,37 @@ def test_a_frontend_that_went_silent_is_told_ready_again_on_the_same_socket(
     assert "silent for 3 s" in caplog.text and "saying READY again" in caplog.text
 
 
+def test_a_frontend_restarted_on_the_same_endpoint_is_told_ready_at_once(
+    ctx: zmq.Context[Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A frontend restarted (a child frontend killed and started again) knows no
+    worker: the socket reconnects by itself, and READY goes out as soon as it does,
+    not after LIVENESS silent heartbeats (the clock here never reaches them)."""
+    endpoint = f"ipc://{tmp_path}/frontend.sock"
+    first = ctx.socket(zmq.ROUTER)
+    first.linger = 0
+    first.bind(endpoint)
+    link = FrontendLink(ctx, endpoint, "w1", None, READY)
+    try:
+        link.open(now=0.0)
+        assert _next_kind(first) == wire.Header.READY
+        first.send_multipart([b"w1", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
+        assert _receive(link, now=0.5) is None and link.accepted
+        assert not link.tick(now=0.6)  # connected once: nothing to say but a heartbeat
+        assert _next_kind(first) == wire.Header.HEARTBEAT
+        first.close()
+        second = ctx.socket(zmq.ROUTER)  # the frontend, started again
+        second.linger = 0
+        second.bind(endpoint)
+        with caplog.at_level(logging.INFO, "batchd.worker"):
+            wait_for(lambda: not link.tick(now=0.7) and second.poll(0), 30, "a message")
+        assert _next_kind(second, skip=wire.Header.HEARTBEAT) == wire.Header.READY
+        assert "connected again to frontend" in caplog.text and "silent" not in caplog.text
+        second.close()
+    finally:
+        link.close()
+
+
 def test_a_frontend_that_never_answers_gets_a_new_socket_each_retry(
     router: zmq.Socket[Any], link: FrontendLink, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -1,7 +1,9 @@
 """A worker's link to one frontend: a DEALER socket that never blocks the I/O loop.
 
-Registering: READY as soon as the socket is open, and again whenever the
-frontend has been silent for LIVENESS heartbeat intervals (it restarted, or
+Registering: READY as soon as the socket is open, again as soon as the socket
+connects anew to a frontend that had answered (a frontend restarted on the same
+endpoint knows no worker: waiting out its silence left it none for seconds),
+and whenever the frontend has been silent for LIVENESS heartbeat intervals (it
 forgot this worker). Heartbeats go out once the frontend has answered.
 
 A frontend may refuse the worker: one started with --worker-keys refuses a
@@ -88,6 +90,7 @@ class FrontendLink:
         self._monitor: zmq.Socket[Any] | None = None
         self._handshake: tuple[int, int] | None = None  # the last handshake event, its value
         self._disconnected = False  # the connection closed since the last handshake
+        self._lost = False  # the connection closed since this socket was last handshaken
         self._opened = 0  # sockets opened so far (names each one's monitor)
         self._malformed: dict[str, int] = {}  # kind -> how many came
         self.heard = 0.0  # when the frontend last sent anything
@@ -113,7 +116,7 @@ class FrontendLink:
             _MONITORED, f"inproc://batchd-link-{id(self)}-{self._opened}"
         )
         sock.connect(self.endpoint)
-        self.socket, self._handshake, self._disconnected = sock, None, False
+        self.socket, self._handshake, self._disconnected, self._lost = sock, None, False, False
         self.accepted = self.broken = False
         self._next_retry = now + RETRY_S
         self.send(self._ready)
@@ -195,6 +198,10 @@ class FrontendLink:
         if self.accepted and now >= self._next_beat:
             self.send(beat() if beat is not None else _BEAT)
             self._next_beat = now + wire.HEARTBEAT_INTERVAL_S
+        if self._monitored() and self.accepted:  # connected anew: maybe a new frontend
+            log.info("connected again to frontend %s; saying READY", self.endpoint)
+            self.send(self._ready)
+            self._next_retry = now + RETRY_S
         if now < self._next_retry:
             return False
         why = self._why_silent()
@@ -232,18 +239,27 @@ class FrontendLink:
         else:
             log.debug("malformed message %d of kind %s dropped: %s", seen, kind, what[:200])
 
-    def _why_silent(self) -> str:
-        """What the socket's monitor says about the last handshake."""
+    def _monitored(self) -> bool:
+        """Read what the socket's monitor reported; True if a handshake succeeded
+        after the connection was lost (the socket reconnected)."""
         assert self._monitor is not None
+        reconnected = False
         while True:
             try:
                 message = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                break
+                return reconnected
             event = int(message["event"])
             self._disconnected = event == zmq.EVENT_DISCONNECTED
+            self._lost |= self._disconnected
             if event & _HANDSHAKE:
                 self._handshake = (event, int(message["value"]))
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
+                reconnected, self._lost = True, False
+
+    def _why_silent(self) -> str:
+        """What the socket's monitor says about the last handshake."""
+        self._monitored()
         if self._handshake is None:
             return "no connection made (is a frontend listening there?)"
         event, value = self._handshake
