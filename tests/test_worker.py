@@ -106,6 +106,30 @@ def test_torch_export_artifact(tmp_path: Path, linear: torch.nn.Module) -> None:
         assert np.allclose(run(d, X[:1]), linear(torch.from_numpy(X[:1])).numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("example", "dynamic", "takes"),
+    [(1, None, "only batches of 1 row(s)"), (2, 4, "0 to 4 rows")],
+)
+def test_a_program_that_cannot_take_every_batch_size_is_refused_at_load(
+    tmp_path: Path, linear: torch.nn.Module, example: int, dynamic: int | None, takes: str
+) -> None:
+    """Exported without a dynamic batch dim (or with one too small for max_batch_size
+    8), it loaded, and each other batch failed in its forward, saying no more than
+    "Guard failed: x.size()[0] == 1"."""
+    shapes = None if dynamic is None else {"input": {0: torch.export.Dim("b", max=dynamic)}}
+
+    def write(p: Path) -> None:
+        program = torch.export.export(linear, (torch.zeros(example, 4),), dynamic_shapes=shapes)
+        torch.export.save(program, str(p))
+
+    d = repo_model(tmp_path, "model.pt2", write)
+    with pytest.raises(ValueError) as e:
+        load_model(load_model_config(d), CPU)
+    assert f"input X ('input' in the program) takes {takes} as exported" in str(e.value)
+    assert "max_batch_size = 8 sends batches of 1 to 8" in str(e.value)
+    assert "dynamic_shapes={'input': {0: torch.export.Dim('batch', max=8)}}" in str(e.value)
+
+
 def test_python_artifact_gets_the_device(tmp_path: Path) -> None:
     code = "def load(device):\n    assert str(device) == 'cpu'\n    return lambda x: x + 1\n"
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))

@@ -146,7 +146,37 @@ def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
         return _eval(module)  # type: ignore[no-any-return]
     if cfg.platform == "torch_export":
         program = torch.export.load(str(cfg.artifact))
+        _check_batch_dim(cfg, program)
         if device.type != "cpu":
             program = move_to_device_pass(program, device)
         return program.module()  # already in inference form: no eval()
     raise ValueError(f"{cfg.directory}: unknown platform {cfg.platform!r}")
+
+
+def _check_batch_dim(cfg: ModelConfig, program: torch.export.ExportedProgram) -> None:
+    """Refuse a program whose inputs cannot take every batch from 1 to max_batch_size
+    rows: exported with an example batch and no dynamic batch dim, it takes that
+    batch size alone, and each other batch failed in its forward with nothing but
+    torch's "Guard failed: x.size()[0] == 1"."""
+    if not cfg.batches:
+        return
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    for spec, name in zip(cfg.inputs, program.graph_signature.user_inputs, strict=False):
+        shape = getattr(nodes[name].meta.get("val"), "shape", ())
+        if spec.packed or not shape:  # (a packed input's first dim is its elements)
+            continue
+        dim, n = shape[0], cfg.max_batch_size
+        if isinstance(dim, int):
+            low = high = dim
+        elif (bounds := program.range_constraints.get(dim.node.expr)) is not None:
+            low, high = bounds.lower, bounds.upper
+        else:
+            continue
+        if bool(low > 1) or bool(high < n):
+            takes = f"only batches of {low} row(s)" if low == high else f"{low} to {high} rows"
+            raise ValueError(
+                f"{cfg.artifact}: input {spec.name} ({name!r} in the program) takes {takes} "
+                f"as exported, but max_batch_size = {n} sends batches of 1 to {n}: "
+                f"export it with an example batch of 2 and dynamic_shapes={{{name!r}: "
+                f"{{0: torch.export.Dim('batch', max={n})}}}}"
+            )
