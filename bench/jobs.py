@@ -13,6 +13,11 @@ with its own --jobs-dir. In order, alternating the systems --rounds times:
      100 ms through a tiny job of 100k lines and one of 1M lines.
 
     .venv/bin/python bench/jobs.py [--lines 100000] [--rounds 2] [--json out.json]
+
+With --soak MINUTES it does none of that: it runs tiny jobs of --soak-lines
+lines one after another for that long, each beside a trickle of online calls,
+and reports the frontend's RSS after each (whether memory grows with the jobs a
+server has run: each is kept --jobs-retention-hours, its record in SQLite).
 """
 
 from __future__ import annotations
@@ -188,6 +193,46 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return r
 
 
+def soak(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Jobs back to back for args.soak minutes; the frontend's RSS after each."""
+    tiny = write_job(tmp / "tiny.jsonl", "INPUT0", 16, args.soak_lines)
+    serve = [
+        sys.executable, "-m", "batchd.server", "--model-repository", "examples/models",
+        "--workers", "1", "--grpc-port", str(PORT), "--metrics-port", "-1",
+        "--log-level", "WARNING", "--jobs-dir", str(tmp / "jobs"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(serve, cwd=ROOT)
+    samples: list[dict[str, float]] = []
+    try:
+        with Client(f"127.0.0.1:{PORT}") as c:
+            while not c.ready():
+                time.sleep(0.1)
+            x = {"INPUT0": np.ones((1, 16), np.float32)}
+            start = time.monotonic()
+            while time.monotonic() - start < args.soak * 60:
+                job = c.submit_job("tiny", tiny, timeout=600)
+                while not (job := c.job(job.id)).ended:
+                    c.infer("tiny", x)  # the online trickle beside it
+                    time.sleep(0.05)
+                assert job.status == "completed", job
+                samples.append({"minute": round((time.monotonic() - start) / 60, 2),
+                                "rss_mb": round(vm_kb(proc.pid, "VmRSS") / 1024, 1)})  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"cpu": cpu_model(), "lines": args.soak_lines, "jobs": len(samples),
+            "samples": samples}  # fmt: skip
+
+
+def soak_markdown(r: dict[str, Any]) -> str:
+    s = r["samples"]
+    picks = sorted({0, len(s) // 4, len(s) // 2, 3 * len(s) // 4, len(s) - 1})
+    rows = [f"| {s[i]['minute']:.1f} | {i + 1} | {s[i]['rss_mb']} |" for i in picks]
+    return "\n".join([f"Frontend RSS over {r['jobs']} tiny jobs of {r['lines']:,} lines on "
+                      f"{r['cpu']}:", "", "| minute | jobs run | RSS MB |", "|---|---|---|",
+                      *rows])  # fmt: skip
+
+
 def markdown(r: dict[str, Any]) -> str:
     lines = [
         f"Batch jobs on {r['cpu']}: an mlp job of {r['lines']:,} lines ({r['mlp_file_mb']} MB) "
@@ -229,12 +274,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", default="16,32,64", help="batchd bench levels")
     p.add_argument("--moderate", type=float, default=0.5, help="share of the best req/s")
     p.add_argument("--json", type=Path)
+    p.add_argument("--soak", type=float, help="minutes of jobs back to back, RSS after each")
+    p.add_argument("--soak-lines", type=int, default=20_000, help="lines of each --soak job")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="batchd-jobs-bench-") as tmp:
-        r = measure(args, Path(tmp))
+        r = soak(args, Path(tmp)) if args.soak else measure(args, Path(tmp))
     if args.json:
         args.json.write_text(json.dumps(r, indent=2) + "\n")
-    print(markdown(r))
+    print(soak_markdown(r) if args.soak else markdown(r))
     return r
 
 
