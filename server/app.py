@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import gc
 import logging
@@ -20,7 +19,7 @@ import os
 import signal
 import sqlite3
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import zmq
@@ -34,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.server import security
+from batchd.server import frontends, security
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
@@ -147,7 +146,7 @@ def _build(
         load_timeout_s=cfg.models.load_timeout_s,
     )  # fmt: skip
     core.control.start_with(_models_at_start(cfg, repository), files)
-    limits = dataclasses.replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)
+    limits = replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)
     otlp = traces.endpoint(cfg.tracing.otlp_endpoint)
     service = InferenceService(
         core, limits=limits, calls_per_connection=cfg.connections.max_concurrent_streams,
@@ -235,9 +234,10 @@ def _refused(what: str, flag: str, host: str, port: int, e: OSError) -> ConfigEr
     return ConfigError(f"cannot serve {what} on {host}:{port}: {why} ({flag}; -1 turns it off)")
 
 
-async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
-    """Serve the REST API on --http-port and /metrics on --metrics-port, before gRPC
-    starts: a port in use stops start-up cleanly. The HTTP port, or -1 when it is off."""
+async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -> int:
+    """Serve the REST API on --http-port and /metrics on --metrics-port (a child: on a
+    socket, for frontend 0's), before gRPC starts: a port in use stops start-up cleanly.
+    The HTTP port, or -1 when it is off."""
     net = cfg.network
     host, port, metrics = net.host.strip("[]"), net.http_port, net.metrics_port  # (IPv6: bare)
     if port >= 0:
@@ -251,10 +251,13 @@ async def _open_ports(cfg: ServerConfig, p: _Parts) -> int:
         except OSError as e:
             raise _refused("HTTP", "--http-port", host, port, e) from e
         log.info("serving HTTP on %s:%d", in_url(host), port)
-    if metrics >= 0:
-        refresh = None if p.jobs is None else p.jobs.count_statuses
+    unix = "" if metrics >= 0 else os.environ.get(frontends.METRICS, "")  # (a child's)
+    if metrics >= 0 or unix:
+        refresh = None if p.jobs is None or unix else p.jobs.count_statuses
         try:
-            p.metrics = await start_metrics(p.registry, host, metrics, refresh=refresh)
+            p.metrics = await start_metrics(
+                p.registry, host, metrics, refresh, unix=unix, siblings=children.metrics if
+                children else ())  # fmt: skip
         except OSError as e:
             raise _refused("metrics", "--metrics-port", host, metrics, e) from e
     return port
@@ -321,7 +324,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
     """Open the ports, HTTP and metrics first (one in use stops start-up before anything
     serves, nor any worker starts), serve until SIGINT/SIGTERM, then drain and stop."""
     try:
-        http_port = await _open_ports(cfg, p)
+        http_port = await _open_ports(cfg, p, children)
         await p.server.start()
     except BaseException:
         await _close_ports(p)

@@ -9,6 +9,10 @@ another thread.
 
 Names follow Triton's (`nv_` becomes `batchd_`) so dashboards port by a prefix
 rename; batchd adds batch-size, padding and worker metrics.
+
+With `--frontends N` each child frontend answers /metrics on a private Unix
+socket, and frontend 0's /metrics gathers them on each scrape: every sample
+labelled `frontend` (its index), so `sum by (model)` counts the whole server.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +30,8 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector as Families
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.security import in_url
@@ -34,6 +40,7 @@ from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelSt
 log = logging.getLogger("batchd.metrics")
 REFRESH_S = 2.0  # a scrape waits this long, at most, for the jobs store's counts
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WHOLE = frozenset({"batchd_jobs"})  # of the shared jobs store: frontend 0's alone, unlabelled
 
 
 @dataclass(frozen=True)
@@ -293,13 +300,15 @@ class Collector:
 async def start_metrics(
     registry: CollectorRegistry, host: str, port: int,
     refresh: Callable[[], Awaitable[None]] | None = None,
+    *, unix: str = "", siblings: Sequence[str] = (),
 ) -> asyncio.Server:  # fmt: skip
-    """Answer GET /metrics on host:port, from now until the server returned is closed;
-    `refresh` first, on each scrape (what a collector must not read on the loop: the
-    jobs store), waited for REFRESH_S at most: a refresh that does not come in time
-    (a database that hangs) goes on alone, one at a time, and the scrape is answered
-    with what the last one read. Binding raises OSError (a port in use) before
-    anything is served."""
+    """Answer GET /metrics on host:port (or the Unix socket `unix`: a child frontend's,
+    for frontend 0), from now until the server returned is closed; `refresh` first, on
+    each scrape (what a collector must not read on the loop: the jobs store), waited
+    for REFRESH_S at most: a refresh that does not come in time (a database that hangs)
+    goes on alone, one at a time, and the scrape is answered with what the last one
+    read. With `siblings` (the other frontends' sockets), theirs too (`gathered`).
+    Binding raises OSError (a port in use) before anything is served."""
     pending: asyncio.Future[None] | None = None  # the refresh in flight
 
     async def refreshed() -> None:
@@ -320,23 +329,68 @@ async def start_metrics(
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
                 await refreshed()
-                body, status = generate_latest(registry), b"200 OK"
+                body, status = await gathered(registry, siblings), b"200 OK"
                 kind = b"text/plain; version=0.0.4; charset=utf-8"
             else:
                 body, status, kind = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
-            writer.write(
-                b"HTTP/1.1 "
-                + status
-                + b"\r\nContent-Type: "
-                + kind
-                + b"\r\nContent-Length: "
-                + str(len(body)).encode()
-                + b"\r\nConnection: close\r\n\r\n"
-                + body
-            )
+            head = b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (
+                status, kind, len(body))  # fmt: skip
+            writer.write(head + b"Connection: close\r\n\r\n" + body)
             await writer.drain()
         writer.close()
 
+    if unix:
+        return await asyncio.start_unix_server(handle, unix)
     server = await asyncio.start_server(handle, host, port)
     log.info("metrics on http://%s:%d/metrics", in_url(host), server.sockets[0].getsockname()[1])
     return server
+
+
+async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> bytes:
+    """The exposition of `registry`; with `siblings`, also of each sibling's /metrics
+    (frontends 1.., asked at once, each given REFRESH_S), every sample labelled with
+    its frontend's index, but for the WHOLE families. A sibling that does not answer
+    in time (restarting, hung) is left out of this scrape."""
+    if not siblings:
+        return generate_latest(registry)
+    asked = [asyncio.wait_for(_scrape(path), REFRESH_S) for path in siblings]
+    texts = await asyncio.gather(*asked, return_exceptions=True)
+    merged: dict[str, Metric] = {}
+
+    def add(families: Iterable[Metric], index: int) -> None:
+        for f in families:
+            if index and f.name in WHOLE:
+                continue
+            label = {} if f.name in WHOLE else {"frontend": str(index)}
+            into = merged.setdefault(f.name, Metric(f.name, f.documentation, f.type, f.unit))
+            into.samples += [s._replace(labels={**s.labels, **label}) for s in f.samples]
+
+    add(registry.collect(), 0)
+    for index, text in enumerate(texts, 1):
+        if isinstance(text, BaseException):
+            log.debug("frontend %d's metrics left out: %r", index, text)
+        else:
+            add(text_string_to_metric_families(text), index)
+    return generate_latest(_Fixed(list(merged.values())))
+
+
+async def _scrape(path: str) -> str:
+    """GET /metrics from a sibling's socket."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: batchd\r\n\r\n")
+        answer = await reader.read()  # (it closes the connection after the answer)
+    finally:
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200 "):
+        raise ConnectionError(f"answered {head[:40]!r}")
+    return body.decode()
+
+
+@dataclass(frozen=True)
+class _Fixed(Families):
+    families: list[Metric]
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families

@@ -34,6 +34,7 @@ from tests.conftest import (
     model_log,
     scrape,
     total,
+    value,
     workers_up,
 )
 from tests.servers import EXAMPLES, ServerProcess, alive, wait_for
@@ -383,6 +384,14 @@ def test_frontends_share_the_port_and_the_workers(tmp_path: Path) -> None:
             [2.0 * (k * 10 + i) for i in range(5)] for k in range(16)
         ]
         seen = sorted({count for _, count in results})
+        # /metrics (frontend 0's) gathers every frontend's, each labelled: it said
+        # frontend 0's counts alone
+        samples = scrape(server)
+        name = "batchd_inference_request_success_total"
+        each = [value(samples, name, model="scaled", version="1", frontend=f) for f in "01"]
+        assert sorted(set(each)) == seen and sum(each) == 80, (each, seen)
+        jobs = [labels for n, labels in samples if n == "batchd_jobs"]  # the store's: once
+        assert (("status", "queued"),) in jobs and all(len(k) == 1 for k in jobs), jobs
     finally:
         assert server.stop() == 0, server.log()
     # Each connection's frontend answered some of the 80 and not all: the kernel

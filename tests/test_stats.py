@@ -1,10 +1,14 @@
 """Per-model statistics: what ModelStatistics and later metrics read."""
 
+import asyncio
 import dataclasses
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from batchd.server import metrics
 from batchd.server.metrics import Collector, WorkerView, worker_views
 from batchd.server.stats import Stats
 from tests.conftest import model
@@ -135,3 +139,49 @@ def test_worker_up_has_one_series_per_slot_down_while_its_worker_restarts() -> N
         dict(k[1])["worker"]: v for k, v in scrape(collector).items() if k[0] == "batchd_worker_up"
     }
     assert up == {"cpu0": 1.0, "cpu1": 0.0, "gpuhost-cuda:0-81": 1.0}
+
+
+def test_frontend_0_gathers_each_frontends_metrics_labelled_and_leaves_out_the_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--frontends N: frontend 0's /metrics said its own counts alone. It asks each
+    sibling's socket: a sibling that hangs (given REFRESH_S) or is gone (restarting) is
+    left out of that scrape; the jobs store's counts, which every frontend reads, once."""
+    monkeypatch.setattr(metrics, "REFRESH_S", 0.2)
+
+    def registry(seen: int) -> CollectorRegistry:
+        r = CollectorRegistry()
+        Counter("batchd_seen", "a metric", ["model"], registry=r).labels("m").inc(seen)
+        Histogram("batchd_took", "a histogram", buckets=(1.0,), registry=r).observe(seen)
+        Gauge("batchd_jobs", "the store's", ["status"], registry=r).labels("queued").set(7)
+        return r
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            writer.close()
+
+    async def body() -> bytes:
+        one = await metrics.start_metrics(registry(2), "", -1, unix=str(tmp_path / "1.sock"))
+        hung = await asyncio.start_unix_server(hang, str(tmp_path / "2.sock"))
+        siblings = [str(tmp_path / f"{i}.sock") for i in (1, 2, 3)]  # (3: none there)
+        try:
+            return await metrics.gathered(registry(1), siblings)
+        finally:
+            one.close()
+            hung.close()
+
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(asyncio.run(body()).decode())
+        for s in family.samples
+    }
+    assert samples[("batchd_seen_total", (("frontend", "0"), ("model", "m")))] == 1
+    assert samples[("batchd_seen_total", (("frontend", "1"), ("model", "m")))] == 2
+    assert samples[("batchd_took_bucket", (("frontend", "1"), ("le", "1.0")))] == 0
+    assert samples[("batchd_took_sum", (("frontend", "1"),))] == 2
+    assert not [k for k in samples if ("frontend", "2") in k[1] or ("frontend", "3") in k[1]]
+    assert [k for k in samples if k[0] == "batchd_jobs"] == [
+        ("batchd_jobs", (("status", "queued"),))
+    ]
