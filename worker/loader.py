@@ -155,9 +155,10 @@ def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
 
 def _check_batch_dim(cfg: ModelConfig, program: torch.export.ExportedProgram) -> None:
     """Refuse a program whose inputs cannot take every batch from 1 to max_batch_size
-    rows: exported with an example batch and no dynamic batch dim, it takes that
+    rows: exported with an example batch of 1 (and no dynamic batch dim), it takes that
     batch size alone, and each other batch failed in its forward with nothing but
-    torch's "Guard failed: x.size()[0] == 1"."""
+    torch's "Guard failed: x.size()[0] == 1". A dynamic dim's lower bound of 2 is how
+    torch records Dim.AUTO and Dim("b"): it runs batches of 1 too (3 and up do not)."""
     if not cfg.batches:
         return
     nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
@@ -167,13 +168,15 @@ def _check_batch_dim(cfg: ModelConfig, program: torch.export.ExportedProgram) ->
             continue
         dim, n = shape[0], cfg.max_batch_size
         if isinstance(dim, int):
-            low = high = dim
+            takes, fits = f"only batches of {dim} row(s)", dim == n == 1
         elif (bounds := program.range_constraints.get(dim.node.expr)) is not None:
-            low, high = bounds.lower, bounds.upper
+            low, high = int(bounds.lower), bounds.upper  # (high: int_oo, if unbounded)
+            fits = low <= 2 and bool(high >= n)
+            most = "or more" if bool(high > 2**62) else f"to {high}"
+            takes = f"batches of {low} {most} rows"
         else:
             continue
-        if bool(low > 1) or bool(high < n):
-            takes = f"only batches of {low} row(s)" if low == high else f"{low} to {high} rows"
+        if not fits:
             raise ValueError(
                 f"{cfg.artifact}: input {spec.name} ({name!r} in the program) takes {takes} "
                 f"as exported, but max_batch_size = {n} sends batches of 1 to {n}: "
