@@ -11,8 +11,7 @@ Names follow Triton's (`nv_` becomes `batchd_`) so dashboards port by a prefix
 rename; batchd adds batch-size, padding and worker metrics.
 
 With `--frontends N` each child frontend answers /metrics on a private Unix
-socket, and frontend 0's /metrics gathers them on each scrape: every sample
-labelled `frontend` (its index), so `sum by (model)` counts the whole server.
+socket, and frontend 0's /metrics gathers them on each scrape (sibling_metrics.py).
 """
 
 from __future__ import annotations
@@ -23,24 +22,22 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector as Families
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.security import in_url
+from batchd.server.sibling_metrics import gathered
 from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
 
 log = logging.getLogger("batchd.metrics")
 REFRESH_S = 2.0  # a scrape waits this long, at most, for the jobs store's counts
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-WHOLE = frozenset({"batchd_jobs"})  # of the shared jobs store: frontend 0's alone, unlabelled
 
 
 @dataclass(frozen=True)
@@ -344,53 +341,3 @@ async def start_metrics(
     server = await asyncio.start_server(handle, host, port)
     log.info("metrics on http://%s:%d/metrics", in_url(host), server.sockets[0].getsockname()[1])
     return server
-
-
-async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> bytes:
-    """The exposition of `registry`; with `siblings`, also of each sibling's /metrics
-    (frontends 1.., asked at once, each given REFRESH_S), every sample labelled with
-    its frontend's index, but for the WHOLE families. A sibling that does not answer
-    in time (restarting, hung) is left out of this scrape."""
-    if not siblings:
-        return generate_latest(registry)
-    asked = [asyncio.wait_for(_scrape(path), REFRESH_S) for path in siblings]
-    texts = await asyncio.gather(*asked, return_exceptions=True)
-    merged: dict[str, Metric] = {}
-
-    def add(families: Iterable[Metric], index: int) -> None:
-        for f in families:
-            if index and f.name in WHOLE:
-                continue
-            label = {} if f.name in WHOLE else {"frontend": str(index)}
-            into = merged.setdefault(f.name, Metric(f.name, f.documentation, f.type, f.unit))
-            into.samples += [s._replace(labels={**s.labels, **label}) for s in f.samples]
-
-    add(registry.collect(), 0)
-    for index, text in enumerate(texts, 1):
-        if isinstance(text, BaseException):
-            log.debug("frontend %d's metrics left out: %r", index, text)
-        else:
-            add(text_string_to_metric_families(text), index)
-    return generate_latest(_Fixed(list(merged.values())))
-
-
-async def _scrape(path: str) -> str:
-    """GET /metrics from a sibling's socket."""
-    reader, writer = await asyncio.open_unix_connection(path)
-    try:
-        writer.write(b"GET /metrics HTTP/1.1\r\nHost: batchd\r\n\r\n")
-        answer = await reader.read()  # (it closes the connection after the answer)
-    finally:
-        writer.close()
-    head, _, body = answer.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200 "):
-        raise ConnectionError(f"answered {head[:40]!r}")
-    return body.decode()
-
-
-@dataclass(frozen=True)
-class _Fixed(Families):
-    families: list[Metric]
-
-    def collect(self) -> Iterable[Metric]:
-        return self.families

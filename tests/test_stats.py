@@ -2,13 +2,15 @@
 
 import asyncio
 import dataclasses
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchd.server import metrics
+from batchd.server import metrics, sibling_metrics
 from batchd.server.metrics import Collector, WorkerView, worker_views
 from batchd.server.stats import Stats
 from tests.conftest import model
@@ -142,46 +144,66 @@ def test_worker_up_has_one_series_per_slot_down_while_its_worker_restarts() -> N
 
 
 def test_frontend_0_gathers_each_frontends_metrics_labelled_and_leaves_out_the_silent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """--frontends N: frontend 0's /metrics said its own counts alone. It asks each
-    sibling's socket: a sibling that hangs (given REFRESH_S) or is gone (restarting) is
-    left out of that scrape; the jobs store's counts, which every frontend reads, once."""
-    monkeypatch.setattr(metrics, "REFRESH_S", 0.2)
+    sibling's socket; one that hangs (given ANSWER_S), is gone (restarting), answers
+    cut short (Content-Length unmet: a number cut to 1234.0 parsed) or answers what
+    does not parse (which ended the whole scrape unanswered) is left out of it. The
+    jobs store's counts and the workers, frontend 0's, once and unlabelled."""
+    monkeypatch.setattr(sibling_metrics, "ANSWER_S", 0.5)
 
     def registry(seen: int) -> CollectorRegistry:
         r = CollectorRegistry()
         Counter("batchd_seen", "a metric", ["model"], registry=r).labels("m").inc(seen)
         Histogram("batchd_took", "a histogram", buckets=(1.0,), registry=r).observe(seen)
         Gauge("batchd_jobs", "the store's", ["status"], registry=r).labels("queued").set(7)
+        Gauge("batchd_worker_up", "the workers", ["worker"], registry=r).labels("cpu0").set(1)
         return r
 
-    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await asyncio.sleep(30)
-        finally:
-            writer.close()
+    def answering(text: bytes, length: int | None = None) -> Any:
+        async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                if length is None:
+                    await asyncio.sleep(30)  # hangs
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (length, text))
+                await writer.drain()
+            except asyncio.CancelledError:
+                pass
+            finally:
+                writer.close()
+
+        return answer
 
     async def body() -> bytes:
         one = await metrics.start_metrics(registry(2), "", -1, unix=str(tmp_path / "1.sock"))
-        hung = await asyncio.start_unix_server(hang, str(tmp_path / "2.sock"))
-        siblings = [str(tmp_path / f"{i}.sock") for i in (1, 2, 3)]  # (3: none there)
+        cut = b'# TYPE batchd_seen counter\nbatchd_seen_total{model="m"} 1234'  # (12345)
+        garbage = b'batchd_seen_total{model="m" 5\n'
+        others = [answering(b""), answering(cut, len(cut) + 1), answering(garbage, len(garbage))]
+        servers = [await asyncio.start_unix_server(a, str(tmp_path / f"{i}.sock"))
+                   for i, a in enumerate(others, 2)]  # fmt: skip
+        siblings = [str(tmp_path / f"{i}.sock") for i in (1, 2, 3, 4, 5)]  # (5: none there)
         try:
-            return await metrics.gathered(registry(1), siblings)
+            return await sibling_metrics.gathered(registry(1), siblings)
         finally:
-            one.close()
-            hung.close()
+            for server in (one, *servers):
+                server.close()
 
+    with caplog.at_level(logging.WARNING, "batchd.metrics"):
+        text = asyncio.run(body()).decode()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(asyncio.run(body()).decode())
+        for family in text_string_to_metric_families(text)
         for s in family.samples
     }
     assert samples[("batchd_seen_total", (("frontend", "0"), ("model", "m")))] == 1
     assert samples[("batchd_seen_total", (("frontend", "1"), ("model", "m")))] == 2
     assert samples[("batchd_took_bucket", (("frontend", "1"), ("le", "1.0")))] == 0
     assert samples[("batchd_took_sum", (("frontend", "1"),))] == 2
-    assert not [k for k in samples if ("frontend", "2") in k[1] or ("frontend", "3") in k[1]]
-    assert [k for k in samples if k[0] == "batchd_jobs"] == [
-        ("batchd_jobs", (("status", "queued"),))
-    ]
+    assert not [k for k in samples if {("frontend", f) for f in "2345"} & set(k[1])], samples
+    whole = sorted(k for k in samples if k[0] in ("batchd_jobs", "batchd_worker_up"))
+    assert whole == [("batchd_jobs", (("status", "queued"),)),
+                     ("batchd_worker_up", (("worker", "cpu0"),))]  # fmt: skip
+    left_out = [r.getMessage() for r in caplog.records]
+    assert len(left_out) == 4 and all("left out of this scrape" in m for m in left_out), left_out
