@@ -32,6 +32,9 @@ _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields
 
 
 DEFAULT_LIMITS = Limits()
+# A request's id is echoed in each of its responses: a step-wise request's, in each of
+# up to max_steps, where a 4 MB id made 1 GB of responses outside its stream's budget.
+MAX_ID_BYTES = 4096
 
 
 def _names(specs: Sequence[TensorSpec]) -> str:
@@ -284,6 +287,9 @@ def decode_request(
     limits: Limits = DEFAULT_LIMITS,
 ) -> Request:
     """Validate `msg` against `model`'s signature and build the internal Request."""
+    if len(msg.id) > MAX_ID_BYTES // 4 and (size := len(msg.id.encode())) > MAX_ID_BYTES:
+        raise InvalidInput(f"the request id holds {size} bytes, more than an id may "
+                           f"({MAX_ID_BYTES}); it came as {clip(msg.id)}")  # fmt: skip
     count = len(msg.inputs)
     if count > limits.max_inputs:
         raise InvalidInput(

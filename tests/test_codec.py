@@ -69,6 +69,22 @@ def test_an_unknown_output_is_refused_by_name() -> None:
         decode_request(_text_request("LENGTH", "NOPE"), EMBED, now=0.0)
 
 
+@pytest.mark.parametrize(("id_", "ok"), [("x" * 4096, True), ("x" * 4097, False),
+                                          ("é" * 2048, True), ("é" * 2049, False)])  # fmt: skip
+def test_a_request_id_over_4096_bytes_is_refused_saying_how_long(id_: str, ok: bool) -> None:
+    """An id comes back in every response of its request: a step-wise request's 4 MB
+    id made a GB of responses (one per step), outside its stream's byte budget."""
+    msg = _text_request()
+    msg.id = id_
+    if ok:
+        assert decode_request(msg, EMBED, now=0.0).id == id_
+        return
+    size = len(id_.encode())
+    with pytest.raises(InvalidInput, match=rf"the request id holds {size} bytes, more than an "
+                       r"id may \(4096\); it came as '(x|é){40}'\.\.\."):  # fmt: skip
+        decode_request(msg, EMBED, now=0.0)
+
+
 def _tokens(shape: list[int], count: int) -> pb.ModelInferRequest:
     msg = pb.ModelInferRequest(model_name="textpool", raw_input_contents=[bytes(8 * count)])
     msg.inputs.add(name="TOKENS", datatype="INT64", shape=shape)
