@@ -259,9 +259,10 @@ class StepStream:
         """What the caller has not read, once a push was refused."""
         if len(self._items) >= self.limit or self.budget is None:
             return f"its last {self.limit} outputs"
+        more = self.offered + OUTPUT_COST
         return (
-            f"{self.budget.held} bytes of outputs (a stream holds at most {self.budget.limit} "
-            "for its caller)"
+            f"{self.budget.held} bytes of outputs, and this step's {more} more would pass the "
+            f"{self.budget.limit} a stream holds for its caller (twice --max-message-bytes)"
         )
 
     def close(self) -> None:

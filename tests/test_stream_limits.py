@@ -235,8 +235,9 @@ def test_a_stream_budget_counts_outputs_until_taken_and_refuses_past_its_limit()
         assert b.push([out(4)]) and budget.held == 4 * each
         assert not b.push([out(5)]) and budget.held == 4 * each  # past the limit: refused
         held = 4 * each
-        assert (
-            b.behind() == f"{held} bytes of outputs (a stream holds at most {held} for its caller)"
+        assert b.behind() == (  # (it said held <= limit: "not read 1575936 bytes, at most 2097152")
+            f"{held} bytes of outputs, and this step's {each} more would pass the {held} a stream "
+            "holds for its caller (twice --max-message-bytes)"
         )
         assert await a.next() is not None and budget.held == 3 * each  # taken
         b.discard()  # its caller left: what it held goes back
