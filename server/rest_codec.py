@@ -114,8 +114,9 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
         or (datatype in _INT_LIMITS and kind == "f")
         or bool in set(map(type, values))
     ):
-        wanted = "integers" if datatype in _INT_LIMITS else "numbers"
-        raise InvalidInput(f"{where}: {datatype} data holds {wanted} only")
+        ints = datatype in _INT_LIMITS
+        raise InvalidInput(f"{where}: {datatype} data holds {'integers' if ints else 'numbers'} "
+                           f"only, got {_not_one(values, ints)}")  # fmt: skip
     if (info := _INT_LIMITS.get(datatype)) is not None and (
         arr.min() < info.min or arr.max() > info.max
     ):
@@ -133,6 +134,16 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
             f"got {_number(arr[past][0])}"
         )
     return bits.tobytes()
+
+
+def _not_one(values: Sequence[Any], ints: bool) -> str:
+    """The first of `values` that is not an integer (`ints`) or not a number, said."""
+    for v in values:
+        if type(v) is float and ints:
+            return f"{_number(v)} (a number with a fraction or an exponent)"
+        if type(v) not in (int, float):
+            return _kind(v)
+    return "a number past its range"  # (an integer of hundreds of digits among floats)
 
 
 def _bytes_raw(values: Iterable[Any], where: str) -> bytes:

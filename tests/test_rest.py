@@ -1171,9 +1171,9 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     "not an object": (TINY, "[1, 2]", {}, "must be a JSON object, got a list"),
     "inputs not a list": (TINY, '{"inputs": 3}', {}, "'inputs' must be a list, got a number"),
     "strings in FP32": (TINY, one("INPUT0", "FP32", [1, 2], ["a", "b"]), {},
-                        "input 'INPUT0': FP32 data holds numbers only"),
+                        "input 'INPUT0': FP32 data holds numbers only, got a string"),
     "floats in INT64": (TEXTPOOL, one("TOKENS", "INT64", [1, 3], [1.5, 2, 3]), {},
-                        "input 'TOKENS': INT64 data holds integers only"),
+                        "input 'TOKENS': INT64 data holds integers only, got 1.5 (a number"),
     "out-of-range INT8": (TEXTPOOL, one("TOKENS", "INT8", [1, 2], [300, 2]), {},
                           "input 'TOKENS': INT8 holds -128 to 127, got 300"),
     "FP32 past its range": (TINY, one("INPUT0", "FP32", [1, 16], [1.0] * 15 + [-1e39]), {},
@@ -1206,9 +1206,9 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     "NaN nesting 100,000 levels, index": (
         "/v2/repository/index", f'{{"ready": {NAN_DEEP}}}', {}, NAN_TOO_DEEP),
     "true beside numbers": (TINY, one("INPUT0", "FP32", [1, 16], [True] + [0.5] * 15), {},
-                            "FP32 data holds numbers only"),
+                            "FP32 data holds numbers only, got a boolean"),
     "true beside integers": (TEXTPOOL, one("TOKENS", "INT64", [1, 2], [True, 5]), {},
-                             "INT64 data holds integers only"),
+                             "INT64 data holds integers only, got a boolean"),
     "a shape of 32 dimensions of 2**62": (
         TINY, one("INPUT0", "FP32", [2**62] * 32, [1]), {},
         "needs 1751908409537131537220509645351687597690... (598 digits) values"),
