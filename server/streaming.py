@@ -16,7 +16,8 @@ request's response carries its id, model name and version and
 `triton_final_response = true` (whatever `triton_enable_empty_final_response`
 says): it is the request's last. Should the request stream itself fail, the
 responses end after those of the requests in flight, and the call ends with its
-error.
+error; but a message over --max-message-bytes ends the call in gRPC itself, and
+the requests in flight get no more responses.
 
 A client that does not read cannot grow the server's memory: the bytes of
 outputs it has not taken, in its sequences' buffers and in the responses waiting
@@ -41,7 +42,7 @@ from typing import Any, Protocol
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import encode_response
-from batchd.server.errors import BatchdError
+from batchd.server.errors import BatchdError, InvalidInput
 from batchd.server.handlers import Undecodable
 from batchd.server.request import Request, StreamBudget, Tensor, stream_budget
 
@@ -85,7 +86,11 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, 
                  carrier: Any, time_remaining: float | None,
                  budget: StreamBudget) -> None:  # fmt: skip
     """A step-wise request's responses, one per output; `cfg`: its model, as it came."""
-    empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
+    empty_final = False
+    if EMPTY_FINAL in msg.parameters:  # (a string "true" or a 1 read as false, silently)
+        if (kind := msg.parameters[EMPTY_FINAL].WhichOneof("parameter_choice")) != "bool_param":
+            raise InvalidInput(f"parameter {EMPTY_FINAL!r}: expected a boolean, got {kind}")
+        empty_final = msg.parameters[EMPTY_FINAL].bool_param
     request, last = None, False
     sequence = service.sequence(msg, time_remaining, carrier, budget)
     async with contextlib.aclosing(sequence):

@@ -83,6 +83,12 @@ def test_a_sequence_streams_each_step_and_marks_its_end(stub: Any, gate: Gate) -
     assert list(joined.outputs[0].shape) == [4]
     config = stub.ModelConfig(pb.ModelConfigRequest(name="stepper")).config
     assert config.model_transaction_policy.decoupled
+    wrong = stepper(10, 2, empty_final=False)  # "true" as a string was read as false
+    wrong.parameters["triton_enable_empty_final_response"].string_param = "true"
+    (refused,) = list(stub.ModelStreamInfer(iter([wrong]), timeout=30))
+    assert refused.error_message == (
+        "parameter 'triton_enable_empty_final_response': expected a boolean, got string_param"
+    )
 
 
 def active(server: ServerProcess) -> float:
