@@ -183,13 +183,13 @@ def test_release_frees_the_slot_and_the_last_live_sequence_moves_into_it(model: 
     model.step([first, second, third])
     third_cache = model.cache(third).clone()
     model.release(first)
-    assert first.slot is None and model.released == [first.id]
+    assert first.slot is None and list(model.released) == [first.id]
     assert (second.slot, third.slot) == (1, 0) and torch.equal(model.cache(third), third_cache)
     model.step([second, third])  # the others step on, a view of slots 0..1 again
     model.release(first)  # twice is once
     model.release(second)
     model.release(third)
-    assert model.released == [first.id, second.id, third.id] and model.live == []
+    assert list(model.released) == [first.id, second.id, third.id] and model.live == []
 
 
 def test_the_stack_grows_past_its_first_slots(model: Any) -> None:

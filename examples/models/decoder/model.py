@@ -32,6 +32,7 @@ is far below the gaps between the top logits; the tokens stay the same.
 
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,8 @@ class Decoder:
         with torch.inference_mode():  # so start, step and release may write it in place
             self.kv = self._zeros(8, MAX_LEN)  # grows as more sequences are live
         self.live: list[Sequence] = []  # by slot
-        self.released: list[int] = []  # ids of released sequences
+        self.released: deque[int] = deque(maxlen=64)  # the last released ids (a list of
+        # every one grew by one each sequence, for as long as the worker ran)
 
     def _zeros(self, batch: int, length: int) -> torch.Tensor:
         return torch.zeros(LAYERS, 2, batch, HEADS, length, HEAD, dtype=DTYPE, device=self.device)
