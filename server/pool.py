@@ -317,7 +317,10 @@ class WorkerPool:
                 else:  # it may have begun since the last heartbeat: the next tells
                     since = max(since, w.busy_at) + wire.HEARTBEAT_INTERVAL_S
                 if now - since > (limit := b.model.instances.execution_timeout_s):
-                    late.append((w, f"batch {b.id} of model {b.model.name!r} ran past "
+                    name = b.model.name
+                    late.append((w, f"a sequence of model {name!r} had no step in its "
+                                    f"execution_timeout_s {limit}" if b.id in w.sequences else
+                                    f"batch {b.id} of model {name!r} ran past "
                                     f"execution_timeout_s {limit}"))  # fmt: skip
                     break
             else:

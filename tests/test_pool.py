@@ -140,6 +140,19 @@ def test_batches_past_their_execution_limit_are_found() -> None:
     assert pool.inflight(cfg.key) == 2 and pool.model_ready(cfg.key)
 
 
+def test_a_sequence_with_no_step_past_its_limit_is_found_as_a_sequence() -> None:
+    """It was named 'batch <its id>', an id no log or caller knows for a sequence."""
+    cfg = stepwise_model(max_active=2)
+    pool = WorkerPool()
+    (w,) = serving(pool, "w", key=cfg.key)
+    pool.start(w, cfg, request(cfg), 0.0)
+    limit = cfg.instances.execution_timeout_s
+    assert pool.overdue(limit - 0.5) == []
+    assert pool.overdue(limit + 0.5) == [
+        (w, f"a sequence of model '{cfg.name}' had no step in its execution_timeout_s {limit}")
+    ]
+
+
 def test_a_batch_is_timed_from_its_forward_s_start_as_the_worker_s_heartbeats_tell() -> None:
     """A shared worker runs other frontends' forwards before ours (or a GPU worker the
     one staged ahead): timed from its send, a batch waiting there was taken for stuck.
