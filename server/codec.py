@@ -279,6 +279,11 @@ def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[s
     return outputs
 
 
+def echoable(id_: str) -> bool:
+    """Whether an id is short enough to come back in responses (MAX_ID_BYTES)."""
+    return len(id_) <= MAX_ID_BYTES // 4 or len(id_.encode()) <= MAX_ID_BYTES
+
+
 def decode_request(
     msg: pb.ModelInferRequest,
     model: ModelConfig,
@@ -287,9 +292,9 @@ def decode_request(
     limits: Limits = DEFAULT_LIMITS,
 ) -> Request:
     """Validate `msg` against `model`'s signature and build the internal Request."""
-    if len(msg.id) > MAX_ID_BYTES // 4 and (size := len(msg.id.encode())) > MAX_ID_BYTES:
-        raise InvalidInput(f"the request id holds {size} bytes, more than an id may "
-                           f"({MAX_ID_BYTES}); it came as {clip(msg.id)}")  # fmt: skip
+    if not echoable(msg.id):
+        raise InvalidInput(f"the request id holds {len(msg.id.encode())} bytes, more than an id "
+                           f"may ({MAX_ID_BYTES}); it came as {clip(msg.id)}")  # fmt: skip
     count = len(msg.inputs)
     if count > limits.max_inputs:
         raise InvalidInput(

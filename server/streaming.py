@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
-from batchd.server.codec import encode_response
+from batchd.server.codec import echoable, encode_response
 from batchd.server.errors import BatchdError, InvalidInput
 from batchd.server.handlers import Undecodable
 from batchd.server.request import Request, StreamBudget, Tensor, stream_budget
@@ -86,11 +86,7 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, 
                  carrier: Any, time_remaining: float | None,
                  budget: StreamBudget) -> None:  # fmt: skip
     """A step-wise request's responses, one per output; `cfg`: its model, as it came."""
-    empty_final = False
-    if EMPTY_FINAL in msg.parameters:  # (a string "true" or a 1 read as false, silently)
-        if (kind := msg.parameters[EMPTY_FINAL].WhichOneof("parameter_choice")) != "bool_param":
-            raise InvalidInput(f"parameter {EMPTY_FINAL!r}: expected a boolean, got {kind}")
-        empty_final = msg.parameters[EMPTY_FINAL].bool_param
+    empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
     request, last = None, False
     sequence = service.sequence(msg, time_remaining, carrier, budget)
     async with contextlib.aclosing(sequence):
@@ -140,6 +136,7 @@ async def respond(
             try:
                 if isinstance(msg, Undecodable):
                     raise msg.error
+                _check(msg)
                 if cfg is not None and cfg.generate is not None:
                     await _steps(service, msg, cfg, put, carrier, time_remaining(), budget)
                 else:
@@ -178,6 +175,15 @@ async def respond(
         reader.cancel()
 
 
+def _check(msg: pb.ModelInferRequest) -> None:
+    """Refuse what the stream reads of a request itself, as the codec refuses the rest."""
+    if EMPTY_FINAL not in msg.parameters:
+        return
+    kind = msg.parameters[EMPTY_FINAL].WhichOneof("parameter_choice")
+    if kind != "bool_param":  # (a string "true" was read as false, silently)
+        raise InvalidInput(f"parameter {EMPTY_FINAL!r}: expected a boolean, got {kind}")
+
+
 def _error(msg: pb.ModelInferRequest | Undecodable, e: BatchdError,
            cfg: ModelConfig | None) -> pb.ModelStreamInferResponse:  # fmt: skip
     """A failed request's response: its error, and where it parsed its id, model and
@@ -188,7 +194,8 @@ def _error(msg: pb.ModelInferRequest | Undecodable, e: BatchdError,
     request, so every one says so."""
     error = pb.ModelInferResponse()
     if not isinstance(msg, Undecodable):
-        error.model_name, error.id = msg.model_name[:200], msg.id
+        # (an id refused for its length is not echoed: a stream that did not read held each)
+        error.model_name, error.id = msg.model_name[:200], msg.id if echoable(msg.id) else ""
         error.model_version = msg.model_version[:200] or (cfg.version if cfg else "")
     error.parameters["error_code"].string_param = e.code.name  # for typed errors
     error.parameters[FINAL].bool_param = True

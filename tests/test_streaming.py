@@ -30,7 +30,7 @@ class Service:
         await asyncio.sleep(0)
         if msg.id == "boom":
             raise KeyError("tiny@1")  # as a retired version's queue once did
-        if msg.id == "bad":
+        if msg.id.startswith("bad"):
             raise InvalidInput("bad input")
         return pb.ModelInferResponse(model_name=msg.model_name, id=msg.id)
 
@@ -109,3 +109,25 @@ def test_a_failed_request_s_response_is_its_final_one_with_its_id_model_and_vers
         ("boom", "gone", "", True),
     ]  # fmt: skip
     assert all(r.error_message for r in out)
+
+
+def test_a_refused_request_s_long_id_is_not_echoed_and_empty_final_must_be_a_boolean() -> None:
+    """An id refused for its length came back whole in the refusal: a stream that did
+    not read held 4 MB per refused request. triton_enable_empty_final_response as a
+    string "true" was read as false, for every model."""
+    long_id = "bad" + "x" * 5000
+
+    async def run() -> list[pb.ModelStreamInferResponse]:
+        async def asked() -> AsyncIterator[pb.ModelInferRequest]:
+            yield pb.ModelInferRequest(model_name="tiny", id=long_id)
+            wrong = pb.ModelInferRequest(model_name="tiny", id="s")
+            wrong.parameters["triton_enable_empty_final_response"].string_param = "true"
+            yield wrong
+
+        return [r async for r in respond(Service(), asked())]  # type: ignore[arg-type]
+
+    out = {r.error_message: r.infer_response.id for r in asyncio.run(asyncio.wait_for(run(), 10))}
+    assert out == {
+        "bad input": "",
+        "parameter 'triton_enable_empty_final_response': expected a boolean, got string_param": "s",
+    }
