@@ -15,6 +15,7 @@ nesting is walked level by level (at most MAX_DEPTH levels), each in one pass.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
@@ -97,24 +98,13 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
         return _bytes_raw(values, where)
     if not values:
         return b""
-    try:
-        arr = np.asarray(values)
-    except (ValueError, TypeError, OverflowError):
-        arr = np.asarray([], dtype=object)
-    kind = arr.dtype.kind
-    if datatype in _INT_LIMITS and kind in "fO" and all(type(v) is int for v in values):
-        arr, kind = np.asarray(values, dtype=object), "i"  # ints past int64 beside small ones
+    arr, kind = _array(values, ints := datatype in _INT_LIMITS)
     if datatype == "BOOL":
         if kind != "b":
             raise InvalidInput(f"{where}: BOOL data holds true and false only")
         return arr.tobytes()
     # numpy makes [true, 5] integers: JSON's true is no number (one pass, in C)
-    if (
-        kind not in "iuf"
-        or (datatype in _INT_LIMITS and kind == "f")
-        or bool in set(map(type, values))
-    ):
-        ints = datatype in _INT_LIMITS
+    if kind not in "iuf" or (ints and kind == "f") or bool in set(map(type, values)):
         raise InvalidInput(f"{where}: {datatype} data holds {'integers' if ints else 'numbers'} "
                            f"only, got {_not_one(values, ints)}")  # fmt: skip
     if (info := _INT_LIMITS.get(datatype)) is not None and (
@@ -136,14 +126,29 @@ def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
     return bits.tobytes()
 
 
+def _array(values: Sequence[Any], ints: bool) -> tuple[np.ndarray, str]:
+    """`values` as numpy sees them, and the kind of its dtype."""
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):
+        arr = np.asarray([], dtype=object)
+    kind = arr.dtype.kind
+    if ints and kind in "fO" and all(type(v) is int for v in values):
+        arr, kind = np.asarray(values, dtype=object), "i"  # ints past int64 beside small ones
+    elif kind == "O" and all(type(v) in (int, float) for v in values):  # (an int past int64
+        with contextlib.suppress(OverflowError):  # beside floats, from Python's json)
+            arr, kind = np.asarray(values, dtype=np.float64), "f"
+    return arr, kind
+
+
 def _not_one(values: Sequence[Any], ints: bool) -> str:
     """The first of `values` that is not an integer (`ints`) or not a number, said."""
     for v in values:
         if type(v) is float and ints:
-            return f"{_number(v)} (a number with a fraction or an exponent)"
+            return f"{_number(v)} (not an integer)"
         if type(v) not in (int, float):
             return _kind(v)
-    return "a number past its range"  # (an integer of hundreds of digits among floats)
+    return "an integer past any float's range"  # (of hundreds of digits: Python's json)
 
 
 def _bytes_raw(values: Iterable[Any], where: str) -> bytes:

@@ -212,6 +212,9 @@ def test_a_line_has_no_deadline_whatever_the_model_s_default_timeout() -> None:
         ("FP16", [0.5, 2], np.array([0.5, 2], "<f2").tobytes()),
         ("BF16", [1.0, -2.0], np.array([0x3F80, 0xC000], "<u2").tobytes()),
         ("BYTES", ["ab", ""], struct.pack("<I", 2) + b"ab" + struct.pack("<I", 0)),
+        # an int past int64 beside a float (as Python's json, which reads NaN, gives
+        # them) was refused, as "holds numbers only"
+        ("FP32", [1.5, 2**70], np.array([1.5, 2**70], "<f4").tobytes()),
     ],
 )
 def test_each_datatype_becomes_its_raw_form(
@@ -227,10 +230,13 @@ def test_each_datatype_becomes_its_raw_form(
 @pytest.mark.parametrize(
     ("datatype", "data", "message"),
     [
-        ("INT32", [1.5, 2], "INT32 data holds integers only"),
+        ("INT32", [1.5, 2], r"INT32 data holds integers only, got 1.5 \(not an integer\)"),
+        ("INT64", [1, math.nan], r"INT64 data holds integers only, got nan \(not an integer\)"),
+        ("INT64", [True, 1], "INT64 data holds integers only, got a boolean"),
         ("BOOL", [2, 0], "BOOL data holds true and false only"),
-        ("FP32", ["1", "2"], "FP32 data holds numbers only"),
-        ("FP32", [None, 2], "FP32 data holds numbers only"),
+        ("FP32", ["1", "2"], "FP32 data holds numbers only, got a string"),
+        ("FP32", [None, 2], "FP32 data holds numbers only, got null"),
+        ("FP32", [1.5, 10**400], "FP32 data holds numbers only, got an integer past any float"),
         ("BYTES", [1, 2], "BYTES data holds strings, got a number"),
         ("FP32", [1.0], "needs 2 values, 'data' holds 1"),
         ("FP33", [1.0, 2.0], "unknown datatype 'FP33'"),

@@ -1173,7 +1173,7 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     "strings in FP32": (TINY, one("INPUT0", "FP32", [1, 2], ["a", "b"]), {},
                         "input 'INPUT0': FP32 data holds numbers only, got a string"),
     "floats in INT64": (TEXTPOOL, one("TOKENS", "INT64", [1, 3], [1.5, 2, 3]), {},
-                        "input 'TOKENS': INT64 data holds integers only, got 1.5 (a number"),
+                        "input 'TOKENS': INT64 data holds integers only, got 1.5 (not an"),
     "out-of-range INT8": (TEXTPOOL, one("TOKENS", "INT8", [1, 2], [300, 2]), {},
                           "input 'TOKENS': INT8 holds -128 to 127, got 300"),
     "FP32 past its range": (TINY, one("INPUT0", "FP32", [1, 16], [1.0] * 15 + [-1e39]), {},
