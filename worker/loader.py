@@ -158,7 +158,8 @@ def _check_batch_dim(cfg: ModelConfig, program: torch.export.ExportedProgram) ->
     rows: exported with an example batch of 1 (and no dynamic batch dim), it takes that
     batch size alone, and each other batch failed in its forward with nothing but
     torch's "Guard failed: x.size()[0] == 1". A dynamic dim's lower bound of 2 is how
-    torch records Dim.AUTO and Dim("b"): it runs batches of 1 too (3 and up do not)."""
+    torch records Dim.AUTO and Dim.DYNAMIC: it runs batches of 1 too (3 and up it
+    refuses), on the branches traced for the example's batch."""
     if not cfg.batches:
         return
     nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
