@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
+from batchd.server.errors import clip
 from batchd.server.request import Batch, Request
 
 log = logging.getLogger("batchd.pool")
@@ -318,8 +319,9 @@ class WorkerPool:
                     since = max(since, w.busy_at) + wire.HEARTBEAT_INTERVAL_S
                 if now - since > (limit := b.model.instances.execution_timeout_s):
                     name = b.model.name
-                    late.append((w, f"a sequence of model {name!r} had no step in its "
-                                    f"execution_timeout_s {limit}" if b.id in w.sequences else
+                    late.append((w, f"a sequence (request id {clip(b.requests[0].id)}) of "
+                                    f"model {name!r} had no step in its execution_timeout_s "
+                                    f"{limit}" if b.id in w.sequences else
                                     f"batch {b.id} of model {name!r} ran past "
                                     f"execution_timeout_s {limit}"))  # fmt: skip
                     break

@@ -35,7 +35,8 @@ async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> byte
     (frontends 1.., asked at once, each given ANSWER_S, parsed off the loop), every
     sample labelled with its frontend's index, but for the WHOLE families, frontend
     0's alone. A sibling that does not answer whole and in time (restarting, hung) is
-    left out of the scrape: a WARNING when it first is, INFO when it is back."""
+    left out of the scrape: a WARNING when it first is (but for one not listening:
+    starting, restarting), INFO when it is back."""
     if not siblings:
         return generate_latest(registry)
     asked = [asyncio.wait_for(_scrape(path), ANSWER_S) for path in siblings]
@@ -57,7 +58,9 @@ async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> byte
                 raise answer
             add(await asyncio.to_thread(_parsed, answer), index)
         except Exception as e:  # (another process's answer: data, never this scrape's end)
-            say = log.debug if path in _left_out else log.warning
+            # (one not listening yet, or restarting, frontend 0 logs as it starts it)
+            absent = isinstance(e, FileNotFoundError | ConnectionRefusedError)
+            say = log.debug if path in _left_out or absent else log.warning
             say("frontend %d's metrics are left out of this scrape: %.200r", index, e)
             _left_out.add(path)
             continue

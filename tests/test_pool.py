@@ -145,12 +145,15 @@ def test_a_sequence_with_no_step_past_its_limit_is_found_as_a_sequence() -> None
     cfg = stepwise_model(max_active=2)
     pool = WorkerPool()
     (w,) = serving(pool, "w", key=cfg.key)
-    pool.start(w, cfg, request(cfg), 0.0)
+    seq = request(cfg)
+    seq.id = "r-1"
+    pool.start(w, cfg, seq, 0.0)
     limit = cfg.instances.execution_timeout_s
     assert pool.overdue(limit - 0.5) == []
     assert pool.overdue(limit + 0.5) == [
-        (w, f"a sequence of model '{cfg.name}' had no step in its execution_timeout_s {limit}")
-    ]
+        (w, f"a sequence (request id 'r-1') of model '{cfg.name}' had no step in its "
+            f"execution_timeout_s {limit}")
+    ]  # fmt: skip
 
 
 def test_a_batch_is_timed_from_its_forward_s_start_as_the_worker_s_heartbeats_tell() -> None:
