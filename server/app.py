@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.server import frontends, security
+from batchd.server import frontends, security, siblings
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
@@ -123,6 +123,7 @@ class _Parts:
     rest: RestApi
     http: web.AppRunner | None = None  # serving `rest`, once started
     metrics: asyncio.Server | None = None  # serving /metrics, once started
+    internal: asyncio.Server | None = None  # --frontends N: its socket, for the others'
 
 
 def _build(
@@ -165,21 +166,13 @@ def _build(
     registry = CollectorRegistry()  # this server's own: nothing is registered globally
     if jobs is not None:
         registry.register(jobs)
-    registry.register(
-        Collector(
-            core.models,
-            core.stats,
-            core.scheduler.pending,
-            lambda: worker_views(
-                [(s.slot, s.device) for s in core.supervisor.specs],
-                [(w.name, w.info.device) for w in core.pool.workers()],
-            ),
-            lambda: core.supervisor.restarts,
-            load.busy_seconds,
-            functools.partial(_sequences, core),
-            core.scheduler.pending_jobs,
-        )
-    )
+    registry.register(Collector(
+        core.models, core.stats, core.scheduler.pending,
+        lambda: worker_views([(s.slot, s.device) for s in core.supervisor.specs],
+                             [(w.name, w.info.device) for w in core.pool.workers()]),
+        lambda: core.supervisor.restarts, load.busy_seconds, functools.partial(_sequences, core),
+        core.scheduler.pending_jobs,
+    ))  # fmt: skip
     return _Parts(core, service, health, server, port, registry, jobs, rest)
 
 
@@ -251,15 +244,18 @@ async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -
         except OSError as e:
             raise _refused("HTTP", "--http-port", host, port, e) from e
         log.info("serving HTTP on %s:%d", in_url(host), port)
-    unix = "" if metrics >= 0 else os.environ.get(frontends.METRICS, "")  # (a child's)
-    if metrics >= 0 or unix:
-        refresh = None if p.jobs is None or unix else p.jobs.count_statuses
-        try:
-            p.metrics = await start_metrics(
-                p.registry, host, metrics, refresh, unix=unix, siblings=children.metrics if
-                children else ())  # fmt: skip
-        except OSError as e:
-            raise _refused("metrics", "--metrics-port", host, metrics, e) from e
+    sockets = children.sockets if children else []  # (--frontends N: each one's, 0 first)
+    try:
+        if metrics >= 0:
+            counts = None if p.jobs is None else p.jobs.count_statuses  # (the jobs store's)
+            p.metrics = await start_metrics(p.registry, host, metrics, counts, siblings=sockets[1:])
+        if unix := os.environ.get(frontends.SOCKET) or (sockets[0] if sockets else ""):
+            own = siblings.answering(p.service.statistics)  # (for the others: theirs they add)
+            p.internal = await start_metrics(p.registry, "", -1, unix=unix, statistics=own)
+            others = siblings.others(unix, cfg.frontends.count)
+            p.service.siblings = functools.partial(siblings.statistics, paths=others)
+    except OSError as e:
+        raise _refused("metrics", "--metrics-port", host, metrics, e) from e
     return port
 
 
@@ -268,8 +264,9 @@ async def _close_ports(p: _Parts) -> None:
     await p.server.stop(None)
     if p.http is not None:
         await p.http.cleanup()
-    if p.metrics is not None:
-        p.metrics.close()
+    for listening in (p.metrics, p.internal):
+        if listening is not None:
+            listening.close()
 
 
 async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float) -> None:
@@ -299,8 +296,9 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
     await p.core.supervisor.stop()
-    if p.metrics is not None:
-        p.metrics.close()
+    for listening in (p.metrics, p.internal):
+        if listening is not None:
+            listening.close()
     if p.service.tracing is not None:  # export the spans left
         await asyncio.to_thread(p.service.tracing.shutdown)
     log.info("answered %d inference request(s)", p.core.stats.answered_total())

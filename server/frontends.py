@@ -32,12 +32,13 @@ import zmq
 
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import NO_MODELS, Files, files_of, load_repository, strays
+from batchd.server import siblings
 from batchd.server.errors import Unavailable
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
 BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the pipe it beats on (watch_parent)
-METRICS = "BATCHD_FRONTEND_METRICS"  # ... and the socket to answer /metrics on, for frontend 0
+SOCKET = "BATCHD_FRONTEND_SOCKET"  # ... and its socket for the others (siblings.py)
 HUNG_S = 10.0  # a child not beating this long is killed (and restarted)
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
@@ -74,8 +75,7 @@ class Children:
                  tmp: str) -> None:  # fmt: skip
         self._argv = list(argv)
         self._endpoints = list(endpoints)
-        # each child's /metrics, which frontend 0's gathers (metrics.gathered)
-        self.metrics = [f"{tmp}/metrics-{i}.sock" for i in range(1, len(endpoints))]
+        self.sockets = siblings.sockets(tmp, len(endpoints))  # each one's, for the others
         self._models, self._saved = pickle.dumps(models), Path(tmp) / "models.pickle"
         self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(self._saved)}
         self._procs: dict[int, asyncio.subprocess.Process] = {}
@@ -103,7 +103,7 @@ class Children:
             with contextlib.suppress(OSError):
                 self._saved.write_bytes(self._models)
             started, (beats, beating) = time.monotonic(), os.pipe()
-            env = {**self._env, BEAT: str(beating), METRICS: self.metrics[i - 1]}
+            env = {**self._env, BEAT: str(beating), SOCKET: self.sockets[i]}
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self._command(i, port, http_port), env=env, pass_fds=(beating,)
@@ -148,7 +148,7 @@ def models_at_start(root: Path, child: bool) -> Models:
     model's files changed since as the version frontend 0 refused them for, and one
     that found a model added broken failed to start, again and again."""
     if not child:  # (a variable inherited from elsewhere is not this process's)
-        for name in (PARENT, MODELS, BEAT, METRICS):
+        for name in (PARENT, MODELS, BEAT, SOCKET):
             os.environ.pop(name, None)
     if saved := os.environ.get(MODELS):
         try:

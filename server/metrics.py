@@ -11,7 +11,7 @@ Names follow Triton's (`nv_` becomes `batchd_`) so dashboards port by a prefix
 rename; batchd adds batch-size, padding and worker metrics.
 
 With `--frontends N` each child frontend answers /metrics on a private Unix
-socket, and frontend 0's /metrics gathers them on each scrape (sibling_metrics.py).
+socket, and frontend 0's /metrics gathers them on each scrape (siblings.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from prometheus_client.core import (
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.security import in_url
-from batchd.server.sibling_metrics import gathered
+from batchd.server.siblings import gathered
 from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
 
 log = logging.getLogger("batchd.metrics")
@@ -298,13 +298,16 @@ async def start_metrics(
     registry: CollectorRegistry, host: str, port: int,
     refresh: Callable[[], Awaitable[None]] | None = None,
     *, unix: str = "", siblings: Sequence[str] = (),
+    statistics: Callable[[bytes], bytes] | None = None,
 ) -> asyncio.Server:  # fmt: skip
-    """Answer GET /metrics on host:port (or the Unix socket `unix`: a child frontend's,
-    for frontend 0), from now until the server returned is closed; `refresh` first, on
+    """Answer GET /metrics on host:port (or the Unix socket `unix`: a frontend's, for
+    the others), from now until the server returned is closed; `refresh` first, on
     each scrape (what a collector must not read on the loop: the jobs store), waited
     for REFRESH_S at most: a refresh that does not come in time (a database that hangs)
     goes on alone, one at a time, and the scrape is answered with what the last one
     read. With `siblings` (the other frontends' sockets), theirs too (`gathered`).
+    With `statistics`, GET /statistics/<a ModelStatisticsRequest, hex> answers its
+    ModelStatisticsResponse, serialized (for the other frontends, siblings.py).
     Binding raises OSError (a port in use) before anything is served."""
     pending: asyncio.Future[None] | None = None  # the refresh in flight
 
@@ -321,13 +324,16 @@ async def start_metrics(
         # A request that is not one (no blank line within the stream's 64 KiB limit, or
         # none within 10 s) is closed without an answer, and without a log line.
         quietly = (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError)
-        with contextlib.suppress(*quietly, TimeoutError):
+        with contextlib.suppress(*quietly, TimeoutError, ValueError):  # (ValueError: not hex)
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
                 await refreshed()
                 body, status = await gathered(registry, siblings), b"200 OK"
                 kind = b"text/plain; version=0.0.4; charset=utf-8"
+            elif statistics is not None and path.startswith(b"/statistics/"):
+                body, status = statistics(bytes.fromhex(path[12:].decode())), b"200 OK"
+                kind = b"application/octet-stream"
             else:
                 body, status, kind = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"
             head = b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (

@@ -274,7 +274,7 @@ class RestApi:
         wanted = pb.ModelStatisticsRequest(
             name=info.get("model", ""), version=info.get("version", "")
         )
-        return json_response(as_json(self._service.statistics(wanted)))
+        return json_response(as_json(await self._service.every_statistics(wanted)))
 
     # ---- inference ----
 

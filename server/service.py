@@ -169,6 +169,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self.leaving = False  # stopping: unready to health checks (still admitting at first)
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="batchd-decode")
         self._heavy = 0  # requests waiting for or on the decode thread
+        self.siblings: Callable[..., Awaitable[pb.ModelStatisticsResponse]] | None = None
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         cfg = self._models.get(name)
@@ -176,9 +177,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             known = ", ".join(sorted(self._models)) or "none"
             raise ModelNotFound(f"unknown model {clip(name)}; this server serves: {known}")
         if version and version != cfg.version:
-            raise ModelNotFound(
-                f"model {name!r} has no version {clip(version)}; available: {cfg.version!r}"
-            )
+            raise ModelNotFound(f"model {name!r} has no version {clip(version)}; "
+                                f"available: {cfg.version!r}")  # fmt: skip
         return cfg
 
     def served(self, msg: pb.ModelInferRequest) -> ModelConfig | None:
@@ -192,9 +192,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         good (it is unready on its own, in ModelReady and its health service): one
         broken model must not take the healthy ones out of a load balancer."""
         core = self._core
-        return not self.leaving and all(
-            core.model_ready(n) or core.load_error(n) is not None for n in self._models
-        )
+        return not self.leaving and all(core.model_ready(n) or core.load_error(n) is not None
+                                        for n in self._models)  # fmt: skip
 
     async def infer(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
                     carrier: Carrier | None = None, encode: Encode | None = None,
@@ -260,11 +259,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """`fn(*args)` on the decode thread (heavy decoding, a large REST body); `bounded`:
         refused past HEAVY_WAITING (False: an answer already computed must go out)."""
         if bounded and self._heavy >= HEAVY_WAITING:
-            raise QueueFull(
-                f"{self._heavy} large requests are being decoded (the most that wait, "
-                f"{HEAVY_WAITING}); retry later",
-                retry_after_ms=100,
-            )
+            raise QueueFull(f"{self._heavy} large requests are being decoded (the most that "
+                            f"wait, {HEAVY_WAITING}); retry later", retry_after_ms=100)  # fmt: skip
         self._heavy += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._decoder, fn, *args)
@@ -286,9 +282,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
-        answer: pb.ModelInferResponse = await self.infer(
-            request, context.time_remaining(), self._carrier(context)
-        )
+        remaining, carrier = context.time_remaining(), self._carrier(context)
+        answer: pb.ModelInferResponse = await self.infer(request, remaining, carrier)
         return answer
 
     def _carrier(self, context: grpc.aio.ServicerContext) -> Carrier | None:  # traceparent
@@ -352,7 +347,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
-        return self.statistics(request)
+        return await self.every_statistics(request)
+
+    async def every_statistics(self, r: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        """This frontend's statistics, and with --frontends N every other's added."""
+        own = self.statistics(r)
+        return own if self.siblings is None else await self.siblings(r, own)
 
     def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         """Each model's current version, and older ones still draining (Stats.versions)."""

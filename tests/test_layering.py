@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "leaves: values, settings, processes, the socket",
         {
             *("request", "errors", "config", "stats", "loopload", "describe"),
-            *("supervisor", "frontends", "link", "tracing", "sibling_metrics"),
+            *("supervisor", "frontends", "link", "tracing", "siblings"),
             *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),

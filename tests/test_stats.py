@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchd.server import metrics, sibling_metrics
+from batchd.protos import inference_pb2 as pb
+from batchd.server import metrics, siblings
 from batchd.server.metrics import Collector, WorkerView, worker_views
 from batchd.server.stats import Stats
 from tests.conftest import model
@@ -151,7 +152,7 @@ def test_frontend_0_gathers_each_frontends_metrics_labelled_and_leaves_out_the_s
     cut short (Content-Length unmet: a number cut to 1234.0 parsed) or answers what
     does not parse (which ended the whole scrape unanswered) is left out of it. The
     jobs store's counts and the workers, frontend 0's, once and unlabelled."""
-    monkeypatch.setattr(sibling_metrics, "ANSWER_S", 0.5)
+    monkeypatch.setattr(siblings, "ANSWER_S", 0.5)
 
     def registry(seen: int) -> CollectorRegistry:
         r = CollectorRegistry()
@@ -183,9 +184,9 @@ def test_frontend_0_gathers_each_frontends_metrics_labelled_and_leaves_out_the_s
         others = [answering(b""), answering(cut, len(cut) + 1), answering(garbage, len(garbage))]
         servers = [await asyncio.start_unix_server(a, str(tmp_path / f"{i}.sock"))
                    for i, a in enumerate(others, 2)]  # fmt: skip
-        siblings = [str(tmp_path / f"{i}.sock") for i in (1, 2, 3, 4, 5)]  # (5: none there)
+        paths = [str(tmp_path / f"{i}.sock") for i in (1, 2, 3, 4, 5)]  # (5: none there)
         try:
-            return await sibling_metrics.gathered(registry(1), siblings)
+            return await siblings.gathered(registry(1), paths)
         finally:
             for server in (one, *servers):
                 server.close()
@@ -209,3 +210,44 @@ def test_frontend_0_gathers_each_frontends_metrics_labelled_and_leaves_out_the_s
     # (5, not listening, is starting or restarting: frontend 0 says so as it starts it)
     assert len(left_out) == 3 and all("left out of this scrape" in m for m in left_out), left_out
     assert not any(m.startswith("frontend 5") for m in left_out)
+
+
+def test_a_frontend_s_statistics_add_up_every_other_frontend_s(tmp_path: Path) -> None:
+    """--frontends N: ModelStatistics said the counts of the frontend the connection
+    reached. Each version's counts and times are added, batch sizes merged in order,
+    the last inference the latest; a sibling's model it does not serve is not added,
+    and one that answers nothing (not listening) is left out."""
+
+    def stats(success: int, last: int, sizes: dict[int, int]) -> pb.ModelStatistics:
+        m = pb.ModelStatistics(name="m", version="1", last_inference=last, inference_count=success)
+        m.inference_stats.success.count, m.inference_stats.success.ns = success, 1000 * success
+        for size, n in sizes.items():
+            m.batch_stats.add(batch_size=size).compute_infer.count = n
+        return m
+
+    def theirs(request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        assert request.name == "m"
+        other = pb.ModelStatistics(name="other", version="1", inference_count=99)
+        return pb.ModelStatisticsResponse(model_stats=[stats(5, 70, {4: 1, 1: 2}), other])
+
+    async def body() -> pb.ModelStatisticsResponse:
+        paths = siblings.sockets(str(tmp_path), 3)  # 0: this one; 2: not listening
+        one = await metrics.start_metrics(
+            CollectorRegistry(), "", -1, unix=paths[1], statistics=siblings.answering(theirs)
+        )
+        own = pb.ModelStatisticsResponse(model_stats=[stats(3, 90, {2: 3, 4: 1})])
+        try:
+            return await siblings.statistics(
+                pb.ModelStatisticsRequest(name="m"), own, siblings.others(paths[0], 3)
+            )
+        finally:
+            one.close()
+
+    (m,) = asyncio.run(body()).model_stats
+    assert (m.name, m.inference_count, m.last_inference) == ("m", 8, 90)
+    assert (m.inference_stats.success.count, m.inference_stats.success.ns) == (8, 8000)
+    assert [(b.batch_size, b.compute_infer.count) for b in m.batch_stats] == [
+        (1, 2),
+        (2, 3),
+        (4, 2),
+    ]

@@ -1,0 +1,172 @@
+"""`--frontends N`: what the frontends ask each other, each on a private Unix socket
+in frontend 0's folder (`sockets`): /metrics and ModelStatistics.
+
+Frontend 0's /metrics asks every other frontend for its own on each scrape and
+labels every sample `frontend` (its index, 0 for its own), so `sum without
+(frontend)` counts the whole server. A ModelStatistics (gRPC, or HTTP's /stats),
+whichever frontend it reaches, adds up every frontend's counts. What another
+process answers is data: one that does not answer whole and in time is left out
+of that answer, and text is parsed off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from batchd.protos import inference_pb2 as pb
+
+Stats = pb.ModelStatisticsResponse
+
+log = logging.getLogger("batchd.metrics")
+ANSWER_S = 2.0  # each sibling's answer is waited for this long, at most
+# Frontend 0's alone, unlabelled: the jobs store's counts, which every frontend reads, and
+# the workers, which it owns (a child names them by id, a new series for each restart)
+WHOLE = frozenset({"batchd_jobs", "batchd_worker_up", "batchd_worker_restarts"})
+MAX_SCRAPE_BYTES = 64 * 2**20  # a sibling's answer larger than this is left out
+_left_out: set[str] = set()  # siblings' sockets whose metrics the last scrape left out
+
+
+async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> bytes:
+    """The exposition of `registry`; with `siblings`, also of each sibling's /metrics
+    (frontends 1.., asked at once, each given ANSWER_S, parsed off the loop), every
+    sample labelled with its frontend's index, but for the WHOLE families, frontend
+    0's alone. A sibling that does not answer whole and in time (restarting, hung) is
+    left out of the scrape: a WARNING when it first is (but for one not listening:
+    starting, restarting), INFO when it is back."""
+    if not siblings:
+        return generate_latest(registry)
+    asked = [asyncio.wait_for(_ask(path, b"/metrics"), ANSWER_S) for path in siblings]
+    answers = await asyncio.gather(*asked, return_exceptions=True)
+    merged: dict[str, Metric] = {}
+
+    def add(families: Iterable[Metric], index: int) -> None:
+        for f in families:
+            if index and f.name in WHOLE:
+                continue
+            label = {} if f.name in WHOLE else {"frontend": str(index)}
+            into = merged.setdefault(f.name, Metric(f.name, f.documentation, f.type, f.unit))
+            into.samples += [s._replace(labels={**s.labels, **label}) for s in f.samples]
+
+    add(registry.collect(), 0)
+    for index, (path, answer) in enumerate(zip(siblings, answers, strict=True), 1):
+        try:
+            if isinstance(answer, BaseException):
+                raise answer
+            add(await asyncio.to_thread(_parsed, answer.decode()), index)
+        except Exception as e:  # (another process's answer: data, never this scrape's end)
+            # (one not listening yet, or restarting, frontend 0 logs as it starts it)
+            absent = isinstance(e, FileNotFoundError | ConnectionRefusedError)
+            say = log.debug if path in _left_out or absent else log.warning
+            say("frontend %d's metrics are left out of this scrape: %.200r", index, e)
+            _left_out.add(path)
+            continue
+        if path in _left_out:
+            _left_out.discard(path)
+            log.info("frontend %d's metrics are gathered again", index)
+    return generate_latest(_Fixed(list(merged.values())))
+
+
+async def statistics(request: pb.ModelStatisticsRequest, own: Stats, paths: Sequence[str]) -> Stats:
+    """`own` (this frontend's answer to `request`) plus each other frontend's, asked at
+    once (each given ANSWER_S; one that does not answer is left out, at DEBUG)."""
+    what = b"/statistics/" + request.SerializeToString().hex().encode()
+    asked = [asyncio.wait_for(_ask(path, what), ANSWER_S) for path in paths]
+    by_key = {(m.name, m.version): m for m in own.model_stats}
+    for path, answer in zip(paths, await asyncio.gather(*asked, return_exceptions=True),
+                            strict=True):  # fmt: skip
+        try:
+            if isinstance(answer, BaseException):
+                raise answer
+            theirs = pb.ModelStatisticsResponse.FromString(answer).model_stats
+        except Exception as e:  # (another process's answer: data)
+            log.debug("%s's statistics left out: %.200r", path, e)
+            continue
+        for m in theirs:
+            if (mine := by_key.get((m.name, m.version))) is not None:  # (ours says which)
+                add_statistics(mine, m)
+    return own
+
+
+def add_statistics(into: pb.ModelStatistics, other: pb.ModelStatistics) -> None:
+    """Add `other`'s counts and times (another frontend's, of the same version) to `into`."""
+    into.last_inference = max(into.last_inference, other.last_inference)
+    into.inference_count += other.inference_count
+    into.execution_count += other.execution_count
+    for f in pb.InferStatistics.DESCRIPTOR.fields:
+        _add(getattr(into.inference_stats, f.name), getattr(other.inference_stats, f.name))
+    sizes = {b.batch_size: b for b in into.batch_stats}
+    for b in other.batch_stats:
+        if (mine := sizes.get(b.batch_size)) is None:
+            mine = sizes[b.batch_size] = into.batch_stats.add(batch_size=b.batch_size)
+        for name in ("compute_input", "compute_infer", "compute_output"):
+            _add(getattr(mine, name), getattr(b, name))
+    into.batch_stats.sort(key=lambda b: b.batch_size)
+
+
+def _add(into: pb.StatisticDuration, other: pb.StatisticDuration) -> None:
+    into.count += other.count
+    into.ns += other.ns
+
+
+def answering(statistics: Callable[[pb.ModelStatisticsRequest], Stats]) -> Callable[[bytes], bytes]:
+    """What answers the others' /statistics (metrics.start_metrics): `statistics` of the
+    request they send, serialized; empty (nothing to add) for one it refuses."""
+
+    def answer(raw: bytes) -> bytes:
+        try:
+            answered: bytes = statistics(
+                pb.ModelStatisticsRequest.FromString(raw)
+            ).SerializeToString()
+            return answered
+        except Exception:  # (an unknown model: the asking frontend refused it already)
+            return b""
+
+    return answer
+
+
+def sockets(folder: str, count: int) -> list[str]:
+    """Each frontend's socket, by index (frontend 0 makes the folder, 0700)."""
+    return [f"{folder}/frontend-{i}.sock" for i in range(count)]
+
+
+def others(own: str, count: int) -> list[str]:
+    """The other frontends' sockets, of `count`, beside this one's (`own`)."""
+    return [s for s in sockets(os.path.dirname(own), count) if s != own]
+
+
+async def _ask(path: str, what: bytes) -> bytes:
+    """GET `what` from a sibling's socket: the body, all of it (Content-Length)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        writer.write(b"GET " + what + b" HTTP/1.1\r\nHost: batchd\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"\r\nContent-Length: *(\d{1,12})\r\n", head)
+        if not head.startswith(b"HTTP/1.1 200 ") or length is None:
+            raise ConnectionError(f"answered {head[:40]!r}")
+        if (size := int(length.group(1))) > MAX_SCRAPE_BYTES:
+            raise ConnectionError(f"answered {size} bytes, over {MAX_SCRAPE_BYTES}")
+        return await reader.readexactly(size)
+    finally:
+        writer.close()
+
+
+@dataclass(frozen=True)
+class _Fixed(Collector):
+    families: list[Metric]
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def _parsed(text: str) -> list[Metric]:
+    return list(text_string_to_metric_families(text))
