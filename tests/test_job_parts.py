@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 import sqlite3
 import struct
 import threading
@@ -29,14 +30,15 @@ from batchd.server.batching.scheduler import Scheduler
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
-from batchd.server.jobs import chunks, lines, runner
+from batchd.server.jobs import chunks, ids, lines, runner
+from batchd.server.jobs.ids import check_ids
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, Progress
-from batchd.server.jobs.upload import check_ids
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, ragged_model, request, run
+from tests.servers import alive, children, wait_for
 from tests.test_fuzz_codec import lines_run
 
 
@@ -429,6 +431,40 @@ def test_a_duplicate_repeated_on_every_line_is_named_briefly(tmp_path: Path) -> 
     assert refused.value.message == (
         "duplicate custom_id: 'same' on lines 1, 2, 3, 4, ... (10000 lines); each must be unique"
     )
+
+
+def test_the_ids_are_checked_in_a_child_process_that_a_cancel_kills(tmp_path: Path) -> None:
+    """On a thread of the frontend, the check of a few million-line uploads took the
+    GIL from the event loop (online calls waited up to 1 s), parsed each line beside
+    its memory, and held its exit until it ended."""
+    good, twice = tmp_path / "good.jsonl", tmp_path / "twice.jsonl"
+    good.write_text('{"custom_id": "a"}\n\n{"custom_id": "b"}\nnot json\n')
+    twice.write_text('{"custom_id": "a"}\n{"custom_id": "a"}\n')
+    big = tmp_path / "big.jsonl"
+    with big.open("w") as f:
+        f.writelines(f'{{"custom_id": "r{i}"}}\n' for i in range(2_000_000))
+
+    def checks() -> list[int]:
+        def command(pid: int) -> bytes:
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{pid}/cmdline").read_bytes()
+            return b""
+
+        return [p for p in children(os.getpid()) if b"batchd.server.jobs.ids" in command(p)]
+
+    async def body() -> None:
+        assert await ids.checked(good, tmp_path / "1.sqlite") == 3  # (not JSON: an error line)
+        with pytest.raises(BatchdError, match="duplicate custom_id: 'a' on lines 1, 2"):
+            await ids.checked(twice, tmp_path / "2.sqlite")
+        task = asyncio.create_task(ids.checked(big, tmp_path / "3.sqlite"))
+        await asyncio.to_thread(wait_for, checks, 60, "the check's process")
+        (child,) = checks()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not alive(child)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
 
 
 ONE_LINE = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",

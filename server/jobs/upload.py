@@ -1,8 +1,8 @@
 """One job upload taken in: written to disk as it comes, under --jobs-max-file-bytes,
 the jobs disk's room and --jobs-min-upload-rate (upload_deadline), then its
-custom_ids checked for duplicates on a thread against a scratch SQLite table on
-disk (check_ids), so neither the upload nor the check holds the file in memory.
-A cancel stops it at once (Upload.stop)."""
+custom_ids checked for duplicates in a process of its own (ids.py), so neither
+the upload nor the check holds the file in memory. A cancel stops it at once
+(Upload.stop)."""
 
 from __future__ import annotations
 
@@ -10,81 +10,19 @@ import asyncio
 import logging
 import math
 import shutil
-import sqlite3
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from batchd.server.errors import (
     BatchdError,
     Cancelled,
-    InvalidInput,
     LimitExceeded,
     Unavailable,
-    clip,
 )
-from batchd.server.jobs import lines
+from batchd.server.jobs import ids
 from batchd.server.jobs.runner import Jobs
 
 log = logging.getLogger("batchd.jobs")
-SHOWN_DUPLICATES = 5  # custom_ids named in a duplicates error ...
-SHOWN_LINES = 4  # ... and line numbers for each
 MIN_FREE_BYTES = 256 * 1024 * 1024  # an upload stops before the jobs disk has less free
-
-
-def _first_lines(db: sqlite3.Connection, cid: str, count: int) -> str:
-    """The first SHOWN_LINES line numbers of `cid` (of its `count`): a message stays short
-    whatever the file repeats."""
-    found = db.execute(
-        f"SELECT line FROM ids WHERE cid = ? ORDER BY line LIMIT {SHOWN_LINES}", (cid,)
-    )
-    at = ", ".join(str(n) for (n,) in found)
-    return at if count <= SHOWN_LINES else f"{at}, ... ({count} lines)"
-
-
-def check_ids(path: Path, scratch: Path) -> int:
-    """The number of request lines in the job file at `path`; InvalidInput naming the
-    lines of duplicate custom_ids. Runs on a thread; memory does not grow with the file."""
-    total = 0
-    db = sqlite3.connect(scratch)
-    try:
-        db.execute("CREATE TABLE ids (cid TEXT, line INTEGER)")
-        batch: list[tuple[str, int]] = []
-        with path.open("rb") as f:
-            number = 0
-            while True:
-                raw, length, too_long = lines.read_line(f)
-                if not length:
-                    break
-                number += 1
-                if too_long:  # blank or not: it becomes an error line when the job runs
-                    total += 1
-                    continue
-                if not raw.strip():
-                    continue
-                total += 1
-                try:
-                    batch.append((lines.custom_id_of(lines.load(raw)), number))
-                except ValueError:
-                    continue  # so does this one
-                if len(batch) >= 10_000:
-                    db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
-                    batch.clear()
-        db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
-        twice = db.execute(
-            "SELECT cid, count(*) FROM ids GROUP BY cid HAVING count(*) > 1 "
-            f"ORDER BY min(line) LIMIT {SHOWN_DUPLICATES + 1}"
-        ).fetchall()
-        shown = "; ".join(
-            f"{clip(cid)} on lines {_first_lines(db, cid, n)}"
-            for cid, n in twice[:SHOWN_DUPLICATES]
-        )
-    finally:
-        db.close()
-        scratch.unlink(missing_ok=True)
-    if twice:
-        more = " (and more)" if len(twice) > SHOWN_DUPLICATES else ""
-        raise InvalidInput(f"duplicate custom_id: {shown}{more}; each must be unique")
-    return total
 
 
 def upload_deadline(started: float, received: int, min_rate: int, grace_s: float) -> float:
@@ -144,7 +82,7 @@ class Upload:
                 if self._why is None:  # the check: no rate, but a cancel still stops it
                     self._timeout.reschedule(None)
                 scratch = jobs.store.folder(self.job_id) / "ids.sqlite"
-                total = await asyncio.to_thread(check_ids, path, scratch)
+                total = await ids.checked(path, scratch)
         except TimeoutError:
             if self._timeout is None or not self._timeout.expired():
                 raise  # not ours: an HTTP piece later than --handshake-timeout
