@@ -363,3 +363,25 @@ def test_a_dripping_upload_ends_after_the_grace_and_cancel_stops_an_upload(
         run(lambda: asyncio.wait_for(scenario(), 90))
     finally:
         assert server.stop() == 0, server.log()
+
+
+@pytest.mark.parametrize(
+    ("owner", "status"), [(None, ""), ("me", ""), ("me", "queued"), (None, "queued")]
+)
+def test_listing_jobs_reads_an_index_not_every_job_kept(
+    tmp_path: Path, owner: str | None, status: str
+) -> None:
+    """ListJobs runs on the event loop (SQLite): it sorted every job kept for
+    --jobs-retention-hours to return `limit` of them, ~1 us each (a review: 6.8 ms at
+    6,000 jobs, four listings at once pushed online p99 to 189 ms)."""
+    store = SqliteStore(tmp_path)
+    asked: list[str] = []
+    store._db.set_trace_callback(asked.append)
+
+    async def body() -> None:
+        await store.select(owner, status, limit=1)
+
+    asyncio.run(body())
+    (sql,) = [q for q in asked if q.startswith("SELECT")]
+    plan = " ".join(str(row[-1]) for row in store._db.execute(f"EXPLAIN QUERY PLAN {sql}"))
+    assert "USING INDEX" in plan and "TEMP B-TREE" not in plan, plan
