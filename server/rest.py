@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 
@@ -159,7 +158,8 @@ class RestApi:
         post("/v2/repository/index", self.index)
         post("/v2/repository/models/{model}/load", self.load)
         post("/v2/repository/models/{model}/unload", self.unload)
-        uploads = functools.partial(self._expect, limit=math.inf)  # (--jobs-max-file-bytes)
+        limit = (jobs.max_file_bytes, "--jobs-max-file-bytes")  # (inf: jobs are off)
+        uploads = functools.partial(self._expect, limit=limit)
         JobRoutes(jobs, body_timeout_s).add_to(self.app.router, uploads)
 
     @web.middleware
@@ -180,21 +180,22 @@ class RestApi:
     # ---- helpers ----
 
     async def _expect(
-        self, request: web.Request, limit: float | None = None
+        self, request: web.Request, limit: tuple[float, str] | None = None
     ) -> web.StreamResponse | None:
         """`Expect: 100-continue` (it comes before the middlewares): a caller without its
         token, or a body declared over the limit, is refused before the body is sent
         (aiohttp said 100 Continue, then refused it), and the connection closed. Any
         other expectation is 417 (it was 413 for a large body, aiohttp's text/plain else)."""
         expect = request.headers.get("Expect", "")
+        most, flag = limit or (self._max_body, "--max-message-bytes")
         if expect.lower() != "100-continue":
             refused = error_response(417, f"Expect: only 100-continue is understood; came "
                                      f"{clip(expect)}")  # fmt: skip
         elif not self._allowed(request):
             refused = error_response(401, DENIED, {"WWW-Authenticate": "Bearer"})
-        elif (declared := request.content_length or 0) > (limit or self._max_body):
-            refused = error_response(413, f"the body is {declared} bytes, more than "
-                                     f"{self._max_body} (--max-message-bytes)")  # fmt: skip
+        elif (declared := request.content_length or 0) > most:
+            refused = error_response(413, f"the body is {declared} bytes, more than {most:.0f} "
+                                     f"({flag})")  # fmt: skip
         else:
             await _default_expect_handler(request)  # 100 Continue
             return None

@@ -135,7 +135,7 @@ def test_submission_is_refused_with_the_reason(example_server: ServerProcess,
         with pytest.raises(ModelNotFound, match=r"'nnnn.*\.\.\. \(100000 characters\)") as e:
             c.submit_job("n" * 100_000, lines[:1])
         assert len(str(e.value)) < 300  # quoted short, not echoed whole
-        with pytest.raises(ModelNotFound, match="step-wise"):
+        with pytest.raises(InvalidInput, match="step-wise"):  # (it is there: not NOT_FOUND)
             c.submit_job("decoder", lines[:1])
         with pytest.raises(ModelNotFound, match="no job 'job-0'"):
             c.job("job-0")

@@ -558,6 +558,14 @@ def test_expect_100_continue_asks_for_the_token_first(strict: ServerProcess) -> 
             answer = s.recv(4096)
         refused_and_closed = b"Connection: close" in answer or first.endswith(b"Continue")
         assert answer.startswith(first) and refused_and_closed, (path, answer[:300])
+    # A job file declared over --jobs-max-file-bytes (1 GiB) is refused before it is
+    # sent (it was told 100 Continue, and refused once 1 GiB of it had come)
+    with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
+        s.sendall(b"POST /v2/jobs?model=gated HTTP/1.1\r\nHost: x\r\nAuthorization: " + token
+                  + b"\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % 2**31)  # fmt: skip
+        status, answer = read_response(s)
+    too_large = f"the body is {2**31} bytes, more than {2**30} (--jobs-max-file-bytes)"
+    assert (status, json.loads(answer)) == (413, {"error": too_large})
     # An expectation it does not understand is 417 saying so, whatever the body's size
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
         s.sendall(
@@ -1106,6 +1114,15 @@ def test_a_job_over_http_matches_the_grpc_view_of_it(
     assert got["j2"]["outputs"][0]["shape"] == [1, 16]
     tail = call(example_server, "GET", f"{path}/results?offset=10").body
     assert tail == results.body[10:]
+    negative = call(example_server, "GET", f"{path}/results?offset=-5")  # (was the whole file)
+    assert (negative.status, negative.error) == (400, "offset must be a byte offset >= 0, got -5")
+    head = call(example_server, "HEAD", f"{path}/results")  # (was 405: every GET route takes HEAD)
+    assert (head.status, head.body, head.headers["Content-Type"]) == (
+        200, b"", "application/x-ndjson")  # fmt: skip
+    assert call(example_server, "HEAD", "/v2/jobs/job-nope/results").status == 404
+    stepwise = call(example_server, "POST", "/v2/jobs?model=decoder", body)  # (was 404)
+    assert (stepwise.status, stepwise.error) == (
+        400, "model 'decoder' is step-wise (decoupled); jobs run one-shot models only")  # fmt: skip
     cancelled = call(example_server, "POST", f"{path}/cancel")
     assert (cancelled.status, cancelled.json()["status"]) == (200, "completed")
 

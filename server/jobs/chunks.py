@@ -159,6 +159,10 @@ class ModelGone(JobFailed):
     """The job's model is not here, or has no live worker: shared, given back; else failed."""
 
 
+class NotOneShot(JobFailed):
+    """The job's model is step-wise: its lines would have no one answer each."""
+
+
 def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:
     """The model a job's lines go to; JobFailed saying why there is none."""
     cfg = models.get(name)
@@ -170,7 +174,7 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
             f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
         )
     if cfg.generate is not None:
-        raise JobFailed(f"model {name!r} is step-wise (decoupled); jobs run one-shot models only")
+        raise NotOneShot(f"model {name!r} is step-wise (decoupled); jobs run one-shot models only")
     return cfg
 
 

@@ -38,6 +38,12 @@ def _job(job: Message, status: int = 200) -> web.Response:
     )  # fmt: skip
 
 
+def _offset(request: web.Request) -> int:
+    if (offset := _int(request, "offset")) < 0:  # (it was taken for 0: the whole file)
+        raise InvalidInput(f"offset must be a byte offset >= 0, got {offset}")
+    return offset
+
+
 def _int(request: web.Request, key: str) -> int:
     raw = request.query.get(key, "0")
     try:
@@ -57,7 +63,8 @@ class JobRoutes:
         router.add_get("/v2/jobs", self.listing)
         router.add_get("/v2/jobs/{job}", self.get)
         router.add_post("/v2/jobs/{job}/cancel", self.cancel, expect_handler=expect)
-        router.add_route("GET", "/v2/jobs/{job}/results", self.results)  # (no HEAD: a stream)
+        router.add_route("GET", "/v2/jobs/{job}/results", self.results)
+        router.add_route("HEAD", "/v2/jobs/{job}/results", self.results_head)
 
     def _caller(self, request: web.Request) -> Caller:
         return self._jobs.caller(bearer_header(request.headers.get("Authorization", "")))
@@ -93,9 +100,17 @@ class JobRoutes:
     async def cancel(self, request: web.Request) -> web.Response:
         return _job(await self._jobs.cancel(self._caller(request), request.match_info["job"]))
 
+    async def _results(self, request: web.Request) -> AsyncIterator[bytes]:
+        caller, job = self._caller(request), request.match_info["job"]
+        return await self._jobs.results(caller, job, _offset(request))
+
+    async def results_head(self, request: web.Request) -> web.Response:
+        """What GET would answer, without its body (a job of another owner: 404 too)."""
+        await self._results(request)
+        return web.Response(headers={"Content-Type": "application/x-ndjson"})
+
     async def results(self, request: web.Request) -> web.StreamResponse:
-        offset = max(_int(request, "offset"), 0)
-        pieces = await self._jobs.results(self._caller(request), request.match_info["job"], offset)
+        pieces = await self._results(request)
         stream = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await stream.prepare(request)
         async for data in pieces:

@@ -44,7 +44,7 @@ from batchd.server.errors import (
     clip,
     grpc_status,
 )
-from batchd.server.jobs.chunks import JobFailed, job_model
+from batchd.server.jobs.chunks import JobFailed, NotOneShot, job_model
 from batchd.server.jobs.runner import Jobs
 from batchd.server.jobs.store import MAX_KEY_CHARS, OPEN, STATUSES, JobRow, Submitted
 from batchd.server.jobs.upload import Upload, upload_stopped
@@ -58,6 +58,11 @@ class JobsService(pb_grpc.JobsServicer):
         self._jobs = jobs
         self._off = off  # why jobs are off, when they are
         self._tokens = tokens
+
+    @property
+    def max_file_bytes(self) -> float:
+        """The largest job file taken (--jobs-max-file-bytes; none while jobs are off)."""
+        return math.inf if self._jobs is None else self._jobs.max_file_bytes
 
     def _on(self) -> Jobs:
         if self._jobs is None:
@@ -131,6 +136,8 @@ class JobsService(pb_grpc.JobsServicer):
             raise InvalidInput("a job must name its model (gRPC: model_name; HTTP: ?model=NAME)")
         try:
             job_model(jobs.models, model_name, model_version)
+        except NotOneShot as e:  # (it was NOT_FOUND: the model is there)
+            raise InvalidInput(f"{e}") from None
         except JobFailed as e:
             raise ModelNotFound(f"{e}") from None
         if (n := await jobs.store.count(OPEN)) >= jobs.max_open:
