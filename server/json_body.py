@@ -25,7 +25,7 @@ def json_kind(value: Any) -> str:
     )
 
 
-def _refuse_lone_surrogates(value: Any, what: str) -> None:
+def refuse_lone_surrogates(value: Any, what: str) -> None:
     """InvalidInput for a string (or key) holding half a UTF-16 surrogate pair, which
     no UTF-8 can carry on: walked without recursion, as deep as Python's json read."""
     stack = [value]
@@ -71,7 +71,7 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
             ) from None
         if value is None:
             raise InvalidInput(f"{what} is not valid JSON: {e}") from None
-        _refuse_lone_surrogates(value, what)  # orjson refuses them; Python's json does not
+        refuse_lone_surrogates(value, what)  # orjson refuses them; Python's json does not
     if not isinstance(value, dict):
         raise InvalidInput(f"{what} must be a JSON object, got {json_kind(value)}")
     return value

@@ -467,6 +467,19 @@ def test_the_ids_are_checked_in_a_child_process_that_a_cancel_kills(tmp_path: Pa
     asyncio.run(asyncio.wait_for(body(), 120))
 
 
+def test_a_line_with_nan_or_infinity_is_read_as_on_http() -> None:
+    """Python's json.dumps writes them (and results hold them): the line was 'not JSON',
+    an error line with its custom_id lost, while HTTP infer took the same request."""
+    doc = {"custom_id": "n", "inputs": [{"name": "X", "datatype": "FP32", "shape": [3],
+                                         "data": [math.nan, math.inf, -math.inf]}]}  # fmt: skip
+    raw = lines.parse(lines.load(json.dumps(doc).encode()), "m", "").raw_input_contents[0]
+    assert np.frombuffer(raw, "<f4").tolist()[1:] == [math.inf, -math.inf]
+    with pytest.raises(ValueError, match="a string holds a lone UTF-16 surrogate"):
+        lines.load(b'{"custom_id": "\\ud800", "x": NaN}')
+    with pytest.raises(ValueError, match="not JSON"):
+        lines.load(b"[" * 5_000 + b"NaN")
+
+
 ONE_LINE = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",
                       "shape": [1, 1], "data": [3]}]}) + "\n"  # fmt: skip
 

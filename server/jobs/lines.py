@@ -21,6 +21,7 @@ strings; BYTES that are not UTF-8 as base64 with `"parameters":
 from __future__ import annotations
 
 import base64
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -31,6 +32,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos.tensors import deserialize_bytes
 from batchd.server import rest_codec
 from batchd.server.errors import InvalidInput, clip
+from batchd.server.json_body import refuse_lone_surrogates
 from batchd.server.request import Tensor
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -80,10 +82,23 @@ def read_line(f: BinaryIO, limit: int = MAX_LINE_BYTES) -> tuple[bytes, int, boo
 
 
 def load(line: bytes) -> Any:
-    """The JSON document of one line; ValueError naming the problem."""
+    """The JSON document of one line; ValueError naming the problem. NaN and Infinity
+    are read, as on HTTP (json_body.load_json), and as results write them: a line of
+    Python's json.dumps was an error line with its custom_id lost."""
     try:
         return orjson.loads(line)
     except orjson.JSONDecodeError as e:
+        if b"NaN" in line or b"Infinity" in line:  # orjson refuses them; Python's json not
+            try:
+                doc = json.loads(line)
+            except (ValueError, RecursionError):
+                pass
+            else:
+                try:
+                    refuse_lone_surrogates(doc, "the line")
+                except InvalidInput as refused:
+                    raise ValueError(refused.message) from None
+                return doc
         start = clip(line[:40].decode("utf-8", "replace").rstrip())
         raise ValueError(f"not JSON ({e}); the line starts {start}") from None
 
