@@ -3,6 +3,7 @@ the link's clock is the `now` the test passes, so a retry interval passes at onc
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,8 +100,10 @@ def test_a_frontend_restarted_on_the_same_endpoint_is_told_ready_at_once(
         second = ctx.socket(zmq.ROUTER)  # the frontend, started again
         second.linger = 0
         second.bind(endpoint)
+        clock = itertools.count()  # 0.7 s on, 2 ms a turn: a look each 50 turns, far from
+        # the LIVENESS silence (3.5 s) in the 30 s the wait may take
         with caplog.at_level(logging.INFO, "batchd.worker"):
-            wait_for(lambda: not link.tick(now=0.7) and second.poll(0), 30, "a message")
+            wait_for(lambda: not link.tick(0.7 + next(clock) / 500) and second.poll(0), 30, "it")
         assert _next_kind(second, skip=wire.Header.HEARTBEAT) == wire.Header.READY
         assert "connected again to frontend" in caplog.text and "silent" not in caplog.text
         second.close()

@@ -48,6 +48,7 @@ log = logging.getLogger("batchd.worker")
 RETRY_S = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # silence before registering again
 LINGER_MS = 2000  # at exit: how long an answering frontend has to take the last replies
 GIVE_UP_S = 30.0  # a frontend behind and silent this long is taken for gone (see above)
+LOOK_S = 0.1  # how often the socket's monitor is read for a reconnection
 _BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
 _FROM_FRONTEND = frozenset(
     {
@@ -101,6 +102,7 @@ class FrontendLink:
         self.polled_out = False  # the I/O loop also waits for the socket to take more
         self._next_beat = 0.0
         self._next_retry = 0.0
+        self._next_look = 0.0  # when tick next reads the socket's monitor
 
     # ---- the socket ----
 
@@ -198,10 +200,12 @@ class FrontendLink:
         if self.accepted and now >= self._next_beat:
             self.send(beat() if beat is not None else _BEAT)
             self._next_beat = now + wire.HEARTBEAT_INTERVAL_S
-        if self._monitored() and self.accepted:  # connected anew: maybe a new frontend
-            log.info("connected again to frontend %s; saying READY", self.endpoint)
-            self.send(self._ready)
-            self._next_retry = now + RETRY_S
+        if now >= self._next_look:  # (a look costs ~4 us: not on every turn of the loop)
+            self._next_look = now + LOOK_S
+            if self._monitored() and self.accepted:  # connected anew: maybe a new frontend
+                log.info("connected again to frontend %s; saying READY", self.endpoint)
+                self.send(self._ready)
+                self._next_retry = now + RETRY_S
         if now < self._next_retry:
             return False
         why = self._why_silent()
