@@ -459,6 +459,7 @@ def test_the_ids_are_checked_in_a_child_process_that_a_cancel_kills(tmp_path: Pa
         task = asyncio.create_task(ids.checked(big, tmp_path / "3.sqlite"))
         await asyncio.to_thread(wait_for, checks, 60, "the check's process")
         (child,) = checks()
+        assert os.getsid(child) == child  # a group's SIGTERM (systemd, Ctrl-C) is not its
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

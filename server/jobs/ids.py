@@ -4,9 +4,12 @@ Reading every line of a file of millions, in Python, on a thread of the frontend
 took the GIL from the event loop over and over (online calls waited 0.4 to 1 s
 behind a few uploads' checks), parsed each line whole beside the loop's memory,
 and held the process's exit until it ended. So each check is a child process
-(`python -m batchd.server.jobs.ids FILE SCRATCH`, at a lower priority), one at a
-time per frontend: a cancel or a shutdown kills it; its memory goes with it. The
-ids go into a scratch SQLite table on disk, so memory does not grow with the file.
+(`python -P -m batchd.server.jobs.ids FILE SCRATCH`, at a lower priority, in a
+session of its own: a signal to the server's process group, Ctrl-C or systemd's,
+is the frontend's to act on, and uploads under way end), one at a time per
+frontend: a cancel or a shutdown kills it, as does its parent's death; its memory
+goes with it. The ids go into a scratch SQLite table
+on disk, so memory does not grow with the file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import sqlite3
 import sys
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from batchd.server.errors import InvalidInput, clip
@@ -35,8 +39,9 @@ async def checked(path: Path, scratch: Path) -> int:
     lock = _locks.setdefault(asyncio.get_running_loop(), asyncio.Lock())
     async with lock:
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "batchd.server.jobs.ids", str(path), str(scratch),
+            sys.executable, "-P", "-m", "batchd.server.jobs.ids", str(path), str(scratch),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # (a signal to the server's process group is not its)
         )  # fmt: skip
         try:
             out, err = await child.communicate()
@@ -45,9 +50,12 @@ async def checked(path: Path, scratch: Path) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     child.kill()
                 await asyncio.shield(child.wait())  # (its scratch goes with the job's folder)
-    if child.returncode != 0 or not out:
+    try:
+        answer = json.loads(out.splitlines()[-1]) if child.returncode == 0 and out else {}
+    except ValueError:
+        answer = {}
+    if not ("error" in answer or "total" in answer):
         raise RuntimeError(f"the custom_id check exited {child.returncode}: {err[-500:]!r}")
-    answer = json.loads(out)
     if "error" in answer:
         raise InvalidInput(answer["error"])
     return int(answer["total"])
@@ -63,9 +71,10 @@ def _first_lines(db: sqlite3.Connection, cid: str, count: int) -> str:
     return at if count <= SHOWN_LINES else f"{at}, ... ({count} lines)"
 
 
-def check_ids(path: Path, scratch: Path) -> int:
+def check_ids(path: Path, scratch: Path, alive: Callable[[], bool] = lambda: True) -> int:
     """The number of request lines in the job file at `path`; InvalidInput naming the
-    lines of duplicate custom_ids. Runs on a thread; memory does not grow with the file."""
+    lines of duplicate custom_ids; SystemExit once `alive()` says its asker is gone.
+    Memory does not grow with the file."""
     total = 0
     db = sqlite3.connect(scratch)
     try:
@@ -91,6 +100,8 @@ def check_ids(path: Path, scratch: Path) -> int:
                 if len(batch) >= 10_000:
                     db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
                     batch.clear()
+                    if not alive():  # (whoever asked is gone)
+                        raise SystemExit(1)
         db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
         twice = db.execute(
             "SELECT cid, count(*) FROM ids GROUP BY cid HAVING count(*) > 1 "
@@ -114,7 +125,9 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         os.nice(10)  # the frontend and the workers come first
     try:
-        answer: dict[str, object] = {"total": check_ids(Path(argv[0]), Path(argv[1]))}
+        parent = os.getppid()
+        alive = lambda: os.getppid() == parent  # noqa: E731
+        answer: dict[str, object] = {"total": check_ids(Path(argv[0]), Path(argv[1]), alive)}
     except InvalidInput as e:
         answer = {"error": e.message}
     print(json.dumps(answer))
