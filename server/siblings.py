@@ -34,6 +34,10 @@ ANSWER_S = 2.0  # each sibling's answer is waited for this long, at most
 WHOLE = frozenset({"batchd_jobs", "batchd_worker_up", "batchd_worker_restarts"})
 MAX_SCRAPE_BYTES = 64 * 2**20  # a sibling's answer larger than this is left out
 _left_out: set[str] = set()  # siblings' sockets whose metrics the last scrape left out
+# Each sibling's last statistics, and what its runs before a restart counted: by its
+# socket, model and version (statistics())
+_last: dict[tuple[str, str, str], pb.ModelStatistics] = {}
+_gone: dict[tuple[str, str, str], pb.ModelStatistics] = {}
 
 
 async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> bytes:
@@ -87,14 +91,32 @@ async def statistics(request: pb.ModelStatisticsRequest, own: Stats, paths: Sequ
         try:
             if isinstance(answer, BaseException):
                 raise answer
-            theirs = pb.ModelStatisticsResponse.FromString(answer).model_stats
+            for m in pb.ModelStatisticsResponse.FromString(answer).model_stats:
+                _remember(path, m)
         except Exception as e:  # (another process's answer: data)
-            log.debug("%s's statistics left out: %.200r", path, e)
-            continue
-        for m in theirs:
-            if (mine := by_key.get((m.name, m.version))) is not None:  # (ours says which)
-                add_statistics(mine, m)
+            log.debug("%s's statistics are its last ones: %.200r", path, e)
+        for (name, version), mine in by_key.items():  # (ours says which versions)
+            for counted in (_last.get((path, name, version)), _gone.get((path, name, version))):
+                if counted is not None:
+                    add_statistics(mine, counted)
     return own
+
+
+def _remember(path: str, m: pb.ModelStatistics) -> None:
+    """A sibling's answer for one version: kept as its last (used while it does not
+    answer), and what its earlier runs counted kept too once its counts fell (it
+    restarted): the totals never go back, as a snapshot-to-snapshot delta needs."""
+    key = (path, m.name, m.version)
+    last = _last.get(key)
+    if last is not None and any(n < was for n, was in zip(_counts(m), _counts(last), strict=True)):
+        gone = _gone.setdefault(key, pb.ModelStatistics(name=m.name, version=m.version))
+        add_statistics(gone, last)
+    _last[key] = m
+
+
+def _counts(m: pb.ModelStatistics) -> tuple[int, int, int]:
+    """What only grows while a frontend runs: one that fell, it began again."""
+    return m.inference_count, m.inference_stats.success.count, m.inference_stats.fail.count
 
 
 def add_statistics(into: pb.ModelStatistics, other: pb.ModelStatistics) -> None:

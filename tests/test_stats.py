@@ -251,3 +251,40 @@ def test_a_frontend_s_statistics_add_up_every_other_frontend_s(tmp_path: Path) -
         (2, 3),
         (4, 2),
     ]
+
+
+def test_a_sibling_s_statistics_never_go_back_when_it_restarts_or_goes_silent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted child's counts began again from 0, and a silent one's dropped out:
+    the server's totals went back, and a delta between two snapshots (perf_analyzer's)
+    wrapped around. Its last answer stands in while it is silent, and what it counted
+    before a restart is kept."""
+    monkeypatch.setattr(siblings, "ANSWER_S", 0.5)
+    counts = [5]
+
+    def theirs(request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        m = pb.ModelStatistics(name="m", version="1", inference_count=counts[0])
+        m.inference_stats.success.count = counts[0]
+        return pb.ModelStatisticsResponse(model_stats=[m])
+
+    async def total(paths: list[str]) -> int:
+        own = pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(name="m", version="1")])
+        got = await siblings.statistics(pb.ModelStatisticsRequest(name="m"), own, paths)
+        return int(got.model_stats[0].inference_stats.success.count)
+
+    async def body() -> list[int]:
+        paths = siblings.others(str(tmp_path / "frontend-0.sock"), 2)
+        seen = []
+        one = await metrics.start_metrics(
+            CollectorRegistry(), "", -1, unix=paths[0], statistics=siblings.answering(theirs)
+        )
+        seen.append(await total(paths))  # 5
+        counts[0] = 2  # it restarted and answered 2 since
+        seen.append(await total(paths))  # 5 before, 2 now
+        one.close()
+        await one.wait_closed()
+        seen.append(await total(paths))  # gone: silent
+        return seen
+
+    assert asyncio.run(body()) == [5, 7, 7]
