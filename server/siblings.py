@@ -6,7 +6,8 @@ labels every sample `frontend` (its index, 0 for its own), so `sum without
 (frontend)` counts the whole server. A ModelStatistics (gRPC, or HTTP's /stats),
 whichever frontend it reaches, adds up every frontend's counts. What another
 process answers is data: one that does not answer whole and in time is left out
-of that answer, and text is parsed off the event loop.
+of a scrape, and counts in statistics with its last answer; text is parsed off
+the event loop.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> byte
 
 async def statistics(request: pb.ModelStatisticsRequest, own: Stats, paths: Sequence[str]) -> Stats:
     """`own` (this frontend's answer to `request`) plus each other frontend's, asked at
-    once (each given ANSWER_S; one that does not answer is left out, at DEBUG)."""
+    once (each given ANSWER_S; one that does not answer counts with its last answer,
+    at DEBUG), and what each counted before it restarted (`_remember`)."""
     what = b"/statistics/" + request.SerializeToString().hex().encode()
     asked = [asyncio.wait_for(_ask(path, what), ANSWER_S) for path in paths]
     by_key = {(m.name, m.version): m for m in own.model_stats}

@@ -8,8 +8,8 @@ and held the process's exit until it ended. So each check is a child process
 session of its own: a signal to the server's process group, Ctrl-C or systemd's,
 is the frontend's to act on, and uploads under way end), one at a time per
 frontend: a cancel or a shutdown kills it, as does its parent's death; its memory
-goes with it. The ids go into a scratch SQLite table
-on disk, so memory does not grow with the file.
+goes with it. The ids go into a scratch SQLite table on disk, so memory does not
+grow with the file.
 """
 
 from __future__ import annotations
