@@ -228,9 +228,9 @@ def _refused(what: str, flag: str, host: str, port: int, e: OSError) -> ConfigEr
 
 
 async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -> int:
-    """Serve the REST API on --http-port and /metrics on --metrics-port (a child: on a
-    socket, for frontend 0's), before gRPC starts: a port in use stops start-up cleanly.
-    The HTTP port, or -1 when it is off."""
+    """Serve the REST API on --http-port, /metrics on --metrics-port and, with --frontends
+    N, this frontend's socket for the others, before gRPC starts: a port in use stops
+    start-up cleanly. The HTTP port, or -1 when it is off."""
     net = cfg.network
     host, port, metrics = net.host.strip("[]"), net.http_port, net.metrics_port  # (IPv6: bare)
     if port >= 0:
