@@ -347,12 +347,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelStatisticsResponse:
-        return await self.every_statistics(request)
+        return await self.every_statistics(request, context.time_remaining())
 
-    async def every_statistics(self, r: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
-        """This frontend's statistics, and with --frontends N every other's added."""
+    async def every_statistics(self, r: pb.ModelStatisticsRequest, remaining: float | None = None
+                               ) -> pb.ModelStatisticsResponse:  # fmt: skip
+        """This frontend's statistics, and with --frontends N every other's added (within
+        half the call's `remaining` time, if it has a deadline)."""
         own = self.statistics(r)
-        return own if self.siblings is None else await self.siblings(r, own)
+        return own if self.siblings is None else await self.siblings(r, own, remaining)
 
     def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         """Each model's current version, and older ones still draining (Stats.versions)."""

@@ -81,12 +81,16 @@ async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> byte
     return generate_latest(_Fixed(list(merged.values())))
 
 
-async def statistics(request: pb.ModelStatisticsRequest, own: Stats, paths: Sequence[str]) -> Stats:
+async def statistics(request: pb.ModelStatisticsRequest, own: Stats, remaining: float | None,
+                     paths: Sequence[str]) -> Stats:  # fmt: skip
     """`own` (this frontend's answer to `request`) plus each other frontend's, asked at
-    once (each given ANSWER_S; one that does not answer counts with its last answer,
-    at DEBUG), and what each counted before it restarted (`_remember`)."""
+    once (each given ANSWER_S, or half the call's `remaining` time if less: a call with
+    a short deadline was failed whole by a sibling that hung; one that does not answer
+    counts with its last answer, at DEBUG), and what each counted before it restarted
+    (`_remember`)."""
+    wait = ANSWER_S if remaining is None else min(ANSWER_S, max(remaining / 2, 0.001))
     what = b"/statistics/" + request.SerializeToString().hex().encode()
-    asked = [asyncio.wait_for(_ask(path, what), ANSWER_S) for path in paths]
+    asked = [asyncio.wait_for(_ask(path, what), wait) for path in paths]
     by_key = {(m.name, m.version): m for m in own.model_stats}
     for path, answer in zip(paths, await asyncio.gather(*asked, return_exceptions=True),
                             strict=True):  # fmt: skip

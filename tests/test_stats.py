@@ -238,7 +238,7 @@ def test_a_frontend_s_statistics_add_up_every_other_frontend_s(tmp_path: Path) -
         own = pb.ModelStatisticsResponse(model_stats=[stats(3, 90, {2: 3, 4: 1})])
         try:
             return await siblings.statistics(
-                pb.ModelStatisticsRequest(name="m"), own, siblings.others(paths[0], 3)
+                pb.ModelStatisticsRequest(name="m"), own, None, siblings.others(paths[0], 3)
             )
         finally:
             one.close()
@@ -270,7 +270,7 @@ def test_a_sibling_s_statistics_never_go_back_when_it_restarts_or_goes_silent(
 
     async def total(paths: list[str]) -> int:
         own = pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(name="m", version="1")])
-        got = await siblings.statistics(pb.ModelStatisticsRequest(name="m"), own, paths)
+        got = await siblings.statistics(pb.ModelStatisticsRequest(name="m"), own, None, paths)
         return int(got.model_stats[0].inference_stats.success.count)
 
     async def body() -> list[int]:
@@ -288,3 +288,34 @@ def test_a_sibling_s_statistics_never_go_back_when_it_restarts_or_goes_silent(
         return seen
 
     assert asyncio.run(body()) == [5, 7, 7]
+
+
+def test_a_call_with_a_deadline_waits_for_a_hung_sibling_half_its_time_at_most(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ModelStatistics with a deadline under ANSWER_S failed whole (DEADLINE_EXCEEDED)
+    while a sibling hung: it is answered with the others' counts within its time."""
+    monkeypatch.setattr(siblings, "ANSWER_S", 60.0)
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            writer.close()
+
+    async def body() -> int:
+        paths = siblings.others(str(tmp_path / "frontend-0.sock"), 2)
+        hung = await asyncio.start_unix_server(hang, paths[0])
+        own = pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(name="m", version="1")])
+        own.model_stats[0].inference_count = 4
+        try:
+            got = await asyncio.wait_for(  # (60 s, were the deadline not heeded)
+                siblings.statistics(pb.ModelStatisticsRequest(name="m"), own, 0.2, paths), 10
+            )
+        finally:
+            hung.close()
+        return int(got.model_stats[0].inference_count)
+
+    assert asyncio.run(body()) == 4
