@@ -468,6 +468,18 @@ def test_the_ids_are_checked_in_a_child_process_that_a_cancel_kills(tmp_path: Pa
     asyncio.run(asyncio.wait_for(body(), 120))
 
 
+def test_the_ids_check_leaves_once_its_asker_is_gone_whatever_the_lines_hold(
+    tmp_path: Path,
+) -> None:
+    """It asked every 10,000 ids collected: a file of lines that hold none (not JSON)
+    never asked, and its child outlived a killed server by minutes."""
+    path = tmp_path / "junk.jsonl"
+    path.write_bytes(b"x\n" * 30_000)
+    with pytest.raises(SystemExit):
+        check_ids(path, tmp_path / "ids.sqlite", alive=lambda: False)
+    assert check_ids(path, tmp_path / "ids2.sqlite") == 30_000
+
+
 def test_a_line_with_nan_or_infinity_is_read_as_on_http() -> None:
     """Python's json.dumps writes them (and results hold them): the line was 'not JSON',
     an error line with its custom_id lost, while HTTP infer took the same request."""

@@ -4,7 +4,7 @@ Reading every line of a file of millions, in Python, on a thread of the frontend
 took the GIL from the event loop over and over (online calls waited 0.4 to 1 s
 behind a few uploads' checks), parsed each line whole beside the loop's memory,
 and held the process's exit until it ended. So each check is a child process
-(`python -P -m batchd.server.jobs.ids FILE SCRATCH`, at a lower priority, in a
+(`python -P -m batchd.server.jobs.ids FILE SCRATCH PID`, at a lower priority, in a
 session of its own: a signal to the server's process group, Ctrl-C or systemd's,
 is the frontend's to act on, and uploads under way end), one at a time per
 frontend: a cancel or a shutdown kills it, as does its parent's death; its memory
@@ -40,6 +40,7 @@ async def checked(path: Path, scratch: Path) -> int:
     async with lock:
         child = await asyncio.create_subprocess_exec(
             sys.executable, "-P", "-m", "batchd.server.jobs.ids", str(path), str(scratch),
+            str(os.getpid()),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True,  # (a signal to the server's process group is not its)
         )  # fmt: skip
@@ -54,7 +55,7 @@ async def checked(path: Path, scratch: Path) -> int:
         answer = json.loads(out.splitlines()[-1]) if child.returncode == 0 and out else {}
     except ValueError:
         answer = {}
-    if not ("error" in answer or "total" in answer):
+    if not isinstance(answer, dict) or not ("error" in answer or "total" in answer):
         raise RuntimeError(f"the custom_id check exited {child.returncode}: {err[-500:]!r}")
     if "error" in answer:
         raise InvalidInput(answer["error"])
@@ -87,6 +88,8 @@ def check_ids(path: Path, scratch: Path, alive: Callable[[], bool] = lambda: Tru
                 if not length:
                     break
                 number += 1
+                if number % 10_000 == 0 and not alive():  # (whoever asked is gone)
+                    raise SystemExit(1)
                 if too_long:  # blank or not: it becomes an error line when the job runs
                     total += 1
                     continue
@@ -100,8 +103,6 @@ def check_ids(path: Path, scratch: Path, alive: Callable[[], bool] = lambda: Tru
                 if len(batch) >= 10_000:
                     db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
                     batch.clear()
-                    if not alive():  # (whoever asked is gone)
-                        raise SystemExit(1)
         db.executemany("INSERT INTO ids VALUES (?, ?)", batch)
         twice = db.execute(
             "SELECT cid, count(*) FROM ids GROUP BY cid HAVING count(*) > 1 "
@@ -121,11 +122,12 @@ def check_ids(path: Path, scratch: Path, alive: Callable[[], bool] = lambda: Tru
 
 
 def main(argv: list[str]) -> int:
-    """FILE SCRATCH: prints {"total": request lines} or {"error": why}."""
+    """FILE SCRATCH PARENT_PID: prints {"total": request lines} or {"error": why}; leaves
+    once PARENT_PID is no longer its parent (given, not read: it may be gone already)."""
     with contextlib.suppress(OSError):
         os.nice(10)  # the frontend and the workers come first
     try:
-        parent = os.getppid()
+        parent = int(argv[2])
         alive = lambda: os.getppid() == parent  # noqa: E731
         answer: dict[str, object] = {"total": check_ids(Path(argv[0]), Path(argv[1]), alive)}
     except InvalidInput as e:
