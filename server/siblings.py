@@ -37,7 +37,7 @@ MAX_SCRAPE_BYTES = 64 * 2**20  # a sibling's answer larger than this is left out
 _left_out: set[str] = set()  # siblings' sockets whose metrics the last scrape left out
 # Each sibling's last statistics, and what its runs before a restart counted: by its
 # socket, model and version (statistics())
-_last: dict[tuple[str, str, str], pb.ModelStatistics] = {}
+_last: dict[tuple[str, str, str], tuple[int, pb.ModelStatistics]] = {}  # (its pid, counts)
 _gone: dict[tuple[str, str, str], pb.ModelStatistics] = {}
 
 
@@ -97,27 +97,30 @@ async def statistics(request: pb.ModelStatisticsRequest, own: Stats, remaining: 
         try:
             if isinstance(answer, BaseException):
                 raise answer
-            for m in pb.ModelStatisticsResponse.FromString(answer).model_stats:
-                _remember(path, m)
+            run, theirs = int.from_bytes(answer[:8], "little"), answer[8:]  # (`answering`)
+            for m in pb.ModelStatisticsResponse.FromString(theirs).model_stats:
+                _remember(path, run, m)
         except Exception as e:  # (another process's answer: data)
             log.debug("%s's statistics are its last ones: %.200r", path, e)
         for (name, version), mine in by_key.items():  # (ours says which versions)
-            for counted in (_last.get((path, name, version)), _gone.get((path, name, version))):
-                if counted is not None:
-                    add_statistics(mine, counted)
+            if (last := _last.get((path, name, version))) is not None:
+                add_statistics(mine, last[1])
+            if (gone := _gone.get((path, name, version))) is not None:
+                add_statistics(mine, gone)
     return own
 
 
-def _remember(path: str, m: pb.ModelStatistics) -> None:
-    """A sibling's answer for one version: kept as its last (used while it does not
-    answer), and what its earlier runs counted kept too once its counts fell (it
-    restarted): the totals never go back, as a snapshot-to-snapshot delta needs."""
+def _remember(path: str, run: int, m: pb.ModelStatistics) -> None:
+    """A sibling's answer for one version, from its process `run`: kept as its last
+    (used while it does not answer), and what its earlier runs counted kept too once
+    it is another process, or its counts fell: the totals this frontend gives never go
+    back, as a snapshot-to-snapshot delta needs (another frontend keeps its own)."""
     key = (path, m.name, m.version)
-    last = _last.get(key)
-    if last is not None and any(n < was for n, was in zip(_counts(m), _counts(last), strict=True)):
+    if (last := _last.get(key)) is not None and (last[0] != run or any(
+            n < was for n, was in zip(_counts(m), _counts(last[1]), strict=True))):  # fmt: skip
         gone = _gone.setdefault(key, pb.ModelStatistics(name=m.name, version=m.version))
-        add_statistics(gone, last)
-    _last[key] = m
+        add_statistics(gone, last[1])
+    _last[key] = run, m
 
 
 def _counts(m: pb.ModelStatistics) -> tuple[int, int, int]:
@@ -147,17 +150,19 @@ def _add(into: pb.StatisticDuration, other: pb.StatisticDuration) -> None:
 
 
 def answering(statistics: Callable[[pb.ModelStatisticsRequest], Stats]) -> Callable[[bytes], bytes]:
-    """What answers the others' /statistics (metrics.start_metrics): `statistics` of the
-    request they send, serialized; empty (nothing to add) for one it refuses."""
+    """What answers the others' /statistics (metrics.start_metrics): this process's
+    pid (8 bytes: which run of the frontend counted), then `statistics` of the request
+    they send, serialized; none (nothing to add) for one it refuses."""
+    run = os.getpid().to_bytes(8, "little")
 
     def answer(raw: bytes) -> bytes:
         try:
             answered: bytes = statistics(
                 pb.ModelStatisticsRequest.FromString(raw)
             ).SerializeToString()
-            return answered
+            return run + answered
         except Exception:  # (an unknown model: the asking frontend refused it already)
-            return b""
+            return run
 
     return answer
 

@@ -285,9 +285,18 @@ def test_a_sibling_s_statistics_never_go_back_when_it_restarts_or_goes_silent(
         one.close()
         await one.wait_closed()
         seen.append(await total(paths))  # gone: silent
+        # started again (another process) and counted 6 before anyone asked: more than
+        # its last answer, so no count fell, and its 7 before were lost
+        monkeypatch.setattr(siblings.os, "getpid", lambda: 424242)
+        counts[0] = 6
+        again = await metrics.start_metrics(
+            CollectorRegistry(), "", -1, unix=paths[0], statistics=siblings.answering(theirs)
+        )
+        seen.append(await total(paths))
+        again.close()
         return seen
 
-    assert asyncio.run(body()) == [5, 7, 7]
+    assert asyncio.run(body()) == [5, 7, 7, 13]
 
 
 def test_a_call_with_a_deadline_waits_for_a_hung_sibling_half_its_time_at_most(
