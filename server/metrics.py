@@ -30,7 +30,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.server.security import in_url
 from batchd.server.siblings import gathered
 from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
@@ -342,8 +342,12 @@ async def start_metrics(
             await writer.drain()
         writer.close()
 
-    if unix:
-        return await asyncio.start_unix_server(handle, unix)
+    if unix:  # (an OSError would be reported as --metrics-port's, which may be off)
+        try:
+            return await asyncio.start_unix_server(handle, unix)
+        except OSError as e:
+            raise ConfigError(f"cannot serve this frontend's socket for the others, {unix}: "
+                              f"{e.strerror or e}") from None  # fmt: skip
     server = await asyncio.start_server(handle, host, port)
     log.info("metrics on http://%s:%d/metrics", in_url(host), server.sockets[0].getsockname()[1])
     return server

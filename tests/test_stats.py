@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchd.protos import inference_pb2 as pb
+from batchd.protos.model_config import ConfigError
 from batchd.server import metrics, siblings
 from batchd.server.metrics import Collector, WorkerView, worker_views
 from batchd.server.stats import Stats
@@ -328,3 +329,17 @@ def test_a_call_with_a_deadline_waits_for_a_hung_sibling_half_its_time_at_most(
         return int(got.model_stats[0].inference_count)
 
     assert asyncio.run(body()) == 4
+
+
+def test_a_frontend_socket_that_cannot_be_served_is_named(tmp_path: Path) -> None:
+    """It was reported as a --metrics-port refusal, even with --metrics-port -1."""
+    where = str(tmp_path / "gone" / "frontend-1.sock")
+
+    async def body() -> None:
+        await metrics.start_metrics(CollectorRegistry(), "", -1, unix=where)
+
+    with pytest.raises(ConfigError) as e:
+        asyncio.run(body())
+    assert str(e.value) == (
+        f"cannot serve this frontend's socket for the others, {where}: No such file or directory"
+    )
