@@ -25,7 +25,7 @@ def json_kind(value: Any) -> str:
     )
 
 
-def refuse_lone_surrogates(value: Any, what: str) -> None:
+def _refuse_lone_surrogates(value: Any, what: str) -> None:
     """InvalidInput for a string (or key) holding half a UTF-16 surrogate pair, which
     no UTF-8 can carry on: walked without recursion, as deep as Python's json read."""
     stack = [value]
@@ -46,6 +46,22 @@ def refuse_lone_surrogates(value: Any, what: str) -> None:
                 ) from None
 
 
+def with_nan(raw: bytes, what: str) -> Any:
+    """What orjson refused, read by Python's json where it holds NaN or Infinity (which
+    Python's json, and so tritonclient.http, writes), its strings checked for lone
+    surrogates (InvalidInput: orjson refuses them, Python's json does not); None where
+    it holds neither or Python's json does not read it either. RecursionError past
+    Python's json's depth (load_json and a job's lines, jobs/lines.py, each say it)."""
+    if b"NaN" not in raw and b"Infinity" not in raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    _refuse_lone_surrogates(value, what)
+    return value
+
+
 def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[str, Any]:
     """A JSON object, or InvalidInput saying where the JSON broke. At most MAX_JSON_BYTES:
     parsing holds the GIL (about 0.3 s per 20 MB here, more for deep nesting), so larger
@@ -59,11 +75,8 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raw = bytes(body)
-        try:  # orjson refuses NaN and Infinity; Python's json takes them
-            value = json.loads(raw) if b"NaN" in raw or b"Infinity" in raw else None
-        except ValueError:
-            value = None
+        try:
+            value = with_nan(bytes(body), what)
         except RecursionError:  # past the interpreter's limit: 1,000 levels on 3.11, 8,000 on 3.12
             raise InvalidInput(
                 f"{what} is not valid JSON: it holds NaN or Infinity, read by Python's json, "
@@ -71,7 +84,6 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
             ) from None
         if value is None:
             raise InvalidInput(f"{what} is not valid JSON: {e}") from None
-        refuse_lone_surrogates(value, what)  # orjson refuses them; Python's json does not
     if not isinstance(value, dict):
         raise InvalidInput(f"{what} must be a JSON object, got {json_kind(value)}")
     return value

@@ -21,7 +21,6 @@ strings; BYTES that are not UTF-8 as base64 with `"parameters":
 from __future__ import annotations
 
 import base64
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -32,7 +31,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos.tensors import deserialize_bytes
 from batchd.server import rest_codec
 from batchd.server.errors import InvalidInput, clip
-from batchd.server.json_body import refuse_lone_surrogates
+from batchd.server.json_body import with_nan
 from batchd.server.request import Tensor
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -88,17 +87,14 @@ def load(line: bytes) -> Any:
     try:
         return orjson.loads(line)
     except orjson.JSONDecodeError as e:
-        if b"NaN" in line or b"Infinity" in line:  # orjson refuses them; Python's json not
-            try:
-                doc = json.loads(line)
-            except (ValueError, RecursionError):
-                pass
-            else:
-                try:
-                    refuse_lone_surrogates(doc, "the line")
-                except InvalidInput as refused:
-                    raise ValueError(refused.message) from None
-                return doc
+        try:
+            doc = with_nan(line, "the line")
+        except InvalidInput as refused:
+            raise ValueError(refused.message) from None
+        except RecursionError:
+            doc = None
+        if doc is not None:
+            return doc
         start = clip(line[:40].decode("utf-8", "replace").rstrip())
         raise ValueError(f"not JSON ({e}); the line starts {start}") from None
 
