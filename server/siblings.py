@@ -168,8 +168,11 @@ def answering(statistics: Callable[[pb.ModelStatisticsRequest], Stats]) -> Calla
 
 
 def sockets(folder: str, count: int) -> list[str]:
-    """Each frontend's socket, by index (frontend 0 makes the folder, 0700)."""
-    return [f"{folder}/frontend-{i}.sock" for i in range(count)]
+    """Each frontend's socket, by index (frontend 0 makes the folder, 0700). Named
+    shorter than the workers' sockets there, so that frontends.endpoints' check of
+    their length holds for these too (a TMPDIR where frontend-0.sock did not fit
+    failed every start with "AF_UNIX path too long")."""
+    return [f"{folder}/fe-{i}.sock" for i in range(count)]
 
 
 def others(own: str, count: int) -> list[str]:

@@ -34,6 +34,7 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import keys
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import load_repository
+from batchd.server import siblings
 from batchd.server.app import _grpc_server
 from batchd.server.auth import DENIED, load_tokens, scope_of
 from batchd.server.config import (
@@ -541,6 +542,12 @@ def test_a_temporary_directory_too_long_for_the_workers_sockets_is_refused_at_on
     assert len(endpoints(tmp, 1)) == 1
     with pytest.raises(ConfigError, match=r"workers-1\.sock is longer than a socket path"):
         endpoints(tmp, 2)
+    # where the check passes, every frontend's socket for the others fits as well
+    for count in (1, 2, 12):
+        longest = endpoints("", count)[-1].removeprefix("ipc:///")  # workers-11.sock
+        fits = "/tmp/" + "t" * (zmq.IPC_PATH_MAX_LEN - len("/tmp//") - len(longest))
+        assert len(endpoints(fits, count)[-1]) - len("ipc://") == zmq.IPC_PATH_MAX_LEN
+        assert max(map(len, siblings.sockets(fits, count))) <= zmq.IPC_PATH_MAX_LEN
 
 
 def test_a_grpc_port_in_use_is_refused_naming_the_address(
