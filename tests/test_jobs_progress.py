@@ -1,5 +1,7 @@
-"""A running job's progress moves as its lines are answered, not a chunk at a time,
-and a cancel keeps the lines already answered (in input order, each once).
+"""A running job's progress moves as its lines are answered and checkpointed, not a
+chunk at a time, and a cancel keeps the lines already answered (in input order, each
+once). A status counts only what a checkpoint made durable (tests/test_jobs_counts.py:
+its counts never go back).
 
 The runner here meets a core whose answers the test gives line by line (HeldCore),
 so what a status says is checked at each step; a real server with the gated test
@@ -121,10 +123,12 @@ async def completed_is(s: Setup, n: int) -> bool:
     return (await s.status()).completed == n
 
 
-def test_a_status_counts_the_lines_answered_not_whole_chunks(tmp_path: Path) -> None:
-    """Ten lines of a 256-line chunk answered: the status says 10 (before: 0 until the
-    whole chunk was), with a rate and an ETA; one answered ahead of a line still out
-    counts too, and is written once that line is."""
+def test_a_status_counts_the_lines_checkpointed_not_whole_chunks(tmp_path: Path) -> None:
+    """Ten lines of a 256-line chunk answered: the status says 10 once they are
+    checkpointed, which the runner does while it waits on line 10 (before: 0 until the
+    whole chunk was), with a rate and an ETA. One answered ahead of line 10, still out,
+    is not counted (a cancel would drop it); once line 10 is, both are written and
+    counted at the next checkpoint."""
     s = Setup(tmp_path)
 
     async def body() -> JobRow | None:
@@ -136,10 +140,10 @@ def test_a_status_counts_the_lines_answered_not_whole_chunks(tmp_path: Path) -> 
             assert (job.status, job.failed) == ("running", 0)
             assert job.rows_per_second > 0 and job.eta_seconds > 0, job
             s.core.answer(11)  # ahead of line 10, still out
-            await until(lambda: completed_is(s, 11), "the line answered ahead counted")
+            assert (await s.status()).completed == 10  # (a status reads no answer itself)
             s.core.answer(10)
             await until(lambda: s.jobs.running[s.job_id].completed == 12, "12 lines written")
-            assert (await s.status()).completed == 12
+            await until(lambda: completed_is(s, 12), "12 lines counted")
             s.core.answer(*range(12, LINES))
             await until(lambda: s.jobs.running.get(s.job_id) is None, "the job's end")
             return await s.store.get(s.job_id)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,20 +135,6 @@ class Reader:
                 continue
             out[-1].end_offset = self.offset
         return Chunk(out, self.offset, self.lines_read)
-
-
-def ahead(chunks: Iterable[Chunk]) -> tuple[int, int]:
-    """(completed, failed) of the chunks' lines answered but not written yet: those
-    answered ahead of a line still out (an error line is answered as it is read)."""
-    ok = failed = 0
-    for chunk in chunks:
-        for line in chunk.lines[chunk.written :]:
-            f = line.future
-            if f is None:
-                failed += 1
-            elif f.done() and not f.cancelled():
-                ok, failed = (ok + 1, failed) if f.exception() is None else (ok, failed + 1)
-    return ok, failed
 
 
 class JobFailed(Exception):

@@ -15,9 +15,10 @@ codec.decode_request exactly as online requests are, and answered one request
 per line (the scheduler batches them). A line that does not parse, is refused
 by the codec or fails in the model becomes that line's error line.
 
-A line is written once it and every line before it are answered, so counts, rate and
-checkpoints move line by line; a status also counts the lines answered ahead of one still
-out (live()). A cancel keeps the lines answered without a gap, and writes no other.
+A line is written once it and every line before it are answered, so checkpoints move line
+by line. A status counts what the last checkpoint made durable (the row's counts), so no count
+a client saw is taken back: not by a crash (lines written after it are answered again), a
+cancel (it keeps the lines answered without a gap, writes no other), or a failure.
 
 Shared jobs (a store with `shared`): only jobs of models this replica can run now
 (loaded, a live worker serving them) are claimed; one whose model goes away after
@@ -44,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from batchd.protos.model_config import ModelConfig
 from batchd.server.config import Limits
 from batchd.server.errors import Unavailable
-from batchd.server.jobs.chunks import Chunk, JobFailed, ModelGone, Reader, ahead, encode, job_model
+from batchd.server.jobs.chunks import Chunk, JobFailed, ModelGone, Reader, encode, job_model
 from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store
 from batchd.server.request import Request, Tensor
 
@@ -78,9 +79,9 @@ class JobRun:
         self._inflight: deque[Chunk] = deque()
         self.completed, self.failed = row.completed, row.failed  # written: the results'
         self._started, self._start_done = -math.inf, row.done  # (monotonic; -inf: not running)
-        # Through the last line written, and the input offset of the last checkpoint.
+        # Through the last line written, and the last checkpoint: what a status counts.
         self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
-        self._saved, self._unready_since = row.input_offset, math.inf  # (model seen workerless)
+        self._saved, self._unready_since = self._done, math.inf  # (model seen workerless)
 
     def cancel(self) -> None:
         self.cancelling = True
@@ -88,12 +89,10 @@ class JobRun:
             for f in chunk.futures:
                 f.cancel()
 
-    def live(self) -> tuple[int, int, float]:
-        """(completed, failed, lines a second) now: those written, and those answered ahead."""
-        ok, failed = ahead(self._inflight)
-        ok, failed = self.completed + ok, self.failed + failed
+    def rate(self) -> float:
+        """Lines a second, of those its checkpoints made durable (as a status counts them)."""
         took = time.monotonic() - self._started  # (inf when it does not run: rate 0)
-        return ok, failed, (ok + failed - self._start_done) / max(took, 1e-3)
+        return (self._saved.completed + self._saved.failed - self._start_done) / max(took, 1e-3)
 
     async def run(self) -> None:
         row = self.row
@@ -135,7 +134,7 @@ class JobRun:
             return "failed", f"{type(e).__name__}: {e}"
         finally:
             self.cancel()
-            self._inflight.clear()  # its lines answered ahead, never written, count no more
+            self._inflight.clear()  # its lines answered ahead are never written
 
     async def _run(self) -> tuple[str, str]:
         row, store = self.row, self._store
@@ -150,10 +149,13 @@ class JobRun:
         except asyncio.CancelledError:  # the server stops: keep what is written, run on later
             await self._give_back(out, "the stop")  # (its input perhaps still loading)
             raise
-        except ModelGone:
-            if store.shared:
+        except JobFailed as e:
+            if store.shared and isinstance(e, ModelGone):
                 self.cancel()
                 await self._give_back(out, "its return")
+            else:  # it fails keeping, and counting, every line written
+                with contextlib.suppress(Exception):  # (else: from its last checkpoint)
+                    await self._checkpoint(out)
             raise
         finally:
             out.close()
@@ -197,7 +199,7 @@ class JobRun:
             if pending is not None and not (await asyncio.wait([pending], timeout=CHECKPOINT_S))[0]:
                 self._check_ready(model)  # no worker: it makes no progress here
                 saved_at = time.monotonic()  # a slow model: save, or say it still runs
-                if self._done.input_offset != self._saved:
+                if self._done.input_offset != self._saved.input_offset:
                     await self._checkpoint(out)
                 elif await self._store.renew(self.row) == "cancelling":
                     self.cancel()
@@ -240,7 +242,7 @@ class JobRun:
         """The results made durable, then the offsets that cover them (store.py)."""
         done = self._done
         status = await self._store.checkpoint(self.row, out, done)
-        self._saved = done.input_offset
+        self._saved = done
         if status == "cancelling":  # another frontend's or replica's cancel
             self.cancel()
 
@@ -391,5 +393,5 @@ class Jobs:
             "batchd_job_rows_per_second", "Lines per second of the jobs running", labels=["model"]
         )
         for run in self.running.values():
-            rate.add_metric([run.row.model], run.live()[2])
+            rate.add_metric([run.row.model], run.rate())
         yield rate

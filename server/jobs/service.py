@@ -99,19 +99,19 @@ class JobsService(pb_grpc.JobsServicer):
         return self._message(row)
 
     def _message(self, row: JobRow) -> pb.Job:
+        # The counts are the row's, its last checkpoint's: durable, so they never go back
+        # (lines written since, or answered ahead of one still out, may be dropped).
         jobs = self._on()
         run = jobs.running.get(row.id)
-        done, completed, failed = row.done, row.completed, row.failed
         rate = 0.0
         if run is not None:
-            completed, failed, rate = run.live()
-            done = completed + failed
+            rate = run.rate()
         elif row.status == "running" and row.resumed_at:  # run by another frontend
             rate = (row.done - row.resumed_done) / max(time.time() - row.resumed_at, 1e-3)
-        eta = (row.total - done) / rate if rate > 0 else (0.0 if row.ended else -1.0)
+        eta = (row.total - row.done) / rate if rate > 0 else (0.0 if row.ended else -1.0)
         return pb.Job(
             id=row.id, model_name=row.model, model_version=row.version, status=row.status,
-            total=row.total, completed=completed, failed=failed, created_at=row.created_at,
+            total=row.total, completed=row.completed, failed=row.failed, created_at=row.created_at,
             started_at=row.started_at, finished_at=row.finished_at, rows_per_second=rate,
             eta_seconds=eta, error=row.error, input_bytes=row.input_bytes,
             results_bytes=row.results_bytes,
