@@ -10,8 +10,9 @@
     frontend --UNLOAD(model, version)--> worker   once that version has drained
     frontend --STOP--> worker                     finish the batch at hand, exit
     frontend --START(id, model, version, tensors)--> worker   a sequence joins a step loop
-    worker  --STEP(round, steps: [id, tensors, final | error])--> frontend
+    worker  --STEP(round, steps: [id, tensors, final | error | need])--> frontend
                                                   each step round's outputs, streamed
+    frontend --CREDIT(id, credit)--> worker       the sequence may send that much more
     frontend --CANCEL(id)--> worker               drop the sequence before its next step
 
 A peer silent for LIVENESS heartbeats is dead.
@@ -38,14 +39,15 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 12  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 13  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
 # 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
 # for several frontends' batches); 8: CREDIT, START's credit (per-sequence
 # flow control of step-wise outputs); 9: Header.invalid, Step.invalid (a model refusing
 # its inputs: INVALID_ARGUMENT); 10: HEARTBEAT's occupied (step-wise slots, every
 # frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time); 12: HEARTBEAT's
-# busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held
+# busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held;
+# 13: Step.need (a step past its sequence's credit is held at the worker, not sent)
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What one step's outputs take from their sequence's credit (Header.credit) beyond their

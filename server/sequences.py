@@ -5,13 +5,12 @@ queues and is admitted like any request (the scheduler's queues, limits,
 priorities and queue timeouts apply to the wait for a slot); its "batch" is a
 START to the worker with the most free slots (pool: slots are the credits for
 it). The worker sends a STEP message per step round, with an entry per
-sequence; each output goes into its request's StepStream (bounded in outputs,
-and in bytes over its caller's whole stream: a caller too far behind ends the
-sequence with RESOURCE_EXHAUSTED), and the final one
-ends it and frees its slot. Long before those bounds, its worker is held by
-flow control: it sends at most a window of bytes (START's credit) ahead of the
-caller, and CREDIT gives back what the caller read, so a caller that falls
-behind has its sequence held at the worker, slot and state kept. A caller
+sequence; each output goes into its request's StepStream (server/flow.py), and
+the final one ends it and frees its slot. Its worker is held by flow control: it
+sends at most a window of bytes (START's credit) ahead of the caller, a step
+past it waits there (its Step says what it needs), and CREDIT gives back what
+the caller took, so a caller that falls behind has its sequence held at the
+worker, slot and state kept. A caller
 that leaves frees the slot at once and the worker drops it before its next
 step. Lost workers: recovery.after_sequence_loss. Owned by the core, which
 hands it the messages; like the core's own paths, it never calls the planner:
@@ -147,6 +146,12 @@ class Sequences:
             )
             self._end_sequence(worker, sequence, failed)
             return
+        if step.need:  # its next step is held at its worker, for want of credit
+            if not stream.wants(step.need):
+                self._refused(worker, sequence)
+            elif stream.paused and not stream.watched:
+                self._watch(worker.identity, sequence)
+            return
         if tensors:
             try:
                 check_outputs(model, tensors, frames)
@@ -163,17 +168,7 @@ class Sequences:
             ]
             first = stream.sent == 0
             if not stream.push(outputs, step.final):
-                self._cancel(worker.identity, sequence.id)
-                stopped = f"model {model.name!r}; the sequence was stopped after {stream.sent}"
-                stop: BatchdError = (
-                    ResponseTooLarge(f"a step's outputs for this request hold {stream.offered} "
-                                     f"bytes, more than its stream can carry ({stream.cap}, from "
-                                     f"--max-message-bytes), of {stopped}")
-                    if stream.too_large()
-                    else StreamBehind(f"this stream's caller has not read {stream.behind()} of "
-                                      f"{stopped}")
-                )  # fmt: skip
-                self._end_sequence(worker, sequence, stop)
+                self._refused(worker, sequence)
                 return
             since = r.arrival if first else sequence.sent_at
             self._stats.output(model.name, model.version, int((now - since) * 1e9), first)
@@ -182,6 +177,26 @@ class Sequences:
                 self._watch(worker.identity, sequence)
         if step.final:
             self._end_sequence(worker, sequence, None)
+
+    def _refused(self, worker: WorkerHandle, sequence: Batch) -> None:
+        """A step its stream cannot take ends the sequence: more than a response
+        carries, more than its worker had credit for, or its caller far behind."""
+        self._cancel(worker.identity, sequence.id)
+        model, stream = sequence.model, sequence.requests[0].stream
+        assert stream is not None
+        stopped = f"model {model.name!r}; the sequence was stopped after {stream.sent}"
+        stop: BatchdError = (
+            ResponseTooLarge(f"a step's outputs for this request hold {stream.offered} bytes, "
+                             f"more than its stream can carry ({stream.cap}, from "
+                             f"--max-message-bytes), of {stopped}")
+            if stream.too_large()
+            else StreamBehind(f"this stream's caller has not read its last {stream.limit} "
+                              f"outputs of {stopped}")
+            if stream.full()
+            else ModelFailed(f"worker {worker.name} sent {stream.offered} bytes of outputs past "
+                             f"the {stream.credit} it had credit for, of {stopped}")
+        )  # fmt: skip
+        self._end_sequence(worker, sequence, stop)
 
     def _watch(self, identity: bytes, sequence: Batch) -> None:
         """A sequence held for its caller keeps its slot: if the caller takes none of its

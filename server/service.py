@@ -46,7 +46,8 @@ from batchd.server.errors import (
     clip,
     grpc_status,
 )
-from batchd.server.request import Request, StepStream, StreamBudget, Tensor, stream_budget
+from batchd.server.flow import StepStream, StreamBudget, stream_budget
+from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
 from batchd.server.streaming import respond
 from batchd.server.tracing import RequestTrace
@@ -219,9 +220,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                        carrier: Carrier | None = None, budget: StreamBudget | None = None,
                        ) -> AsyncGenerator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
         """A step-wise model's request: each output as it comes, and whether it is the
-        last. Leaving early (the caller went) frees its slot. `budget`: the bytes its
-        caller's stream holds (request.StreamBudget), each output's the caller's to give
-        back (StepStream.handed_on, .last_bytes); none given: its own."""
+        last. Leaving early (the caller went) frees its slot. `budget`: its caller's
+        stream's (flow.StreamBudget: its outputs handed on); none given: its own."""
         async with _Answering(self, msg, time_remaining) as a:
             request = await self._admit(a, msg, carrier)
             mine = budget is None  # (one given: each output's bytes its caller's to give back)

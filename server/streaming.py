@@ -19,22 +19,23 @@ responses end after those of the requests in flight, and the call ends with its
 error; but a message over --max-message-bytes ends the call in gRPC itself, and
 the requests in flight get no more responses.
 
-A client that does not read cannot grow the server's memory: the bytes of
-outputs it has not taken, in its sequences' buffers and in the responses waiting
-to go out, count against one budget per stream (request.StreamBudget, twice
---max-message-bytes). While more than half of it is held, the stream's next
-request waits to be read (gRPC's flow control then holds the client's sends),
-and its running sequences get no credit back, so their workers hold them
-within a window (request.StepStream: per-sequence flow control). A push that
-would pass the budget all the same (more sequences than it has windows for) is
-refused, and its sequence stopped with RESOURCE_EXHAUSTED. Other streams are
-not concerned.
+A client that does not read cannot grow the server's memory, and one that reads
+as fast as it can is never cut: the bytes of outputs it has not taken, in its
+sequences' buffers and in the responses waiting to go out, count against one
+budget per stream (flow.StreamBudget, twice --max-message-bytes). A step-wise
+request waits to be read while the stream's sequences' windows of credit hold
+half of it, and any request while more than half of it waits for the client
+(gRPC's flow control then holds the client's sends); a sequence's worker sends
+no more than its window ahead of what the client took (flow.StepStream). A step
+that would not fit in what a response carries ends its sequence with
+RESOURCE_EXHAUSTED. Other streams are not concerned.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -43,8 +44,9 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import echoable, encode_response
 from batchd.server.errors import BatchdError, InvalidInput
+from batchd.server.flow import StepStream, StreamBudget, stream_budget
 from batchd.server.handlers import Undecodable
-from batchd.server.request import Request, StreamBudget, Tensor, stream_budget
+from batchd.server.request import Request, Tensor
 
 STREAM_WINDOW = 256  # requests of one stream in flight at once
 QUEUED_RESPONSES = 256  # responses of one stream waiting for the client to take them
@@ -79,7 +81,7 @@ def _empty_final(msg: pb.ModelInferRequest, model: ModelConfig) -> pb.ModelStrea
     return _final(response, True)
 
 
-Put = Callable[[pb.ModelStreamInferResponse, int], Awaitable[None]]
+Put = Callable[[pb.ModelStreamInferResponse, StepStream | None], Awaitable[None]]
 
 
 async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, put: Put,
@@ -92,15 +94,19 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, 
     async with contextlib.aclosing(sequence):
         async for request, outputs, final in sequence:
             last = final and not empty_final
-            held = request.stream.last_bytes if request.stream is not None else 0  # (handed on)
+            stream = request.stream  # (its outputs handed on: taken once gRPC took them)
+            assert stream is not None
             try:
                 response = encode_response(request, outputs, service.max_response_bytes())
             except BaseException:
-                budget.give(held)
+                stream.taken(stream.last_bytes)
                 raise
-            await put(_final(response, last), held)
+            await put(_final(response, last), stream)
     if not last:
-        await put(_empty_final(msg, request.model if request is not None else cfg), 0)
+        await put(_empty_final(msg, request.model if request is not None else cfg), None)
+
+
+Queued = tuple[pb.ModelStreamInferResponse, Callable[[], None]]  # and what taking it settles
 
 
 def _size(response: pb.ModelStreamInferResponse) -> int:
@@ -117,38 +123,27 @@ async def respond(
     (every request of the stream is a child of it); `time_remaining`: the call's, when
     each request arrives (the call's deadline is each request's: one that the deadline
     ends counts as `deadline`, not `cancelled`)."""
-    responses: asyncio.Queue[tuple[pb.ModelStreamInferResponse, int] | None] = asyncio.Queue(
-        QUEUED_RESPONSES
-    )
+    responses: asyncio.Queue[Queued | None] = asyncio.Queue(QUEUED_RESPONSES)
     window = asyncio.Semaphore(STREAM_WINDOW)
     budget = stream_budget(service.max_response_bytes())
 
-    async def put(response: pb.ModelStreamInferResponse, held: int = 0) -> None:
+    async def put(response: pb.ModelStreamInferResponse, stream: StepStream | None = None) -> None:
         """Queue a response; its bytes are held in the budget until the client took it
-        (`held`: a step's output's, held since it came)."""
-        size = held or _size(response)
-        budget.hold(size - held)
-        await responses.put((response, size))
+        (`stream`: a step's output's, held since it came, its sequence's to settle)."""
+        if stream is None:
+            size = _size(response)
+            budget.hold(size)
+            await responses.put((response, functools.partial(budget.give, size)))
+        else:
+            await responses.put((response, functools.partial(stream.taken, stream.last_bytes)))
 
-    async def one(msg: pb.ModelInferRequest | Undecodable) -> None:
-        cfg = None if isinstance(msg, Undecodable) else service.served(msg)
+    async def one(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None) -> None:
         try:
-            try:
-                if isinstance(msg, Undecodable):
-                    raise msg.error
-                _check(msg)
-                if cfg is not None and cfg.generate is not None:
-                    await _steps(service, msg, cfg, put, carrier, time_remaining(), budget)
-                else:
-                    response = await service.infer(msg, time_remaining(), carrier)
-                    await put(_final(response, True))
-            except BatchdError as e:
-                await put(_error(msg, e, cfg))
-            except Exception:  # a defect: this request fails, the stream's others go on
-                log.exception("a ModelStreamInfer request failed")
-                await put(_error(msg, BatchdError("internal error"), cfg))
+            await _answer(service, msg, cfg, put, carrier, time_remaining(), budget)
         finally:
             window.release()
+            if _steps_of(cfg):
+                budget.unreserve()
 
     ended: list[BaseException] = []  # what ended the request stream, if not its end
 
@@ -157,8 +152,11 @@ async def respond(
             try:
                 async for msg in requests:
                     await window.acquire()
-                    await budget.room()  # its caller is behind: let it read first
-                    tg.create_task(one(msg))
+                    cfg = None if isinstance(msg, Undecodable) else service.served(msg)
+                    # its caller is behind, or the sequences' windows hold their half:
+                    # let it read first
+                    await budget.room(sequence=_steps_of(cfg))
+                    tg.create_task(one(msg, cfg))
             except Exception as e:  # the requests' stream failed: those in flight are
                 ended.append(e)  # still answered, then the call ends with its error
         await responses.put(None)
@@ -167,12 +165,36 @@ async def respond(
     try:
         while (out := await responses.get()) is not None:
             yield out[0]
-            budget.give(out[1])  # gRPC took it
+            out[1]()  # gRPC took it
         await reader
         if ended:
             raise ended[0]
     finally:
         reader.cancel()
+
+
+async def _answer(service: Answers, msg: pb.ModelInferRequest | Undecodable,
+                  cfg: ModelConfig | None, put: Put, carrier: Any, time_remaining: float | None,
+                  budget: StreamBudget) -> None:  # fmt: skip
+    """One request of the stream, answered: its responses, or its failure's."""
+    try:
+        if isinstance(msg, Undecodable):
+            raise msg.error
+        _check(msg)
+        if cfg is not None and cfg.generate is not None:
+            await _steps(service, msg, cfg, put, carrier, time_remaining, budget)
+        else:
+            response = await service.infer(msg, time_remaining, carrier)
+            await put(_final(response, True), None)
+    except BatchdError as e:
+        await put(_error(msg, e, cfg), None)
+    except Exception:  # a defect: this request fails, the stream's others go on
+        log.exception("a ModelStreamInfer request failed")
+        await put(_error(msg, BatchdError("internal error"), cfg), None)
+
+
+def _steps_of(cfg: ModelConfig | None) -> bool:
+    return cfg is not None and cfg.generate is not None
 
 
 def _check(msg: pb.ModelInferRequest) -> None:

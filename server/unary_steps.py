@@ -28,7 +28,8 @@ from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from batchd.server.errors import ModelFailed, ResponseTooLarge, clip_list
-from batchd.server.request import Request, StepStream, Tensor
+from batchd.server.flow import StepStream
+from batchd.server.request import Request, Tensor
 
 
 class Submitter(Protocol):

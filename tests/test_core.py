@@ -20,8 +20,9 @@ from batchd.server import core as core_module
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.core import Core
 from batchd.server.errors import BatchdError, ModelFailed, StreamBehind
+from batchd.server.flow import StepStream
 from batchd.server.pool import WorkerHandle
-from batchd.server.request import Request, StepStream, Tensor
+from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
 from tests.conftest import Clock, model, request, run, stepwise_model
 

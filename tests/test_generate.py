@@ -325,7 +325,8 @@ def test_a_frontend_whose_sequences_all_wait_hears_the_loop_step() -> None:
 def test_a_sequence_whose_credit_is_spent_keeps_its_slot_and_state_till_credit_comes() -> None:
     """Flow control: each step's outputs take their bytes and wire.OUTPUT_COST from
     the sequence's credit. Spent: the loop steps the others, keeps its state and slot,
-    and counts no step for it; CREDIT: it goes on from where it was."""
+    and counts no step for it; CREDIT: it goes on from where it was. A step past the
+    credit left is held here, its Step saying what it needs, and sent once it came."""
     model = Counter()
     loop = StepLoop(config(max_active=2), model)
     cost = 8 + wire.OUTPUT_COST  # one INT64 a step
@@ -339,9 +340,16 @@ def test_a_sequence_whose_credit_is_spent_keeps_its_slot_and_state_till_credit_c
     assert model.starts == [[9, 8]] and model.released == []
     loop.credit(1, 1, cost)  # another frontend's sequence 1: not this one
     assert replies(loop) == [(2, [805], False, "")]
-    loop.credit(0, 1, 1)  # a byte is enough for one more step
-    assert replies(loop) == [(1, [903], False, ""), (2, [806], False, "")]
-    assert replies(loop) == [(2, [807], False, "")]
+    loop.credit(0, 1, 1)  # a byte: it steps once more, but that step waits here
+    ((header, _),) = [wire.unpack(parts) for _, parts, _ in loop.round()]
+    assert [(s.id, s.tensors, s.final, s.need) for s in header.steps] == [
+        (1, 0, False, cost),
+        (2, 1, False, 0),
+    ]
+    assert replies(loop) == [(2, [807], False, "")]  # held: neither sent nor stepped on
+    loop.credit(0, 1, cost - 1)  # what it said it needs
+    assert replies(loop) == [(1, [903], False, ""), (2, [808], True, "")]
+    assert replies(loop) == [(3, [701], False, "")]  # 1's credit spent again; 3 takes 2's slot
 
 
 def test_a_loop_whose_sequences_are_all_held_is_idle_and_beats_for_the_waiting() -> None:

@@ -14,7 +14,8 @@ from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull, Unavailable
-from batchd.server.request import Request, StepStream
+from batchd.server.flow import StepStream
+from batchd.server.request import Request
 from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run, stepwise_model
 from tests.test_fuzz_codec import lines_run
 

@@ -21,8 +21,8 @@ import pytest
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import wire
+from batchd.server.flow import StepStream
 from batchd.server.pool import WorkerPool
-from batchd.server.request import StepStream
 from batchd.server.sequences import Sequences
 from tests.conftest import Gate, request, scrape, stepwise_model, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for

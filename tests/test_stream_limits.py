@@ -28,15 +28,8 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import GenerateConfig, ModelConfig, TensorSpec
 from batchd.server import recovery
 from batchd.server.errors import ModelFailed, ResponseTooLarge
-from batchd.server.request import (
-    OUTPUT_COST,
-    WINDOW,
-    Batch,
-    Request,
-    StepStream,
-    StreamBudget,
-    Tensor,
-)
+from batchd.server.flow import OUTPUT_COST, WINDOW, StepStream, StreamBudget
+from batchd.server.request import Batch, Request, Tensor
 from batchd.server.unary_steps import Joined
 from tests.conftest import scrape, total
 from tests.servers import ServerProcess, wait_for
@@ -222,47 +215,62 @@ def test_a_unary_sequence_whose_worker_was_lost_starts_over_and_answers_its_new_
     assert again.result()[0].shape == (0, 0)
 
 
-def test_a_stream_budget_counts_outputs_until_taken_and_refuses_past_its_limit() -> None:
+def test_a_stream_s_windows_hold_half_its_budget_and_steps_past_a_window_borrow_the_rest() -> None:
+    """A step-wise request is read only while its window fits in half the stream's
+    budget (the first always); outputs count until their caller took them; a step
+    larger than its window borrows from the budget, one at a time at least, more while
+    the limit allows, and repays once taken; a push past its credit is refused."""
+
     async def body() -> None:
-        each = 16 + OUTPUT_COST  # an output's data, and its objects
-        budget = StreamBudget(4 * each)
-        a, b = StepStream(budget=budget), StepStream(budget=budget)
-        assert a.push([out(1)]) and a.push([out(2)]) and b.push([out(3)])
-        assert budget.held == 3 * each
-        room = asyncio.create_task(budget.room())
+        budget = StreamBudget(64 * 1024)
+        assert budget.window == 4096  # a sixteenth: eight sequences' windows hold half
+        for _ in range(8):
+            await asyncio.wait_for(budget.room(sequence=True), 5)
+        assert budget.reserved == 32 * 1024 and not budget.admits()
+        ninth = asyncio.create_task(budget.room(sequence=True))
         await asyncio.sleep(0)
-        assert not room.done()  # more than half held: new requests wait
-        assert b.push([out(4)]) and budget.held == 4 * each
-        assert not b.push([out(5)]) and budget.held == 4 * each  # past the limit: refused
-        held = 4 * each
-        assert b.behind() == (  # (it said held <= limit: "not read 1575936 bytes, at most 2097152")
-            f"{held} bytes of outputs, and this step's {each} more would pass the {held} a stream "
-            "holds for its caller (twice --max-message-bytes)"
-        )
-        assert await a.next() is not None and budget.held == 3 * each  # taken
-        b.discard()  # its caller left: what it held goes back
-        assert budget.held == each
-        await asyncio.wait_for(room, 5)  # half or less: it may start
-        budget.hold(40)  # a response on its way out, counted again
-        assert budget.held == each + 40
-        budget.give(40)
+        assert not ninth.done()  # waits to be read
+        budget.unreserve()
+        await asyncio.wait_for(ninth, 5)  # a sequence ended: the next is read
+        budget = StreamBudget(64 * 1024)  # three sequences' windows: 12 KiB
+        for _ in range(3):
+            await budget.room(sequence=True)
+        streams = [StepStream(budget=budget, handed_on=True) for _ in range(3)]
+        grants: list[list[int]] = [[], [], []]
+        for s, g in zip(streams, grants, strict=True):
+            s.grant = lambda more, paused, g=g: g.append(more)
+        a, b, c = streams
+        big = 24 * 1024 + OUTPUT_COST  # a step of 24 KiB: six windows
+        assert a.wants(big) and grants[0] == [big - a.window] and a.lent == big - a.window
+        assert a.push([out(1, width=24 * 1024 // 8)]) and budget.held == big
+        assert b.wants(big) and grants[1] == [big - b.window]  # within the limit: lent too
+        assert c.wants(big) and grants[2] == [] and c.paused  # past it: waits its turn
+        assert not c.push([out(1, width=24 * 1024 // 8)])  # its worker had no credit for it
+        await a.next()  # handed on: still its caller's to take
+        assert budget.held == big and grants[2] == []
+        a.taken(big)  # gRPC took it: a repays, c borrows
+        assert budget.held == 0 and a.lent == 0 and grants[0][-1] == a.window
+        assert grants[2] == [big - c.window] and not c.paused
+        solo = StreamBudget(4096)  # a window of half the budget or more: one at a time
+        assert solo.window == 2 * OUTPUT_COST and solo.admits()
+        await solo.room(sequence=True)
+        assert not solo.admits()
         count = StepStream(limit=1)
-        assert count.push([out(1)]) and not count.push([out(2)])
-        assert count.behind() == "its last 1 outputs"
+        assert count.push([out(1)]) and not count.push([out(2)]) and count.full()
 
     asyncio.run(body())
 
 
-def test_credit_goes_back_to_the_worker_as_the_caller_reads_and_waits_while_crowded() -> None:
-    """A sequence's window of credit: its outputs spend it, what its caller read goes
-    back in pieces of half a window, and none while its stream holds more than half
-    its budget (then all that is owed, once it holds less)."""
+def test_credit_goes_back_to_the_worker_as_the_caller_takes_outputs() -> None:
+    """A sequence's window of credit: its outputs spend it, what its caller took goes
+    back in pieces of half a window (or at once for a step held at its worker), and a
+    restart gives a whole window again."""
 
     async def body() -> None:
         each = 16 + OUTPUT_COST
-        budget = StreamBudget(64 * each)
-        a, b = StepStream(budget=budget), StepStream(budget=budget)
-        assert a.window == 8 * each  # an eighth of the budget
+        budget = StreamBudget(128 * each)
+        a = StepStream(budget=budget)
+        assert a.window == 8 * each  # a sixteenth of the budget
         grants: list[tuple[int, bool]] = []
         a.grant = lambda more, paused: grants.append((more, paused))
         for k in range(8):
@@ -270,19 +278,13 @@ def test_credit_goes_back_to_the_worker_as_the_caller_reads_and_waits_while_crow
         assert a.credit == 0 and a.paused  # its worker holds it now
         for _ in range(3):
             await a.next()
-        assert grants == []  # 3 outputs read: less than half a window
+        assert grants == []  # 3 outputs taken: less than half a window
         await a.next()
         assert grants == [(4 * each, True)] and a.credit == 4 * each and not a.paused
-        for k in range(34):
-            assert b.push([out(k)])  # another sequence of the stream: 38 of 64 held
-        for _ in range(4):
-            await a.next()
-        assert grants == [(4 * each, True)] and budget.crowded()  # owed, not given
-        for _ in range(2):
-            await b.next()  # 32 held: half or less
-        assert grants == [(4 * each, True), (4 * each, False)] and a.credit == 8 * each
+        assert a.wants(5 * each) and a.paused is False  # its held step: at once
+        assert grants[-1] == (each, True) and a.credit == 5 * each
         a.restart()  # its START again, on another worker: a whole window, no grant
-        assert (a.credit, a.grant) == (a.window, None) and budget.held == 32 * each
+        assert (a.credit, a.grant) == (a.window, None) and budget.held == 0
         assert StepStream().window == WINDOW  # a unary call's sequence: no budget
 
     asyncio.run(body())
@@ -397,13 +399,13 @@ def _held(server: ServerProcess, log: Path, seq: int) -> None:
     at least its window of steps, and sequence 8, run meanwhile on another stream, had
     5 rounds that would have stepped it too."""
     cost = 16384 * 8 + OUTPUT_COST
-    wait_for(lambda: stepped(log, seq) >= math.ceil((2 * MiB // 8) / cost), 60, "a window")
+    wait_for(lambda: total(scrape(server), "batchd_sequences_held") == 1, 60, "it to be held")
+    assert stepped(log, seq) >= 1
     with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
         another = pb_grpc.GRPCInferenceServiceStub(channel)
         other = list(another.ModelStreamInfer(iter([wide_request(8, 5)]), timeout=60))
     assert [r.infer_response.outputs[0].shape[0] for r in other] == [1] * 5
-    # at most one budget of steps (2 MiB: 15): the frontend gives no credit back while
-    # the stream holds more than half its budget, and the last window is spent soon after
+    # at most one budget of steps (2 MiB: 15): what its window and the budget lend hold
     assert stepped(log, seq) <= 2 * MiB // cost and released(log, seq) is None
 
 
@@ -500,3 +502,20 @@ def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_
     assert [r.infer_response.raw_output_contents[0] for r in by_id["7"]] == [
         np.array([k], np.int64).tobytes() for k in (1, 2, 3)
     ]
+
+
+@pytest.mark.parametrize(("sequences", "steps", "width"), [(4, 8, 65536), (16, 40, 1)])
+def test_a_caller_reading_as_fast_as_it_can_gets_every_output_of_every_sequence(
+    wide: tuple[ServerProcess, Path], stub: Any, sequences: int, steps: int, width: int
+) -> None:
+    """Sequences of one stream whose windows together pass its budget (4 of 512 KiB
+    outputs, 2 MiB in all; 16 of 8-byte outputs, 256 KiB windows): a caller that reads
+    as fast as it can is never cut. Before, their workers sent up to a window each, and
+    the push past the budget stopped a sequence RESOURCE_EXHAUSTED, its caller blamed."""
+    asked = [wide_request(100 + k, steps, width=width) for k in range(sequences)]
+    got: dict[str, list[int]] = {m.id: [] for m in asked}
+    for r in stub.ModelStreamInfer(iter(asked), timeout=120):
+        assert not r.error_message, r.error_message
+        raw = r.infer_response.raw_output_contents
+        got[r.infer_response.id].append(int(np.frombuffer(raw[0][:8], np.int64)[0]))
+    assert got == {m.id: list(range(1, steps + 1)) for m in asked}

@@ -8,9 +8,12 @@ and a CANCEL when the caller leaves. Each sequence has a credit in bytes
 (START's, topped up by CREDIT as its caller reads): its outputs take from it,
 and one whose credit is spent is held, keeping its slot and state, until more
 comes; so a caller slower than the model slows its own sequence (which still
-holds its slot), not the others'. Before every step the loop drops the
-cancelled sequences, admits waiting ones into free slots with one `start`, then
-runs one `step` for every active sequence and sends the outputs back at once:
+holds its slot), not the others'. A step whose outputs would take more than the
+credit left is held here, its Step saying what it needs, and sent once CREDIT
+brings that much: the frontend never gets more than it gave credit for. Before
+every step the loop drops the cancelled sequences, sends the held steps whose
+credit came, admits waiting ones into free slots with one `start`, then runs one
+`step` for every active sequence and sends the outputs back at once:
 one STEP message per frontend per step, an entry of `steps` per sequence,
 `final` when it ended (done, or max_steps).
 
@@ -58,11 +61,16 @@ class Running:
     state: Any = None
     steps: int = 0
     credit: int | None = None  # bytes of outputs it may still send; None: unbounded
+    # a step's outputs (tensors, frames, final, their cost) that its credit did not cover
+    pending: tuple[Sequence[wire.Tensor], list[Any], bool, int] | None = None
 
     @property
     def held(self) -> bool:
-        """Its credit is spent: its caller is behind; it is not stepped till CREDIT."""
-        return self.credit is not None and self.credit <= 0
+        """Its credit is spent, or less than its pending step needs: its caller is
+        behind; it is not stepped (nor its pending step sent) till CREDIT."""
+        if self.credit is None:
+            return False
+        return self.credit <= 0 or (self.pending is not None and self.pending[3] > self.credit)
 
 
 class Replies:
@@ -87,6 +95,11 @@ class Replies:
         header.tensors.extend(tensors)
         all_frames.extend(frames)
         ends[0] += final
+
+    def need(self, s: Running, cost: int) -> None:
+        """`s`'s step is held here: it needs `cost` credit, more than it has."""
+        self.add(s, final=False)
+        self.messages[s.frontend][0].steps[-1].need = cost
 
     def stepped(self, active: int, round: int, compute_ns: int) -> None:
         """The messages carry a step round (for its statistics, counted once)."""
@@ -178,6 +191,7 @@ class StepLoop:
         send. A frontend whose sequences all wait (for a slot, or behind held ones)
         hears that the loop lives, every WAITING_BEAT_S."""
         out = Replies(self.cfg.name)
+        self._send_pending(out)
         self._admit(out)
         stepping = [s for s in self.active if not s.held]
         if stepping:
@@ -214,9 +228,16 @@ class StepLoop:
                 final = bool(done) or s.steps >= self._max_steps()
                 frames: list[Any] = []
                 tensors = self._encode(outputs, frames) if outputs is not None else ()
+                # as the frontend counts it
+                cost = sum(len(f) for f in frames) + wire.OUTPUT_COST if tensors else 0
+                if s.credit is not None and cost > s.credit:  # held till CREDIT covers it
+                    s.pending = (tensors, frames, final, cost)
+                    out.need(s, cost)
+                    still.append(s)
+                    continue
                 out.add(s, tensors, frames, final)
-                if tensors and s.credit is not None:  # as the frontend counts it
-                    s.credit -= sum(len(f) for f in frames) + wire.OUTPUT_COST
+                if s.credit is not None:
+                    s.credit -= cost
             except BaseException as e:  # a bad output fails its sequence only
                 out.add(s, error=f"step() returned {why(e)}")
                 final = True
@@ -225,6 +246,17 @@ class StepLoop:
             else:
                 still.append(s)
         self.active = still
+
+    def _send_pending(self, out: Replies) -> None:
+        """The held steps whose credit came: sent, their sequences stepped on (or ended)."""
+        for s in [s for s in self.active if s.pending is not None and not s.held]:
+            assert s.pending is not None and s.credit is not None
+            tensors, frames, final, cost = s.pending
+            s.pending, s.credit = None, s.credit - cost
+            out.add(s, tensors, frames, final)
+            if final:
+                self._release(s)
+                self.active.remove(s)
 
     def _max_steps(self) -> int:
         assert self.cfg.generate is not None

@@ -5,18 +5,17 @@ Admission never waits: a full queue (or priority level) raises QueueFull at
 once. A request with more rows than one batch holds (`max_batch_size`, or
 fewer when its ragged rows are long under `max_batch_tokens`) is split by rows
 into chunks that queue like any other request and are joined again for the
-caller; the chunks are counted, and refused if too many, before any is made. `pump()` is
-synchronous and runs whenever something changes (a request arrives, a worker
-frees a credit or joins, a batch comes back for retry, a delay runs out). The
-scheduler owns the queues; nothing else touches them.
+caller; the chunks are counted, and refused if too many, before any is made.
+`pump()` is synchronous and runs whenever something changes (a request arrives,
+a worker frees a credit or joins, a batch comes back for retry, a delay runs
+out). The scheduler owns the queues; nothing else touches them.
 
 Batch jobs' requests (`Request.background`) wait in a model's job lane, apart
 from its online levels: they hold no place of `max_queue_size`, never join an
 online request's batch, and leave only when a worker is idle and no online
 request waits that an idle worker could take, of any model (workers are
-shared), so online traffic keeps every queue place and every busy worker. An
-online request can still find a worker running a job's batch: it then waits
-for that one batch, not for the job.
+shared), so online traffic keeps every queue place and every busy worker (one
+that finds a worker on a job's batch waits for that one batch, not the job).
 """
 
 from __future__ import annotations
@@ -41,7 +40,8 @@ from batchd.server.batching.queues import (
 )
 from batchd.server.batching.split_join import join_results, split_request
 from batchd.server.errors import InvalidInput, QueueFull, Unavailable
-from batchd.server.request import Request, StepStream, Tensor
+from batchd.server.flow import StepStream
+from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.scheduler")
 COMPACT_EVERY_S = 0.01  # a full queue is swept for dead entries at most this often

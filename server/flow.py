@@ -1,0 +1,295 @@
+"""Flow control of a step-wise model's outputs, on the frontend: one sequence's
+outputs on their way to its caller (StepStream), and the bytes one caller's
+stream may hold over all its sequences (StreamBudget).
+
+A caller that does not read cannot grow the server's memory, and one that reads
+as fast as it can is never cut. Each sequence has a window of credit
+(Header.credit): its worker sends at most that many bytes of outputs (data and
+OUTPUT_COST each) that its caller has not taken yet; a step that would pass it
+is held at the worker, which says what it needs (Step.need), and goes once the
+credit covers it. The frontend gives credit back as the caller takes outputs
+(from gRPC's hands, for a stream). A stream's windows are reserved from its
+budget when its requests are read: a step-wise request waits to be read while
+the stream's windows already hold half the budget (gRPC's flow control then
+holds the client's sends); the other half is what steps larger than their
+window borrow, one at a time at least, so every sequence moves on as its
+caller reads. A sequence whose credit is spent is held at its worker, which
+keeps its slot and state: the caller's reading paces its own sequence, and a
+slow reader is not cut for being slow. The bounds in outputs (MAX_BUFFERED)
+and of one step's bytes (`cap`) are the last resort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from batchd.protos import wire
+from batchd.server.request import Tensor
+
+# Outputs of one sequence waiting for its caller: a bound of last resort, as its window
+# (below) keeps it to about 256. Memory is the budget's, which charges each output
+# OUTPUT_COST over its data, for its objects.
+MAX_BUFFERED = 4096
+OUTPUT_COST = wire.OUTPUT_COST
+# A sequence's window of credit: the bytes of outputs its worker may send ahead of its
+# caller; given back in pieces of half of it as the caller reads. At most a sixteenth of
+# its stream's budget, so that eight sequences of a stream run at once at least (a
+# stream's windows hold half of it); at least two outputs' OUTPUT_COST; at most WINDOW,
+# so at most WINDOW / OUTPUT_COST outputs (256) wait: within MAX_BUFFERED.
+WINDOW = 1 << 18
+# A stream's budget, in responses of the largest size (--max-message-bytes): at least
+# one, or a response the server may send could never be held for its caller; two, so
+# that one can be on its way out while the sequences' next outputs come in.
+STREAM_BUDGET_RESPONSES = 2
+
+
+def output_bytes(outputs: Sequence[Tensor]) -> int:
+    return sum(len(t.data) for t in outputs)
+
+
+class StreamBudget:
+    """The bytes one caller's stream holds or has promised: outputs and responses it
+    has not taken (`held`), its sequences' windows (`reserved`) and what steps larger
+    than their window borrowed (`lent`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.window = min(WINDOW, max(limit // 16, 2 * OUTPUT_COST))
+        self.held = self.reserved = self.lent = 0
+        self.taken_at = time.monotonic()  # when its caller last took an output
+        self._asks: dict[StepStream, int] = {}  # sequences waiting to borrow, in order
+        self._changed = asyncio.Event()
+
+    def admits(self) -> bool:
+        """Whether one more sequence's window fits: its windows hold at most half."""
+        return not self.reserved or (self.reserved + self.window) * 2 <= self.limit
+
+    async def room(self, sequence: bool = False) -> None:
+        """Return once the caller is not behind (at most half the limit held) and, for a
+        `sequence`, once its window fits (then reserve it: `unreserve` when it ends)."""
+        while self.held * 2 > self.limit or (sequence and not self.admits()):
+            self._changed.clear()
+            await self._changed.wait()
+        if sequence:
+            self.reserved += self.window
+
+    def unreserve(self) -> None:
+        self.reserved -= self.window
+        self._changed.set()
+        self._lend()
+
+    def hold(self, size: int) -> None:
+        """`size` more bytes wait for the caller (an output, or a response)."""
+        self.held += size
+
+    def give(self, size: int) -> None:
+        """`size` bytes left: taken by the caller, or dropped."""
+        self.held -= size
+        self._changed.set()
+        self._lend()
+
+    def ask(self, stream: StepStream, more: int) -> None:
+        """`stream` would borrow `more` (it replaces what it asked before); lent in order,
+        while the limit allows, and always to one when nothing is lent."""
+        self._asks[stream] = more
+        self._lend()
+
+    def withdraw(self, stream: StepStream) -> None:
+        self._asks.pop(stream, None)
+
+    def repay(self, size: int) -> None:
+        self.lent -= size
+        self._lend()
+
+    def _lend(self) -> None:
+        while self._asks:
+            stream, more = next(iter(self._asks.items()))
+            fits = self.reserved + self.lent + more <= self.limit
+            if self.lent and not (fits and self.held + more <= self.limit):
+                return
+            del self._asks[stream]
+            self.lent += more
+            stream.borrowed(more)
+
+
+def stream_budget(max_response_bytes: int) -> StreamBudget:
+    """The budget of one caller's stream: STREAM_BUDGET_RESPONSES largest responses."""
+    return StreamBudget(STREAM_BUDGET_RESPONSES * max_response_bytes)
+
+
+class StepStream:
+    """The outputs of one sequence, in order, for its caller."""
+
+    def __init__(
+        self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False,
+        handed_on: bool = False,
+    ) -> None:  # fmt: skip
+        self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
+        self._sizes: deque[int] = deque()  # the bytes each item counts (credit, budget)
+        self.limit = limit  # outputs held for a caller that has not read them
+        self.budget = budget  # the bytes its caller's stream may hold; None: not counted
+        # True: the outputs are joined into one answer at the end (a unary call), so
+        # its caller has seen none of them until then, and a restart loses nothing
+        self.held = held
+        # True: an output taken (next) is not its caller's yet: it goes on to the caller's
+        # stream, which calls `taken` once gRPC took it (its bytes count till then)
+        self.handed_on, self.last_bytes, self.offered = handed_on, 0, 0
+        self.restarts = 0  # times its sequence started over (recovery), dropping its outputs
+        self._wake: asyncio.Future[None] | None = None
+        self.closed = False
+        self.sent = 0  # outputs pushed so far
+        # Where the sequence runs, once the core has started it: the worker's
+        # identity and the sequence's id there (to cancel it).
+        self.worker: bytes | None = None
+        self.seq_id = 0
+        # Flow control: its START's credit; what its worker may still send; the bytes
+        # pushed and not taken by its caller; what its worker's held step needs; what
+        # it borrowed from the budget beyond its window; and what sends CREDIT to its
+        # worker (set when it starts)
+        self.window = budget.window if budget is not None else WINDOW
+        # The most bytes one step's outputs may hold: handed on, what one response may
+        # carry (its caller's responses: gRPC's, --max-message-bytes); else the budget
+        limit = budget.limit if budget is not None else 0
+        self.cap = limit // STREAM_BUDGET_RESPONSES if handed_on else limit
+        self.credit, self.out, self.need, self.lent = self.window, 0, 0, 0
+        self.grant: Callable[[int, bool], None] | None = None
+        self._taken_at = time.monotonic()  # when its caller last took an output
+        self.watched = False  # a held sequence's timer runs (Sequences: the caller's stall)
+
+    def push(self, outputs: list[Tensor], final: bool = False) -> bool:
+        """One step's outputs (`final`: the sequence's last); False, and nothing kept,
+        when they are more than a response carries (`too_large`), the caller has not
+        read its last `limit` outputs (`full`), or its worker sent more than it had
+        credit for."""
+        self.offered = output_bytes(outputs)
+        size = self.offered + OUTPUT_COST
+        if self.full() or self.too_large() or size > self.credit:
+            return False
+        self._items.append((outputs, final))
+        self._sizes.append(size)
+        self.credit, self.out, self.need = self.credit - size, self.out + size, 0
+        if self.budget is not None:
+            self.budget.hold(size)
+        self.sent += 1
+        self._notify()
+        return True
+
+    def wants(self, need: int) -> bool:
+        """Its worker holds a step that needs `need` credit; False when that step is more
+        than its stream can ever pass on (`too_large`)."""
+        self.offered = need - OUTPUT_COST
+        if self.too_large():
+            return False
+        self.need = need
+        self._settle()
+        return True
+
+    @property
+    def paused(self) -> bool:
+        """Its worker holds it: its credit is spent, or less than its held step needs."""
+        return self.credit <= 0 or self.need > self.credit
+
+    @property
+    def taken_at(self) -> float:
+        """When its caller last took an output (of any sequence of its stream)."""
+        return max(self._taken_at, self.budget.taken_at) if self.budget else self._taken_at
+
+    def taken(self, size: int) -> None:
+        """Its caller took an output of `size` bytes: they go back to the budget, and to
+        its worker's credit."""
+        self.out -= size
+        self._taken_at = time.monotonic()
+        if self.budget is not None:
+            self.budget.taken_at = self._taken_at
+            self.budget.give(size)
+        self._settle()
+
+    def borrowed(self, more: int) -> None:
+        """The budget lent it `more` beyond its window (it asked)."""
+        self.lent += more
+        self._settle()
+
+    def _settle(self) -> None:
+        """Borrow what its held step needs beyond its window, repay what it no longer
+        needs, and give its worker the credit its caller made room for: in pieces of
+        half a window, or at once for a held step."""
+        if self.grant is None:
+            return
+        over = max(self.credit, self.need) + self.out - self.window  # beyond its window
+        if over > self.lent:
+            if self.budget is None:
+                self.lent = over
+            else:
+                self.budget.ask(self, over - self.lent)  # (its answer settles again)
+        elif self.lent:
+            if self.budget is not None:
+                self.budget.withdraw(self)
+                self.budget.repay(self.lent - max(over, 0))
+            self.lent = max(over, 0)
+        more = self.window + self.lent - self.out - self.credit
+        if more > 0 and (more * 2 >= self.window or self.need > self.credit):
+            paused = self.paused
+            self.credit += more
+            self.grant(more, paused)
+
+    def too_large(self) -> bool:
+        """Whether the outputs a push refused are more than its stream can ever pass on
+        (`cap`): no read makes room for them (its caller is not behind)."""
+        return self.budget is not None and self.offered > self.cap
+
+    def full(self) -> bool:
+        """Whether its caller has not read its last `limit` outputs (a push refused)."""
+        return len(self._items) >= self.limit
+
+    def close(self) -> None:
+        """No more outputs will come (the sequence ended, failed or was dropped)."""
+        self.closed = True
+        self._stop_credit()
+        self._notify()
+
+    def discard(self) -> None:
+        """Drop the outputs not taken (their caller left), giving back their bytes."""
+        dropped = sum(self._sizes)
+        self._items.clear()
+        self._sizes.clear()
+        self.out -= dropped
+        if self.budget is not None:
+            self.budget.give(dropped)
+
+    def restart(self) -> None:
+        """The sequence starts over on another worker: what it gave so far goes."""
+        self.discard()
+        self._stop_credit()  # its new START carries a whole window again
+        self.credit, self.need, self.watched = self.window, 0, False
+        self.restarts += 1
+
+    async def next(self) -> tuple[list[Tensor], bool] | None:
+        """The next step's outputs and whether they are the last, or None once closed
+        and drained. Unless handed on, its caller has them now: its bytes go back to
+        the budget and to its worker's credit."""
+        while not self._items:
+            if self.closed:
+                return None
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        size = self.last_bytes = self._sizes.popleft()
+        item = self._items.popleft()
+        if not self.handed_on:
+            self.taken(size)
+        return item
+
+    def _stop_credit(self) -> None:
+        """It borrows no more, and repays what it borrowed (the outputs it holds stay
+        counted in the budget's `held` till taken)."""
+        self.grant = None
+        if self.budget is not None:
+            self.budget.withdraw(self)
+            self.budget.repay(self.lent)
+        self.lent = 0
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
