@@ -47,7 +47,8 @@ PROTOCOL_VERSION = 13  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # its inputs: INVALID_ARGUMENT); 10: HEARTBEAT's occupied (step-wise slots, every
 # frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time); 12: HEARTBEAT's
 # busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held;
-# 13: Step.need (a step past its sequence's credit is held at the worker, not sent)
+# 13: Step.need (a step past its sequence's credit is held at the worker, not sent),
+# START's outputs (only those asked for are sent and charged)
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What one step's outputs take from their sequence's credit (Header.credit) beyond their

@@ -105,10 +105,13 @@ class StreamBudget:
         self._lend()
 
     def _lend(self) -> None:
+        """To the first that asked, once the limit has room for it (whatever is lent, and
+        its caller's outputs not taken, so that a stream that is not read holds no more):
+        and when nothing is lent, once what is held leaves room, so one always can."""
         while self._asks:
             stream, more = next(iter(self._asks.items()))
-            fits = self.reserved + self.lent + more <= self.limit
-            if self.lent and not (fits and self.held + more <= self.limit):
+            promised = self.reserved + self.lent + more <= self.limit
+            if self.held + more > self.limit or (self.lent and not promised):
                 return
             del self._asks[stream]
             self.lent += more
@@ -125,7 +128,7 @@ class StepStream:
 
     def __init__(
         self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False,
-        handed_on: bool = False,
+        handed_on: bool = False, cap: int | None = None,
     ) -> None:  # fmt: skip
         self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
         self._sizes: deque[int] = deque()  # the bytes each item counts (credit, budget)
@@ -150,10 +153,12 @@ class StepStream:
         # it borrowed from the budget beyond its window; and what sends CREDIT to its
         # worker (set when it starts)
         self.window = budget.window if budget is not None else WINDOW
-        # The most bytes one step's outputs may hold: handed on, what one response may
-        # carry (its caller's responses: gRPC's, --max-message-bytes); else the budget
-        limit = budget.limit if budget is not None else 0
-        self.cap = limit // STREAM_BUDGET_RESPONSES if handed_on else limit
+        # The most bytes one step's outputs may hold (None: any): `cap` given (a unary
+        # call's answer); handed on, what one response may carry (its caller's
+        # responses: gRPC's, --max-message-bytes); else its budget's limit
+        if cap is None and budget is not None:
+            cap = budget.limit // STREAM_BUDGET_RESPONSES if handed_on else budget.limit
+        self.cap = cap
         self.credit, self.out, self.need, self.lent = self.window, 0, 0, 0
         self.grant: Callable[[int, bool], None] | None = None
         self._taken_at = time.monotonic()  # when its caller last took an output
@@ -199,7 +204,7 @@ class StepStream:
 
     def taken(self, size: int) -> None:
         """Its caller took an output of `size` bytes: they go back to the budget, and to
-        its worker's credit."""
+        its worker's credit (or repay its loan, once ended)."""
         self.out -= size
         self._taken_at = time.monotonic()
         if self.budget is not None:
@@ -213,23 +218,26 @@ class StepStream:
         self._settle()
 
     def _settle(self) -> None:
-        """Borrow what its held step needs beyond its window, repay what it no longer
-        needs, and give its worker the credit its caller made room for: in pieces of
-        half a window, or at once for a held step."""
-        if self.grant is None:
-            return
-        over = max(self.credit, self.need) + self.out - self.window  # beyond its window
-        if over > self.lent:
+        """Borrow what a step larger than its window needs beyond it, repay what it no
+        longer needs (once the outputs it paid for are taken), and give its worker the
+        credit its caller made room for: in pieces of half a window, or at once for a
+        held step (a step that fits the window waits for the caller's reading)."""
+        ended = self.grant is None
+        credit = 0 if ended else self.credit
+        over = max(self.need - self.window, credit + self.out - self.window, 0)
+        if over > self.lent and not ended:
             if self.budget is None:
                 self.lent = over
             else:
                 self.budget.ask(self, over - self.lent)  # (its answer settles again)
-        elif self.lent:
+        elif over < self.lent:
             if self.budget is not None:
                 self.budget.withdraw(self)
-                self.budget.repay(self.lent - max(over, 0))
-            self.lent = max(over, 0)
-        more = self.window + self.lent - self.out - self.credit
+                self.budget.repay(self.lent - over)
+            self.lent = over
+        if self.grant is None:
+            return
+        more = self.window + self.lent - self.out - self.credit  # (a loan may have given)
         if more > 0 and (more * 2 >= self.window or self.need > self.credit):
             paused = self.paused
             self.credit += more
@@ -238,7 +246,7 @@ class StepStream:
     def too_large(self) -> bool:
         """Whether the outputs a push refused are more than its stream can ever pass on
         (`cap`): no read makes room for them (its caller is not behind)."""
-        return self.budget is not None and self.offered > self.cap
+        return self.cap is not None and self.offered > self.cap
 
     def full(self) -> bool:
         """Whether its caller has not read its last `limit` outputs (a push refused)."""
@@ -258,6 +266,7 @@ class StepStream:
         self.out -= dropped
         if self.budget is not None:
             self.budget.give(dropped)
+        self._settle()
 
     def restart(self) -> None:
         """The sequence starts over on another worker: what it gave so far goes."""
@@ -282,13 +291,12 @@ class StepStream:
         return item
 
     def _stop_credit(self) -> None:
-        """It borrows no more, and repays what it borrowed (the outputs it holds stay
-        counted in the budget's `held` till taken)."""
-        self.grant = None
+        """It borrows no more, and repays what its outputs not taken do not hold (they
+        stay counted in the budget's `held`, and their loan, till taken)."""
+        self.grant, self.need = None, 0
         if self.budget is not None:
             self.budget.withdraw(self)
-            self.budget.repay(self.lent)
-        self.lent = 0
+        self._settle()
 
     def _notify(self) -> None:
         if self._wake is not None and not self._wake.done():

@@ -82,6 +82,7 @@ class Sequences:
             header.tensors.extend(
                 wire.Tensor(name=t.name, datatype=t.datatype, shape=t.shape) for t in r.inputs
             )
+            header.outputs.extend(o.name for o in model.outputs if o.name in r.outputs)
             frames = [t.data for t in r.inputs]
             copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
             failed = self._link.send(worker.identity, wire.pack(header, frames), copy=copy)
@@ -154,17 +155,16 @@ class Sequences:
             return
         if tensors:
             try:
-                check_outputs(model, tensors, frames)
+                check_outputs(model, tensors, frames, r.outputs)
             except ValueError as e:
                 bad = ModelFailed(
                     f"model {model.name!r} on worker {worker.name} sent bad outputs: {e}"
                 )
                 self._end_sequence(worker, sequence, bad)
                 return
-            outputs = [  # the ones it asked for: all it holds and counts on their way out
+            outputs = [  # the ones it asked for (START's), and what its worker charged
                 Tensor(h.name, h.datatype, tuple(h.shape), memoryview(f))
                 for h, f in zip(tensors, frames, strict=True)
-                if h.name in r.outputs
             ]
             first = stream.sent == 0
             if not stream.push(outputs, step.final):

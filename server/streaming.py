@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -165,6 +166,7 @@ async def respond(
     try:
         while (out := await responses.get()) is not None:
             yield out[0]
+            budget.taken_at = time.monotonic()  # its caller reads (a sequence's stall timer)
             out[1]()  # gRPC took it
         await reader
         if ended:

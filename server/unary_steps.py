@@ -59,7 +59,9 @@ async def follow(core: Submitter, request: Request) -> AsyncGenerator[tuple[list
 async def join_sequence(core: Submitter, request: Request, max_bytes: int) -> list[Tensor]:
     """A unary call's answer: its sequence run to its end, its outputs joined."""
     assert request.model.generate is not None
-    request.stream = StepStream(limit=request.model.generate.max_steps + 1, held=True)
+    request.stream = StepStream(
+        limit=request.model.generate.max_steps + 1, held=True, cap=max_bytes
+    )
     joined = Joined(request, max_bytes)
     async with contextlib.aclosing(follow(core, request)) as steps:
         async for outputs, _ in steps:

@@ -114,6 +114,78 @@ def load(device):
     return Wide()
 '''
 
+# Step-wise: N steps, each with SMALL [1] (k) and BIG [1, WIDTH] (k everywhere).
+TWO_TOML = f"""
+[[input]]
+name = "N"
+datatype = "INT64"
+shape = [1]
+
+[[input]]
+name = "WIDTH"
+datatype = "INT64"
+shape = [1]
+
+[[output]]
+name = "SMALL"
+datatype = "INT64"
+shape = [1]
+
+[[output]]
+name = "BIG"
+datatype = "INT64"
+shape = [1, -1]
+
+[generate]
+max_active = 8
+max_steps = 1000
+
+[instances]
+execution_timeout_s = {TIMEOUT_S}
+"""
+TWO_PY = """
+import torch
+
+
+class Two:
+    def start(self, requests):
+        return [{"n": int(r["N"][0]), "w": int(r["WIDTH"][0]), "k": 0} for r in requests]
+
+    def step(self, states):
+        out = []
+        for s in states:
+            s["k"] += 1
+            k = s["k"]
+            big = torch.full((1, s["w"]), k, dtype=torch.int64)
+            out.append(({"SMALL": torch.tensor([k]), "BIG": big}, k >= s["n"]))
+        return out
+
+
+def load(device):
+    return Two()
+"""
+# One-shot: BLOB holds WIDTH int64 values.
+BLOB_TOML = """
+max_batch_size = 0
+
+[[input]]
+name = "WIDTH"
+datatype = "INT64"
+shape = [1]
+
+[[output]]
+name = "BLOB"
+datatype = "INT64"
+shape = [-1]
+"""
+BLOB_PY = """
+import torch
+
+
+def load(device):
+    return lambda width: (torch.full((int(width[0]),), 7, dtype=torch.int64),)
+"""
+
 
 # ---- the pieces, without a server ----
 
@@ -263,8 +335,8 @@ def test_a_stream_s_windows_hold_half_its_budget_and_steps_past_a_window_borrow_
 
 def test_credit_goes_back_to_the_worker_as_the_caller_takes_outputs() -> None:
     """A sequence's window of credit: its outputs spend it, what its caller took goes
-    back in pieces of half a window (or at once for a step held at its worker), and a
-    restart gives a whole window again."""
+    back in pieces of half a window (or at once what a step held at its worker needs),
+    and a restart gives a whole window again."""
 
     async def body() -> None:
         each = 16 + OUTPUT_COST
@@ -281,11 +353,60 @@ def test_credit_goes_back_to_the_worker_as_the_caller_takes_outputs() -> None:
         assert grants == []  # 3 outputs taken: less than half a window
         await a.next()
         assert grants == [(4 * each, True)] and a.credit == 4 * each and not a.paused
-        assert a.wants(5 * each) and a.paused is False  # its held step: at once
-        assert grants[-1] == (each, True) and a.credit == 5 * each
+        # a step held at its worker that its window holds waits for its caller's reading
+        assert a.wants(5 * each) and a.paused and a.lent == 0
+        await a.next()  # then what it needs goes at once, not half a window
+        assert grants[-1] == (each, True) and a.credit == 5 * each and not a.paused
         a.restart()  # its START again, on another worker: a whole window, no grant
         assert (a.credit, a.grant) == (a.window, None) and budget.held == 0
         assert StepStream().window == WINDOW  # a unary call's sequence: no budget
+
+    asyncio.run(body())
+
+
+def sent(s: StepStream, width: int, final: bool = False) -> bool:
+    """What a worker does with one step of `width` INT64s: sends it if its credit covers
+    it, else holds it and says what it needs (Step.need), sending it if that came."""
+    cost = width * 8 + OUTPUT_COST
+    if s.credit < cost:
+        assert s.wants(cost)
+    return s.credit >= cost and s.push([out(1, width=width)], final)
+
+
+def test_a_stream_that_is_not_read_holds_at_most_its_budget_however_its_sequences_end() -> None:
+    """Sequences whose one step is larger than their window, each ending with it, on a
+    stream whose caller reads nothing: each borrows in turn while what is held leaves
+    room, and an ended one keeps the loan its outputs not taken hold (before: an ended
+    sequence repaid its loan, the next borrowed "as nothing was lent", and 8 of them
+    held 4x the budget). Steps within the window borrow nothing: a sequence not read
+    runs a window ahead, not a budget (before: 120 steps of 16 KiB, 2 MiB, where its
+    window was 128 KiB)."""
+
+    async def body() -> None:
+        budget, grants = StreamBudget(2 * MiB), lambda more, paused: None
+        streams = []
+        while budget.admits():
+            await budget.room(sequence=True)
+            streams.append(StepStream(budget=budget, handed_on=True))
+            streams[-1].grant = grants
+        assert len(streams) == 8
+        waiting, moved = list(streams), True
+        while moved:  # its worker sends each step once its credit came
+            moved = False
+            for s in list(waiting):
+                if sent(s, (MiB - 4096) // 8, final=True):
+                    s.close()  # its last step sent: the sequence ended
+                    waiting.remove(s)
+                    moved = True
+        assert budget.held <= budget.limit and 0 < len(waiting) < 8
+        small = StreamBudget(2 * MiB)
+        await small.room(sequence=True)
+        one = StepStream(budget=small, handed_on=True)
+        one.grant = grants
+        steps = 0
+        while sent(one, 2048):  # 16 KiB a step
+            steps += 1
+        assert steps == small.window // (16 * 1024 + OUTPUT_COST) and small.lent == 0
 
     asyncio.run(body())
 
@@ -300,6 +421,10 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProce
     model.mkdir(parents=True)
     (model / "model.toml").write_text(WIDE_TOML)
     (model / "model.py").write_text(textwrap.dedent(WIDE_PY))
+    for name, toml, py in (("two", TWO_TOML, TWO_PY), ("blob", BLOB_TOML, BLOB_PY)):
+        (root / "repo" / name).mkdir()
+        (root / "repo" / name / "model.toml").write_text(toml)
+        (root / "repo" / name / "model.py").write_text(textwrap.dedent(py))
     log = root / "wide.log"
     server = ServerProcess(
         root / "repo", "--max-message-bytes", str(MiB),
@@ -519,3 +644,51 @@ def test_a_caller_reading_as_fast_as_it_can_gets_every_output_of_every_sequence(
         raw = r.infer_response.raw_output_contents
         got[r.infer_response.id].append(int(np.frombuffer(raw[0][:8], np.int64)[0]))
     assert got == {m.id: list(range(1, steps + 1)) for m in asked}
+
+
+def named(
+    model: str, rid: str, outputs: tuple[str, ...] = (), **inputs: int
+) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name=model, id=rid)
+    for name, number in inputs.items():
+        msg.inputs.add(name=name, datatype="INT64", shape=[1])
+        msg.raw_input_contents.append(np.array([number], np.int64).tobytes())
+    for name in outputs:
+        msg.outputs.add(name=name)
+    return msg
+
+
+def test_a_caller_asking_for_one_of_a_step_s_outputs_gets_every_step_and_costs_no_worker(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """SMALL of `two`, not its 8 KiB BIG: the worker charged BIG to the sequence's
+    credit, the frontend (which dropped it) did not, so it gave no credit back, never
+    saw the sequence held, and took the worker for stuck: 14 of 50 outputs, then the
+    worker killed ("lost"), twice for a unary call. START now names the outputs asked
+    for, and only those are sent and charged."""
+    server, _ = wide
+    asked = named("two", "s", ("SMALL",), N=50, WIDTH=1024)
+    values = []
+    for r in stub.ModelStreamInfer(iter([asked]), timeout=60):
+        assert not r.error_message, r.error_message
+        assert [o.name for o in r.infer_response.outputs] == ["SMALL"]
+        values.append(int(np.frombuffer(r.infer_response.raw_output_contents[0], np.int64)[0]))
+    assert values == list(range(1, 51))
+    unary = stub.ModelInfer(named("two", "u", ("SMALL",), N=50, WIDTH=1024), timeout=60)
+    assert [o.name for o in unary.outputs] == ["SMALL"]
+    assert np.frombuffer(unary.raw_output_contents[0], np.int64).tolist() == values
+    assert "lost" not in server.log()
+
+
+def test_a_unary_step_over_a_response_is_refused_before_its_worker_sends_it(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """One step of 2 MiB under --max-message-bytes 1 MiB, for a unary call: its worker
+    says what it needs, and the frontend refuses it then (it was given the credit,
+    sent, and refused only once joined)."""
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(wide_request(121, 1, width=MiB // 4), timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "hold 2097152 bytes, more than its stream can carry (1048576" in (
+        e.value.details() or ""
+    )

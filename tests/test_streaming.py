@@ -12,7 +12,9 @@ import pytest
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
+from batchd.server import streaming
 from batchd.server.errors import InvalidInput
+from batchd.server.flow import StreamBudget
 from batchd.server.handlers import Undecodable
 from batchd.server.streaming import respond
 from tests.conftest import model
@@ -131,3 +133,29 @@ def test_a_refused_request_s_long_id_is_not_echoed_and_empty_final_must_be_a_boo
         "bad input": "",
         "parameter 'triton_enable_empty_final_response': expected a boolean, got string_param": "s",
     }
+
+
+def test_any_response_its_caller_takes_counts_as_reading_for_the_stream_s_sequences(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence held for its caller is stopped once its caller has taken nothing for
+    execution_timeout_s (sequences.py): the one-shot answers queued ahead of its
+    outputs are taken too, and count (only a sequence's own outputs did: a steady
+    reader of 60 answers queued ahead had its sequence stopped as stalled)."""
+    budgets: list[StreamBudget] = []
+
+    def kept(max_response_bytes: int) -> StreamBudget:
+        budgets.append(StreamBudget(2 * max_response_bytes))
+        return budgets[-1]
+
+    monkeypatch.setattr(streaming, "stream_budget", kept)
+
+    async def body() -> list[float]:
+        seen = []
+        async for _ in respond(Service(), requests(["a", "b", "c"])):  # type: ignore[arg-type]
+            seen.append(budgets[0].taken_at)  # (set as the next is asked for)
+            budgets[0].taken_at = -1.0
+        return seen
+
+    seen = asyncio.run(body())  # each after the one before it was taken
+    assert len(seen) == 3 and all(t > 0 for t in seen), seen

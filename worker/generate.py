@@ -61,6 +61,7 @@ class Running:
     state: Any = None
     steps: int = 0
     credit: int | None = None  # bytes of outputs it may still send; None: unbounded
+    outputs: frozenset[str] = frozenset()  # those its caller asked for (START's); none: all
     # a step's outputs (tensors, frames, final, their cost) that its credit did not cover
     pending: tuple[Sequence[wire.Tensor], list[Any], bool, int] | None = None
 
@@ -148,7 +149,9 @@ class StepLoop:
             out.add(Running(header.batch_id, frontend, {}), error=f"bad inputs: {e}")
             return out.send()
         credit = header.credit or None  # 0: no flow control
-        self.waiting.append(Running(header.batch_id, frontend, inputs, credit=credit))
+        asked = frozenset(header.outputs)
+        self.waiting.append(Running(header.batch_id, frontend, inputs, credit=credit,
+                                    outputs=asked))  # fmt: skip
         return []
 
     def cancel(self, frontend: int, seq_id: int) -> int:
@@ -227,7 +230,7 @@ class StepLoop:
                 outputs, done = result
                 final = bool(done) or s.steps >= self._max_steps()
                 frames: list[Any] = []
-                tensors = self._encode(outputs, frames) if outputs is not None else ()
+                tensors = self._encode(outputs, frames, s.outputs) if outputs is not None else ()
                 # as the frontend counts it
                 cost = sum(len(f) for f in frames) + wire.OUTPUT_COST if tensors else 0
                 if s.credit is not None and cost > s.credit:  # held till CREDIT covers it
@@ -303,11 +306,13 @@ class StepLoop:
         s.inputs = {}
         self.active.append(s)
 
-    def _encode(self, outputs: dict[str, Any], frames: list[Any]) -> Sequence[wire.Tensor]:
+    def _encode(self, outputs: dict[str, Any], frames: list[Any],
+                asked: frozenset[str]) -> Sequence[wire.Tensor]:  # fmt: skip
+        """The outputs its caller `asked` for (none: all), checked and encoded."""
         if not isinstance(outputs, dict):
             raise BatchError(f"outputs as {type(outputs).__name__}, expected a dict by name")
         tensors = []
-        for spec in self.cfg.outputs:
+        for spec in (o for o in self.cfg.outputs if not asked or o.name in asked):
             if spec.name not in outputs:
                 raise BatchError(f"outputs without {spec.name!r}; got {sorted(map(str, outputs))}")
             tensor, frame = encode_output(spec, outputs[spec.name], batches=False)

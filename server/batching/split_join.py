@@ -15,7 +15,7 @@ chunks' results joined again.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -168,20 +168,23 @@ def _cut_packed(src: int, h: wire.Tensor, buf: memoryview, requests: Sequence[Re
 
 
 def check_outputs(
-    model: ModelConfig, headers: Sequence[wire.Tensor], frames: Sequence[Any]
-) -> None:
-    """ValueError unless `headers` and `frames` are the model's declared outputs, in
-    order: each in its datatype, no dim under 0, and (fixed-size types) as many bytes
-    as its shape needs. A batchd worker checks its model's (worker/execute.py); this
-    keeps a peer that does not (a broken one, another build) from taking the frontend
-    down or sending callers garbage."""
-    names = [o.name for o in model.outputs]
+    model: ModelConfig, headers: Sequence[wire.Tensor], frames: Sequence[Any],
+    only: Collection[str] = (),
+) -> None:  # fmt: skip
+    """ValueError unless `headers` and `frames` are the model's declared outputs (those
+    named in `only`, if any: a sequence's, its caller's), in order: each in its
+    datatype, no dim under 0, and (fixed-size types) as many bytes as its shape needs.
+    A batchd worker checks its model's (worker/execute.py); this keeps a peer that does
+    not (a broken one, another build) from taking the frontend down or sending callers
+    garbage."""
+    specs = [o for o in model.outputs if not only or o.name in only]
+    names = [o.name for o in specs]
     if len(headers) != len(names) or [h.name for h in headers] != names:
         got = clip_list([clip(h.name) for h in headers[: len(names) + 1]])
         raise ValueError(f"expected the outputs {names}, got {got}")
     if len(frames) != len(headers):
         raise ValueError(f"{len(headers)} outputs came in {len(frames)} frames")
-    for spec, h, frame in zip(model.outputs, headers, frames, strict=True):
+    for spec, h, frame in zip(specs, headers, frames, strict=True):
         shape, dt = tuple(h.shape), DATATYPES[spec.datatype]
         if h.datatype != spec.datatype or any(d < 0 for d in shape):
             raise ValueError(
