@@ -638,6 +638,31 @@ def test_a_blank_line_over_the_limit_counts_as_the_line_it_is_answered_as(
     assert read[0].error is not None and read[1].request is not None
 
 
+def test_reading_and_encoding_a_chunk_give_the_gil_up_as_they_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a thread, a chunk's lines are parsed and its results encoded between the event
+    loop's system calls: each time the loop gave the GIL up it waited for the switch
+    interval (5 ms) to get it back. They give it up every YIELD_S of work (0 here:
+    after every line)."""
+    good = {"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 3],
+                                           "data": [1, 2, 3]}]}  # fmt: skip
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(json.dumps({**good, "custom_id": f"c{k}"}).encode() + b"\n"
+                              for k in range(10)))  # fmt: skip
+    yields: list[float] = []
+    monkeypatch.setattr(chunks, "YIELD_S", -1.0)
+    monkeypatch.setattr(chunks.time, "sleep", yields.append)
+    reader = chunks.Reader(path, 0, 0)
+    try:
+        chunk = reader.read(fp32_model(), Limits())
+    finally:
+        reader.close()
+    assert len(chunk.lines) == 10 and yields == [0] * 10
+    chunks.encode(chunk.lines, [lines.LineError(f"c{k}", "no") for k in range(10)])
+    assert yields == [0] * 20
+
+
 def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> None:
     """Started after the stop, its lines would meet the core failing everything queued,
     and those error lines would be kept in its results."""
