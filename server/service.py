@@ -49,7 +49,7 @@ from batchd.server.errors import (
 from batchd.server.flow import StepStream, StreamBudget, stream_budget
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
-from batchd.server.streaming import respond
+from batchd.server.streaming import respond, write_all
 from batchd.server.tracing import RequestTrace
 from batchd.server.unary_steps import follow, join_sequence
 
@@ -293,14 +293,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self,
         request_iterator: AsyncIterator[pb.ModelInferRequest],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    ) -> None:
         with grpc_status(context):
             peer: str = context.peer()
             self._calls.enter(peer)
             try:
                 carrier, remaining = self._carrier(context), context.time_remaining
-                async for out in respond(self, request_iterator, carrier, remaining):
-                    yield out
+                await write_all(context, respond(self, request_iterator, carrier, remaining))
             finally:
                 self._calls.leave(peer)
 

@@ -41,6 +41,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+import grpc
+
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import echoable, encode_response
@@ -119,7 +121,7 @@ async def respond(
     requests: AsyncIterator[pb.ModelInferRequest],
     carrier: Any = None,
     time_remaining: Callable[[], float | None] = lambda: None,
-) -> AsyncIterator[pb.ModelStreamInferResponse]:
+) -> AsyncGenerator[pb.ModelStreamInferResponse]:
     """The stream's responses; `carrier`: its metadata, where a traceparent is read from
     (every request of the stream is a child of it); `time_remaining`: the call's, when
     each request arrives (the call's deadline is each request's: one that the deadline
@@ -193,6 +195,23 @@ async def _answer(service: Answers, msg: pb.ModelInferRequest | Undecodable,
     except Exception:  # a defect: this request fails, the stream's others go on
         log.exception("a ModelStreamInfer request failed")
         await put(_error(msg, BatchdError("internal error"), cfg), None)
+
+
+async def write_all(
+    context: grpc.aio.ServicerContext, responses: AsyncGenerator[pb.ModelStreamInferResponse]
+) -> None:
+    """Each response written to the call, until one cannot be: its caller left while it
+    waited for room (gRPC's flow control). Yielded to gRPC instead, such a write logged
+    an ERROR with a traceback (ExecuteBatchError) for every caller that went."""
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            try:
+                await context.write(response)
+            except Exception as e:  # (the core refused the write: the call is over)
+                if type(e).__name__ != "ExecuteBatchError":
+                    raise
+                log.debug("a ModelStreamInfer caller left with responses unsent")
+                return
 
 
 def _steps_of(cfg: ModelConfig | None) -> bool:

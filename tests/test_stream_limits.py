@@ -692,3 +692,23 @@ def test_a_unary_step_over_a_response_is_refused_before_its_worker_sends_it(
     assert "hold 2097152 bytes, more than its stream can carry (1048576" in (
         e.value.details() or ""
     )
+
+
+def test_a_caller_that_leaves_while_its_responses_wait_for_room_logs_no_error(
+    wide: tuple[ServerProcess, Path],
+) -> None:
+    """Three callers of 512 KiB outputs stop reading, then cancel, while the server's
+    writes wait for room in their HTTP/2 windows: the write that fails ends each
+    stream quietly. gRPC wrote the responses itself before, and logged an ERROR with a
+    traceback (ExecuteBatchError) for each such caller."""
+    server, _ = wide
+    before = server.log().count("ExecuteBatchError")
+    for k in range(3):
+        with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            call = stub.ModelStreamInfer(iter([wide_request(130 + k, 40, width=65536)]))
+            next(call)  # one taken; the others wait for the window the caller never opens
+            wait_for(lambda: total(scrape(server), "batchd_sequences_held") == 1, 30, "held")
+            call.cancel()
+        wait_for(lambda: total(scrape(server), "batchd_sequences_active") == 0, 30, "its end")
+    assert server.log().count("ExecuteBatchError") == before, server.log()
