@@ -39,7 +39,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 13  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 14  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
 # 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
 # for several frontends' batches); 8: CREDIT, START's credit (per-sequence
@@ -47,13 +47,14 @@ PROTOCOL_VERSION = 13  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # its inputs: INVALID_ARGUMENT); 10: HEARTBEAT's occupied (step-wise slots, every
 # frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time); 12: HEARTBEAT's
 # busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held;
-# 13: Step.need (a step past its sequence's credit is held at the worker, not sent),
-# START's outputs (only those asked for are sent and charged)
+# 13: Step.need (a step past its sequence's credit is held at the worker, not sent);
+# 14: START's outputs (only those asked for are sent and charged), OUTPUT_COST per tensor
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
-# What one step's outputs take from their sequence's credit (Header.credit) beyond their
-# bytes, for the objects that carry them (on the frontend, about 1 KiB an output: 487 MiB
-# for 500,000 unread outputs of 8 bytes); the frontend's stream budget counts the same.
+# What each tensor of a step's outputs takes from its sequence's credit (Header.credit)
+# beyond its bytes, for the objects that carry it (on the frontend, about 1 KiB an
+# output: 487 MiB for 500,000 unread outputs of 8 bytes; a response of 32 tensors, 11
+# KiB); the frontend's stream budget counts the same.
 OUTPUT_COST = 1024
 LIVENESS = 3
 ZERO_COPY_MIN_BYTES = 64 * 1024  # below this, copying a frame is cheaper than tracking it

@@ -82,7 +82,10 @@ class StreamBudget:
         self._lend()
 
     def hold(self, size: int) -> None:
-        """`size` more bytes wait for the caller (an output, or a response)."""
+        """`size` more bytes wait for the caller (an output, or a response); the first
+        after none starts the clock of its not reading (a wait in a queue is not)."""
+        if not self.held:
+            self.taken_at = time.monotonic()
         self.held += size
 
     def give(self, size: int) -> None:
@@ -105,13 +108,13 @@ class StreamBudget:
         self._lend()
 
     def _lend(self) -> None:
-        """To the first that asked, once the limit has room for it (whatever is lent, and
-        its caller's outputs not taken, so that a stream that is not read holds no more):
-        and when nothing is lent, once what is held leaves room, so one always can."""
+        """To the first that asked, once the limit has room for it beside the windows (a
+        window is reserved till its sequence's outputs are all taken), what is lent and
+        what its caller has not taken: a stream not read holds no more. With the caller
+        caught up the windows hold at most half (or one), so one loan always fits."""
         while self._asks:
             stream, more = next(iter(self._asks.items()))
-            promised = self.reserved + self.lent + more <= self.limit
-            if self.held + more > self.limit or (self.lent and not promised):
+            if max(self.reserved + self.lent, self.held) + more > self.limit:
                 return
             del self._asks[stream]
             self.lent += more
@@ -128,7 +131,7 @@ class StepStream:
 
     def __init__(
         self, limit: int = MAX_BUFFERED, budget: StreamBudget | None = None, held: bool = False,
-        handed_on: bool = False, cap: int | None = None,
+        handed_on: bool = False, cap: int | None = None, reserved: bool = False,
     ) -> None:  # fmt: skip
         self._items: deque[tuple[list[Tensor], bool]] = deque()  # (outputs, final)
         self._sizes: deque[int] = deque()  # the bytes each item counts (credit, budget)
@@ -160,6 +163,9 @@ class StepStream:
             cap = budget.limit // STREAM_BUDGET_RESPONSES if handed_on else budget.limit
         self.cap = cap
         self.credit, self.out, self.need, self.lent = self.window, 0, 0, 0
+        # True: its window is reserved in the budget (StreamBudget.room), given back once
+        # it ended and its caller took all its outputs
+        self.reserved = reserved
         self.grant: Callable[[int, bool], None] | None = None
         self._taken_at = time.monotonic()  # when its caller last took an output
         self.watched = False  # a held sequence's timer runs (Sequences: the caller's stall)
@@ -170,9 +176,11 @@ class StepStream:
         read its last `limit` outputs (`full`), or its worker sent more than it had
         credit for."""
         self.offered = output_bytes(outputs)
-        size = self.offered + OUTPUT_COST
+        size = self.offered + OUTPUT_COST * len(outputs)
         if self.full() or self.too_large() or size > self.credit:
             return False
+        if not self.out:  # the clock of its caller's not reading starts
+            self._taken_at = time.monotonic()
         self._items.append((outputs, final))
         self._sizes.append(size)
         self.credit, self.out, self.need = self.credit - size, self.out + size, 0
@@ -182,10 +190,10 @@ class StepStream:
         self._notify()
         return True
 
-    def wants(self, need: int) -> bool:
-        """Its worker holds a step that needs `need` credit; False when that step is more
-        than its stream can ever pass on (`too_large`)."""
-        self.offered = need - OUTPUT_COST
+    def wants(self, need: int, outputs: int) -> bool:
+        """Its worker holds a step of `outputs` tensors that needs `need` credit; False
+        when that step is more than its stream can ever pass on (`too_large`)."""
+        self.offered = need - OUTPUT_COST * outputs
         if self.too_large():
             return False
         self.need = need
@@ -211,6 +219,7 @@ class StepStream:
             self.budget.taken_at = self._taken_at
             self.budget.give(size)
         self._settle()
+        self._release()
 
     def borrowed(self, more: int) -> None:
         """The budget lent it `more` beyond its window (it asked)."""
@@ -257,6 +266,13 @@ class StepStream:
         self.closed = True
         self._stop_credit()
         self._notify()
+        self._release()
+
+    def _release(self) -> None:
+        """Its window back to the budget, once it ended and its outputs are all taken."""
+        if self.reserved and self.closed and not self.out and self.budget is not None:
+            self.reserved = False
+            self.budget.unreserve()
 
     def discard(self) -> None:
         """Drop the outputs not taken (their caller left), giving back their bytes."""
@@ -267,12 +283,14 @@ class StepStream:
         if self.budget is not None:
             self.budget.give(dropped)
         self._settle()
+        self._release()
 
     def restart(self) -> None:
         """The sequence starts over on another worker: what it gave so far goes."""
         self.discard()
         self._stop_credit()  # its new START carries a whole window again
         self.credit, self.need, self.watched = self.window, 0, False
+        self._taken_at = time.monotonic()  # (its time before is not its caller's)
         self.restarts += 1
 
     async def next(self) -> tuple[list[Tensor], bool] | None:

@@ -148,7 +148,7 @@ class Sequences:
             self._end_sequence(worker, sequence, failed)
             return
         if step.need:  # its next step is held at its worker, for want of credit
-            if not stream.wants(step.need):
+            if not stream.wants(step.need, len(r.outputs)):
                 self._refused(worker, sequence)
             elif stream.paused and not stream.watched:
                 self._watch(worker.identity, sequence)

@@ -46,7 +46,7 @@ from batchd.server.errors import (
     clip,
     grpc_status,
 )
-from batchd.server.flow import StepStream, StreamBudget, stream_budget
+from batchd.server.flow import StepStream, stream_budget
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
 from batchd.server.streaming import respond, write_all
@@ -217,16 +217,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             return answer
 
     async def sequence(self, msg: pb.ModelInferRequest | Body, time_remaining: float | None,
-                       carrier: Carrier | None = None, budget: StreamBudget | None = None,
+                       carrier: Carrier | None = None, stream: StepStream | None = None,
                        ) -> AsyncGenerator[tuple[Request, list[Tensor], bool]]:  # fmt: skip
         """A step-wise model's request: each output as it comes, and whether it is the
-        last. Leaving early (the caller went) frees its slot. `budget`: its caller's
-        stream's (flow.StreamBudget: its outputs handed on); none given: its own."""
+        last. Leaving early (the caller went) frees its slot. `stream`: where its outputs
+        go, its caller's stream's (flow.StepStream, handed on); none given: its own."""
         async with _Answering(self, msg, time_remaining) as a:
             request = await self._admit(a, msg, carrier)
-            mine = budget is None  # (one given: each output's bytes its caller's to give back)
-            budget = stream_budget(self.max_response_bytes()) if mine else budget
-            request.stream = StepStream(budget=budget, handed_on=not mine)
+            own = StepStream(budget=stream_budget(self.max_response_bytes()))
+            request.stream = stream if stream is not None else own
             async with contextlib.aclosing(follow(self._core, request)) as steps:
                 async for outputs, final in steps:
                     yield request, outputs, final

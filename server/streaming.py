@@ -47,7 +47,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import echoable, encode_response
 from batchd.server.errors import BatchdError, InvalidInput
-from batchd.server.flow import StepStream, StreamBudget, stream_budget
+from batchd.server.flow import StepStream, stream_budget
 from batchd.server.handlers import Undecodable
 from batchd.server.request import Request, Tensor
 
@@ -68,7 +68,7 @@ class Answers(Protocol):
 
     def sequence(
         self, msg: pb.ModelInferRequest, time_remaining: float | None, carrier: Any = None,
-        budget: StreamBudget | None = None,
+        stream: StepStream | None = None,
     ) -> AsyncGenerator[tuple[Request, list[Tensor], bool]]: ...  # fmt: skip
 
     def max_response_bytes(self) -> int: ...
@@ -89,16 +89,15 @@ Put = Callable[[pb.ModelStreamInferResponse, StepStream | None], Awaitable[None]
 
 async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, put: Put,
                  carrier: Any, time_remaining: float | None,
-                 budget: StreamBudget) -> None:  # fmt: skip
-    """A step-wise request's responses, one per output; `cfg`: its model, as it came."""
+                 stream: StepStream) -> None:  # fmt: skip
+    """A step-wise request's responses, one per output; `cfg`: its model, as it came;
+    `stream`: where its outputs go (handed on: taken once gRPC took them)."""
     empty_final = msg.parameters[EMPTY_FINAL].bool_param if EMPTY_FINAL in msg.parameters else False
     request, last = None, False
-    sequence = service.sequence(msg, time_remaining, carrier, budget)
+    sequence = service.sequence(msg, time_remaining, carrier, stream)
     async with contextlib.aclosing(sequence):
         async for request, outputs, final in sequence:
             last = final and not empty_final
-            stream = request.stream  # (its outputs handed on: taken once gRPC took them)
-            assert stream is not None
             try:
                 response = encode_response(request, outputs, service.max_response_bytes())
             except BaseException:
@@ -141,12 +140,17 @@ async def respond(
             await responses.put((response, functools.partial(stream.taken, stream.last_bytes)))
 
     async def one(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None) -> None:
+        # a step-wise request's: it holds the window read() reserved, till its caller took
+        # its outputs (or at once, if it never starts)
+        stream = (
+            StepStream(budget=budget, handed_on=True, reserved=True) if _steps_of(cfg) else None
+        )
         try:
-            await _answer(service, msg, cfg, put, carrier, time_remaining(), budget)
+            await _answer(service, msg, cfg, put, carrier, time_remaining(), stream)
         finally:
             window.release()
-            if _steps_of(cfg):
-                budget.unreserve()
+            if stream is not None:
+                stream.close()
 
     ended: list[BaseException] = []  # what ended the request stream, if not its end
 
@@ -179,14 +183,14 @@ async def respond(
 
 async def _answer(service: Answers, msg: pb.ModelInferRequest | Undecodable,
                   cfg: ModelConfig | None, put: Put, carrier: Any, time_remaining: float | None,
-                  budget: StreamBudget) -> None:  # fmt: skip
+                  stream: StepStream | None) -> None:  # fmt: skip
     """One request of the stream, answered: its responses, or its failure's."""
     try:
         if isinstance(msg, Undecodable):
             raise msg.error
         _check(msg)
-        if cfg is not None and cfg.generate is not None:
-            await _steps(service, msg, cfg, put, carrier, time_remaining, budget)
+        if cfg is not None and stream is not None:
+            await _steps(service, msg, cfg, put, carrier, time_remaining, stream)
         else:
             response = await service.infer(msg, time_remaining, carrier)
             await put(_final(response, True), None)

@@ -26,7 +26,7 @@ import pytest
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.model_config import GenerateConfig, ModelConfig, TensorSpec
-from batchd.server import recovery
+from batchd.server import flow, recovery
 from batchd.server.errors import ModelFailed, ResponseTooLarge
 from batchd.server.flow import OUTPUT_COST, WINDOW, StepStream, StreamBudget
 from batchd.server.request import Batch, Request, Tensor
@@ -313,10 +313,10 @@ def test_a_stream_s_windows_hold_half_its_budget_and_steps_past_a_window_borrow_
             s.grant = lambda more, paused, g=g: g.append(more)
         a, b, c = streams
         big = 24 * 1024 + OUTPUT_COST  # a step of 24 KiB: six windows
-        assert a.wants(big) and grants[0] == [big - a.window] and a.lent == big - a.window
+        assert a.wants(big, 1) and grants[0] == [big - a.window] and a.lent == big - a.window
         assert a.push([out(1, width=24 * 1024 // 8)]) and budget.held == big
-        assert b.wants(big) and grants[1] == [big - b.window]  # within the limit: lent too
-        assert c.wants(big) and grants[2] == [] and c.paused  # past it: waits its turn
+        assert b.wants(big, 1) and grants[1] == [big - b.window]  # within the limit: lent too
+        assert c.wants(big, 1) and grants[2] == [] and c.paused  # past it: waits its turn
         assert not c.push([out(1, width=24 * 1024 // 8)])  # its worker had no credit for it
         await a.next()  # handed on: still its caller's to take
         assert budget.held == big and grants[2] == []
@@ -354,7 +354,7 @@ def test_credit_goes_back_to_the_worker_as_the_caller_takes_outputs() -> None:
         await a.next()
         assert grants == [(4 * each, True)] and a.credit == 4 * each and not a.paused
         # a step held at its worker that its window holds waits for its caller's reading
-        assert a.wants(5 * each) and a.paused and a.lent == 0
+        assert a.wants(5 * each, 1) and a.paused and a.lent == 0
         await a.next()  # then what it needs goes at once, not half a window
         assert grants[-1] == (each, True) and a.credit == 5 * each and not a.paused
         a.restart()  # its START again, on another worker: a whole window, no grant
@@ -369,7 +369,7 @@ def sent(s: StepStream, width: int, final: bool = False) -> bool:
     it, else holds it and says what it needs (Step.need), sending it if that came."""
     cost = width * 8 + OUTPUT_COST
     if s.credit < cost:
-        assert s.wants(cost)
+        assert s.wants(cost, 1)
     return s.credit >= cost and s.push([out(1, width=width)], final)
 
 
@@ -407,6 +407,34 @@ def test_a_stream_that_is_not_read_holds_at_most_its_budget_however_its_sequence
         while sent(one, 2048):  # 16 KiB a step
             steps += 1
         assert steps == small.window // (16 * 1024 + OUTPUT_COST) and small.lent == 0
+
+    asyncio.run(body())
+
+
+def test_a_window_stays_reserved_till_its_outputs_are_taken_and_counts_from_the_first() -> None:
+    """An ended sequence's window goes back to the budget once its caller took its
+    outputs, not when its last was queued (unread outputs were then counted in no
+    window, and a loan beside them took a stream to 1.4x its budget). Its caller's not
+    reading is
+    timed from its first output (a sequence that waited in a queue past the model's
+    execution_timeout_s was stopped as stalled at its first pause). Each tensor of a
+    step counts OUTPUT_COST (a step of 64 tensors counted one)."""
+
+    async def body() -> None:
+        now = [100.0]
+        budget = StreamBudget(64 * 1024)
+        await budget.room(sequence=True)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(flow.time, "monotonic", lambda: now[0])
+            s = StepStream(budget=budget, handed_on=True, reserved=True)
+            s.grant = lambda more, paused: None
+            now[0] += 60  # it waits in its queue a minute
+            assert s.push([out(1), out(2, name="FLAT")], final=True)
+            assert s.taken_at == 160.0 and s.out == 32 + 2 * OUTPUT_COST
+        s.close()
+        assert budget.reserved == budget.window  # its outputs are not taken yet
+        s.taken(s.out)
+        assert budget.reserved == 0
 
     asyncio.run(body())
 
@@ -674,6 +702,8 @@ def test_a_caller_asking_for_one_of_a_step_s_outputs_gets_every_step_and_costs_n
         assert [o.name for o in r.infer_response.outputs] == ["SMALL"]
         values.append(int(np.frombuffer(r.infer_response.raw_output_contents[0], np.int64)[0]))
     assert values == list(range(1, 51))
+    both = list(stub.ModelStreamInfer(iter([named("two", "b", N=50, WIDTH=1024)]), timeout=60))
+    assert [r.error_message for r in both] == [""] * 50  # two tensors a step, both charged
     unary = stub.ModelInfer(named("two", "u", ("SMALL",), N=50, WIDTH=1024), timeout=60)
     assert [o.name for o in unary.outputs] == ["SMALL"]
     assert np.frombuffer(unary.raw_output_contents[0], np.int64).tolist() == values

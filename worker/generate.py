@@ -232,7 +232,7 @@ class StepLoop:
                 frames: list[Any] = []
                 tensors = self._encode(outputs, frames, s.outputs) if outputs is not None else ()
                 # as the frontend counts it
-                cost = sum(len(f) for f in frames) + wire.OUTPUT_COST if tensors else 0
+                cost = sum(len(f) for f in frames) + wire.OUTPUT_COST * len(tensors)
                 if s.credit is not None and cost > s.credit:  # held till CREDIT covers it
                     s.pending = (tensors, frames, final, cost)
                     out.need(s, cost)
