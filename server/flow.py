@@ -111,10 +111,12 @@ class StreamBudget:
         """To the first that asked, once the limit has room for it beside the windows (a
         window is reserved till its sequence's outputs are all taken), what is lent and
         what its caller has not taken: a stream not read holds no more. With the caller
-        caught up the windows hold at most half (or one), so one loan always fits."""
+        caught up and nothing lent, the first goes whatever its size (its tensors'
+        OUTPUT_COST may pass what a response carries): a stream moves on as it is read."""
         while self._asks:
             stream, more = next(iter(self._asks.items()))
-            if max(self.reserved + self.lent, self.held) + more > self.limit:
+            caught_up = not self.lent and not self.held  # one loan goes, whatever its size
+            if max(self.reserved + self.lent, self.held) + more > self.limit and not caught_up:
                 return
             del self._asks[stream]
             self.lent += more
@@ -196,6 +198,8 @@ class StepStream:
         self.offered = need - OUTPUT_COST * outputs
         if self.too_large():
             return False
+        if not self.out:  # the clock of its caller's not reading starts (as at a push)
+            self._taken_at = time.monotonic()
         self.need = need
         self._settle()
         return True
@@ -204,6 +208,14 @@ class StepStream:
     def paused(self) -> bool:
         """Its worker holds it: its credit is spent, or less than its held step needs."""
         return self.credit <= 0 or self.need > self.credit
+
+    def owed(self) -> bool:
+        """Whether its caller has outputs to take: its own, or its stream's."""
+        return bool(self.out or (self.budget is not None and self.budget.held))
+
+    def unowed(self) -> None:
+        """Its caller is not behind now (nothing to take): its clock starts again."""
+        self._taken_at = time.monotonic()
 
     @property
     def taken_at(self) -> float:

@@ -215,6 +215,8 @@ class Sequences:
         if worker is None or worker.sequences.get(sequence.id) is not sequence:
             return  # it ended, or its worker was lost meanwhile
         limit = sequence.model.instances.execution_timeout_s
+        if stream.paused and not stream.owed():  # its caller has nothing to read: not its
+            stream.unowed()  # stall (it waits for a loan others' outputs hold), from now
         if stream.paused and time.monotonic() - stream.taken_at >= limit:  # nothing read
             self._cancel(identity, sequence.id)
             stalled = StreamBehind(

@@ -439,6 +439,36 @@ def test_a_window_stays_reserved_till_its_outputs_are_taken_and_counts_from_the_
     asyncio.run(body())
 
 
+def test_a_step_whose_tensors_pass_the_budget_goes_once_its_caller_caught_up() -> None:
+    """64 tensors of 8 bytes under a budget of 64 KiB: with OUTPUT_COST a tensor the step
+    needs 66,048, more than any loan could fit beside the windows, and its sequence
+    waited until stopped as stalled, its caller reading as fast as it could. With the
+    caller caught up and nothing lent, one loan goes whatever its size. A sequence whose
+    first pause is such a wait is timed from then, and not while its caller has
+    nothing to take (it was timed from its admission: stopped at once after a queue)."""
+
+    async def body() -> None:
+        now = [100.0]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(flow.time, "monotonic", lambda: now[0])
+            budget = StreamBudget(64 * 1024)
+            await budget.room(sequence=True)
+            s = StepStream(budget=budget, handed_on=True, reserved=True)
+            grants: list[int] = []
+            s.grant = lambda more, paused: grants.append(more)
+            now[0] += 60  # it waited in its queue a minute
+            assert s.wants(64 * (8 + OUTPUT_COST), 64) and not s.paused and grants
+            assert s.taken_at == 160.0 and not s.owed()
+            other = StepStream(budget=budget, handed_on=True)
+            other.grant = lambda more, paused: None
+            assert other.wants(30 * 1024, 1) and other.paused  # its loan waits its turn
+            now[0] += 10
+            other.unowed()  # (Sequences: paused with nothing to take is not a stall)
+            assert other.taken_at == 170.0
+
+    asyncio.run(body())
+
+
 # ---- a server ----
 
 
