@@ -18,7 +18,7 @@ from batchd.client import AsyncClient, Client, DeadlineExceeded, InferenceFailed
 from batchd.client.codec import build_request
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
-from tests.conftest import Gate
+from tests.conftest import Gate, scrape, total
 from tests.servers import ServerProcess, wait_for
 
 
@@ -143,6 +143,12 @@ def test_expired_request_never_reaches_the_model(test_server: ServerProcess, gat
     assert gate.calls("gated") == [[1.0], [4.0]]
 
 
+def failures(server: ServerProcess) -> float:
+    """The gated model's requests its callers cancelled, as the server counts them."""
+    return total(scrape(server), "batchd_inference_request_failure_total", model="gated",
+                 reason="cancelled")  # fmt: skip
+
+
 def test_cancelled_request_is_dropped(test_server: ServerProcess, gate: Gate) -> None:
     with Client(test_server.url) as client, grpc.insecure_channel(test_server.url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -153,7 +159,11 @@ def test_cancelled_request_is_dropped(test_server: ServerProcess, gate: Gate) ->
         # Cancel only once the server holds it: a later request on the same
         # channel that completes proves the earlier one was accepted.
         assert stub.ModelReady(pb.ModelReadyRequest(name="gated")).ready
+        cancelled = failures(test_server)
         doomed.cancel()
+        # and only once the server has seen the cancel: opened before, the gate let the
+        # worker ask for the next batch first, on a busy machine
+        wait_for(lambda: failures(test_server) > cancelled, 30, "the server to see the cancel")
         gate.open()
         assert first.result(30).id == ""
         client.infer("gated", x(4.0), timeout=30)
