@@ -663,27 +663,6 @@ def test_reading_and_encoding_a_chunk_give_the_gil_up_as_they_go(
     assert yields == [0] * 20
 
 
-def test_a_chunk_of_large_lines_gives_its_memory_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Parsed on a thread, large lines left the C heap grown (RSS high after the job): a
-    chunk of more than TRIM_AFTER_BYTES of input gives the free pages back; a small
-    one does not pay for it."""
-    trims: list[int] = []
-    monkeypatch.setattr(chunks, "give_back_memory", lambda: trims.append(1))
-    path = tmp_path / "in.jsonl"
-    small = b'{"custom_id": "s", "x": 1}\n'
-    large = b'{"custom_id": "l", "x": "' + b"a" * chunks.TRIM_AFTER_BYTES + b'"}\n'
-    for data, want in ((small, []), (large, [1])):
-        path.write_bytes(data)
-        reader = chunks.Reader(path, 0, 0)
-        try:
-            reader.read(fp32_model(), Limits())
-        finally:
-            reader.close()
-        assert trims == want
-
-
 def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> None:
     """Started after the stop, its lines would meet the core failing everything queued,
     and those error lines would be kept in its results."""

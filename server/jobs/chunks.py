@@ -15,9 +15,6 @@ last line written), so progress moves line by line, not a chunk at a time.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -34,7 +31,6 @@ from batchd.server.request import Request, Tensor
 CHUNK_LINES = 256
 CHUNK_BYTES = 4 * 1024 * 1024
 YIELD_S = 0.001  # GilYield
-TRIM_AFTER_BYTES = 1 << 20  # a chunk of more input than this gives its memory back
 
 
 @dataclass(slots=True)
@@ -140,8 +136,6 @@ class Reader:
             else:
                 continue
             out[-1].end_offset = self.offset
-        if size > TRIM_AFTER_BYTES:
-            give_back_memory()
         return Chunk(out, self.offset, self.lines_read)
 
 
@@ -231,20 +225,3 @@ class GilYield:
         if time.perf_counter() - self._since > YIELD_S:
             time.sleep(0)
             self._since = time.perf_counter()
-
-
-def give_back_memory() -> None:
-    """Return the C heap's free pages to the system (glibc's malloc_trim): parsing large
-    lines leaves the heaps of the threads that read them grown, and the frontend's RSS
-    stayed high after the job (6 jobs of ten 8 MiB lines: 179-198 MB after, 130-139
-    with this, from 72 before). Elsewhere than glibc, nothing."""
-    if (trim := _malloc_trim()) is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
