@@ -663,6 +663,24 @@ def test_reading_and_encoding_a_chunk_give_the_gil_up_as_they_go(
     assert yields == [0] * 20
 
 
+def test_a_running_job_s_rate_is_its_checkpoints_and_its_eta_counts_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A status counts what the last checkpoint made durable; its rate is timed to that
+    checkpoint, and its ETA counts down from it. (Timed to now, the rate fell between
+    checkpoints and the ETA climbed while the job went on: 5.2, 6.4, 7.7, 8.9 s.)"""
+    now = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
+    run = runner.JobRun.__new__(runner.JobRun)
+    run._started, run._start_done = 990.0, 0
+    run._saved, run._saved_at = Progress(0, 100, 90, 10), 1000.0
+    assert (run.rate(), run.eta(400)) == (10.0, 40.0)
+    now[0] += 2.0  # no checkpoint since
+    assert (run.rate(), run.eta(400)) == (10.0, 38.0)
+    run._saved_at = -math.inf  # none yet
+    assert (run.rate(), run.eta(400)) == (0.0, -1.0)
+
+
 def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> None:
     """Started after the stop, its lines would meet the core failing everything queued,
     and those error lines would be kept in its results."""

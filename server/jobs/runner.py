@@ -8,17 +8,14 @@ their answers in input order, checkpoint.
               every CHECKPOINT_S (or CHECKPOINT_BYTES): results made durable, then
               the offsets that cover them committed (store.py)
 
-A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input; at most DEPTH chunks
-are in the core at once, so a job holds a bounded amount of memory whatever its
-size, and the job lane a bounded number of requests. Lines are decoded by
-codec.decode_request exactly as online requests are, and answered one request
-per line (the scheduler batches them). A line that does not parse, is refused
-by the codec or fails in the model becomes that line's error line.
+A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input; at most DEPTH chunks are in
+the core at once (a job's memory and the lane's requests are bounded, whatever its size).
+Lines are decoded by codec.decode_request as online requests are, a request a line (the
+scheduler batches them); one that does not parse, is refused or fails is its error line.
 
-A line is written once it and every line before it are answered, so checkpoints move line
-by line. A status counts what the last checkpoint made durable (the row's counts), so no count
-a client saw is taken back: not by a crash (lines written after it are answered again), a
-cancel (it keeps the lines answered without a gap, writes no other), or a failure.
+A line is written once it and every line before it are answered; a status counts what the
+last checkpoint made durable, so no count a client saw is taken back: not by a crash (lines
+written after it are answered again), a cancel (it keeps the lines answered without a gap).
 
 Shared jobs (a store with `shared`): only jobs of models this replica can run now
 (loaded, a live worker serving them) are claimed; one whose model goes away after
@@ -79,20 +76,26 @@ class JobRun:
         self._inflight: deque[Chunk] = deque()
         self.completed, self.failed = row.completed, row.failed  # written: the results'
         self._started, self._start_done = -math.inf, row.done  # (monotonic; -inf: not running)
-        # Through the last line written, and the last checkpoint: what a status counts.
+        # Through the last line written; its last checkpoint (what a status counts), when
+        # (monotonic); and when its model was seen workerless.
         self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
-        self._saved, self._unready_since = self._done, math.inf  # (model seen workerless)
+        self._saved, self._saved_at, self._unready_since = self._done, -math.inf, math.inf
 
     def cancel(self) -> None:
         self.cancelling = True
-        for chunk in self._inflight:
-            for f in chunk.futures:
-                f.cancel()
+        for f in (f for chunk in self._inflight for f in chunk.futures):
+            f.cancel()
 
     def rate(self) -> float:
-        """Lines a second, of those its checkpoints made durable (as a status counts them)."""
-        took = time.monotonic() - self._started  # (inf when it does not run: rate 0)
-        return (self._saved.completed + self._saved.failed - self._start_done) / max(took, 1e-3)
+        """Lines a second its checkpoints made durable, to the last (timed to now, it fell
+        between checkpoints and the ETA climbed while the job went on)."""
+        took, done = self._saved_at - self._started, self._saved.completed + self._saved.failed
+        return (done - self._start_done) / took if took > 0 and done > self._start_done else 0.0
+
+    def eta(self, remaining: int) -> float:
+        """Seconds to its end at that rate, from its last checkpoint; -1: not known yet."""
+        rate = self.rate()
+        return max(remaining / rate - (time.monotonic() - self._saved_at), 0.0) if rate else -1.0
 
     async def run(self) -> None:
         row = self.row
@@ -242,7 +245,7 @@ class JobRun:
         """The results made durable, then the offsets that cover them (store.py)."""
         done = self._done
         status = await self._store.checkpoint(self.row, out, done)
-        self._saved = done
+        self._saved, self._saved_at = done, time.monotonic()
         if status == "cancelling":  # another frontend's or replica's cancel
             self.cancel()
 
