@@ -69,7 +69,8 @@ class StreamBudget:
 
     async def room(self, sequence: bool = False) -> None:
         """Return once the caller is not behind (at most half the limit held) and, for a
-        `sequence`, once its window fits (then reserve it: `unreserve` when it ends)."""
+        `sequence`, once its window fits, then reserved (its StepStream, made `reserved`,
+        gives it back once its outputs are all taken)."""
         while self.held * 2 > self.limit or (sequence and not self.admits()):
             self._changed.clear()
             await self._changed.wait()
@@ -96,7 +97,7 @@ class StreamBudget:
 
     def ask(self, stream: StepStream, more: int) -> None:
         """`stream` would borrow `more` (it replaces what it asked before); lent in order,
-        while the limit allows, and always to one when nothing is lent."""
+        while the limit allows, and always to one when its caller caught up (_lend)."""
         self._asks[stream] = more
         self._lend()
 
@@ -302,7 +303,7 @@ class StepStream:
         self.discard()
         self._stop_credit()  # its new START carries a whole window again
         self.credit, self.need, self.watched = self.window, 0, False
-        self._taken_at = time.monotonic()  # (its time before is not its caller's)
+        self.unowed()  # (its time before is not its caller's)
         self.restarts += 1
 
     async def next(self) -> tuple[list[Tensor], bool] | None:
