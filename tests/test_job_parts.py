@@ -17,6 +17,7 @@ import threading
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from batchd.server.jobs.ids import check_ids
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
-from batchd.server.jobs.store import InUse, Progress
+from batchd.server.jobs.store import InUse, JobRow, Progress
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, ragged_model, request, run
 from tests.servers import alive, children, wait_for
@@ -679,6 +680,24 @@ def test_a_running_job_s_rate_is_its_checkpoints_and_its_eta_counts_down(
     assert (run.rate(), run.eta(400)) == (10.0, 38.0)
     run._saved_at = -math.inf  # none yet
     assert (run.rate(), run.eta(400)) == (0.0, -1.0)
+
+
+def test_an_ended_job_whose_runner_lingers_reads_no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between a job's end being written and its runner's removal, a status read the
+    runner's rate (a failed job shown running at 10 lines a second)."""
+    now = [1000.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
+    run = runner.JobRun.__new__(runner.JobRun)
+    run._started, run._start_done = 990.0, 0
+    run._saved, run._saved_at = Progress(0, 100, 90, 10), 1000.0
+    row = JobRow("j", "", "m", "1", "failed", 500, 90, 10, *(0.0,) * 3, "gone", 0, 0, 0, 100,
+                 0.0, 0)  # fmt: skip
+    service = JobsService.__new__(JobsService)
+    monkeypatch.setattr(service, "_on", lambda: SimpleNamespace(running={"j": run}))
+    job = service._message(row)
+    assert (job.rows_per_second, job.eta_seconds) == (0.0, 0.0)
+    running = service._message(dataclasses.replace(row, status="running"))
+    assert (running.rows_per_second, running.eta_seconds) == (10.0, 40.0)
 
 
 def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> None:

@@ -103,14 +103,12 @@ class JobsService(pb_grpc.JobsServicer):
         # (lines written since, or answered ahead of one still out, may be dropped).
         jobs = self._on()
         run = jobs.running.get(row.id)
-        rate = 0.0
-        if run is not None:
-            rate = run.rate()
+        rate, eta = 0.0, 0.0 if row.ended else -1.0  # (an ended job's runner may linger)
+        if run is not None and not row.ended:
+            rate, eta = run.rate(), run.eta(row.total - row.done)
         elif row.status == "running" and row.resumed_at:  # run by another frontend
             rate = (row.done - row.resumed_done) / max(time.time() - row.resumed_at, 1e-3)
-        eta = (row.total - row.done) / rate if rate > 0 else (0.0 if row.ended else -1.0)
-        if run is not None and not row.ended:
-            eta = run.eta(row.total - row.done)
+            eta = (row.total - row.done) / rate if rate > 0 else -1.0
         return pb.Job(
             id=row.id, model_name=row.model, model_version=row.version, status=row.status,
             total=row.total, completed=row.completed, failed=row.failed, created_at=row.created_at,
