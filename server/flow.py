@@ -251,6 +251,10 @@ class StepStream:
             if self.budget is None:
                 self.lent = over
             else:
+                if self.lent and not self.out:  # a loan for outputs taken: back, then ask
+                    self.budget.withdraw(self)  # anew, in turn (kept, it blocked its own
+                    self.budget.repay(self.lent)  # next loan and others')
+                    self.lent = 0
                 self.budget.ask(self, over - self.lent)  # (its answer settles again)
         elif over < self.lent:
             if self.budget is not None:

@@ -469,6 +469,27 @@ def test_a_step_whose_tensors_pass_the_budget_goes_once_its_caller_caught_up() -
     asyncio.run(body())
 
 
+def test_a_loan_for_outputs_taken_goes_back_before_the_next_is_asked() -> None:
+    """A sequence whose worker already holds a larger next step when its caller takes
+    the step its loan paid for: it kept that loan and asked for the difference, which
+    could not fit beside it, and no loan went while its own was out: it waited for
+    ever, its caller caught up, its slot held. Now the loan goes back and the next is
+    asked anew, and goes."""
+
+    async def body() -> None:
+        budget = StreamBudget(2 * 32768)
+        await budget.room(sequence=True)
+        s = StepStream(budget=budget, handed_on=True, reserved=True)
+        s.grant = lambda more, paused: None
+        many = [out(1, width=1, name=f"o{k}") for k in range(64)]
+        assert s.wants(64 * (8 + OUTPUT_COST), 64) and s.push(many)
+        assert s.wants(64 * (16 + OUTPUT_COST), 64) and s.paused  # a larger next step
+        s.taken(s.out)  # the caller took the first
+        assert not s.paused and budget.lent == s.lent == 64 * (16 + OUTPUT_COST) - s.window
+
+    asyncio.run(body())
+
+
 # ---- a server ----
 
 
