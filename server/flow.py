@@ -172,6 +172,7 @@ class StepStream:
         self.grant: Callable[[int, bool], None] | None = None
         self._taken_at = time.monotonic()  # when its caller last took an output
         self.watched = False  # a held sequence's timer runs (Sequences: the caller's stall)
+        self.idle_watches = 0  # its timer's times in a row with nothing for its caller
 
     def push(self, outputs: list[Tensor], final: bool = False) -> bool:
         """One step's outputs (`final`: the sequence's last); False, and nothing kept,
@@ -306,7 +307,7 @@ class StepStream:
         """The sequence starts over on another worker: what it gave so far goes."""
         self.discard()
         self._stop_credit()  # its new START carries a whole window again
-        self.credit, self.need, self.watched = self.window, 0, False
+        self.credit, self.need, self.watched, self.idle_watches = self.window, 0, False, 0
         self.unowed()  # (its time before is not its caller's)
         self.restarts += 1
 

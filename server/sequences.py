@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,11 +36,18 @@ from batchd.server.errors import (
     ModelFailed,
     ResponseTooLarge,
     StreamBehind,
+    clip,
 )
 from batchd.server.link import WorkerLink
 from batchd.server.pool import WorkerHandle, WorkerPool
 from batchd.server.request import Batch, Request, Tensor
 from batchd.server.stats import Stats
+
+# A paused sequence whose caller has nothing to take waits for a loan another's output
+# holds, whose worker sends it within its execution_timeout_s: more watches than this
+# (each that long) is a defect of flow control, and the sequence is stopped, not hung.
+IDLE_WATCHES = 3
+log = logging.getLogger("batchd.server")
 
 
 class Sequences:
@@ -217,6 +225,24 @@ class Sequences:
         limit = sequence.model.instances.execution_timeout_s
         if stream.paused and not stream.owed():  # its caller has nothing to read: not its
             stream.unowed()  # stall (it waits for a loan others' outputs hold), from now
+            stream.idle_watches += 1
+            if stream.idle_watches > IDLE_WATCHES:  # that wait is shorter: a defect
+                log.error("model %s: a sequence (request id %s) held for credit with nothing "
+                          "for its caller to take for %g s: stopped", sequence.model.name,
+                          clip(sequence.requests[0].id), limit * IDLE_WATCHES)  # fmt: skip
+                self._cancel(identity, sequence.id)
+                self._end_sequence(
+                    worker,
+                    sequence,
+                    BatchdError(
+                        f"internal error: the flow control of this sequence of model "
+                        f"{sequence.model.name!r} made no progress for {limit * IDLE_WATCHES:g} s "
+                        f"with nothing for its caller to take; stopped after {stream.sent}"
+                    ),
+                )
+                return
+        else:
+            stream.idle_watches = 0
         if stream.paused and time.monotonic() - stream.taken_at >= limit:  # nothing read
             self._cancel(identity, sequence.id)
             stalled = StreamBehind(

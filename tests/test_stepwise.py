@@ -9,9 +9,11 @@ import json
 import os
 import signal
 import threading
+import time
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -21,9 +23,10 @@ import pytest
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import wire
-from batchd.server.flow import StepStream
+from batchd.server.errors import BatchdError
+from batchd.server.flow import StepStream, StreamBudget
 from batchd.server.pool import WorkerPool
-from batchd.server.sequences import Sequences
+from batchd.server.sequences import IDLE_WATCHES, Sequences
 from tests.conftest import Gate, request, scrape, stepwise_model, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 
@@ -466,3 +469,32 @@ def test_an_empty_step_keeps_a_frontend_s_waiting_sequences_from_being_overdue()
     sequences.on_step(worker, wire.Header(kind=wire.Header.STEP, model=cfg.name), [])
     assert pool.overdue(limit * 1.5) == []  # judged from the loop's last step, not the START
     assert pool.overdue(limit * 2) != []  # and a loop that stops stepping is still found
+
+
+def test_a_sequence_held_with_nothing_for_its_caller_is_stopped_not_hung() -> None:
+    """A backstop for flow control: a sequence held for credit while its caller has
+    nothing to take waits for a loan another's output holds, which comes within that
+    worker's execution_timeout_s. Still so after IDLE_WATCHES watches of its own limit,
+    it is a defect: the sequence is stopped with INTERNAL, not left to hang its caller
+    (a fourth review's own-loan deadlock did, for ever)."""
+
+    async def body() -> None:
+        cfg = stepwise_model()
+        pool = WorkerPool()
+        _, worker = pool.join(b"w", wire.WorkerInfo(worker_id="w", device="cpu", pid=1))
+        worker.models.add(cfg.key)
+        r = request(cfg)
+        r.future = asyncio.get_running_loop().create_future()
+        r.stream = StepStream(budget=StreamBudget(1 << 20))
+        sequence = pool.start(worker, cfg, r, 0.0)
+        link = SimpleNamespace(send=lambda identity, parts, copy=False: None)
+        sequences = Sequences(pool, link, None, None, time.monotonic, lambda: None, None)  # type: ignore[arg-type]
+        r.stream.credit = 0  # held for credit, its caller owed nothing
+        for _ in range(IDLE_WATCHES):
+            sequences._stalled(worker.identity, sequence)
+            assert not r.future.done()
+        sequences._stalled(worker.identity, sequence)
+        error = r.future.exception()
+        assert isinstance(error, BatchdError) and "made no progress" in error.message
+
+    asyncio.run(body())
