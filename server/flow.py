@@ -183,8 +183,8 @@ class StepStream:
         size = self.offered + OUTPUT_COST * len(outputs)
         if self.full() or self.too_large() or size > self.credit:
             return False
-        if not self.out:  # the clock of its caller's not reading starts
-            self._taken_at = time.monotonic()
+        if not self.out:  # the first of its outputs to wait for its caller
+            self.start_clock()
         self._items.append((outputs, final))
         self._sizes.append(size)
         self.credit, self.out, self.need = self.credit - size, self.out + size, 0
@@ -200,8 +200,8 @@ class StepStream:
         self.offered = need - OUTPUT_COST * outputs
         if self.too_large():
             return False
-        if not self.out:  # the clock of its caller's not reading starts (as at a push)
-            self._taken_at = time.monotonic()
+        if not self.out:  # its first wait with nothing of it for its caller (as a push)
+            self.start_clock()
         self.need = need
         self._settle()
         return True
@@ -215,8 +215,9 @@ class StepStream:
         """Whether its caller has outputs to take: its own, or its stream's."""
         return bool(self.out or (self.budget is not None and self.budget.held))
 
-    def unowed(self) -> None:
-        """Its caller is not behind now (nothing to take): its clock starts again."""
+    def start_clock(self) -> None:
+        """The clock of its caller's not reading starts now: nothing of it waited for its
+        caller before, its caller has nothing to take, or it started over."""
         self._taken_at = time.monotonic()
 
     @property
@@ -308,7 +309,7 @@ class StepStream:
         self.discard()
         self._stop_credit()  # its new START carries a whole window again
         self.credit, self.need, self.watched, self.idle_watches = self.window, 0, False, 0
-        self.unowed()  # (its time before is not its caller's)
+        self.start_clock()  # (its time before is not its caller's)
         self.restarts += 1
 
     async def next(self) -> tuple[list[Tensor], bool] | None:

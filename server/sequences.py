@@ -189,7 +189,6 @@ class Sequences:
     def _refused(self, worker: WorkerHandle, sequence: Batch) -> None:
         """A step its stream cannot take ends the sequence: more than a response
         carries, more than its worker had credit for, or its caller far behind."""
-        self._cancel(worker.identity, sequence.id)
         model, stream = sequence.model, sequence.requests[0].stream
         assert stream is not None
         stopped = f"model {model.name!r}; the sequence was stopped after {stream.sent}"
@@ -204,7 +203,7 @@ class Sequences:
             else ModelFailed(f"worker {worker.name} sent {stream.offered} bytes of outputs past "
                              f"the {stream.credit} it had credit for, of {stopped}")
         )  # fmt: skip
-        self._end_sequence(worker, sequence, stop)
+        self._stop(worker, sequence, stop)
 
     def _watch(self, identity: bytes, sequence: Batch) -> None:
         """A sequence held for its caller keeps its slot: if the caller takes none of its
@@ -224,14 +223,13 @@ class Sequences:
             return  # it ended, or its worker was lost meanwhile
         limit = sequence.model.instances.execution_timeout_s
         if stream.paused and not stream.owed():  # its caller has nothing to read: not its
-            stream.unowed()  # stall (it waits for a loan others' outputs hold), from now
+            stream.start_clock()  # stall (it waits for a loan others' outputs hold)
             stream.idle_watches += 1
             if stream.idle_watches > IDLE_WATCHES:  # that wait is shorter: a defect
                 log.error("model %s: a sequence (request id %s) held for credit with nothing "
                           "for its caller to take for %g s: stopped", sequence.model.name,
                           clip(sequence.requests[0].id), limit * IDLE_WATCHES)  # fmt: skip
-                self._cancel(identity, sequence.id)
-                self._end_sequence(
+                self._stop(
                     worker,
                     sequence,
                     BatchdError(
@@ -244,15 +242,19 @@ class Sequences:
         else:
             stream.idle_watches = 0
         if stream.paused and time.monotonic() - stream.taken_at >= limit:  # nothing read
-            self._cancel(identity, sequence.id)
             stalled = StreamBehind(
                 f"this stream's caller took none of the outputs of model {sequence.model.name!r} "
                 f"for {limit:g} s (its execution_timeout_s) while its sequence waited for it; "
                 f"the sequence was stopped after {stream.sent}"
             )
-            self._end_sequence(worker, sequence, stalled)
+            self._stop(worker, sequence, stalled)
         elif stream.paused:  # it read meanwhile: its caller has that long from then
             self._watch(identity, sequence)
+
+    def _stop(self, worker: WorkerHandle, sequence: Batch, error: BatchdError) -> None:
+        """Its worker drops the sequence before its next step; its caller gets `error`."""
+        self._cancel(worker.identity, sequence.id)
+        self._end_sequence(worker, sequence, error)
 
     def _cancel(self, identity: bytes, seq_id: int) -> None:
         """The worker drops the sequence before its next step (nothing goes back)."""
