@@ -463,7 +463,7 @@ def test_a_step_whose_tensors_pass_the_budget_goes_once_its_caller_caught_up() -
             other.grant = lambda more, paused: None
             assert other.wants(30 * 1024, 1) and other.paused  # its loan waits its turn
             now[0] += 10
-            other.unowed()  # (Sequences: paused with nothing to take is not a stall)
+            other.start_clock()  # (Sequences: paused with nothing to take is not a stall)
             assert other.taken_at == 170.0
 
     asyncio.run(body())
@@ -527,12 +527,20 @@ def released(log: Path, seq: int) -> int | None:
     return next((r["k"] for r in records(log) if r.get("released") == seq), None)
 
 
-def wide_request(seq: int, n: int, mode: int = 0, width: int = 1) -> pb.ModelInferRequest:
-    msg = pb.ModelInferRequest(model_name="wide", id=str(seq))
-    for name, number in (("ID", seq), ("N", n), ("MODE", mode), ("WIDTH", width)):
+def named(
+    model: str, rid: str, outputs: tuple[str, ...] = (), **inputs: int
+) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name=model, id=rid)
+    for name, number in inputs.items():
         msg.inputs.add(name=name, datatype="INT64", shape=[1])
         msg.raw_input_contents.append(np.array([number], np.int64).tobytes())
+    for name in outputs:
+        msg.outputs.add(name=name)
     return msg
+
+
+def wide_request(seq: int, n: int, mode: int = 0, width: int = 1) -> pb.ModelInferRequest:
+    return named("wide", str(seq), ID=seq, N=n, MODE=mode, WIDTH=width)
 
 
 # The client's HTTP/2 window stays at its first 64 KiB (no BDP probing): what the
@@ -723,18 +731,6 @@ def test_a_caller_reading_as_fast_as_it_can_gets_every_output_of_every_sequence(
         raw = r.infer_response.raw_output_contents
         got[r.infer_response.id].append(int(np.frombuffer(raw[0][:8], np.int64)[0]))
     assert got == {m.id: list(range(1, steps + 1)) for m in asked}
-
-
-def named(
-    model: str, rid: str, outputs: tuple[str, ...] = (), **inputs: int
-) -> pb.ModelInferRequest:
-    msg = pb.ModelInferRequest(model_name=model, id=rid)
-    for name, number in inputs.items():
-        msg.inputs.add(name=name, datatype="INT64", shape=[1])
-        msg.raw_input_contents.append(np.array([number], np.int64).tobytes())
-    for name in outputs:
-        msg.outputs.add(name=name)
-    return msg
 
 
 def test_a_caller_asking_for_one_of_a_step_s_outputs_gets_every_step_and_costs_no_worker(
