@@ -21,7 +21,8 @@ Bodies over --max-message-bytes are refused (413) before they are read whole, an
 inflated ones at that size; a body must arrive within --handshake-timeout. The
 bounds on connections (headers, TLS, answers not read) are http_site.py's.
 A body above INLINE_BYTES is parsed on the decode thread, as a heavy gRPC request
-is decoded, so the loop keeps serving everyone else.
+is decoded, so the loop keeps serving everyone else; one whose JSON passes
+parser.ASIDE_BYTES in the JSON parser process, so that no parse holds the GIL.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.to_json import as_json
-from batchd.server import __version__
+from batchd.server import __version__, parser
 from batchd.server.auth import ADMIN, DENIED, INFER, Tokens, bearer_header
 from batchd.server.config import Connections
 from batchd.server.describe import model_config, model_metadata
@@ -91,7 +92,13 @@ def _infer_body(body: bytes, header: str | None, cfg: ModelConfig) -> Any:
         raise InvalidInput(
             f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
         ) from None
-    return parse_infer(body, length, cfg.name, cfg.version)
+    size = len(body) if length is None else length  # its JSON: binary tensors need no parse
+    return parser.run(parse_infer, size, body, length, cfg.name, cfg.version)
+
+
+def _aside(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(body, *args)`, a body of JSON only, parsed in the parser process when large."""
+    return lambda body, *args: parser.run(fn, len(body), body, *args)
 
 
 @web.middleware
@@ -301,7 +308,7 @@ class RestApi:
 
     async def generate(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
-        parsed, _ = self._request(cfg, await self._body(request), parse_generate, cfg)
+        parsed, _ = self._request(cfg, await self._body(request), _aside(parse_generate), cfg)
 
         async def encode(response: pb.ModelInferResponse) -> bytes:
             return generate_response(cfg, response.id, tensors(response))
@@ -315,7 +322,7 @@ class RestApi:
         before the first output is an HTTP error, as on /generate; a sequence that
         yields no output at all, just the final event."""
         cfg = self._model(request)
-        parsed, got = self._request(cfg, await self._body(request), parse_generate, cfg)
+        parsed, got = self._request(cfg, await self._body(request), _aside(parse_generate), cfg)
         events = self._events(cfg, parsed, request.headers)
         first = await anext(events, None)  # raises before any byte is sent
         stream = web.StreamResponse(
@@ -357,12 +364,14 @@ class RestApi:
 
     async def index(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        index = await self._service.index(await self._parse(body, parse_index))
+        index = await self._service.index(await self._parse(body, _aside(parse_index)))
         return json_response([as_json(m, defaults=True) for m in index.models])
 
     async def load(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        await self._service.load(await self._parse(body, parse_load, request.match_info["model"]))
+        await self._service.load(
+            await self._parse(body, _aside(parse_load), request.match_info["model"])
+        )
         return json_response({})
 
     async def unload(self, request: web.Request) -> web.Response:

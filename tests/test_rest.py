@@ -17,6 +17,7 @@ import asyncio
 import http.client
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -52,7 +53,15 @@ from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
 from tests.conftest import Gate, scrape, value
-from tests.servers import EXAMPLES, TEST_DEVICE, TEST_MODELS, ServerProcess, wait_for
+from tests.servers import (
+    EXAMPLES,
+    TEST_DEVICE,
+    TEST_MODELS,
+    ServerProcess,
+    alive,
+    children,
+    wait_for,
+)
 
 with warnings.catch_warnings():  # tritonclient's own imports warn on new Python/protobuf
     warnings.simplefilter("ignore")
@@ -432,6 +441,65 @@ def test_bf16_json_data_takes_fractions_and_signs(test_server: ServerProcess) ->
     assert r.status == 200, r.body
     got = {o["name"]: o["data"] for o in r.json()["outputs"]}
     assert got["OUT_BF16"] == [1.0, -2.0, 0.5]
+
+
+def echo_inputs(words: list[Any]) -> list[dict[str, Any]]:
+    """echo's inputs as JSON: ECHO_TYPES, and `words` as IN_BYTES."""
+    inputs = [tensor(f"IN_{k}", k, [1, 3], v) for k, v in ECHO_TYPES.items()]
+    return [*inputs, tensor("IN_BYTES", "BYTES", [1, len(words)], words)]
+
+
+def parser_children(server: ServerProcess) -> list[int]:
+    """The server's JSON parser processes (server/parser.py)."""
+    assert server.proc is not None
+    return [p for p in children(server.proc.pid)
+            if b"batchd.server.parser" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+
+
+def test_a_large_json_body_is_parsed_in_the_parser_process(test_server: ServerProcess) -> None:
+    """A body whose JSON passes parser.ASIDE_BYTES is parsed in the server's JSON parser
+    process, whose parse holds no GIL of the event loop's: it is answered as any other,
+    and a refusal found inside it says what was wrong."""
+    words = [f"w{i}" for i in range(60_000)]  # 560 KB of JSON
+    r = call(test_server, "POST", "/v2/models/echo/infer", {"inputs": echo_inputs(words)})
+    assert r.status == 200, r.body[:200]
+    got = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    assert got["OUT_BYTES"] == words and got["OUT_INT64"] == ECHO_TYPES["INT64"]
+    assert parser_children(test_server), "no parser process beside the server"
+    bad = call(test_server, "POST", "/v2/models/echo/infer",
+               {"inputs": echo_inputs([*words[:-1], 7])})  # fmt: skip
+    assert bad.status == 400
+    assert "BYTES data holds strings, got" in bad.error, bad.error
+
+
+def test_a_job_s_long_lines_are_parsed_in_the_parser_process(
+    test_server: ServerProcess, tmp_path: Path
+) -> None:
+    """A job's lines past parser.ASIDE_BYTES are parsed in the parser process: their
+    results are those of short lines, a bad one's error line keeps its custom_id, and
+    a parser process that was killed is replaced for the next line."""
+    words = [f"w{i}" for i in range(60_000)]
+    lines = [
+        {"custom_id": "long", "inputs": echo_inputs(words)},
+        {"custom_id": "bad", "inputs": echo_inputs([*words[:-1], 7])},
+        {"custom_id": "short", "inputs": echo_inputs(["a", "b"])},
+    ]
+    assert call(test_server, "POST", "/v2/models/echo/infer", lines[0]).status == 200
+    [killed] = parser_children(test_server)
+    os.kill(killed, signal.SIGKILL)
+    wait_for(lambda: not alive(killed), 10, "the parser process to die")
+    with Client(test_server.url) as c:
+        job = c.submit_job("echo", lines)
+        wait_for(lambda: c.job(job.id).ended, 60, "the job to end")
+        assert c.job(job.id).status == "completed"
+        out = tmp_path / "results.jsonl"
+        c.job_results(job.id, out)
+    got = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert {o["name"]: o["data"] for o in got["long"]["outputs"]}["OUT_BYTES"] == words
+    assert {o["name"]: o["data"] for o in got["short"]["outputs"]}["OUT_BYTES"] == ["a", "b"]
+    assert got["bad"]["error"]["code"] == "INVALID_ARGUMENT"
+    assert "BYTES data holds strings, got" in got["bad"]["error"]["message"]
+    assert parser_children(test_server) not in ([], [killed])
 
 
 def msg_with_all(msg: pb.ModelInferRequest) -> pb.ModelInferRequest:

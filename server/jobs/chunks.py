@@ -4,7 +4,8 @@ and a chunk's answers encoded as results lines (jobs/runner.py runs them).
 A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input. Lines are decoded by
 codec.decode_request exactly as online requests are, except that a job's requests
 have no deadline (lines.py); a line that does not parse or is refused by the codec
-becomes that line's error line.
+becomes that line's error line. A long line's JSON is parsed in the JSON parser
+process (parser.py), so that its parse does not hold the GIL the event loop needs.
 
 A chunk's lines are written as they are answered, in input order: `answered()` is
 how far its lines are answered without a gap, `written` how far they are in the
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig
+from batchd.server import parser
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, clip
@@ -168,11 +170,11 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
 
 def decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
     cid: str | None = None
-    try:
-        doc = lines.load(raw)
-        cid = lines.custom_id_of(doc)
-        msg = lines.parse(doc, model.name, model.version)
+    try:  # a long line's JSON in the parser process: its parse holds no GIL of the loop's
+        cid, msg = parser.run(lines.request_of, len(raw), raw, model.name, model.version)
         request = decode_request(msg, model, time.monotonic(), limits=limits)
+    except lines.LineError as e:
+        return Line(number, e.custom_id, error=e)
     except ValueError as e:
         return Line(number, cid, error=lines.LineError(cid, str(e)))
     except BatchdError as e:

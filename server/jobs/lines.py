@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import math
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import orjson
@@ -44,13 +43,13 @@ _KINDS = {"b": "b", "u": "ui", "i": "ui", "f": "uif"}
 _WHAT = {"b": "true or false", "u": "integers", "i": "integers", "f": "numbers"}
 
 
-@dataclass(frozen=True, slots=True)
-class LineError:
-    """A line that is no request: its custom_id when it had one, and why."""
+class LineError(Exception):
+    """A line that is no request: its custom_id when it had one, and why (raised by
+    request_of, and kept as the line's answer)."""
 
-    custom_id: str | None
-    message: str
-    code: str = "INVALID_ARGUMENT"
+    def __init__(self, custom_id: str | None, message: str, code: str = "INVALID_ARGUMENT"):
+        super().__init__(custom_id, message, code)
+        self.custom_id, self.message, self.code = custom_id, message, code
 
 
 def custom_id_of(doc: Any) -> str:
@@ -114,6 +113,19 @@ def parse(doc: Any, model: str, version: str) -> pb.ModelInferRequest:
     except InvalidInput as e:
         raise ValueError(e.message) from None
     return msg
+
+
+def request_of(line: bytes, model: str, version: str) -> tuple[str, pb.ModelInferRequest]:
+    """(custom_id, request) of a line; LineError (with the custom_id, when it had one) naming
+    what is wrong. Called by chunks.decode through parser.run: in the JSON parser process
+    for a long line."""
+    cid: str | None = None
+    try:
+        doc = load(line)
+        cid = custom_id_of(doc)
+        return cid, parse(doc, model, version)
+    except ValueError as e:
+        raise LineError(cid, str(e)) from None
 
 
 def _output(t: Tensor) -> dict[str, Any]:
