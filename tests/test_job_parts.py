@@ -32,6 +32,7 @@ from batchd.server.codec import decode_request
 from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import chunks, ids, lines, runner
+from batchd.server.jobs import service as service_module
 from batchd.server.jobs.ids import check_ids
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import JobsService
@@ -675,11 +676,11 @@ def test_a_running_job_s_rate_is_its_checkpoints_and_its_eta_counts_down(
     run = runner.JobRun.__new__(runner.JobRun)
     run._started, run._start_done = 990.0, 0
     run._saved, run._saved_at = Progress(0, 100, 90, 10), 1000.0
-    assert (run.rate(), run.eta(400)) == (10.0, 40.0)
+    assert run.pace(400) == (10.0, 40.0)
     now[0] += 2.0  # no checkpoint since
-    assert (run.rate(), run.eta(400)) == (10.0, 38.0)
+    assert run.pace(400) == (10.0, 38.0)
     run._saved_at = -math.inf  # none yet
-    assert (run.rate(), run.eta(400)) == (0.0, -1.0)
+    assert run.pace(400) == (0.0, -1.0)
 
 
 def test_an_ended_job_whose_runner_lingers_reads_no_rate(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -698,6 +699,67 @@ def test_an_ended_job_whose_runner_lingers_reads_no_rate(monkeypatch: pytest.Mon
     assert (job.rows_per_second, job.eta_seconds) == (0.0, 0.0)
     running = service._message(dataclasses.replace(row, status="running"))
     assert (running.rows_per_second, running.eta_seconds) == (10.0, 40.0)
+
+
+def test_another_frontend_s_job_reads_its_rate_timed_to_its_checkpoint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job run by another frontend or replica is read from its row: its rate is timed to
+    its last checkpoint (checkpointed_at) and its ETA counts down from it, as for a job
+    run here. (Timed to now, its rate fell and its ETA climbed between checkpoints.)"""
+    now = [1000.0]
+    monkeypatch.setattr(service_module.time, "time", lambda: now[0])
+    row = JobRow("j", "", "m", "1", "running", 500, 90, 10, *(0.0,) * 3, "", 0, 0, 0, 100,
+                 990.0, 0, 1000.0)  # fmt: skip
+    service = JobsService.__new__(JobsService)
+    monkeypatch.setattr(service, "_on", lambda: SimpleNamespace(running={}))
+    assert (lambda j: (j.rows_per_second, j.eta_seconds))(service._message(row)) == (10.0, 40.0)
+    now[0] += 2.0  # no checkpoint since
+    assert (lambda j: (j.rows_per_second, j.eta_seconds))(service._message(row)) == (10.0, 38.0)
+    resumed = dataclasses.replace(row, resumed_at=1001.0, resumed_done=100)  # none since
+    assert (lambda j: (j.rows_per_second, j.eta_seconds))(service._message(resumed)) == (0.0, -1.0)
+
+
+def test_a_checkpoint_saves_its_time_and_an_older_database_gets_the_column(
+    tmp_path: Path,
+) -> None:
+    """SQLite: checkpointed_at is written by each checkpoint; a jobs.sqlite made by a
+    batchd before it had the column gets it (0: no checkpoint known) when opened."""
+    db = sqlite3.connect(tmp_path / "jobs.sqlite")
+    db.execute("CREATE TABLE jobs (id TEXT PRIMARY KEY, owner TEXT NOT NULL, model TEXT NOT NULL, "
+               "version TEXT NOT NULL, status TEXT NOT NULL, total INTEGER NOT NULL DEFAULT 0, "
+               "completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0, "
+               "created_at REAL NOT NULL, started_at REAL NOT NULL DEFAULT 0, finished_at REAL "
+               "NOT NULL DEFAULT 0, error TEXT NOT NULL DEFAULT '', input_bytes INTEGER NOT NULL "
+               "DEFAULT 0, results_bytes INTEGER NOT NULL DEFAULT 0, input_offset INTEGER NOT "
+               "NULL DEFAULT 0, lines_read INTEGER NOT NULL DEFAULT 0, resumed_at REAL NOT NULL "
+               "DEFAULT 0, resumed_done INTEGER NOT NULL DEFAULT 0, submission TEXT NOT NULL "
+               "DEFAULT '')")  # fmt: skip
+    db.execute("INSERT INTO jobs (id, owner, model, version, status, created_at) "
+               "VALUES ('job-old', '', 'm', '1', 'completed', 5.0)")  # fmt: skip
+    db.commit()
+    db.close()
+    clock = [2000.0]
+    store = SqliteStore(tmp_path, clock=lambda: clock[0])
+    old = asyncio.run(store.get("job-old"))
+    assert old is not None and old.checkpointed_at == 0.0
+    cfg = model(max_batch_size=4, shape=(1,))
+
+    async def body() -> JobRow:
+        row = await queued_one_line(store, cfg)
+        claimed = await store.claim()
+        assert claimed is not None and claimed.id == row.id
+        clock[0] = 2003.5
+        out = store.open_results(claimed)
+        out.write(b"x\n")
+        await store.checkpoint(claimed, out, Progress(10, 1, 1, 0))
+        out.close()
+        got = await store.get(row.id)
+        assert got is not None
+        return got
+
+    saved = asyncio.run(body())
+    assert (saved.checkpointed_at, saved.done) == (2003.5, 1)
 
 
 def test_a_job_claimed_while_the_runner_stops_is_not_started(tmp_path: Path) -> None:

@@ -265,6 +265,42 @@ def test_a_key_queued_through_one_replica_answers_for_every_replica(
         b.close()
 
 
+def test_another_replica_reads_a_checkpoint_s_time_in_a_database_made_before_it(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """A checkpoint writes its time (checkpointed_at), which another replica reads to time
+    the job's rate (store.pace); a database made by a batchd before the column gets it."""
+    with psycopg.connect(jobs_db, autocommit=True) as conn:
+        table = database.SCHEMA.split("-- a submission's idempotency key")[0]
+        older = re.sub(r",( +--[^\n]*)\n *checkpointed_at [^\n]*", r"\1", table)
+        assert "checkpointed_at" in table and "checkpointed_at" not in older
+        conn.execute(older)
+    clock = [5000.0]
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60, clock=lambda: clock[0])
+    b = PostgresStore(jobs_db, tmp_path / "b", lease_s=60)
+    text = job_lines(2)
+
+    async def body() -> None:
+        row = await a.create("", "gated", "")
+        a.upload_path(row.id).write_text(text)
+        await a.queue(row.id, 2, len(text))
+        mine = await a.claim()
+        assert mine is not None and (await b.get(row.id)).checkpointed_at == 0.0  # type: ignore[union-attr]
+        clock[0] = 5002.5
+        out = a.open_results(mine)
+        out.write(b"one\n")
+        assert await a.checkpoint(mine, out, Progress(10, 1, 1, 0)) == "running"
+        seen = await b.get(row.id)
+        assert seen is not None and (seen.resumed_at, seen.checkpointed_at) == (5000.0, 5002.5)
+        assert (seen.done, seen.resumed_done) == (1, 0)
+
+    try:
+        run(body)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_one_key_queued_by_two_replicas_at_once_makes_one_job(jobs_db: str, tmp_path: Path) -> None:
     """Both pass any look for the key before either commits; the unique index then makes
     the second wait for the first and fail: Submitted, naming the first, not a 503."""

@@ -56,11 +56,13 @@ CREATE TABLE IF NOT EXISTS batchd_jobs (
     resumed_done BIGINT NOT NULL DEFAULT 0,
     runner TEXT NOT NULL DEFAULT '',          -- the replica running it (or taking it in)
     epoch BIGINT NOT NULL DEFAULT 0,          -- claims so far: a run's writes name its own
-    lease_until DOUBLE PRECISION NOT NULL DEFAULT 0  -- the database's clock
+    lease_until DOUBLE PRECISION NOT NULL DEFAULT 0,  -- the database's clock
+    checkpointed_at DOUBLE PRECISION NOT NULL DEFAULT 0  -- its runner's clock, as resumed_at
 );
--- a submission's idempotency key, set once its job is queued (a database of an older
--- batchd gets it). Looked up first: ALTER TABLE and CREATE INDEX lock the table even
--- when there is nothing to do, and a replica starts while others use it.
+-- a submission's idempotency key, set once its job is queued, and its last checkpoint's
+-- time (a database of an older batchd gets them). Looked up first: ALTER TABLE and CREATE
+-- INDEX lock the table even when there is nothing to do, and a replica starts while others
+-- use it.
 DO $$ BEGIN
     IF to_regclass('batchd_jobs_by_status') IS NULL THEN
         CREATE INDEX batchd_jobs_by_status ON batchd_jobs (status, created_at);
@@ -69,6 +71,10 @@ DO $$ BEGIN
                    current_schema() AND table_name = 'batchd_jobs' AND column_name = 'submission')
     THEN
         ALTER TABLE batchd_jobs ADD COLUMN submission TEXT NOT NULL DEFAULT '';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = current_schema()
+                   AND table_name = 'batchd_jobs' AND column_name = 'checkpointed_at') THEN
+        ALTER TABLE batchd_jobs ADD COLUMN checkpointed_at DOUBLE PRECISION NOT NULL DEFAULT 0;
     END IF;
     IF to_regclass('batchd_jobs_by_key') IS NULL THEN
         CREATE UNIQUE INDEX batchd_jobs_by_key ON batchd_jobs (owner, submission)

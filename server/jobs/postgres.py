@@ -43,6 +43,7 @@ import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import astuple
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -280,10 +281,10 @@ class PostgresStore(Store):
     def _save(self, cur: psycopg.Cursor[Any], row: JobRow, pending: _Pending, p: Progress,
               give_back_at: float | None = None) -> str:  # fmt: skip
         """The checkpoint's offsets (fenced), then the results they cover. The lease is
-        renewed, or with `give_back_at` (a stop) the job is given back: queued to run on,
-        or, when it was being cancelled, cancelled then."""
-        progress = (p.input_offset, p.lines_read, pending.tell(), p.completed, p.failed)
-        sets = "input_offset = %s, lines_read = %s, results_bytes = %s, completed = %s, failed = %s"
+        renewed, or with `give_back_at` (a stop) the job given back: queued, or cancelled."""
+        progress = (*astuple(p), pending.tell(), self._clock())  # (Progress's fields first)
+        sets = ("input_offset = %s, lines_read = %s, completed = %s, failed = %s, "
+                "results_bytes = %s, checkpointed_at = %s")  # fmt: skip
         if give_back_at is None:
             status = self._fenced(
                 cur, row, f"{sets}, lease_until = {_NOW} + %s", (*progress, self.lease_s)
@@ -376,9 +377,8 @@ class PostgresStore(Store):
         return gone
 
     def _sweep(self) -> None:
-        """Remove the local folders of jobs not running or being taken in here: input
-        caches of jobs that ended or went to another replica (the directory is this
-        process's alone: each frontend of a replica has its own)."""
+        """Remove the local folders of jobs not running or taken in here: input caches of
+        jobs that ended or went elsewhere (this process's alone: a frontend has its own)."""
         keep = set(self._claims) | self._uploads
         with contextlib.suppress(OSError):
             for entry in self.directory.iterdir():

@@ -43,7 +43,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.server.config import Limits
 from batchd.server.errors import Unavailable
 from batchd.server.jobs.chunks import Chunk, JobFailed, ModelGone, Reader, encode, job_model
-from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store
+from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store, pace
 from batchd.server.request import Request, Tensor
 
 log = logging.getLogger("batchd.jobs")
@@ -86,16 +86,10 @@ class JobRun:
         for f in (f for chunk in self._inflight for f in chunk.futures):
             f.cancel()
 
-    def rate(self) -> float:
-        """Lines a second its checkpoints made durable, to the last (timed to now, it fell
-        between checkpoints and the ETA climbed while the job went on)."""
-        took, done = self._saved_at - self._started, self._saved.completed + self._saved.failed
-        return (done - self._start_done) / took if took > 0 and done > self._start_done else 0.0
-
-    def eta(self, remaining: int) -> float:
-        """Seconds to its end at that rate, from its last checkpoint; -1: not known yet."""
-        rate = self.rate()
-        return max(remaining / rate - (time.monotonic() - self._saved_at), 0.0) if rate else -1.0
+    def pace(self, remaining: int) -> tuple[float, float]:
+        """store.pace of this run's checkpoints (monotonic times)."""
+        done, since = self._saved.completed + self._saved.failed, (self._started, self._start_done)
+        return pace(done, remaining, since, self._saved_at, time.monotonic())
 
     async def run(self) -> None:
         row = self.row
@@ -396,5 +390,5 @@ class Jobs:
             "batchd_job_rows_per_second", "Lines per second of the jobs running", labels=["model"]
         )
         for run in self.running.values():
-            rate.add_metric([run.row.model], run.rate())
+            rate.add_metric([run.row.model], run.pace(0)[0])
         yield rate

@@ -46,7 +46,7 @@ from batchd.server.errors import (
 )
 from batchd.server.jobs.chunks import JobFailed, NotOneShot, job_model
 from batchd.server.jobs.runner import Jobs
-from batchd.server.jobs.store import MAX_KEY_CHARS, OPEN, STATUSES, JobRow, Submitted
+from batchd.server.jobs.store import MAX_KEY_CHARS, OPEN, STATUSES, JobRow, Submitted, pace
 from batchd.server.jobs.upload import Upload, upload_stopped
 
 log = logging.getLogger("batchd.jobs")
@@ -105,10 +105,10 @@ class JobsService(pb_grpc.JobsServicer):
         run = jobs.running.get(row.id)
         rate, eta = 0.0, 0.0 if row.ended else -1.0  # (an ended job's runner may linger)
         if run is not None and not row.ended:
-            rate, eta = run.rate(), run.eta(row.total - row.done)
+            rate, eta = run.pace(row.total - row.done)
         elif row.status == "running" and row.resumed_at:  # run by another frontend
-            rate = (row.done - row.resumed_done) / max(time.time() - row.resumed_at, 1e-3)
-            eta = (row.total - row.done) / rate if rate > 0 else -1.0
+            since, remaining = (row.resumed_at, row.resumed_done), row.total - row.done
+            rate, eta = pace(row.done, remaining, since, row.checkpointed_at, time.time())
         return pb.Job(
             id=row.id, model_name=row.model, model_version=row.version, status=row.status,
             total=row.total, completed=row.completed, failed=row.failed, created_at=row.created_at,

@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     lines_read INTEGER NOT NULL DEFAULT 0,     -- physical lines answered (blank ones too)
     resumed_at REAL NOT NULL DEFAULT 0,        -- when it last started running, for its rate
     resumed_done INTEGER NOT NULL DEFAULT 0,   -- lines answered by then
-    submission TEXT NOT NULL DEFAULT ''        -- its idempotency key, once queued
+    submission TEXT NOT NULL DEFAULT '',       -- its idempotency key, once queued
+    checkpointed_at REAL NOT NULL DEFAULT 0    -- its last checkpoint, for its rate
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
 -- ListJobs, newest first, read on the event loop: without these it sorted every job kept
@@ -63,6 +64,10 @@ CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
 CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at);
 CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at);
 """
+_ADDED = (
+    ("submission", "TEXT NOT NULL DEFAULT ''"),
+    ("checkpointed_at", "REAL NOT NULL DEFAULT 0"),
+)
 # Made once a database of an older batchd has the column (ALTER TABLE, below).
 _KEYS = (
     "CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_key ON jobs (owner, submission) "
@@ -112,8 +117,10 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        if "submission" not in {c[1] for c in self._db.execute("PRAGMA table_info(jobs)")}:
-            self._db.execute("ALTER TABLE jobs ADD COLUMN submission TEXT NOT NULL DEFAULT ''")
+        have = {c[1] for c in self._db.execute("PRAGMA table_info(jobs)")}
+        for column, kind in _ADDED:  # (a database of an older batchd)
+            if column not in have:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
         self._db.execute(_KEYS)
 
     @staticmethod
@@ -254,9 +261,10 @@ class SqliteStore(Store):
     def _save(self, job_id: str, results_bytes: int, p: Progress) -> None:
         self._db.execute(
             "UPDATE jobs SET input_offset = ?, lines_read = ?, results_bytes = ?, "
-            "completed = ?, failed = ? WHERE id = ?",
-            (p.input_offset, p.lines_read, results_bytes, p.completed, p.failed, job_id),
-        )
+            "completed = ?, failed = ?, checkpointed_at = ? WHERE id = ?",
+            (p.input_offset, p.lines_read, results_bytes, p.completed, p.failed, self._clock(),
+             job_id),
+        )  # fmt: skip
 
     async def renew(self, row: JobRow) -> str:
         current = self._get(row.id)

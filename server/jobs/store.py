@@ -54,6 +54,7 @@ class JobRow:
     lines_read: int
     resumed_at: float
     resumed_done: int
+    checkpointed_at: float = 0.0  # its last checkpoint (wall clock, as resumed_at)
 
     @property
     def done(self) -> int:
@@ -75,6 +76,18 @@ class Progress:
     lines_read: int
     completed: int
     failed: int
+
+
+def pace(done: int, remaining: int, since: tuple[float, int], saved_at: float,
+                 now: float) -> tuple[float, float]:  # fmt: skip
+    """A running job's lines a second, and seconds to its end: `done` lines at its last
+    checkpoint, at `saved_at`, against `since` (when it started running, and its lines
+    done then). Timed to the checkpoint and counted down from it: timed to `now`, the
+    rate fell between checkpoints and the ETA climbed while the job went on. An ETA of
+    -1: not known yet (no checkpoint since it started)."""
+    took, done_since = saved_at - since[0], done - since[1]
+    rate = done_since / took if took > 0 and done_since > 0 else 0.0
+    return rate, max(remaining / rate - (now - saved_at), 0.0) if rate else -1.0
 
 
 class InUse(Exception):
