@@ -60,6 +60,7 @@ class StreamBudget:
         self.window = min(WINDOW, max(limit // 16, 2 * OUTPUT_COST))
         self.held = self.reserved = self.lent = 0
         self.taken_at = time.monotonic()  # when its caller last took an output
+        self.slowest_s = 0.0  # the longest execution_timeout_s of its sequences' models
         self._asks: dict[StepStream, int] = {}  # sequences waiting to borrow, in order
         self._changed = asyncio.Event()
 

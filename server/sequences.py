@@ -44,8 +44,8 @@ from batchd.server.request import Batch, Request, Tensor
 from batchd.server.stats import Stats
 
 # A paused sequence whose caller has nothing to take waits for a loan another's output
-# holds, whose worker sends it within its execution_timeout_s: more watches than this
-# (each that long) is a defect of flow control, and the sequence is stopped, not hung.
+# holds, whose worker sends it within its execution_timeout_s: waiting more than this many
+# of the stream's longest is a defect of flow control; the sequence is stopped, not hung.
 IDLE_WATCHES = 3
 log = logging.getLogger("batchd.server")
 
@@ -79,6 +79,9 @@ class Sequences:
             now = self._clock()
             sequence = self._pool.start(worker, model, r, now)
             stream.worker, stream.seq_id = worker.identity, sequence.id
+            if stream.budget is not None:  # (a wait for another's output is that long)
+                budget = stream.budget
+                budget.slowest_s = max(budget.slowest_s, model.instances.execution_timeout_s)
             if not r.attempts:  # one started again after its worker was lost is still
                 # one request: its first wait is the one counted
                 self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
@@ -223,18 +226,19 @@ class Sequences:
             return  # it ended, or its worker was lost meanwhile
         limit = sequence.model.instances.execution_timeout_s
         if stream.paused and not stream.owed():  # its caller has nothing to read: not its
-            stream.start_clock()  # stall (it waits for a loan others' outputs hold)
-            stream.idle_watches += 1
-            if stream.idle_watches > IDLE_WATCHES:  # that wait is shorter: a defect
+            stream.start_clock()  # stall (it waits for a loan others' outputs hold, which
+            stream.idle_watches += 1  # come within their models' execution_timeout_s)
+            slowest = max(limit, stream.budget.slowest_s if stream.budget else 0.0)
+            if (idle := stream.idle_watches * limit) > IDLE_WATCHES * slowest:  # a defect
                 log.error("model %s: a sequence (request id %s) held for credit with nothing "
                           "for its caller to take for %g s: stopped", sequence.model.name,
-                          clip(sequence.requests[0].id), limit * IDLE_WATCHES)  # fmt: skip
+                          clip(sequence.requests[0].id), idle)  # fmt: skip
                 self._stop(
                     worker,
                     sequence,
                     BatchdError(
                         f"internal error: the flow control of this sequence of model "
-                        f"{sequence.model.name!r} made no progress for {limit * IDLE_WATCHES:g} s "
+                        f"{sequence.model.name!r} made no progress for {idle:g} s "
                         f"with nothing for its caller to take; stopped after {stream.sent}"
                     ),
                 )

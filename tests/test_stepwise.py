@@ -5,6 +5,7 @@ which sequences stepped together) and the example `decoder`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -23,10 +24,12 @@ import pytest
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import wire
+from batchd.protos.model_config import ModelConfig
 from batchd.server.errors import BatchdError
 from batchd.server.flow import StepStream, StreamBudget
 from batchd.server.pool import WorkerPool
 from batchd.server.sequences import IDLE_WATCHES, Sequences
+from batchd.server.stats import Stats
 from tests.conftest import Gate, request, scrape, stepwise_model, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 
@@ -469,6 +472,47 @@ def test_an_empty_step_keeps_a_frontend_s_waiting_sequences_from_being_overdue()
     sequences.on_step(worker, wire.Header(kind=wire.Header.STEP, model=cfg.name), [])
     assert pool.overdue(limit * 1.5) == []  # judged from the loop's last step, not the START
     assert pool.overdue(limit * 2) != []  # and a loop that stops stepping is still found
+
+
+def test_the_backstop_waits_out_the_slowest_model_of_the_stream() -> None:
+    """A fast model's sequence held with nothing for its caller may wait for a loan held
+    by a slow model's step on the same stream, which comes within the slow model's
+    execution_timeout_s: it is stopped only after IDLE_WATCHES of that (before, of its
+    own 1 s: stopped with INTERNAL after 4 s while the slow step had 30 s to come)."""
+
+    def timed(name: str, seconds: float) -> ModelConfig:
+        cfg = stepwise_model(name=name)
+        return dataclasses.replace(
+            cfg, instances=dataclasses.replace(cfg.instances, execution_timeout_s=seconds)
+        )
+
+    async def body() -> None:
+        fast, slow = timed("fast", 1.0), timed("slow", 10.0)
+        pool, budget = WorkerPool(), StreamBudget(1 << 20)
+        _, worker = pool.join(b"w", wire.WorkerInfo(worker_id="w", device="cpu", pid=1))
+        worker.models |= {fast.key, slow.key}
+        link = SimpleNamespace(send=lambda identity, parts, copy=False: None)
+        sequences = Sequences(pool, link, None, Stats(), time.monotonic, lambda: None, None)  # type: ignore[arg-type]
+        started = []
+        for cfg in (fast, slow):
+            r = request(cfg)
+            r.future = asyncio.get_running_loop().create_future()
+            r.stream = StepStream(budget=budget)
+            sequences.start(cfg, [r])
+            started.append(r)
+        assert budget.slowest_s == 10.0
+        waiting = started[0]
+        assert waiting.stream is not None
+        sequence = worker.sequences[waiting.stream.seq_id]
+        waiting.stream.credit = 0  # held for credit, its caller owed nothing
+        for _ in range(IDLE_WATCHES * 10):  # 30 watches of 1 s: the slow step's 3 x 10 s
+            sequences._stalled(worker.identity, sequence)
+            assert not waiting.future.done()
+        sequences._stalled(worker.identity, sequence)
+        error = waiting.future.exception()
+        assert isinstance(error, BatchdError) and "made no progress for 31 s" in error.message
+
+    asyncio.run(body())
 
 
 def test_a_sequence_held_with_nothing_for_its_caller_is_stopped_not_hung() -> None:
