@@ -9,7 +9,8 @@ while, in turn:
      nested lists (~7 MB at 90,000 rows), one after another;
   2. a job of --bodies such lines.
 Reported: the probe's p50, p99 and slowest call in each phase, with none as the
-baseline, and the frontend's RSS after each.
+baseline, the phase's seconds (the bodies one after another; the job's run) and
+the frontend's RSS after each.
 
     .venv/bin/python bench/big_json.py [--rows 90000] [--bodies 20] [--rounds 2]
 """
@@ -105,6 +106,7 @@ def phases(c: Client, pid: int, body: bytes, job: Path, bodies: int) -> dict[str
         time.sleep(3)
     out["none"] = p.summary()
     url = f"http://127.0.0.1:{HTTP_PORT}/v2/models/bigsum/infer"
+    t0 = time.monotonic()
     with Probe(c) as p:
         for _ in range(bodies):
             rq = urllib.request.Request(
@@ -112,13 +114,14 @@ def phases(c: Client, pid: int, body: bytes, job: Path, bodies: int) -> dict[str
             )
             with urllib.request.urlopen(rq, timeout=120) as r:
                 r.read()
-    out["http"] = {**p.summary(), "rss_mb": rss_mb(pid)}
+    out["http"] = {**p.summary(), "rss_mb": rss_mb(pid), "s": round(time.monotonic() - t0, 2)}
     j = c.submit_job("bigsum", job, timeout=300)  # (uploaded before the probe: it runs)
     with Probe(c) as p:
         while not (j := c.job(j.id)).ended:
             time.sleep(0.1)
     assert j.status == "completed" and j.done == bodies, j
-    out["job"] = {**p.summary(), "rss_mb": rss_mb(pid)}
+    run_s = round(j.finished_at - j.started_at, 2)
+    out["job"] = {**p.summary(), "rss_mb": rss_mb(pid), "s": run_s}
     return out
 
 

@@ -5,113 +5,210 @@ in another: the thread that runs them keeps the GIL throughout, and the event lo
 waits. An 8 MiB inference header (the most json_body takes) or job line held it
 75-240 ms (bench/big_json.py); every caller of the frontend waited with it. So
 `run(fn, size, *args)` calls `fn(*args)` here when `size` is at most ASIDE_BYTES
-(a few milliseconds of parsing at most), and else in one child process
-(`python -m batchd.server.parser`), started at the first large document and kept.
-The calling thread (the decode thread, a job's reader) waits for it without the
-GIL. What a parse leaves on the heap stays in the child, which gives it back to
-the system after each large document: it has no event loop for malloc_trim to stall.
+(a few milliseconds of parsing at most) or on the event loop's own thread, and
+else in one child process (`python -m batchd.server.parser`), started at the first
+large document and kept. The calling thread (the decode thread, a job's reader)
+waits for it without the GIL. What a parse leaves on the heap stays in the child,
+which gives it back to the system when idle: it has no event loop to stall.
 
-One document at a time: calls from several threads take turns. `fn` and what it
+One document at a time; callers waiting for their turn go before a job's lines
+(`background`), which go once none waits (or after STARVE_S). `fn` and what it
 returns or raises cross as pickles (fn by reference: a module-level function).
-The child ends when its pipe does, the server's end included. A child that dies
-(killed, out of memory) is started again and the document tried once more; if it
-dies again, the call fails with INTERNAL and the next document gets a new child.
+Every wait is bounded: a turn, and a document's answer, by TIMEOUT_S (Unavailable;
+a child that does not answer is killed). A child that dies is started again and
+the document tried once more; dying again, it fails with INTERNAL (ParserLost).
+A child that cannot start (it says it is ready first) leaves documents parsed
+here for NO_CHILD_S. The child ends with its pipe, or with the server (PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import os
 import pickle
+import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
-from batchd.server.errors import BatchdError
+from batchd.server.errors import BatchdError, Unavailable
 
 log = logging.getLogger("batchd.parser")
 T = TypeVar("T")
 ASIDE_BYTES = 256 * 1024  # a larger document is parsed in the child
+TIMEOUT_S = 10.0  # for a turn, and for an answer (8 MiB of nested JSON: ~0.2 s)
+START_S = 30.0  # for a new child to say it is ready
+STARVE_S = 1.0  # a job's line waits at most this long for online documents to pass
+NO_CHILD_S = 60.0  # after a child could not start, documents are parsed here this long
+IDLE_S = 0.2  # the child gives its free heap back after this long without a document
 _HEAD = 8  # bytes of a frame's length
+_READY = b"ready"
+_PIPE_BYTES = 1 << 20  # (F_SETPIPE_SZ: fewer round trips for a document of megabytes)
 
 
 class ParserLost(BatchdError):
     """The child ended twice while it parsed one document (INTERNAL)."""
 
 
-def _write(out: IO[bytes], obj: object) -> None:
+class _NoChild(Exception):
+    """A child that could not start."""
+
+
+def _frame(obj: object) -> tuple[bytes, bytes]:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(len(data).to_bytes(_HEAD, "little"))
-    out.write(data)  # (not joined to its head: a document of megabytes is not copied again)
-    out.flush()
+    return len(data).to_bytes(_HEAD, "little"), data
 
 
-def _read(inp: IO[bytes]) -> bytes:
-    """One frame's pickle."""
-    head = inp.read(_HEAD)
-    if len(head) < _HEAD:
-        raise EOFError("the pipe ended")
-    size = int.from_bytes(head, "little")
-    data = inp.read(size)
-    if len(data) < size:
-        raise EOFError("the pipe ended within a frame")
-    return data
+def _wait(fd: int, event: int, deadline: float) -> None:
+    """Till `fd` is ready for `event` (or hung up); TimeoutError at `deadline`."""
+    left = deadline - time.monotonic()
+    poll = select.poll()
+    poll.register(fd, event)
+    if left <= 0 or not poll.poll(None if left == float("inf") else left * 1000):
+        raise TimeoutError
+
+
+def _send(fd: int, obj: object, deadline: float) -> None:
+    for part in _frame(obj):
+        view = memoryview(part)
+        while view:
+            _wait(fd, select.POLLOUT, deadline)
+            with contextlib.suppress(BlockingIOError):
+                view = view[os.write(fd, view[:_PIPE_BYTES]) :]
+
+
+def _receive(fd: int, deadline: float) -> bytearray:
+    """One frame's pickle; EOFError at the pipe's end."""
+
+    def exactly(n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            _wait(fd, select.POLLIN, deadline)
+            with contextlib.suppress(BlockingIOError):
+                data = os.read(fd, min(n - got, _PIPE_BYTES))
+                if not data:
+                    raise EOFError("the pipe ended")
+                view[got : got + len(data)] = data
+                got += len(data)
+        return buf
+
+    return exactly(int.from_bytes(exactly(_HEAD), "little"))
 
 
 class _Child:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._busy, self._online = False, 0  # a document in the child; online waiting
+        self.waiting = 0  # callers waiting for their turn
         self._proc: subprocess.Popen[bytes] | None = None
+        self._no_child_until = 0.0
         self.pid = 0
 
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        with self._lock:
-            for attempt in range(2):
-                try:
-                    proc = self._proc or self._start()
-                except OSError as e:  # no process to be had (pids, memory): parse it here
-                    log.warning("cannot start the JSON parser process (%s): parsing here", e)
-                    return fn(*args)
-                try:
-                    assert proc.stdin is not None and proc.stdout is not None
-                    _write(proc.stdin, (fn, args))
-                    answer = _read(proc.stdout)
-                except (OSError, EOFError) as e:
-                    code = self._lost(proc)
-                    log.warning("the JSON parser process ended (%s, exit %s)", e, code)
-                    if attempt:
-                        raise ParserLost(
-                            f"the JSON parser process ended (exit {code}) twice while it "
-                            "read this document; the server log has more"
-                        ) from None
-                    continue
-                try:
-                    ok, value = pickle.loads(answer)
-                except Exception as e:  # (the frame was read whole: the child is in step)
-                    raise BatchdError(
-                        f"the parser process's answer did not unpickle: {e}"
-                    ) from None
-                if ok:
-                    return value  # type: ignore[no-any-return]
-                raise value
+    def call(self, fn: Callable[..., T], args: tuple[Any, ...], background: bool) -> T:
+        self._take_turn(background)
+        try:
+            return self._call(fn, args)
+        finally:
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def _take_turn(self, background: bool) -> None:
+        with self._cv:
+            self.waiting += 1
+            try:
+                self._wait_turn(background)
+            finally:
+                self.waiting -= 1
+
+    def _wait_turn(self, background: bool) -> None:
+        """(Holding the condition's lock.)"""
+        if background:  # behind online documents, for STARVE_S at most
+            self._cv.wait_for(lambda: not self._busy and not self._online, STARVE_S)
+        else:
+            self._online += 1
+        try:
+            turn = self._cv.wait_for(lambda: not self._busy, TIMEOUT_S)
+        finally:
+            if not background:
+                self._online -= 1
+        if not turn:
+            raise Unavailable(f"the JSON parser was busy for {TIMEOUT_S:g} s; retry later")
+        self._busy = True
+
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        for attempt in range(2):
+            if time.monotonic() < self._no_child_until:
+                return fn(*args)
+            try:
+                proc = self._proc or self._start()
+            except _NoChild as e:  # (a broken install, no memory, no pids): parse here
+                log.error("cannot start the JSON parser process (%s); large JSON is parsed "
+                          "on the frontend's threads for %g s", e, NO_CHILD_S)  # fmt: skip
+                self._no_child_until = time.monotonic() + NO_CHILD_S
+                return fn(*args)
+            assert proc.stdin is not None and proc.stdout is not None
+            deadline = time.monotonic() + TIMEOUT_S
+            try:
+                _send(proc.stdin.fileno(), (fn, args), deadline)
+                answer = _receive(proc.stdout.fileno(), deadline)
+            except TimeoutError:
+                self._lost(proc)
+                raise Unavailable(f"the JSON parser process did not answer within {TIMEOUT_S:g} "
+                                  "s; it was restarted: retry") from None  # fmt: skip
+            except (OSError, EOFError) as e:
+                code = self._lost(proc)
+                log.warning("the JSON parser process ended (%s, exit %s)", e, code)
+                if attempt:
+                    raise ParserLost(f"the JSON parser process ended (exit {code}) twice while "
+                                     "it read this document") from None  # fmt: skip
+                continue
+            try:
+                ok, value = pickle.loads(answer)
+            except Exception as e:  # (the frame was read whole: the child is in step)
+                raise BatchdError(f"the parser process's answer did not unpickle: {e}") from None
+            if ok:
+                return value  # type: ignore[no-any-return]
+            raise value
         raise AssertionError("unreachable")
 
     def _start(self) -> subprocess.Popen[bytes]:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "batchd.server.parser"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            start_new_session=True,  # (a Ctrl-C to the server's group is not its)
-        )  # fmt: skip
-        self.pid = self._proc.pid
-        return self._proc
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "batchd.server.parser"], bufsize=0,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                start_new_session=True,  # (a Ctrl-C to the server's group is not its)
+            )  # fmt: skip
+        except OSError as e:
+            raise _NoChild(str(e)) from None
+        assert proc.stdin is not None and proc.stdout is not None
+        for pipe in (proc.stdin, proc.stdout):
+            os.set_blocking(pipe.fileno(), False)
+            with contextlib.suppress(OSError, AttributeError):
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        try:
+            said = bytes(_receive(proc.stdout.fileno(), time.monotonic() + START_S))
+        except (OSError, EOFError, TimeoutError) as e:
+            said = repr(e).encode()
+        if said != _READY:
+            code = self._lost(proc)
+            raise _NoChild(f"it exited {code} before it was ready: {said[:200]!r}")
+        self._proc, self.pid = proc, proc.pid
+        return proc
 
     def _lost(self, proc: subprocess.Popen[bytes]) -> int | None:
-        self._proc, self.pid = None, 0
+        if self._proc is proc:
+            self._proc, self.pid = None, 0
         with contextlib.suppress(OSError):
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -122,29 +219,31 @@ class _Child:
         return proc.returncode
 
     def close(self) -> None:
-        with self._lock:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._busy, TIMEOUT_S)
             if self._proc is not None:
-                proc = self._proc
-                with contextlib.suppress(OSError):
-                    proc.stdin and proc.stdin.close()  # it ends at its pipe's end
-                try:
-                    proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                if proc.stdout:
-                    proc.stdout.close()
-                self._proc, self.pid = None, 0
+                self._lost(self._proc)
+            self._no_child_until = 0.0
 
 
 _child = _Child()
 
 
-def run(fn: Callable[..., T], size: int, *args: Any) -> T:
-    """`fn(*args)`, in the child when `size` (the document's bytes) passes ASIDE_BYTES."""
-    if size <= ASIDE_BYTES:
+def run(fn: Callable[..., T], size: int, *args: Any, background: bool = False) -> T:
+    """`fn(*args)`, in the child when `size` (the document's bytes) passes ASIDE_BYTES,
+    but not on an event loop's thread (whose callers wait on no process); `background`:
+    a job's line, which waits for online documents."""
+    if size <= ASIDE_BYTES or _on_a_loop():
         return fn(*args)
-    return _child.call(fn, *args)
+    return _child.call(fn, args, background)
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def child_pid() -> int:
@@ -153,35 +252,9 @@ def child_pid() -> int:
 
 
 def close() -> None:
-    """End the child, if one runs (the server's stop; it ends with the server anyway)."""
+    """End the child, if one runs (it ends with the server anyway), and forget a child
+    that could not start."""
     _child.close()
-
-
-def _trim() -> Callable[[], object]:
-    """glibc's malloc_trim (hands the freed heap back to the system), or nothing."""
-    name = ctypes.util.find_library("c")
-    fn = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    return (lambda: fn(0)) if fn is not None else (lambda: None)
-
-
-def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
-    trim = _trim()
-    while True:
-        try:
-            frame = _read(inp)
-        except EOFError:
-            return
-        try:
-            fn, args = pickle.loads(frame)
-        except Exception as e:  # (the frame was read whole: the next is in step)
-            fn, args = _refuse, (f"the parser process could not take the call: {e}",)
-        try:
-            answer: tuple[bool, object] = (True, fn(*args))
-        except Exception as e:  # the caller's to raise (InvalidInput, ValueError, ...)
-            answer = (False, _portable(e))
-        _write(out, answer)
-        del frame, fn, args, answer
-        trim()
 
 
 def _refuse(message: str) -> None:
@@ -197,7 +270,37 @@ def _portable(e: Exception) -> Exception:
     return e
 
 
+def _serve(inp: int, out: int) -> None:
+    """The child: answer each frame on `inp` with a frame on `out`, till `inp` ends."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    with contextlib.suppress(AttributeError):  # (Linux) killed with the server, even stopped
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        return  # (the server went before prctl)
+    trim = getattr(libc, "malloc_trim", lambda _: 0)
+    for part in (len(_READY).to_bytes(_HEAD, "little"), _READY):
+        os.write(out, part)
+    never = float("inf")
+    while True:
+        if not select.select([inp], [], [], IDLE_S)[0]:
+            trim(0)  # idle: give the free heap back (no event loop here for it to stall)
+        try:
+            frame = _receive(inp, never)
+        except EOFError:
+            return
+        try:
+            fn, args = pickle.loads(frame)
+        except Exception as e:  # (the frame was read whole: the next is in step)
+            fn, args = _refuse, (f"the parser process could not take the call: {e}",)
+        try:
+            answer: tuple[bool, object] = (True, fn(*args))
+        except Exception as e:  # the caller's to raise (InvalidInput, ValueError, ...)
+            answer = (False, _portable(e))
+        _send(out, answer, never)
+        del frame, fn, args, answer
+
+
 if __name__ == "__main__":
-    pipe = os.fdopen(os.dup(1), "wb")
+    pipe = os.dup(1)
     os.dup2(2, 1)  # a print() anywhere goes to the log, not into the answers' pipe
-    _serve(sys.stdin.buffer, pipe)
+    _serve(0, pipe)

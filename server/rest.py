@@ -54,6 +54,7 @@ from batchd.server.errors import (
 from batchd.server.http_site import Handler, Inflating, bounded_send, encoding
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
+from batchd.server.json_body import MAX_JSON_BYTES
 from batchd.server.rest_codec import (
     HEADER_LENGTH,
     generate_response,
@@ -92,7 +93,9 @@ def _infer_body(body: bytes, header: str | None, cfg: ModelConfig) -> Any:
         raise InvalidInput(
             f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
         ) from None
-    size = len(body) if length is None else length  # its JSON: binary tensors need no parse
+    size = len(body) if length is None or not 0 <= length <= len(body) else length  # its JSON
+    if size > MAX_JSON_BYTES:  # (refused at once: not worth the trip)
+        size = 0
     return parser.run(parse_infer, size, body, length, cfg.name, cfg.version)
 
 

@@ -3,15 +3,23 @@ where, what crosses back, and a child that dies."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from batchd.server import parser
-from batchd.server.errors import BatchdError, InvalidInput, QueueFull
+from batchd.server.errors import BatchdError, InvalidInput, QueueFull, Unavailable
+from batchd.server.jobs import chunks
+from batchd.server.rest import _infer_body
 from batchd.server.rest_codec import parse_infer
-from tests.servers import alive
+from tests.conftest import model
+from tests.servers import alive, wait_for
 
 BIG = parser.ASIDE_BYTES + 1
 
@@ -85,3 +93,102 @@ def test_with_no_child_to_be_had_the_document_is_parsed_here(
     monkeypatch.setattr("sys.executable", "/nonexistent/python")  # (Popen: OSError)
     assert parser.run(os.getpid, BIG) == os.getpid()
     assert parser.child_pid() == 0
+
+
+def test_a_child_that_exits_before_it_is_ready_leaves_documents_parsed_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child that cannot start (a broken install: it exits at once) is not a document's
+    fault: documents are parsed here, not refused (each refused with INTERNAL, before)."""
+    monkeypatch.setattr("sys.executable", "/bin/false")
+    assert parser.run(os.getpid, BIG) == os.getpid()
+    monkeypatch.undo()
+    assert parser.run(os.getpid, BIG) == os.getpid(), "a new child tried at every document"
+
+
+def test_on_an_event_loop_s_thread_a_document_is_parsed_here() -> None:
+    """The loop's callers wait on no process: whatever its size (a body whose
+    Inference-Header-Content-Length lied made the loop start the child and wait)."""
+
+    async def on_the_loop() -> int:
+        return parser.run(os.getpid, BIG)
+
+    assert asyncio.run(on_the_loop()) == os.getpid() and parser.child_pid() == 0
+
+
+def test_a_small_body_whose_header_length_lies_is_refused_here() -> None:
+    cfg = model(max_batch_size=4, shape=(1,))
+    with pytest.raises(InvalidInput, match="Inference-Header-Content-Length is 300000, but"):
+        _infer_body(b'{"inputs": []}', "300000", cfg)
+    with pytest.raises(InvalidInput, match="more than 8388608"):
+        _infer_body(b" " * (9 << 20), None, cfg)  # (over json_body's limit: refused here)
+    assert parser.child_pid() == 0
+
+
+def test_a_child_that_does_not_answer_is_killed_and_the_call_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every wait is bounded: a stopped child (or one on a document far too long) gets
+    its caller UNAVAILABLE after TIMEOUT_S, and is replaced; a caller waiting for its
+    turn meanwhile is refused after TIMEOUT_S too (before, both waited for ever)."""
+    monkeypatch.setattr(parser, "TIMEOUT_S", 0.5)
+    stopped = parser.run(os.getpid, BIG)
+    os.kill(stopped, signal.SIGSTOP)
+    failed: dict[str, BaseException] = {}
+
+    def call(name: str) -> None:
+        try:
+            parser.run(os.getpid, BIG)
+        except BaseException as e:
+            failed[name] = e
+
+    first, second = (threading.Thread(target=call, args=(n,)) for n in ("first", "second"))
+    first.start()
+    wait_for(lambda: parser._child._busy, 30, "the first to be in the child")
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert isinstance(failed["first"], Unavailable)
+    assert "did not answer within 0.5 s" in failed["first"].message
+    if "second" in failed:  # its turn did not come in time (else: a new child answered)
+        assert "was busy for 0.5 s" in str(failed["second"])
+    assert not alive(stopped)
+    assert parser.run(os.getpid, BIG) not in (0, stopped)
+
+
+def test_online_documents_go_before_a_job_s_lines(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A caller online waits for the document in the child, not for a job's lines that
+    came before it (one behind another, it waited for two)."""
+    monkeypatch.setattr(parser, "STARVE_S", 60.0)
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    got: dict[str, float] = {}
+
+    def call(name: str, fn: object, *args: object, background: bool = False) -> None:
+        got[name] = parser.run(fn, BIG, *args, background=background)  # type: ignore[arg-type]
+
+    threads = [
+        threading.Thread(target=call, args=("held", Path.read_text, gate)),
+        threading.Thread(target=call, args=("line", time.monotonic), kwargs={"background": True}),
+        threading.Thread(target=call, args=("online", time.monotonic)),
+    ]
+    threads[0].start()
+    wait_for(lambda: parser._child._busy, 30, "the child to hold a document")
+    for waiting, thread in enumerate(threads[1:], 1):
+        thread.start()
+        wait_for(lambda n=waiting: parser._child.waiting == n, 30, f"{waiting} waiting")
+    gate.write_text("go")
+    for thread in threads:
+        thread.join(30)
+    assert got["held"] == "go" and got["online"] < got["line"]
+
+
+def test_a_short_bad_line_keeps_no_traceback_holding_its_document() -> None:
+    """An error line is kept till written: its error held the parse's frames, the parsed
+    line in them (16 error lines of 241 KB held 20.7 MB)."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    line = chunks.decode(b'{"custom_id": "a", "inputs": 7}', 1, cfg, chunks.Limits())
+    assert line.error is not None and line.custom_id == "a"
+    assert line.error.__traceback__ is None and line.error.__context__ is None

@@ -171,10 +171,12 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
 def decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
     cid: str | None = None
     try:  # a long line's JSON in the parser process: its parse holds no GIL of the loop's
-        cid, msg = parser.run(lines.request_of, len(raw), raw, model.name, model.version)
+        cid, msg = parser.run(
+            lines.request_of, len(raw), raw, model.name, model.version, background=True
+        )
         request = decode_request(msg, model, time.monotonic(), limits=limits)
-    except lines.LineError as e:
-        return Line(number, e.custom_id, error=e)
+    except lines.LineError as e:  # (a new one: this one's traceback holds the parsed line)
+        return Line(number, e.custom_id, error=lines.LineError(e.custom_id, e.message, e.code))
     except ValueError as e:
         return Line(number, cid, error=lines.LineError(cid, str(e)))
     except BatchdError as e:
