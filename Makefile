@@ -49,12 +49,14 @@ lint: install
 bench: install
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
-# Hostile requests: the frontend's cost per byte as each dimension grows 100x, and
-# issue 15's attacks against a real server with a probe alongside.
+# Hostile requests: the frontend's cost per byte as each dimension grows 100x,
+# issue 15's attacks against a real server with a probe alongside, and what 7 MB
+# JSON bodies and job lines cost everyone else.
 bench-hostile: install
 	mkdir -p bench/results
 	$(BIN)/python bench/linearity.py --json bench/results/linearity.json
 	$(BIN)/python bench/attacks.py --json bench/results/attacks.json
+	$(BIN)/python bench/big_json.py --json bench/results/big_json.json
 
 # The request-path fuzzer and the server-level one, far longer than `make test` runs them.
 fuzz: install
