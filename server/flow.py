@@ -59,6 +59,9 @@ class StreamBudget:
         self.limit = limit
         self.window = min(WINDOW, max(limit // 16, 2 * OUTPUT_COST))
         self.held = self.reserved = self.lent = 0
+        self.promised = 0  # the answers of one-shot requests read and not answered yet
+        self.largest = 0  # the largest one-shot answer held yet (what one of unknown size
+        # is promised)
         self.taken_at = time.monotonic()  # when its caller last took an output
         self.slowest_s = 0.0  # the longest execution_timeout_s of its sequences' models
         self._asks: dict[StepStream, int] = {}  # sequences waiting to borrow, in order
@@ -68,15 +71,27 @@ class StreamBudget:
         """Whether one more sequence's window fits: its windows hold at most half."""
         return not self.reserved or (self.reserved + self.window) * 2 <= self.limit
 
-    async def room(self, sequence: bool = False) -> None:
+    async def room(self, sequence: bool = False, answer: int = 0) -> None:
         """Return once the caller is not behind (at most half the limit held) and, for a
         `sequence`, once its window fits, then reserved (its StepStream, made `reserved`,
-        gives it back once its outputs are all taken)."""
-        while self.held * 2 > self.limit or (sequence and not self.admits()):
+        gives it back once its outputs are all taken); for a one-shot request, once its
+        `answer`'s bytes fit in half the limit beside what is held and promised to the
+        others (or none is promised), then promised (`answered` gives it back)."""
+        while (
+            self.held * 2 > self.limit
+            or (sequence and not self.admits())
+            or (self.promised and (self.held + self.promised + answer) * 2 > self.limit)
+        ):
             self._changed.clear()
             await self._changed.wait()
         if sequence:
             self.reserved += self.window
+        self.promised += answer
+
+    def answered(self, answer: int) -> None:
+        """A one-shot request's promise ends: its answer is held, or there is none."""
+        self.promised -= answer
+        self._changed.set()
 
     def unreserve(self) -> None:
         self.reserved -= self.window

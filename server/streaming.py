@@ -25,7 +25,10 @@ sequences' buffers and in the responses waiting to go out, count against one
 budget per stream (flow.StreamBudget, twice --max-message-bytes). A step-wise
 request waits to be read while the stream's sequences' windows of credit hold
 half of it, and any request while more than half of it waits for the client
-(gRPC's flow control then holds the client's sends); a sequence's worker sends
+(gRPC's flow control then holds the client's sends); a one-shot request while
+the answers of those read before it would pass that half, with its own (what
+the model's signature says an answer holds, or where it does not, the stream's
+largest answer yet: answer_bytes); a sequence's worker sends
 no more than its window ahead of what the client took (flow.StepStream). A step
 that would not fit in what a response carries ends its sequence with
 RESOURCE_EXHAUSTED. Other streams are not concerned.
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -44,6 +48,7 @@ from typing import Any, Protocol
 import grpc
 
 from batchd.protos import inference_pb2 as pb
+from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import echoable, encode_response
 from batchd.server.errors import BatchdError, InvalidInput
@@ -135,11 +140,13 @@ async def respond(
         if stream is None:
             size = _size(response)
             budget.hold(size)
+            budget.largest = max(budget.largest, size)
             await responses.put((response, functools.partial(budget.give, size)))
         else:
             await responses.put((response, functools.partial(stream.taken, stream.last_bytes)))
 
-    async def one(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None) -> None:
+    async def one(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None,
+                  answer: int) -> None:  # fmt: skip
         # a step-wise request's: it holds the window read() reserved, till its caller took
         # its outputs (or at once, if it never starts)
         stream = (
@@ -149,6 +156,7 @@ async def respond(
             await _answer(service, msg, cfg, put, carrier, time_remaining(), stream)
         finally:
             window.release()
+            budget.answered(answer)  # (its answer, if any, is held now)
             if stream is not None:
                 stream.close()
 
@@ -160,10 +168,11 @@ async def respond(
                 async for msg in requests:
                     await window.acquire()
                     cfg = None if isinstance(msg, Undecodable) else service.served(msg)
-                    # its caller is behind, or the sequences' windows hold their half:
-                    # let it read first
-                    await budget.room(sequence=_steps_of(cfg))
-                    tg.create_task(one(msg, cfg))
+                    # its caller is behind, the sequences' windows hold their half, or
+                    # the answers coming would: let it read first
+                    answer = answer_bytes(msg, cfg, budget.largest)
+                    await budget.room(sequence=_steps_of(cfg), answer=answer)
+                    tg.create_task(one(msg, cfg, answer))
             except Exception as e:  # the requests' stream failed: those in flight are
                 ended.append(e)  # still answered, then the call ends with its error
         await responses.put(None)
@@ -216,6 +225,31 @@ async def write_all(
                     raise
                 log.debug("a ModelStreamInfer caller left with responses unsent")
                 return
+
+
+def answer_bytes(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None,
+                 unknown: int) -> int:  # fmt: skip
+    """The bytes a stream promises a one-shot request's answer when it reads it: its
+    outputs' where the model's signature fixes them (its rows, at most max_batch_size,
+    times each output asked for), else `unknown` (the largest answer of the stream yet).
+    Nothing for a step-wise request (its window is its promise), nor for one refused
+    (its answer is an error)."""
+    if isinstance(msg, Undecodable) or cfg is None or cfg.generate is not None:
+        return 0
+    rows = 1
+    if cfg.max_batch_size:
+        if not msg.inputs or not msg.inputs[0].shape:
+            return 0  # (refused)
+        rows = min(max(msg.inputs[0].shape[0], 0), cfg.max_batch_size)
+    asked, total = {o.name for o in msg.outputs}, 0
+    for out in cfg.outputs:
+        if asked and out.name not in asked:
+            continue
+        size = DATATYPES[out.datatype].itemsize
+        if not size or any(d < 0 for d in out.shape):
+            return unknown  # BYTES, or a dim the model decides
+        total += rows * math.prod(out.shape) * size
+    return total
 
 
 def _steps_of(cfg: ModelConfig | None) -> bool:

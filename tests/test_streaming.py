@@ -5,19 +5,20 @@ stream without an end; a failed request's response is its final one, as Triton's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.model_config import ModelConfig
+from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.server import streaming
 from batchd.server.errors import InvalidInput
 from batchd.server.flow import StreamBudget
 from batchd.server.handlers import Undecodable
 from batchd.server.streaming import respond
-from tests.conftest import model
+from tests.conftest import model, stepwise_model
 
 
 class Service:
@@ -159,3 +160,69 @@ def test_any_response_its_caller_takes_counts_as_reading_for_the_stream_s_sequen
 
     seen = asyncio.run(body())  # each after the one before it was taken
     assert len(seen) == 3 and all(t > 0 for t in seen), seen
+
+
+class BigAnswers(Service):
+    """A model whose answer is its signature's: Y FP32 [65536] a row (256 KiB)."""
+
+    started = 0
+
+    def served(self, msg: pb.ModelInferRequest) -> ModelConfig | None:
+        return model(shape=(65536,))
+
+    async def infer(
+        self, msg: pb.ModelInferRequest, time_remaining: Any, carrier: Any = None
+    ) -> pb.ModelInferResponse:
+        self.started += 1
+        await asyncio.sleep(0)
+        return pb.ModelInferResponse(id=msg.id, raw_output_contents=[bytes(4 * 65536)])
+
+
+def test_a_stream_not_read_takes_only_the_one_shot_requests_whose_answers_fit_its_budget() -> None:
+    """A one-shot request is read while the answers of those read before it, with its
+    own, fit in half the stream's budget (what the model's signature says an answer
+    holds): a caller that sends 300 and reads nothing holds about that, not 256 answers
+    of 256 KiB (64 MiB, where the budget is 2 MiB). Read, they all come."""
+    service = BigAnswers()
+
+    async def asked() -> AsyncIterator[pb.ModelInferRequest]:
+        for i in range(300):
+            msg = pb.ModelInferRequest(model_name="m", id=str(i))
+            msg.inputs.add(name="X", datatype="FP32", shape=[1, 65536])
+            yield msg
+
+    async def body() -> int:
+        answers = respond(service, asked())  # type: ignore[arg-type]
+        first = await anext(answers)
+        for _ in range(5000):  # (no time passes: every request that may be read, is)
+            await asyncio.sleep(0)
+        held_back = service.started
+        rest = [r async for r in answers]
+        assert [r.infer_response.id for r in [first, *rest]] == [str(i) for i in range(300)]
+        return held_back
+
+    assert asyncio.run(body()) <= 6  # the 256 KiB of the one taken, and 1 MiB of 2
+
+
+def test_what_a_one_shot_answer_is_promised() -> None:
+    """Its signature's bytes: rows (at most max_batch_size) x each output asked for;
+    unknown (the stream's largest answer yet) where an output's size is the model's to
+    decide; nothing for a step-wise request or one refused."""
+    fixed = model(max_batch_size=4, shape=(3,))
+
+    def msg(rows: int, *outputs: str) -> pb.ModelInferRequest:
+        m = pb.ModelInferRequest(model_name="m", outputs=[{"name": o} for o in outputs])
+        m.inputs.add(name="X", datatype="FP32", shape=[rows, 3])
+        return m
+
+    assert streaming.answer_bytes(msg(2), fixed, 99) == 2 * 3 * 4
+    assert streaming.answer_bytes(msg(10**9), fixed, 99) == 4 * 3 * 4  # (refused: 4 rows)
+    assert streaming.answer_bytes(msg(2, "nope"), fixed, 99) == 0  # (refused)
+    ragged = dataclasses.replace(fixed, outputs=(TensorSpec("Y", "FP32", (-1,)),))
+    text = dataclasses.replace(fixed, outputs=(TensorSpec("Y", "BYTES", (1,)),))
+    assert (
+        streaming.answer_bytes(msg(2), ragged, 99) == streaming.answer_bytes(msg(2), text, 99) == 99
+    )
+    assert streaming.answer_bytes(msg(2), stepwise_model(), 99) == 0
+    assert streaming.answer_bytes(msg(2), None, 99) == 0
+    assert streaming.answer_bytes(Undecodable(InvalidInput("x")), fixed, 99) == 0
