@@ -63,7 +63,8 @@ class StreamBudget:
         self.largest = 0  # the largest one-shot answer held yet (what one of unknown size
         # is promised)
         self.taken_at = time.monotonic()  # when its caller last took an output
-        self.slowest_s = 0.0  # the longest execution_timeout_s of its sequences' models
+        self.running: dict[StepStream, float] = {}  # its sequences not ended: their models'
+        # execution_timeout_s (a wait for another's output is at most the longest)
         self._asks: dict[StepStream, int] = {}  # sequences waiting to borrow, in order
         self._changed = asyncio.Event()
 
@@ -299,6 +300,8 @@ class StepStream:
     def close(self) -> None:
         """No more outputs will come (the sequence ended, failed or was dropped)."""
         self.closed = True
+        if self.budget is not None:
+            self.budget.running.pop(self, None)
         self._stop_credit()
         self._notify()
         self._release()

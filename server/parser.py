@@ -117,7 +117,7 @@ class _Child:
     def call(self, fn: Callable[..., T], args: tuple[Any, ...], background: bool) -> T:
         self._take_turn(background)
         try:
-            return self._call(fn, args)
+            return self._call(fn, args, background)
         finally:
             with self._cv:
                 self._busy = False
@@ -146,7 +146,9 @@ class _Child:
             raise Unavailable(f"the JSON parser was busy for {TIMEOUT_S:g} s; retry later")
         self._busy = True
 
-    def _call(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    def _call(self, fn: Callable[..., T], args: tuple[Any, ...], background: bool) -> T:
+        """Once more after a child that died, or for a job's line (which has no
+        deadline, and cannot be sent again) one that did not answer."""
         for attempt in range(2):
             if time.monotonic() < self._no_child_until:
                 return fn(*args)
@@ -164,10 +166,15 @@ class _Child:
                 answer = _receive(proc.stdout.fileno(), deadline)
             except TimeoutError:
                 self._lost(proc)
+                log.warning("the JSON parser process did not answer in %g s: killed", TIMEOUT_S)
+                if background and not attempt:
+                    continue
                 raise Unavailable(f"the JSON parser process did not answer within {TIMEOUT_S:g} "
                                   "s; it was restarted: retry") from None  # fmt: skip
-            except (OSError, EOFError) as e:
-                code = self._lost(proc)
+            except BaseException as e:  # a frame half sent or read: no later caller's
+                code = self._lost(proc)  # answer may be this one's rest
+                if not isinstance(e, OSError | EOFError):
+                    raise
                 log.warning("the JSON parser process ended (%s, exit %s)", e, code)
                 if attempt:
                     raise ParserLost(f"the JSON parser process ended (exit {code}) twice while "
@@ -185,7 +192,7 @@ class _Child:
     def _start(self) -> subprocess.Popen[bytes]:
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "batchd.server.parser"], bufsize=0,
+                [sys.executable, "-P", "-m", "batchd.server.parser", str(os.getpid())], bufsize=0,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 start_new_session=True,  # (a Ctrl-C to the server's group is not its)
             )  # fmt: skip
@@ -270,13 +277,14 @@ def _portable(e: Exception) -> Exception:
     return e
 
 
-def _serve(inp: int, out: int) -> None:
-    """The child: answer each frame on `inp` with a frame on `out`, till `inp` ends."""
+def _serve(inp: int, out: int, server: int) -> None:
+    """The child: answer each frame on `inp` with a frame on `out`, till `inp` ends;
+    `server`: its parent's pid."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
     with contextlib.suppress(AttributeError):  # (Linux) killed with the server, even stopped
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
-        return  # (the server went before prctl)
+    if os.getppid() != server:
+        return  # (the server went before prctl; not ppid 1: the server may be pid 1)
     trim = getattr(libc, "malloc_trim", lambda _: 0)
     for part in (len(_READY).to_bytes(_HEAD, "little"), _READY):
         os.write(out, part)
@@ -303,4 +311,4 @@ def _serve(inp: int, out: int) -> None:
 if __name__ == "__main__":
     pipe = os.dup(1)
     os.dup2(2, 1)  # a print() anywhere goes to the log, not into the answers' pipe
-    _serve(0, pipe)
+    _serve(0, pipe, int(sys.argv[1]))

@@ -94,14 +94,18 @@ def _infer_body(body: bytes, header: str | None, cfg: ModelConfig) -> Any:
             f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
         ) from None
     size = len(body) if length is None or not 0 <= length <= len(body) else length  # its JSON
-    if size > MAX_JSON_BYTES:  # (refused at once: not worth the trip)
-        size = 0
-    return parser.run(parse_infer, size, body, length, cfg.name, cfg.version)
+    return parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version)
 
 
 def _aside(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn(body, *args)`, a body of JSON only, parsed in the parser process when large."""
-    return lambda body, *args: parser.run(fn, len(body), body, *args)
+    return lambda body, *args: parser.run(fn, _json_bytes(len(body)), body, *args)
+
+
+def _json_bytes(size: int) -> int:
+    """What parser.run is told a document of `size` bytes of JSON is: over json_body's
+    limit, nothing (it is refused at once, not worth the trip)."""
+    return 0 if size > MAX_JSON_BYTES else size
 
 
 @web.middleware

@@ -80,8 +80,7 @@ class Sequences:
             sequence = self._pool.start(worker, model, r, now)
             stream.worker, stream.seq_id = worker.identity, sequence.id
             if stream.budget is not None:  # (a wait for another's output is that long)
-                budget = stream.budget
-                budget.slowest_s = max(budget.slowest_s, model.instances.execution_timeout_s)
+                stream.budget.running[stream] = model.instances.execution_timeout_s
             if not r.attempts:  # one started again after its worker was lost is still
                 # one request: its first wait is the one counted
                 self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
@@ -228,7 +227,8 @@ class Sequences:
         if stream.paused and not stream.owed():  # its caller has nothing to read: not its
             stream.start_clock()  # stall (it waits for a loan others' outputs hold, which
             stream.idle_watches += 1  # come within their models' execution_timeout_s)
-            slowest = max(limit, stream.budget.slowest_s if stream.budget else 0.0)
+            others = stream.budget.running.values() if stream.budget else ()
+            slowest = max([limit, *others])
             if (idle := stream.idle_watches * limit) > IDLE_WATCHES * slowest:  # a defect
                 log.error("model %s: a sequence (request id %s) held for credit with nothing "
                           "for its caller to take for %g s: stopped", sequence.model.name,

@@ -670,7 +670,8 @@ def test_a_running_job_s_rate_is_its_checkpoints_and_its_eta_counts_down(
 ) -> None:
     """A status counts what the last checkpoint made durable; its rate is timed to that
     checkpoint, and its ETA counts down from it. (Timed to now, the rate fell between
-    checkpoints and the ETA climbed while the job went on: 5.2, 6.4, 7.7, 8.9 s.)"""
+    checkpoints and the ETA climbed while the job went on: 5.2, 6.4, 7.7, 8.9 s.) Past
+    by OVERDUE_S (a stall), the ETA is not known, not 0 for as long as it stalls."""
     now = [1000.0]
     monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
     run = runner.JobRun.__new__(runner.JobRun)
@@ -679,6 +680,10 @@ def test_a_running_job_s_rate_is_its_checkpoints_and_its_eta_counts_down(
     assert run.pace(400) == (10.0, 40.0)
     now[0] += 2.0  # no checkpoint since
     assert run.pace(400) == (10.0, 38.0)
+    now[0] += 39.0  # stalled: overdue by 1 s, then by 3
+    assert run.pace(400) == (10.0, 0.0)
+    now[0] += 2.0
+    assert run.pace(400) == (10.0, -1.0) and run.pace(0) == (10.0, 0.0)
     run._saved_at = -math.inf  # none yet
     assert run.pace(400) == (0.0, -1.0)
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,8 +19,8 @@ import pytest
 from batchd.server import parser
 from batchd.server.errors import BatchdError, InvalidInput, QueueFull, Unavailable
 from batchd.server.jobs import chunks
-from batchd.server.rest import _infer_body
-from batchd.server.rest_codec import parse_infer
+from batchd.server.rest import _aside, _infer_body
+from batchd.server.rest_codec import parse_generate, parse_infer
 from tests.conftest import model
 from tests.servers import alive, wait_for
 
@@ -192,3 +195,57 @@ def test_a_short_bad_line_keeps_no_traceback_holding_its_document() -> None:
     line = chunks.decode(b'{"custom_id": "a", "inputs": 7}', 1, cfg, chunks.Limits())
     assert line.error is not None and line.custom_id == "a"
     assert line.error.__traceback__ is None and line.error.__context__ is None
+
+
+def test_a_job_s_line_is_tried_again_on_a_new_child_when_one_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job's line has no deadline and cannot be sent again: a child that did not answer
+    it is replaced and the line tried once more (an error line for a stalled child, in a
+    job reported completed, before)."""
+    monkeypatch.setattr(parser, "TIMEOUT_S", 0.5)
+    stopped = parser.run(os.getpid, BIG)
+    os.kill(stopped, signal.SIGSTOP)
+    assert parser.run(os.getpid, BIG, background=True) not in (0, stopped)
+    assert not alive(stopped)
+
+
+def test_a_call_that_fails_halfway_through_a_frame_leaves_no_rest_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever stops a call mid-frame (here a MemoryError reading the answer), the child
+    goes with it: the next caller read the rest of this one's answer as its own."""
+    first = parser.run(os.getpid, BIG)
+    real = parser._receive
+
+    def failing(fd: int, deadline: float) -> bytearray:
+        monkeypatch.setattr(parser, "_receive", real)
+        raise MemoryError
+
+    monkeypatch.setattr(parser, "_receive", failing)
+    with pytest.raises(MemoryError):
+        parser.run(len, BIG, "abc")
+    assert not alive(first)
+    assert parser.run(len, BIG, "four") == 4
+
+
+def test_a_server_that_is_pid_1_gets_a_child() -> None:
+    """In a container the server is often pid 1: the child took a parent of pid 1 for
+    one gone, and every large document was parsed on the frontend's threads."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a pid namespace")
+    code = ("import os; from batchd.server import parser; assert os.getpid() == 1; "
+            f"print(parser.run(os.getpid, {BIG}))")  # fmt: skip
+    pid_1 = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code]
+    done = subprocess.run(pid_1, capture_output=True, text=True, timeout=60)
+    if done.returncode and "unshare" in done.stderr:
+        pytest.skip(f"no pid namespace here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 1, done.stderr
+
+
+def test_a_generate_body_over_the_json_limit_is_refused_here() -> None:
+    cfg = model(max_batch_size=4, shape=(1,))
+    with pytest.raises(InvalidInput, match="more than 8388608"):
+        _aside(parse_generate)(b" " * (9 << 20), cfg)
+    assert parser.child_pid() == 0

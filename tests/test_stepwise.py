@@ -478,7 +478,8 @@ def test_the_backstop_waits_out_the_slowest_model_of_the_stream() -> None:
     """A fast model's sequence held with nothing for its caller may wait for a loan held
     by a slow model's step on the same stream, which comes within the slow model's
     execution_timeout_s: it is stopped only after IDLE_WATCHES of that (before, of its
-    own 1 s: stopped with INTERNAL after 4 s while the slow step had 30 s to come)."""
+    own 1 s: stopped with INTERNAL after 4 s while the slow step had 30 s to come),
+    while that sequence runs (not once it ended: a limit of inf kept the backstop off)."""
 
     def timed(name: str, seconds: float) -> ModelConfig:
         cfg = stepwise_model(name=name)
@@ -500,7 +501,7 @@ def test_the_backstop_waits_out_the_slowest_model_of_the_stream() -> None:
             r.stream = StepStream(budget=budget)
             sequences.start(cfg, [r])
             started.append(r)
-        assert budget.slowest_s == 10.0
+        assert sorted(budget.running.values()) == [1.0, 10.0]
         waiting = started[0]
         assert waiting.stream is not None
         sequence = worker.sequences[waiting.stream.seq_id]
@@ -511,6 +512,20 @@ def test_the_backstop_waits_out_the_slowest_model_of_the_stream() -> None:
         sequences._stalled(worker.identity, sequence)
         error = waiting.future.exception()
         assert isinstance(error, BatchdError) and "made no progress for 31 s" in error.message
+        # once the slow one ended, no output of it is waited for: a fast one's own limit
+        assert started[1].stream is not None
+        started[1].stream.close()  # (its last step came)
+        again = request(fast)
+        again.future = asyncio.get_running_loop().create_future()
+        again.stream = StepStream(budget=budget)
+        sequences.start(fast, [again])
+        sequence = worker.sequences[again.stream.seq_id]
+        again.stream.credit = 0
+        for _ in range(IDLE_WATCHES):
+            sequences._stalled(worker.identity, sequence)
+        assert not again.future.done()
+        sequences._stalled(worker.identity, sequence)
+        assert "made no progress for 4 s" in again.future.exception().message  # type: ignore[union-attr]
 
     asyncio.run(body())
 

@@ -32,6 +32,7 @@ STATUSES = ("validating", "queued", "running", "completed", "failed", "cancellin
 OPEN = ("validating", "queued", "running", "cancelling")
 ENDED = ("completed", "failed", "cancelled")
 READ_PIECE = 1024 * 1024  # bytes of results per piece read back
+OVERDUE_S = 2.0  # an ETA past by this long is not known (pace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +85,12 @@ def pace(done: int, remaining: int, since: tuple[float, int], saved_at: float,
     checkpoint, at `saved_at`, against `since` (when it started running, and its lines
     done then). Timed to the checkpoint and counted down from it: timed to `now`, the
     rate fell between checkpoints and the ETA climbed while the job went on. An ETA of
-    -1: not known yet (no checkpoint since it started)."""
+    -1: not known (no checkpoint since it started, or one overdue by OVERDUE_S: a job
+    that stalls does not read 0 for as long as it stalls)."""
     took, done_since = saved_at - since[0], done - since[1]
     rate = done_since / took if took > 0 and done_since > 0 else 0.0
-    return rate, max(remaining / rate - (now - saved_at), 0.0) if rate else -1.0
+    eta = remaining / rate - (now - saved_at) if rate else -math.inf
+    return rate, max(eta, 0.0) if eta > -OVERDUE_S or not remaining else -1.0
 
 
 class InUse(Exception):
