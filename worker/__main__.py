@@ -18,21 +18,28 @@ import torch
 from batchd.protos import keys, traces
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
+from batchd.worker.loading import is_own
 from batchd.worker.log_tag import tag_log_lines
 from batchd.worker.runner import Runner, RunnerOptions
 
 log = logging.getLogger("batchd.worker")
 
 
-def die_with_any_thread(args: threading.ExceptHookArgs) -> None:
-    """A thread of the worker (compute, loader) that dies takes the process with it:
-    the I/O thread would heartbeat on for a worker that answers nothing, its batches
-    waiting out `execution_timeout_s` and its loads for ever. A process that exits is
-    seen at once (and restarted, if its frontend started it). A model's own exceptions,
-    SystemExit too, never get here: they are reply data (runner.py, generate.py)."""
+def die_with_a_worker_thread(args: threading.ExceptHookArgs) -> None:
+    """A thread of the worker's own (compute, loader: loading.own_thread) that dies takes
+    the process with it: the I/O thread would heartbeat on for a worker that answers
+    nothing, its batches waiting out `execution_timeout_s` and its loads for ever. A
+    process that exits is seen at once (and restarted, if its frontend started it). A
+    model's own exceptions, SystemExit too, never get here: they are reply data
+    (runner.py, generate.py). A thread a model started is the model's: its exception is
+    logged, as Python does, and the worker goes on (it exited, and every worker that
+    loaded the model again exited too, over and over)."""
     thread = args.thread.name if args.thread is not None else "?"
-    trace = traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)
-    log.critical("thread %s died; exiting:\n%s", thread, "".join(trace).rstrip())
+    trace = "".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback))
+    if not is_own(args.thread):
+        log.error("thread %s (a model's) died:\n%s", thread, trace.rstrip())
+        return
+    log.critical("thread %s died; exiting:\n%s", thread, trace.rstrip())
     logging.shutdown()
     os._exit(70)  # EX_SOFTWARE
 
@@ -143,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     runner = Runner(options)
     install_signal_handlers(runner)
-    threading.excepthook = die_with_any_thread
+    threading.excepthook = die_with_a_worker_thread
     try:
         runner.serve()
     finally:

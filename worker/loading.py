@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,21 @@ from batchd.protos.model_config import ModelConfig, model_key
 from batchd.protos.repository import find_model
 from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, load_model
+
+_OWN: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def own_thread(target: Callable[..., object], name: str, *args: Any) -> threading.Thread:
+    """A thread of the worker's own (compute, loader): one that dies takes the process
+    with it (__main__.die_with_a_worker_thread); a model's threads do not."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    _OWN.add(thread)
+    return thread
+
+
+def is_own(thread: threading.Thread | None) -> bool:
+    return thread in _OWN
+
 
 log = logging.getLogger("batchd.worker")
 
@@ -99,7 +115,7 @@ class Loader:
         self._asked: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._repository, self._device, self._allowed = repository, device, allowed
         self._have: set[str] = set()  # what is installed, as of the last message handed on
-        self._thread = threading.Thread(target=self._run, name="loader", daemon=True)
+        self._thread = own_thread(self._run, "loader")
         self._threads, self._to = 1, ""
         self._ctx: zmq.Context[Any] | None = None
 

@@ -44,7 +44,7 @@ from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence
 from batchd.worker.loader import ModelFn
-from batchd.worker.loading import Loaded, Loader, addressed, settle_heap
+from batchd.worker.loading import Loaded, Loader, addressed, own_thread, settle_heap
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
@@ -293,7 +293,7 @@ class Runner:
         ]
         results = ctx.socket(zmq.PULL)  # from the compute and the loader thread
         results.bind(_RESULTS)
-        compute = threading.Thread(target=self._compute, args=(ctx,), name="compute", daemon=True)
+        compute = own_thread(self._compute, "compute", ctx)
         compute.start()
         self._loader.start(ctx, _RESULTS)
         grace = STOP_GRACE_S
