@@ -24,6 +24,7 @@ from batchd.protos.model_config import (
 __all__ = [
     "NO_MODELS",
     "Files",
+    "RepositoryUnreadable",
     "check_root",
     "confined",
     "files_of",
@@ -59,6 +60,20 @@ def _load_confined(root: Path, sub: Path) -> ModelConfig:
     return cfg
 
 
+class RepositoryUnreadable(ConfigError):
+    """The repository's folder cannot be listed (gone, or no permission)."""
+
+
+def _with_toml(root: Path) -> list[Path]:
+    """The subdirectories of `root` holding a model.toml, in order."""
+    try:
+        return sorted(p for p in root.iterdir() if (p / "model.toml").is_file())
+    except OSError as e:
+        raise RepositoryUnreadable(
+            f"{root}: the model repository cannot be read ({e.strerror or e})"
+        ) from None
+
+
 def find_model(root: Path, name: str) -> ModelConfig:
     """Model `name` of repository `root`: `root/<name>/model.toml`, or the one
     subdirectory whose model.toml declares that name. Raise ConfigError if none."""
@@ -67,7 +82,7 @@ def find_model(root: Path, name: str) -> ModelConfig:
         cfg = _load_confined(root, root / name)
         if cfg.name == name:
             return cfg
-    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+    for sub in _with_toml(root):
         try:
             cfg = _load_confined(root, sub)
         except ConfigError:
@@ -83,7 +98,7 @@ def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:
     model, so that a report (`batchd models DIR --check`) goes on past the first."""
     found: list[tuple[Path, ModelConfig | ConfigError]] = []
     seen: dict[str, Path] = {}
-    for sub in sorted(p for p in root.iterdir() if (p / "model.toml").is_file()):
+    for sub in _with_toml(root):
         try:
             cfg = _load_confined(root, sub)
             if cfg.name in seen:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from batchd.protos import wire
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
-from batchd.protos.repository import Files, files_of, find_model
+from batchd.protos.repository import Files, RepositoryUnreadable, files_of, find_model, load_each
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
 from batchd.server.link import WorkerLink
@@ -282,8 +282,9 @@ class ModelControl:
         async with self._one_at_a_time(name):  # (read in it: the files as they are now)
             try:  # (off the loop: a name no folder has is looked for in every model.toml)
                 found = await asyncio.to_thread(find_model, self.repository, name)
-            except ConfigError as e:
-                raise InvalidInput(f"cannot load model {name!r}: {e}") from None
+            except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
+                fault = Unavailable if isinstance(e, RepositoryUnreadable) else InvalidInput
+                raise fault(f"cannot load model {name!r}: {e}") from None
             cfg = self._next_version(found, await asyncio.to_thread(files_of, found.directory))
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
@@ -376,9 +377,13 @@ class ModelControl:
 
     # ---- RepositoryIndex ----
 
-    def index(self, on_disk: list[tuple[Path, ModelConfig | ConfigError]]) -> list[IndexEntry]:
-        """Every model of the repository, loaded or not, sorted by name; `on_disk`: what
-        repository.load_each read (off the loop: it parses every model.toml)."""
+    async def index(self) -> list[IndexEntry]:
+        """Every model of the repository, loaded or not, sorted by name (its folder read
+        off the loop: every model.toml is parsed)."""
+        try:
+            on_disk = await asyncio.to_thread(load_each, self.repository)
+        except RepositoryUnreadable as e:
+            raise Unavailable(str(e)) from None
         entries: dict[str, IndexEntry] = {}
         for sub, cfg in on_disk:
             name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")

@@ -29,7 +29,6 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
-from batchd.protos.repository import load_each
 from batchd.server import frontends, recovery, tracing
 from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
@@ -118,7 +117,7 @@ class Core:
         await self.control.unload(name)
 
     async def index(self) -> list[IndexEntry]:
-        return self.control.index(await asyncio.to_thread(load_each, self.control.repository))
+        return await self.control.index()
 
     def cancel(self, request: Request) -> None:
         """The caller of a step-wise request left: free its queue place or its slot."""

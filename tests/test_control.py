@@ -31,6 +31,7 @@ from batchd.client import (
     InferenceFailed,
     InvalidInput,
     ModelNotFound,
+    ServerUnavailable,
 )
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
@@ -292,6 +293,30 @@ def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) 
             assert "version 1 stays, and it does not serve either (model 'broken' could not" in (
                 str(failed.value)
             )
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def test_a_repository_moved_away_makes_the_index_and_loads_unavailable_naming_it(
+    tmp_path: Path,
+) -> None:
+    """A deploy may move the repository's folder: the index and a load answer UNAVAILABLE
+    naming the folder (UNKNOWN "Unexpected FileNotFoundError", a traceback logged per
+    call, before; HTTP 500), and it all works once it is back."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    args = ("--model-control", "explicit", "--load-model", "scaled")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+    try:
+        with Client(s.url) as c:
+            (tmp_path / "repo").rename(tmp_path / "away")
+            for ask in (c.repository_index, lambda: c.load_model("scaled")):
+                with pytest.raises(ServerUnavailable, match="the model repository cannot be read"):
+                    ask()
+            (tmp_path / "away").rename(tmp_path / "repo")
+            c.load_model("scaled")
+            assert [m["name"] for m in c.repository_index()] == ["scaled"]
+            assert y(c, "scaled", 1.0) == 2.0
+        assert "Traceback" not in s.log()
     finally:
         assert s.stop() == 0, s.log()
 
