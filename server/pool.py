@@ -330,10 +330,9 @@ class WorkerPool:
                 if limit and now - began > limit + wire.HEARTBEAT_INTERVAL_S:
                     late.append((w, f"its forward ran past execution_timeout_s {limit}"))
                     continue
-                for key, sent in w.load_sent.items():
-                    fut = w.loads.get(key)
-                    limit = self._load_timeout_s
-                    if fut is not None and not fut.done() and now - sent > limit:
+                for key, sent in list(w.load_sent.items())[:1]:  # the load it runs (in turn;
+                    limit = self._load_timeout_s  # one unloaded meanwhile runs till LOADED)
+                    if now - sent > limit:
                         name, _, version = key.rpartition("@")
                         late.append((w, f"its load of model {name!r} version {version} ran "
                                         f"past --load-timeout {limit:g} s"))  # fmt: skip

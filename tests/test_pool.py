@@ -216,8 +216,26 @@ def test_a_load_past_the_load_timeout_is_found_and_only_while_it_is_pending() ->
         assert pool.overdue(110.5) == [(a, why)]
         hung = "not sent: its load on a ran past --load-timeout 10 s"
         assert pool.hung == {("a", "m@2"): hung}  # a's replacement is not asked again
-        a.loads["m@2"].set_result("")
+        a.loads["m@2"].set_result("")  # LOADED (control.on_loaded)
+        a.load_sent.pop("m@2")
         assert pool.overdue(200.0) == []
+    finally:
+        loop.close()
+
+
+def test_a_hung_load_unloaded_meanwhile_is_still_the_one_blamed() -> None:
+    """A worker loads in turn: a load unloaded while it hangs still runs there until
+    LOADED, and the loads behind it wait. Past --load-timeout the hung one is named,
+    not the next (which was then marked hung, and unavailable till a reload by hand)."""
+    pool = WorkerPool(credits=1, load_timeout_s=10.0)
+    (a,) = serving(pool, "a", key="other@1")
+    loop = asyncio.new_event_loop()
+    try:
+        a.load_sent["c@1"] = 100.0  # its future gone with the unload (control)
+        a.loads["tiny@1"], a.load_sent["tiny@1"] = loop.create_future(), 100.0
+        why = "its load of model 'c' version 1 ran past --load-timeout 10 s"
+        assert pool.overdue(110.5) == [(a, why)]
+        assert list(pool.hung) == [("a", "c@1")]
     finally:
         loop.close()
 
