@@ -332,7 +332,7 @@ class ModelControl:
         await self._to_the_end(self._unload(name))
 
     async def _unload(self, name: str) -> None:
-        if name not in self.current and name not in self._loading:
+        if name not in self.current and name not in self._loading and name not in self._locks:
             return  # not loaded: nothing to do (as Triton does); a first load: after it
         async with self._one_at_a_time(name):
             if (cfg := self.current.pop(name, None)) is None:

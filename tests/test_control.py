@@ -15,9 +15,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -35,6 +38,9 @@ from batchd.client import (
 )
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos.repository import find_model
+from batchd.server import control
+from batchd.server.pool import WorkerPool
 from tests.conftest import (
     MODEL_TOML,
     batch_gate,
@@ -692,3 +698,37 @@ def test_the_index_reads_nothing_outside_the_repository(
         assert entry["state"] == "UNAVAILABLE" and "outside the model repository" in entry["reason"]
     finally:
         (repo / "linked").unlink()
+
+
+def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load reads the repository (off the loop) before it says it loads: an unload
+    then found nothing loaded nor loading, returned at once, and the model loaded after
+    it served (a review's model folder of 30,000 files gave it the time)."""
+    make_model(tmp_path, "first", 6.0)
+    reading, go_on = threading.Event(), threading.Event()
+
+    def slow_find(root: Path, name: str) -> Any:
+        reading.set()
+        go_on.wait(30)
+        return find_model(root, name)
+
+    monkeypatch.setattr(control, "find_model", slow_find)
+
+    async def body() -> list[str]:
+        ctl = control.ModelControl(tmp_path, WorkerPool(), None, None, True, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        order: list[str] = []
+        load = asyncio.ensure_future(ctl.load("first"))
+        await asyncio.to_thread(reading.wait, 30)
+        unload = asyncio.ensure_future(ctl.unload("first"))
+        unload.add_done_callback(lambda _: order.append("unload"))
+        load.add_done_callback(lambda _: order.append("load"))
+        for _ in range(20):  # (the unload's chance to return at once, as it did)
+            await asyncio.sleep(0)
+        go_on.set()
+        await asyncio.wait([load, unload])
+        return order
+
+    assert asyncio.run(body()) == ["load", "unload"]
