@@ -319,7 +319,7 @@ class Core:
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        back = recovery.after_loss(batches, worker.name, reason)
+        back = recovery.after_loss(batches, worker.name, reason, charged=not worker.load_sent)
         back += recovery.after_sequence_loss(sequences, worker.name, reason)
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)

@@ -3,7 +3,9 @@ The policy has one owner, this module:
 
   * A request rides on at most MAX_ATTEMPTS batches whose worker is lost (a crash,
     silence, a batch past its execution limit); the last such loss fails it with
-    ModelFailed naming the cause. So a request runs at least once and at most
+    ModelFailed naming the cause. A worker lost while it loaded a model is not
+    counted against its requests, once (a reload killed for want of memory failed
+    requests of other models). So a request runs at least once and at most
     twice, counting only runs on a worker that was lost.
   * Every request of a lost worker's batches, and of a forward of several whose
     model raised (a batch of several, or batches the worker merged), becomes a
@@ -38,12 +40,20 @@ from batchd.server.request import Batch, Request
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
 
 
-def after_loss(batches: Iterable[Batch], worker: str, reason: str) -> list[Request]:
-    """The lost worker's requests to retry, as suspects; those out of attempts fail."""
+def after_loss(batches: Iterable[Batch], worker: str, reason: str,
+               charged: bool = True) -> list[Request]:  # fmt: skip
+    """The lost worker's requests to retry, as suspects; those out of attempts fail.
+    Not `charged` (the worker was loading a model: a load() that hung or was killed, out
+    of memory, is the likelier cause), they go back as they were, once each (a poison
+    request on workers that load at their start would otherwise go round for ever)."""
     back: list[Request] = []
     for batch in batches:
         for r in batch.requests:
             if r.future.done():
+                continue
+            if not charged and not r.spared:
+                r.spared = True
+                back.append(r)
                 continue
             r.attempts += 1
             if r.attempts >= MAX_ATTEMPTS:

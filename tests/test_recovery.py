@@ -83,3 +83,21 @@ def test_a_suspect_that_fails_is_answered_whatever_its_forward_held() -> None:
             r.future.result()
 
     run(body)
+
+
+def test_a_worker_lost_while_it_loaded_a_model_charges_none_of_its_requests() -> None:
+    """A reload whose load() was killed (out of memory) took its worker and the batches
+    on it: each of 4 such reloads failed a request of another model, charged twice. Once
+    for each request: a second such loss is charged."""
+
+    async def body() -> None:
+        r = request(model())
+        r.attempts = recovery.MAX_ATTEMPTS - 1  # (one more charged loss would fail it)
+        batch = Batch(1, r.model, [r], 0.0)
+        assert recovery.after_loss([batch], "w", "exited", charged=False) == [r]
+        assert (r.attempts, r.suspect, r.future.done()) == (recovery.MAX_ATTEMPTS - 1, False, False)
+        # once: a poison request on workers loading at their start does not go round for ever
+        assert recovery.after_loss([batch], "w", "exited", charged=False) == []
+        assert r.future.done()
+
+    run(body)
