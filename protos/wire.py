@@ -71,6 +71,9 @@ def pack(header: Header, frames: Sequence[Any] = ()) -> list[Any]:
     return [header.SerializeToString(), *frames]
 
 
+MAX_HEADER_BYTES = 16 * 1024 * 1024  # a Header frame: metadata, a model's error message
+
+
 def unpack(parts: Sequence[Any]) -> tuple[Header, list[Any]]:
     """Parse a multipart message; raise ValueError if the frame count is wrong."""
     header = Header.FromString(bytes(parts[0]))

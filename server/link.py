@@ -24,6 +24,7 @@ import zmq
 from google.protobuf.message import DecodeError
 
 from batchd.protos import wire
+from batchd.server.errors import clip
 
 log = logging.getLogger("batchd.link")
 DRAIN_MAX = 64  # messages read in one callback before the loop's other callbacks get a turn
@@ -56,6 +57,8 @@ class WorkerLink:
         self._stopping = False
         self._drain_armed = False
         self._crashed: asyncio.Future[None] | None = None
+        self.malformed = 0  # messages dropped as malformed
+        self._malformed_said = -float("inf")  # when one was last logged
 
     def watch(self, identity: bytes) -> None:
         """Judge this peer's liveness from now on (it registered)."""
@@ -152,12 +155,23 @@ class WorkerLink:
     def _receive(self, parts: list[Any]) -> None:
         identity = parts[0].bytes
         try:
+            if len(parts) > 1 and len(parts[1]) > wire.MAX_HEADER_BYTES:  # (before a copy)
+                raise ValueError(f"a header of {len(parts[1])} bytes, over {wire.MAX_HEADER_BYTES}")
             header, frames = wire.unpack(
                 [p.bytes if i == 0 else p for i, p in enumerate(parts[1:])]
             )
         except (DecodeError, ValueError, IndexError) as e:
-            log.warning("dropping malformed message from %r: %s", identity, e)
+            self._malformed(identity, e)
             return
         if identity in self._heard:
             self._heard[identity] = self._clock()
         self._events.on_message(identity, header, frames)
+
+    def _malformed(self, identity: bytes, e: Exception) -> None:
+        """Logged once a second at most, with the count so far: a peer sending garbage as
+        fast as it can made a warning each (200,000 in 0.4 s stalled every caller 2.5 s)."""
+        self.malformed += 1
+        if (now := self._clock()) - self._malformed_said >= 1.0:
+            self._malformed_said = now
+            log.warning("dropping malformed message from %s: %s (%d dropped so far)",
+                        clip(repr(identity)), clip(str(e)), self.malformed)  # fmt: skip

@@ -148,3 +148,35 @@ def test_a_malformed_message_is_dropped_and_the_next_one_read(sockets: Any) -> N
         assert events.messages == [(b"w", wire.Header.READY)]
 
     run(body)
+
+
+def test_a_flood_of_malformed_messages_is_counted_and_logged_once_a_second(
+    sockets: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer sending garbage as fast as it can had a WARNING logged for each (200,000 in
+    0.4 s: 34 MB of log, every caller stalled 2.5 s); a header frame past
+    MAX_HEADER_BYTES is dropped before it is copied or parsed (a 1 GiB one took 2 GB)."""
+    router, dealer = sockets
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 1024)
+    big = wire.pack(wire.Header(kind=wire.Header.ERROR, error="x" * 2000))  # (well formed)
+
+    async def body() -> None:
+        clock, events = Clock(), Recorder()
+        link = WorkerLink(router, events, clock)
+        for _ in range(500):
+            dealer.send_multipart([b"\xff\xff not a header"])
+        dealer.send_multipart(big)
+        arrive(router, dealer, READY)
+        while not events.messages:
+            link.keep_alive()
+        assert events.messages == [(b"w", wire.Header.READY)] and link.malformed == 501
+        clock.now += 1.0
+        arrive(router, dealer, [b"\xff"])
+        link.keep_alive()
+        assert link.malformed == 502
+
+    with caplog.at_level("WARNING", logger="batchd.server"):
+        run(body)
+    said = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].endswith("(1 dropped so far)") and said[1].endswith("(502 dropped so far)")

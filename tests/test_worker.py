@@ -26,7 +26,7 @@ from batchd.protos.model_config import load_model_config, model_key
 from batchd.protos.repository import find_model
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
-from batchd.worker.execute import BatchError, run_batch
+from batchd.worker.execute import BatchError, run_batch, why
 from batchd.worker.loader import load_model
 from batchd.worker.loading import load
 from batchd.worker.runner import Runner, RunnerOptions
@@ -640,3 +640,12 @@ def test_a_result_says_how_long_its_batch_waited_on_the_worker(tmp_path: Path) -
     assert replies[1].forward_rows == 2  # one forward: the same start for both
     assert replies[1].waited_ns - replies[2].waited_ns == 20_000_000
     assert replies[2].waited_ns > 0
+
+
+def test_a_model_s_long_error_message_is_cut_in_its_reply() -> None:
+    """A model may raise with megabytes of text: the reply carried it whole (past the
+    frontend's header limit it would be dropped as malformed), and a client takes 8 KiB
+    of a status's details."""
+    said = why(ValueError("y" * 100_000))
+    assert said.startswith("ValueError: yyy") and said.endswith("... (100000 characters)")
+    assert len(said) < 4200 and why(ValueError("short")) == "ValueError: short"

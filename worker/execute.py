@@ -49,6 +49,9 @@ class BatchError(Exception):
     """The batch cannot be answered; the message goes back to its callers."""
 
 
+WHY_CHARS = 4096  # of a model's exception message, at most, in a reply
+
+
 def why(e: BaseException) -> str:
     """What a model's exception says, for its callers: the message alone for ours
     (BatchError) and a refusal (InputRefused), else the type too. Never raises: an
@@ -57,6 +60,8 @@ def why(e: BaseException) -> str:
         text = str(e)
     except Exception:
         text = "(its message could not be read)"
+    if len(text) > WHY_CHARS:  # (a status's details travel in a trailer: clients take 8 KiB)
+        text = f"{text[:WHY_CHARS]}... ({len(text)} characters)"
     return text if isinstance(e, BatchError | InputRefused) else f"{type(e).__name__}: {text}"
 
 
