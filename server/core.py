@@ -331,7 +331,7 @@ class Core:
             extra={"worker": worker.name, "reason": reason},
         )
         if stuck:
-            self.supervisor.kill(worker.name)
+            self.supervisor.kill(worker.name, worker.info.pid)
         self.changed.set()
         self.scheduler.requeue(back)
         self.pump_soon()

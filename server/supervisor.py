@@ -153,10 +153,12 @@ class Supervisor:
             generation += 1
             self.restarts[spec.slot] = self.restarts.get(spec.slot, 0) + 1
 
-    def kill(self, worker_id: str) -> None:
-        """Kill a local worker that is alive but useless (hung past its execution limit)."""
+    def kill(self, worker_id: str, pid: int) -> None:
+        """Kill a local worker that is alive but useless (hung past its execution limit):
+        the process of that id and pid (a peer that registered under a local worker's id
+        had the healthy local worker killed)."""
         for wid, proc in self._procs.values():
-            if wid == worker_id and proc.returncode is None:
+            if wid == worker_id and proc.pid == pid and proc.returncode is None:
                 log.warning("killing worker %s (pid %d)", wid, proc.pid, extra={"worker": wid})
                 proc.kill()
 

@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ from batchd.server.flow import StepStream
 from batchd.server.pool import WorkerHandle
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
+from batchd.server.supervisor import Launch, Supervisor
 from tests.conftest import Clock, model, request, run, stepwise_model
 
 
@@ -54,7 +56,7 @@ def make_core(router: zmq.Socket[bytes], clock: Clock) -> tuple[Core, list[str]]
     core = Core(router, Stats(), Path("."), clock=clock)
     core.control.start_with({"m": model()})
     killed: list[str] = []
-    core.supervisor.kill = killed.append  # type: ignore[method-assign]
+    core.supervisor.kill = lambda name, pid: killed.append(name)  # type: ignore[method-assign]
     return core, killed
 
 
@@ -413,3 +415,16 @@ def test_a_step_that_is_not_the_model_s_outputs_ends_its_sequence(
         assert worker.sequences == {} and r.stream.sent == 0
 
     run(body)
+
+
+def test_the_supervisor_kills_the_process_of_that_worker_s_pid_only() -> None:
+    """A peer that registered under a local worker's id and went silent had the healthy
+    local worker of that id killed: a stuck worker is killed by its id and its pid."""
+    killed: list[int] = []
+    sup = Supervisor(Launch(repository=Path(".")), lambda name, reason: None)
+    proc = SimpleNamespace(pid=41, returncode=None, kill=lambda: killed.append(41))
+    sup._procs["cpu0"] = ("cpu0#0", proc)  # type: ignore[assignment]
+    sup.kill("cpu0#0", 99)  # (the impostor's pid)
+    assert killed == []
+    sup.kill("cpu0#0", 41)
+    assert killed == [41]

@@ -41,7 +41,7 @@ def serving(router: zmq.Socket[bytes], clock: Clock, cfg: Any) -> tuple[Core, In
     core = Core(router, Stats(), Path("."), clock=clock)
     core.control.start_with({cfg.name: cfg})
     core.link.send = lambda identity, parts, copy=True: None  # type: ignore[method-assign,assignment,misc]
-    core.supervisor.kill = lambda name: None  # type: ignore[method-assign]
+    core.supervisor.kill = lambda name, pid: None  # type: ignore[method-assign]
     return core, InferenceService(core, clock=clock)
 
 
