@@ -14,9 +14,10 @@ which gives it back to the system when idle: it has no event loop to stall.
 One document at a time; callers waiting for their turn go before a job's lines
 (`background`), which go once none waits (or after STARVE_S). `fn` and what it
 returns or raises cross as pickles (fn by reference: a module-level function).
-Every wait is bounded: a turn, and a document's answer, by TIMEOUT_S (Unavailable;
-a child that does not answer is killed). A child that dies is started again and
-the document tried once more; dying again, it fails with INTERNAL (ParserLost).
+Every wait is bounded: an online turn, and a document's answer, by TIMEOUT_S
+(Unavailable; a child that does not answer is killed); a job's line waits its
+turn. A child that dies is started again and the document tried once more;
+dying again, it fails with INTERNAL (ParserLost).
 A child that cannot start (it says it is ready first) leaves documents parsed
 here for NO_CHILD_S. The child ends with its pipe, or with the server (PDEATHSIG).
 """
@@ -132,13 +133,14 @@ class _Child:
                 self.waiting -= 1
 
     def _wait_turn(self, background: bool) -> None:
-        """(Holding the condition's lock.)"""
+        """(Holding the condition's lock.) A job's line waits as long as it takes (each
+        turn ends within TIMEOUT_S): refused, it would be an error line for good."""
         if background:  # behind online documents, for STARVE_S at most
             self._cv.wait_for(lambda: not self._busy and not self._online, STARVE_S)
         else:
             self._online += 1
         try:
-            turn = self._cv.wait_for(lambda: not self._busy, TIMEOUT_S)
+            turn = self._cv.wait_for(lambda: not self._busy, None if background else TIMEOUT_S)
         finally:
             if not background:
                 self._online -= 1
