@@ -20,13 +20,13 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from batchd.protos import wire
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
 from batchd.protos.repository import Files, RepositoryUnreadable, files_of, find_model, load_each
+from batchd.server import index
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
 from batchd.server.link import WorkerLink
@@ -37,14 +37,6 @@ T = TypeVar("T")
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 TOML = "model.toml"  # a version's config: the workers read it again as they load it
-
-
-@dataclass(frozen=True, slots=True)
-class IndexEntry:
-    name: str
-    version: str
-    state: str  # "READY", "UNAVAILABLE", "LOADING"
-    reason: str
 
 
 class ModelControl:
@@ -72,6 +64,7 @@ class ModelControl:
         # long drain) holds up none: name -> its lock, and how many hold or await it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
+        self._retiring: dict[str, set[asyncio.Task[None]]] = {}  # name -> its versions draining
 
     def start_with(
         self, configs: dict[str, ModelConfig], files: Mapping[str, Files] | None = None
@@ -314,7 +307,7 @@ class ModelControl:
                     extra={"model": name})  # fmt: skip
             self._changed()
             if old is not None:
-                self._keep(asyncio.create_task(self._retire(old), name=f"retire-{old.key}"))
+                self._retire_soon(old)
             return cfg
 
     def _what_stays(self, old: ModelConfig | None) -> str:
@@ -332,14 +325,20 @@ class ModelControl:
         await self._to_the_end(self._unload(name))
 
     async def _unload(self, name: str) -> None:
-        if name not in self.current and name not in self._loading and name not in self._locks:
-            return  # not loaded: nothing to do (as Triton does); a first load: after it
-        async with self._one_at_a_time(name):
-            if (cfg := self.current.pop(name, None)) is None:
-                return
-            log.info("model %s version %s unloading", name, cfg.version, extra={"model": name})
-            self._changed()
-        await self._retire(cfg)  # its drain holds up no other load or unload, as a reload's
+        if name in self.current or name in self._loading or name in self._locks:
+            async with self._one_at_a_time(name):  # (a first load under way: after it)
+                if (cfg := self.current.pop(name, None)) is not None:
+                    log.info("model %s version %s unloading", name, cfg.version,
+                             extra={"model": name})  # fmt: skip
+                    self._changed()
+                    self._retire_soon(cfg)  # its drain holds up no other load or unload
+        while draining := self._retiring.get(name):  # (another unload's, or a reload's, too)
+            await asyncio.wait(draining)  # not loaded: nothing to wait for (as Triton does)
+
+    def _retire_soon(self, cfg: ModelConfig) -> None:
+        task = self._keep(asyncio.create_task(self._retire(cfg), name=f"retire-{cfg.key}"))
+        (draining := self._retiring.setdefault(cfg.name, set())).add(task)  # (names: the
+        task.add_done_callback(draining.discard)  # repository's, so these sets stay few)
 
     async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
         """Run a load or unload to its end even if its caller leaves (a deadline, a
@@ -377,24 +376,12 @@ class ModelControl:
 
     # ---- RepositoryIndex ----
 
-    async def index(self) -> list[IndexEntry]:
+    async def index(self) -> list[index.IndexEntry]:
         """Every model of the repository, loaded or not, sorted by name (its folder read
         off the loop: every model.toml is parsed)."""
         try:
             on_disk = await asyncio.to_thread(load_each, self.repository)
         except RepositoryUnreadable as e:
             raise Unavailable(str(e)) from None
-        entries: dict[str, IndexEntry] = {}
-        for sub, cfg in on_disk:
-            name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")
-            entries[name] = IndexEntry(name, "", "UNAVAILABLE", why or "not loaded")
-        for name, cfg in self._loading.items():  # (a reload: its serving version, below)
-            entries[name] = IndexEntry(name, cfg.version, "LOADING", "")
-        for name, cfg in self.current.items():
-            ready = self._pool.model_ready(cfg.key)
-            reason = "" if ready else self.broken.get(cfg.key, "no live worker serves it")
-            if name in self._loading:
-                reason = f"version {self._loading[name].version} loading; {reason or 'serving'}"
-            state = "READY" if ready else "UNAVAILABLE"
-            entries[name] = IndexEntry(name, cfg.version, state, reason)
-        return sorted(entries.values(), key=lambda e: e.name)
+        return index.entries(on_disk, self._loading, self.current, self._pool.model_ready,
+                             self.broken)  # fmt: skip

@@ -33,8 +33,9 @@ from batchd.server import frontends, recovery, tracing
 from batchd.server.batching.decision import Capacity
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.batching.split_join import join_inputs, split_outputs
-from batchd.server.control import IndexEntry, ModelControl
+from batchd.server.control import ModelControl
 from batchd.server.errors import BatchdError, ModelFailed, Unavailable
+from batchd.server.index import IndexEntry
 from batchd.server.link import WorkerLink
 from batchd.server.loopload import LoopLoad
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool

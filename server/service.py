@@ -34,7 +34,6 @@ from batchd.server import __version__, tracing
 from batchd.server.calls import CallLimiter
 from batchd.server.codec import DEFAULT_LIMITS, decode_request, decode_work, encode_response
 from batchd.server.config import Connections, Limits
-from batchd.server.control import IndexEntry
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import (
     CLIP_ITEMS,
@@ -47,6 +46,7 @@ from batchd.server.errors import (
     grpc_status,
 )
 from batchd.server.flow import StepStream, stream_budget
+from batchd.server.index import IndexEntry
 from batchd.server.request import Request, Tensor
 from batchd.server.stats import Stats
 from batchd.server.streaming import respond, write_all

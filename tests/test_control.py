@@ -31,6 +31,7 @@ from batchd.client import (
     AsyncClient,
     BatchdClientError,
     Client,
+    DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
     ModelNotFound,
@@ -220,6 +221,31 @@ def test_unload_drains_then_load_brings_it_back(server: ServerProcess) -> None:
         assert c.ready()  # the server serves what it has loaded
         c.load_model("spare")
         assert y(c, "spare", 1.0) == 3.0
+
+
+def test_every_unload_of_a_draining_model_waits_for_its_drain(
+    server: ServerProcess, repo: Path
+) -> None:
+    """A second unload, sent while the first waited for the model's held batch, found
+    it unloaded already and returned at once, long before that batch was answered."""
+    d = make_model(repo, "twice", 8.0)
+    held = batch_gate(d, 8.0)
+    try:
+        with Client(server.url) as c, ThreadPoolExecutor(2) as pool:
+            c.load_model("twice", timeout=30)
+            held.touch()
+            in_flight = pool.submit(y, c, "twice", 1.0)
+            wait_for(lambda: len(model_log(d, "entered.log")) >= 1, 60, "the held batch")
+            first = pool.submit(Client(server.url).unload_model, "twice", timeout=60)
+            wait_for(lambda: "model twice version 1 unloading" in server.log(), 60, "unloading")
+            with pytest.raises(DeadlineExceeded):  # (the batch is held until the gate goes)
+                c.unload_model("twice", timeout=2)
+            held.unlink()
+            assert in_flight.result(60) == 8.0
+            first.result(60)
+            c.unload_model("twice", timeout=5)  # nothing loaded, nothing draining: at once
+    finally:
+        held.unlink(missing_ok=True)
 
 
 def test_load_refuses_unknown_names_escapes_and_uploads(server: ServerProcess) -> None:

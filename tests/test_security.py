@@ -47,9 +47,9 @@ from batchd.server.config import (
     add_arguments,
     from_arguments,
 )
-from batchd.server.control import IndexEntry
 from batchd.server.errors import NotAllowed
 from batchd.server.frontends import bind, endpoints
+from batchd.server.index import IndexEntry
 from batchd.server.request import Request, Tensor
 from batchd.server.security import connection_options, listen, preflight
 from batchd.server.service import InferenceService

@@ -1,0 +1,44 @@
+"""RepositoryIndex: every model of the repository, loaded or not, and what serves it.
+
+Pure: model control reads the repository (off the loop) and passes what it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from batchd.protos.model_config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class IndexEntry:
+    name: str
+    version: str
+    state: str  # "READY", "UNAVAILABLE", "LOADING"
+    reason: str
+
+
+def entries(
+    on_disk: list[tuple[Path, ModelConfig | ConfigError]],  # repository.load_each
+    loading: Mapping[str, ModelConfig],  # name -> the version loading (a first load, a reload)
+    current: Mapping[str, ModelConfig],  # name -> the version serving
+    ready: Callable[[str], bool],  # a version's key -> whether a live worker holds it
+    broken: Mapping[str, str],  # a version's key -> why no worker could load it
+) -> list[IndexEntry]:
+    """One entry per model, sorted by name: a folder's model as not loaded (or why it
+    cannot be), overridden by what loads and what serves."""
+    found: dict[str, IndexEntry] = {}
+    for sub, cfg in on_disk:
+        name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")
+        found[name] = IndexEntry(name, "", "UNAVAILABLE", why or "not loaded")
+    for name, cfg in loading.items():  # (a reload: its serving version, below)
+        found[name] = IndexEntry(name, cfg.version, "LOADING", "")
+    for name, cfg in current.items():
+        up = ready(cfg.key)
+        reason = "" if up else broken.get(cfg.key, "no live worker serves it")
+        if name in loading:
+            reason = f"version {loading[name].version} loading; {reason or 'serving'}"
+        found[name] = IndexEntry(name, cfg.version, "READY" if up else "UNAVAILABLE", reason)
+    return sorted(found.values(), key=lambda e: e.name)
