@@ -276,8 +276,10 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     notice = min(notice, cfg.drain_timeout_s)
     log.info("stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
              "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
-    p.service.leaving = True  # readiness and health say so at once (before a jobs database
-    p.core.changed.set()  # that hangs); _track_health: every service NOT_SERVING but LIVENESS
+    # Readiness and health say so at once, before a jobs database that hangs (_track_health:
+    # every service NOT_SERVING but LIVENESS); loads and unloads are refused.
+    p.service.leaving = p.core.control.closed = True
+    p.core.changed.set()
     jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s, notice)) if p.jobs else None
     sig = signal.SIGTERM if notice else signal.SIGINT  # children: this one's notice (SIGINT: 0)
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10, sig)) if children else None

@@ -65,6 +65,7 @@ class ModelControl:
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
         self._retiring: dict[str, set[asyncio.Task[None]]] = {}  # name -> its versions draining
+        self.closed = False  # shutting down: loads and unloads are refused
 
     def start_with(
         self, configs: dict[str, ModelConfig], files: Mapping[str, Files] | None = None
@@ -260,6 +261,8 @@ class ModelControl:
         if not self.explicit:
             raise NotAllowed("model control is disabled: start batchd with --model-control "
                              "explicit to load and unload models at run time")  # fmt: skip
+        if self.closed:  # (its workers stop soon: a load would be lost, an unload moot)
+            raise Unavailable("the server is shutting down: it loads and unloads no models")
 
     async def load(self, name: str) -> ModelConfig:
         """Load `name` from the repository (again); swap it in once every worker has it."""

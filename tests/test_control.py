@@ -248,6 +248,25 @@ def test_every_unload_of_a_draining_model_waits_for_its_drain(
         held.unlink(missing_ok=True)
 
 
+def test_a_server_shutting_down_loads_and_unloads_no_model(tmp_path: Path, repo: Path) -> None:
+    """SIGTERM: during its notice and drain the server still loaded a model on workers
+    about to stop (and unloaded one a balancer still sent requests for)."""
+    shutil.copytree(repo / "idle", tmp_path / "repo" / "idle")
+    args = ("--model-control", "explicit", "--load-model", "idle", "--drain-notice", "30")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+    try:
+        with Client(s.url) as c:
+            assert s.proc is not None
+            s.proc.send_signal(signal.SIGTERM)
+            wait_for(lambda: "stopping: not ready" in s.log(), 30, "the notice")
+            for call in (c.load_model, c.unload_model):
+                with pytest.raises(ServerUnavailable, match="shutting down: it loads and unl"):
+                    call("idle", timeout=10)
+            assert y(c, "idle", 1.0) == 5.0  # (it serves what it has until the notice ends)
+    finally:
+        assert s.stop(signal.SIGINT) == 0, s.log()
+
+
 def test_load_refuses_unknown_names_escapes_and_uploads(server: ServerProcess) -> None:
     with Client(server.url) as c:
         with pytest.raises(InvalidInput, match="no model named 'nope'"):
