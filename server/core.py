@@ -271,10 +271,10 @@ class Core:
             self.link.send(worker.identity, _STOP)  # if it can hear
             self.lose(worker, why)
 
-    def worker_exited(self, name: str, reason: str) -> None:
-        """The supervisor saw a local worker's process exit."""
+    def worker_exited(self, name: str, pid: int, reason: str) -> None:
+        """The supervisor saw that local worker's process exit (not a peer under its id)."""
         for w in self.pool.workers():
-            if w.name == name:
+            if w.name == name and w.info.pid == pid:
                 self.lose(w, reason, stuck=False)
 
     # ---- workers joining and leaving ----

@@ -69,7 +69,7 @@ class Launch:
 
 
 class Supervisor:
-    def __init__(self, launch: Launch, on_exit: Callable[[str, str], None]) -> None:
+    def __init__(self, launch: Launch, on_exit: Callable[[str, int, str], None]) -> None:
         self.specs = list(launch.specs)
         self._launch = launch
         keys = launch.worker_keys
@@ -138,7 +138,7 @@ class Supervisor:
                 code = await proc.wait()
                 if self._stopping:
                     return
-                self._on_exit(worker_id, f"process exited ({_exit_reason(code)})")
+                self._on_exit(worker_id, proc.pid, f"process exited ({_exit_reason(code)})")
                 if time.monotonic() - started > STABLE_AFTER_S:
                     backoff = BACKOFF_FIRST_S
                 log.warning(

@@ -421,10 +421,26 @@ def test_the_supervisor_kills_the_process_of_that_worker_s_pid_only() -> None:
     """A peer that registered under a local worker's id and went silent had the healthy
     local worker of that id killed: a stuck worker is killed by its id and its pid."""
     killed: list[int] = []
-    sup = Supervisor(Launch(repository=Path(".")), lambda name, reason: None)
+    sup = Supervisor(Launch(repository=Path(".")), lambda name, pid, reason: None)
     proc = SimpleNamespace(pid=41, returncode=None, kill=lambda: killed.append(41))
     sup._procs["cpu0"] = ("cpu0#0", proc)  # type: ignore[assignment]
     sup.kill("cpu0#0", 99)  # (the impostor's pid)
     assert killed == []
     sup.kill("cpu0#0", 41)
     assert killed == [41]
+
+
+def test_a_local_worker_s_exit_loses_that_process_only(router: zmq.Socket[bytes]) -> None:
+    """The supervisor saw local worker cpu0#0 exit: every handle of that id was lost,
+    a peer that registered under it with its own pid too, its batches requeued."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        cfg = core.models["m"]
+        register(core, "cpu0#0", cfg.key, pid=99)  # (the peer; the local one was replaced)
+        core.worker_exited("cpu0#0", 41, "process exited (killed by SIGKILL)")
+        assert [w.info.pid for w in core.pool.workers()] == [99]
+        core.worker_exited("cpu0#0", 99, "process exited (code 1)")
+        assert core.pool.workers() == []
+
+    run(body)
