@@ -39,7 +39,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 14  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 15  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
 # 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
 # for several frontends' batches); 8: CREDIT, START's credit (per-sequence
@@ -48,7 +48,8 @@ PROTOCOL_VERSION = 14  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # frontend's); 11: RESULT's waited_ns (a staged batch's wait is queue time); 12: HEARTBEAT's
 # busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held;
 # 13: Step.need (a step past its sequence's credit is held at the worker, not sent);
-# 14: START's outputs (only those asked for are sent and charged), OUTPUT_COST per tensor
+# 14: START's outputs (only those asked for are sent and charged), OUTPUT_COST per tensor;
+# 15: WorkerInfo.held (a version retired while its worker was away is unloaded)
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What each tensor of a step's outputs takes from its sequence's credit (Header.credit)

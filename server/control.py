@@ -144,9 +144,13 @@ class ModelControl:
 
     def worker_ready(self, worker: WorkerHandle) -> None:
         """A worker registered: have it load every current (and loading) version it may
-        run, in order, if that version's files are still those it was loaded from."""
-        joins = []
-        for cfg in [*self.current.values(), *self._loading.values()]:
+        run, in order, if that version's files are still those it was loaded from (and,
+        under explicit model control, drop any other version it holds)."""
+        joins, known = [], [*self.current.values(), *self._loading.values()]
+        for key in set(worker.info.held if self.explicit else ()) - {c.key for c in known}:
+            name, _, version = key.rpartition("@")  # retired while it was away: held for good
+            self._send_unload(worker, name, version)  # (explicit: no other frontend's to keep)
+        for cfg in known:
             if worker.accepts(cfg.name) and cfg.key not in worker.models:
                 if hung := self._pool.hung_for(worker, cfg.key):  # it would hang again
                     worker.load_errors[cfg.key] = hung
@@ -174,8 +178,7 @@ class ModelControl:
                 if cfg.key not in worker.models:
                     continue  # unloaded meanwhile
                 worker.models.discard(cfg.key)
-                unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
-                self._link.send(worker.identity, wire.pack(unload))
+                self._send_unload(worker, cfg.name, cfg.version)
             elif not await fut or cfg.key in worker.models:
                 continue  # it held that version (a frontend that joined it later): kept
             elif worker.load_errors.get(cfg.key) != wire.NOT_HELD:
@@ -237,16 +240,18 @@ class ModelControl:
 
     def _unload_everywhere(self, model: ModelConfig) -> None:
         """Every worker drops `model` (a version nothing is queued for or running)."""
-        unload = wire.Header(kind=wire.Header.UNLOAD, model=model.name, version=model.version)
-        header = wire.pack(unload)
         for w in self._pool.workers():
             fut = w.loads.pop(model.key, None)
             if fut is not None:
                 if not fut.done():
                     fut.set_result(f"model {model.name!r} version {model.version} was unloaded")
                 w.models.discard(model.key)
-                self._link.send(w.identity, header)
+                self._send_unload(w, model.name, model.version)
         self._changed()
+
+    def _send_unload(self, worker: WorkerHandle, name: str, version: str) -> None:
+        unload = wire.Header(kind=wire.Header.UNLOAD, model=name, version=version)
+        self._link.send(worker.identity, wire.pack(unload))
 
     def _log_if_ready(self, worker: WorkerHandle) -> None:
         if all(f.done() for f in worker.loads.values()):

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,6 +73,12 @@ def distro_binary(binary: str, package: str, where: str = "/usr/sbin") -> str:
     if found is None:
         pytest.skip(f"{package} installed no {binary}")
     return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]

@@ -53,7 +53,7 @@ from tests.conftest import (
     total,
     workers_up,
 )
-from tests.servers import ServerProcess, wait_for
+from tests.servers import ServerProcess, free_port, wait_for
 
 WORKERS = 2
 
@@ -777,3 +777,46 @@ def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
         return order
 
     assert asyncio.run(body()) == ["load", "unload"]
+
+
+def test_a_worker_cut_off_while_its_version_retired_unloads_it_on_its_return(
+    tmp_path: Path,
+) -> None:
+    """A remote worker the frontend lost (silent: cut off, here SIGSTOP) and that came
+    back held the version retired meanwhile for good: the frontend had sent its
+    UNLOAD only to the workers it knew. Its READY now says what it holds."""
+    d = make_model(tmp_path / "repo", "scaled", 1.0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    args = ("--model-control", "explicit", "--load-model", "scaled", "--no-local-workers",
+            "--worker-endpoint", endpoint)  # fmt: skip
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start(ready=False)
+    logs = {w: tmp_path / f"{w}.log" for w in ("W1", "W2")}
+
+    def worker(name: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "batchd.worker", "--connect", endpoint, "--id", name,
+               "--model-repository", str(tmp_path / "repo"), "--threads", "1"]  # fmt: skip
+        with logs[name].open("wb") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    workers = {name: worker(name) for name in logs}
+    try:
+        wait_for(lambda: loaded_by(d, 1.0) == 2, 60, "both workers to load version 1")
+        with Client(server.url) as c:
+            wait_for(c.ready, 60, "ServerReady")
+            workers["W2"].send_signal(signal.SIGSTOP)
+            wait_for(lambda: "worker W2 lost" in server.log(), 60, "W2 to be lost")
+            (d / "scale.txt").write_text("2.0")
+            c.load_model("scaled", timeout=60)  # on W1 alone; version 1 retires there
+            wait_for(lambda: "model scaled version 1 unloaded" in server.log(), 60, "retired")
+            workers["W2"].send_signal(signal.SIGCONT)
+            wait_for(lambda: server.log().count("worker W2 registered") == 2, 60, "W2 back")
+            wait_for(lambda: loaded_by(d, 2.0) == 2, 60, "W2 to load version 2")
+            gone = "unloaded model scaled version 1"
+            wait_for(lambda: gone in logs["W2"].read_text(), 60, "W2 to drop version 1")
+            assert y(c, "scaled", 1.0) == 2.0
+    finally:
+        for p in workers.values():
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+        assert server.stop() == 0, server.log()

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,17 +38,11 @@ from tests.conftest import (
     value,
     workers_up,
 )
-from tests.servers import EXAMPLES, ServerProcess, alive, wait_for
+from tests.servers import EXAMPLES, ServerProcess, alive, free_port, wait_for
 
 
 def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:

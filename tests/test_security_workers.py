@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ from batchd.protos.repository import confined, load_repository, model_directory
 from batchd.server.security import check_worker_endpoint
 from batchd.worker.frontend_link import RETRY_S
 from tests.certs import INFER_TOKEN, openssl
-from tests.servers import EXAMPLES, ROOT, ServerProcess, wait_for
+from tests.servers import EXAMPLES, ROOT, ServerProcess, free_port, wait_for
 
 # ---- the model repository ----
 
@@ -150,12 +149,6 @@ def test_worker_endpoint_off_loopback_needs_keys(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "--worker-keys" in result.stderr and "batchd keys generate" in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(*cmd: str) -> bool:

@@ -39,7 +39,7 @@ def router(ctx: zmq.Context[Any]) -> Iterator[zmq.Socket[Any]]:
 @pytest.fixture
 def link(ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> Iterator[FrontendLink]:
     """A worker's link to `router`, not yet open."""
-    frontend_link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, READY)
+    frontend_link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, lambda: READY)
     yield frontend_link
     frontend_link.close()
 
@@ -88,7 +88,7 @@ def test_a_frontend_restarted_on_the_same_endpoint_is_told_ready_at_once(
     first = ctx.socket(zmq.ROUTER)
     first.linger = 0
     first.bind(endpoint)
-    link = FrontendLink(ctx, endpoint, "w1", None, READY)
+    link = FrontendLink(ctx, endpoint, "w1", None, lambda: READY)
     try:
         link.open(now=0.0)
         assert _next_kind(first) == wire.Header.READY
@@ -130,7 +130,7 @@ def test_a_frontend_that_never_answers_gets_a_new_socket_each_retry(
 def test_no_frontend_at_all_is_said_plainly(
     ctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    link = FrontendLink(ctx, "ipc://@batchd-test-link-nobody", "w3", None, READY)
+    link = FrontendLink(ctx, "ipc://@batchd-test-link-nobody", "w3", None, lambda: READY)
     link.open(now=0.0)
     try:
         with caplog.at_level(logging.WARNING, "batchd.worker"):
@@ -152,7 +152,7 @@ def test_replies_a_frontend_behind_cannot_take_are_kept_and_arrive_in_order(
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     router.bind(f"ipc://{tmp_path}/frontend.sock")
-    link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, READY)
+    link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, lambda: READY)
     try:
         link.open(now=0.0)
         assert _next_kind(router) == wire.Header.READY

@@ -70,8 +70,7 @@ class RunnerOptions:
 
 class Runner:
     """What a worker process runs: it registers with its frontends, loads the models
-    they ask for and runs their batches (the frontend's handle on a worker process
-    lives in the server package)."""
+    they ask for and runs their batches (a frontend's handle on it: server/pool.py)."""
 
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
@@ -261,6 +260,7 @@ class Runner:
             protocol=wire.PROTOCOL_VERSION,
             frontends=self._frontends,
             instance=self._instance,
+            held=sorted(self.models),
         )
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
@@ -288,7 +288,7 @@ class Runner:
         settle_heap()
         ctx: zmq.Context[Any] = zmq.Context()
         links = [
-            FrontendLink(ctx, endpoint, self.options.worker_id, self.options.keys, self._ready())
+            FrontendLink(ctx, endpoint, self.options.worker_id, self.options.keys, self._ready)
             for endpoint in self.options.endpoint.split(",")
         ]
         results = ctx.socket(zmq.PULL)  # from the compute and the loader thread
