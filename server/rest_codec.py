@@ -2,53 +2,36 @@
 
 An HTTP inference request becomes the same ModelInferRequest a gRPC client would
 send (every input in raw form), so it meets the same validation (codec.py), the
-same limits and the same messages. JSON `data` is turned into raw bytes with
-numpy, a whole tensor at a time; Triton's binary tensor extension is taken as it
+same limits and the same messages. JSON `data` is turned into raw bytes a whole
+tensor at a time (json_data.py); Triton's binary tensor extension is taken as it
 is: the first `Inference-Header-Content-Length` bytes are the JSON header and
 each input with a `binary_data_size` parameter takes its bytes from what
 follows, in order.
 
 Every rejection is InvalidInput naming the field, what was expected and what came,
-quoting at most a short prefix (errors.clip). The work is linear in the body:
-nesting is walked level by level (at most MAX_DEPTH levels), each in one pass.
+quoting at most a short prefix (errors.clip). The work is linear in the body.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import struct
 from collections.abc import Iterable, Sequence
-from itertools import chain, islice
+from itertools import islice
 from typing import Any
 
-import numpy as np
 import orjson
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, float_elements
 from batchd.protos.model_config import ModelConfig
-from batchd.protos.tensors import MAX_DIMS, deserialize_bytes, set_parameter
-from batchd.server.errors import CLIP_CHARS, CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
+from batchd.protos.tensors import MAX_DIMS, set_parameter
+from batchd.server.errors import CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
 from batchd.server.json_body import MAX_JSON_BYTES, load_json
 from batchd.server.json_body import json_kind as _kind
+from batchd.server.json_data import flatten, json_safe, number, to_raw, values
 from batchd.server.request import Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-MAX_DEPTH = 32  # nesting levels of a tensor's `data`
 MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real tensor
-_BF16_MAX = 3.3895313892515355e38  # bits 0x7F7F
-_INT_LIMITS = {  # BF16 travels as uint16 bits, but its JSON values are numbers
-    k: np.iinfo(v.numpy) for k, v in DATATYPES.items() if v.numpy.kind in "iu" and k != "BF16"
-}
-
-
-def _number(value: Any) -> str:
-    """A client-supplied number, cut to its first CLIP_CHARS digits: Python's json reads
-    integers of thousands of digits."""
-    text = str(value)
-    return text if len(text) <= CLIP_CHARS else f"{text[:CLIP_CHARS]}... ({len(text)} digits)"
 
 
 def _field(obj: dict[str, Any], key: str, kind: type, where: str, default: Any = None) -> Any:
@@ -69,97 +52,6 @@ def _shape(value: list[Any], where: str) -> list[int]:
         if type(d) is not int or not 0 <= d <= MAX_DIM:
             raise InvalidInput(f"{where}: 'shape' holds non-negative integers, got {clip(repr(d))}")
     return value
-
-
-def flatten(data: Any, where: str) -> tuple[list[Any], list[int]]:
-    """A tensor's JSON `data`, flat or nested, as a flat list, and the shape its
-    nesting gives (rows of one level must be lists of equal length)."""
-    if not isinstance(data, list):
-        return [data], []
-    level: list[Any] = data
-    shape = [len(data)]
-    for _ in range(MAX_DEPTH):
-        if not level or not isinstance(level[0], list):
-            return level, shape
-        width = len(level[0])
-        if any(type(x) is not list or len(x) != width for x in level):
-            raise InvalidInput(f"{where}: 'data' nests lists of unequal lengths or mixes lists")
-        shape.append(width)
-        level = list(chain.from_iterable(level))
-    raise InvalidInput(f"{where}: 'data' nests deeper than {MAX_DEPTH} levels")
-
-
-def to_raw(datatype: str, values: Sequence[Any], where: str) -> bytes:
-    """JSON values of one tensor (flat) -> its raw form (PROTOCOL.md)."""
-    dt = DATATYPES.get(datatype)
-    if dt is None:
-        raise InvalidInput(f"{where}: unknown datatype {clip(datatype)}; expected {DATATYPE_NAMES}")
-    if dt.is_bytes:
-        return _bytes_raw(values, where)
-    if not values:
-        return b""
-    arr, kind = _array(values, ints := datatype in _INT_LIMITS)
-    if datatype == "BOOL":
-        if kind != "b":
-            raise InvalidInput(f"{where}: BOOL data holds true and false only")
-        return arr.tobytes()
-    # numpy makes [true, 5] integers: JSON's true is no number (one pass, in C)
-    if kind not in "iuf" or (ints and kind == "f") or bool in set(map(type, values)):
-        raise InvalidInput(f"{where}: {datatype} data holds {'integers' if ints else 'numbers'} "
-                           f"only, got {_not_one(values, ints)}")  # fmt: skip
-    if (info := _INT_LIMITS.get(datatype)) is not None and (
-        arr.min() < info.min or arr.max() > info.max
-    ):
-        raise InvalidInput(
-            f"{where}: {datatype} holds {info.min} to {info.max}, "
-            f"got {_number(arr.min() if arr.min() < info.min else arr.max())}"
-        )
-    if datatype in _INT_LIMITS:
-        return arr.astype(dt.numpy).tobytes()
-    bits, past = float_elements(arr, datatype)  # a number past the type's range: refused
-    if past.any():
-        big = _BF16_MAX if datatype == "BF16" else float(np.finfo(dt.numpy).max)
-        raise InvalidInput(
-            f"{where}: {datatype} holds numbers of magnitude up to {big:.5g}, "
-            f"got {_number(arr[past][0])}"
-        )
-    return bits.tobytes()
-
-
-def _array(values: Sequence[Any], ints: bool) -> tuple[np.ndarray, str]:
-    """`values` as numpy sees them, and the kind of its dtype."""
-    try:
-        arr = np.asarray(values)
-    except (ValueError, TypeError, OverflowError):
-        arr = np.asarray([], dtype=object)
-    kind = arr.dtype.kind
-    if ints and kind in "fO" and all(type(v) is int for v in values):
-        arr, kind = np.asarray(values, dtype=object), "i"  # ints past int64 beside small ones
-    elif kind == "O" and all(type(v) in (int, float) for v in values):  # (an int past int64
-        with contextlib.suppress(OverflowError):  # beside floats, from Python's json)
-            arr, kind = np.asarray(values, dtype=np.float64), "f"
-    return arr, kind
-
-
-def _not_one(values: Sequence[Any], ints: bool) -> str:
-    """The first of `values` that is not an integer (`ints`) or not a number, said."""
-    for v in values:
-        if type(v) is float and ints:
-            return f"{_number(v)} (not an integer)"
-        if type(v) not in (int, float):
-            return _kind(v)
-    return "an integer past any float's range"  # (of hundreds of digits: Python's json)
-
-
-def _bytes_raw(values: Iterable[Any], where: str) -> bytes:
-    parts: list[bytes] = []
-    for v in values:
-        if type(v) is not str:
-            raise InvalidInput(f"{where}: BYTES data holds strings, got {_kind(v)}")
-        b = v.encode()
-        parts.append(struct.pack("<I", len(b)))
-        parts.append(b)
-    return b"".join(parts)
 
 
 def _parameters(target: Any, params: dict[str, Any], where: str, skip: Iterable[str] = ()) -> None:
@@ -233,7 +125,7 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
             )
         if at + size > len(binary):
             raise InvalidInput(
-                f"{where}: binary_data_size {_number(size)} does not fit the "
+                f"{where}: binary_data_size {number(size)} does not fit the "
                 f"{len(binary) - at} binary bytes left after the header"
             )
         raw = bytes(binary[at : at + size])
@@ -242,7 +134,7 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
         values, _ = flatten(item["data"], where)
         if len(values) != math.prod(shape):
             raise InvalidInput(
-                f"{where}: shape {shape[:8]} needs {_number(math.prod(shape))} values, "
+                f"{where}: shape {shape[:8]} needs {number(math.prod(shape))} values, "
                 f"'data' holds {len(values)}"
             )
         raw = to_raw(datatype, values, where)
@@ -310,34 +202,6 @@ def parse_generate(body: bytes, cfg: ModelConfig) -> pb.ModelInferRequest:
         )
         msg.raw_input_contents.append(to_raw(spec.datatype, values, f"input {key!r}"))
     return msg
-
-
-def values(t: Tensor) -> Any:
-    """A tensor's elements, flat, for JSON: a numpy array orjson writes directly, or a
-    list of strings for BYTES (InvalidInput if one is not UTF-8)."""
-    dt = DATATYPES[t.datatype]
-    if dt.is_bytes:
-        try:
-            return [b.decode() for b in deserialize_bytes(t.data, (math.prod(t.shape),))]
-        except UnicodeDecodeError:
-            raise InvalidInput(
-                f"output {t.name!r} holds bytes that are not UTF-8, which JSON cannot carry; "
-                "ask for it with the binary_data parameter"
-            ) from None
-    arr = np.frombuffer(t.data, dtype=dt.numpy)
-    if t.datatype == "BF16":
-        return (arr.astype("<u4") << 16).view("<f4")
-    return arr
-
-
-def json_safe(value: Any) -> Any:
-    """`value` for orjson, which writes inf and nan as null: floats that are not finite
-    go as Python's json writes them (Infinity, -Infinity, NaN, which Python's json, and
-    so tritonclient.http, reads back), never silently changed."""
-    floats = isinstance(value, np.ndarray | np.floating) and value.dtype.kind == "f"
-    if floats and not np.isfinite(value).all():
-        return orjson.Fragment(json.dumps(value.tolist()).encode())
-    return value
 
 
 def tensors(response: pb.ModelInferResponse) -> list[Tensor]:

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             *("batching.split_join", "batching.queues", "batching.scheduler", "pool", "recovery"),
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
             *("unary_steps", "jobs.ids", "index"),
-            *("rest_codec", "json_body", "handlers", "jobs.chunks", "http_site"),
+            *("rest_codec", "json_body", "json_data", "handlers", "jobs.chunks", "http_site"),
         },
     ),
     ("model control and sequences", {"control", "sequences"}),

@@ -48,7 +48,8 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
 from batchd.server.errors import CLIP_ITEMS, InvalidInput
 from batchd.server.jobs.rest import JobRoutes
-from batchd.server.rest_codec import parse_load, to_raw
+from batchd.server.json_data import to_raw
+from batchd.server.rest_codec import parse_load
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
@@ -1352,6 +1353,25 @@ def test_a_json_number_past_a_float_type_s_range_is_refused_not_made_inf(
         to_raw(datatype, values, "input 'X'")
     assert to_raw("FP16", [65504.0, -math.inf], "x") == np.array([65504, -np.inf], "<f2").tobytes()
     assert to_raw("BF16", [3.3895e38, math.inf], "x") == bytes.fromhex("7f7f807f")
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "INT64", "BOOL"])
+def test_numbers_beside_one_long_string_are_refused_building_no_array_of_strings(
+    datatype: str,
+) -> None:
+    """numpy made [0, ..., 0, "xxx..."] an array of 20,000 strings each 100,000 wide:
+    a 140 KB body took 8 GB (1.8 GB and 4.5 s of the event loop at 120,000 wide), and
+    past the memory it had, a 500. The values' types are looked at first."""
+    values: list[Any] = [False if datatype == "BOOL" else 0] * 20_000 + ["x" * 100_000]
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidInput, match="only, got a string") as e:
+            to_raw(datatype, values, "input 'X'")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    assert len(e.value.message) < 200
 
 
 @pytest.mark.parametrize("size", ["64", 64.0])

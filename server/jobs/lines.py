@@ -28,7 +28,7 @@ import orjson
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.tensors import deserialize_bytes
-from batchd.server import rest_codec
+from batchd.server import json_data, rest_codec
 from batchd.server.errors import InvalidInput, clip
 from batchd.server.json_body import with_nan
 from batchd.server.request import Tensor
@@ -133,7 +133,7 @@ def _output(t: Tensor) -> dict[str, Any]:
     a results line cannot be refused after the model ran."""
     out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
     try:
-        out["data"] = rest_codec.json_safe(rest_codec.values(t))
+        out["data"] = json_data.json_safe(json_data.values(t))
     except InvalidInput:
         raw = deserialize_bytes(t.data, (math.prod(t.shape),))
         out["data"] = [base64.b64encode(v).decode() for v in raw]
