@@ -284,6 +284,15 @@ def echoable(id_: str) -> bool:
     return len(id_) <= MAX_ID_BYTES // 4 or len(id_.encode()) <= MAX_ID_BYTES
 
 
+def check_inputs(count: int, limits: Limits) -> None:
+    """A request's number of inputs, checked before any of them is read (HTTP's too)."""
+    if count > limits.max_inputs:
+        raise InvalidInput(
+            f"the request has {count} inputs, more than the server's limit "
+            f"of {limits.max_inputs} (--max-inputs-per-request)"
+        )
+
+
 def decode_request(
     msg: pb.ModelInferRequest,
     model: ModelConfig,
@@ -295,12 +304,7 @@ def decode_request(
     if not echoable(msg.id):
         raise InvalidInput(f"the request id holds {len(msg.id.encode())} bytes, more than an id "
                            f"may ({MAX_ID_BYTES}); it came as {clip(msg.id)}")  # fmt: skip
-    count = len(msg.inputs)
-    if count > limits.max_inputs:
-        raise InvalidInput(
-            f"the request has {count} inputs, more than the server's limit "
-            f"of {limits.max_inputs} (--max-inputs-per-request)"
-        )
+    check_inputs(count := len(msg.inputs), limits)
     raw = msg.raw_input_contents
     if raw and len(raw) != count:
         raise InvalidInput(

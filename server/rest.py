@@ -42,7 +42,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.protos.to_json import as_json
 from batchd.server import __version__, parser
 from batchd.server.auth import ADMIN, DENIED, INFER, Tokens, bearer_header
-from batchd.server.config import Connections
+from batchd.server.config import Connections, Limits
 from batchd.server.describe import model_config, model_metadata
 from batchd.server.errors import (
     BatchdError,
@@ -85,7 +85,7 @@ def json_response(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type=JSON)
 
 
-def _infer_body(body: bytes, header: str | None, cfg: ModelConfig) -> Any:
+def _infer_body(body: bytes, header: str | None, cfg: ModelConfig, limits: Limits) -> Any:
     """parse_infer, its header's length read from `header` (Inference-Header-Content-Length)."""
     try:
         length = None if header is None else int(header)
@@ -94,7 +94,7 @@ def _infer_body(body: bytes, header: str | None, cfg: ModelConfig) -> Any:
             f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
         ) from None
     size = len(body) if length is None or not 0 <= length <= len(body) else length  # its JSON
-    return parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version)
+    return parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version, limits)
 
 
 def _aside(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,7 +296,8 @@ class RestApi:
     async def infer(self, request: web.Request) -> web.Response:
         cfg = self._model(request)
         body = await self._body(request)
-        parsed, got = self._request(cfg, body, _infer_body, request.headers.get(HEADER_LENGTH), cfg)
+        length = request.headers.get(HEADER_LENGTH)
+        parsed, got = self._request(cfg, body, _infer_body, length, cfg, self._service.limits)
 
         async def encode(response: pb.ModelInferResponse) -> tuple[bytes, int | None]:
             """In the request's scope: a failure here is counted and traced as one."""

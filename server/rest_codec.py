@@ -24,6 +24,8 @@ import orjson
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, set_parameter
+from batchd.server.codec import check_inputs
+from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
 from batchd.server.json_body import MAX_JSON_BYTES, load_json
 from batchd.server.json_body import json_kind as _kind
@@ -75,7 +77,7 @@ class Wanted:
 
 
 def parse_infer(
-    body: bytes, header_length: int | None, model: str, version: str
+    body: bytes, header_length: int | None, model: str, version: str, limits: Limits
 ) -> tuple[pb.ModelInferRequest, Wanted]:
     """A v2 REST inference body (JSON, or JSON + binary tensors) -> ModelInferRequest."""
     size = len(body)
@@ -84,21 +86,23 @@ def parse_infer(
     elif not 0 <= header_length <= size:
         raise InvalidInput(f"{HEADER_LENGTH} is {header_length}, but the body holds {size} bytes")
     head = load_json(memoryview(body)[:header_length], "the inference header")
-    return request_from(head, memoryview(body)[header_length:], model, version)
+    return request_from(head, memoryview(body)[header_length:], model, version, limits)
 
 
 def request_from(
-    head: dict[str, Any], binary: memoryview, model: str, version: str
+    head: dict[str, Any], binary: memoryview, model: str, version: str, limits: Limits
 ) -> tuple[pb.ModelInferRequest, Wanted]:
     """A v2 JSON request (parsed) and the binary tensors after it -> ModelInferRequest
-    (also a batch job's line, jobs/lines.py)."""
+    (also a batch job's line, jobs/lines.py); more inputs than `limits` allow are refused
+    before any is read, as over gRPC."""
     msg = pb.ModelInferRequest(
         model_name=model, model_version=version, id=_field(head, "id", str, "the request", "")
     )
     params = _field(head, "parameters", dict, "the request", {})
     _parameters(msg.parameters, params, "the request", skip=("binary_data_output",))
-    at = 0
-    for i, item in enumerate(_field(head, "inputs", list, "the request", [])):
+    at, inputs = 0, _field(head, "inputs", list, "the request", [])
+    check_inputs(len(inputs), limits)
+    for i, item in enumerate(inputs):
         at = _input(msg, i, item, binary, at)
     if at != len(binary):
         raise InvalidInput(

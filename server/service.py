@@ -157,7 +157,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         calls_per_connection: int = Connections().max_concurrent_streams,
         tracing: Tracing | None = None,
     ) -> None:
-        self._limits = limits
+        self.limits = limits
         self.tracing = tracing
         self._calls = CallLimiter(calls_per_connection)
         self._models = core.models
@@ -186,7 +186,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return self._models.get(msg.model_name)  # (what a stream's request is for)
 
     def max_response_bytes(self) -> int:
-        return self._limits.max_response_bytes
+        return self.limits.max_response_bytes
 
     def ready(self) -> bool:
         """The server is ready when every model is ready or has failed to load for
@@ -210,7 +210,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 results = await join_sequence(self._core, request, self.max_response_bytes())
             if trace is not None:
                 trace.mark = tracing.now_ns()
-            response = encode_response(request, results, self._limits.max_response_bytes)
+            response = encode_response(request, results, self.limits.max_response_bytes)
             answer = response if encode is None else await encode(response)
             if trace is not None:
                 trace.phase("response")
@@ -245,10 +245,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         else:
             a.trace = trace = tracing.begin(self.tracing, cfg.name, msg.id, carrier)
         self._core.check_room(cfg.key)
-        if decode_work(msg, self._limits) > INLINE_WORK:
-            request = await self.aside(decode_request, msg, cfg, a.now, a.deadline, self._limits)
+        if decode_work(msg, self.limits) > INLINE_WORK:
+            request = await self.aside(decode_request, msg, cfg, a.now, a.deadline, self.limits)
         else:
-            request = decode_request(msg, cfg, a.now, a.deadline, self._limits)
+            request = decode_request(msg, cfg, a.now, a.deadline, self.limits)
         if trace is not None:
             trace.phase("admission")
             request.trace = trace

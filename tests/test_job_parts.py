@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from batchd.client.jobs import ResultsFile
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.scheduler import Scheduler
-from batchd.server.codec import decode_request
+from batchd.server.codec import DEFAULT_LIMITS, decode_request
 from batchd.server.config import Limits
 from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import chunks, ids, lines, runner
@@ -182,7 +182,7 @@ def fp32_model() -> ModelConfig:
 
 
 def decoded(doc: dict[str, Any], cfg: ModelConfig) -> Request:
-    return decode_request(lines.parse(doc, cfg.name, cfg.version), cfg, 0.0)
+    return decode_request(lines.parse(doc, cfg.name, cfg.version, DEFAULT_LIMITS), cfg, 0.0)
 
 
 def test_a_line_decodes_as_the_same_request_as_online() -> None:
@@ -228,7 +228,7 @@ def test_each_datatype_becomes_its_raw_form(
         "custom_id": "a",
         "inputs": [{"name": "X", "datatype": datatype, "shape": [2], "data": data}],
     }
-    assert lines.parse(doc, "m", "").raw_input_contents[0] == expected
+    assert lines.parse(doc, "m", "", DEFAULT_LIMITS).raw_input_contents[0] == expected
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_bad_data_is_named(datatype: str, data: list[Any], message: str) -> None
         "inputs": [{"name": "X", "datatype": datatype, "shape": [2], "data": data}],
     }
     with pytest.raises(ValueError, match=message):
-        lines.parse(doc, "m", "")
+        lines.parse(doc, "m", "", DEFAULT_LIMITS)
 
 
 def test_outputs_are_written_as_v2_json() -> None:
@@ -487,7 +487,9 @@ def test_a_line_with_nan_or_infinity_is_read_as_on_http() -> None:
     an error line with its custom_id lost, while HTTP infer took the same request."""
     doc = {"custom_id": "n", "inputs": [{"name": "X", "datatype": "FP32", "shape": [3],
                                          "data": [math.nan, math.inf, -math.inf]}]}  # fmt: skip
-    raw = lines.parse(lines.load(json.dumps(doc).encode()), "m", "").raw_input_contents[0]
+    raw = lines.parse(
+        lines.load(json.dumps(doc).encode()), "m", "", DEFAULT_LIMITS
+    ).raw_input_contents[0]
     assert np.frombuffer(raw, "<f4").tolist()[1:] == [math.inf, -math.inf]
     with pytest.raises(ValueError, match="a string holds a lone UTF-16 surrogate"):
         lines.load(b'{"custom_id": "\\ud800", "x": NaN}')

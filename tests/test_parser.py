@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from batchd.server import parser
+from batchd.server.codec import DEFAULT_LIMITS
 from batchd.server.errors import BatchdError, InvalidInput, QueueFull, Unavailable
 from batchd.server.jobs import chunks
 from batchd.server.rest import _aside, _infer_body
@@ -44,12 +45,12 @@ def test_a_small_document_is_parsed_here_and_a_large_one_in_one_kept_child() -> 
 
 def test_a_result_and_a_refusal_cross_back_whole() -> None:
     body = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}'
-    msg, _ = parser.run(parse_infer, BIG, body, None, "m", "1")
+    msg, _ = parser.run(parse_infer, BIG, body, None, "m", "1", DEFAULT_LIMITS)
     assert msg.model_name == "m" and msg.inputs[0].shape == [1, 2]
     assert msg.raw_input_contents[0] == b"\x00\x00\x80?\x00\x00\x00@"
     with pytest.raises(InvalidInput, match="input 'X': FP32 data holds numbers only, got a string"):
         bad = b'{"inputs": [{"name": "X", "datatype": "FP32", "shape": [1], "data": ["a"]}]}'
-        parser.run(parse_infer, BIG, bad, None, "m", "1")
+        parser.run(parse_infer, BIG, bad, None, "m", "1", DEFAULT_LIMITS)
 
 
 def test_an_error_that_would_not_unpickle_comes_back_as_its_text() -> None:
@@ -122,9 +123,9 @@ def test_on_an_event_loop_s_thread_a_document_is_parsed_here() -> None:
 def test_a_small_body_whose_header_length_lies_is_refused_here() -> None:
     cfg = model(max_batch_size=4, shape=(1,))
     with pytest.raises(InvalidInput, match="Inference-Header-Content-Length is 300000, but"):
-        _infer_body(b'{"inputs": []}', "300000", cfg)
+        _infer_body(b'{"inputs": []}', "300000", cfg, DEFAULT_LIMITS)
     with pytest.raises(InvalidInput, match="more than 8388608"):
-        _infer_body(b" " * (9 << 20), None, cfg)  # (over json_body's limit: refused here)
+        _infer_body(b" " * (9 << 20), None, cfg, DEFAULT_LIMITS)  # (over json_body's limit)
     assert parser.child_pid() == 0
 
 

@@ -46,10 +46,12 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
+from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput
+from batchd.server.jobs import lines
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.json_data import to_raw
-from batchd.server.rest_codec import parse_load
+from batchd.server.rest_codec import parse_infer, parse_load
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
@@ -1372,6 +1374,22 @@ def test_numbers_beside_one_long_string_are_refused_building_no_array_of_strings
         tracemalloc.stop()
     assert peak < 1_000_000, peak
     assert len(e.value.message) < 200
+
+
+def test_too_many_inputs_are_refused_before_any_is_read() -> None:
+    """--max-inputs-per-request was checked only once every input's JSON data had been
+    converted: 4,700 inputs in a 254 KB body held the event loop 53 ms each, eight
+    such bodies 0.3-0.6 s. Here the first input's data is bad: it is not read."""
+    inputs = [{"name": f"X{i}", "datatype": "FP32", "shape": [1], "data": ["no"]}
+              for i in range(200)]  # fmt: skip
+    body = json.dumps({"inputs": inputs}).encode()
+    with pytest.raises(InvalidInput) as e:
+        parse_infer(body, None, "m", "1", Limits(max_inputs=128))
+    assert e.value.message == (
+        "the request has 200 inputs, more than the server's limit of 128 (--max-inputs-per-request)"
+    )
+    with pytest.raises(ValueError, match="200 inputs, more than the server's limit of 128"):
+        lines.parse(json.loads(body), "m", "1", Limits(max_inputs=128))
 
 
 @pytest.mark.parametrize("size", ["64", 64.0])

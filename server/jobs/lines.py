@@ -29,6 +29,7 @@ import orjson
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.tensors import deserialize_bytes
 from batchd.server import json_data, rest_codec
+from batchd.server.config import Limits
 from batchd.server.errors import InvalidInput, clip
 from batchd.server.json_body import with_nan
 from batchd.server.request import Tensor
@@ -98,7 +99,7 @@ def load(line: bytes) -> Any:
         raise ValueError(f"not JSON ({e}); the line starts {start}") from None
 
 
-def parse(doc: Any, model: str, version: str) -> pb.ModelInferRequest:
+def parse(doc: Any, model: str, version: str, limits: Limits) -> pb.ModelInferRequest:
     """The ModelInferRequest a line stands for; ValueError naming what is wrong."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
@@ -109,13 +110,15 @@ def parse(doc: Any, model: str, version: str) -> pb.ModelInferRequest:
     # applied: a job's requests have no deadline and their own lane.
     head = {k: doc[k] for k in ("inputs", "outputs") if k in doc}
     try:
-        msg, _ = rest_codec.request_from(head, memoryview(b""), model, version)
+        msg, _ = rest_codec.request_from(head, memoryview(b""), model, version, limits)
     except InvalidInput as e:
         raise ValueError(e.message) from None
     return msg
 
 
-def request_of(line: bytes, model: str, version: str) -> tuple[str, pb.ModelInferRequest]:
+def request_of(
+    line: bytes, model: str, version: str, limits: Limits
+) -> tuple[str, pb.ModelInferRequest]:
     """(custom_id, request) of a line; LineError (with the custom_id, when it had one) naming
     what is wrong. Called by chunks.decode through parser.run: in the JSON parser process
     for a long line."""
@@ -123,7 +126,7 @@ def request_of(line: bytes, model: str, version: str) -> tuple[str, pb.ModelInfe
     try:
         doc = load(line)
         cid = custom_id_of(doc)
-        return cid, parse(doc, model, version)
+        return cid, parse(doc, model, version, limits)
     except ValueError as e:
         raise LineError(cid, str(e)) from None
 
