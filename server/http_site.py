@@ -5,7 +5,8 @@ bounds a hostile client meets before and after its request runs.
              (aiohttp's keep-alive timer, armed when a connection opens)
     body     gzip and deflate bodies inflated, at most the body limit (a small
              bomb inflates no further): the first INLINE_BYTES on the event loop,
-             any more on the decode thread; other encodings, 415
+             any more on the decode thread; all of them at most INFLATED_BODIES
+             limits at once (InflateBudget); other encodings, 415
     after    an answer its caller does not read within --max-connection-age-grace
              is dropped with its connection, as gRPC ends a connection past its age
              and grace: a client that never reads held the answer's memory for ever
@@ -21,6 +22,8 @@ import asyncio
 import logging
 import math
 import ssl
+import threading
+import weakref
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,11 +32,13 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from batchd.server.config import Connections
+from batchd.server.errors import QueueFull
 
 log = logging.getLogger("batchd.server")
 protocol_log = logging.getLogger("batchd.server.http")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ENCODINGS = ("gzip", "x-gzip", "deflate")
+BodyBytes = bytes | bytearray  # a body as it came, or inflated (http_site.Inflated)
 
 
 def _client_error(record: logging.LogRecord) -> bool:
@@ -63,19 +68,54 @@ def encoding(request: web.Request) -> str:
 
 MAX_MEMBERS = 64  # gzip members of one body: each costs a decompressor, even an empty one
 STEP = 64 * 1024  # compressed bytes given zlib at a time: what it hands back stays small
+INFLATED_BODIES = 4  # what inflated bodies may hold at once, over all requests, in body limits
+
+
+class Inflated(bytearray):
+    """An inflated body: its bytes count against the InflateBudget until it is freed."""
+
+    __slots__ = ("__weakref__",)
+
+
+class InflateBudget:
+    """The bytes that inflated bodies hold, over all requests, until each is freed (its
+    request ended). A body of 60 KB can inflate to 60 MB: forty of them, 2.4 MB sent,
+    held 2.7 GB. Past `most`, a body is refused as a full queue is (429), to retry."""
+
+    def __init__(self, most: int) -> None:
+        self.most, self.held = most, 0
+        self._lock = threading.Lock()  # taken on the loop (a body's first step) and aside
+
+    def take(self, n: int, taken: list[int]) -> None:
+        with self._lock:
+            if self.held + n > self.most:
+                raise QueueFull(f"inflated request bodies hold {self.held} bytes, the most "
+                                f"they may ({self.most}); retry", retry_after_ms=1000)  # fmt: skip
+            self.held += n
+            taken[0] += n
+
+    def give(self, taken: list[int]) -> None:
+        with self._lock:
+            self.held -= taken[0]
 
 
 class Inflating:
     """A gzip or deflate body, inflated in steps (run) to at most `limit` + 1 bytes: the
     caller refuses more, and a bomb costs no more than that. gzip may hold several
     members, one after the other; "deflate" is zlib's format, or raw deflate (as some
-    clients send it). zlib holds no GIL while it works."""
+    clients send it). zlib holds no GIL while it works. What it makes counts against
+    `budget` until `out` is freed."""
 
-    def __init__(self, body: bytes, coding: str, limit: int) -> None:
-        self.coding, self.limit, self.out = coding, limit, bytearray()
+    def __init__(
+        self, body: bytes, coding: str, limit: int, budget: InflateBudget | None = None
+    ) -> None:
+        self.coding, self.limit, self.out = coding, limit, Inflated()
         self._body, self._at = memoryview(body), 0  # not yet inflated: body[at:]
         self._d: Any = None  # the member being inflated
         self._members = 0
+        self._budget = budget or InflateBudget(limit + 1)
+        self._taken = [0]  # bytes of `out` taken from the budget: given back once it is freed
+        weakref.finalize(self.out, self._budget.give, self._taken)
 
     def run(self, budget: int) -> bool:
         """Inflate, spending about `budget` (bytes read or made, whichever is more); True
@@ -99,6 +139,7 @@ class Inflating:
             left = self._d.unused_data if self._d.eof else self._d.unconsumed_tail
             used = len(chunk) - len(left)
             self._at += used
+            self._budget.take(len(got), self._taken)
             self.out += got
             budget -= max(len(got), used, 1)
             if self._d.eof:  # a member ends: another may follow (gzip), else nothing may

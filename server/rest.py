@@ -51,7 +51,15 @@ from batchd.server.errors import (
     clip,
     http_status,
 )
-from batchd.server.http_site import Handler, Inflating, bounded_send, encoding
+from batchd.server.http_site import (
+    INFLATED_BODIES,
+    BodyBytes,
+    Handler,
+    InflateBudget,
+    Inflating,
+    bounded_send,
+    encoding,
+)
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
 from batchd.server.json_body import MAX_JSON_BYTES
@@ -148,6 +156,7 @@ class RestApi:
         body_timeout_s = connections.handshake_timeout_s
         self._body_timeout_s = body_timeout_s or None  # 0: none (asyncio's 0 is "at once")
         self._max_body = max_body_bytes
+        self._inflated = InflateBudget(INFLATED_BODIES * max_body_bytes)
         sent = bounded_send(connections.max_age_grace_s)  # outermost: error answers too
         self.app = web.Application(
             client_max_size=max_body_bytes, middlewares=[sent, _errors, self._auth]
@@ -216,7 +225,7 @@ class RestApi:
         refused.force_close()  # the body it announced never came: no next request
         return refused
 
-    async def _body(self, request: web.Request) -> bytes:
+    async def _body(self, request: web.Request) -> BodyBytes:
         """The whole body: one that says it is over the limit is refused before a byte
         of it is read; one that does not come within --handshake-timeout, 408."""
         limit, coding = self._max_body, encoding(request)
@@ -230,24 +239,24 @@ class RestApi:
                 raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {over}") from None
         if not coding:
             return body
-        inflating = Inflating(body, coding, limit)  # a small body on the loop, more aside
+        inflating = Inflating(body, coding, limit, self._inflated)  # a small one on the loop
         if not inflating.run(INLINE_BYTES):
             await self._service.aside(inflating.finish)
         if len(inflating.out) > limit:
             too_big = f"the {coding} body inflates to more than {limit} bytes (--max-message-bytes)"
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=limit + 1, text=too_big)
-        return bytes(inflating.out)
+        return inflating.out  # (no copy on the loop: 44 ms for 60 MB; held, it is counted)
 
     def _model(self, request: web.Request) -> ModelConfig:
         info = request.match_info
         return self._service.model(info["model"], info.get("version", ""))
 
-    async def _parse(self, body: bytes, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _parse(self, body: BodyBytes, fn: Callable[..., Any], *args: Any) -> Any:
         if len(body) > INLINE_BYTES:
             return await self._service.aside(fn, body, *args)
         return fn(body, *args)
 
-    def _request(self, cfg: ModelConfig, body: bytes, fn: Callable[..., Any],
+    def _request(self, cfg: ModelConfig, body: BodyBytes, fn: Callable[..., Any],
                  *args: Any) -> tuple[Body, list[Any]]:  # fmt: skip
         """The request `fn(body, *args)` makes (or one and more), parsed as its first step
         (service.Body: a body refused counts as over gRPC); what `fn` returned: in the list."""
