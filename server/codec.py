@@ -18,7 +18,7 @@ servicer can move a heavy request off the event loop before decoding it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
@@ -279,6 +279,27 @@ def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[s
     return outputs
 
 
+def fixed_output_bytes(model: ModelConfig, names: Iterable[str], rows: int) -> tuple[int, bool]:
+    """What outputs `names` (the model's, others skipped) hold for `rows` rows where the
+    model's signature fixes their size, and whether it fixes every one's (not BYTES, nor
+    a dim the model decides)."""
+    total, whole = 0, True
+    for name in names:
+        if (out := model.output(name)) is None:
+            continue
+        size = DATATYPES[out.datatype].itemsize
+        if not size or any(d < 0 for d in out.shape):
+            whole = False
+        else:
+            total += rows * math.prod(out.shape) * size
+    return total, whole
+
+
+def too_large(size: int, most: int, what: str = "the outputs for this request hold") -> str:
+    return (f"{what} {size} bytes, more than a response may carry ({most}, "
+            "--max-message-bytes); ask for fewer rows or outputs")  # fmt: skip
+
+
 def echoable(id_: str) -> bool:
     """Whether an id is short enough to come back in responses (MAX_ID_BYTES)."""
     return len(id_) <= MAX_ID_BYTES // 4 or len(id_.encode()) <= MAX_ID_BYTES
@@ -325,6 +346,11 @@ def decode_request(
                 f"input {inputs[0].name!r} has {rows}; they must agree"
             )
 
+    if model.generate is None:  # (a fixed answer too large: refused before the model runs)
+        size, _ = fixed_output_bytes(model, outputs, rows)
+        if size > limits.max_response_bytes:
+            what = "the outputs for this request would hold"
+            raise ResponseTooLarge(too_large(size, limits.max_response_bytes, what))
     queue_deadline = _queue_deadline(msg, now, model.batching.default_timeout_us)
     return Request(
         model=model,
@@ -351,10 +377,7 @@ def encode_response(
     chosen = [by_name[name] for name in request.outputs]
     size = sum(len(t.data) for t in chosen)
     if size > max_bytes:
-        raise ResponseTooLarge(
-            f"the outputs for this request hold {size} bytes, more than a response may "
-            f"carry ({max_bytes}, --max-message-bytes); ask for fewer rows or outputs"
-        )
+        raise ResponseTooLarge(too_large(size, max_bytes))
     response = pb.ModelInferResponse(
         model_name=request.model.name,
         model_version=request.model.version,

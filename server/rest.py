@@ -67,6 +67,7 @@ from batchd.server.rest_codec import (
     HEADER_LENGTH,
     generate_response,
     infer_response,
+    json_room,
     parse_generate,
     parse_index,
     parse_infer,
@@ -102,7 +103,10 @@ def _infer_body(body: bytes, header: str | None, cfg: ModelConfig, limits: Limit
             f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
         ) from None
     size = len(body) if length is None or not 0 <= length <= len(body) else length  # its JSON
-    return parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version, limits)
+    msg, wanted = parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version,
+                             limits)  # fmt: skip
+    json_room(msg, cfg, wanted)  # before the model runs for an answer refused once made
+    return msg, wanted
 
 
 def _aside(fn: Callable[..., Any]) -> Callable[..., Any]:

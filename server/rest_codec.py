@@ -24,7 +24,7 @@ import orjson
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, set_parameter
-from batchd.server.codec import check_inputs
+from batchd.server.codec import check_inputs, fixed_output_bytes
 from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
 from batchd.server.json_body import MAX_JSON_BYTES, load_json
@@ -244,14 +244,23 @@ def infer_response(response: pb.ModelInferResponse, wanted: Wanted) -> tuple[byt
     return text + b"".join(parts), len(text)
 
 
-def _json_room(in_json: Sequence[Tensor]) -> None:
+def _json_room(in_json: Sequence[Tensor], size: int | None = None, would: str = "") -> None:
     """Tensors written as JSON hold the GIL while orjson writes them, and grow about 3x:
     at most MAX_JSON_BYTES of them, as of a request's JSON."""
-    if (size := sum(len(t.data) for t in in_json)) > MAX_JSON_BYTES:
+    if (size := sum(len(t.data) for t in in_json) if size is None else size) > MAX_JSON_BYTES:
         raise ResponseTooLarge(
-            f"the answer's JSON outputs hold {size} bytes of tensors, more than "
+            f"the answer's JSON outputs {would or 'hold'} {size} bytes of tensors, more than "
             f"{MAX_JSON_BYTES}: ask for them in binary form (binary_data_output)"
         )
+
+
+def json_room(msg: pb.ModelInferRequest, cfg: ModelConfig, wanted: Wanted) -> None:
+    """Refuse, before the model runs, a request whose JSON outputs its model's signature
+    makes too large (_json_room; one whose size the model decides is checked once made)."""
+    rows = msg.inputs[0].shape[0] if cfg.batches and msg.inputs and msg.inputs[0].shape else 1
+    asked = [o.name for o in msg.outputs] or cfg.output_names
+    size, _ = fixed_output_bytes(cfg, [n for n in asked if not wanted.binary(n)], max(rows, 0))
+    _json_room((), size, "would hold")
 
 
 def generate_response(model: ModelConfig, request_id: str, results: Sequence[Tensor]) -> bytes:

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -48,9 +47,8 @@ from typing import Any, Protocol
 import grpc
 
 from batchd.protos import inference_pb2 as pb
-from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig
-from batchd.server.codec import echoable, encode_response
+from batchd.server.codec import echoable, encode_response, fixed_output_bytes
 from batchd.server.errors import BatchdError, InvalidInput
 from batchd.server.flow import StepStream, stream_budget
 from batchd.server.handlers import Undecodable
@@ -241,15 +239,9 @@ def answer_bytes(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | Non
         if not msg.inputs or not msg.inputs[0].shape:
             return 0  # (refused)
         rows = min(max(msg.inputs[0].shape[0], 0), cfg.max_batch_size)
-    asked, total = {o.name for o in msg.outputs}, 0
-    for out in cfg.outputs:
-        if asked and out.name not in asked:
-            continue
-        size = DATATYPES[out.datatype].itemsize
-        if not size or any(d < 0 for d in out.shape):
-            return unknown  # BYTES, or a dim the model decides
-        total += rows * math.prod(out.shape) * size
-    return total
+    asked = dict.fromkeys(o.name for o in msg.outputs) or cfg.output_names
+    total, whole = fixed_output_bytes(cfg, asked, rows)
+    return total if whole else unknown  # (not: BYTES, or a dim the model decides)
 
 
 def _steps_of(cfg: ModelConfig | None) -> bool:

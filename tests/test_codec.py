@@ -17,7 +17,8 @@ import pytest
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig, load_model_config
 from batchd.server.batching.split_join import split_request
-from batchd.server.codec import decode_request, encode_response
+from batchd.server.codec import decode_request, encode_response, fixed_output_bytes
+from batchd.server.config import Limits
 from batchd.server.errors import InvalidInput, ResponseTooLarge
 from batchd.server.request import Tensor
 from tests.servers import EXAMPLES, TEST_MODELS
@@ -153,6 +154,23 @@ def test_a_response_larger_than_a_message_may_be_is_refused_before_it_is_built()
     with pytest.raises(ResponseTooLarge, match=r"264 bytes, more than a response may carry \(100"):
         encode_response(request, _results(), max_bytes=100)
     assert ResponseTooLarge.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_an_answer_its_model_fixes_too_large_is_refused_before_the_model_runs() -> None:
+    """tiny answers 64 bytes a row: 30,000 rows would be 1.9 MB, over a 1 MiB limit. It
+    was refused once the model had run for it (decode found nothing wrong); embed's
+    answer size is fixed too (EMBEDDING [64] FP32, LENGTH [1] INT64)."""
+    msg = pb.ModelInferRequest(model_name="tiny", raw_input_contents=[bytes(30_000 * 64)])
+    msg.inputs.add(name="INPUT0", datatype="FP32", shape=[30_000, 16])
+    limits = Limits(max_response_bytes=1 << 20)
+    with pytest.raises(ResponseTooLarge) as e:
+        decode_request(msg, TINY, now=0.0, limits=limits)
+    assert e.value.message == (
+        "the outputs for this request would hold 1920000 bytes, more than a response may "
+        "carry (1048576, --max-message-bytes); ask for fewer rows or outputs"
+    )
+    assert decode_request(msg, TINY, now=0.0, limits=Limits(max_response_bytes=2_000_000))
+    assert fixed_output_bytes(EMBED, ["EMBEDDING", "LENGTH", "nope"], 3) == (3 * 264, True)
 
 
 PRIO = dataclasses.replace(

@@ -234,20 +234,21 @@ def test_an_answer_its_caller_never_reads_is_dropped_with_its_connection(
 
 def test_an_answer_too_large_for_json_is_refused_and_counted_failed(wide: ServerProcess) -> None:
     """16 MB of FP32 asked for as JSON: about 50 MB of text written holding the GIL, past
-    --max-message-bytes. Refused, naming binary_data_output; and, failing after the
-    model ran, counted a failure (it was counted a success, and traced as one)."""
+    --max-message-bytes. Refused, naming binary_data_output, before the model runs (its
+    size is fixed: it ran first, and then the answer was refused); and counted a failure
+    (it was counted a success, and traced as one)."""
     body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1], "data": [7.0]}]}
 
-    def counts() -> tuple[int, int]:
+    def counts() -> tuple[int, int, int]:
         stats = call(wide, "GET", "/v2/models/wide/stats").json()["model_stats"][0]
-        infer = stats.get("inference_stats", {})
-        return infer.get("success", {}).get("count", 0), infer.get("fail", {}).get("count", 0)
+        infer, ran = stats.get("inference_stats", {}), int(stats.get("execution_count", 0))
+        return infer.get("success", {}).get("count", 0), infer.get("fail", {}).get("count", 0), ran
 
     before = counts()
     r = call(wide, "POST", "/v2/models/wide/infer", body)
     assert r.status == 400 and "ask for them in binary form (binary_data_output)" in r.error
-    assert "the answer's JSON outputs hold 16000000 bytes of tensors" in r.error
-    assert counts() == (before[0], before[1] + 1)
+    assert "the answer's JSON outputs would hold 16000000 bytes of tensors" in r.error
+    assert counts() == (before[0], before[1] + 1, before[2])  # (the model never ran)
 
 
 def test_expect_100_continue_refuses_a_body_over_the_limit_before_it_comes(
