@@ -160,8 +160,8 @@ class Frontends:
 
     count: int = setting(
         1, "--frontends", "gRPC frontend processes sharing the port (SO_REUSEPORT) in front "
-        "of the same workers, for when one event loop is the ceiling", **positive(),
-        metavar="N",
+        "of the same workers, for when one event loop is the ceiling", **positive(256),
+        metavar="N",  # (a worker's frames name a frontend in one byte)
     )  # fmt: skip
     index: int = setting(0, "--frontend-index", argparse.SUPPRESS, type=int)
     argv: tuple[str, ...] = ()  # the serve arguments, for starting frontends 1..N-1

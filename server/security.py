@@ -225,7 +225,13 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
         if path.exists() and path.stat().st_mode & 0o077:
             log.warning("%s is readable by other users: chmod 600 it", path)
     check_worker_endpoint(cfg.workers.endpoint or "", security.worker_keys)
-    return None if security.worker_keys is None else WorkerAuth(security.worker_keys)
+    if key_dir is not None and cfg.workers.local:  # each would exit, again and again
+        try:
+            keys.load_pair(key_dir, keys.WORKER)
+        except ConfigError as e:
+            raise ConfigError(f"{e}: the local workers use --worker-keys DIR's worker pair "
+                              "(or start none: --no-local-workers)") from None  # fmt: skip
+    return None if key_dir is None else WorkerAuth(key_dir)
 
 
 class _AllowList:

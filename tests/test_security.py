@@ -433,6 +433,7 @@ PORT = "a port from 0 to 65535 (0: a free one)"
         ("--max-concurrent-streams", "2147483647", "an integer from 1 to 2147483583, got "
          "2147483647"),
         ("--workers", "0", "a positive integer, got 0"),
+        ("--frontends", "257", "an integer from 1 to 256, got 257"),  # workers crash-looped
         ("--grpc-port", "-5", f"{PORT}, got -5"),  # gRPC served on 65531
         ("--grpc-port", "-1", f"{PORT}, got -1"),  # gRPC is never off
         ("--http-port", "70000", f"{PORT}, or -1 (off), got 70000"),

@@ -272,6 +272,25 @@ def test_local_workers_get_the_keys(tmp_path: Path) -> None:
         assert server.stop() == 0, server.log()
 
 
+def test_keys_without_the_worker_pair_stop_a_start_with_local_workers(tmp_path: Path) -> None:
+    """The local workers use --worker-keys DIR's worker pair: without it, the server
+    started, and each worker exited at once, again and again (four times in 12 s),
+    the server never ready. A frontend of remote workers alone needs no worker pair."""
+    key_dir = tmp_path / "keys"
+    keys.generate(key_dir)
+    (key_dir / "worker.key_secret").unlink()
+    serve = [sys.executable, "-m", "batchd.server", "--model-repository", str(EXAMPLES),
+             "--worker-keys", str(key_dir), "--grpc-port", "0", "--http-port", "-1",
+             "--metrics-port", "-1", "--drain-notice", "0"]  # fmt: skip
+    result = subprocess.run(serve, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "worker.key_secret: cannot read a CURVE key" in result.stderr
+    assert "the local workers use --worker-keys DIR's worker pair" in result.stderr
+    alone = ServerProcess(_tiny_repo(tmp_path), "--worker-keys", str(key_dir),
+                          "--no-local-workers", log_dir=tmp_path).start(ready=False)  # fmt: skip
+    assert alone.stop() == 0, alone.log()
+
+
 def test_local_workers_join_a_worker_endpoint_of_its_own(tmp_path: Path) -> None:
     """--worker-endpoint tcp://... with --worker-keys (so remote workers can join), local
     workers as well: they were sent to a private ipc:// path no socket listened on (keys
