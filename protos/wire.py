@@ -49,7 +49,8 @@ PROTOCOL_VERSION = 15  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # busy_ns, idle_ns, running, busy_limit_s (a forward timed from its start); LOAD's held;
 # 13: Step.need (a step past its sequence's credit is held at the worker, not sent);
 # 14: START's outputs (only those asked for are sent and charged), OUTPUT_COST per tensor;
-# 15: WorkerInfo.held (a version retired while its worker was away is unloaded)
+# 15: WorkerInfo.held (a version retired while its worker was away is unloaded) and
+# .reconnected (what was on the wire when a connection reset is taken back)
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What each tensor of a step's outputs takes from its sequence's credit (Header.credit)

@@ -281,22 +281,23 @@ class Core:
 
     def _on_ready(self, identity: bytes, info: wire.WorkerInfo) -> None:
         if info.protocol != wire.PROTOCOL_VERSION:
-            log.error(
-                "worker %s speaks wire protocol %d, this frontend %d; ignored",
-                info.worker_id,
-                info.protocol,
-                wire.PROTOCOL_VERSION,
-            )
+            log.error("worker %s speaks wire protocol %d, this frontend %d; ignored",
+                      info.worker_id, info.protocol, wire.PROTOCOL_VERSION)  # fmt: skip
             return
         if self._stopping:  # it started up while we shut down: it missed the STOP
             self.link.send(identity, _STOP)
             return
         joined, worker = self.pool.join(identity, info)
-        if joined is Joined.AGAIN:
+        if joined is Joined.AGAIN and not info.reconnected:
             return  # the same process, which heard nothing from us for a while: kept as is
-        if joined is Joined.REPLACED:  # another process under the same id: the old one is gone
-            self.lose(worker, f"it registered again, a new process (pid {info.pid})", stuck=False)
-            joined, worker = self.pool.join(identity, info)
+        if joined is not Joined.NEW:  # another process under that id (the old one is gone),
+            why = (
+                f"it registered again, a new process (pid {info.pid})"
+                if not info.reconnected
+                else "it connected again: what its old connection carried may be lost"
+            )
+            self.lose(worker, why, stuck=False, blamed=joined is Joined.REPLACED)
+            joined, worker = self.pool.join(identity, info)  # (or this one on a new connection)
         self.link.watch(identity)
         self.link.send(identity, _FORGET)  # what it runs for us now is a predecessor's, or lost
         log.info(
@@ -311,26 +312,23 @@ class Core:
         self.changed.set()
         self.pump_soon()
 
-    def lose(self, worker: WorkerHandle, reason: str, stuck: bool = True) -> None:
-        """Forget `worker`; its requests go back to the queue (recovery decides which).
-        `stuck`: its process may live on, useless (silent, hung, its pipe full): a
-        local one is killed. Not for a process that exited or was replaced."""
+    def lose(self, worker: WorkerHandle, reason: str, stuck: bool = True,
+             blamed: bool = True) -> None:  # fmt: skip
+        """Forget `worker`; its requests go back to the queue (recovery decides which;
+        not `blamed`, as for a load, once each uncharged). `stuck`: its process may live
+        on, useless (silent, hung, its pipe full): a local one is killed. Not for a
+        process that exited or was replaced."""
         if self.pool.get(worker.identity) is not worker:
             return
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        back = recovery.after_loss(batches, worker.name, reason, charged=not worker.load_sent)
+        back = recovery.after_loss(batches, worker.name, reason, blamed and not worker.load_sent)
         back += recovery.after_sequence_loss(sequences, worker.name, reason)
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
-        log.warning(
-            "worker %s lost: %s; %d request(s) requeued",
-            worker.name,
-            reason,
-            len(back),
-            extra={"worker": worker.name, "reason": reason},
-        )
+        log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason,
+                    len(back), extra={"worker": worker.name, "reason": reason})  # fmt: skip
         if stuck:
             self.supervisor.kill(worker.name, worker.info.pid)
         self.changed.set()

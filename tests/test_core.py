@@ -151,6 +151,32 @@ def test_a_worker_registering_again_keeps_its_batch_and_is_not_killed(
     run(body)
 
 
+def test_a_worker_on_a_new_connection_gives_back_its_batch_uncharged(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A TCP reset while a batch was on the wire: the worker connected again and said
+    READY, was kept "batches and all", and the batch it never got was waited on for
+    execution_timeout_s; then the healthy worker was told to STOP. A READY on a new
+    connection gives the batch back (not counted against it) and registers anew."""
+
+    async def body() -> None:
+        core, killed = make_core(router, Clock())
+        cfg = core.models["m"]
+        worker = register(core, "w", cfg.key)
+        r = request(cfg)
+        r.future = asyncio.get_running_loop().create_future()
+        core.pool.hand(worker, cfg, [r], 0.0)
+        again = ready("w")
+        again.worker.reconnected = True
+        core.on_message(b"w", again, [])
+        (anew,) = core.pool.workers()
+        assert anew is not worker and not anew.inflight and killed == []
+        assert r.attempts == 0 and r.spared and not r.future.done()
+        assert core.scheduler.queued("m") == 1
+
+    run(body)
+
+
 def test_a_batch_past_its_execution_limit_stops_and_loses_its_worker(
     router: zmq.Socket[bytes],
 ) -> None:

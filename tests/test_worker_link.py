@@ -19,6 +19,12 @@ from tests.servers import wait_for
 READY = wire.pack(wire.Header(kind=wire.Header.READY))
 
 
+def _ready(again: bool) -> list[bytes]:
+    """READY, saying whether it comes on a new connection (WorkerInfo.reconnected)."""
+    info = wire.WorkerInfo(worker_id="w1", reconnected=again)
+    return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
+
+
 @pytest.fixture
 def ctx() -> Iterator[zmq.Context[Any]]:
     context: zmq.Context[Any] = zmq.Context()
@@ -39,19 +45,22 @@ def router(ctx: zmq.Context[Any]) -> Iterator[zmq.Socket[Any]]:
 @pytest.fixture
 def link(ctx: zmq.Context[Any], router: zmq.Socket[Any]) -> Iterator[FrontendLink]:
     """A worker's link to `router`, not yet open."""
-    frontend_link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, lambda: READY)
+    frontend_link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, _ready)
     yield frontend_link
     frontend_link.close()
 
 
-def _next_kind(router: zmq.Socket[Any], skip: int | None = None) -> int:
-    """The kind of the next message from the worker, but for those of kind `skip`."""
+def _next(router: zmq.Socket[Any], skip: int | None = None) -> wire.Header:
+    """The next message's header from the worker, but for those of kind `skip`."""
     while True:
         assert router.poll(30_000), "nothing came from the worker"
-        _, header, *_ = router.recv_multipart()
-        kind = int(wire.Header.FromString(header).kind)
-        if kind != skip:
-            return kind
+        _, raw, *_ = router.recv_multipart()
+        if (header := wire.Header.FromString(raw)).kind != skip:
+            return header
+
+
+def _next_kind(router: zmq.Socket[Any], skip: int | None = None) -> int:
+    return int(_next(router, skip).kind)
 
 
 def _receive(link: FrontendLink, now: float) -> tuple[wire.Header, list[Any]] | None:
@@ -83,15 +92,16 @@ def test_a_frontend_restarted_on_the_same_endpoint_is_told_ready_at_once(
 ) -> None:
     """A frontend restarted (a child frontend killed and started again) knows no
     worker: the socket reconnects by itself, and READY goes out as soon as it does,
-    not after LIVENESS silent heartbeats (the clock here never reaches them)."""
+    not after LIVENESS silent heartbeats (the clock here never reaches them), saying
+    it comes on a new connection: what the old one carried may be lost."""
     endpoint = f"ipc://{tmp_path}/frontend.sock"
     first = ctx.socket(zmq.ROUTER)
     first.linger = 0
     first.bind(endpoint)
-    link = FrontendLink(ctx, endpoint, "w1", None, lambda: READY)
+    link = FrontendLink(ctx, endpoint, "w1", None, _ready)
     try:
         link.open(now=0.0)
-        assert _next_kind(first) == wire.Header.READY
+        assert not _next(first).worker.reconnected  # (its first)
         first.send_multipart([b"w1", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
         assert _receive(link, now=0.5) is None and link.accepted
         assert not link.tick(now=0.6)  # connected once: nothing to say but a heartbeat
@@ -104,7 +114,8 @@ def test_a_frontend_restarted_on_the_same_endpoint_is_told_ready_at_once(
         # the LIVENESS silence (3.5 s) in the 30 s the wait may take
         with caplog.at_level(logging.INFO, "batchd.worker"):
             wait_for(lambda: not link.tick(0.7 + next(clock) / 500) and second.poll(0), 30, "it")
-        assert _next_kind(second, skip=wire.Header.HEARTBEAT) == wire.Header.READY
+        ready = _next(second, skip=wire.Header.HEARTBEAT)
+        assert ready.kind == wire.Header.READY and ready.worker.reconnected
         assert "connected again to frontend" in caplog.text and "silent" not in caplog.text
         second.close()
     finally:
@@ -130,7 +141,7 @@ def test_a_frontend_that_never_answers_gets_a_new_socket_each_retry(
 def test_no_frontend_at_all_is_said_plainly(
     ctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    link = FrontendLink(ctx, "ipc://@batchd-test-link-nobody", "w3", None, lambda: READY)
+    link = FrontendLink(ctx, "ipc://@batchd-test-link-nobody", "w3", None, _ready)
     link.open(now=0.0)
     try:
         with caplog.at_level(logging.WARNING, "batchd.worker"):
@@ -152,7 +163,7 @@ def test_replies_a_frontend_behind_cannot_take_are_kept_and_arrive_in_order(
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     router.bind(f"ipc://{tmp_path}/frontend.sock")
-    link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, lambda: READY)
+    link = FrontendLink(ctx, router.LAST_ENDPOINT.decode(), "w1", None, _ready)
     try:
         link.open(now=0.0)
         assert _next_kind(router) == wire.Header.READY

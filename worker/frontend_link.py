@@ -83,7 +83,7 @@ class FrontendLink:
         endpoint: str,
         identity: str,
         key_dir: Path | None,
-        ready: Callable[[], list[Any]],  # the READY message as of now (what it holds)
+        ready: Callable[[bool], list[Any]],  # READY as of now; True: on a new connection
     ) -> None:
         self.endpoint = endpoint
         self._ctx, self._identity, self._key_dir, self._ready = ctx, identity, key_dir, ready
@@ -121,7 +121,7 @@ class FrontendLink:
         self.socket, self._handshake, self._disconnected, self._lost = sock, None, False, False
         self.accepted = self.broken = False
         self._next_retry = now + RETRY_S
-        self.send(self._ready())
+        self.send(self._ready(False))
 
     def close(self, now: float | None = None) -> None:
         """Close the socket. With `now` (at exit), a frontend that is answering gets
@@ -204,7 +204,7 @@ class FrontendLink:
             self._next_look = now + LOOK_S
             if self._monitored() and self.accepted:  # connected anew: maybe a new frontend
                 log.info("connected again to frontend %s; saying READY", self.endpoint)
-                self.send(self._ready())
+                self.send(self._ready(True))
                 self._next_retry = now + RETRY_S
         if now < self._next_retry:
             return False
@@ -216,7 +216,7 @@ class FrontendLink:
                 now - self.heard,
                 why,
             )
-            self.send(self._ready())
+            self.send(self._ready(False))
             self._next_retry = now + RETRY_S
             return False
         log.warning(

@@ -251,7 +251,7 @@ class Runner:
 
     # ---- I/O thread ----
 
-    def _ready(self) -> list[Any]:
+    def _ready(self, reconnected: bool = False) -> list[Any]:
         info = wire.WorkerInfo(
             worker_id=self.options.worker_id,
             device=str(self.options.device),
@@ -260,8 +260,8 @@ class Runner:
             protocol=wire.PROTOCOL_VERSION,
             frontends=self._frontends,
             instance=self._instance,
-            held=sorted(self.models),
-        )
+            held=sorted(self.models), reconnected=reconnected,
+        )  # fmt: skip
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
     def _beat(self, frontend: int) -> list[Any]:
