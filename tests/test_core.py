@@ -69,6 +69,16 @@ def register(core: Core, name: str, key: str, pid: int = 7, frontends: int = 1) 
     return worker
 
 
+def one_batch_on(core: Core, name: str) -> tuple[WorkerHandle, Request]:
+    """Worker `name`, registered with model "m", running a batch of one request."""
+    cfg = core.models["m"]
+    worker = register(core, name, cfg.key)
+    r = request(cfg)
+    r.future = asyncio.get_running_loop().create_future()
+    core.pool.hand(worker, cfg, [r], 0.0)
+    return worker, r
+
+
 def test_a_refused_send_does_not_reenter_the_pump(router: zmq.Socket[bytes]) -> None:
     """The worker's identity is unknown to the socket (ROUTER_MANDATORY): the send
     fails, the worker is lost and the request goes back, all without a nested pump;
@@ -137,11 +147,7 @@ def test_a_worker_registering_again_keeps_its_batch_and_is_not_killed(
 
     async def body() -> None:
         core, killed = make_core(router, Clock())
-        cfg = core.models["m"]
-        worker = register(core, "w", cfg.key)
-        r = request(cfg)
-        r.future = asyncio.get_running_loop().create_future()
-        core.pool.hand(worker, cfg, [r], 0.0)
+        worker, r = one_batch_on(core, "w")
         core.on_message(b"w", ready("w"), [])
         assert core.pool.workers() == [worker] and len(worker.inflight) == 1
         core.on_message(b"w", ready("w", pid=8), [])
@@ -161,11 +167,7 @@ def test_a_worker_on_a_new_connection_gives_back_its_batch_uncharged(
 
     async def body() -> None:
         core, killed = make_core(router, Clock())
-        cfg = core.models["m"]
-        worker = register(core, "w", cfg.key)
-        r = request(cfg)
-        r.future = asyncio.get_running_loop().create_future()
-        core.pool.hand(worker, cfg, [r], 0.0)
+        worker, r = one_batch_on(core, "w")
         again = ready("w")
         again.worker.reconnected = True
         core.on_message(b"w", again, [])
