@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.server import frontends, security, siblings
+from batchd.server import frontends, link, security, siblings
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
@@ -377,8 +377,8 @@ async def serve(cfg: ServerConfig) -> None:
         children = Children(fronts.argv, every, models, tmp) if tmp and len(every) > 1 else None
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.LINGER, 0)
+        for option, value in link.ROUTER_OPTIONS:
+            router.setsockopt(option, value)
         p: _Parts | None = None
         try:
             if worker_auth is not None:

@@ -31,6 +31,18 @@ DRAIN_MAX = 64  # messages read in one callback before the loop's other callback
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: zmq's flag enums are slow
 _BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
 _STOP = wire.pack(wire.Header(kind=wire.Header.STOP))
+# The ROUTER's options. ROUTER_MANDATORY: a send to a gone worker fails, and says so.
+# ZMTP heartbeats: a connection whose peer answers no PING for HEARTBEAT_TIMEOUT (a
+# stopped process, a half-open link a middlebox forgot) is closed, freeing its worker's
+# identity: libzmq ignores a new connection that claims one still in use, so the same
+# worker reconnecting, or a new one under a hung one's id, was never registered. Longer
+# than a worker's patience with a silent frontend (frontend_link.GIVE_UP_S).
+ROUTER_OPTIONS = (
+    (zmq.ROUTER_MANDATORY, 1),
+    (zmq.LINGER, 0),
+    (zmq.HEARTBEAT_IVL, 1000),
+    (zmq.HEARTBEAT_TIMEOUT, 30_000),
+)
 
 
 class LinkEvents(Protocol):

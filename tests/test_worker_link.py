@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from batchd.protos import wire
-from batchd.worker.frontend_link import GIVE_UP_S, RETRY_S, FrontendLink
+from batchd.worker.frontend_link import GIVE_UP_S, REOPEN_S, RETRY_S, FrontendLink
 from tests.servers import wait_for
 
 READY = wire.pack(wire.Header(kind=wire.Header.READY))
@@ -85,6 +85,19 @@ def test_a_frontend_that_went_silent_is_told_ready_again_on_the_same_socket(
     assert link.socket is first
     assert _next_kind(router, skip=wire.Header.HEARTBEAT) == wire.Header.READY
     assert "silent for 3 s" in caplog.text and "saying READY again" in caplog.text
+    # Silent for long (a half-open connection: READY lost on it for ever): a new one,
+    # whose READY says so (what the old one carried may be lost).
+    with caplog.at_level(logging.WARNING, "batchd.worker"):
+        assert link.tick(now=0.5 + REOPEN_S)
+    assert link.socket is not first and "connecting anew" in caplog.text
+    # (The ROUTER may not have dropped the old connection when the new one says who
+    # it is: then it ignores the new one, which is opened again each RETRY_S.)
+    for k in itertools.count(1):
+        assert k < 10, "no READY on a new socket"
+        if router.poll(1000) and (ready := _next(router)).kind == wire.Header.READY:
+            break  # (else the old socket's last heartbeat, or nothing)
+        link.tick(0.5 + REOPEN_S + k * RETRY_S)
+    assert ready.worker.reconnected
 
 
 def test_a_frontend_restarted_on_the_same_endpoint_is_told_ready_at_once(

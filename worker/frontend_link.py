@@ -4,7 +4,8 @@ Registering: READY as soon as the socket is open, again as soon as the socket
 connects anew to a frontend that had answered (a frontend restarted on the same
 endpoint knows no worker: waiting out its silence left it none for seconds),
 and whenever the frontend has been silent for LIVENESS heartbeat intervals (it
-forgot this worker). Heartbeats go out once the frontend has answered.
+forgot this worker); silent for REOPEN_S, on a new connection (saying so: what
+the old one carried may be lost). Heartbeats go out once the frontend answered.
 
 A frontend may refuse the worker: one started with --worker-keys refuses a
 worker without keys, with a key not in its authorized/, or holding another
@@ -48,6 +49,10 @@ log = logging.getLogger("batchd.worker")
 RETRY_S = wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # silence before registering again
 LINGER_MS = 2000  # at exit: how long an answering frontend has to take the last replies
 GIVE_UP_S = 30.0  # a frontend behind and silent this long is taken for gone (see above)
+# A frontend silent this long gets a new connection: on a half-open one (a middlebox
+# lost its state) READY never arrives, and the frontend's ROUTER has closed its own end
+# by now (server/link.ROUTER_OPTIONS), so a new connection under this id is taken.
+REOPEN_S = GIVE_UP_S + RETRY_S
 LOOK_S = 0.1  # how often the socket's monitor is read for a reconnection
 _BEAT = wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))
 _FROM_FRONTEND = frozenset(
@@ -96,6 +101,7 @@ class FrontendLink:
         self._malformed: dict[str, int] = {}  # kind -> how many came
         self.heard = 0.0  # when the frontend last sent anything
         self.accepted = False  # the frontend has answered on this socket
+        self.answered = False  # ... on this one or an earlier one
         self.broken = False  # a send found no connection to queue on (never answered)
         self._backlog: deque[list[Any]] = deque()  # replies the frontend has not taken yet
         self.abandoned = False  # gave up on a silent frontend: replies dropped till it speaks
@@ -107,7 +113,8 @@ class FrontendLink:
     # ---- the socket ----
 
     def open(self, now: float) -> None:
-        """Connect a new DEALER and say READY on it."""
+        """Connect a new DEALER and say READY on it (saying, once the frontend has
+        answered on an earlier one, that what that one carried may be lost)."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self._identity.encode())
         sock.setsockopt(zmq.LINGER, 0)
@@ -121,7 +128,7 @@ class FrontendLink:
         self.socket, self._handshake, self._disconnected, self._lost = sock, None, False, False
         self.accepted = self.broken = False
         self._next_retry = now + RETRY_S
-        self.send(self._ready(False))
+        self.send(self._ready(self.answered))
 
     def close(self, now: float | None = None) -> None:
         """Close the socket. With `now` (at exit), a frontend that is answering gets
@@ -180,7 +187,7 @@ class FrontendLink:
         Anything the frontend sends shows it is there; what does not parse is dropped."""
         assert self.socket is not None
         parts = self.socket.recv_multipart(copy=False)
-        self.heard, self.accepted, self.abandoned = now, True, False
+        self.heard, self.accepted, self.answered, self.abandoned = now, True, True, False
         self._next_retry = now + RETRY_S
         try:
             header, frames = wire.unpack(parts)
@@ -209,6 +216,13 @@ class FrontendLink:
         if now < self._next_retry:
             return False
         why = self._why_silent()
+        gone = self.accepted and not self.broken and now - self.heard >= REOPEN_S
+        if gone and not self._backlog:  # (replies kept wait for GIVE_UP_S, which drops them)
+            log.warning("frontend %s silent for %.0f s (%s); connecting anew",
+                        self.endpoint, now - self.heard, why)  # fmt: skip
+            self.close()
+            self.open(now)
+            return True
         if self.accepted and not self.broken:  # it answered on this socket before
             log.warning(
                 "frontend %s silent for %.0f s (%s); saying READY again",
