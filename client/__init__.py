@@ -5,6 +5,7 @@ Works against any Open Inference Protocol server (batchd, Triton, ...).
 
 from batchd.client.client import AsyncClient, Client
 from batchd.client.errors import (
+    BadResponse,
     BatchdClientError,
     DeadlineExceeded,
     InferenceFailed,
@@ -19,6 +20,7 @@ from batchd.client.views import BatchStats, Duration, ModelStats
 
 __all__ = [
     "AsyncClient",
+    "BadResponse",
     "BatchStats",
     "BatchdClientError",
     "Client",

@@ -17,10 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from batchd.client.errors import InvalidInput
+from batchd.client.errors import BadResponse, InvalidInput
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
 from batchd.protos.tensors import from_raw, set_parameter, to_raw
+
+CLIP = 64  # characters of a name or datatype from the server quoted in a message
 
 
 def build_request(
@@ -153,18 +155,29 @@ def _numeric(name: str, a: np.ndarray, datatype: str) -> np.ndarray:
 def _typed(t: pb.InferOutputTensor) -> np.ndarray:
     dt = DATATYPES[t.datatype]
     if dt.contents_field is None:
-        raise ValueError(f"output {t.name!r}: {t.datatype} came without raw contents")
+        raise ValueError(f"{t.datatype} came without raw contents")
     values = list(getattr(t.contents, dt.contents_field))
-    return np.asarray(values, dtype=dt.numpy).reshape(tuple(t.shape))
+    arr = np.asarray(values, dtype=dt.numpy)  # (a value past the type: OverflowError)
+    return from_raw(t.datatype, tuple(t.shape), arr.tobytes()).copy()  # (its shape checked)
 
 
 def parse_response(msg: pb.ModelInferResponse) -> dict[str, np.ndarray]:
-    """Each output as a writable numpy array (BF16 as its uint16 bit patterns)."""
+    """Each output as a writable numpy array (BF16 as its uint16 bit patterns); an
+    answer that does not decode is BadResponse, saying why (a hostile shape costs
+    nothing: its elements are counted no further than its data could hold)."""
     raw = msg.raw_output_contents
+    if raw and len(raw) != len(msg.outputs):
+        raise BadResponse(f"the response has {len(msg.outputs)} outputs and {len(raw)} raw "
+                          "contents: one each was expected")  # fmt: skip
     out = {}
     for i, t in enumerate(msg.outputs):
-        if raw:
-            out[t.name] = from_raw(t.datatype, tuple(t.shape), raw[i]).copy()
-        else:
-            out[t.name] = _typed(t)
+        name = repr(t.name[:CLIP])
+        if t.name in out:
+            raise BadResponse(f"the response holds output {name} twice")
+        if t.datatype not in DATATYPES:
+            raise BadResponse(f"output {name}: unknown datatype {t.datatype[:CLIP]!r}")
+        try:
+            out[t.name] = from_raw(t.datatype, t.shape, raw[i]).copy() if raw else _typed(t)
+        except (ValueError, OverflowError) as e:
+            raise BadResponse(f"output {name} does not decode: {e}") from None
     return out

@@ -8,7 +8,8 @@ BatchdClientError            any failed call; .code is the grpc.StatusCode
 ├── DeadlineExceeded         DEADLINE_EXCEEDED
 ├── ServerUnavailable        UNAVAILABLE (.retry_after_ms: a pushback says nothing was done)
 ├── InferenceFailed          INTERNAL (the model raised)
-└── Unauthenticated          UNAUTHENTICATED (no token, or a wrong one)
+├── Unauthenticated          UNAUTHENTICATED (no token, or a wrong one)
+└── BadResponse              INTERNAL, raised here: the server's answer does not decode
 
 RESOURCE_EXHAUSTED means two things. A server that is busy (batchd: a full queue,
 a full decode backlog) says when to come back, with a `grpc-retry-pushback-ms`
@@ -70,6 +71,13 @@ class InferenceFailed(BatchdClientError):
 
 class Unauthenticated(BatchdClientError):
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class BadResponse(BatchdClientError):
+    """The server's answer does not decode (a shape its data cannot fill, an unknown
+    datatype, outputs and contents that do not pair): not batchd, or a defect."""
+
+    code = grpc.StatusCode.INTERNAL
 
 
 _BY_CODE: dict[grpc.StatusCode, type[BatchdClientError]] = {

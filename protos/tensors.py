@@ -7,7 +7,6 @@ pure: bytes and numpy in, bytes and numpy out.
 
 from __future__ import annotations
 
-import math
 import struct
 from array import array
 from collections.abc import Sequence
@@ -26,10 +25,6 @@ _NARROW = {  # integer datatypes narrower than the 32-bit contents field they tr
     for k, v in DATATYPES.items()
     if v.contents_field in ("int_contents", "uint_contents") and v.itemsize < 4
 }
-
-
-def element_count(shape: Sequence[int]) -> int:
-    return math.prod(shape)
 
 
 def bounded_count(shape: Sequence[int], limit: int) -> int:
@@ -140,13 +135,26 @@ def serialize_bytes(values: Any) -> bytes:
     return bytes(out)
 
 
+def _shown(shape: Sequence[int]) -> str:
+    return f"{list(shape[:8])}{f' ({len(shape)} dims)' if len(shape) > 8 else ''}"
+
+
+def _count(shape: Sequence[int], buf: bytes | memoryview, itemsize: int) -> int:
+    """The elements of `shape`, if `buf` can hold them (ValueError if not): counted no
+    further than that, so a hostile shape of huge dimensions costs nothing."""
+    most = len(buf) // max(itemsize, 1)
+    if any(d < 0 for d in shape) or (count := bounded_count(shape, most)) > most:
+        raise ValueError(f"a tensor of shape {_shown(shape)} cannot be in {len(buf)} bytes")
+    return count
+
+
 def deserialize_bytes(buf: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
     """A numpy object array of `bytes` with `shape` from a raw BYTES buffer."""
-    count = element_count(shape)
+    count = _count(shape, buf, 4)  # (4 bytes at least, each element's length)
     try:
         offsets = bytes_element_offsets(buf, count)
     except ValueError as e:
-        raise ValueError(f"BYTES tensor of shape {list(shape)[:8]}: {e}") from None
+        raise ValueError(f"BYTES tensor of shape {_shown(shape)}: {e}") from None
     data = bytes(buf)
     out = np.empty(count, dtype=object)
     starts = offsets.tolist()
@@ -172,10 +180,10 @@ def from_raw(datatype: str, shape: Sequence[int], buf: bytes | memoryview) -> np
     dt = DATATYPES[datatype]
     if dt.is_bytes:
         return deserialize_bytes(buf, shape)
-    expected = element_count(shape) * dt.itemsize
+    expected = _count(shape, buf, dt.itemsize) * dt.itemsize
     if len(buf) != expected:
         raise ValueError(
-            f"{datatype} tensor of shape {list(shape)} needs {expected} bytes, got {len(buf)}"
+            f"{datatype} tensor of shape {_shown(shape)} needs {expected} bytes, got {len(buf)}"
         )
     return np.frombuffer(buf, dtype=dt.numpy).reshape(tuple(shape))
 

@@ -16,6 +16,7 @@ import pytest
 
 from batchd.client import (
     AsyncClient,
+    BadResponse,
     Client,
     InvalidInput,
     ModelNotFound,
@@ -23,7 +24,7 @@ from batchd.client import (
     ServerBusy,
     ServerUnavailable,
 )
-from batchd.client.codec import build_request
+from batchd.client.codec import build_request, parse_response
 from batchd.client.core import ClientCore, Open, Rpc, Wait
 from batchd.client.errors import LimitExceeded, from_rpc_error
 from batchd.client.retry import RetryPolicy
@@ -445,3 +446,37 @@ def test_one_input_given_as_a_list_or_a_numpy_scalar_is_named_from_the_metadata(
         call = steps.send(meta)
         assert isinstance(call, Rpc) and call.request.inputs[0].name == "X"
         steps.close()
+
+
+def _answer(shape: list[int], raw: list[bytes], datatype: str = "FP32") -> pb.ModelInferResponse:
+    msg = pb.ModelInferResponse(model_name="m", raw_output_contents=raw)
+    msg.outputs.add(name="Y", datatype=datatype, shape=shape)
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("msg", "message"),
+    [
+        (_answer([2**62] * 20_000, [bytes(16)]), "shape [4611686018427387904, "),
+        (_answer([5], [bytes(16)]), "'Y' does not decode: a tensor of shape [5] cannot be in 16"),
+        (_answer([-1, -4], [bytes(16)]), "a tensor of shape [-1, -4] cannot be in 16 bytes"),
+        (_answer([2], [bytes(6)], "BYTES"), "a tensor of shape [2] cannot be in 6 bytes"),
+        (_answer([4], [bytes(16)], "FP99"), "output 'Y': unknown datatype 'FP99'"),
+        (_answer([4], [bytes(16), bytes(16)]), "1 outputs and 2 raw contents: one each"),
+        (_answer([4], []), "a tensor of shape [4] cannot be in 0 bytes"),  # (typed: none)
+        (_answer([2], [], "FP16"), "FP16 came without raw contents"),
+    ],
+)
+def test_an_answer_that_does_not_decode_is_bad_response_saying_why(
+    msg: pb.ModelInferResponse, message: str
+) -> None:
+    """A server's answer is data: one whose shape its bytes cannot fill, of an unknown
+    datatype, or whose outputs and contents do not pair raised KeyError, IndexError or
+    ValueError; a shape of 200,000 huge dims held the caller 111 s past its timeout
+    (the count was a product of millions of digits). BadResponse, at once."""
+    with pytest.raises(BadResponse, match=re.escape(message)):
+        parse_response(msg)
+    twice = _answer([1], [bytes(4), bytes(4)])
+    twice.outputs.add(name="Y", datatype="INT32", shape=[1])
+    with pytest.raises(BadResponse, match="the response holds output 'Y' twice"):
+        parse_response(twice)
