@@ -243,7 +243,7 @@ class Client(_Connection):
                 try:
                     for piece in resume.call(self._jobs_stub.JobResults, f.size):
                         f.write(piece.data)
-                    return f.lines
+                    return f.whole()
                 except grpc.RpcError as e:
                     time.sleep(resume.wait(e))
 
@@ -367,7 +367,7 @@ class AsyncClient(_Connection):
                 try:
                     async for piece in resume.call(self._jobs_stub.JobResults, f.size):
                         f.write(piece.data)
-                    return f.lines
+                    return f.whole()
                 except grpc.RpcError as e:
                     await asyncio.sleep(resume.wait(e))
 

@@ -26,7 +26,12 @@ from typing import Any, BinaryIO, ClassVar
 import grpc
 
 from batchd.client.core import ClientCore, Steps, Wait
-from batchd.client.errors import BatchdClientError, ServerUnavailable, from_rpc_error
+from batchd.client.errors import (
+    BadResponse,
+    BatchdClientError,
+    ServerUnavailable,
+    from_rpc_error,
+)
 from batchd.protos import jobs_pb2 as pb
 
 # Bytes of the job file per SubmitJobRequest, at most: with the message's own few bytes,
@@ -226,6 +231,7 @@ class ResultsFile:
         self._path: Path | None = None
         self.file: BinaryIO
         self.lines = self.size = 0
+        self._cut = False  # the last piece ended inside a line
 
     def _open(self) -> None:
         out = self._out
@@ -246,6 +252,17 @@ class ResultsFile:
         self.file.write(data)
         self.lines += data.count(b"\n")
         self.size += len(data)
+        if data:
+            self._cut = not data.endswith(b"\n")
+
+    def whole(self) -> int:
+        """The lines written, once the results ended: at a line's end, as the server's
+        always do (it sends up to a checkpoint); else a proxy or a server cut them short
+        and said they were whole, and the file is not put in place."""
+        if self._cut:
+            raise BadResponse(f"the results ended {self.size} bytes in, inside a line: they "
+                              "were cut short (a path is left as it was)")  # fmt: skip
+        return self.lines
 
     def __enter__(self) -> ResultsFile:
         try:

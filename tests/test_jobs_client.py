@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from batchd.client import AsyncClient, Client, LimitExceeded, ServerUnavailable
+from batchd.client import AsyncClient, BadResponse, Client, LimitExceeded, ServerUnavailable
 from batchd.client.jobs import _GivenUp, _Upload
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from tests.conftest import Gate, run
@@ -154,6 +154,34 @@ def test_a_cut_download_goes_on_from_where_it_got_to(tmp_path: Path) -> None:
         with Client(f"127.0.0.1:{port}") as c, pytest.raises(ServerUnavailable):
             c.job_results("j", tmp_path / "none.jsonl")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.jsonl", "results.jsonl"]
+
+
+class _ShortResults(jobs_pb2_grpc.JobsServicer):
+    """JobResults that ends, OK, inside a line (a proxy, a broken server)."""
+
+    def JobResults(self, request: Any, context: Any) -> Iterator[jobs_pb2.JobResultsChunk]:
+        yield jobs_pb2.JobResultsChunk(data=b'{"custom_id": "a"}\n{"custom_id": "b", "outp')
+
+
+def test_results_that_end_inside_a_line_are_refused_and_leave_the_file_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """A download whose stream ended OK inside a line replaced the file with the cut
+    results, and the CLI said it had written them (exit 0): a file "written whole or
+    not at all" was neither."""
+    out = tmp_path / "results.jsonl"
+    out.write_bytes(b"earlier\n")
+    with grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, _ShortResults()) as port:
+        with Client(f"127.0.0.1:{port}") as c, pytest.raises(BadResponse, match="cut short"):
+            c.job_results("j", out)
+
+        async def download() -> int:
+            async with AsyncClient(f"127.0.0.1:{port}") as c:
+                return await c.job_results("j", out)
+
+        with pytest.raises(BadResponse, match="ended 43 bytes in, inside a line"):
+            run(download)
+    assert out.read_bytes() == b"earlier\n" and sorted(tmp_path.iterdir()) == [out]
 
 
 def test_sigterm_during_a_download_leaves_no_partial_file(
