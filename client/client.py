@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 
 from batchd.client import jobs as job_ops
+from batchd.client.channel import Pem, Security, channel_options, open_channel
 from batchd.client.core import (
     DEFAULT_MAX_MESSAGE_BYTES,
     END,
@@ -46,14 +47,10 @@ from batchd.client.core import (
     Emit,
     Inputs,
     Open,
-    Pem,
     Rpc,
-    Security,
     Steps,
     StreamSteps,
     Wait,
-    channel_options,
-    open_channel,
 )
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2_grpc as pb_grpc

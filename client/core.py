@@ -26,12 +26,10 @@ against tiny, and the blocking channel costs nothing over the steps.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -51,7 +49,6 @@ from batchd.protos import inference_pb2 as pb
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 Inputs = Mapping[str, Any] | np.ndarray
-Pem = bytes | str | os.PathLike[str]
 T = TypeVar("T")
 
 
@@ -108,62 +105,6 @@ EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 STREAM_PARAMETERS: dict[str, bool] = {EMPTY_FINAL_RESPONSE: True}
 # An error response may name its gRPC status (a string parameter of its infer_response).
 ERROR_CODE = "error_code"
-
-
-@dataclass(frozen=True)
-class Security:
-    tls: bool = False
-    ca_cert: Pem | None = None
-    client_cert: Pem | None = None
-    client_key: Pem | None = None
-    token: str | None = None
-
-    def credentials(self) -> grpc.ChannelCredentials | None:
-        """TLS credentials, or None for a plaintext channel."""
-        if (self.client_cert is None) != (self.client_key is None):
-            raise ValueError("client_cert and client_key go together")
-        if not (self.tls or self.ca_cert or self.client_cert):
-            return None
-        return grpc.ssl_channel_credentials(
-            root_certificates=_pem(self.ca_cert),
-            private_key=_pem(self.client_key),
-            certificate_chain=_pem(self.client_cert),
-        )
-
-    def call_kwargs(self) -> dict[str, Any]:
-        """What every call passes besides the message and the timeout: the token."""
-        if self.token is None:
-            return {}
-        return {"metadata": (("authorization", f"Bearer {self.token}"),)}
-
-
-def _pem(value: Pem | None) -> bytes | None:
-    return value if value is None or isinstance(value, bytes) else Path(value).read_bytes()
-
-
-def open_channel(kind: Any, url: str, credentials: grpc.ChannelCredentials | None,
-                 options: list[tuple[str, int]]) -> Any:  # fmt: skip
-    """A channel of `kind` (grpc: blocking; grpc.aio), over TLS with `credentials`."""
-    if url.startswith(("http://", "https://")):  # gRPC said "Misformatted domain name"
-        raise ValueError(f"url {url[:60]!r}: a gRPC target is HOST:PORT, no http:// (tls=True)")
-    if credentials is None:
-        return kind.insecure_channel(url, options=options)
-    return kind.secure_channel(url, credentials, options=options)
-
-
-def channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # gRPC shares one connection among a process's channels to the same target
-        # unless told otherwise; a server with --frontends N balances connections.
-        ("grpc.use_local_subchannel_pool", int(own_connection)),
-        # A call with no deadline (a job's upload or download) on a connection gone
-        # silent (a cut network): pinged after 60 s, failed 20 s later. The server
-        # permits a ping every 10 s (--keepalive-permit-time).
-        ("grpc.keepalive_time_ms", 60_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-    ]
 
 
 def _remaining(deadline: float | None) -> float | None:

@@ -480,3 +480,25 @@ def test_an_answer_that_does_not_decode_is_bad_response_saying_why(
     twice.outputs.add(name="Y", datatype="INT32", shape=[1])
     with pytest.raises(BadResponse, match="the response holds output 'Y' twice"):
         parse_response(twice)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ca_cert": ""}, "ca_cert is empty"),  # an unset variable: TLS went off, quietly
+        ({"ca_cert": b""}, "ca_cert is empty"),
+        ({"client_cert": "", "client_key": "k.pem"}, "client_cert is empty"),
+        ({"token": "abc\n"}, "the token holds characters a header cannot carry"),
+        ({"token": "naïve"}, "the token holds characters a header cannot carry"),
+        ({"token": ""}, "the token holds characters a header cannot carry"),
+    ],
+)
+def test_settings_that_would_leak_or_garble_the_token_are_refused_as_the_client_is_built(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    """ca_cert="" (a path from an unset variable) made a plaintext channel, and the
+    token went in the clear; a token with a newline failed each call as INTERNAL
+    "the model raised" (AsyncClient: a raw grpc error), and ready() said False."""
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError, match=message):
+            make("127.0.0.1:1", **kwargs)
