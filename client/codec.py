@@ -37,13 +37,16 @@ def build_request(
 ) -> pb.ModelInferRequest:
     msg = pb.ModelInferRequest(model_name=model, model_version=version, id=request_id)
     for name, value in inputs.items():
-        a, override = _array(value), (datatypes or {}).get(name)
-        if override is not None:
-            a = _as_datatype(name, a, override)
-        try:
+        if not isinstance(name, str):
+            raise InvalidInput(f"input names are strings, got {type(name).__name__}")
+        override = (datatypes or {}).get(name)
+        try:  # (a ragged list, a dtype with no datatype, an odd element)
+            a = _array(value)
+            if override is not None:
+                a = _as_datatype(name, a, override)
             datatype, shape, raw = to_raw(a, override)
-        except (ValueError, TypeError) as e:  # a dtype with no datatype, an odd element
-            raise InvalidInput(f"input {name!r}: {e}") from None
+        except (ValueError, TypeError) as e:
+            raise InvalidInput(f"input {name[:CLIP]!r}: {e}") from None
         msg.inputs.add(name=name, datatype=datatype, shape=shape)
         msg.raw_input_contents.append(raw)
     if isinstance(outputs, str | bytes) or not isinstance(outputs, Iterable | None):
@@ -51,9 +54,10 @@ def build_request(
                         f"({type(outputs).__name__}); a timeout goes as timeout=")  # fmt: skip
     for name in outputs or ():
         msg.outputs.add(name=name)
-    for key, v in (parameters or {}).items():
-        if not set_parameter(msg.parameters[key], v):
-            msg.parameters[key].string_param = str(v)
+    for key, v in (parameters or {}).items():  # (a numpy scalar as its Python value)
+        if not set_parameter(msg.parameters[key], v.item() if isinstance(v, np.generic) else v):
+            raise InvalidInput(f"parameter {str(key)[:CLIP]!r}: a bool, int, float or str "
+                               f"(an int of 64 bits), got {type(v).__name__}")  # fmt: skip
     return msg
 
 

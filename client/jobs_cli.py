@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -76,11 +77,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    try:  # (a server's number: a time no calendar holds is shown as it came)
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+    except (OverflowError, ValueError, OSError):
+        return f"{t!r}"
 
 
 def _duration(s: float | None) -> str:
-    if s is None:
+    if s is None or not math.isfinite(s):  # (a server's number: inf and nan are unknown)
         return "?"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -502,3 +502,18 @@ def test_settings_that_would_leak_or_garble_the_token_are_refused_as_the_client_
     for make in (Client, AsyncClient):
         with pytest.raises(ValueError, match=message):
             make("127.0.0.1:1", **kwargs)
+
+
+def test_numpy_scalar_parameters_travel_as_their_values_and_others_are_refused() -> None:
+    """np.int64(1) went as the string "1" (the server then refused priority=1 as a
+    string), None as "None"; a ragged list and a name that is no string raised raw
+    ValueError and TypeError."""
+    x = {"X": np.zeros((1, 2), np.float32)}
+    msg = build_request("m", x, parameters={"priority": np.int64(1), "f": np.float32(0.5)})
+    assert msg.parameters["priority"].int64_param == 1 and msg.parameters["f"].double_param == 0.5
+    with pytest.raises(InvalidInput, match="parameter 'p': a bool, int, float or str"):
+        build_request("m", x, parameters={"p": None})  # type: ignore[dict-item]
+    with pytest.raises(InvalidInput, match=r"input 'X': .*inhomogeneous"):
+        build_request("m", {"X": [[1.0, 2.0], [3.0]]})
+    with pytest.raises(InvalidInput, match="input names are strings, got int"):
+        build_request("m", {7: np.zeros(2, np.float32)})  # type: ignore[dict-item]

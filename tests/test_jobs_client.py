@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import numpy as np
 import pytest
 
 from batchd.client import AsyncClient, BadResponse, Client, LimitExceeded, ServerUnavailable
-from batchd.client.jobs import _GivenUp, _Upload
+from batchd.client.jobs import Job, _GivenUp, _Upload
+from batchd.client.jobs_cli import describe
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from tests.conftest import Gate, run
 from tests.servers import TEST_MODELS, ServerProcess, grpc_servicer, wait_for
@@ -321,3 +323,12 @@ def test_grpc_logs_no_error_for_an_upload_given_up(caplog: pytest.LogCaptureFixt
         except Exception:
             log.exception("Exception iterating requests!")
     assert [r.exc_info[0] for r in caplog.records if r.exc_info] == [ValueError]
+
+
+def test_a_job_s_numbers_no_clock_holds_are_shown_not_a_traceback() -> None:
+    """The server's numbers are data: an ETA of inf crashed `batchd jobs status` and
+    `wait` with OverflowError (exit 1, a traceback), a time past any calendar too."""
+    job = Job.from_pb(jobs_pb2.Job(id="j", model_name="m", status="running", created_at=1e300,
+                                   started_at=math.nan, eta_seconds=math.inf))  # fmt: skip
+    text = describe(job)
+    assert "created   1e+300" in text and "started   nan" in text and "ETA ?" in text
