@@ -257,6 +257,8 @@ class Core:
         LOADING_SILENCE_S. A live local process with work on it gets its work's limit
         (on_tick), one of several frontends (its forward may be another's, or a gone
         one's) the longest execution_timeout_s; a remote one could as well be gone."""
+        if frontends.gone(worker.info.pid):  # (killed: frontend 0 saw it exit, not this one)
+            return False
         if silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
             return True
         pid, models = worker.info.pid, self.models.values()

@@ -182,6 +182,12 @@ def sibling(pid: int) -> bool:
     return int(stat.rpartition(")")[2].split()[1]) == parent()  # (ppid: after the name)
 
 
+def gone(pid: int) -> bool:
+    """Whether this is a child frontend and worker `pid` is gone: its workers are all
+    frontend 0's local processes (no --worker-endpoint with --frontends)."""
+    return PARENT in os.environ and not sibling(pid)
+
+
 async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int | None:
     """Wait for a child frontend's exit; kill it if it stops beating (watch_parent writes
     a byte to `beats` each round): a child hung (its event loop blocked, stopped) kept

@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.server import core as core_module
+from batchd.server import frontends
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.core import Core
 from batchd.server.errors import BatchdError, ModelFailed, StreamBehind
@@ -470,5 +472,28 @@ def test_a_local_worker_s_exit_loses_that_process_only(router: zmq.Socket[bytes]
         assert [w.info.pid for w in core.pool.workers()] == [99]
         core.worker_exited("cpu0#0", 99, "process exited (code 1)")
         assert core.pool.workers() == []
+
+    run(body)
+
+
+def test_a_child_frontend_s_worker_killed_while_it_loads_is_lost_at_once(
+    router: zmq.Socket[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child frontend gave a silent worker that was loading a model LOADING_SILENCE_S
+    (120 s) before it looked whether its process was alive: one SIGKILLed held a
+    batch of another model until its execution_timeout_s (32 s). A child frontend's
+    workers are all frontend 0's: one whose process is gone is lost at once."""
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        worker, r = one_batch_on(core, "w")
+        worker.info.pid = dead.pid
+        worker.loads["other@1"] = asyncio.get_running_loop().create_future()  # loading
+        monkeypatch.setenv(frontends.PARENT, str(os.getpid()))
+        core.on_silent(b"w", 3.5)
+        assert core.pool.workers() == [] and r.attempts == 1 and not r.future.done()
 
     run(body)
