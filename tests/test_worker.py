@@ -23,13 +23,14 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import load_model_config, model_key
-from batchd.protos.repository import find_model
+from batchd.protos.repository import files_of, find_model
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch, why
 from batchd.worker.loader import load_model
-from batchd.worker.loading import load
+from batchd.worker.loading import Loaded, load
 from batchd.worker.runner import Runner, RunnerOptions
+from tests.conftest import make_model, model_log
 
 CPU = torch.device("cpu")
 TOML = """max_batch_size = 8
@@ -60,7 +61,8 @@ def batch(arr: np.ndarray, name: str = "X") -> tuple[list[wire.Tensor], list[byt
 def install(runner: Runner, header: wire.Header) -> str:
     """Load as the loader thread does, and install: LOADED's error ("" once loaded)."""
     o = runner.options
-    loaded = load(header, o.repository, o.device, o.allowed, runner.models)
+    have = {k: (cfg.directory, files_of(cfg.directory)) for k, (cfg, _) in runner.models.items()}
+    loaded = load(header, o.repository, o.device, o.allowed, have)  # (held: as its files are)
     if loaded.model is not None:
         runner._install(loaded)
     return loaded.error
@@ -649,3 +651,26 @@ def test_a_model_s_long_error_message_is_cut_in_its_reply() -> None:
     said = why(ValueError("y" * 100_000))
     assert said.startswith("ValueError: yyy") and said.endswith("... (100000 characters)")
     assert len(said) < 4200 and why(ValueError("short")) == "ValueError: short"
+
+
+def test_a_plain_load_of_a_version_held_whose_files_changed_loads_them_again(
+    tmp_path: Path,
+) -> None:
+    """A frontend started again numbers its versions from 1: a remote worker that
+    outlived it held "scaled@1" from the old files and answered with the old weights
+    under the new version's number (with a fresh worker beside it, half the answers
+    were each). A plain LOAD of a version held whose files changed loads them again;
+    one with `held` (a frontend that knows they changed) keeps the copy."""
+    d = make_model(tmp_path, "scaled", 2.0)
+    plain = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1")
+    first = load(plain, tmp_path, CPU, (), {})
+    assert first.model is not None and first.files is not None
+    have = {"scaled@1": first.files}
+    assert load(plain, tmp_path, CPU, (), have) == Loaded()  # the same files: kept
+    (d / "scale.txt").write_text("3.0")
+    held = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1", held=True)
+    assert load(held, tmp_path, CPU, (), have) == Loaded()
+    again = load(plain, tmp_path, CPU, (), have)
+    assert again.model is not None and again.files is not None and again.files != first.files
+    assert again.model[0].key == "scaled@1"
+    assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0, 3.0]  # the new weights

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Container
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.protos.repository import find_model
+from batchd.protos.repository import Files, files_of, find_model
 from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, load_model
 
@@ -53,31 +53,41 @@ log = logging.getLogger("batchd.worker")
 
 @dataclass(frozen=True)
 class Loaded:
-    """What a LOAD came to: the model, or why not; None and "" when it was loaded already."""
+    """What a LOAD came to: the model, or why not; None and "" when it was loaded already.
+    `files`: the model's files as they were when it was read (repository.files_of)."""
 
     model: tuple[ModelConfig, ModelFn] | None = None
     error: str = ""
+    files: tuple[Path, Files] | None = None
 
 
 def load(
     header: wire.Header, repository: Path, device: torch.device, allowed: tuple[str, ...],
-    have: Container[str],
+    have: Mapping[str, tuple[Path, Files]],
 ) -> Loaded:  # fmt: skip
-    """Load the model version `header` names, unless it is in `have`."""
+    """Load the model version `header` names, unless `have` holds it (by key: its folder
+    and files as they were read). A plain LOAD of one whose files changed since loads
+    them again: it comes from a frontend that read them as they are now (a frontend
+    started again numbers its versions from 1: this worker served the old weights under
+    the new version's number); a frontend that knows of the change says `held`."""
     try:
         if allowed and header.model not in allowed:
             raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
-        if model_key(header.model, header.version) in have:
-            return Loaded()
-        if header.held:  # (its files changed: they are not that version's)
+        if (had := have.get(model_key(header.model, header.version))) is not None:
+            if header.held or files_of(had[0]) == had[1]:
+                return Loaded()
+            log.warning("model %s version %s: its files changed since it was loaded here; "
+                        "loading them again", header.model, header.version)  # fmt: skip
+        elif header.held:  # (its files changed: they are not that version's)
             return Loaded(error=wire.NOT_HELD)
         start = time.perf_counter()
         cfg = dataclasses.replace(find_model(repository, header.model), version=header.version)
+        files = (cfg.directory, files_of(cfg.directory))  # (before: what load() reads)
         fn = load_model(cfg, device)
         settle_heap()
         log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
                  cfg.artifact, time.perf_counter() - start, extra={"model": cfg.name})  # fmt: skip
-        return Loaded((cfg, fn))
+        return Loaded((cfg, fn), files=files)
     except BaseException as e:  # a model that will not load is reply data too, even
         # one that calls sys.exit(): it would end this thread, and the compute thread
         log.exception("cannot load model %s", header.model, extra={"model": header.model})
@@ -114,7 +124,8 @@ class Loader:
         self._compute, self._install = compute, install
         self._asked: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
         self._repository, self._device, self._allowed = repository, device, allowed
-        self._have: set[str] = set()  # what is installed, as of the last message handed on
+        # What is installed, as of the last message handed on: key -> its folder and files
+        self._have: dict[str, tuple[Path, Files]] = {}
         self._thread = own_thread(self._run, "loader")
         self._threads, self._to = 1, ""
         self._ctx: zmq.Context[Any] | None = None
@@ -145,13 +156,13 @@ class Loader:
                 frontend, header, _ = item
                 key = model_key(header.model, header.version)
                 if header.kind != wire.Header.LOAD:
-                    self._have.discard(key)
+                    self._have.pop(key, None)
                     self._compute.put(item)
                     continue
                 loaded = load(header, self._repository, self._device, self._allowed, self._have)
-                if loaded.model is not None:
+                if loaded.model is not None and loaded.files is not None:
                     self._install(loaded)
-                    self._have.add(key)
+                    self._have[key] = loaded.files
                 reply = wire.Header(kind=wire.Header.LOADED, model=header.model,
                                     version=header.version, error=loaded.error,
                                     held=header.held and bool(loaded.error))  # fmt: skip
