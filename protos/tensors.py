@@ -71,9 +71,9 @@ def bytes_row_offsets(buf: bytes | memoryview, rows: int, per_row: int = 1) -> n
                 for _ in range(per_row):
                     pos += 4 + unpack(buf, pos)[0]
     except struct.error:
-        raise _framing_error(buf, offsets[-1], i, count) from None
+        raise _framing_error(buf, offsets, i, per_row, count) from None
     if pos != end:
-        raise _framing_error(buf, offsets[-1], i, count)
+        raise _framing_error(buf, offsets, i, per_row, count)
     add(end)
     return np.frombuffer(offsets, np.int64)
 
@@ -84,10 +84,14 @@ def _uniform(buf: bytes | memoryview, count: int, step: int) -> bool:
     return bool((prefixes == step - 4).all())
 
 
-def _framing_error(buf: bytes | memoryview, pos: int, i: int, count: int) -> ValueError:
-    """What is wrong with `buf`, walking on from element `i` at `pos` (the start of the
-    row where the walk failed): at most one row is walked again."""
-    end = len(buf)
+def _framing_error(
+    buf: bytes | memoryview, offsets: array[int], i: int, per_row: int, count: int
+) -> ValueError:
+    """What is wrong with `buf`, walked again from the row before the one where the walk
+    failed (row `i // per_row`, starting at offsets[-1]): a prefix saying too many bytes
+    is found one element later, so the element it names would be the next one's."""
+    end, back = len(buf), len(offsets) > 1
+    pos, i = (offsets[-2], i - per_row) if back else (offsets[-1], i)
     while i < count:
         if pos == end:
             return ValueError(f"{count} BYTES elements declared, the buffer holds only {i}")

@@ -144,6 +144,9 @@ def test_bytes_row_offsets_mark_where_each_row_starts() -> None:
         (b"\x00\x00\x00\x00" * 3, 2, "2 BYTES elements declared, the buffer holds more"),
         (b"\x00\x00\x00\x00" * 3, 4, "4 BYTES elements declared, the buffer holds only 3"),
         (b"\x01\x00\x00\x00a\x00\x00\x00\x00\x09", 2, "holds more (1 bytes after them)"),
+        # a prefix saying too much is found at the next element: the one it names was
+        # that next one ("element 1 is truncated: ... -98 remain")
+        (b"\x64\x00\x00\x00ab", 2, "element 0 is truncated: its prefix says 100 bytes, 2"),
     ],
 )
 def test_bad_bytes_framing_is_named(raw: bytes, count: int, message: str) -> None:
