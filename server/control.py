@@ -57,6 +57,7 @@ class ModelControl:
         self._pool, self._link, self._scheduler = pool, link, scheduler
         self._clock, self._changed, self._pump_soon = clock, changed, pump_soon
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
+        self._awaited: set[str] = set()  # keys whose holder was lost, no load tried since
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
         self._files: dict[str, Files] = {}  # key -> files_of then
@@ -132,7 +133,7 @@ class ModelControl:
         workers = self._pool.workers()
         errors = [f"{w.name}: {w.load_errors[key]}" for w in workers if key in w.load_errors]
         loading = any(key in w.loads and not w.loads[key].done() for w in workers)
-        if errors and not loading and not self._pool.model_ready(key):
+        if errors and not loading and not self._pool.model_ready(key) and key not in self._awaited:
             name = key.rpartition("@")[0]
             self.broken[key] = f"model {name!r} could not be loaded: {'; '.join(errors)}"
             if self._scheduler.has(key):
@@ -210,6 +211,7 @@ class ModelControl:
 
     def on_loaded(self, worker: WorkerHandle, header: wire.Header) -> None:
         key = model_key(header.model, header.version)
+        self._awaited.discard(key)  # a load tried since: it says
         fut = worker.loads.get(key)
         worker.load_sent.pop(key, None)  # and the worker, which loads one model at a time,
         worker.load_sent = dict.fromkeys(worker.load_sent, self._clock())  # starts the next
@@ -232,6 +234,7 @@ class ModelControl:
         self._pump_soon()
 
     def worker_lost(self, worker: WorkerHandle, reason: str) -> None:
+        self._awaited |= worker.models  # wait for one back, not broken by another's old word
         for fut in worker.loads.values():
             if not fut.done():
                 fut.set_result(f"worker {worker.name} was lost while loading: {reason}")
@@ -378,6 +381,7 @@ class ModelControl:
             await asyncio.sleep(DRAIN_POLL_S)
         self._scheduler.remove_model(cfg.key)
         self._files.pop(cfg.key, None)
+        self._awaited.discard(cfg.key)
         self._pool.forget_hung(cfg.key)
         self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})

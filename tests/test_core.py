@@ -497,3 +497,30 @@ def test_a_child_frontend_s_worker_killed_while_it_loads_is_lost_at_once(
         assert core.pool.workers() == [] and r.attempts == 1 and not r.future.done()
 
     run(body)
+
+
+def test_a_model_whose_worker_was_lost_waits_for_one_not_broken_by_another_s_old_error(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A worker set up without model m said it could not load it; the worker that
+    served m was then lost: m was taken for broken on the first one's word, its
+    queued and new requests failing UNAVAILABLE at once while ServerReady said true.
+    It waits for a worker to come back (its own, restarted), as with none at all."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        key = core.models["m"].key
+        bad = register(core, "bad", key)
+        bad.models.discard(key)
+        bad.loads.pop(key).set_result("")  # (its LOADED said why not, as on_loaded keeps it)
+        bad.load_errors[key] = "no model named 'm' in its repository"
+        good = register(core, "good", key)
+        good.loads[key].set_result("")  # (loaded)
+        core.lose(good, "no message for 3.5 s")
+        assert core.control.broken == {} and core.control.load_error("m") is None
+        r = request(core.models["m"])
+        future = core.submit(r)
+        await asyncio.sleep(0)
+        assert not future.done() and core.scheduler.queued("m") == 1
+
+    run(body)
