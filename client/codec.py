@@ -20,7 +20,7 @@ import numpy as np
 from batchd.client.errors import BadResponse, InvalidInput
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
-from batchd.protos.tensors import from_raw, set_parameter, to_raw
+from batchd.protos.tensors import from_raw, serialize_bytes, set_parameter, to_raw
 
 CLIP = 64  # characters of a name or datatype from the server quoted in a message
 
@@ -160,8 +160,10 @@ def _typed(t: pb.InferOutputTensor) -> np.ndarray:
     dt = DATATYPES[t.datatype]
     if dt.contents_field is None:
         raise ValueError(f"{t.datatype} came without raw contents")
-    values = list(getattr(t.contents, dt.contents_field))
-    arr = np.asarray(values, dtype=dt.numpy)  # (a value past the type: OverflowError)
+    values = getattr(t.contents, dt.contents_field)
+    if dt.is_bytes:  # (framed as raw: its shape is checked against them the same way)
+        return from_raw(t.datatype, tuple(t.shape), serialize_bytes(values))
+    arr = np.asarray(list(values), dtype=dt.numpy)  # (a value past the type: OverflowError)
     return from_raw(t.datatype, tuple(t.shape), arr.tobytes()).copy()  # (its shape checked)
 
 

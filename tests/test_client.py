@@ -517,3 +517,15 @@ def test_numpy_scalar_parameters_travel_as_their_values_and_others_are_refused()
         build_request("m", {"X": [[1.0, 2.0], [3.0]]})
     with pytest.raises(InvalidInput, match="input names are strings, got int"):
         build_request("m", {7: np.zeros(2, np.float32)})  # type: ignore[dict-item]
+
+
+def test_bytes_in_typed_contents_decode() -> None:
+    """Triton may answer BYTES in bytes_contents: the check of its shape serialized the
+    object array's pointers and refused it ("its prefix says 2150480272 bytes")."""
+    msg = pb.ModelInferResponse(model_name="m")
+    out = msg.outputs.add(name="Y", datatype="BYTES", shape=[2, 1])
+    out.contents.bytes_contents.extend([b"ab", b"c"])
+    assert parse_response(msg)["Y"].tolist() == [[b"ab"], [b"c"]]
+    out.shape[:] = [3]
+    with pytest.raises(BadResponse, match=r"shape \[3\] cannot be in 11 bytes"):
+        parse_response(msg)
