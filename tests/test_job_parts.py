@@ -208,6 +208,21 @@ def test_a_line_has_no_deadline_whatever_the_model_s_default_timeout() -> None:
     assert decoded(json.loads(raw), cfg).queue_timeout  # online, the same request has one
 
 
+def test_a_line_whose_answer_would_not_fit_a_response_runs_its_results_go_to_a_file() -> None:
+    """The refusal, before the model runs, of a request whose fixed outputs would be
+    larger than a response may carry (--max-message-bytes) took job lines too, whose
+    results go to a file: lines that completed before now ended as error lines."""
+    cfg = fp32_model()  # Y: 3 FP32 a row
+    small = Limits(max_response_bytes=20)
+    jobs = runner.Jobs(None, None, small, max_file_bytes=1, max_open=1,  # type: ignore[arg-type]
+                       retention_s=1.0, min_upload_rate=0, upload_grace_s=0.0)  # fmt: skip
+    tensor = {"name": "X", "datatype": "FP32", "shape": [4, 3], "data": [0.0] * 12}
+    raw = json.dumps({"custom_id": "a", "inputs": [tensor]}).encode()
+    assert chunks.decode(raw, 1, cfg, small).error is not None  # (as online)
+    line = chunks.decode(raw, 1, cfg, jobs._limits)
+    assert line.error is None and line.request is not None and line.request.rows == 4
+
+
 @pytest.mark.parametrize(
     ("datatype", "data", "expected"),
     [

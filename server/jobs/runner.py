@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -250,7 +252,9 @@ class Jobs:
     def __init__(self, store: Store, core: JobCore, limits: Limits, *, max_file_bytes: int,
                  max_open: int, retention_s: float, min_upload_rate: int, upload_grace_s: float,
                  runs: bool = True) -> None:  # fmt: skip
-        self.store, self._core, self._limits = store, core, limits
+        # A line's results go to a file, never a response: no response limit refuses it.
+        self._limits = dataclasses.replace(limits, max_response_bytes=sys.maxsize)
+        self.store, self._core = store, core
         self.max_file_bytes, self.max_open, self.retention_s = max_file_bytes, max_open, retention_s
         self.min_upload_rate, self.upload_grace_s = min_upload_rate, upload_grace_s  # 0: off
         self.runs = runs  # False in frontends 1..N-1: they take jobs in and answer about them
