@@ -188,7 +188,10 @@ class _Child:
                 raise BatchdError(f"the parser process's answer did not unpickle: {e}") from None
             if ok:
                 return value  # type: ignore[no-any-return]
-            raise value
+            try:
+                raise value
+            finally:  # its traceback keeps this frame: neither a cycle (value) nor the document
+                del value, args  # (an inflated body counts until freed, http_site.InflateBudget)
         raise AssertionError("unreachable")
 
     def _start(self) -> subprocess.Popen[bytes]:

@@ -4,6 +4,8 @@ where, what crosses back, and a child that dies."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import gzip
 import os
 import shutil
 import signal
@@ -19,6 +21,7 @@ import pytest
 from batchd.server import parser
 from batchd.server.codec import DEFAULT_LIMITS
 from batchd.server.errors import BatchdError, InvalidInput, QueueFull, Unavailable
+from batchd.server.http_site import InflateBudget, Inflating
 from batchd.server.jobs import chunks
 from batchd.server.rest import _aside, _infer_body
 from batchd.server.rest_codec import parse_generate, parse_infer
@@ -250,3 +253,24 @@ def test_a_generate_body_over_the_json_limit_is_refused_here() -> None:
     with pytest.raises(InvalidInput, match="more than 8388608"):
         _aside(parse_generate)(b" " * (9 << 20), cfg)
     assert parser.child_pid() == 0
+
+
+def test_a_document_the_child_refuses_is_freed_with_the_refusal_not_by_a_collection() -> None:
+    """The child's refusal was raised from a frame its traceback keeps, holding itself
+    and the document: a cycle only the collector breaks. An inflated body counts against
+    every request's budget until freed: four bad 1 MiB gzip bodies (1 KB each sent)
+    made every compressed request 429 until a collection happened to run."""
+    budget = InflateBudget(10**8)
+    inflating = Inflating(gzip.compress(b"[" * 1_000_000), "gzip", 2**24, budget)
+    inflating.finish()
+    body, held = inflating.out, budget.held
+    del inflating
+    assert held == 1_000_000
+    gc.disable()
+    try:
+        with pytest.raises(InvalidInput):
+            parser.run(parse_infer, len(body), body, None, "m", "1", DEFAULT_LIMITS)
+        del body
+        assert budget.held == 0
+    finally:
+        gc.enable()
