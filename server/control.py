@@ -150,7 +150,8 @@ class ModelControl:
         joins, known = [], [*self.current.values(), *self._loading.values()]
         for key in set(worker.info.held if self.explicit else ()) - {c.key for c in known}:
             name, _, version = key.rpartition("@")  # retired while it was away: held for good
-            self._send_unload(worker, name, version)  # (explicit: no other frontend's to keep)
+            if name in self._versions:  # (one this frontend loaded: not another server's)
+                self._send_unload(worker, name, version)
         for cfg in known:
             if worker.accepts(cfg.name) and cfg.key not in worker.models:
                 if hung := self._pool.hung_for(worker, cfg.key):  # it would hang again

@@ -524,3 +524,24 @@ def test_a_model_whose_worker_was_lost_waits_for_one_not_broken_by_another_s_old
         assert not future.done() and core.scheduler.queued("m") == 1
 
     run(body)
+
+
+def test_a_worker_back_unloads_only_versions_of_models_this_frontend_loaded(
+    router: zmq.Socket[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under explicit model control a worker that registers again has the versions it
+    holds and this frontend does not serve unloaded (retired while it was away), but
+    only of models this frontend loaded: one worker serving two servers lost each
+    server's models to the other's UNLOADs, and a server broke for good."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        core.control.explicit = True
+        unloads: list[tuple[str, str]] = []
+        monkeypatch.setattr(core.control, "_send_unload", lambda w, n, v: unloads.append((n, v)))
+        again = ready("w")
+        again.worker.held[:] = ["m@1", "m@0", "theirs@1"]  # (m@1 serves; m@0 it retired)
+        core.on_message(b"w", again, [])
+        assert unloads == [("m", "0")]
+
+    run(body)
