@@ -30,7 +30,7 @@ from batchd.worker.execute import BatchError, run_batch, why
 from batchd.worker.loader import load_model
 from batchd.worker.loading import Loaded, load
 from batchd.worker.runner import Runner, RunnerOptions
-from tests.conftest import make_model, model_log
+from tests.conftest import make_model, model_log, stepwise_toml
 
 CPU = torch.device("cpu")
 TOML = """max_batch_size = 8
@@ -674,3 +674,28 @@ def test_a_plain_load_of_a_version_held_whose_files_changed_loads_them_again(
     assert again.model is not None and again.files is not None and again.files != first.files
     assert again.model[0].key == "scaled@1"
     assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0, 3.0]  # the new weights
+
+
+STEPS_PY = """
+class Steps:
+    def start(self, requests):
+        return [0 for _ in requests]
+    def step(self, states):
+        return [(None, True) for _ in states]
+def load(device):
+    return Steps()
+"""
+
+
+def test_a_step_wise_version_held_is_kept_though_its_files_changed(tmp_path: Path) -> None:
+    """Loaded again, a step-wise model got a new loop over the old one: the sequences
+    another frontend ran on it went without an answer till their callers' deadlines."""
+    d = tmp_path / "steps"
+    d.mkdir()
+    (d / "model.toml").write_text(stepwise_toml(2, 10))
+    (d / "model.py").write_text(STEPS_PY)
+    plain = wire.Header(kind=wire.Header.LOAD, model="steps", version="1")
+    first = load(plain, tmp_path, CPU, (), {})
+    assert first.model is not None and first.files is not None
+    (d / "model.py").write_text(STEPS_PY + "\n# changed\n")
+    assert load(plain, tmp_path, CPU, (), {"steps@1": first.files}) == Loaded()

@@ -76,6 +76,12 @@ def load(
         if (had := have.get(model_key(header.model, header.version))) is not None:
             if header.held or files_of(had[0]) == had[1]:
                 return Loaded()
+            if find_model(repository, header.model).generate is not None:  # its sequences
+                log.warning("model %s version %s: its files changed since it was loaded here, "
+                            "but it is step-wise, and another frontend's sequences may run on "
+                            "it: kept (restart this worker to load them)", header.model,
+                            header.version)  # fmt: skip
+                return Loaded()  # (a new loop would leave them without an answer)
             log.warning("model %s version %s: its files changed since it was loaded here; "
                         "loading them again", header.model, header.version)  # fmt: skip
         elif header.held:  # (its files changed: they are not that version's)
