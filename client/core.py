@@ -26,6 +26,7 @@ against tiny, and the blocking channel costs nothing over the steps.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Generator, Mapping, Sequence
@@ -182,9 +183,10 @@ class ClientCore:
         return (yield from self._call(method, msg, deadline, 0, service))
 
     def deadline(self, timeout: float | None) -> float | None:
-        """The monotonic deadline of an operation starting now: `timeout`, or the default."""
+        """The monotonic deadline of an operation starting now: `timeout`, or the default
+        (inf, as None: none; gRPC failed a call given an infinite timeout at once)."""
         timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None else time.monotonic() + timeout
+        return None if timeout is None or timeout == math.inf else time.monotonic() + timeout
 
     def _call(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import random
 import re
 from collections.abc import Awaitable, Callable, Iterator
@@ -529,3 +530,13 @@ def test_bytes_in_typed_contents_decode() -> None:
     out.shape[:] = [3]
     with pytest.raises(BadResponse, match=r"shape \[3\] cannot be in 11 bytes"):
         parse_response(msg)
+
+
+def test_an_infinite_timeout_means_none() -> None:
+    """timeout=float("inf") failed every call at once with DEADLINE_EXCEEDED (gRPC takes
+    an infinite timeout for an expired one): it means no deadline, as None does."""
+    x = np.zeros((1, 2), np.float32)
+    steps = ClientCore(timeout=math.inf, retries=0, call_kwargs={}).infer("m", {"X": x})
+    call = next(steps)
+    assert isinstance(call, Rpc) and call.method == "ModelInfer" and call.timeout is None
+    steps.close()
