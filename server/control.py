@@ -226,7 +226,7 @@ class ModelControl:
                           header.model, header.version, header.error,
                           extra={"worker": worker.name, "model": header.model})  # fmt: skip
         else:
-            worker.models.add(key)
+            self._pool.loaded(worker, key)  # (a version its workers died loading: no more)
             worker.load_errors.pop(key, None)
         fut.set_result(header.error)
         self._judge(key)

@@ -31,6 +31,7 @@ from batchd.server.errors import clip
 from batchd.server.request import Batch, Request
 
 log = logging.getLogger("batchd.pool")
+DIED_LOADING = 2  # workers of a slot lost in a row as they load a version: it is not sent again
 
 
 @dataclass(eq=False)
@@ -98,6 +99,7 @@ class WorkerPool:
         # there too, again and again, taking that worker's other models with it
         self.hung: dict[tuple[str, str], str] = {}
         self._stuck: dict[str, tuple[int, str]] = {}  # slot -> the pid whose load hung, why
+        self._died: dict[tuple[str, str], int] = {}  # (slot, key) -> lost loading it, in a row
         self._by_identity: dict[bytes, WorkerHandle] = {}
         self._order: list[WorkerHandle] = []
         self._rr = 0
@@ -120,6 +122,7 @@ class WorkerPool:
     def forget_hung(self, key: str) -> None:
         """Version `key` is gone (retired): its hung loads are nobody's concern now."""
         self.hung = {k: why for k, why in self.hung.items() if k[1] != key}
+        self._died = {k: n for k, n in self._died.items() if k[1] != key}
 
     def workers(self) -> list[WorkerHandle]:
         return list(self._order)
@@ -142,10 +145,23 @@ class WorkerPool:
         self._order.append(worker)
         return Joined.NEW, worker
 
+    def loaded(self, worker: WorkerHandle, key: str) -> None:
+        worker.models.add(key)
+        self._died.pop((worker.slot, key), None)
+
     def leave(self, worker: WorkerHandle) -> tuple[list[Batch], list[Batch]]:
-        """Forget `worker`; return the batches and the sequences it held."""
+        """Forget `worker`; return the batches and the sequences it held. Lost while it
+        loaded a version (the first sent: it loads one at a time) DIED_LOADING times in a
+        row on its slot, that version is not sent there again, as one whose load hung
+        (hung_for): a model.py that ends or crashes its process as it loads took every
+        restart with it, and every other model's load behind it."""
         if self._by_identity.get(worker.identity) is not worker:
             return [], []
+        for key in list(worker.load_sent)[:1]:
+            died = self._died[worker.slot, key] = self._died.get((worker.slot, key), 0) + 1
+            if died >= DIED_LOADING:
+                why = f"not sent: a worker of {worker.slot} was lost {died} times as it loaded it"
+                self.hung[worker.slot, key] = why
         del self._by_identity[worker.identity]
         self._order.remove(worker)
         batches, sequences = list(worker.inflight.values()), list(worker.sequences.values())

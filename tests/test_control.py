@@ -555,6 +555,28 @@ def test_a_load_that_never_returns_fails_at_the_load_timeout_and_its_worker_rest
         assert s.stop() == 0, s.log()
 
 
+def test_a_model_whose_load_ends_its_worker_is_broken_and_the_others_serve(
+    tmp_path: Path,
+) -> None:
+    """A model.py that ends its process as it loads (os._exit, a crash in native code)
+    took every restart of its worker with it: each new worker loaded it first again,
+    and the other models never loaded (the server never ready). Lost twice in a row
+    while loading it, a worker slot is not sent it again: it is broken, saying why."""
+    repo = tmp_path / "repo"
+    make_model(repo, "good", 2.0)
+    bad = make_model(repo, "a_bad", 3.0)  # (loaded first: the names' order)
+    (bad / "model.py").write_text("import os\nos._exit(0)\n")
+    s = ServerProcess(repo, log_dir=tmp_path, workers=1).start(ready=False)
+    try:
+        with Client(s.url) as c:
+            wait_for(c.ready, 90, "ServerReady, without a_bad")
+            assert y(c, "good", 1.0) == 2.0
+            with pytest.raises(ServerUnavailable, match="was lost 2 times as it loaded it"):
+                y(c, "a_bad", 1.0)
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 def test_a_model_whose_load_never_returns_is_broken_not_retried_by_each_new_worker(
     tmp_path: Path,
 ) -> None:

@@ -262,3 +262,26 @@ def test_a_hung_load_is_kept_from_its_slot_and_from_the_process_it_hung() -> Non
     _, restarted = pool.join(b"r2", info("vm-cpu-78", pid=78))  # a new process in the slot
     assert pool.hung_for(restarted, "m@1") and not pool.hung_for(restarted, "healthy@1")
     assert not pool.hung_for(local, "m@1")
+
+
+def test_a_version_its_workers_are_lost_loading_twice_in_a_row_is_not_sent_again() -> None:
+    """A slot's workers lost as they load a version: once may be chance (the memory
+    killer), twice in a row is the version (a model.py that ends its process), which
+    would take every restart with it. A load of it that succeeds in between resets it."""
+    pool = WorkerPool(credits=1)
+
+    def lost_loading(pid: int) -> WorkerHandle:
+        _, w = pool.join(b"cpu0", info(f"cpu0#{pid}", pid=pid))
+        w.load_sent["bad@1"] = 0.0
+        pool.leave(w)
+        return w
+
+    lost_loading(1)
+    _, w = pool.join(b"cpu0", info("cpu0#2", pid=2))
+    pool.loaded(w, "bad@1")  # (it loaded, this time)
+    pool.leave(w)
+    lost_loading(3)
+    assert pool.hung_for(w, "bad@1") == ""
+    lost_loading(4)
+    why = "not sent: a worker of cpu0 was lost 2 times as it loaded it"
+    assert pool.hung_for(w, "bad@1") == why
