@@ -198,9 +198,14 @@ def taken(host: str, port: int) -> str | None:
 def check_worker_endpoint(endpoint: str, worker_keys: Path | None) -> None:
     """Refuse a tcp:// worker endpoint off loopback without CURVE keys: whoever connects
     there could register as a worker and read every batch."""
-    if worker_keys is not None or not endpoint.startswith("tcp://"):
+    if not endpoint.startswith("tcp://"):
         return
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if port != "*" and not (port.isdigit() and int(port) <= 65535):  # (ZeroMQ wraps 99999)
+        raise ConfigError(f"--worker-endpoint {endpoint[:80]}: a tcp:// endpoint ends in a "
+                          f"port from 0 to 65535 (or *), got {port[:20]!r}")  # fmt: skip
+    if worker_keys is not None:
+        return
     if not _loopback(host):
         raise ConfigError(
             f"--worker-endpoint {endpoint} is reachable from other hosts, and without "

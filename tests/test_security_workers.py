@@ -142,6 +142,9 @@ def test_worker_endpoint_off_loopback_needs_keys(tmp_path: Path) -> None:
         check_worker_endpoint(endpoint, tmp_path)
     for endpoint in ("tcp://127.0.0.1:5555", "tcp://127.0.0.2:1", "tcp://[::1]:1", "ipc:///x", ""):
         check_worker_endpoint(endpoint, None)  # loopback: allowed, with a warning
+    for endpoint in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:-1", "tcp://127.0.0.1"):
+        with pytest.raises(ConfigError, match="ends in a port from 0 to 65535"):  # (ZeroMQ
+            check_worker_endpoint(endpoint, tmp_path)  # bound 99999 as 34463, quietly)
     result = subprocess.run(
         [sys.executable, "-m", "batchd.server", "--model-repository", str(EXAMPLES),
          "--no-local-workers", "--worker-endpoint", "tcp://0.0.0.0:5555"],
