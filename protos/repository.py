@@ -128,14 +128,18 @@ def check_root(root: Path) -> None:
 
 
 def strays(root: Path) -> list[str]:
-    """What looks like a model but is not one: a subdirectory holding a model artifact
-    (model.py, model.pt, model.pt2) but no model.toml, which is passed over."""
-    return [
-        f"{sub}: {artifact} but no model.toml beside it: not a model, passed over"
-        for sub in sorted(p for p in root.iterdir() if p.is_dir())
-        if not (sub / "model.toml").exists()
-        for artifact in [a for a in ARTIFACTS if (sub / a).exists()][:1]
-    ]
+    """What looks like a model but is not one, and is passed over: a subdirectory
+    holding a model artifact (model.py, model.pt, model.pt2) but no model.toml, or a
+    model.toml that is no file (a folder, a FIFO, a link that leads nowhere)."""
+    found = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        toml = sub / "model.toml"
+        if toml.is_symlink() or toml.exists():
+            if not toml.is_file():  # (the model vanished without a word)
+                found.append(f"{toml}: not a file, or a link to none: not a model, passed over")
+        elif artifact := next((a for a in ARTIFACTS if (sub / a).exists()), ""):
+            found.append(f"{sub}: {artifact} but no model.toml beside it: not a model, passed over")
+    return found
 
 
 def load_repository(root: Path) -> dict[str, ModelConfig]:

@@ -149,8 +149,13 @@ def test_a_repository_pointed_at_the_wrong_folder_is_said_to_be_one(
     assert check_repository(empty) == 1
     (tmp_path / "noconf").mkdir()
     (tmp_path / "noconf" / "model.py").write_text(ECHO)
+    (tmp_path / "looped" / "model.toml").mkdir(parents=True)  # (a folder: no word was said)
+    (tmp_path / "nowhere").mkdir()
+    (tmp_path / "nowhere" / "model.toml").symlink_to("model.toml")  # a link in a loop
     assert check_repository(tmp_path) == 0  # scaler passes; noconf is said to be no model
     out = capsys.readouterr().out
+    assert "looped/model.toml: not a file, or a link to none: not a model, passed over" in out
+    assert "nowhere/model.toml: not a file, or a link to none" in out
     assert "a model repository is the folder above it" in out
     assert "the model repository holds no model: each model is a folder of it" in out
     assert "noconf: model.py but no model.toml beside it: not a model, passed over" in out
