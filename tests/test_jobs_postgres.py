@@ -278,12 +278,9 @@ def test_another_replica_reads_a_checkpoint_s_time_in_a_database_made_before_it(
     clock = [5000.0]
     a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60, clock=lambda: clock[0])
     b = PostgresStore(jobs_db, tmp_path / "b", lease_s=60)
-    text = job_lines(2)
 
     async def body() -> None:
-        row = await a.create("", "gated", "")
-        a.upload_path(row.id).write_text(text)
-        await a.queue(row.id, 2, len(text))
+        row = await _queued(a, "gated", n=2)
         mine = await a.claim()
         assert mine is not None and (await b.get(row.id)).checkpointed_at == 0.0  # type: ignore[union-attr]
         clock[0] = 5002.5
