@@ -4,6 +4,7 @@ import asyncio
 import heapq
 import json
 import math
+import os
 import shutil
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -239,6 +240,20 @@ class Gate:
         self.open()
         (self.state / "calls.log").unlink(missing_ok=True)
         (self.state / "entered.log").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def processes_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The processes tests start keep their temporary files under pytest's own folder
+    (pruned to the last 3 runs): a server a test kills with SIGKILL leaves its private
+    folder behind, and every run left dozens in /tmp."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(path := tmp_path_factory.mktemp("tmp", numbered=False))
+    yield path
+    if before is None:
+        del os.environ["TMPDIR"]
+    else:
+        os.environ["TMPDIR"] = before
 
 
 @pytest.fixture(scope="session")
