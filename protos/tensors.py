@@ -179,6 +179,12 @@ def to_raw(arr: Any, datatype: str | None = None) -> tuple[str, list[int], bytes
     return name, list(a.shape), np.ascontiguousarray(a, dtype=dt.numpy).tobytes()
 
 
+def raw_view(arr: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, without a copy, any shape: one with a 0 in its shape
+    too (`arr.data.cast("B")` raised TypeError for it, failing a legal empty output)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
 def from_raw(datatype: str, shape: Sequence[int], buf: bytes | memoryview) -> np.ndarray:
     """A numpy array over `buf` (read-only, no copy) with the given datatype and shape."""
     dt = DATATYPES[datatype]

@@ -4,12 +4,15 @@ request, big requests split by rows and joined again."""
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from batchd.protos import wire
+from batchd.protos.model_config import TensorSpec
 from batchd.protos.tensors import from_raw
 from batchd.server.batching.split_join import (
     join_inputs,
@@ -18,7 +21,8 @@ from batchd.server.batching.split_join import (
     split_request,
 )
 from batchd.server.errors import ModelFailed
-from batchd.server.request import Tensor
+from batchd.server.request import Request, Tensor
+from batchd.worker.execute import BatchError, run_batch
 from tests.conftest import ragged_model, text
 
 
@@ -97,3 +101,45 @@ def test_chunks_whose_other_dims_differ_fail_naming_the_output_and_both_shapes()
     with pytest.raises(ModelFailed) as e:
         join_results([piece(4, 3), piece(4, 7), piece(2, 3)])
     assert "output 'W' came back [-1, 3] for one part of this request and [-1, 7]" in str(e.value)
+
+
+def _joined(requests: list[Request]) -> tuple[list[wire.Tensor], list[bytes]]:
+    """A batch's inputs as the worker gets them: headers and raw frames."""
+    headers, frames = join_inputs(requests)
+    return headers, [np.asarray(f).tobytes() for f in frames]
+
+
+@pytest.mark.parametrize("width", [5, 3])  # the padded width is 4
+def test_a_ragged_like_output_wider_or_narrower_than_the_padding_is_refused_by_the_worker(
+    loop: asyncio.AbstractEventLoop, width: int
+) -> None:
+    """Left-padded rows cut from a wider output took another position's values (the
+    call succeeded with wrong data); a narrower one failed every request of the batch
+    at the frontend, not the worker, so none was retried alone."""
+    cfg = ragged_model()
+    headers, frames = _joined([text(cfg, loop, 2), text(cfg, loop, 4)])
+    model = lambda ids, mask, lengths: torch.zeros(len(ids), width)  # noqa: E731
+    with pytest.raises(BatchError, match=re.escape(
+        f"output 'OUT': expected shape [2, 4] (padded like 'IDS'), the model returned [2, {width}]"
+    )):  # fmt: skip
+        run_batch(model, cfg, torch.device("cpu"), headers, frames)
+    out, _ = run_batch(lambda ids, mask, lengths: ids.float(), cfg, torch.device("cpu"),
+                       headers, frames)  # fmt: skip
+    assert list(out[0].shape) == [2, 4]
+
+
+def test_an_output_with_a_zero_in_its_shape_is_returned_and_cut_per_request(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A legal empty output ([rows, 0]: nothing found in any row) failed its whole batch
+    with memoryview's TypeError, in the worker and again as the frontend cut it."""
+    cfg = replace(ragged_model(), outputs=(TensorSpec("OUT", "FP32", (-1,)),))
+    headers, frames = _joined([text(cfg, loop, 2), text(cfg, loop, 4)])
+    for empty in (torch.zeros(2, 0), np.zeros((2, 0), np.float32)):
+        out, raw = run_batch(lambda *a, e=empty: e, cfg, torch.device("cpu"), headers, frames)
+        assert (list(out[0].shape), len(raw[0])) == ([2, 0], 0)
+    like = replace(ragged_model(), outputs=(TensorSpec("OUT", "FP32", (-1, 0), ragged_like="IDS"),))
+    requests = [text(like, loop, 2), text(like, loop, 4)]
+    results = split_outputs(requests, [wire.Tensor(name="OUT", datatype="FP32", shape=[2, 4, 0])],
+                            [b""])  # fmt: skip
+    assert [(r[0].shape, len(r[0].data)) for r in results] == [((1, 2, 0), 0), ((1, 4, 0), 0)]

@@ -21,7 +21,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.protos.tensors import bytes_row_offsets, from_raw, serialize_bytes
+from batchd.protos.tensors import bytes_row_offsets, from_raw, raw_view, serialize_bytes
 from batchd.worker import InputRefused
 from batchd.worker.loader import ModelFn
 
@@ -137,7 +137,7 @@ def _encode(spec_name: str, datatype: str, value: Any) -> tuple[list[int], Any]:
             )
     else:
         raise BatchError(f"{where}: the model returned {type(value).__name__}, expected a tensor")
-    return list(arr.shape), arr.astype(DATATYPES[datatype].numpy, copy=False).data.cast("B")
+    return list(arr.shape), raw_view(arr.astype(DATATYPES[datatype].numpy, copy=False))
 
 
 def run_batch(
@@ -160,12 +160,17 @@ def run_batch(
         except KeyError as e:
             raise BatchError(f"batch lacks input {e}") from None
         result = fn(*args)
-    # A packed input's elements: the first dim of the outputs `ragged_like` it.
+    # A packed input's elements: the first dim of the outputs `ragged_like` it; a padded
+    # one's width: their second (the frontend cuts each request's positions from it).
     elements = {s.name: int(by_name[s.name][0].shape[0]) for s in cfg.inputs if s.packed}
+    widths = {s.name: int(by_name[s.name][0].shape[1]) for s in cfg.inputs
+              if s.ragged and not s.packed and cfg.batches}  # fmt: skip
     out_headers, out_frames = [], []
     for spec, value in zip(cfg.outputs, _outputs_in_order(cfg, result), strict=True):
-        packed = elements.get(spec.ragged_like or "")
-        header, frame = encode_output(spec, value, cfg.batches, rows, packed)
+        like = spec.ragged_like or ""
+        header, frame = encode_output(
+            spec, value, cfg.batches, rows, elements.get(like), widths.get(like)
+        )
         out_headers.append(header)
         out_frames.append(frame)
     return out_headers, out_frames
@@ -173,11 +178,13 @@ def run_batch(
 
 def encode_output(
     spec: TensorSpec, value: Any, batches: bool, rows: int | None = None,
-    packed: int | None = None,
+    packed: int | None = None, width: int | None = None,
 ) -> tuple[wire.Tensor, Any]:  # fmt: skip
     """One output, checked against its declaration: its wire header and raw frame.
     `rows`: the batch's rows, when the model batches (dim 0 must match); `packed`: the
-    elements of the packed input it is `ragged_like`, then its dim 0 instead."""
+    elements of the packed input it is `ragged_like`, then its dim 0 instead; `width`:
+    the padded length of the padded input it is `ragged_like`, its dim 1 (a position
+    more or fewer would hand requests another's values, or fail the whole batch)."""
     shape, frame = _encode(spec.name, spec.datatype, value)
     if packed is not None:  # [elements, ...]: its declared -1 is the packed dim
         if not shape or shape[0] != packed or not spec.accepts(tuple(shape)):
@@ -187,10 +194,16 @@ def encode_output(
             )
         return wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape), frame
     inner = shape[1:] if batches else shape
-    if (batches and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)):
+    wrong_width = width is not None and (len(shape) < 2 or shape[1] != width)
+    if (batches and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)) \
+            or wrong_width:  # fmt: skip
         declared = ([rows] if batches else []) + list(spec.shape)
+        if width is not None:
+            declared[1] = width
         raise BatchError(
-            f"output {spec.name!r}: expected shape {declared}, the model returned {shape}"
+            f"output {spec.name!r}: expected shape {declared}"
+            + (f" (padded like {spec.ragged_like!r})" if width is not None else "")
+            + f", the model returned {shape}"
         )
     header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
     if spec.datatype == "BYTES" and batches:  # the frontend cuts rows by these

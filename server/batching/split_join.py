@@ -23,7 +23,7 @@ import numpy as np
 from batchd.protos import wire
 from batchd.protos.datatypes import DATATYPES, element
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.protos.tensors import batch_input
+from batchd.protos.tensors import batch_input, raw_view
 from batchd.server.errors import ModelFailed, clip, clip_list
 from batchd.server.request import Request, RowOffsets, Tensor
 
@@ -144,7 +144,7 @@ def _cut_ragged(
             )
         cols = slice(shape[1] - n, shape[1]) if left else slice(0, n)
         part = np.ascontiguousarray(arr[row : row + r.rows, cols])
-        out.append(Tensor(h.name, h.datatype, part.shape, part.data.cast("B")))
+        out.append(Tensor(h.name, h.datatype, part.shape, raw_view(part)))
         row += r.rows
     return out
 
