@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig, TensorSpec
-from batchd.server.batching.plan import PADDED_TOKENS, plan_batch
+from batchd.server.batching.plan import PAD_FREE, PAD_WASTE, PADDED_TOKENS, plan_batch
 from batchd.server.config import Limits
 from batchd.server.request import Request, Tensor
 from tests.conftest import NOW, ragged_model, text
@@ -110,6 +110,48 @@ def test_without_a_token_budget_a_padded_batch_stays_within_what_one_request_may
     p = plan_batch(levels_of(long, other), NOW, 8, cfg.batching, 64, packed=True)
     assert p is not None and p.requests == [long] and p.full
     assert Limits().max_tensor_elements == PADDED_TOKENS
+
+
+def test_without_a_token_budget_no_row_is_padded_far_past_its_own_length(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Seven 1-token rows beside one of 7.9M were one batch of 63M tokens (under the
+    67M bound): 482 MB padded on the frontend's loop, 1.3 s, for 63 MB sent. Past
+    PAD_FREE elements a row is padded to at most PAD_WASTE times its length; under
+    it, rows pad freely."""
+    cfg = ragged_model()  # no max_batch_tokens
+    long, *short = [text(cfg, loop, 1, arrival=NOW - 1 + i / 100) for i in range(8)]
+    long.length = 7_900_000
+    p = plan_batch(levels_of(long, *short), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [long] and p.full
+    p = plan_batch(levels_of(*short[:2], long, *short[2:]), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == short[:2] and p.full
+    near = text(cfg, loop, 1, arrival=NOW)
+    near.length = long.length // PAD_WASTE  # padded to 4x its length: it may
+    p = plan_batch(levels_of(long, near), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.requests == [long, near]
+    small = [text(cfg, loop, 1, arrival=NOW - 1 + i / 100) for i in range(8)]
+    small[0].length = PAD_FREE  # each 1-token row padded to PAD_FREE: under it, free
+    p = plan_batch(levels_of(*small), NOW, 8, cfg.batching, 64)
+    assert p is not None and p.rows == 8
+
+
+def test_without_a_token_budget_the_bound_counts_the_elements_of_each_position(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """A ragged [-1, 256] input: 32 requests of the most one may send (2^26 elements,
+    2^18 positions each) made one batch of 2^31 elements, the bound counting positions."""
+    cfg = ragged_model()
+    wide = replace(cfg, inputs=(replace(cfg.inputs[0], shape=(-1, 256)),))
+    big = [
+        Request(wide, "", [Tensor("IDS", "INT64", (1, 1 << 18, 256), b"")], ("OUT",), 1, 1e9)
+        for _ in range(4)
+    ]
+    for i, r in enumerate(big):
+        r.arrival, r.future = NOW - 1 + i / 100, loop.create_future()
+    for packed in (False, True):
+        p = plan_batch(levels_of(*big), NOW, 8, cfg.batching, 64, packed)
+        assert p is not None and p.requests == big[:1] and p.full
 
 
 def test_bucketing_picks_the_nearest_lengths_to_the_oldest(loop: asyncio.AbstractEventLoop) -> None:

@@ -18,11 +18,13 @@ requests whose non-ragged shapes equal the anchor's can join it. Then:
   * `preferred_batch_sizes`: if a prefix of the chosen requests has exactly a
     preferred number of rows, the batch is cut there and may leave at once.
 
-Without `max_batch_tokens`, a batch still holds at most PADDED_TOKENS tokens
-(padded: rows x longest; packed: their sum): one row of millions of tokens
-rides alone rather than have thirty short rows padded to its length, and
-thirty requests of the most one may send never make one batch thirty times
-that (a worker's memory).
+Without `max_batch_tokens`, a batch still holds at most PADDED_TOKENS elements
+(padded: rows x longest x the elements of a position; packed: their sum x the
+same), so thirty requests of the most one may send never make one batch thirty
+times that (a worker's memory); and no row is padded past PAD_FREE elements to
+more than PAD_WASTE times its own length, so one row of millions of tokens
+rides alone rather than have short rows padded to its length (the frontend
+pads on its event loop: seven 1-token rows beside one of 7.9M were 482 MB, 1.3 s).
 
 A suspect (a request whose batch lost its worker or made the model raise)
 rides alone, so a poison request or a bad input takes nobody else down.
@@ -39,6 +41,8 @@ from batchd.protos.model_config import BatchingConfig
 from batchd.server.request import Request
 
 PADDED_TOKENS = 1 << 26  # (the default --max-tensor-elements: what one request may send)
+PAD_FREE = 1 << 20  # elements a row may be padded to whatever its length (8 MB of INT64)
+PAD_WASTE = 4  # past that, at most this many times its own length
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +79,25 @@ def level_order(
     return first + [i for i in range(len(levels)) if i not in first]
 
 
-def _fits(rows: int, tokens: int, cap: int, budget: int) -> bool:
-    return rows <= cap and (not budget or tokens <= budget)
+def _fits(rows: int, tokens: int, longest: int, shortest: int, cap: int, budget: int,
+          per: int) -> bool:  # fmt: skip
+    """Whether a batch of `rows` and `tokens` (padded: rows x `longest`; packed: the sum,
+    `shortest` then 0) fits the cap and the model's token budget, or without one the
+    default bounds, counted in elements (`per` a position)."""
+    if rows > cap:
+        return False
+    if budget:
+        return tokens <= budget
+    return tokens * per <= PADDED_TOKENS and (
+        longest * per <= PAD_FREE or longest <= PAD_WASTE * shortest
+    )
+
+
+def _elements_per_position(r: Request) -> int:
+    """A ragged request's elements at one position of its ragged dim, over its ragged
+    inputs ([rows, length, d, ...]: d x ...)."""
+    ragged = (t for t, s in zip(r.inputs, r.model.inputs, strict=True) if s.ragged)
+    return sum(math.prod(t.shape[2:]) for t in ragged) or 1
 
 
 def plan_batch(
@@ -104,13 +125,15 @@ def plan_batch(
         )
     chosen, rows, length, blocked = [anchor], anchor.rows, anchor.length, False
     shortest, summed = anchor.length, anchor.rows * anchor.length
+    per = _elements_per_position(anchor) if anchor.length else 1
     for r in candidates:
         new_rows, new_len = rows + r.rows, max(length, r.length)
         new_sum = summed + r.rows * r.length
         if bucket and new_len > 2 * min(shortest, r.length):
             continue  # not of this bucket: it anchors a batch of its own later
         tokens = new_sum if packed else new_rows * new_len
-        if not _fits(new_rows, tokens, cap, cfg.max_batch_tokens or PADDED_TOKENS):
+        least = new_len if packed else min(shortest, r.length)  # (packed: nothing padded)
+        if not _fits(new_rows, tokens, new_len, least, cap, cfg.max_batch_tokens, per):
             blocked = True
             if not bucket:
                 break
