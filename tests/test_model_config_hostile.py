@@ -217,6 +217,31 @@ def test_models_check_runs_one_row_and_the_largest_batch(tmp_path: Path) -> None
     assert batch_sizes(load_model_config(EXAMPLES / "decoder")) == [0]
 
 
+POSITIONS = """
+import torch
+def load(device):
+    table = torch.nn.Embedding(2, 2)  # max_length = 2 promises no row is longer
+    def forward(x, companion):  # padded: [rows, length] and its mask; packed: offsets
+        longest = x.shape[1] if x.dim() == 2 else int(companion.diff().max())
+        rows = len(x) if x.dim() == 2 else len(companion) - 1
+        return table(torch.arange(longest)).sum(0).expand(rows, 2)
+    return forward
+"""
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_models_check_sends_no_row_longer_than_serving_admits(tmp_path: Path, packed: bool) -> None:
+    """A model indexing a table of max_length positions failed --check (IndexError): the
+    zeros had rows of 4 whatever max_length said, though serving refuses any longer."""
+    toml = GOOD.replace("shape = [2]\n", "shape = [-1]\nragged = true\nmax_length = 2\n", 1)
+    toml += '[[batch_input]]\nname = "C"\nkind = "mask"\nsource = "X"\n'
+    if packed:
+        toml = toml.replace("ragged = true\n", "ragged = true\npacked = true\n", 1)
+        toml = toml.replace('"mask"', '"offsets"')
+    row = check_model(write(tmp_path, "positions", toml, POSITIONS))
+    assert row.problem is None, row.problem
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [

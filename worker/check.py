@@ -52,18 +52,27 @@ def batch_sizes(cfg: ModelConfig) -> list[int]:
     (0 alone for a model without a batch dim)."""
     if not cfg.batches:
         return [0]
-    largest = min(cfg.rows_per_batch(VARIABLE_DIM if cfg.ragged else 0), MAX_ROWS)
+    largest = min(cfg.rows_per_batch(ragged_length(cfg) if cfg.ragged else 0), MAX_ROWS)
     return list(dict.fromkeys((min(2, largest), min(1, largest), largest)))
 
 
+def ragged_length(cfg: ModelConfig) -> int:
+    """The length of every ragged row of the zeros: VARIABLE_DIM, or the longest row
+    serving admits where that is less (a model may index a table of max_length)."""
+    limits = [cfg.length_limit(s)[0] for s in cfg.inputs if s.ragged]
+    return min([VARIABLE_DIM, *(n for n in limits if n)])
+
+
 def zeros_batch(cfg: ModelConfig, rows: int = 2) -> tuple[list[wire.Tensor], list[Any]]:
-    rows = min(rows, cfg.max_batch_size)
+    rows, length = min(rows, cfg.max_batch_size), ragged_length(cfg)
     headers, frames = [], []
     for spec in cfg.inputs:
         dims = [d if d > 0 else VARIABLE_DIM for d in spec.shape]
+        if spec.ragged:
+            dims[0] = length
         shape = [rows, *dims] if cfg.batches else dims
         if spec.packed:  # every row's elements, one after another
-            shape = [rows * VARIABLE_DIM, *dims[1:]]
+            shape = [rows * length, *dims[1:]]
         if spec.datatype == "BYTES":
             arr = np.full(shape, b"", dtype=object)
         else:
@@ -72,7 +81,7 @@ def zeros_batch(cfg: ModelConfig, rows: int = 2) -> tuple[list[wire.Tensor], lis
         headers.append(wire.Tensor(name=spec.name, datatype=datatype, shape=shape))
         frames.append(raw)
     for b in cfg.batch_inputs:
-        arr = batch_input(b.kind, np.full(rows, VARIABLE_DIM), VARIABLE_DIM)
+        arr = batch_input(b.kind, np.full(rows, length), length)
         headers.append(wire.Tensor(name=b.name, datatype="INT64", shape=list(arr.shape)))
         frames.append(arr.astype(np.int64).tobytes())
     return headers, frames
