@@ -234,10 +234,15 @@ class Stats:
     def report(
         self, current: Iterable[tuple[str, str]], only: str = ""
     ) -> list[pb.ModelStatistics]:
-        """ModelStatistics of each (model, current version): with `only` (a version asked
-        for by name), of that version; else of the versions reported (versions())."""
+        """ModelStatistics of each (model, current version): of the versions reported
+        (versions()), or with `only` (a version asked for), of that one where it is among
+        them (a version no model has made an entry for every model, for every string a
+        caller sent: memory without bound)."""
         return [
-            self.to_pb(n, v) for n, c in current for v in ([only] if only else self.versions(n, c))
+            self.to_pb(n, v)
+            for n, c in current
+            for v in self.versions(n, c)
+            if v == only or not only
         ]
 
     def to_pb(self, name: str, version: str) -> pb.ModelStatistics:
