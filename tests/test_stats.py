@@ -119,6 +119,29 @@ def scrape(collector: Collector) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     }
 
 
+def test_scrapes_that_come_while_one_is_rendered_share_it() -> None:
+    """Each /metrics request rendered its own exposition on the loop: 20 requests sent
+    and closed at once held it 7 s on a server of 1,500 models."""
+    renders, release = [], asyncio.Event()
+
+    async def render() -> bytes:
+        renders.append(1)
+        await release.wait()
+        return b"text %d" % len(renders)
+
+    async def body() -> tuple[list[bytes], bytes]:
+        shared = metrics.Shared(render)
+        waiting = [asyncio.ensure_future(shared()) for _ in range(10)]
+        await asyncio.sleep(0)  # each runs to its wait
+        waiting[0].cancel()  # one caller gone takes the render from no other
+        release.set()
+        answers = await asyncio.gather(*waiting[1:])
+        return answers, await shared()  # one asked after: rendered anew
+
+    answers, later = asyncio.run(body())
+    assert (answers, later, len(renders)) == ([b"text 1"] * 9, b"text 2", 2)
+
+
 def test_metrics_are_labelled_by_the_version_that_counted_them() -> None:
     stats = Stats()
     for _ in range(3):
