@@ -14,6 +14,7 @@ The trace context crosses the wire (wire.proto, Header.traceparent) as a W3C
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,9 @@ from urllib.parse import urlsplit
 from batchd.protos._toml_reader import ConfigError
 
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+# The SDK's loggers that judge a caller's traceparent and tracestate: a bad one is
+# ignored, as the W3C says, not logged for every request that carries it.
+CALLERS_DATA_LOGGERS = ("opentelemetry.trace.span", "opentelemetry.trace.propagation.tracecontext")
 
 
 def endpoint(flag: str | None, env: Mapping[str, str] = os.environ) -> str | None:
@@ -33,8 +37,10 @@ def endpoint(flag: str | None, env: Mapping[str, str] = os.environ) -> str | Non
     url = flag or next((env[k] for k in ENDPOINT_VARIABLES if env.get(k)), None)
     if url is not None:
         try:
-            parts = urlsplit(url if "://" in url else f"http://{url}")
+            parts = urlsplit(url)
             empty_port = parts.port is None and ":" in parts.netloc.rpartition("]")[2]
+            if parts.scheme not in ("http", "https"):  # the exporter took none for TLS
+                raise ValueError("http:// (plaintext) or https:// (TLS) must say which")
             if not parts.hostname or empty_port:
                 raise ValueError("no host, or an empty port")
         except ValueError as e:
@@ -70,6 +76,8 @@ class Tracing:
                 "batchd.process": process,
             }
         )
+        for name in CALLERS_DATA_LOGGERS:  # a WARNING per request, quoting what it sent
+            logging.getLogger(name).setLevel(logging.ERROR)
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(exporter))
         return cls(provider.get_tracer("batchd"), provider)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -93,12 +94,30 @@ def test_off_and_unsampled_requests_carry_no_trace(
     assert tracing.begin(t, "tiny", "a", {"traceparent": _traceparent(flags="00")}) is None
 
 
-@pytest.mark.parametrize("url", ["http://[::1", "http://", "http://c:", "http://c:99999"])
+@pytest.mark.parametrize(
+    "url", ["http://[::1", "http://", "http://c:", "http://c:99999", "127.0.0.1:4317", "grpc://c:1"]
+)
 def test_an_endpoint_that_is_not_a_url_is_a_config_error_naming_it(url: str) -> None:
     with pytest.raises(ConfigError, match=r"is not a URL .*expected one like http://collector"):
         traces.endpoint(url, {})
     with pytest.raises(ConfigError, match="the OTLP endpoint"):
         traces.endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": url})
+
+
+def test_a_bad_traceparent_or_tracestate_is_ignored_without_a_log_line(
+    memory: tuple[traces.Tracing, InMemorySpanExporter], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK logged a WARNING for every request carrying one, quoting up to 512
+    characters of what the caller sent."""
+    carriers = [
+        {"traceparent": "00-" + "a" * 600},
+        {"traceparent": _traceparent(), "tracestate": "x" * 400 + "!!"},
+        {"traceparent": _traceparent(), "tracestate": ",".join(f"k{i}=v" for i in range(200))},
+    ]
+    with caplog.at_level(logging.DEBUG):
+        contexts = [traces.extract(c) for c in carriers]
+    assert [r.getMessage()[:60] for r in caplog.records if r.levelno >= logging.INFO] == []
+    assert len(contexts) == 3
 
 
 def test_tracing_is_on_only_with_an_endpoint() -> None:
