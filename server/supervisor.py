@@ -76,7 +76,8 @@ class Supervisor:
         self._keys = [] if keys is None else ["--worker-keys", str(keys)]
         if launch.otlp_endpoint:
             self._keys += ["--otlp-endpoint", launch.otlp_endpoint]
-        self.restarts: dict[str, int] = {}  # by slot
+        self.restarts = {s.slot: 0 for s in self.specs}  # by slot: 0 from the start, so an
+        # increase() over the series sees the first restart
         self._on_exit = on_exit
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         self._stopping = False

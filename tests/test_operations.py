@@ -48,6 +48,10 @@ def test_metrics_count_known_traffic_exactly(test_server: ServerProcess) -> None
     assert value(after, "batchd_inference_pending_request_count", **m) == 0
     assert delta("batchd_inference_queue_duration_us_total", **m) > 0
     assert delta("batchd_inference_compute_infer_duration_us_total", **m) > 0
+    # every local slot has its restarts series from the start (increase() sees the first)
+    slots = {dict(ls)["worker"] for n, ls in after if n == "batchd_worker_up"}
+    restarts = {dict(ls)["slot"] for n, ls in after if n == "batchd_worker_restarts_total"}
+    assert slots and slots == restarts
     up = [k for k, v in after.items() if k[0] == "batchd_worker_up" and v == 1.0]
     assert len(up) == 1
     assert delta("batchd_frontend_loop_busy_seconds_total") > 0  # the loop served all that
