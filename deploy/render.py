@@ -15,6 +15,7 @@ built here, frame by frame, not pasted.
 from __future__ import annotations
 
 import argparse
+import re
 import struct
 import sys
 
@@ -159,11 +160,26 @@ http {{
 """
 
 
+HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})")
+
+
+def host_port(text: str) -> str:
+    """HOST:PORT ([v6]:PORT), port 1-65535, nothing else: a value without its port gave
+    an nginx config that sends gRPC to port 80, and one with a space or a newline a
+    haproxy server line with other options (or without its health check)."""
+    m = HOST_PORT.fullmatch(text)
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (port 1-65535), got {text[:80]!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("balancer", choices=["haproxy", "nginx"])
-    p.add_argument("--listen", default="0.0.0.0:8001", help="address:port the balancer binds")
+    p.add_argument("--listen", default="0.0.0.0:8001", type=host_port,
+                   help="address:port the balancer binds")  # fmt: skip
     p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
+                   type=host_port,
                    help="a batchd replica's gRPC address (repeat for each)")  # fmt: skip
     args = p.parse_args(argv)
     render = haproxy if args.balancer == "haproxy" else nginx

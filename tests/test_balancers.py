@@ -224,6 +224,21 @@ def test_rendered_configurations_are_the_ones_shipped() -> None:
     assert check.startswith(render.PREFACE) and check.endswith(b"\x00\x00\x00\x00\x00")
 
 
+@pytest.mark.parametrize(
+    "bad", ["10.0.0.11", "", "10.0.0.11:8001 backup", "10.0.0.11:8001\n", "h:0", "h:65536", "a;b:1"]
+)
+def test_render_refuses_a_replica_that_is_not_host_port(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A replica without its port gave nginx a config sending gRPC to port 80; one with
+    a space or a newline, a haproxy server line changed or without its check."""
+    for balancer in ("haproxy", "nginx"):
+        with pytest.raises(SystemExit) as exit_:
+            render.main([balancer, "--replica", bad])
+        assert exit_.value.code == 2 and "expected HOST:PORT" in capsys.readouterr().err
+    assert render.main(["nginx", "--replica", "[::1]:8001", "--replica", "h-1.example:1"]) == 0
+
+
 def test_one_channel_spreads_per_request(cluster: Cluster, haproxy: Haproxy) -> None:
     """300 calls over ONE client channel (one HTTP/2 connection to haproxy) land 100 on
     each replica: per call, not per connection."""
