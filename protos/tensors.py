@@ -182,7 +182,7 @@ def to_raw(arr: Any, datatype: str | None = None) -> tuple[str, list[int], bytes
 def raw_view(arr: np.ndarray) -> memoryview:
     """A C-contiguous array's bytes, without a copy, any shape: one with a 0 in its shape
     too (`arr.data.cast("B")` raised TypeError for it, failing a legal empty output)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data  # (1-D: its memoryview casts nothing)
 
 
 def from_raw(datatype: str, shape: Sequence[int], buf: bytes | memoryview) -> np.ndarray:
