@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--frontends", default="1,2,4", help="--frontends N to measure tiny with")
     p.add_argument("--frontends-only", action="store_true", help="measure only --frontends N")
     p.add_argument("--json", type=Path)
+    p.add_argument("--md", type=Path, help="also write the tables here (bench/results/peers.md)")
     args = p.parse_args(argv)
     peers = dict(x.split("=", 1) for x in args.peer)
     r: dict[str, Any] = {"cpu": cpu_model_name(), "cores": os.cpu_count(), "when":
@@ -178,7 +179,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rate = rate or r["frontends"][-1]["rate"]
     if args.json:
         args.json.write_text(json.dumps(r, indent=2) + "\n")
-    print(markdown(r))
+    print(text := markdown(r))
+    if args.md:
+        args.md.write_text(text + "\n")
     return r
 
 

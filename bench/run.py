@@ -273,7 +273,8 @@ def main() -> None:
     import peers  # it imports this module's perf_analyzer and running
 
     peer_args = [x for peer in args.peer for x in ("--peer", peer)]
-    r["peers"] = peers.main(["--pa", pa, *peer_args, "--json", str(args.out / "peers.json")])
+    r["peers"] = peers.main(["--pa", pa, *peer_args, "--json", str(args.out / "peers.json"),
+                             "--md", str(args.out / "peers.md")])  # fmt: skip
     print("HTTP and tracing ...", flush=True)
     import rest
 
