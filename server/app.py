@@ -228,22 +228,11 @@ def _refused(what: str, flag: str, host: str, port: int, e: OSError) -> ConfigEr
 
 
 async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -> int:
-    """Serve the REST API on --http-port, /metrics on --metrics-port and, with --frontends
-    N, this frontend's socket for the others, before gRPC starts: a port in use stops
-    start-up cleanly. The HTTP port, or -1 when it is off."""
+    """Serve /metrics on --metrics-port (and with --frontends N this one's socket for the
+    others), then the REST API on --http-port, before gRPC: a port in use stops start-up
+    before any request is served. The HTTP port, or -1 when it is off."""
     net = cfg.network
     host, port, metrics = net.host.strip("[]"), net.http_port, net.metrics_port  # (IPv6: bare)
-    if port >= 0:
-        if security.shared_port(cfg) and (why := security.taken(host, port)):
-            raise _refused("HTTP", "--http-port", host, port, OSError(why))
-        try:
-            p.http, port = await serve_rest(
-                p.rest.app, host, port, ssl_context=ssl_context(cfg.security),
-                reuse_port=cfg.frontends.count > 1, connections=cfg.connections,
-            )  # fmt: skip
-        except OSError as e:
-            raise _refused("HTTP", "--http-port", host, port, e) from e
-        log.info("serving HTTP on %s:%d", in_url(host), port)
     sockets = children.sockets if children else []  # (--frontends N: each one's, 0 first)
     try:
         if metrics >= 0:
@@ -256,6 +245,17 @@ async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -
             p.service.siblings = functools.partial(siblings.statistics, paths=others)
     except OSError as e:
         raise _refused("metrics", "--metrics-port", host, metrics, e) from e
+    if port >= 0:
+        if security.shared_port(cfg) and (why := security.taken(host, port)):
+            raise _refused("HTTP", "--http-port", host, port, OSError(why))
+        try:
+            p.http, port = await serve_rest(
+                p.rest.app, host, port, ssl_context=ssl_context(cfg.security),
+                reuse_port=cfg.frontends.count > 1, connections=cfg.connections,
+            )  # fmt: skip
+        except OSError as e:
+            raise _refused("HTTP", "--http-port", host, port, e) from e
+        log.info("serving HTTP on %s:%d", in_url(host), port)
     return port
 
 

@@ -238,6 +238,7 @@ def test_a_port_in_use_stops_start_up_cleanly_before_anything_serves(
     refusal = f"batchd: cannot serve {what} on 127.0.0.1:{port}: Address already in use ({flag}; "
     assert out.splitlines()[-1] == refusal + hint + ")", out
     assert "Traceback" not in out and "serving gRPC" not in out, out
+    assert "serving HTTP" not in out, out  # (it served, when the metrics port was busy)
     wait_for(lambda: not _session(server.pid), 30, "the server's processes to exit")
 
 
