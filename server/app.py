@@ -89,11 +89,9 @@ def _grpc_server(
     cfg: ServerConfig, service: InferenceService, health: HealthServicer,
     jobs: JobsService | None = None, tokens: Tokens | None = None,
 ) -> tuple[grpc.aio.Server, int]:  # fmt: skip
-    options = [
-        ("grpc.max_receive_message_length", cfg.network.max_message_bytes),
-        ("grpc.max_send_message_length", cfg.network.max_message_bytes),
-        ("grpc.so_reuseport", int(cfg.frontends.count > 1)),
-    ]
+    most = cfg.network.max_message_bytes
+    options = [("grpc.max_receive_message_length", most), ("grpc.max_send_message_length", most),
+               ("grpc.so_reuseport", int(cfg.frontends.count > 1))]  # fmt: skip
     more_options, interceptors = grpc_options(cfg, tokens)
     server = grpc.aio.server(options=options + more_options, interceptors=interceptors)
     inference = inference_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -297,12 +295,14 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
         await others
     if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
+    tracing = p.service.tracing  # the spans left exported while the workers export theirs
+    flushed = asyncio.ensure_future(asyncio.to_thread(tracing.shutdown)) if tracing else None
     await p.core.supervisor.stop()
     for listening in (p.metrics, p.internal):
         if listening is not None:
             listening.close()
-    if p.service.tracing is not None:  # export the spans left
-        await asyncio.to_thread(p.service.tracing.shutdown)
+    if flushed is not None:  # (one after the other, a collector that is down cost 6 s)
+        await flushed
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
 
 
