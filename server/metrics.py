@@ -306,6 +306,7 @@ class Shared(Generic[T]):
     async def __call__(self) -> T:
         if self._running is None or self._running.done():
             self._running = asyncio.ensure_future(self._make())
+            self._running.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read)
         return await asyncio.shield(self._running)  # (one caller gone stops no other's)
 
 

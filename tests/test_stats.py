@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,26 @@ def test_scrapes_that_come_while_one_is_rendered_share_it() -> None:
 
     answers, later = asyncio.run(body())
     assert (answers, later, len(renders)) == ([b"text 1"] * 9, b"text 2", 2)
+
+
+def test_a_render_that_fails_with_no_one_waiting_leaves_no_unretrieved_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def render() -> bytes:
+        await asyncio.sleep(0)
+        raise OSError("a sibling's socket")
+
+    async def body() -> None:
+        shared = metrics.Shared(render)
+        waiting = asyncio.ensure_future(shared())
+        await asyncio.sleep(0)
+        waiting.cancel()  # its only caller gone before the render failed
+        assert shared._running is not None
+        await asyncio.wait([shared._running])
+
+    asyncio.run(body())
+    gc.collect()  # (a future's unretrieved error is logged as it is freed)
+    assert "never retrieved" not in caplog.text
 
 
 def test_metrics_are_labelled_by_the_version_that_counted_them() -> None:
