@@ -126,6 +126,10 @@ def test_a_ragged_like_output_wider_or_narrower_than_the_padding_is_refused_by_t
     out, _ = run_batch(lambda ids, mask, lengths: ids.float(), cfg, torch.device("cpu"),
                        headers, frames)  # fmt: skip
     assert list(out[0].shape) == [2, 4]
+    # and the frontend, from a peer that does not check (another build, a remote worker)
+    wrong = [wire.Tensor(name="OUT", datatype="FP32", shape=[2, width])]
+    with pytest.raises(ValueError, match=f"has {width} positions, the batch was padded to 4"):
+        split_outputs([text(cfg, loop, 2), text(cfg, loop, 4)], wrong, [bytes(8 * width)])
 
 
 def test_an_output_with_a_zero_in_its_shape_is_returned_and_cut_per_request(

@@ -134,14 +134,15 @@ def _cut_ragged(
         raise ValueError(
             f"ragged output {h.name!r} has shape {list(shape)}, expected [rows, length, ...]"
         )
+    width = max(r.inputs[src].shape[1] for r in requests)  # what the batch was padded to
+    if shape[1] != width:  # (a peer that does not check: another position's values)
+        raise ValueError(
+            f"ragged output {h.name!r} has {shape[1]} positions, the batch was padded to {width}"
+        )
     arr = np.frombuffer(buf, DATATYPES[h.datatype].numpy).reshape(shape)
     out, row = [], 0
     for r in requests:
         n = r.inputs[src].shape[1]
-        if n > shape[1]:
-            raise ValueError(
-                f"ragged output {h.name!r} has {shape[1]} positions, a request needs {n}"
-            )
         cols = slice(shape[1] - n, shape[1]) if left else slice(0, n)
         part = np.ascontiguousarray(arr[row : row + r.rows, cols])
         out.append(Tensor(h.name, h.datatype, part.shape, raw_view(part)))
