@@ -160,15 +160,16 @@ http {{
 """
 
 
-HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})")
+HOST = r"\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]|[A-Za-z0-9_.-]+"  # [v6%zone], a name, v4
 
 
-def host_port(text: str) -> str:
-    """HOST:PORT ([v6]:PORT), port 1-65535, nothing else: a value without its port gave
-    an nginx config that sends gRPC to port 80, and one with a space or a newline a
-    haproxy server line with other options (or without its health check)."""
-    m = HOST_PORT.fullmatch(text)
-    if m is None or not 1 <= int(m.group(2)) <= 65535:
+def host_port(text: str, listen: bool = False) -> str:
+    """HOST:PORT ([v6]:PORT; to listen on, *:PORT and :PORT too), port 1-65535, nothing
+    else: a value without its port gave an nginx config that sends gRPC to port 80, and
+    one with a space or a newline a haproxy server line with other options (or without
+    its health check)."""
+    m = re.fullmatch(f"({HOST}{'|[*]|' if listen else ''}):([0-9]{{1,5}})", text)
+    if m is None or not 1 <= int(m.group(m.lastindex or 0)) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT (port 1-65535), got {text[:80]!r}")
     return text
 
@@ -176,7 +177,7 @@ def host_port(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("balancer", choices=["haproxy", "nginx"])
-    p.add_argument("--listen", default="0.0.0.0:8001", type=host_port,
+    p.add_argument("--listen", default="0.0.0.0:8001", type=lambda t: host_port(t, True),
                    help="address:port the balancer binds")  # fmt: skip
     p.add_argument("--replica", action="append", required=True, metavar="HOST:PORT",
                    type=host_port,

@@ -236,7 +236,11 @@ def test_render_refuses_a_replica_that_is_not_host_port(
         with pytest.raises(SystemExit) as exit_:
             render.main([balancer, "--replica", bad])
         assert exit_.value.code == 2 and "expected HOST:PORT" in capsys.readouterr().err
-    assert render.main(["nginx", "--replica", "[::1]:8001", "--replica", "h-1.example:1"]) == 0
+    for listen in ("*:8001", ":8001", "[::]:8001"):  # what haproxy and nginx bind to
+        for replica in ("[::1]:8001", "h-1.example:1", "batchd_a:8001", "[fe80::1%eth0]:8001"):
+            assert render.main(["haproxy", "--listen", listen, "--replica", replica]) == 0
+    with pytest.raises(SystemExit):
+        render.main(["nginx", "--replica", "*:8001"])  # (no replica is everywhere)
 
 
 def test_one_channel_spreads_per_request(cluster: Cluster, haproxy: Haproxy) -> None:
