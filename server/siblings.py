@@ -108,8 +108,9 @@ async def statistics(request: pb.ModelStatisticsRequest, own: Stats, remaining: 
             if (gone := _gone.get((path, name, version))) is not None:
                 add_statistics(mine, gone)
     if not request.name and not request.version:  # ours names every version served: what
-        for kept in (_last, _gone):  # was kept of any other (retired, unloaded) goes
-            for key in [k for k in kept if (k[1], k[2]) not in by_key]:
+        served = {name for name, _ in by_key}  # was kept of a retired one goes, as our own
+        for kept in (_last, _gone):  # Stats forgets it (an unloaded model's are kept)
+            for key in [k for k in kept if k[1] in served and (k[1], k[2]) not in by_key]:
                 del kept[key]
     return own
 

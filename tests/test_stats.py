@@ -268,12 +268,15 @@ def test_statistics_of_a_version_no_model_serves_are_empty_and_keep_nothing(
     assert s.report([("m", "1"), ("n", "1")], "zzz") == []
     assert s.report([("m", "1")], "1")[0].inference_stats.success.count == 1
     assert [list(v) for v in s._models.values()] == [["1"], []]  # no "zzz" kept
-    kept = {(str(tmp_path), "m", v): (1, pb.ModelStatistics(name="m", version=v)) for v in "19"}
+    # what was kept of another frontend's: a retired version of a model served goes (as
+    # our own Stats forgets it); an unloaded model's stays (as ours does, for its reload)
+    keys = [(str(tmp_path), m, v) for m, v in (("m", "1"), ("m", "9"), ("gone", "1"))]
+    kept = {k: (1, pb.ModelStatistics(name=k[1], version=k[2])) for k in keys}
     monkeypatch.setattr(siblings, "_last", dict(kept))
     monkeypatch.setattr(siblings, "_gone", {k: m for k, (_, m) in kept.items()})
     own = pb.ModelStatisticsResponse(model_stats=s.report([("m", "1")]))
     asyncio.run(siblings.statistics(pb.ModelStatisticsRequest(), own, None, []))
-    assert list(siblings._last) == list(siblings._gone) == [(str(tmp_path), "m", "1")]
+    assert list(siblings._last) == list(siblings._gone) == [keys[0], keys[2]]
 
 
 def test_a_frontend_s_statistics_add_up_every_other_frontend_s(tmp_path: Path) -> None:
