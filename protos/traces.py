@@ -37,10 +37,16 @@ def endpoint(flag: str | None, env: Mapping[str, str] = os.environ) -> str | Non
     url = flag or next((env[k] for k in ENDPOINT_VARIABLES if env.get(k)), None)
     if url is not None:
         try:
-            parts = urlsplit(url)
+            bare = "://" not in url  # the exporter takes HOST:PORT for TLS unless *_INSECURE
+            if bare and not any(
+                env.get(f"OTEL_EXPORTER_OTLP{k}_INSECURE") for k in ("", "_TRACES")
+            ):
+                raise ValueError("http:// (plaintext) or https:// (TLS) must say which, or "
+                                 "OTEL_EXPORTER_OTLP_INSECURE")  # fmt: skip
+            parts = urlsplit(f"http://{url}" if bare else url)
             empty_port = parts.port is None and ":" in parts.netloc.rpartition("]")[2]
-            if parts.scheme not in ("http", "https"):  # the exporter took none for TLS
-                raise ValueError("http:// (plaintext) or https:// (TLS) must say which")
+            if parts.scheme not in ("http", "https"):
+                raise ValueError(f"the scheme {parts.scheme[:20]!r} is neither http nor https")
             if not parts.hostname or empty_port:
                 raise ValueError("no host, or an empty port")
         except ValueError as e:

@@ -122,6 +122,9 @@ def test_a_bad_traceparent_or_tracestate_is_ignored_without_a_log_line(
 
 def test_tracing_is_on_only_with_an_endpoint() -> None:
     assert traces.endpoint(None, {}) is None
+    for insecure in ("OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE"):
+        bare = {"OTEL_EXPORTER_OTLP_ENDPOINT": "127.0.0.1:4317", insecure: "true"}
+        assert traces.endpoint(None, bare) == "127.0.0.1:4317"  # (the spec's HOST:PORT form)
     assert traces.endpoint("http://c:4317", {}) == "http://c:4317"
     assert traces.endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://e:4317"}) == (
         "http://e:4317"
