@@ -295,14 +295,12 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
         await others
     if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
-    tracing = p.service.tracing  # the spans left exported while the workers export theirs
-    flushed = asyncio.ensure_future(asyncio.to_thread(tracing.shutdown)) if tracing else None
-    await p.core.supervisor.stop()
+    await p.core.supervisor.stop()  # (a batch's span ends with its reply, meanwhile)
     for listening in (p.metrics, p.internal):
         if listening is not None:
             listening.close()
-    if flushed is not None:  # (one after the other, a collector that is down cost 6 s)
-        await flushed
+    if p.service.tracing is not None:  # export the spans left
+        await asyncio.to_thread(p.service.tracing.shutdown)
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
 
 
