@@ -11,12 +11,23 @@ from dataclasses import replace
 import pytest
 
 from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.plan import PAD_FREE
 from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import DeadlineExceeded, QueueFull, Unavailable
 from batchd.server.flow import StepStream
 from batchd.server.request import Request
-from tests.conftest import Clock, FakeDispatch, FakeTimer, model, request, run, stepwise_model
+from tests.conftest import (
+    Clock,
+    FakeDispatch,
+    FakeTimer,
+    model,
+    ragged_model,
+    request,
+    run,
+    stepwise_model,
+    text,
+)
 from tests.test_fuzz_codec import lines_run
 
 
@@ -71,6 +82,37 @@ def test_scheduler_holds_batches_for_an_idle_worker_while_the_loop_is_saturated(
         third = request(cfg)
         s.submit(third)
         assert dispatch.sent[1] == [third]  # the loop has time again: eager
+
+    run(body)
+
+
+def test_a_ragged_batch_a_long_arrival_cannot_join_leaves_at_once() -> None:
+    """A ragged model's batch is bounded by tokens too, even without max_batch_tokens
+    (plan.py: no row padded far past its length): an arrival too long to join makes it
+    full, so it leaves now. Its queue counted as one bounded by rows alone, and the
+    arrival skipped the planner: the batch waited out its delay."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        s = Scheduler(dispatch, clock, patient=lambda: True)
+        cfg = ragged_model(max_queue_delay_us=10_000)
+        s.add_model(cfg)
+        loop = asyncio.get_running_loop()
+        dispatch.idle, dispatch.credits = 0, 0  # 8 callers seen (_callers, ragged)
+        for _ in range(8):
+            s.submit(text(cfg, loop, 1))
+        dispatch.idle, dispatch.credits = 1, 1
+        s.pump()
+        dispatch.sent.clear()
+        dispatch.idle, dispatch.credits = 1, 1
+        short = [text(cfg, loop, 1), text(cfg, loop, 1)]
+        for r in short:
+            s.submit(r)
+        assert dispatch.sent == []  # patient: filling
+        long = text(cfg, loop, 1)
+        long.length = 8 * PAD_FREE  # (its tokens are never read here)
+        s.submit(long)
+        assert dispatch.sent == [short]
 
     run(body)
 

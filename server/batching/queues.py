@@ -67,9 +67,10 @@ class ModelQueue:
         self.max_rows = max(config.max_batch_size, 1)
         self.compacted_at = -math.inf
         self.window = max(64, 4 * self.max_rows)  # how far bucketing looks into each level
-        # One FIFO whose batches only rows bound: an arrival may skip the planner.
+        # One FIFO whose batches only rows bound: an arrival may skip the planner (a
+        # ragged model's tokens bound them too, with or without max_batch_tokens).
         self.plain = len(self.levels) == 1 and not (
-            b.preferred_batch_sizes or b.max_batch_tokens or b.bucket_by_length
+            b.preferred_batch_sizes or config.ragged or b.bucket_by_length
         )
         self.target = (
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
