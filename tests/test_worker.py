@@ -699,3 +699,56 @@ def test_a_step_wise_version_held_is_kept_though_its_files_changed(tmp_path: Pat
     assert first.model is not None and first.files is not None
     (d / "model.py").write_text(STEPS_PY + "\n# changed\n")
     assert load(plain, tmp_path, CPU, (), {"steps@1": first.files}) == Loaded()
+
+
+STEPPER = """
+import torch
+class M:
+    def start(self, requests):
+        return [{"n": int(r["N"][0]), "k": 0} for r in requests]
+    def step(self, states):
+        for s in states:
+            s["k"] += 1
+        return [({"OUT": torch.tensor([s["k"]])}, s["k"] >= s["n"]) for s in states]
+def load(device):
+    return M()
+"""
+
+
+def test_sequences_step_between_forwards_however_many_batches_are_staged(tmp_path: Path) -> None:
+    """With 2 credits a staged batch always waits, and the compute thread stepped its
+    sequences only when no work was queued: under steady one-shot traffic a sequence
+    stepped once in seconds, and the frontend declared the healthy worker lost."""
+    repo_model(tmp_path, "model.py", lambda p: p.write_text(COUNTING_MODEL))
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "steps" / "model.toml").write_text(stepwise_toml(max_active=2, max_steps=8))
+    (tmp_path / "steps" / "model.py").write_text(STEPPER)
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    ctx: zmq.Context[Any] = zmq.Context()
+    results = ctx.socket(zmq.PULL)
+    results.bind(runner_module._RESULTS)
+    try:
+        for name in ("model_py", "steps"):
+            assert (
+                install(runner, wire.Header(kind=wire.Header.LOAD, model=name, version="1")) == ""
+            )
+        start = wire.Header(kind=wire.Header.START, batch_id=1, model="steps", version="1")
+        start.tensors.add(name="N", datatype="INT64", shape=[1])
+        runner._work.put((0, start, [np.array([3], np.int64).tobytes()]))
+        for batch_id in range(1, 7):  # one-shot batches, all queued: no moment without work
+            header = batch_of(batch_id, X)
+            header.alone = True  # one forward each
+            runner._work.put((0, header, batch(X)[1]))
+        runner._work.put(None)
+        runner._compute(ctx)  # runs what is queued, then stops at None
+        kinds = []
+        while results.poll(0):
+            _, *parts = results.recv_multipart()
+            header, _ = wire.unpack(parts)
+            kinds.append("step" if header.kind == wire.Header.STEP else "result")
+    finally:
+        results.close(linger=0)
+        ctx.term()
+        gc.unfreeze()
+    assert kinds.count("result") == 6 and kinds.count("step") == 3, kinds
+    assert kinds.index("step") < kinds.index("result") + 2  # a step after the first forward

@@ -49,9 +49,7 @@ from batchd.worker.loading import Loaded, Loader, addressed, own_thread, settle_
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
 _SEQUENCE = (wire.Header.START, wire.Header.CANCEL, wire.Header.CREDIT)
-# The longest the I/O loop waits for a message. A SIGTERM only sets a flag: the loop
-# reads it when it wakes, so this bounds how long a stop takes (exit well within 1 s).
-POLL_MS = 100
+POLL_MS = 100  # the I/O loop's longest wait: a SIGTERM's flag is read within it (exit < 1 s)
 HOLD_S = 0.01  # while a frontend is behind, how often the compute thread looks again
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 
@@ -96,10 +94,8 @@ class Runner:
     # ---- compute thread ----
 
     def _compute(self, ctx: zmq.Context[Any]) -> None:
-        # OpenMP keeps its thread count per thread: `--threads`, set in the main thread,
-        # does not reach this one by itself. Without this, loading mlp and its batches
-        # of 4 to 8 rows started a team of one spinning thread per core here (2 cores
-        # used, not 1), taking CPU from the frontend beside it.
+        # OpenMP keeps its thread count per thread (`--threads`, set in the main thread,
+        # reached not this one: mlp's small batches spun a thread per core, 2 cores not 1)
         torch.set_num_threads(torch.get_num_threads())
         self._threads_all = self._threads_now = torch.get_num_threads()
         out = ctx.socket(zmq.PUSH)
@@ -115,16 +111,13 @@ class Runner:
                 if held is not None:
                     item, held = held, None
                 elif any(loop.busy or loop.waiting for loop in self.loops.values()):
-                    held_back = self._behind.is_set()  # no step while a frontend is behind
-                    # while sequences step, take what has come without waiting; while all
-                    # wait behind held ones, look again every HOLD_S (their beats)
+                    held_back = self._behind.is_set()  # no step while a frontend is behind;
+                    # stepping, take what came; all held, look again every HOLD_S (beats)
                     idle = held_back or not any(loop.busy for loop in self.loops.values())
                     try:
                         item = self._work.get(timeout=HOLD_S) if idle else self._work.get_nowait()
                     except queue.Empty:
-                        for loop in self.loops.values():
-                            for frontend, parts, ends in [] if held_back else loop.round():
-                                reply(frontend, parts, ends)
+                        self._rounds(reply, held_back)
                         continue
                 else:
                     item = self._work.get()
@@ -132,11 +125,20 @@ class Runner:
                     return
                 try:
                     held = self._handle(item, reply)
-                except Exception as e:  # a defect, or a message no frontend sends: that
-                    log.exception("work of kind %d failed", item[1].kind)  # work fails, the
-                    reply(item[0], *failed(item[1], e))  # compute thread lives on
+                except Exception as e:  # a defect, or a message no frontend sends: it
+                    log.exception("work of kind %d failed", item[1].kind)  # fails, not the
+                    reply(item[0], *failed(item[1], e))  # compute thread
+                if item[1].kind == wire.Header.BATCH and any(x.busy for x in self.loops.values()):
+                    self._rounds(reply, self._behind.is_set())  # (staged forwards starved them)
         finally:
             out.close(linger=0)
+
+    def _rounds(self, reply: Callable[..., None], held_back: bool) -> None:
+        """A round of every step-wise model's loop (none while a frontend is behind): after
+        each forward too, so sequences step between forwards."""
+        for loop in [] if held_back else self.loops.values():
+            for frontend, parts, ends in loop.round():
+                reply(frontend, parts, ends)
 
     def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
         """Do one piece of work from a frontend; returns an item taken but not done
@@ -205,16 +207,14 @@ class Runner:
         rows = [merge.rows_of(h) for _, h, _ in group]
         try:
             if entry is None:
-                raise BatchError(
-                    f"model {header.model!r} version {header.version!r} is not loaded "
-                    "on this worker"
-                )
+                raise BatchError(f"model {header.model!r} version {header.version!r} is "
+                                 "not loaded on this worker")  # fmt: skip
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
             start, wall = time.perf_counter_ns(), time.time_ns()
-            device = self.options.device
-            out_tensors, out_frames = run_batch(fn, cfg, device, tensors, frames, sum(rows))
+            out_tensors, out_frames = run_batch(fn, cfg, self.options.device, tensors, frames,
+                                                sum(rows))  # fmt: skip
             compute_ns = time.perf_counter_ns() - start
         except BaseException as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
@@ -240,11 +240,10 @@ class Runner:
         return replies
 
     def _use_threads(self, threads: int) -> None:
-        """Run the next batches with `threads` intra-op threads (the frontend says with
-        each batch whether its model is under load, wire.proto); set only on a change.
-        On 2 cores with mlp: 2 threads make one caller's batch of 1 ~30% faster, but
-        under load they doubled the worker's CPU per row and cost 16-20% of the
-        throughput, taking the core the frontend needs."""
+        """Run the next batches with `threads` intra-op threads (each batch says whether
+        its model is under load, wire.proto); set only on a change. On 2 cores with mlp:
+        2 threads make a lone row ~30% faster, but under load doubled the worker's CPU
+        per row and cost 16-20% of the throughput (the frontend's core)."""
         if threads != self._threads_now:
             torch.set_num_threads(threads)
             self._threads_now = threads
