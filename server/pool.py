@@ -320,7 +320,8 @@ class WorkerPool:
         forward it runs is held to its own limit by every frontend (the one whose
         batches it runs may be gone), a heartbeat interval more. A sequence: since it
         started, or got credit again after its worker held it, or since the last step of
-        its model on that worker, whichever is later; never one held for its caller."""
+        its model on that worker, or its worker's last work, whichever is later; never
+        one held for its caller."""
         late = []
         for w in self._order:
             for b in [*w.inflight.values(), *w.sequences.values()]:
@@ -328,7 +329,9 @@ class WorkerPool:
                 if b.id in w.sequences:
                     if (stream := b.requests[0].stream) is not None and stream.paused:
                         continue  # held for want of credit: its worker owes it nothing now
-                    since = max(since, w.progress.get(b.model.key, since))
+                    # (or since its worker was last seen in other work: one forward of
+                    # another model within its own limit killed a worker stepping fine)
+                    since = max(since, w.progress.get(b.model.key, since), w.busy_at)
                 elif b.id in w.running:
                     since = max(since, w.running[b.id])
                 else:  # it may have begun since the last heartbeat: the next tells

@@ -156,6 +156,27 @@ def test_a_sequence_with_no_step_past_its_limit_is_found_as_a_sequence() -> None
     ]  # fmt: skip
 
 
+def test_a_sequence_waiting_behind_other_work_within_its_limit_is_not_late() -> None:
+    """A sequence of a model with a 3 s limit waited behind an 8 s forward of another
+    model (limit 30 s) on its worker: the frontend killed the healthy worker as hung,
+    failed the stream and ran the forward again. It is timed from the worker's last
+    work as its heartbeats tell it; a worker silent or idle is still found."""
+    cfg = replace(
+        stepwise_model(max_active=2), instances=replace(model().instances, execution_timeout_s=3.0)
+    )
+    pool = WorkerPool()
+    (w,) = serving(pool, "w", key=cfg.key)
+    pool.start(w, cfg, request(cfg), 0.0)
+    for at in (1.0, 2.0, 4.0, 6.0, 8.0):  # another model's forward, begun at 0.5
+        busy = wire.Header(kind=wire.Header.HEARTBEAT, busy_ns=int((at - 0.5) * 1e9),
+                           busy_limit_s=30.0)  # fmt: skip
+        pool.beat(w, busy, at)
+        assert pool.overdue(at + 0.5) == []
+    pool.beat(w, wire.Header(kind=wire.Header.HEARTBEAT, idle_ns=int(0.2e9)), 8.7)  # ended 8.5
+    assert pool.overdue(11.4) == []
+    assert [why[:13] for _, why in pool.overdue(11.6)] == ["a sequence (r"]
+
+
 def test_a_batch_is_timed_from_its_forward_s_start_as_the_worker_s_heartbeats_tell() -> None:
     """A shared worker runs other frontends' forwards before ours (or a GPU worker the
     one staged ahead): timed from its send, a batch waiting there was taken for stuck.

@@ -752,3 +752,40 @@ def test_sequences_step_between_forwards_however_many_batches_are_staged(tmp_pat
         gc.unfreeze()
     assert kinds.count("result") == 6 and kinds.count("step") == 3, kinds
     assert kinds.index("step") < kinds.index("result") + 2  # a step after the first forward
+
+
+BLOCKING_STEPPER = STEPPER.replace(
+    "class M:\n",
+    "import threading\nclass M:\n    started, release = threading.Event(), threading.Event()\n",
+).replace(
+    "        for s in states:\n",
+    "        self.started.set()\n        self.release.wait(30)\n        for s in states:\n",
+    1,
+)
+
+
+def test_a_step_round_is_work_the_heartbeats_tell_of(tmp_path: Path) -> None:
+    """A long step of one model held the worker, and its heartbeats said it was idle:
+    another model's sequence waiting behind it was taken for stuck, the worker killed."""
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "steps" / "model.toml").write_text(
+        stepwise_toml(max_active=2, max_steps=8) + "[instances]\nexecution_timeout_s = 30\n"
+    )
+    (tmp_path / "steps" / "model.py").write_text(BLOCKING_STEPPER)
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    assert install(runner, wire.Header(kind=wire.Header.LOAD, model="steps", version="1")) == ""
+    start = wire.Header(kind=wire.Header.START, batch_id=1, model="steps", version="1")
+    start.tensors.add(name="N", datatype="INT64", shape=[1])
+    loop = runner.loops["steps@1"]
+    assert loop.add(0, start, [np.array([3], np.int64).tobytes()], CPU) == []
+    rounds = threading.Thread(target=runner._rounds, args=(lambda *a: None, False))
+    rounds.start()
+    try:
+        assert loop.model.started.wait(30)
+        beat, _ = wire.unpack(runner._beat(0))
+        assert beat.busy_ns > 0 and beat.busy_limit_s == 30.0
+    finally:
+        loop.model.release.set()
+        rounds.join(30)
+    beat, _ = wire.unpack(runner._beat(0))
+    assert beat.busy_ns == 0 and beat.idle_ns > 0

@@ -85,11 +85,8 @@ class Runner:
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
         o = options
         self._loader = Loader(self._work, self._install, o.repository, o.device, o.allowed)
+        self._frontends = len(options.endpoint.split(","))
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
-
-    @property
-    def _frontends(self) -> int:
-        return len(self.options.endpoint.split(","))
 
     # ---- compute thread ----
 
@@ -137,7 +134,12 @@ class Runner:
         """A round of every step-wise model's loop (none while a frontend is behind): after
         each forward too, so sequences step between forwards."""
         for loop in [] if held_back else self.loops.values():
-            for frontend, parts, ends in loop.round():
+            if stepping := loop.busy:  # its beats say so: a round is work, to its limit
+                self._busy = (time.perf_counter_ns(), [], loop.cfg.instances.execution_timeout_s)
+            replies = loop.round()
+            if stepping:
+                self._busy = (time.perf_counter_ns(), None, 0.0)
+            for frontend, parts, ends in replies:
                 reply(frontend, parts, ends)
 
     def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
@@ -240,10 +242,8 @@ class Runner:
         return replies
 
     def _use_threads(self, threads: int) -> None:
-        """Run the next batches with `threads` intra-op threads (each batch says whether
-        its model is under load, wire.proto); set only on a change. On 2 cores with mlp:
-        2 threads make a lone row ~30% faster, but under load doubled the worker's CPU
-        per row and cost 16-20% of the throughput (the frontend's core)."""
+        """`threads` intra-op threads from now (each batch says if its model is under load):
+        2 cores, mlp: 2 make a lone row ~30% faster, under load cost 16-20% of req/s."""
         if threads != self._threads_now:
             torch.set_num_threads(threads)
             self._threads_now = threads
@@ -264,11 +264,10 @@ class Runner:
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
     def _beat(self, frontend: int) -> list[Any]:
-        """A heartbeat to one frontend: the forward running and its batches in it (it
-        times a batch from its forward's start); with step-wise models, each one's
-        sequences here, every frontend's, so that a frontend of several can place its
-        own where the fewest are. Read from the I/O thread: `_busy` and `loops` are
-        replaced whole, and a list's length is one read."""
+        """A heartbeat to one frontend: the forward (or step round) running and its batches
+        (it times a batch from its forward's start); each step-wise model's sequences here,
+        every frontend's (a frontend of several places its own where the fewest are). Read
+        from the I/O thread: `_busy` and `loops` are replaced whole."""
         beat = wire.Header(kind=wire.Header.HEARTBEAT)
         since, group, beat.busy_limit_s = self._busy
         if group is None:
