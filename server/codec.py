@@ -35,6 +35,7 @@ DEFAULT_LIMITS = Limits()
 # A request's id is echoed in each of its responses: a step-wise request's, in each of
 # up to max_steps, where a 4 MB id made 1 GB of responses outside its stream's budget.
 MAX_ID_BYTES = 4096
+WRAPPER_BYTES = 64  # a stream's ModelStreamInferResponse and final flag, around a response
 
 
 def _names(specs: Sequence[TensorSpec]) -> str:
@@ -379,11 +380,15 @@ def encode_response(
     if size > max_bytes:
         raise ResponseTooLarge(too_large(size, max_bytes))
     response = pb.ModelInferResponse(
-        model_name=request.model.name,
-        model_version=request.model.version,
-        id=request.id,
-        raw_output_contents=[bytes(t.data) for t in chosen],
+        model_name=request.model.name, model_version=request.model.version, id=request.id
     )
     for t in chosen:  # add() builds in place: cheaper than a list of InferOutputTensor
         response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+    # Its own fields count too (names, shapes, an id of up to 4 KiB; each raw part's tag
+    # and length; a stream's final flag and wrapper): outputs of exactly the limit were
+    # sent, and gRPC failed the call, every other request of a stream with it.
+    whole = response.ByteSize() + size + 6 * len(chosen) + WRAPPER_BYTES
+    if whole > max_bytes:
+        raise ResponseTooLarge(too_large(whole, max_bytes, "this response would take"))
+    response.raw_output_contents.extend([bytes(t.data) for t in chosen])
     return response

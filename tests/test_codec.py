@@ -156,6 +156,20 @@ def test_a_response_larger_than_a_message_may_be_is_refused_before_it_is_built()
     assert ResponseTooLarge.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_a_response_whose_outputs_alone_fit_but_not_with_its_own_fields_is_refused() -> None:
+    """Outputs of exactly --max-message-bytes were sent: gRPC failed the whole call
+    ("Sent message larger than max"), on a stream every other request with it. The
+    response's own fields (names, shapes, the id, a stream's wrapper) count too."""
+    request = decode_request(_text_request(), EMBED, now=0.0)
+    request.id = "x" * 4000  # an id of up to 4 KiB comes back in the response
+    with pytest.raises(ResponseTooLarge, match="this response would take 43"):
+        encode_response(request, _results(), max_bytes=4000)
+    response = encode_response(request, _results(), max_bytes=4500)
+    streamed = pb.ModelStreamInferResponse(infer_response=response)
+    streamed.infer_response.parameters["triton_final_response"].bool_param = True
+    assert streamed.ByteSize() <= 4500  # what the check counted, wrapper and flag too
+
+
 def test_an_answer_its_model_fixes_too_large_is_refused_before_the_model_runs() -> None:
     """tiny answers 64 bytes a row: 30,000 rows would be 1.9 MB, over a 1 MiB limit. It
     was refused once the model had run for it (decode found nothing wrong); embed's
