@@ -31,6 +31,7 @@ from batchd.worker.loader import load_model
 from batchd.worker.loading import Loaded, load
 from batchd.worker.runner import Runner, RunnerOptions
 from tests.conftest import make_model, model_log, stepwise_toml
+from tests.test_worker_behind import FLOOD_PY
 
 CPU = torch.device("cpu")
 TOML = """max_batch_size = 8
@@ -701,18 +702,7 @@ def test_a_step_wise_version_held_is_kept_though_its_files_changed(tmp_path: Pat
     assert load(plain, tmp_path, CPU, (), {"steps@1": first.files}) == Loaded()
 
 
-STEPPER = """
-import torch
-class M:
-    def start(self, requests):
-        return [{"n": int(r["N"][0]), "k": 0} for r in requests]
-    def step(self, states):
-        for s in states:
-            s["k"] += 1
-        return [({"OUT": torch.tensor([s["k"]])}, s["k"] >= s["n"]) for s in states]
-def load(device):
-    return M()
-"""
+STEPPER = FLOOD_PY  # N quick steps, an output each
 
 
 def test_sequences_step_between_forwards_however_many_batches_are_staged(tmp_path: Path) -> None:
@@ -755,8 +745,8 @@ def test_sequences_step_between_forwards_however_many_batches_are_staged(tmp_pat
 
 
 BLOCKING_STEPPER = STEPPER.replace(
-    "class M:\n",
-    "import threading\nclass M:\n    started, release = threading.Event(), threading.Event()\n",
+    "class Flood:  # N quick steps, an output each\n",
+    "import threading\nclass Flood:\n    started, release = threading.Event(), threading.Event()\n",
 ).replace(
     "        for s in states:\n",
     "        self.started.set()\n        self.release.wait(30)\n        for s in states:\n",
