@@ -81,9 +81,10 @@ def level_order(
 
 def _fits(rows: int, tokens: int, longest: int, shortest: int, cap: int, budget: int,
           per: int) -> bool:  # fmt: skip
-    """Whether a batch of `rows` and `tokens` (padded: rows x `longest`; packed: the sum,
-    `shortest` then 0) fits the cap and the model's token budget, or without one the
-    default bounds, counted in elements (`per` a position)."""
+    """Whether a batch of `rows` and `tokens` (padded: rows x `longest`, its shortest row
+    `shortest`; packed: the sum, nothing padded, `shortest` then `longest`) fits the cap
+    and the model's token budget, or without one the default bounds, counted in elements
+    (`per` a position)."""
     if rows > cap:
         return False
     if budget:
