@@ -155,7 +155,7 @@ def _build(
     jobs, off = _jobs(cfg, core, limits)
     token_file = cfg.security.auth_token_file
     tokens = None if token_file is None else load_tokens(token_file)
-    jobs_service = JobsService(jobs, off, tokens)
+    jobs_service = JobsService(jobs, off, tokens, cfg.network.max_message_bytes)
     server, port = _grpc_server(cfg, service, health, jobs_service, tokens)
     rest = RestApi(
         service, core, jobs_service, tokens,

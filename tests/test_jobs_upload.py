@@ -385,3 +385,27 @@ def test_listing_jobs_reads_an_index_not_every_job_kept(
     (sql,) = [q for q in asked if q.startswith("SELECT")]
     plan = " ".join(str(row[-1]) for row in store._db.execute(f"EXPLAIN QUERY PLAN {sql}"))
     assert "USING INDEX" in plan and "TEMP B-TREE" not in plan, plan
+
+
+def test_job_results_come_in_pieces_the_server_may_send(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store reads the results in 1 MiB pieces: a server started with
+    --max-message-bytes 262144 failed every JobResults (Sent message larger than max),
+    its client retrying the same for ever; over HTTP the same results came."""
+    service = JobsService(None, max_message_bytes=262_144)
+
+    async def results(caller: Any, job_id: str, offset: int = 0) -> AsyncIterator[bytes]:
+        async def pieces() -> AsyncIterator[bytes]:
+            yield bytes(range(256)) * 4096  # 1 MiB
+            yield b"tail\n"
+
+        return pieces()
+
+    monkeypatch.setattr(service, "results", results)
+    monkeypatch.setattr(service, "_caller", lambda context: ("", True))
+
+    async def body() -> list[bytes]:
+        return [c.data async for c in service.JobResults(pb.JobResultsRequest(id="j"), None)]
+
+    chunks = asyncio.run(body())
+    assert b"".join(chunks) == bytes(range(256)) * 4096 + b"tail\n"
+    assert max(pb.JobResultsChunk(data=c).ByteSize() for c in chunks) <= 262_144

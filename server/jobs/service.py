@@ -54,10 +54,14 @@ Caller = tuple[str, bool]  # (owner: a digest of the token, sees every job: an a
 
 
 class JobsService(pb_grpc.JobsServicer):
-    def __init__(self, jobs: Jobs | None, off: str = "", tokens: Tokens | None = None) -> None:
+    def __init__(self, jobs: Jobs | None, off: str = "", tokens: Tokens | None = None,
+                 max_message_bytes: int = 1 << 30) -> None:  # fmt: skip
         self._jobs = jobs
         self._off = off  # why jobs are off, when they are
         self._tokens = tokens
+        # A JobResults piece's data at most (--max-message-bytes, less the chunk's own):
+        # the store reads 1 MiB pieces, which a server of 256 KiB could never send.
+        self._piece = max(1, max_message_bytes - 64)
 
     @property
     def max_file_bytes(self) -> float:
@@ -258,4 +262,7 @@ class JobsService(pb_grpc.JobsServicer):
         with grpc_status(context):
             pieces = await self.results(self._caller(context), request.id, request.offset)
             async for data in pieces:
-                yield pb.JobResultsChunk(data=data)
+                for at in range(0, len(data), most := self._piece):
+                    yield pb.JobResultsChunk(
+                        data=data if len(data) <= most else data[at : at + most]
+                    )
