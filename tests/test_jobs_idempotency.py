@@ -48,6 +48,13 @@ def test_a_key_sent_again_answers_the_job_it_made(tmp_path: Path) -> None:
         assert (again.id, again.status) == (first.id, "cancelled")
         with pytest.raises(InvalidInput, match="at most 256 characters, got 300"):
             await service.submit(ALICE, CFG.name, "", whole(ONE_LINE.encode()), "x" * 300)
+        # an HTTP header of bytes that are not UTF-8 (aiohttp keeps them as surrogates):
+        # HTTP 500 and a traceback from the store
+        bad = b"\xff\xfe".decode("utf-8", "surrogateescape")
+        with pytest.raises(InvalidInput, match=r"key is UTF-8 text, got '\\udcff\\udcfe'"):
+            await service.submit(ALICE, CFG.name, "", whole(ONE_LINE.encode()), bad)
+        caf = await service.submit(ALICE, CFG.name, "", whole(ONE_LINE.encode()), "café")
+        assert caf.id != first.id
 
     run(lambda: asyncio.wait_for(body(), 60))
 

@@ -53,6 +53,14 @@ log = logging.getLogger("batchd.jobs")
 Caller = tuple[str, bool]  # (owner: a digest of the token, sees every job: an admin token)
 
 
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # (lone surrogates: bytes that were not UTF-8)
+        return False
+    return True
+
+
 class JobsService(pb_grpc.JobsServicer):
     def __init__(self, jobs: Jobs | None, off: str = "", tokens: Tokens | None = None,
                  max_message_bytes: int = 1 << 30) -> None:  # fmt: skip
@@ -131,6 +139,8 @@ class JobsService(pb_grpc.JobsServicer):
         if len(key) > MAX_KEY_CHARS:
             raise InvalidInput(f"an idempotency key has at most {MAX_KEY_CHARS} characters, "
                                f"got {len(key)}: {clip(key)}")  # fmt: skip
+        if not key.isascii() and not _utf8(key):  # (an HTTP header's bytes came as they were)
+            raise InvalidInput(f"an idempotency key is UTF-8 text, got {clip(key)}")
         if key and (made := await jobs.store.keyed(caller[0], key)) is not None:
             return await self._same(caller, made, key, model_name, model_version)
         if not jobs.taking_uploads:  # (uploads under way may end: runner.Jobs.stop)
