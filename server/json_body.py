@@ -50,14 +50,19 @@ def with_nan(raw: bytes, what: str) -> Any:
     """What orjson refused, read by Python's json where it holds NaN or Infinity (which
     Python's json, and so tritonclient.http, writes), its strings checked for lone
     surrogates (InvalidInput: orjson refuses them, Python's json does not); None where
-    it holds neither or Python's json does not read it either. RecursionError past
-    Python's json's depth (load_json and a job's lines, jobs/lines.py, each say it)."""
+    it holds neither or Python's json does not read it either. InvalidInput past Python's
+    json's depth (for a job's line too: it was orjson's message about the NaN)."""
     if b"NaN" not in raw and b"Infinity" not in raw:
         return None
     try:
         value = json.loads(raw)
     except ValueError:
         return None
+    except RecursionError:  # past the interpreter's limit: 1,000 levels on 3.11, 8,000 on 3.12
+        raise InvalidInput(
+            f"{what} is not valid JSON: it holds NaN or Infinity, read by Python's json, "
+            "and nests deeper than Python's json reads (a tensor's data: at most 32 levels)"
+        ) from None
     _refuse_lone_surrogates(value, what)
     return value
 
@@ -75,13 +80,7 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        try:
-            value = with_nan(bytes(body), what)
-        except RecursionError:  # past the interpreter's limit: 1,000 levels on 3.11, 8,000 on 3.12
-            raise InvalidInput(
-                f"{what} is not valid JSON: it holds NaN or Infinity, read by Python's json, "
-                "and nests deeper than Python's json reads (a tensor's data: at most 32 levels)"
-            ) from None
+        value = with_nan(bytes(body), what)
         if value is None:
             raise InvalidInput(f"{what} is not valid JSON: {e}") from None
     if not isinstance(value, dict):

@@ -91,8 +91,6 @@ def load(line: bytes) -> Any:
             doc = with_nan(line, "the line")
         except InvalidInput as refused:
             raise ValueError(refused.message) from None
-        except RecursionError:
-            doc = None
         if doc is not None:
             return doc
         start = clip(line[:40].decode("utf-8", "replace").rstrip())
