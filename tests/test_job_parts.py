@@ -511,10 +511,27 @@ def test_a_line_with_nan_or_infinity_is_read_as_on_http() -> None:
     # NaN nested past Python's json's depth: orjson's message pointed at the NaN
     deep = b'{"custom_id": "d", "data": ' + b"[" * 2_000 + b"NaN" + b"]" * 2_000 + b"}"
     for line in (deep, b"[" * 5_000 + b"NaN"):
-        with pytest.raises(ValueError, match="holds NaN or Infinity, .* nests deeper than"):
+        with pytest.raises(ValueError, match=r"holds NaN or Infinity, .* nests deeper than"):
             lines.load(line)
     with pytest.raises(ValueError, match="not JSON"):
         lines.load(b"[" * 5_000 + b"nan")
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        (b"[1]", "a line must be a JSON object, got a list"),
+        (b'{"custom_id": null}', 'a line needs "custom_id", a non-empty string, got null'),
+        (b'{"custom_id": 5}', "got a number"),
+        (b'{"x": 1}', "got none"),
+        (b'{"custom_id": ""}', 'got ""'),
+    ],
+)
+def test_a_line_with_no_custom_id_says_what_came(line: bytes, said: str) -> None:
+    """In JSON's words: it said Python's type names (list, NoneType), or nothing."""
+    with pytest.raises(ValueError) as e:
+        lines.custom_id_of(lines.load(line))
+    assert str(e.value).endswith(said)
 
 
 ONE_LINE = json.dumps({"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32",

@@ -31,7 +31,7 @@ from batchd.protos.tensors import deserialize_bytes
 from batchd.server import json_data, rest_codec
 from batchd.server.config import Limits
 from batchd.server.errors import InvalidInput, clip
-from batchd.server.json_body import with_nan
+from batchd.server.json_body import json_kind, with_nan
 from batchd.server.request import Tensor
 
 MAX_CUSTOM_ID_CHARS = 512
@@ -56,10 +56,11 @@ class LineError(Exception):
 def custom_id_of(doc: Any) -> str:
     """The line's custom_id; ValueError when it has none or a bad one."""
     if not isinstance(doc, dict):
-        raise ValueError(f"a line must be a JSON object, got {type(doc).__name__}")
+        raise ValueError(f"a line must be a JSON object, got {json_kind(doc)}")
     cid = doc.get("custom_id")
     if not isinstance(cid, str) or not cid:
-        raise ValueError('a line needs "custom_id", a non-empty string')
+        got = "none" if "custom_id" not in doc else json_kind(cid) if cid != "" else '""'
+        raise ValueError(f'a line needs "custom_id", a non-empty string, got {got}')
     if len(cid) > MAX_CUSTOM_ID_CHARS:
         raise ValueError(f"custom_id {clip(cid)} is over {MAX_CUSTOM_ID_CHARS} characters")
     return cid
