@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import shutil
 import sqlite3
 import struct
 import threading
@@ -364,6 +365,33 @@ def test_the_store_claims_checkpoints_recovers_and_expires(tmp_path: Path) -> No
     run(body)
     store.close()
     SqliteStore(tmp_path).close()  # the lock went with the store
+
+
+class Ended(BaseException):
+    """The process ending in the middle of a call."""
+
+
+def test_a_job_deleted_by_a_process_that_ends_midway_leaves_no_folder_for_ever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row went first: a process ended before the folder went left a folder that no
+    row named, never removed (an upload's input, up to --jobs-max-file-bytes)."""
+    store = SqliteStore(tmp_path)
+
+    def ended(*args: Any, **kwargs: Any) -> None:
+        raise Ended
+
+    async def body() -> None:
+        cut = await store.create("", "m", "")  # an upload a crash cut short
+        monkeypatch.setattr(shutil, "rmtree", ended)
+        with pytest.raises(Ended):
+            await store.recover()
+        monkeypatch.undo()
+        assert await store.recover() == [cut.id]  # (the next start's)
+        assert not store.folder(cut.id).exists()
+
+    run(body)
+    store.close()
 
 
 # ---- a run cut short ----

@@ -296,8 +296,10 @@ class SqliteStore(Store):
         )
 
     async def delete(self, job_id: str) -> None:
-        self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+        # The folder first: a process ended between the two leaves a row, deleted again
+        # by the next recover() or expire(), not a folder that nothing names any more.
         shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     async def recover(self) -> list[str]:
         self._db.execute("UPDATE jobs SET status = 'queued' WHERE status = 'running'")
