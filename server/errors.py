@@ -30,7 +30,8 @@ client's metadata limit turn into an unrelated error).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import grpc
@@ -52,6 +53,14 @@ def clip_list(values: Sequence[object]) -> str:
         return str(list(values))
     shown = ", ".join(str(v) for v in values[:CLIP_ITEMS])
     return f"[{shown}, ...] ({len(values)} items)"
+
+
+def first_names(names: Collection[str], most: int = 32) -> str:
+    """The first `most` of `names` (sorted), and how many there are past that: an
+    unknown model's error lists what the server serves, never thousands of names,
+    nor a sort of them all on every bad call."""
+    shown = ", ".join(heapq.nsmallest(most, names)) or "none"
+    return shown + (f", ... ({len(names)} models)" if len(names) > most else "")
 
 
 class BatchdError(Exception):

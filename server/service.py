@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -44,6 +43,7 @@ from batchd.server.errors import (
     QueueFull,
     Unavailable,
     clip,
+    first_names,
     grpc_status,
 )
 from batchd.server.flow import StepStream, stream_budget
@@ -175,10 +175,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     def model(self, name: str, version: str = "") -> ModelConfig:
         cfg = self._models.get(name)
-        if cfg is None:  # (the first 32 names: thousands were sorted and sent, each bad call)
-            known, n = ", ".join(heapq.nsmallest(32, self._models)), len(self._models)
-            known += f", ... ({n} models)" if n > 32 else "" if n else "none"
-            raise ModelNotFound(f"unknown model {clip(name)}; this server serves: {known}")
+        if cfg is None:
+            raise ModelNotFound(
+                f"unknown model {clip(name)}; this server serves: {first_names(self._models)}"
+            )
         if version and version != cfg.version:
             raise ModelNotFound(f"model {name!r} has no version {clip(version)}; "
                                 f"available: {cfg.version!r}")  # fmt: skip

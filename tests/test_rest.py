@@ -48,7 +48,8 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
 from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ModelNotFound
-from batchd.server.jobs import lines
+from batchd.server.jobs import chunks, lines
+from batchd.server.jobs.chunks import ModelGone
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.json_data import to_raw
 from batchd.server.rest_codec import parse_infer, parse_load
@@ -736,6 +737,9 @@ def test_an_unknown_model_names_the_first_32_the_server_serves() -> None:
         service.model("nope")
     assert e.value.message.endswith("m0030, m0031, ... (3000 models)")
     assert "unknown model 'nope'; this server serves: m0000, m0001," in e.value.message
+    with pytest.raises(ModelGone) as gone:  # a job's model: the same list
+        chunks.job_model(core.models, "nope", "")
+    assert str(gone.value).endswith("m0031, ... (3000 models))")
     core.models.clear()
     with pytest.raises(ModelNotFound, match=r"this server serves: none$"):
         service.model("nope")

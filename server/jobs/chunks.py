@@ -26,7 +26,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.server import parser
 from batchd.server.codec import decode_request
 from batchd.server.config import Limits
-from batchd.server.errors import BatchdError, clip
+from batchd.server.errors import BatchdError, clip, first_names
 from batchd.server.jobs import lines
 from batchd.server.request import Request, Tensor
 
@@ -157,8 +157,7 @@ def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> Mod
     """The model a job's lines go to; JobFailed saying why there is none."""
     cfg = models.get(name)
     if cfg is None:
-        known = ", ".join(sorted(models)) or "none"
-        raise ModelGone(f"model {clip(name)} is not loaded (loaded: {known})")
+        raise ModelGone(f"model {clip(name)} is not loaded (loaded: {first_names(models)})")
     if version and version != cfg.version:
         raise JobFailed(  # not given back: a version is each server's own count of its loads
             f"model {name!r} has no version {clip(version)} loaded (it has {cfg.version!r})"
