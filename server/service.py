@@ -118,9 +118,8 @@ class _Answering:
     def __init__(self, service: InferenceService, msg: pb.ModelInferRequest | Body,
                  time_remaining: float | None) -> None:  # fmt: skip
         self._service = service  # (a model not loaded: ModelNotFound, counted nowhere)
-        self.cfg = (
-            msg[0] if isinstance(msg, tuple) else service.model(msg.model_name, msg.model_version)
-        )
+        m = msg  # (a tuple: an HTTP body)
+        self.cfg = m[0] if isinstance(m, tuple) else service.model(m.model_name, m.model_version)
         self.trace: RequestTrace | None = None
         self.now = service._clock()
         self.deadline = math.inf if time_remaining is None else self.now + time_remaining
@@ -322,8 +321,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=self.model_ready(request.name, request.version))
 
-    def model_ready(self, name: str, version: str = "") -> bool:
-        return not self.leaving and self._core.model_ready(self.model(name, version).name)
+    def model_ready(self, name: str, version: str = "") -> bool:  # not served: False, as Triton
+        ok = (cfg := self._models.get(name)) is not None and version in ("", cfg.version)
+        return ok and not self.leaving and self._core.model_ready(name)
 
     @_status
     async def ServerMetadata(

@@ -895,7 +895,8 @@ def test_unknown_model_and_version_are_404_with_the_grpc_message(
     example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
 ) -> None:
     """Every route naming a model that is not served, or a version it does not have, is
-    404 with gRPC's NOT_FOUND details (a long name quoted short)."""
+    404 with gRPC's NOT_FOUND details (a long name quoted short); gRPC's ModelReady
+    answers it not ready."""
     long_name = "n" * 1000
     for name, version in (("nope", ""), ("tiny", "7"), (long_name, "")):
         prefix = f"/v2/models/{name}" + (f"/versions/{version}" if version else "")
@@ -909,12 +910,17 @@ def test_unknown_model_and_version_are_404_with_the_grpc_message(
         for path, rpc, request in (
             (prefix, stub.ModelMetadata, pb.ModelMetadataRequest),
             (f"{prefix}/config", stub.ModelConfig, pb.ModelConfigRequest),
-            (f"{prefix}/ready", stub.ModelReady, pb.ModelReadyRequest),
             (f"{prefix}/stats", stub.ModelStatistics, pb.ModelStatisticsRequest),
         ):
             e = grpc_error(rpc, request(name=name, version=version))
             r = call(example_server, "GET", path)
             assert (r.status, r.error) == (404, e.details()), path
+        # ModelReady is no error over gRPC, as Triton's (tritonclient's is_model_ready
+        # returns False for it; over HTTP it does so for any status but 200)
+        assert not stub.ModelReady(pb.ModelReadyRequest(name=name, version=version)).ready
+        r = call(example_server, "GET", f"{prefix}/ready")
+        assert (r.status, r.error) == (404, infer.details()), prefix
+    assert stub.ModelReady(pb.ModelReadyRequest(name="tiny", version="1")).ready
 
 
 def test_a_model_failure_is_500_with_the_grpc_message(
