@@ -295,14 +295,14 @@ class RestApi:
         return json_response(as_json(model_metadata(self._model(request)), defaults=True))
 
     async def config(self, request: web.Request) -> web.Response:
-        return json_response(as_json(model_config(self._model(request)).config))
+        return json_response(as_json(model_config(self._model(request)).config, defaults=True))
 
     async def stats(self, request: web.Request) -> web.Response:
         info = request.match_info
         wanted = pb.ModelStatisticsRequest(
             name=info.get("model", ""), version=info.get("version", "")
         )
-        return json_response(as_json(await self._service.every_statistics(wanted)))
+        return json_response(as_json(await self._service.every_statistics(wanted), defaults=True))
 
     # ---- inference ----
 

@@ -46,6 +46,7 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import serialize_bytes
+from batchd.protos.to_json import as_json
 from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ModelNotFound
 from batchd.server.jobs import chunks, lines
@@ -565,20 +566,25 @@ def test_metadata_config_ready_live_and_stats_match_grpc(
                 call(example_server, "GET", prefix).json(), pb.ModelMetadataResponse()
             )
             assert got == stub.ModelMetadata(pb.ModelMetadataRequest(name=model)), model
-            config = json_format.ParseDict(
-                call(example_server, "GET", f"{prefix}/config").json(), pb.ModelConfig()
-            )
-            assert config == stub.ModelConfig(pb.ModelConfigRequest(name=model)).config
+            raw = call(example_server, "GET", f"{prefix}/config").json()
+            assert raw == as_json(stub.ModelConfig(pb.ModelConfigRequest(name=model)).config, True)
+            # every field, zeros and falses too, as Triton's JSON has them (code reads
+            # config["max_batch_size"] of a model that batches nothing)
+            assert set(raw) == {f.name for f in pb.ModelConfig.DESCRIPTOR.fields}
+            assert all("allow_ragged_batch" in i for i in raw["input"])
             r = call(example_server, "GET", f"{prefix}/ready")
             assert (r.status, r.json()) == (200, {"name": model, "ready": True})
 
     def stats(path: str, name: str = "") -> tuple[pb.ModelStatisticsResponse, ...]:
-        via_http = json_format.ParseDict(
-            call(example_server, "GET", path).json(), pb.ModelStatisticsResponse()
+        via_grpc = stub.ModelStatistics(pb.ModelStatisticsRequest(name=name))
+        return tuple(  # (both parsed from JSON with every field: empty messages are set)
+            json_format.ParseDict(d, pb.ModelStatisticsResponse())
+            for d in (call(example_server, "GET", path).json(), as_json(via_grpc, True))
         )
-        return via_http, stub.ModelStatistics(pb.ModelStatisticsRequest(name=name))
 
     before, _ = stats("/v2/models/tiny/stats", "tiny")
+    raw = call(example_server, "GET", "/v2/models/tiny/stats").json()["model_stats"][0]
+    assert raw["inference_stats"]["cache_hit"] == {"count": 0, "ns": 0}  # zeros are written
     assert call(example_server, "POST", "/v2/models/tiny/infer", tiny_body()).status == 200
     wait_for(lambda: (s := stats("/v2/models/tiny/stats", "tiny"))[0] == s[1], 10,
              "HTTP and gRPC statistics to agree")  # fmt: skip
