@@ -268,6 +268,10 @@ def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[s
             f"{len(model.outputs)} ({_names(model.outputs)}), and each may be asked for once"
         )
     outputs = tuple(o.name for o in msg.outputs)
+    for o in msg.outputs:  # Triton's extensions batchd does not serve: never ignored
+        if unserved := {"classification", "shared_memory_region"} & set(o.parameters):
+            raise InvalidInput(f"output {clip(o.name)}: parameter {min(unserved)!r} asks for "
+                               "a Triton extension batchd does not serve")  # fmt: skip
     for name in outputs:
         if model.output(name) is None:
             raise InvalidInput(

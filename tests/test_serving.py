@@ -78,6 +78,13 @@ def test_tritonclient_works_unchanged(example_server: ServerProcess) -> None:
         want = _mlp()(torch.from_numpy(x)).numpy()
     assert result.get_response().id == "req-7"
     assert np.abs(result.as_numpy("OUTPUT0") - want).max() <= 1e-5
+    # not served is not ready, no error; an extension batchd lacks is refused, never
+    # ignored (class_count=3 got the plain FP32 output back where Triton sends top-3)
+    assert not client.is_model_ready("nosuch") and not client.is_model_ready("mlp", "7")
+    top3 = triton.InferRequestedOutput("OUTPUT0", class_count=3)
+    with pytest.raises(triton.InferenceServerException, match="'classification'") as e:
+        client.infer("mlp", [inp], outputs=[top3])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
     client.close()
 
 
