@@ -30,7 +30,6 @@ from batchd.server.request import Request, Tensor
 
 _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
 
-
 DEFAULT_LIMITS = Limits()
 # A request's id is echoed in each of its responses: a step-wise request's, in each of
 # up to max_steps, where a 4 MB id made 1 GB of responses outside its stream's budget.
@@ -267,21 +266,23 @@ def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[s
             f"the request asks for {len(msg.outputs)} outputs; model {model.name!r} has "
             f"{len(model.outputs)} ({_names(model.outputs)}), and each may be asked for once"
         )
-    outputs = tuple(o.name for o in msg.outputs)
-    for o in msg.outputs:  # Triton's extensions batchd does not serve: never ignored
-        if unserved := {"classification", "shared_memory_region"} & set(o.parameters):
-            raise InvalidInput(f"output {clip(o.name)}: parameter {min(unserved)!r} asks for "
-                               "a Triton extension batchd does not serve")  # fmt: skip
-    for name in outputs:
-        if model.output(name) is None:
+    for o in msg.outputs:
+        refuse_unserved(o.name, o.parameters)
+        if model.output(o.name) is None:
             raise InvalidInput(
-                f"unknown output {clip(name)} requested from model {model.name!r}; "
+                f"unknown output {clip(o.name)} requested from model {model.name!r}; "
                 f"expected {_names(model.outputs)}"
             )
-    if len(set(outputs)) != len(outputs):
+    if len(set(outputs := tuple(o.name for o in msg.outputs))) != len(outputs):
         twice = sorted({n for n in outputs if outputs.count(n) > 1})
         raise InvalidInput(f"output(s) {twice} requested more than once; ask for each once")
     return outputs
+
+
+def refuse_unserved(output: str, parameters: Iterable[str]) -> None:  # (never ignored)
+    if unserved := {"classification", "shared_memory_region"}.intersection(parameters):
+        raise InvalidInput(f"output {clip(output)}: parameter {min(unserved)!r} asks for "
+                           "a Triton extension batchd does not serve")  # fmt: skip
 
 
 def fixed_output_bytes(model: ModelConfig, names: Iterable[str], rows: int) -> tuple[int, bool]:

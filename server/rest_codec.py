@@ -24,7 +24,7 @@ import orjson
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.tensors import MAX_DIMS, set_parameter
-from batchd.server.codec import check_inputs, fixed_output_bytes
+from batchd.server.codec import check_inputs, fixed_output_bytes, refuse_unserved
 from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
 from batchd.server.json_body import MAX_JSON_BYTES, load_json
@@ -156,8 +156,7 @@ def _wanted(msg: pb.ModelInferRequest, head: dict[str, Any], default: bool) -> W
             raise InvalidInput(f"output {i}: expected an object, got {_kind(item)}")
         name = _field(item, "name", str, f"output {i}", "")
         params = _field(item, "parameters", dict, f"output {clip(name)}", {})
-        if "classification" in params:
-            raise InvalidInput(f"output {clip(name)}: the classification extension is not served")
+        refuse_unserved(name, params)
         named[name] = params.get("binary_data", default) is True
         msg.outputs.add(name=name)
     return Wanted(default, named)

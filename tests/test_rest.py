@@ -45,7 +45,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
-from batchd.protos.tensors import serialize_bytes
+from batchd.protos.tensors import serialize_bytes, set_parameter
 from batchd.protos.to_json import as_json
 from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ModelNotFound
@@ -895,6 +895,23 @@ def test_an_http_body_that_does_not_parse_counts_as_a_failed_request(
         r = call(example_server, "POST", f"/v2/models/tiny/{route}", body, headers)
         assert r.status == 400, r.body
         assert invalid(example_server, "tiny") == before + 1, r.error
+
+
+def test_an_extension_batchd_does_not_serve_is_refused_as_over_grpc(
+    example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
+) -> None:
+    """An output asking for classification or a shared-memory region is refused, never
+    ignored (gRPC sent the plain output back), with the same message both ways."""
+    for param, given in (("classification", 3), ("shared_memory_region", "out0")):
+        msg = pb.ModelInferRequest(model_name="tiny", raw_input_contents=[bytes(64)])
+        msg.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        out = msg.outputs.add(name="OUTPUT0")
+        set_parameter(out.parameters[param], given)
+        e = grpc_error(stub.ModelInfer, msg)
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and repr(param) in e.details()
+        wanted = [{"name": "OUTPUT0", "parameters": {param: given}}]
+        r = call(example_server, "POST", "/v2/models/tiny/infer", tiny_body(outputs=wanted))
+        assert (r.status, r.error) == (400, e.details()), param
 
 
 def test_unknown_model_and_version_are_404_with_the_grpc_message(
