@@ -178,6 +178,12 @@ def test_inputs_are_private_writable_copies(tmp_path: Path) -> None:
         ("(x, x)", "the model returned 2 output(s), model.toml declares 1"),
         ("{'Z': x}", "the model returned a dict without output(s) ['Y']"),
         ("'text'", "output 'Y': the model returned str, expected a tensor"),
+        # a view of 16 TiB: refused by its shape, before a copy (which fails, or takes
+        # the worker's memory and its execution_timeout_s)
+        (
+            "x[:, :1, None].expand(2, 4, 1 << 42)",
+            "expected shape [2, 4], the model returned [2, 4, 4398046511104]",
+        ),
     ],
 )
 def test_bad_outputs_are_named(tmp_path: Path, body: str, message: str) -> None:
@@ -652,6 +658,32 @@ def test_a_model_s_long_error_message_is_cut_in_its_reply() -> None:
     said = why(ValueError("y" * 100_000))
     assert said.startswith("ValueError: yyy") and said.endswith("... (100000 characters)")
     assert len(said) < 4200 and why(ValueError("short")) == "ValueError: short"
+
+
+EVIL_MESSAGE_MODEL = """
+class Evil(Exception):
+    def __str__(self):
+        raise SystemExit(5)  # a BaseException, out of the message of an Exception
+
+
+def load(device):
+    def forward(x):
+        if (x < 0).any():
+            raise Evil()
+        return x
+    return forward
+"""
+
+
+def test_an_exception_whose_message_raises_a_base_exception_fails_its_batch_alone(
+    tmp_path: Path,
+) -> None:
+    """why() caught only Exception: SystemExit out of __str__ ended the compute thread,
+    so the worker died (twice, as the request was retried) and every model on it with
+    it. Now the batch fails naming the type, and the thread goes on."""
+    items = [(0, batch_of(1, -X), batch(-X)[1])]
+    [(_, reply, _)] = compute(tmp_path, EVIL_MESSAGE_MODEL, items)  # (it returned)
+    assert (reply.kind, reply.error) == (wire.Header.ERROR, "Evil: (its message could not be read)")
 
 
 def test_a_plain_load_of_a_version_held_whose_files_changed_loads_them_again(

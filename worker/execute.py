@@ -58,7 +58,7 @@ def why(e: BaseException) -> str:
     exception whose __str__ fails is named by its type."""
     try:
         text = str(e)
-    except Exception:
+    except BaseException:  # SystemExit out of a __str__ would end the worker's thread
         text = "(its message could not be read)"
     if len(text) > WHY_CHARS:  # (a status's details travel in a trailer: clients take 8 KiB)
         text = f"{text[:WHY_CHARS]}... ({len(text)} characters)"
@@ -185,14 +185,31 @@ def encode_output(
     elements of the packed input it is `ragged_like`, then its dim 0 instead; `width`:
     the padded length of the padded input it is `ragged_like`, its dim 1 (a position
     more or fewer would hand requests another's values, or fail the whole batch)."""
+    # A tensor's or an array's shape is checked before the copy: an expanded view of
+    # gigabytes, of the wrong shape, is refused without being made whole first.
+    known = isinstance(value, torch.Tensor | np.ndarray) and not getattr(value, "is_nested", 0)
+    if known:
+        _check_shape(spec, list(value.shape), batches, rows, packed, width)
     shape, frame = _encode(spec.name, spec.datatype, value)
+    if not known:
+        _check_shape(spec, shape, batches, rows, packed, width)
+    if packed is not None:
+        return wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape), frame
+    header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
+    if spec.datatype == "BYTES" and batches:  # the frontend cuts rows by these
+        header.row_offsets.extend(bytes_row_offsets(frame, shape[0], math.prod(shape[1:])).tolist())
+    return header, frame
+
+
+def _check_shape(spec: TensorSpec, shape: list[int], batches: bool, rows: int | None,
+                 packed: int | None, width: int | None) -> None:  # fmt: skip
     if packed is not None:  # [elements, ...]: its declared -1 is the packed dim
         if not shape or shape[0] != packed or not spec.accepts(tuple(shape)):
             raise BatchError(
                 f"output {spec.name!r}: expected shape {[packed, *spec.shape[1:]]} (packed like "
                 f"{spec.ragged_like!r}), the model returned {shape}"
             )
-        return wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape), frame
+        return
     inner = shape[1:] if batches else shape
     wrong_width = width is not None and (len(shape) < 2 or shape[1] != width)
     if (batches and (not shape or shape[0] != rows)) or not spec.accepts(tuple(inner)) \
@@ -205,7 +222,3 @@ def encode_output(
             + (f" (padded like {spec.ragged_like!r})" if width is not None else "")
             + f", the model returned {shape}"
         )
-    header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
-    if spec.datatype == "BYTES" and batches:  # the frontend cuts rows by these
-        header.row_offsets.extend(bytes_row_offsets(frame, shape[0], math.prod(shape[1:])).tolist())
-    return header, frame
