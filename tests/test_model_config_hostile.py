@@ -316,3 +316,19 @@ def test_models_check_reports_a_load_that_calls_sys_exit(
     assert check_repository(tmp_path) == 1
     out = capsys.readouterr().out
     assert "SystemExit: 0" in out and "1 ok, 1 failed" in out
+
+
+def test_models_check_reports_an_error_whose_message_raises_or_is_huge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report said f"{e}": an exception whose __str__ raised ended the check with a
+    traceback (SystemExit: silently, with its status) and no report of any model; a
+    message of megabytes was printed whole. Now each is a line, as serving says it."""
+    evil = "class Evil(Exception):\n    def __str__(self):\n        raise SystemExit(5)\n"
+    write(tmp_path, "a_evil", GOOD, evil + "def load(device):\n    raise Evil()\n")
+    write(tmp_path, "b_huge", GOOD, "def load(device):\n    raise ValueError('y' * 10**6)\n")
+    write(tmp_path, "c_good", GOOD, "def load(device):\n    return lambda x: x\n")
+    assert check_repository(tmp_path) == 2
+    out = capsys.readouterr().out
+    assert "Evil: (its message could not be read)" in out and "1 ok, 2 failed" in out
+    assert "(1000000 characters)" in out and len(out) < 20_000

@@ -27,7 +27,7 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ConfigError, ModelConfig, load_model_config
 from batchd.protos.repository import NO_MODELS, check_root, load_each, strays
 from batchd.protos.tensors import batch_input, to_raw
-from batchd.worker.execute import run_batch
+from batchd.worker.execute import run_batch, why
 from batchd.worker.generate import StepLoop
 from batchd.worker.loader import load_model
 
@@ -121,7 +121,7 @@ def check_model(directory: Path, loaded: ModelConfig | ConfigError | None = None
     except BaseException as e:  # the report is the point: every failure becomes a line
         # (SystemExit too: a model calling sys.exit() ended the check, exit status 0)
         batch = f"a batch of {rows} row(s): " if rows else ""
-        row.problem = f"{batch}{type(e).__name__}: {e}"
+        row.problem = f"{batch}{why(e)}"  # (cut short; a __str__ that raises is named)
     return row
 
 

@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ def load(
         return Loaded((cfg, fn), files=files)
     except BaseException as e:  # a model that will not load is reply data too, even
         # one that calls sys.exit(): it would end this thread, and the compute thread
-        log.exception("cannot load model %s", header.model, extra={"model": header.model})
-        return Loaded(error=wire.text(why(e)))
+        said = wire.text(why(e))  # (its message cut short: a line of 10 MB came whole)
+        log.error("cannot load model %s: %s\n%s", header.model, said, "".join(
+            traceback.format_tb(e.__traceback__)), extra={"model": header.model})  # fmt: skip
+        return Loaded(error=said)
 
 
 def settle_heap() -> None:
