@@ -19,6 +19,20 @@ FIELDS = ("model", "worker", "batch", "request", "device", "reason")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+# C0 controls but tab and newline, DEL and C1, written as \xNN: text a client or a model
+# put in a message (a model's error may quote a request) cannot clear a terminal,
+# return to the line's start, or make grep take the log for binary.
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)}
+
+
+class TextFormatter(logging.Formatter):
+    """A record's first line starts with its time, every line more with spaces: a
+    newline in a message continues it, and cannot forge a line of its own."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).translate(_ESCAPES).replace("\n", "\n    ")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -38,7 +52,7 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Configure the root logger once, for a frontend or a worker process."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

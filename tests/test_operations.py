@@ -114,6 +114,26 @@ def test_json_logs_carry_ids_as_fields(tmp_path: Path) -> None:
     ]  # no per-request lines at INFO
 
 
+def test_text_written_into_a_log_line_cannot_forge_another_or_hold_controls(
+    tmp_path: Path,
+) -> None:
+    """A model's error may quote what a caller sent; its newline began a line of its own
+    (a forged ERROR record), an escape sequence cleared the terminal, a NUL made grep
+    take the log for binary. Now continuation lines start with spaces, controls are
+    written as \\xNN."""
+    forged = "2026-01-01 00:00:00,000 ERROR batchd.server: FORGED"
+    (repo := tmp_path / "repo" / "broken").mkdir(parents=True)
+    (repo / "model.toml").write_text(GOOD)
+    (repo / "model.py").write_text(
+        f"def load(device):\n    raise ValueError('bad\\n{forged}\\x1b[2J\\x00\\r')\n"
+    )
+    server = ServerProcess(repo.parent, log_dir=tmp_path).start()
+    assert server.stop() == 0
+    log = server.log()
+    assert "FORGED\\x1b[2J\\x00\\x0d" in log and "\x1b" not in log and "\x00" not in log
+    assert not [line for line in log.splitlines() if line.startswith(forged)], log
+
+
 def test_a_model_s_warnings_are_json_log_lines_too(tmp_path: Path) -> None:
     """Python's warnings go to stderr on their own: torch's (a .pt2 loaded by an older
     torch, seen on a GPU machine) broke the JSON log stream."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from batchd.protos.logs import TEXT_FORMAT, JsonFormatter
+from batchd.protos.logs import TEXT_FORMAT, JsonFormatter, TextFormatter
 
 
 class WorkerIdFilter(logging.Filter):
@@ -33,7 +33,7 @@ class WorkerIdFilter(logging.Filter):
 def tag_log_lines(worker_id: str) -> None:
     """Make the root logger's handlers (set up by protos.logs.setup_logging) name the
     worker on every line."""
-    text = logging.Formatter(TEXT_FORMAT.replace("%(name)s", "%(name)s[%(worker)s]", 1))
+    text = TextFormatter(TEXT_FORMAT.replace("%(name)s", "%(name)s[%(worker)s]", 1))
     for handler in logging.getLogger().handlers:
         handler.addFilter(WorkerIdFilter(worker_id))
         if not isinstance(handler.formatter, JsonFormatter):
