@@ -27,7 +27,6 @@ import queue
 import secrets
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,7 +218,7 @@ class Runner:
                                                 sum(rows))  # fmt: skip
             compute_ns = time.perf_counter_ns() - start
         except BaseException as e:  # any model failure is reply data, never a dead worker
-            log.debug("batch %d failed:\n%s", header.batch_id, traceback.format_exc())
+            log.debug("batch %d failed", header.batch_id, exc_info=True)  # (formatted if shown)
             message = wire.text(why(e))  # (SystemExit too: it would end this thread)
             return [  # forward_rows: whether the batch ran alone (server/recovery.py)
                 (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
