@@ -228,6 +228,32 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
         gc.unfreeze()
 
 
+def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Path) -> None:
+    """The loader thread kept the last model it loaded in a local until its next load:
+    an unload freed nothing (a worker of a 1 GiB model stayed at 1.25 GB, and unload A
+    then load B peaked at both)."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(CYCLIC_MODEL))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    ctx: zmq.Context[Any] = zmq.Context()
+    results = ctx.socket(zmq.PULL)
+    results.bind(runner_module._RESULTS)
+    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+    try:
+        runner._loader.start(ctx, runner_module._RESULTS)
+        runner._loader.put((0, header, []))
+        assert results.poll(30_000)
+        _, *parts = results.recv_multipart()
+        assert wire.unpack(parts)[0].error == ""
+        ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
+        runner._unload(header)
+        assert ref() is None
+    finally:
+        assert runner._loader.stop(10)
+        results.close(linger=0)
+        ctx.term()
+        gc.unfreeze()
+
+
 THREAD_COUNTING_MODEL = """
 import os
 import subprocess

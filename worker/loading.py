@@ -172,9 +172,11 @@ class Loader:
                 if loaded.model is not None and loaded.files is not None:
                     self._install(loaded)
                     self._have[key] = loaded.files
+                error = loaded.error
+                del loaded  # (kept, the model outlived its unload until the next load)
                 reply = wire.Header(kind=wire.Header.LOADED, model=header.model,
-                                    version=header.version, error=loaded.error,
-                                    held=header.held and bool(loaded.error))  # fmt: skip
+                                    version=header.version, error=error,
+                                    held=header.held and bool(error))  # fmt: skip
                 out.send_multipart([addressed(frontend, 1), *wire.pack(reply)])
         finally:
             out.close(linger=0)
