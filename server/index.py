@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from batchd.protos import wire
 from batchd.protos.model_config import ConfigError, ModelConfig
 
 
@@ -32,7 +33,9 @@ def entries(
     found: dict[str, IndexEntry] = {}
     for sub, cfg in on_disk:
         name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")
-        found[name] = IndexEntry(name, "", "UNAVAILABLE", why or "not loaded")
+        if (shown := wire.text(name)) != name:  # (a lone surrogate: protobuf would raise)
+            name, why = shown, "its folder's name is not UTF-8"
+        found[name] = IndexEntry(name, "", "UNAVAILABLE", wire.text(why) or "not loaded")
     for name, cfg in loading.items():  # (a reload: its serving version, below)
         found[name] = IndexEntry(name, cfg.version, "LOADING", "")
     for name, cfg in current.items():

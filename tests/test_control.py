@@ -767,6 +767,22 @@ def test_the_index_reads_nothing_outside_the_repository(
         (repo / "linked").unlink()
 
 
+def test_a_folder_whose_name_is_not_utf8_is_listed_escaped_not_failing_the_index(
+    server: ServerProcess, repo: Path
+) -> None:
+    """Its name, with a lone surrogate, failed RepositoryIndex for every caller (gRPC
+    UNKNOWN, HTTP 500, a traceback each time); it is listed, escaped, saying why."""
+    odd = Path(os.fsdecode(bytes(repo) + b"/caf\xe9"))
+    shutil.copytree(make_model(repo, "plain", 1.0), odd)
+    try:
+        with Client(server.url) as c:
+            listed = {m["name"]: m for m in c.repository_index()}
+        assert listed["caf\\udce9"]["reason"] == "its folder's name is not UTF-8"
+        assert listed["plain"]["state"] == "UNAVAILABLE"  # (not loaded: the rest is listed)
+    finally:
+        shutil.rmtree(odd)
+
+
 def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
