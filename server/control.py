@@ -36,7 +36,6 @@ log = logging.getLogger("batchd.control")
 T = TypeVar("T")
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
-TOML = "model.toml"  # a version's config: the workers read it again as they load it
 
 
 class ModelControl:
@@ -98,12 +97,11 @@ class ModelControl:
             if not users[0]:
                 del self._locks[name]
 
-    def _changed_files(self, cfg: ModelConfig, only: str = "") -> str:
-        """Why a worker starting now must not load version `cfg` (its model's files, or
-        the one named `only`, are no longer those it was loaded from: it would serve
-        other weights under its number), or "" if they are the same."""
+    def _changed_files(self, cfg: ModelConfig) -> str:
+        """Why a worker starting now must not load version `cfg` (its model's files are no
+        longer those it was loaded from: it would serve other weights under its number),
+        or "" if they are the same."""
         then, now = self._files.get(cfg.key, frozenset()), files_of(cfg.directory)
-        then, now = (frozenset(f for f in fs if not only or f[0] == only) for fs in (then, now))
         if then == now:
             return ""
         changed = sorted({f for f, *_ in then ^ now})
@@ -290,22 +288,24 @@ class ModelControl:
             except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
                 fault = Unavailable if isinstance(e, RepositoryUnreadable) else InvalidInput
                 raise fault(f"cannot load model {name!r}: {e}") from None
-            cfg = self._next_version(found, await asyncio.to_thread(files_of, found.directory))
+            files = await asyncio.to_thread(files_of, found.directory)
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
                 raise Unavailable(f"no live worker may load model {name!r}; try again later")
+            cfg = self._next_version(found, files)
             self._loading[name] = cfg
             try:
                 errors = await asyncio.gather(*(self._load_on(w, cfg) for w in workers))
             finally:
                 del self._loading[name]
             failed = [f"{w.name}: {e}" for w, e in zip(workers, errors, strict=True) if e]
-            if not failed and (why := await asyncio.to_thread(self._changed_files, cfg, TOML)):
-                failed = [why]  # changed as the workers read it: not this version's config
+            if not failed and (why := await asyncio.to_thread(self._changed_files, cfg)):
+                failed = [why]  # changed as the workers read them: they may hold either
             old = self.current.get(name)
             if failed:
                 self._unload_everywhere(cfg)
                 self.broken.pop(cfg.key, None)
+                self._files.pop(cfg.key, None)  # (kept, each failed load held its file list)
                 for w in workers:
                     w.load_errors.pop(cfg.key, None)  # that version is gone
                 before = self._what_stays(old)

@@ -429,7 +429,7 @@ def load(device):
     def run(x):
         values = x[:, 0].tolist()
         note("entered.log", values=values)
-        hold(f"hold-{SCALE}")
+        hold(f".hold-{SCALE}")
         note("calls.log", values=values)
         return x * SCALE
 
@@ -447,8 +447,9 @@ def make_model(repo: Path, name: str, scale: float, toml: str = MODEL_TOML) -> P
 
 
 def batch_gate(model_dir: Path, scale: float) -> Path:
-    """The file that holds the batches of the version with this scale while it exists."""
-    return model_dir / f"hold-{float(scale)}"
+    """The file that holds the batches of the version with this scale while it exists
+    (hidden, as load_gate's: a file written there meanwhile fails a load)."""
+    return model_dir / f".hold-{float(scale)}"
 
 
 def load_gate(model_dir: Path) -> Path:

@@ -41,6 +41,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.repository import find_model
 from batchd.server import control
+from batchd.server.errors import Unavailable
 from batchd.server.pool import WorkerPool
 from tests.conftest import (
     MODEL_TOML,
@@ -681,6 +682,52 @@ def test_a_load_that_hung_on_one_worker_is_still_loaded_by_the_others(tmp_path: 
             assert y(c, "flaky", 1.0) == 2.0
     finally:
         assert s.stop() == 0, s.log()
+
+
+def test_a_load_whose_weights_change_as_its_workers_read_them_fails(tmp_path: Path) -> None:
+    """Only model.toml was checked after a load: weights rewritten while two workers
+    loaded gave one version number two sets of weights, by worker, without a word.
+    Now the load fails naming the file, and the version serving before stays."""
+    repo = tmp_path / "repo"
+    d = make_model(repo, "weights", 2.0)
+    args = ("--model-control", "explicit", "--load-model", "weights")
+    s = ServerProcess(repo, *args, log_dir=tmp_path, workers=1).start()
+    gate = load_gate(d)
+    try:
+        reset_model_logs(d)
+        gate.touch()
+        with ThreadPoolExecutor(1) as pool:
+            load = pool.submit(Client(s.url).load_model, "weights", timeout=60)
+            wait_for(lambda: loaded_by(d) == 1, 60, "the load in load()")
+            (d / "scale.txt").write_text("5.0")
+            gate.unlink()
+            with pytest.raises(
+                InferenceFailed, match=r"weights. changed since version 2 was loaded \(scale\.txt"
+            ):
+                load.result(60)
+        with Client(s.url) as c:
+            assert y(c, "weights", 1.0) == 2.0  # version 1, as it was loaded
+    finally:
+        gate.unlink(missing_ok=True)
+        assert s.stop() == 0, s.log()
+
+
+def test_a_load_no_worker_may_take_keeps_no_version_number_nor_file_list(
+    tmp_path: Path,
+) -> None:
+    """Each failed load kept its model's file list (1.3 MB a load for a folder of 5,000
+    files, for ever), and a load refused for want of a worker used up a version."""
+    make_model(tmp_path, "first", 6.0)
+
+    async def body() -> None:
+        ctl = control.ModelControl(tmp_path, WorkerPool(), None, None, True, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        for _ in range(3):
+            with pytest.raises(Unavailable, match="no live worker may load model 'first'"):
+                await ctl.load("first")
+        assert ctl._files == {} and ctl._versions == {}
+
+    asyncio.run(body())
 
 
 SLOW_LOAD = """
