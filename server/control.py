@@ -49,11 +49,12 @@ class ModelControl:
         clock: Callable[[], float],
         changed: Callable[[], None],  # readiness may have changed
         pump_soon: Callable[[], None],  # capacity changed: decide again, once, soon
+        answering: Callable[[str, str], int] = lambda name, version: 0,  # (Stats.answering)
     ) -> None:
         self.repository = repository
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
-        self._pool, self._link, self._scheduler = pool, link, scheduler
+        self._pool, self._link, self._scheduler, self._answering = pool, link, scheduler, answering
         self._clock, self._changed, self._pump_soon = clock, changed, pump_soon
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
         self._awaited: set[str] = set()  # keys whose holder was lost, no load tried since
@@ -120,9 +121,8 @@ class ModelControl:
         cfg = self.current.get(name)
         return cfg is not None and self._pool.model_ready(cfg.key)
 
-    def load_error(self, name: str) -> str | None:
-        """Why model `name` cannot be served: every worker that may run its current
-        version tried to load it and failed (and none is still trying)."""
+    def load_error(self, name: str) -> str | None:  # (every worker that may run it failed)
+        """Why model `name` cannot be served: none of its workers could load it."""
         return None if (cfg := self.current.get(name)) is None else self.broken.get(cfg.key)
 
     def _judge(self, key: str) -> None:
@@ -193,8 +193,7 @@ class ModelControl:
     def _load_on(
         self, worker: WorkerHandle, model: ModelConfig, send: bool = True
     ) -> asyncio.Future[str]:
-        """Ask `worker` to load `model` (unless `send` is False: the caller will); the
-        future gives "" once loaded, else why not."""
+        """Ask `worker` to load `model` (`send` False: the caller will): "" once loaded, or why."""
         fut = worker.loads.get(model.key)
         if fut is None:
             fut = worker.loads[model.key] = asyncio.get_running_loop().create_future()
@@ -365,9 +364,10 @@ class ModelControl:
         return task
 
     async def _retire(self, cfg: ModelConfig) -> None:
-        # A running job's chunks already in the lane stay with this version (its next
-        # ones go to the new one): they are answered here, not failed by the removal.
-        while self._scheduler.queued_version(cfg.key, jobs=True) or self._pool.inflight(cfg.key):
+        # Answered here, not failed by the removal: a job's chunks in its lane (its next go
+        # to the new version), requests admitted, not queued yet (decoding, an HTTP body).
+        while self._scheduler.queued_version(cfg.key, jobs=True) or self._pool.inflight(
+                cfg.key) or self._answering(cfg.name, cfg.version):  # fmt: skip
             if not self._pool.model_ready(cfg.key) and not self._pool.inflight(cfg.key):
                 # Every worker holding this version was lost; new ones load only the current,
                 # which takes its requests if it takes the same (a job's lines too).

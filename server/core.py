@@ -80,7 +80,7 @@ class Core:
         )
         self.control = ModelControl(
             repository, self.pool, self.link, self.scheduler, explicit, clock,
-            self.changed.set, self.pump_soon,
+            self.changed.set, self.pump_soon, stats.answering,
         )  # fmt: skip
         self.supervisor = Supervisor(launch or Launch(repository=repository), self.worker_exited)
         self.sequences = Sequences(

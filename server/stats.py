@@ -207,6 +207,10 @@ class Stats:
         key = (model, version)
         self._open[key] = self._open.get(key, 0) + 1
 
+    def answering(self, model: str, version: str) -> int:
+        """Requests of `version` opened and not yet answered."""
+        return self._open.get((model, version), 0)
+
     def answered(self, model: str, version: str, duration_ns: int, failure: str | None = None,
                  stepwise: bool = False) -> None:  # fmt: skip
         """A request was answered: successfully (one more for success, queue and compute,

@@ -39,6 +39,7 @@ from batchd.client import (
 )
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos.model_config import load_model_config
 from batchd.protos.repository import find_model
 from batchd.server import control
 from batchd.server.errors import Unavailable
@@ -828,6 +829,45 @@ def test_a_folder_whose_name_is_not_utf8_is_listed_escaped_not_failing_the_index
         assert listed["plain"]["state"] == "UNAVAILABLE"  # (not loaded: the rest is listed)
     finally:
         shutil.rmtree(odd)
+
+
+def test_a_version_retires_once_the_requests_admitted_to_it_are_answered(
+    tmp_path: Path,
+) -> None:
+    """A request decoded off the loop (over 16k typed values) is admitted, but not yet
+    queued: a reload retired its version meanwhile, and it failed UNAVAILABLE (13 of
+    6,674 in a review's 100 reloads under load). The retirement waits for it."""
+    cfg = load_model_config(make_model(tmp_path, "wide", 1.0))
+    removed: list[str] = []
+    asked = [0]
+    seen_twice = asyncio.Event()
+
+    class Pool:  # its workers hold the version and run nothing of it
+        model_ready = staticmethod(lambda key: True)
+        inflight = staticmethod(lambda key: 0)
+        forget_hung = staticmethod(lambda key: None)
+        workers = staticmethod(lambda: [])
+
+    class Queues:  # nothing of it queued
+        queued_version = staticmethod(lambda key, jobs=False: 0)
+        remove_model = staticmethod(removed.append)
+
+    def answering(name: str, version: str) -> int:  # one request of it still decoding
+        asked[0] += 1
+        if asked[0] == 2:
+            seen_twice.set()
+        return 1 if asked[0] <= 2 else 0
+
+    async def body() -> None:
+        ctl = control.ModelControl(tmp_path, Pool(), None, Queues(), True, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None, answering)  # fmt: skip
+        retire = asyncio.create_task(ctl._retire(cfg))
+        await asyncio.wait_for(seen_twice.wait(), 10)
+        assert not removed  # polled twice, with the request open: the version stays
+        await asyncio.wait_for(retire, 10)  # answered: then it goes
+        assert removed == [cfg.key]
+
+    asyncio.run(body())
 
 
 def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
