@@ -185,6 +185,28 @@ def bounded_send(seconds: float) -> Middleware:
     return send
 
 
+class PatientStream(web.StreamResponse):
+    """A streamed answer (SSE) whose every write is done within `seconds` (0: no bound),
+    or its connection is closed: a caller that reads nothing keeps no request open for
+    ever (an unload, or a reload, waits for its model version's open requests)."""
+
+    def __init__(self, request: web.Request, seconds: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._request, self._seconds = request, seconds or None
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            async with asyncio.timeout(self._seconds):
+                await super().write(data)
+        except TimeoutError:
+            r = self._request
+            log.info("HTTP %s %s: its caller read nothing for %g s; connection closed",
+                     r.method, r.path[:100], self._seconds)  # fmt: skip
+            if r.transport is not None:
+                r.transport.abort()
+            raise ConnectionResetError("the caller read nothing") from None
+
+
 async def serve_rest(
     app: web.Application,
     host: str,

@@ -57,6 +57,7 @@ from batchd.server.http_site import (
     Handler,
     InflateBudget,
     Inflating,
+    PatientStream,
     bounded_send,
     encoding,
 )
@@ -346,9 +347,8 @@ class RestApi:
         parsed, got = self._request(cfg, await self._body(request), _aside(parse_generate), cfg)
         events = self._events(cfg, parsed, request.headers)
         first = await anext(events, None)  # raises before any byte is sent
-        stream = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
+        stream = PatientStream(request, cfg.instances.execution_timeout_s, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})  # fmt: skip
         await stream.prepare(request)
         count = 0
         try:

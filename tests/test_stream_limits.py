@@ -13,6 +13,7 @@ import http.client
 import json
 import math
 import queue
+import socket
 import textwrap
 import time
 from collections.abc import Iterator
@@ -579,6 +580,28 @@ def test_a_sequence_without_outputs_answers_unary_and_http_with_empty_outputs(
     assert streamed.decode() == (
         'event: final\ndata: {"model_name":"wide","id":"s","outputs":0}\n\n'
     )
+
+
+def test_an_sse_caller_that_reads_nothing_for_execution_timeout_s_is_let_go(
+    wide: tuple[ServerProcess, Path],
+) -> None:
+    """Its request stayed open as long as its connection, on a write that waited for it,
+    and its model version with it: an unload, or a reload, never ended. A write that
+    waits past the model's execution_timeout_s now closes the connection."""
+    server, log = wide
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.http_port))
+    body = json.dumps({"ID": 11, "N": 250, "MODE": 0, "WIDTH": 16384}).encode()
+    s.sendall(b"POST /v2/models/wide/generate_stream HTTP/1.1\r\nHost: x\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    try:
+        assert s.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+        closed = f"generate_stream: its caller read nothing for {TIMEOUT_S:g} s; connection closed"
+        wait_for(lambda: closed in server.log(), 30, "the stream nobody reads to be let go")
+        wait_for(lambda: released(log, 11) is not None, 30, "the sequence to be released")
+    finally:
+        s.close()
 
 
 def test_unary_steps_that_do_not_join_fail_as_the_model_s_fault(stub: Any) -> None:
