@@ -10,9 +10,14 @@ from google.protobuf.message import Message
 
 def as_json(msg: Message, defaults: bool = False) -> dict[str, Any]:
     """A protobuf message as JSON values, integers as numbers (protobuf's own JSON
-    writes 64-bit ones as strings); `defaults`: every field, set or not."""
+    writes 64-bit ones as strings); `defaults`: every field, set or not, but a message
+    field that is not set (as protobuf's JSON with default values: its absence says
+    something, as a config's dynamic_batching does)."""
     out: dict[str, Any] = {}
-    fields = msg.DESCRIPTOR.fields if defaults else [f for f, _ in msg.ListFields()]
+    fields = [f for f, _ in msg.ListFields()] if not defaults else [
+        f for f in msg.DESCRIPTOR.fields
+        if f.is_repeated or f.message_type is None or msg.HasField(f.name)
+    ]  # fmt: skip
     for f in fields:
         value = getattr(msg, f.name)
         if f.message_type is not None and f.message_type.GetOptions().map_entry:

@@ -264,6 +264,8 @@ class Stats:
                 compute_input=m.compute_input.pb(),
                 compute_infer=m.compute_infer.pb(),
                 compute_output=m.compute_output.pb(),
+                cache_hit=pb.StatisticDuration(),  # (no cache: zeros, written as Triton's)
+                cache_miss=pb.StatisticDuration(),
             ),
             batch_stats=[
                 pb.InferBatchStatistics(
