@@ -520,15 +520,23 @@ def test_a_load_failure_s_log_line_has_its_message_cut_short_and_its_frames(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """log.exception wrote a model's 10 MB message whole into the log, at every
-    restart of the worker; now the line says what the reply says, and the frames."""
-    code = "def load(device):\n    raise ValueError('y' * 10**7)\n"
+    restart of the worker; now the line says what the reply says, with the frames,
+    and those of the exception it came of (the missing file a load names)."""
+    code = (
+        "def load(device):\n"
+        "    try:\n"
+        "        open('/nonexistent/shard-00017.safetensors')\n"
+        "    except OSError as e:\n"
+        "        raise ValueError('y' * 10**7) from e\n"
+    )
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
     header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
     with caplog.at_level(logging.ERROR, logger="batchd.worker"):
         loaded = load(header, tmp_path, CPU, (), {})
     assert loaded.error.endswith("... (10000000 characters)")
     [line] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert loaded.error in line and "in load\n    raise ValueError" in line
+    assert line.endswith(loaded.error) and "in load\n    raise ValueError" in line
+    assert "No such file or directory: '/nonexistent/shard-00017.safetensors'" in line
     assert len(line) < 10_000 and not any(r.exc_info for r in caplog.records)
 
 

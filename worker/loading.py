@@ -97,10 +97,19 @@ def load(
         return Loaded((cfg, fn), files=files)
     except BaseException as e:  # a model that will not load is reply data too, even
         # one that calls sys.exit(): it would end this thread, and the compute thread
-        said = wire.text(why(e))  # (its message cut short: a line of 10 MB came whole)
-        log.error("cannot load model %s: %s\n%s", header.model, said, "".join(
-            traceback.format_tb(e.__traceback__)), extra={"model": header.model})  # fmt: skip
-        return Loaded(error=said)
+        log.error("cannot load model %s:\n%s", header.model, _chain(e),
+                  extra={"model": header.model})  # fmt: skip
+        return Loaded(error=wire.text(why(e)))
+
+
+def _chain(e: BaseException | None) -> str:
+    """A traceback of `e` and the exceptions it came of (a missing file under a model's
+    own error), each message cut short as in a reply: a message of 10 MB came whole."""
+    parts: list[str] = []
+    while e is not None and len(parts) < 8:
+        parts.append("".join(traceback.format_tb(e.__traceback__)) + wire.text(why(e)))
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return "\nwhich led to:\n".join(reversed(parts))
 
 
 def settle_heap() -> None:
