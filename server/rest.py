@@ -83,12 +83,10 @@ REST_EXTENSIONS = sorted([*EXTENSIONS, "binary_tensor_data", "generate"])
 JSON = "application/json"
 
 
-def error_response(
-    status: int, message: str, headers: Mapping[str, str] | None = None
-) -> web.Response:
-    return web.Response(
-        status=status, body=orjson.dumps({"error": message}), content_type=JSON, headers=headers
-    )
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None,
+                   ) -> web.Response:  # fmt: skip
+    body = orjson.dumps({"error": message})
+    return web.Response(status=status, body=body, content_type=JSON, headers=headers)
 
 
 def json_response(value: Any, status: int = 200) -> web.Response:
@@ -100,9 +98,7 @@ def _infer_body(body: bytes, header: str | None, cfg: ModelConfig, limits: Limit
     try:
         length = None if header is None else int(header)
     except ValueError:
-        raise InvalidInput(
-            f"{HEADER_LENGTH} must be an integer, got {clip(header or '')}"
-        ) from None
+        raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {clip(str(header))}") from None
     size = len(body) if length is None or not 0 <= length <= len(body) else length  # its JSON
     msg, wanted = parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version,
                              limits)  # fmt: skip
@@ -116,8 +112,7 @@ def _aside(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _json_bytes(size: int) -> int:
-    """What parser.run is told a document of `size` bytes of JSON is: over json_body's
-    limit, nothing (it is refused at once, not worth the trip)."""
+    """What parser.run is told `size` bytes of JSON are: over the limit, 0 (refused at once)."""
     return 0 if size > MAX_JSON_BYTES else size
 
 
@@ -252,6 +247,11 @@ class RestApi:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=limit + 1, text=too_big)
         return inflating.out  # (no copy on the loop: 44 ms for 60 MB; held, it is counted)
 
+    async def _model_body(self, request: web.Request) -> tuple[ModelConfig, BodyBytes]:
+        self._model(request)  # (not served: refused before a byte of the body is read)
+        body = await self._body(request)
+        return self._model(request), body  # as it serves once the body came (a reload)
+
     def _model(self, request: web.Request) -> ModelConfig:
         info = request.match_info
         return self._service.model(info["model"], info.get("version", ""))
@@ -308,8 +308,7 @@ class RestApi:
     # ---- inference ----
 
     async def infer(self, request: web.Request) -> web.Response:
-        cfg = self._model(request)
-        body = await self._body(request)
+        cfg, body = await self._model_body(request)
         length = request.headers.get(HEADER_LENGTH)
         parsed, got = self._request(cfg, body, _infer_body, length, cfg, self._service.limits)
 
@@ -329,8 +328,8 @@ class RestApi:
         )
 
     async def generate(self, request: web.Request) -> web.Response:
-        cfg = self._model(request)
-        parsed, _ = self._request(cfg, await self._body(request), _aside(parse_generate), cfg)
+        cfg, body = await self._model_body(request)
+        parsed, _ = self._request(cfg, body, _aside(parse_generate), cfg)
 
         async def encode(response: pb.ModelInferResponse) -> bytes:
             return generate_response(cfg, response.id, tensors(response))
@@ -343,8 +342,8 @@ class RestApi:
         `event: error` if the sequence fails after its first output). A failure
         before the first output is an HTTP error, as on /generate; a sequence that
         yields no output at all, just the final event."""
-        cfg = self._model(request)
-        parsed, got = self._request(cfg, await self._body(request), _aside(parse_generate), cfg)
+        cfg, body = await self._model_body(request)
+        parsed, got = self._request(cfg, body, _aside(parse_generate), cfg)
         events = self._events(cfg, parsed, request.headers)
         first = await anext(events, None)  # raises before any byte is sent
         stream = PatientStream(request, cfg.instances.execution_timeout_s, headers={

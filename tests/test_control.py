@@ -9,10 +9,12 @@ its folder hold its load() and each version's batches (conftest.make_model).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -829,6 +831,31 @@ def test_a_folder_whose_name_is_not_utf8_is_listed_escaped_not_failing_the_index
         assert listed["plain"]["state"] == "UNAVAILABLE"  # (not loaded: the rest is listed)
     finally:
         shutil.rmtree(odd)
+
+
+def test_an_http_body_that_arrives_across_a_reload_is_served_by_the_new_version(
+    server: ServerProcess, repo: Path
+) -> None:
+    """The route resolved the version before the body came, then refused the request
+    (404, "model has no version '1'") when a reload had replaced it meanwhile, though
+    its URL named no version."""
+    make_model(repo, "uploaded", 3.0)
+    body = json.dumps({"inputs": [{"name": "X", "shape": [1, 1], "datatype": "FP32",
+                                   "data": [1.0]}]}).encode()  # fmt: skip
+    with Client(server.url) as c:
+        c.load_model("uploaded", timeout=60)
+        s = socket.create_connection(("127.0.0.1", server.http_port), timeout=60)
+        try:
+            s.sendall(b"POST /v2/models/uploaded/infer HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10]))  # fmt: skip
+            c.load_model("uploaded", timeout=60)  # version 2, while the body comes
+            s.sendall(body[10:])
+            answer = s.recv(65536)
+        finally:
+            s.close()
+        c.unload_model("uploaded", timeout=60)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert b'"model_version":"2"' in answer
 
 
 def test_a_version_retires_once_the_requests_admitted_to_it_are_answered(
