@@ -23,6 +23,7 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # put in a message (a model's error may quote a request) cannot clear a terminal,
 # return to the line's start, or make grep take the log for binary.
 _ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (9, 10)}
+_ESCAPES |= {0x2028: "\\u2028", 0x2029: "\\u2029"}  # (line breaks to splitlines() too)
 
 
 class TextFormatter(logging.Formatter):

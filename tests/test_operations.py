@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 
 from batchd.client import Client, DeadlineExceeded, InvalidInput
 from batchd.protos._pool import slow_backend
+from batchd.protos.logs import TEXT_FORMAT, TextFormatter
 from tests.conftest import Gate, scrape, value
 from tests.servers import EXAMPLES, FIRST_SLOT, TEST_DEVICE, ServerProcess, wait_for
 from tests.test_contracts import GOOD  # X FP32 [2] -> Y FP32 [2]
@@ -132,6 +134,19 @@ def test_text_written_into_a_log_line_cannot_forge_another_or_hold_controls(
     log = server.log()
     assert "FORGED\\x1b[2J\\x00\\x0d" in log and "\x1b" not in log and "\x00" not in log
     assert not [line for line in log.splitlines() if line.startswith(forged)], log
+
+
+def test_no_character_in_a_message_begins_a_text_log_line_of_its_own() -> None:
+    """Every character Python's splitlines() breaks at (a log viewer's too, some of
+    them): U+2028 and U+2029 passed, so a message still split into forged lines."""
+    breaking = [chr(c) for c in range(0x110000) if len(f"a{chr(c)}b".splitlines()) > 1]
+    assert "\u2028" in breaking and "\n" in breaking
+    text = TextFormatter(TEXT_FORMAT)
+    for ch in breaking:
+        said = f"a{ch}2026-01-01 00:00:00,000 ERROR batchd.server: FORGED"
+        record = logging.LogRecord("batchd.server", logging.WARNING, "x", 1, "%s", (said,), None)
+        first, *more = text.format(record).splitlines()
+        assert "WARNING" in first and all(line.startswith("    ") for line in more), repr(ch)
 
 
 def test_a_model_s_warnings_are_json_log_lines_too(tmp_path: Path) -> None:
