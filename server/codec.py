@@ -18,7 +18,7 @@ servicer can move a heavy request off the event loop before decoding it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPES
@@ -29,7 +29,7 @@ from batchd.server.errors import InvalidInput, ResponseTooLarge, clip, clip_list
 from batchd.server.request import Request, Tensor
 
 _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
-
+_UNSERVED = frozenset({"classification", "shared_memory_region"})  # Triton's extensions
 DEFAULT_LIMITS = Limits()
 # A request's id is echoed in each of its responses: a step-wise request's, in each of
 # up to max_steps, where a 4 MB id made 1 GB of responses outside its stream's budget.
@@ -231,6 +231,7 @@ def _decode_inputs(
             )
         if t.name in by_name:
             raise InvalidInput(f"input {t.name!r} appears twice")
+        refuse_unserved("input", t.name, t.parameters)  # (shared memory: no data sent)
         if t.datatype != spec.datatype:
             raise InvalidInput(
                 f"input {t.name!r}: expected datatype {spec.datatype}, "
@@ -267,7 +268,7 @@ def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[s
             f"{len(model.outputs)} ({_names(model.outputs)}), and each may be asked for once"
         )
     for o in msg.outputs:
-        refuse_unserved(o.name, o.parameters)
+        refuse_unserved("output", o.name, o.parameters)
         if model.output(o.name) is None:
             raise InvalidInput(
                 f"unknown output {clip(o.name)} requested from model {model.name!r}; "
@@ -279,10 +280,10 @@ def _requested_outputs(msg: pb.ModelInferRequest, model: ModelConfig) -> tuple[s
     return outputs
 
 
-def refuse_unserved(output: str, parameters: Iterable[str]) -> None:  # (never ignored)
-    if unserved := {"classification", "shared_memory_region"}.intersection(parameters):
-        raise InvalidInput(f"output {clip(output)}: parameter {min(unserved)!r} asks for "
-                           "a Triton extension batchd does not serve")  # fmt: skip
+def refuse_unserved(kind: str, name: str, parameters: Collection[str]) -> None:  # (not ignored)
+    if parameters and (unserved := _UNSERVED.intersection(parameters)):
+        raise InvalidInput(f"{kind} {clip(name)}: parameter {min(unserved)!r} asks for a "
+                           "Triton extension batchd does not serve")  # fmt: skip
 
 
 def fixed_output_bytes(model: ModelConfig, names: Iterable[str], rows: int) -> tuple[int, bool]:

@@ -120,7 +120,9 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
     where = f"input {clip(name)}"
     datatype = _field(item, "datatype", str, where, "")
     shape = _shape(_field(item, "shape", list, where, []), where)
-    size = _field(item, "parameters", dict, where, {}).get("binary_data_size")
+    params = _field(item, "parameters", dict, where, {})
+    refuse_unserved("input", name, params)
+    size = params.get("binary_data_size")
     if size is not None:
         if type(size) is not int or size < 0:
             raise InvalidInput(
@@ -156,7 +158,7 @@ def _wanted(msg: pb.ModelInferRequest, head: dict[str, Any], default: bool) -> W
             raise InvalidInput(f"output {i}: expected an object, got {_kind(item)}")
         name = _field(item, "name", str, f"output {i}", "")
         params = _field(item, "parameters", dict, f"output {clip(name)}", {})
-        refuse_unserved(name, params)
+        refuse_unserved("output", name, params)
         named[name] = params.get("binary_data", default) is True
         msg.outputs.add(name=name)
     return Wanted(default, named)

@@ -904,8 +904,9 @@ def test_an_http_body_that_does_not_parse_counts_as_a_failed_request(
 def test_an_extension_batchd_does_not_serve_is_refused_as_over_grpc(
     example_server: ServerProcess, stub: pb_grpc.GRPCInferenceServiceStub
 ) -> None:
-    """An output asking for classification or a shared-memory region is refused, never
-    ignored (gRPC sent the plain output back), with the same message both ways."""
+    """An output asking for classification or a shared-memory region, or an input in
+    one, is refused, never ignored (gRPC sent the plain output back), with the same
+    message both ways."""
     for param, given in (("classification", 3), ("shared_memory_region", "out0")):
         msg = pb.ModelInferRequest(model_name="tiny", raw_input_contents=[bytes(64)])
         msg.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
@@ -916,6 +917,19 @@ def test_an_extension_batchd_does_not_serve_is_refused_as_over_grpc(
         wanted = [{"name": "OUTPUT0", "parameters": {param: given}}]
         r = call(example_server, "POST", "/v2/models/tiny/infer", tiny_body(outputs=wanted))
         assert (r.status, r.error) == (400, e.details()), param
+    # an input in shared memory, as tritonclient sends it (no data) and with data too
+    # (its data was served, and without it the message spoke of empty contents)
+    for raw in ([], [bytes(64)]):
+        msg = pb.ModelInferRequest(model_name="tiny", raw_input_contents=raw)
+        tensor = msg.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 16])
+        set_parameter(tensor.parameters["shared_memory_region"], "in0")
+        e = grpc_error(stub.ModelInfer, msg)
+        assert e.details() == ("input 'INPUT0': parameter 'shared_memory_region' asks for a "
+                               "Triton extension batchd does not serve")  # fmt: skip
+    body = tiny_body()
+    body["inputs"][0]["parameters"] = {"shared_memory_region": "in0"}
+    r = call(example_server, "POST", "/v2/models/tiny/infer", body)
+    assert (r.status, r.error) == (400, e.details())
 
 
 def test_unknown_model_and_version_are_404_with_the_grpc_message(
