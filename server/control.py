@@ -108,9 +108,9 @@ class ModelControl:
         changed = sorted({f for f, *_ in then ^ now})
         return (
             f"the files of model {cfg.name!r} changed since version {cfg.version} was loaded "
-            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): a worker that "
-            f"starts now does not load them as version {cfg.version}; RepositoryModelLoad "
-            f"{cfg.name!r} serves them as a new version (with --model-control none: restart)"
+            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): not loaded as "
+            f"version {cfg.version}; a load serves them as a new version (--model-control none:"
+            " a restart); what a model writes there itself must be hidden or *.log"
         )
 
     def _install(self, cfg: ModelConfig) -> None:
