@@ -26,6 +26,7 @@ against tiny, and the blocking channel costs nothing over the steps.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -40,8 +41,10 @@ from batchd.client import views
 from batchd.client.codec import build_request, parse_response
 from batchd.client.errors import (
     BatchdClientError,
+    DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
+    ServerUnavailable,
     from_rpc_error,
     from_status_name,
 )
@@ -186,7 +189,10 @@ class ClientCore:
         """The monotonic deadline of an operation starting now: `timeout`, or the default
         (inf, as None: none; gRPC failed a call given an infinite timeout at once)."""
         timeout = self.timeout if timeout is None else timeout
-        return None if timeout is None or timeout == math.inf else time.monotonic() + timeout
+        if timeout is not None and math.isnan(timeout):
+            raise ValueError("a timeout is a number of seconds or None, got nan")
+        # (gRPC fails a call of ~1e10 s at once: a timeout of years is none)
+        return None if timeout is None or timeout > 1e8 else time.monotonic() + timeout
 
     def _call(
         self,
@@ -200,6 +206,8 @@ class ClientCore:
         policy = self.retry if retries is None else replace(self.retry, retries=retries)
         attempt = 0
         while True:
+            if deadline is not None and deadline <= time.monotonic():  # (sent, it raced)
+                raise DeadlineExceeded("the call's timeout passed before it was sent")
             reply = yield Rpc(method, msg, _remaining(deadline), service)
             if not isinstance(reply, grpc.RpcError):
                 return reply
@@ -289,10 +297,11 @@ class ClientCore:
         return bool((yield from self.call("ServerLive", pb.ServerLiveRequest())).live)
 
     def ready(self) -> Steps[bool]:
-        """True when the server is ready; False when it is not, or cannot be reached."""
+        """True when the server is ready; False when it is not, or cannot be reached (in
+        time); any other failure (a wrong token) raises, or a wait for it spins for ever."""
         try:
             return bool((yield from self.call("ServerReady", pb.ServerReadyRequest())).ready)
-        except BatchdClientError:
+        except (ServerUnavailable, DeadlineExceeded):
             return False
 
     def model_ready(self, model: str) -> Steps[bool]:
@@ -306,8 +315,10 @@ class ClientCore:
         )
 
     def model_metadata(self, model: str) -> Steps[dict[str, Any]]:
-        """name, versions, platform, inputs and outputs (name, datatype, shape); cached."""
-        return (yield from self._metadata(model, self.deadline(None)))
+        """name, versions, platform, inputs and outputs (name, datatype, shape), as the
+        server says now (a bare array's infer names it from a cached copy)."""
+        self._meta.pop(model, None)
+        return copy.deepcopy((yield from self._metadata(model, self.deadline(None))))
 
     def _metadata(
         self, model: str, deadline: float | None, retries: int | None = None

@@ -14,7 +14,7 @@ BatchdClientError            any failed call; .code is the grpc.StatusCode
 RESOURCE_EXHAUSTED means two things. A server that is busy (batchd: a full queue,
 a full decode backlog) says when to come back, with a `grpc-retry-pushback-ms`
 trailer; one answering a call that passed a limit (a response over
---max-message-bytes, too many streams on a connection, a job's limits) sends none,
+--max-message-bytes, a job's limits) sends none,
 and neither does gRPC for a message over this client's own max_message_bytes. The
 same call would fail again, after the model ran again: LimitExceeded, never
 retried. It stays a ServerBusy so that `except ServerBusy` still catches every

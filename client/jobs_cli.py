@@ -135,7 +135,9 @@ def wait(client: Client, job_id: str, out: TextIO, give_up_s: float | None = Non
                 out.write(f"{chr(10) if tty else ''}job {job_id}: {e}; asking again\n")
             elif give_up_s is not None and now - failing_since >= give_up_s:
                 raise
-            sleep(min(RETRY_MAX_S, POLL_S * 2 ** min(10, int(now - failing_since).bit_length())))
+            pause = min(RETRY_MAX_S, POLL_S * 2 ** min(10, int(now - failing_since).bit_length()))
+            left = math.inf if give_up_s is None else failing_since + give_up_s - now
+            sleep(max(0.0, min(pause, left)))  # (then one more poll, at the time given)
             continue
         failing_since = None
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """When to retry a failed call, and after how long. Pure: no sleeping here.
 
-Retried: UNAVAILABLE, and RESOURCE_EXHAUSTED that came with the server's
+Retried: UNAVAILABLE, gRPC's own CANCELLED of a call it shed from the server's
+backlog, and RESOURCE_EXHAUSTED that came with the server's
 `grpc-retry-pushback-ms` (ServerBusy with .retry_after_ms: batchd sends it for a
 full queue and a full decode backlog). A RESOURCE_EXHAUSTED without it is a
 limit the call passed (LimitExceeded: a response over --max-message-bytes, a
@@ -16,6 +17,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import grpc
+
 from batchd.client.errors import BatchdClientError, ServerBusy, ServerUnavailable
 
 
@@ -23,7 +26,10 @@ def retryable(error: BatchdClientError) -> bool:
     """Whether the same call may succeed later (the module docstring's rules)."""
     if isinstance(error, ServerBusy):
         return error.retry_after_ms is not None
-    return isinstance(error, ServerUnavailable)
+    # gRPC's own CANCELLED ("CANCELLED", and nothing more): a call it shed from the server's
+    # backlog of calls not yet taken, never run (README, Status codes)
+    shed = error.code == grpc.StatusCode.CANCELLED and error.message == "CANCELLED"
+    return shed or isinstance(error, ServerUnavailable)
 
 
 @dataclass(frozen=True)
