@@ -4,13 +4,18 @@ the clear, or one a header cannot carry, is a ValueError then, not a failed call
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from batchd.client.errors import BatchdClientError
 
 Pem = bytes | str | os.PathLike[str]
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # what an authorization header carries after "Bearer "
@@ -81,3 +86,17 @@ def channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[
         ("grpc.keepalive_time_ms", 300_000),
         ("grpc.keepalive_timeout_ms", 20_000),
     ]
+
+
+@contextlib.contextmanager
+def when_closed(client: Any) -> Iterator[None]:
+    """A call made after `client.close()`, or under way then, fails alike in both clients:
+    the client was closed (CANCELLED). gRPC's own were a ValueError, grpc.aio's UsageError,
+    and an asyncio.CancelledError in a task nobody had cancelled."""
+    try:
+        yield
+    except (ValueError, grpc.aio.UsageError, asyncio.CancelledError) as e:
+        mine = isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling()  # type: ignore[union-attr]
+        if not client.closed or mine:
+            raise
+        raise BatchdClientError("the client was closed", grpc.StatusCode.CANCELLED) from None

@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 
 from batchd.client import jobs as job_ops
-from batchd.client.channel import Pem, Security, channel_options, open_channel
+from batchd.client.channel import Pem, Security, channel_options, open_channel, when_closed
 from batchd.client.core import (
     DEFAULT_MAX_MESSAGE_BYTES,
     END,
@@ -66,6 +66,7 @@ class _Connection:
     """The channel, its stub and the core: what both clients hold."""
 
     _grpc: Any = grpc  # the channel's kind: blocking (Client) or grpc.aio (AsyncClient)
+    closed = False  # close() was called (channel.when_closed)
 
     def __init__(
         self,
@@ -125,7 +126,8 @@ def _blocking(
     """Client's method for one operation of the core."""
 
     def method(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._run(op(self._core, *args, **kwargs))
+        with when_closed(self):
+            return self._run(op(self._core, *args, **kwargs))
 
     functools.update_wrapper(method, op)
     return method
@@ -137,7 +139,8 @@ def _awaitable(
     """AsyncClient's method for one operation of the core."""
 
     async def method(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return await self._run(op(self._core, *args, **kwargs))
+        with when_closed(self):
+            return await self._run(op(self._core, *args, **kwargs))
 
     functools.update_wrapper(method, op)
     return method
@@ -261,6 +264,7 @@ class Client(_Connection):
     repository_index = _blocking(ClientCore.repository_index)
 
     def close(self) -> None:
+        self.closed = True
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -304,10 +308,9 @@ class AsyncClient(_Connection):
             return e
 
     async def _upload(self, step: Rpc) -> Any:
-        """SubmitJob, made over a blocking channel in a thread: grpc.aio reports a call
-        the server ended while the client still sent (an upload refused, or answered by
-        its idempotency key) as INTERNAL "Internal error from Core" whenever a write
-        failed after it (grpc/grpc#36066), and it would read the job file on the loop."""
+        """SubmitJob, over a blocking channel: grpc.aio reports a call the server ended as
+        the client sent (refused, or answered by its key) as INTERNAL "Internal error from
+        Core" if a write failed after (grpc/grpc#36066); and it read the file on the loop."""
         if self._uploads is None:
             self._uploads = open_channel(grpc, *self._opens)
         stub = jobs_grpc.JobsStub(self._uploads)
@@ -385,6 +388,7 @@ class AsyncClient(_Connection):
     repository_index = _awaitable(ClientCore.repository_index)
 
     async def close(self) -> None:
+        self.closed = True
         await self._channel.close()
         if self._uploads is not None:
             self._uploads.close()

@@ -215,7 +215,7 @@ class ClientCore:
             remaining = None if deadline is None else deadline - time.monotonic()
             wait = policy.delay(attempt, error, remaining, self.rng)
             if wait is None:
-                raise error
+                raise error from reply  # (gRPC's own error, its trailers and debug string)
             yield Wait(wait)
             attempt += 1
 

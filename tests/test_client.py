@@ -36,7 +36,7 @@ from batchd.client.errors import LimitExceeded, from_rpc_error
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
 from tests.conftest import Gate
-from tests.servers import ServerProcess
+from tests.servers import ServerProcess, wait_for
 
 
 class FakeRpcError(grpc.RpcError):
@@ -589,8 +589,9 @@ def test_ready_is_false_only_for_a_server_not_ready_or_not_reached() -> None:
         assert done.value.value is ready
     steps = ClientCore(timeout=None, retries=0, call_kwargs={}).ready()
     next(steps)
-    with pytest.raises(Unauthenticated):
-        steps.send(FakeRpcError(grpc.StatusCode.UNAUTHENTICATED))
+    with pytest.raises(Unauthenticated) as refused:
+        steps.send(grpc_error := FakeRpcError(grpc.StatusCode.UNAUTHENTICATED))
+    assert refused.value.__cause__ is grpc_error  # gRPC's own, for its trailers
 
 
 def test_a_job_s_source_given_as_bytes_or_a_dict_is_refused() -> None:
@@ -636,3 +637,37 @@ def test_jobs_wait_gives_up_when_it_was_told_to(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ServerUnavailable):
         jobs_cli.wait(Down(), "job-1", io.StringIO(), give_up_s=3.0, sleep=sleep)  # type: ignore[arg-type]
     assert clock[0] == 3.0, slept
+
+
+def test_a_call_under_way_or_made_after_close_fails_alike_in_both_clients(
+    test_server: ServerProcess, gate: Gate
+) -> None:
+    """AsyncClient.close() raised asyncio.CancelledError in the tasks awaiting its calls,
+    which nobody had cancelled (a TaskGroup took it for a cancel; `except Exception`
+    missed it); after close(), calls raised gRPC's UsageError or ValueError."""
+    x = {"X": np.array([[5.0]], np.float32)}
+    closed = "CANCELLED: the client was closed"
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        client = AsyncClient(test_server.url)
+        gate.close()
+        before = len(gate.records("gated", "entered"))
+        under_way = asyncio.ensure_future(client.infer("gated", x, timeout=60))
+        entered = lambda: len(gate.records("gated", "entered")) > before  # noqa: E731
+        await asyncio.to_thread(wait_for, entered, 30, "the call to run")
+        await client.close()
+        gate.open()
+        await asyncio.wait([under_way])
+        try:
+            await client.infer("gated", x, timeout=10)
+        except BatchdClientError as e:
+            return under_way.exception(), e
+        return under_way.exception(), None
+
+    during, after = asyncio.run(scenario())
+    assert isinstance(during, BatchdClientError) and str(during) == closed
+    assert isinstance(after, BatchdClientError) and str(after) == closed
+    client = Client(test_server.url)
+    client.close()
+    with pytest.raises(BatchdClientError, match="the client was closed"):
+        client.infer("gated", x, timeout=10)
