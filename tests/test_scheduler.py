@@ -656,3 +656,37 @@ def test_a_step_wise_request_failed_in_the_queue_ends_its_stream() -> None:
             drained.future.result()
 
     run(body)
+
+
+def test_a_sparse_model_on_a_patient_frontend_waits_for_no_rows_not_coming() -> None:
+    """20 requests a second, two callers once overlapping, on a frontend another model
+    keeps patient (its loop 90% busy): each lone request waited out the automatic delay,
+    20 ms, for 0.4 rows expected meanwhile, its worker idle (1.2 rows a batch; its
+    callers' p50 twice the busy model's)."""
+
+    async def body() -> list[float]:
+        clock, d = Clock(), FakeDispatch(idle=1, credits=1)
+        idle = [0.0]  # the loop's idle seconds: another model keeps it busy
+        s = Scheduler(d, clock, patient=lambda: True, timer=FakeTimer(clock),
+                      idle=lambda: idle[0], busy=lambda: 0.9)  # fmt: skip
+        cfg = model(max_batch_size=32, delay_us=None)
+        s.add_model(cfg)
+        waits = []
+        for i in range(12):
+            clock.now += 0.05
+            idle[0] += 0.005
+            d.out = 1 if i == 2 else 0  # once, another caller's request was out
+            s.submit(request(cfg))
+            start = clock.now
+            while not d.sent:
+                clock.now += 0.0005
+                idle[0] += 0.00005
+                s.pump()
+            waits.append(clock.now - start)
+            d.sent.clear()
+            d.idle = d.credits = 1
+            d.out = 0
+        assert s._queues[cfg.key].callers == 2 and s._queues[cfg.key].rate > 10
+        return waits
+
+    assert asyncio.run(body()) == [0.0] * 12

@@ -118,12 +118,16 @@ class ModelQueue:
         worker is busy, or the frontend's loop busy: loopload.PATIENT). Configured
         (`max_queue_delay_us`), or automatic: the time a full batch takes to arrive at
         the measured rate, at most AUTO_DELAY_MAX_US. Waiting longer cannot fill it,
-        waiting less sends it part empty while more requests are on their way."""
+        waiting less sends it part empty while more requests are on their way; but a
+        wait in which not one more row is expected (under 50 a second) gains nothing:
+        a sparse model on a frontend another model kept patient waited out 20 ms for
+        1.2 rows a batch, its worker idle, its callers' p50 twice the busy model's."""
         configured_us = self.config.batching.max_queue_delay_us
         if configured_us is not None:
             configured = configured_us / 1e6
         elif self.rate > 0:
-            configured = min(AUTO_DELAY_MAX_US / 1e6, self.cap / self.rate)
+            wait = min(AUTO_DELAY_MAX_US / 1e6, self.cap / self.rate)
+            configured = wait if wait * self.rate >= 1 else 0.0
         else:
             configured = AUTO_DELAY_MIN_S
         return self.target.delay_s(configured) if self.target else configured
