@@ -173,11 +173,11 @@ def submit_job(
     idempotency key (a new one unless given): sent again with it, the server answers
     the job it made, never a second. So a path or a sequence of lines, which can be
     sent again, is, up to the client's retries, when the server was unavailable."""
-    if isinstance(source, bytes | bytearray | memoryview | Mapping):  # (its bytes or keys
-        raise TypeError(
+    if isinstance(source, bytes | bytearray | memoryview | Mapping):  # (iterable, but its
+        raise TypeError(  # bytes or keys are no request lines)
             f"a job's source is a JSONL file's path or an iterable of request "
             f"lines (dicts), got {type(source).__name__}"
-        )  # were sent as lines)
+        )
     again = isinstance(source, str | os.PathLike | Sequence)
     key = uuid.uuid4().hex if idempotency_key is None else idempotency_key
     attempt, deadline = 0, core.deadline(timeout)  # one, for every attempt and wait
