@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import gc
 import logging
 import os
@@ -13,6 +14,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from batchd.worker.runner import Runner, RunnerOptions
 from tests.conftest import make_model, model_log, stepwise_toml
 from tests.test_worker_behind import FLOOD_PY
 
+InProcess = tuple[Path, Runner, "zmq.Context[Any]", "zmq.Socket[Any]"]  # in_process()'s
 CPU = torch.device("cpu")
 TOML = """max_batch_size = 8
 [[input]]
@@ -228,30 +231,40 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
         gc.unfreeze()
 
 
-def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Path) -> None:
-    """The loader thread kept the last model it loaded in a local until its next load:
-    an unload freed nothing (a worker of a 1 GiB model stayed at 1.25 GB, and unload A
-    then load B peaked at both)."""
-    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(CYCLIC_MODEL))
+@contextlib.contextmanager
+def in_process(tmp_path: Path, code: str, toml: str = TOML) -> Iterator[InProcess]:
+    """The model `code` as `model_py` in `tmp_path`, an in-process Runner for it, and the
+    PULL socket its threads answer on: closed, the heap unfrozen, after."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code), toml)
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
     results = ctx.socket(zmq.PULL)
     results.bind(runner_module._RESULTS)
-    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
     try:
-        runner._loader.start(ctx, runner_module._RESULTS)
-        runner._loader.put((0, header, []))
-        assert results.poll(30_000)
-        _, *parts = results.recv_multipart()
-        assert wire.unpack(parts)[0].error == ""
-        ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
-        runner._unload(header)
-        assert ref() is None
+        yield d, runner, ctx, results
     finally:
-        assert runner._loader.stop(10)
         results.close(linger=0)
         ctx.term()
         gc.unfreeze()
+
+
+def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Path) -> None:
+    """The loader thread kept the last model it loaded in a local until its next load:
+    an unload freed nothing (a worker of a 1 GiB model stayed at 1.25 GB, and unload A
+    then load B peaked at both)."""
+    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
+        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+        runner._loader.start(ctx, runner_module._RESULTS)
+        try:
+            runner._loader.put((0, header, []))
+            assert results.poll(30_000)
+            _, *parts = results.recv_multipart()
+            assert wire.unpack(parts)[0].error == ""
+            ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
+            runner._unload(header)
+            assert ref() is None
+        finally:
+            assert runner._loader.stop(10)
 
 
 THREAD_COUNTING_MODEL = """
@@ -384,13 +397,8 @@ def test_batches_waiting_from_several_frontends_run_as_one_forward(tmp_path: Pat
     """Three batches of one model wait (frontends 0, 1, 0) with a retry marked alone
     behind them: the first three run as one forward of 1 + 2 + 3 rows, each answered
     to its own frontend with its own rows; the alone one runs by itself."""
-    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(COUNTING_MODEL))
-    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
-    ctx: zmq.Context[Any] = zmq.Context()
-    results = ctx.socket(zmq.PULL)
-    results.bind(runner_module._RESULTS)
-    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
-    try:
+    with in_process(tmp_path, COUNTING_MODEL) as (d, runner, ctx, results):
+        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
         assert install(runner, header) == ""
         for batch_id, (frontend, rows) in enumerate([(0, 1), (1, 2), (0, 3), (1, 1)], 1):
             tensors, frames = batch(np.full((rows, 4), batch_id, np.float32))
@@ -405,10 +413,6 @@ def test_batches_waiting_from_several_frontends_run_as_one_forward(tmp_path: Pat
             reply, out = wire.unpack(parts)
             y = from_raw(reply.tensors[0].datatype, reply.tensors[0].shape, bytes(out[0]))
             got[reply.batch_id] = (first[0], y.shape[0], float(y.max()), reply.forward_rows)
-    finally:
-        results.close(linger=0)
-        ctx.term()
-        gc.unfreeze()
     assert got == {1: (0, 1, 6.0, 6), 2: (1, 2, 6.0, 6), 3: (0, 3, 6.0, 6), 4: (1, 1, 1.0, 1)}
 
 
@@ -428,12 +432,7 @@ def compute(
     """Load the model `code` as `model_py` version 1 in an in-process Runner, run
     `items` (frontend, header, frames) through its compute thread's loop, and return
     every reply: (frontend, header, frames), in order."""
-    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code), toml)
-    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
-    ctx: zmq.Context[Any] = zmq.Context()
-    results = ctx.socket(zmq.PULL)
-    results.bind(runner_module._RESULTS)
-    try:
+    with in_process(tmp_path, code, toml) as (d, runner, ctx, results):
         assert install(runner, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")) == ""
         for item in items:
             runner._work.put(item)
@@ -445,10 +444,6 @@ def compute(
             if parts:
                 header, frames = wire.unpack(parts)
                 got.append((first[0], header, [bytes(f) for f in frames]))
-    finally:
-        results.close(linger=0)
-        ctx.term()
-        gc.unfreeze()
     return got
 
 
