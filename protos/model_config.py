@@ -284,7 +284,7 @@ def _batching(r: Reader, max_batch_size: int, ragged: bool, packed: bool) -> Bat
         max_starvation_us=r.integer("max_starvation_us", d.max_starvation_us),
         priority_queue_sizes=level_sizes,
         max_batch_tokens=r.integer("max_batch_tokens", 0),
-        bucket_by_length=r.get("bucket_by_length", bool, ragged and not packed),  # (1.7x FIFO)
+        bucket_by_length=r.get("bucket_by_length", bool, False),
         target_latency_ms=r.number("target_latency_ms", 0.0),
     )
     for key in ("max_batch_tokens", "bucket_by_length"):
