@@ -95,8 +95,9 @@ def when_closed(client: Any) -> Iterator[None]:
     and an asyncio.CancelledError in a task nobody had cancelled."""
     try:
         yield
-    except (ValueError, grpc.aio.UsageError, asyncio.CancelledError) as e:
+    except (ValueError, grpc.aio.UsageError, asyncio.CancelledError, BatchdClientError) as e:
         mine = isinstance(e, asyncio.CancelledError) and asyncio.current_task().cancelling()  # type: ignore[union-attr]
-        if not client.closed or mine:
+        gone = not isinstance(e, BatchdClientError) or e.code == grpc.StatusCode.CANCELLED
+        if not client.closed or mine or not gone:  # (blocking: gRPC's "Channel closed!")
             raise
         raise BatchdClientError("the client was closed", grpc.StatusCode.CANCELLED) from None

@@ -282,6 +282,8 @@ class ClientCore:
         msg = yield from self._request(
             model, inputs, outputs, request_id, datatypes, parameters, deadline
         )
+        if deadline is not None and deadline <= time.monotonic():  # (as _call: not sent)
+            raise DeadlineExceeded("the stream's timeout passed before it was opened")
         yield Open("ModelStreamInfer", msg, _remaining(deadline))
         while True:
             response, final = stream_read((yield READ))

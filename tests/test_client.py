@@ -10,6 +10,7 @@ import math
 import random
 import re
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -567,6 +568,11 @@ def test_a_timeout_that_has_passed_sends_nothing(timeout: float) -> None:
                                                                       timeout=timeout)  # fmt: skip
     with pytest.raises(DeadlineExceeded, match="passed before it was sent"):
         next(steps)
+    stream = ClientCore(timeout=None, retries=0, call_kwargs={}).stream(
+        "m", {"X": np.zeros(2)}, timeout=timeout
+    )
+    with pytest.raises(DeadlineExceeded, match="passed before it was opened"):
+        next(stream)
 
 
 def test_a_nan_timeout_is_refused_and_one_of_years_is_none() -> None:
@@ -668,6 +674,15 @@ def test_a_call_under_way_or_made_after_close_fails_alike_in_both_clients(
     assert isinstance(during, BatchdClientError) and str(during) == closed
     assert isinstance(after, BatchdClientError) and str(after) == closed
     client = Client(test_server.url)
-    client.close()
+    gate.close()
+    before = len(gate.records("gated", "entered"))
+    with ThreadPoolExecutor(1) as pool:  # a blocking call under way as it closes
+        under_way = pool.submit(client.infer, "gated", x, timeout=60)
+        wait_for(lambda: len(gate.records("gated", "entered")) > before, 30, "the call to run")
+        client.close()
+        gate.open()
+        with pytest.raises(BatchdClientError) as during_blocking:
+            under_way.result(60)
+    assert str(during_blocking.value) == closed  # (it was gRPC's "Channel closed!")
     with pytest.raises(BatchdClientError, match="the client was closed"):
         client.infer("gated", x, timeout=10)
