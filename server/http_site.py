@@ -195,9 +195,15 @@ class PatientStream(web.StreamResponse):
         self._request, self._seconds = request, seconds or None
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await self._within(super().write(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:  # (it drains what is left too)
+        await self._within(super().write_eof(data))
+
+    async def _within(self, sending: Awaitable[None]) -> None:
         try:
             async with asyncio.timeout(self._seconds):
-                await super().write(data)
+                await sending
         except TimeoutError:
             r = self._request
             log.info("HTTP %s %s: its caller read nothing for %g s; connection closed",
