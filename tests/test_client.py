@@ -670,9 +670,12 @@ def test_a_call_under_way_or_made_after_close_fails_alike_in_both_clients(
             return under_way.exception(), e
         return under_way.exception(), None
 
+    ended = len(gate.records("gated"))
     during, after = asyncio.run(scenario())
     assert isinstance(during, BatchdClientError) and str(during) == closed
     assert isinstance(after, BatchdClientError) and str(after) == closed
+    # the first call's batch ends on the server (its gate opened) before the next is held
+    wait_for(lambda: len(gate.records("gated")) > ended, 30, "the held batch to end")
     client = Client(test_server.url)
     gate.close()
     before = len(gate.records("gated", "entered"))
