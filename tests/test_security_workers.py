@@ -386,12 +386,14 @@ def test_a_refused_worker_says_so_retries_and_stops_on_sigterm(
         assert len(lines) <= (time.monotonic() - started) / RETRY_S  # a line per retry, no more
         assert all(" WARNING " in line and endpoint in line and reason in line for line in lines)
 
+        # It stops, not retries for ever (a retry every 3 s); within 2 s failed once under
+        # the whole suite on 2 cores (a torch process's teardown), so the bound is 10 s.
         worker.send_signal(signal.SIGTERM)
         try:
-            code = worker.wait(timeout=2.0)
+            code = worker.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             pytest.fail(
-                f"SIGTERM did not stop a refused worker within 2 s:\n{log_path.read_text()}"
+                f"SIGTERM did not stop a refused worker within 10 s:\n{log_path.read_text()}"
             )
         assert code == 0, log_path.read_text()
     finally:
