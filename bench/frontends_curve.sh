@@ -10,8 +10,9 @@
 #     bash bench/frontends_curve.sh
 #
 # On a machine with no package index (the GPU machines lent to this work) it installs
-# the wheels in .whl/ first, and takes perf_analyzer from .pa/ (its libraries in
-# .pa/lib). LABEL prefixes each line; CODE runs another checkout's batchd.
+# the wheels in .whl/ first (`bash .ci/gpu-wheels` downloads them), and takes
+# perf_analyzer from .pa/ (perf_analyzer.bin, and in .pa/lib the libcudart.so.12 and
+# libb64.so.0d it links). LABEL prefixes each line; CODE runs another checkout's batchd.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -34,11 +35,17 @@ def load(device):
     layer = torch.nn.Linear(16, 16).to(device).eval()
     return lambda x: layer(x)
 PY
-scrape() { curl -s localhost:18192/metrics | awk -v n="$1" '$1 ~ "^batchd_"n"_total\\{model=\"tiny\"" {print $2}'; }
+# frontend 0's own series: with N > 1 each carries a frontend label, and it comes first
+scrape() {
+  curl -s -m 10 localhost:18192/metrics | awk -v n="$1" '$1 ~ "^batchd_"n"_total[{]" &&
+    $1 ~ "model=\"tiny\"" && ($1 !~ "frontend=" || $1 ~ "frontend=\"0\"") {print $2}'
+}
+RUN=0
 for C in ${CS:-256}; do
 for N in ${NS:-1 2 4 8}; do
+  RUN=$((RUN + 1))  # NS may name an N twice: each run keeps its own files
   $PY -m batchd.server --model-repository /tmp/models --grpc-port 18191 --metrics-port 18192 --http-port -1 \
-    --log-level WARNING --jobs-dir /tmp/jobs-$N-$C --frontends $N > $OUT/server-$N-$C.log 2>&1 &
+    --log-level WARNING --jobs-dir /tmp/jobs-$RUN-$C --frontends $N > $OUT/server-$RUN-$N-$C.log 2>&1 &
   SP=$!
   for i in $(seq 120); do [ -n "$(scrape inference_count)" ] && break; sleep 0.5; done
   $PA -i grpc -u 127.0.0.1:18191 -m tiny --concurrency-range 16:16 --measurement-interval 1000 --max-trials 2 > /dev/null 2>&1
@@ -47,14 +54,14 @@ for N in ${NS:-1 2 4 8}; do
     case $LOAD in
       r:*)  # open loop from batchd bench: perf_analyzer's fell short of 2,000 req/s there
         TAG=r${LOAD#r:}; $PY -m batchd.client.bench --url 127.0.0.1:18191 --model tiny \
-          --rate ${LOAD#r:} --connections 8 --duration 5 --quiet --json $OUT/pa-$N-$TAG.json \
-          > $OUT/pa-$N-$TAG.log 2>&1 ;;
+          --rate ${LOAD#r:} --connections 8 --duration 5 --quiet --json $OUT/pa-$RUN-$N-$TAG.json \
+          > $OUT/pa-$RUN-$N-$TAG.log 2>&1 ;;
       *) TAG=c$C; $PA -i grpc -u 127.0.0.1:18191 -m tiny --concurrency-range $C:$C \
           --measurement-interval 4000 --stability-percentage 25 --max-trials 4 \
-          -f $OUT/pa-$N-$TAG.csv > $OUT/pa-$N-$TAG.log 2>&1 ;;
+          -f $OUT/pa-$RUN-$N-$TAG.csv > $OUT/pa-$RUN-$N-$TAG.log 2>&1 ;;
     esac
     b=($(scrape inference_count) $(scrape inference_exec_count) $(scrape forward_rows))
-    $PY - "$N" "$TAG" "${a[*]}" "${b[*]}" $OUT/pa-$N-$TAG <<'PY'
+    $PY - "$N" "$TAG" "${a[*]}" "${b[*]}" $OUT/pa-$RUN-$N-$TAG <<'PY'
 import csv, json, os, sys
 n, load, a, b, f = sys.argv[1:]
 a = [float(x) for x in a.split()]; b = [float(x) for x in b.split()]
