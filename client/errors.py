@@ -114,10 +114,12 @@ def from_rpc_error(error: grpc.RpcError) -> BatchdClientError:
 
 def _pushback_ms(error: grpc.RpcError) -> int | None:
     """The `grpc-retry-pushback-ms` trailer; None when absent or not a count of
-    milliseconds (gRFC A6: a negative or malformed pushback means do not retry)."""
+    milliseconds (gRFC A6: a negative or malformed pushback means do not retry). Over
+    12 digits (31 years) is malformed too: int() of a few thousand raises ValueError."""
     for key, value in error.trailing_metadata() or ():
-        if key == "grpc-retry-pushback-ms" and str(value).isdigit():
-            return int(value)
+        text = str(value)
+        if key == "grpc-retry-pushback-ms" and text.isascii() and text.isdigit():
+            return int(text) if len(text) <= 12 else None
     return None
 
 

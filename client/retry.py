@@ -9,7 +9,10 @@ message over the client's own max_message_bytes): the same call would fail
 again, after running the model again, so it is not retried. Nor is an input
 the server rejected, an unknown model or a failed model. The wait is "full
 jitter" exponential backoff, and never shorter than the server's pushback. All
-attempts share the caller's timeout.
+attempts share the caller's timeout. A pushback longer than that timeout, or
+than `max_pushback_s` (60 s), is not waited out: the call raises at once, and
+the caller reads .retry_after_ms (a server could otherwise hold a call with no
+timeout asleep for as long as it liked).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class RetryPolicy:
     retries: int = 0  # extra attempts after the first
     base_s: float = 0.05
     max_s: float = 2.0
+    max_pushback_s: float = 60.0  # a longer pushback raises instead of sleeping
 
     def delay(
         self, attempt: int, error: BatchdClientError, remaining_s: float | None, rng: random.Random
@@ -46,6 +50,8 @@ class RetryPolicy:
             return None
         wait = rng.uniform(0.0, min(self.max_s, self.base_s * 2**attempt))
         if isinstance(error, ServerBusy) and error.retry_after_ms:
+            if error.retry_after_ms / 1000 > self.max_pushback_s:
+                return None
             wait = max(wait, error.retry_after_ms / 1000)
         if remaining_s is not None and wait >= remaining_s:
             return None

@@ -41,7 +41,7 @@ from tests.servers import ServerProcess, wait_for
 
 
 class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, pushback_ms: int | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, pushback_ms: int | str | None = None) -> None:
         self._code, self._pushback = code, pushback_ms
 
     def code(self) -> grpc.StatusCode:
@@ -79,6 +79,21 @@ def test_resource_exhausted_without_pushback_is_a_limit_never_retried() -> None:
     assert RetryPolicy(retries=3).delay(0, limit, None, rng) is None
     now = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, 0))  # "come back now"
     assert type(now) is ServerBusy and RetryPolicy(retries=3).delay(0, now, None, rng) is not None
+
+
+def test_a_pushback_past_reason_raises_rather_than_sleeping() -> None:
+    """A server's pushback was honoured whatever it said: an hour's kept a call with no
+    timeout asleep for an hour, and a pushback of 5,000 digits raised ValueError (int()'s
+    limit) instead of a typed error."""
+    rng, policy = random.Random(0), RetryPolicy(retries=3)
+    hour = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, 3_600_000))
+    assert isinstance(hour, ServerBusy) and hour.retry_after_ms == 3_600_000
+    assert policy.delay(0, hour, None, rng) is None  # raised: the caller reads retry_after_ms
+    minute = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, 60_000))
+    assert policy.delay(0, minute, None, rng) == 60.0
+    for absurd in ("9" * 5_000, "1" * 13, "-5", "1e3", "\uff11"):  # (a fullwidth digit)
+        error = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, absurd))
+        assert isinstance(error, LimitExceeded) and policy.delay(0, error, None, rng) is None
 
 
 class FakeStub:
