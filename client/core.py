@@ -217,7 +217,7 @@ class ClientCore:
             reply = yield Rpc(method, msg, _unexpired(deadline, "call", "sent"), service)
             if not isinstance(reply, grpc.RpcError):
                 return reply
-            error = from_rpc_error(reply)
+            error = from_rpc_error(reply, of_job=method in ("GetJob", "CancelJob"))
             remaining = None if deadline is None else deadline - time.monotonic()
             wait = policy.delay(attempt, error, remaining, self.rng)
             if wait is None:

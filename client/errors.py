@@ -3,6 +3,7 @@
 BatchdClientError            any failed call; .code is the grpc.StatusCode
 ├── InvalidInput             INVALID_ARGUMENT   (never worth retrying)
 ├── ModelNotFound            NOT_FOUND
+├── JobNotFound              NOT_FOUND of a call about one job (GetJob, CancelJob, JobResults)
 ├── ServerBusy               RESOURCE_EXHAUSTED (.retry_after_ms from the pushback trailer)
 │   └── LimitExceeded        RESOURCE_EXHAUSTED with no pushback: a limit the call passed
 ├── DeadlineExceeded         DEADLINE_EXCEEDED
@@ -44,6 +45,13 @@ class InvalidInput(BatchdClientError):
 
 
 class ModelNotFound(BatchdClientError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class JobNotFound(BatchdClientError):
+    """No such job (or not this token's): an ended one is dropped after
+    --jobs-retention-hours."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
@@ -94,10 +102,12 @@ _BY_CODE: dict[grpc.StatusCode, type[BatchdClientError]] = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError) -> BatchdClientError:
-    """The typed exception for a failed gRPC call."""
+def from_rpc_error(error: grpc.RpcError, of_job: bool = False) -> BatchdClientError:
+    """The typed exception for a failed gRPC call; `of_job`: a call about one job, whose
+    NOT_FOUND is the job's (SubmitJob's is its model's)."""
     code = error.code()
-    cls = _BY_CODE.get(code, BatchdClientError)
+    cls = JobNotFound if of_job and code == grpc.StatusCode.NOT_FOUND else _BY_CODE.get(code)
+    cls = cls or BatchdClientError
     if cls is ServerUnavailable:
         down = ServerUnavailable(error.details() or "", code)
         down.retry_after_ms = _pushback_ms(error)

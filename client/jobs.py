@@ -211,7 +211,10 @@ def job(core: ClientCore, job_id: str) -> Steps[Job]:
 
 
 def jobs(core: ClientCore, status: str = "", limit: int = 0) -> Steps[list[Job]]:
-    """This token's jobs (every job for an admin token), newest first; `status` filters."""
+    """This token's jobs (every job for an admin token), newest first; `status` filters,
+    `limit` caps the count (0: the server's most, 1,000)."""
+    if not 0 <= limit < 1 << 32:  # (protobuf's own message named no field)
+        raise ValueError(f"limit is a count of jobs, or 0 for the server's most; got {limit}")
     msg = pb.ListJobsRequest(status=status, limit=limit)
     reply = yield from core.call("ListJobs", msg, service="jobs")
     return [Job.from_pb(j) for j in reply.jobs]
@@ -305,7 +308,7 @@ class Resume:
 
     def wait(self, failure: grpc.RpcError) -> float:
         """Seconds to wait before asking again; the client's error when not to."""
-        error = from_rpc_error(failure)
+        error = from_rpc_error(failure, of_job=True)
         wait = self._core.retry.delay(self._attempt, error, None, self._core.rng)
         if wait is None:
             raise error from None

@@ -96,6 +96,11 @@ def test_a_pushback_past_reason_raises_rather_than_sleeping() -> None:
         assert isinstance(error, LimitExceeded) and policy.delay(0, error, None, rng) is None
 
 
+def test_a_job_listing_s_limit_out_of_range_is_named() -> None:
+    with Client("127.0.0.1:1") as c, pytest.raises(ValueError, match=r"count of jobs.*got -1"):
+        c.jobs(limit=-1)
+
+
 class FakeStub:
     def __init__(self, errors: list[grpc.StatusCode]) -> None:
         self.errors, self.calls = list(errors), 0

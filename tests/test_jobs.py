@@ -19,7 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from batchd.client import AsyncClient, Client, InvalidInput, ModelNotFound, ServerBusy
+from batchd.client import (
+    AsyncClient,
+    Client,
+    InvalidInput,
+    JobNotFound,
+    ModelNotFound,
+    ServerBusy,
+)
 from tests.conftest import Gate, scrape, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 
@@ -137,7 +144,7 @@ def test_submission_is_refused_with_the_reason(example_server: ServerProcess,
         assert len(str(e.value)) < 300  # quoted short, not echoed whole
         with pytest.raises(InvalidInput, match="step-wise"):  # (it is there: not NOT_FOUND)
             c.submit_job("decoder", lines[:1])
-        with pytest.raises(ModelNotFound, match="no job 'job-0'"):
+        with pytest.raises(JobNotFound, match="no job 'job-0'"):  # (it was ModelNotFound)
             c.job("job-0")
         assert not [j for j in c.jobs() if j.status == "validating"]  # refused ones are gone
 
@@ -265,12 +272,12 @@ def test_a_job_belongs_to_its_token(gate: Gate, tmp_path: Path) -> None:
             Client(server.url, token=admin) as cadmin,
         ):
             job = ca.submit_job("gated", gated_lines(range(1, 11)))
-            with pytest.raises(ModelNotFound, match="no job"):
+            with pytest.raises(JobNotFound, match="no job"):
                 cb.job(job.id)
-            with pytest.raises(ModelNotFound, match="no job"):
+            with pytest.raises(JobNotFound, match="no job"):
                 cb.cancel_job(job.id)
             (tmp_path / "stolen.jsonl").write_text("b's own results\n")
-            with pytest.raises(ModelNotFound, match="no job"):
+            with pytest.raises(JobNotFound, match="no job"):
                 cb.job_results(job.id, tmp_path / "stolen.jsonl")
             # a failed download leaves the file it would have replaced as it was
             assert (tmp_path / "stolen.jsonl").read_text() == "b's own results\n"
