@@ -191,10 +191,9 @@ class Client(_Connection):
         if isinstance(step, Wait):
             time.sleep(step.seconds)
             return None
+        stub = self._stub if step.service == "inference" else self._jobs_stub
         try:
-            call = getattr(
-                self._stub if step.service == "inference" else self._jobs_stub, step.method
-            )
+            call = getattr(stub, step.method)
             return call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
@@ -204,32 +203,33 @@ class Client(_Connection):
         before its end (the consumer left, or an error)."""
         call: Any = None
         reply: Any = None
-        try:
-            while True:
-                try:
-                    step = steps.send(reply)
-                except StopIteration:
-                    return
-                reply = None
-                if isinstance(step, Emit):
-                    yield step.outputs
-                elif isinstance(step, Open):
-                    requests = iter((step.request,))
-                    method = getattr(self._stub, step.method)
-                    call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
-                elif isinstance(step, Rpc | Wait):
-                    reply = self._do(step)
-                else:  # Read
+        with when_closed(self):  # (a stream under way as the client closes, or opened after)
+            try:
+                while True:
                     try:
-                        reply = next(call)
+                        step = steps.send(reply)
                     except StopIteration:
-                        reply = END
-                    except grpc.RpcError as e:
-                        reply = e
-        finally:
-            steps.close()
-            if call is not None:
-                call.cancel()  # nothing once the call has ended
+                        return
+                    reply = None
+                    if isinstance(step, Emit):
+                        yield step.outputs
+                    elif isinstance(step, Open):
+                        requests = iter((step.request,))
+                        method = getattr(self._stub, step.method)
+                        call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
+                    elif isinstance(step, Rpc | Wait):
+                        reply = self._do(step)
+                    else:  # Read
+                        try:
+                            reply = next(call)
+                        except StopIteration:
+                            reply = END
+                        except grpc.RpcError as e:
+                            reply = e
+            finally:
+                steps.close()
+                if call is not None:
+                    call.cancel()  # nothing once the call has ended
 
     def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
         """Write the job's results (all of them once it has ended; those kept so far
@@ -238,7 +238,7 @@ class Client(_Connection):
         bounded it, and failed every one longer). Cut off, it goes on from where it got
         to, within the client's retries (job_ops.Resume)."""
         resume = job_ops.Resume(self._core, job_id)
-        with job_ops.ResultsFile(out) as f:
+        with when_closed(self), job_ops.ResultsFile(out) as f:
             while True:
                 try:
                     for piece in resume.call(self._jobs_stub.JobResults, f.size):
@@ -299,10 +299,9 @@ class AsyncClient(_Connection):
             return None
         if step.method == "SubmitJob":
             return await self._upload(step)
+        stub = self._stub if step.service == "inference" else self._jobs_stub
         try:
-            call = getattr(
-                self._stub if step.service == "inference" else self._jobs_stub, step.method
-            )
+            call = getattr(stub, step.method)
             return await call(step.request, timeout=step.timeout, **self._core.call_kwargs)
         except grpc.RpcError as e:
             return e
@@ -332,37 +331,38 @@ class AsyncClient(_Connection):
         and its call cancelled, by asyncio once it is collected."""
         call: Any = None
         reply: Any = None
-        try:
-            while True:
-                try:
-                    step = steps.send(reply)
-                except StopIteration:
-                    return
-                reply = None
-                if isinstance(step, Emit):
-                    yield step.outputs
-                elif isinstance(step, Open):
-                    requests = iter((step.request,))
-                    method = getattr(self._stub, step.method)
-                    call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
-                elif isinstance(step, Rpc | Wait):
-                    reply = await self._do(step)
-                else:  # Read
+        with when_closed(self):  # (a stream under way as the client closes, or opened after)
+            try:
+                while True:
                     try:
-                        reply = await call.read()
-                    except grpc.RpcError as e:
-                        reply = e
-                    if reply is grpc.aio.EOF:
-                        reply = END
-        finally:
-            steps.close()
-            if call is not None:
-                call.cancel()  # nothing once the call has ended
+                        step = steps.send(reply)
+                    except StopIteration:
+                        return
+                    reply = None
+                    if isinstance(step, Emit):
+                        yield step.outputs
+                    elif isinstance(step, Open):
+                        requests = iter((step.request,))
+                        method = getattr(self._stub, step.method)
+                        call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
+                    elif isinstance(step, Rpc | Wait):
+                        reply = await self._do(step)
+                    else:  # Read
+                        try:
+                            reply = await call.read()
+                        except grpc.RpcError as e:
+                            reply = e
+                        if reply is grpc.aio.EOF:
+                            reply = END
+            finally:
+                steps.close()
+                if call is not None:
+                    call.cancel()  # nothing once the call has ended
 
     async def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
         """Client.job_results, awaited (the file is written from the event loop)."""
         resume = job_ops.Resume(self._core, job_id)
-        with job_ops.ResultsFile(out) as f:
+        with when_closed(self), job_ops.ResultsFile(out) as f:
             while True:
                 try:
                     async for piece in resume.call(self._jobs_stub.JobResults, f.size):

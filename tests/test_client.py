@@ -11,6 +11,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -709,3 +710,55 @@ def test_a_call_under_way_or_made_after_close_fails_alike_in_both_clients(
     assert str(during_blocking.value) == closed  # (it was gRPC's "Channel closed!")
     with pytest.raises(BatchdClientError, match="the client was closed"):
         client.infer("gated", x, timeout=10)
+
+
+def test_a_stream_or_download_under_way_or_made_after_close_fails_alike(
+    test_server: ServerProcess, gate: Gate, tmp_path: Path
+) -> None:
+    """Streams and job_results were left out of the closed-client error: a stream under
+    way as its client closed raised gRPC's CANCELLED "Channel closed!" (grpc.aio:
+    asyncio.CancelledError), and one opened or a download begun after, a ValueError."""
+    closed = "CANCELLED: the client was closed"
+    seq = {"ID": np.array([7]), "STEPS": np.array([3])}
+    client = Client(test_server.url)
+    gate.close()
+    before = len(gate.records("stepper", "entered"))
+    with ThreadPoolExecutor(1) as pool:
+        under_way = pool.submit(lambda: list(client.stream("stepper", seq, timeout=60)))
+        wait_for(lambda: len(gate.records("stepper", "entered")) > before, 30, "a step")
+        client.close()
+        gate.open()
+        with pytest.raises(BatchdClientError) as during:
+            under_way.result(60)
+    assert str(during.value) == closed
+    with pytest.raises(BatchdClientError, match=closed):
+        next(client.stream("stepper", seq, timeout=10))
+    with pytest.raises(BatchdClientError, match=closed):
+        client.job_results("job-1", tmp_path / "r.jsonl")
+
+    async def scenario() -> list[BaseException | None]:
+        aclient = AsyncClient(test_server.url)
+        gate.close()
+        before = len(gate.records("stepper", "entered"))
+
+        async def read() -> list[object]:
+            return [out async for out in aclient.stream("stepper", seq, timeout=60)]
+
+        under_way = asyncio.ensure_future(read())
+        entered = lambda: len(gate.records("stepper", "entered")) > before  # noqa: E731
+        await asyncio.to_thread(wait_for, entered, 30, "a step")
+        await aclient.close()
+        gate.open()
+        await asyncio.wait([under_way])
+        errors = [under_way.exception()]
+        for late in (read(), aclient.job_results("job-1", tmp_path / "r.jsonl")):
+            try:
+                await late
+            except BaseException as e:  # (the test compares what came)
+                errors.append(e)
+        return errors
+
+    errors = asyncio.run(scenario())
+    assert [type(e) for e in errors] == [BatchdClientError] * 3 and {str(e) for e in errors} == {
+        closed
+    }
