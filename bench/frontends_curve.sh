@@ -76,8 +76,11 @@ try:
         got = lv["throughput"], lv["p50_ms"], lv["p99_ms"]
         load = f"{load[1:]} req/s offered"
 except (OSError, StopIteration, KeyError, IndexError, ValueError):
-    sys.exit(print(f"{os.environ.get('LABEL', '')} N={n} {load}: the load tool gave no result"))
-rows = (f"frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}" if d[1]
+    why = open(f + ".log", errors="replace").read().strip().splitlines()[-1:] or ["(no log)"]
+    sys.exit(print(f"{os.environ.get('LABEL', '')} N={n} {load}: the load tool gave no result: "
+                   f"{why[0][:200]}"))
+rows = ("frontend 0's counters could not be read from its /metrics" if len(d) < 3 else
+        f"frontend 0: rows/batch {d[0]/d[1]:.1f}, rows/forward {d[2]/d[1]:.1f}" if d[1]
         else "frontend 0 ran no batch (the kernel gave the load's connections to the others)")
 print(f"{os.environ.get('LABEL', '')} N={n} {load}: req/s {got[0]:,.0f} p50 {got[1]:.2f} ms "
       f"p99 {got[2]:.2f} ms; {rows}")
