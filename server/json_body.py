@@ -77,8 +77,8 @@ def load_json(body: bytes | memoryview, what: str = "the request body") -> dict[
             f"{what} is {len(body)} bytes of JSON, more than {MAX_JSON_BYTES}: send large "
             "tensors in binary form (binary_data_size, Inference-Header-Content-Length)"
         )
-    try:
-        value = orjson.loads(body)
+    try:  # (orjson takes no subclass of bytearray: an inflated body, http_site.Inflated)
+        value = orjson.loads(memoryview(body))
     except orjson.JSONDecodeError as e:
         value = with_nan(bytes(body), what)
         if value is None:

@@ -46,6 +46,19 @@ def test_compressed_bodies_are_answered_as_plain_ones(
     got = call(example_server, "POST", TINY, packed, {"Content-Encoding": coding.upper()})
     assert plain.status == got.status == 200, got.body[:300]
     assert got.json()["outputs"] == plain.json()["outputs"]
+    # every JSON route, not only infer: these were "not valid JSON" once inflated
+    generate = {"id": "g", "PROMPT": [5, 6, 7], "MAX_NEW_TOKENS": 3}
+    for path, doc in [
+        ("/v2/models/decoder/generate", generate),
+        ("/v2/models/decoder/generate_stream", generate),
+        ("/v2/repository/index", {"ready": True}),
+    ]:
+        body = json.dumps(doc).encode()
+        packed = zlib.compress(body) if coding == "deflate" else gzip.compress(body)
+        plain = call(example_server, "POST", path, body)
+        got = call(example_server, "POST", path, packed, {"Content-Encoding": coding})
+        assert plain.status == got.status == 200, (path, got.body[:300])
+        assert got.body == plain.body, path
 
 
 def test_a_compression_bomb_inflates_only_to_the_body_limit(
