@@ -268,9 +268,9 @@ async def _close_ports(p: _Parts) -> None:
 
 
 async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float) -> None:
-    """Say not ready and keep serving for `notice` seconds (balancers stop sending),
-    then refuse new work, drain the admitted, answer leftovers, then stop workers
-    (after the other frontends, which need them to drain)."""
+    """Say not ready and keep serving for `notice` seconds (balancers stop sending), then
+    GOAWAY and close the ports, refuse new work, drain the admitted, answer leftovers, then
+    stop workers (after the other frontends, which need them to drain)."""
     notice = min(notice, cfg.drain_timeout_s)
     log.info("stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
              "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
@@ -282,6 +282,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     sig = signal.SIGTERM if notice else signal.SIGINT  # children: this one's notice (SIGINT: 0)
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10, sig)) if children else None
     await asyncio.sleep(notice)
+    goaway = await security.stop_listening(p.server, p.http, cfg.drain_timeout_s + 10)
     left = await p.service.drain(cfg.drain_timeout_s - notice)
     if left:
         log.warning("drain timeout: answering %d open request(s) UNAVAILABLE", left)
@@ -289,6 +290,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
         await jobs
     p.core.fail_all(Unavailable("the server stopped before this request could finish"))
     await p.server.stop(grace=1.0)
+    await goaway
     if p.http is not None:
         await p.http.cleanup()
     if others is not None:

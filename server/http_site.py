@@ -165,11 +165,14 @@ class Inflating:
 
 def bounded_send(seconds: float) -> Middleware:
     """A middleware: a whole answer (not a stream) is sent here, within `seconds`, or its
-    connection is closed (0: no bound)."""
+    connection is closed (0: no bound). A 503 (stopping, no worker) closes its connection:
+    its client connects anew, through a balancer to another replica, not to this one."""
 
     @web.middleware
     async def send(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)
+        if response.status == 503 and not response.prepared:
+            response.force_close()
         if seconds and isinstance(response, web.Response) and not response.prepared:
             try:
                 async with asyncio.timeout(seconds):

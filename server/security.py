@@ -11,6 +11,7 @@ app.py calls `preflight`, `grpc_options`, `listen` and `WorkerAuth` only.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import socket
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import zmq
 import zmq.asyncio
+from aiohttp import web
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from batchd.protos import keys
@@ -171,6 +173,21 @@ def listen(server: grpc.aio.Server, cfg: ServerConfig) -> int:
         why = why or taken(host, cfg.network.grpc_port) or "gRPC could not bind it"
         raise ConfigError(f"cannot serve gRPC on {address}: {why} (--grpc-port; 0: a free one)")
     return int(port)
+
+
+async def stop_listening(
+    server: grpc.aio.Server, http: web.AppRunner | None, grace_s: float
+) -> asyncio.Task[None]:
+    """Once the drain notice is over: GOAWAY to every gRPC connection, and the gRPC and HTTP
+    listeners closed, so that a client's next call, its retry of a refusal too, connects
+    anew: through a balancer, to another replica (it came back on the same connection for
+    the whole drain). Calls under way go on, up to `grace_s` (a later stop may end them
+    sooner); HTTP's 503s close their connections (http_site.bounded_send). Returns the
+    gRPC stop, to await."""
+    goaway = asyncio.create_task(server.stop(grace_s))
+    for site in list(http.sites) if http is not None else []:
+        await site.stop()  # (its connections stay)
+    return goaway
 
 
 def shared_port(cfg: ServerConfig) -> bool:

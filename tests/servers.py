@@ -89,6 +89,12 @@ def wait_for(condition, timeout: float = 60.0, what: str = "condition") -> None:
         time.sleep(0.02)
 
 
+def listening(port: int) -> bool:
+    """Whether something takes connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 TEST_DEVICE = os.environ.get("BATCHD_TEST_DEVICE", "")  # .ci/gpu-test: cuda:0
 FIRST_SLOT = TEST_DEVICE.replace(":", "") if TEST_DEVICE not in ("", "cpu") else "cpu0"
 

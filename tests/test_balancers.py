@@ -31,7 +31,15 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2
 from tests.conftest import Gate
-from tests.servers import EXAMPLES, ROOT, TEST_MODELS, ServerProcess, distro_binary, wait_for
+from tests.servers import (
+    EXAMPLES,
+    ROOT,
+    TEST_MODELS,
+    ServerProcess,
+    distro_binary,
+    listening,
+    wait_for,
+)
 
 sys.path.insert(0, str(ROOT / "deploy"))
 import render
@@ -408,6 +416,62 @@ def test_a_long_lived_channel_reaches_a_replica_started_after_it_connected(
                 r.stop()
 
 
+def test_a_client_an_l4_balancer_pinned_to_a_draining_replica_moves_to_another(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Behind an L4 balancer (kube-proxy's way) a client's one connection stays on the
+    replica it reached. Once that replica's drain notice is over it sends GOAWAY and closes
+    its port, so the client's next calls connect anew, to the other replica: none fails.
+    Before, every call and retry went on reaching the draining replica, refused, for as
+    long as its drain lasted (here: a held request)."""
+    binary = distro_binary("haproxy", "haproxy")
+    old = cluster.replica("--drain-notice", "1", "--workers", "2").start()  # (one is held)
+    new, new_port = None, _free_port()
+    h = Haproxy(binary, cluster, tmp_path)
+    cfg = L4.format(socket=h.socket, port=h.port, old=old.url, new=f"127.0.0.1:{new_port}")
+    (tmp_path / "l4.cfg").write_text(cfg)
+    proxy = subprocess.Popen([binary, "-db", "-f", str(tmp_path / "l4.cfg")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    gate, failures = Gate(cluster.state), []
+    try:
+        with Client(h.url, retries=5, timeout=30) as c, ThreadPoolExecutor(1) as pool:
+            wait_for(lambda: passes(c), 30, "the L4 balancer")
+            c.infer("tiny", TINY)  # its connection: to the old replica, the only one up
+            new = cluster.replica("--grpc-port", str(new_port)).start()
+            wait_for(lambda: h.states() == ["UP", "UP"], 30, "haproxy to see both UP")
+            gate.close()
+            before = len(gate.records("gated", "entered"))
+            with Client(old.url) as direct:  # keeps the old replica draining
+                held = pool.submit(direct.infer, "gated", {"X": np.ones((1, 1), np.float32)})
+                wait_for(lambda: len(gate.records("gated", "entered")) > before, 30, "a hold")
+                assert old.proc is not None
+                old.proc.send_signal(signal.SIGTERM)
+
+                def called_then_closed() -> bool:
+                    try:
+                        c.infer("tiny", TINY)
+                    except BatchdClientError as e:
+                        failures.append(e)
+                    return not listening(int(old.url.rsplit(":", 1)[1]))
+
+                wait_for(called_then_closed, 30, "the draining replica to close its port")
+                for _ in range(20):
+                    c.infer("tiny", TINY)
+                gate.open()
+                assert held.result(60)["Y"][0, 0] == 2.0
+            assert old.proc.wait(30) == 0
+        assert failures == []
+        with Client(new.url) as direct:
+            assert direct.model_statistics("tiny")[0].inference_count >= 20
+    finally:
+        gate.open()
+        proxy.terminate()
+        proxy.wait(10)
+        for r in (old, new):
+            if r is not None:
+                r.stop()
+
+
 # ---- nginx ----
 
 
@@ -663,7 +727,7 @@ def test_nginx_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
         )  # fmt: skip
     try:
         for port in ports:
-            wait_for(lambda p=port: _listening(p), 30, "the backends to listen")
+            wait_for(lambda p=port: listening(p), 30, "the backends to listen")
         with Client(url) as c, pytest.raises(BatchdClientError):
             c.submit_job("m", [{"custom_id": "a", "inputs": []}])
         assert calls.read_text().split() == ["SubmitJob"]
@@ -678,8 +742,3 @@ def test_nginx_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
         for p in procs:
             p.kill()
             p.wait()
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -18,6 +18,7 @@ import http.client
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import signal
@@ -65,6 +66,7 @@ from tests.servers import (
     ServerProcess,
     alive,
     children,
+    listening,
     wait_for,
 )
 
@@ -1095,37 +1097,58 @@ def test_tokens_are_401_with_the_grpc_message_and_health_stays_open(
 
 
 def test_a_draining_server_is_503_with_the_grpc_message(tmp_path: Path) -> None:
-    """SIGTERM while a request is held: readiness turns 503 at once, a new request is
-    UNAVAILABLE over gRPC and 503 over HTTP with the same message, and the held
-    request is still answered before the server exits cleanly."""
+    """SIGTERM while a request is held: the ports close and gRPC connections get GOAWAY,
+    so that clients connect anew (behind a balancer, to another replica); a request on a
+    connection still open is UNAVAILABLE over gRPC (in its stream) and 503 over HTTP with
+    the same message, its connection closed; the held request is still answered before
+    the server exits cleanly. (Connections stayed, so a client pinned to a draining
+    replica by an L4 balancer had every call and retry refused for the whole drain.)"""
     state = tmp_path / "state"
     state.mkdir()
     gate = Gate(state)
     server = ServerProcess(small_repo(tmp_path / "repo", "gated"), log_dir=tmp_path,
                            env={"BATCHD_TEST_DIR": str(state)}).start()  # fmt: skip
+    kept = [http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60) for _ in "ab"]
     try:
         gate.close()
-        with ThreadPoolExecutor(1) as pool, grpc.insecure_channel(server.url) as channel:
+        for conn in kept:  # open before the SIGTERM, kept alive
+            conn.request("GET", "/v2/health/live")
+            r = conn.getresponse()
+            assert (r.status, r.read()) == (200, b'{"live":true}')
+        requests: queue.SimpleQueue[pb.ModelInferRequest | None] = queue.SimpleQueue()
+        with ThreadPoolExecutor(2) as pool, grpc.insecure_channel(server.url) as channel:
+            stream = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                iter(requests.get, None), timeout=60
+            )
             held = pool.submit(call, server, "POST", "/v2/models/gated/infer", x_body(5.0))
             wait_for(lambda: gate.calls("gated", "entered") == [[5.0]], 30, "the held batch")
             assert server.proc is not None
             server.proc.send_signal(signal.SIGTERM)
-            wait_for(lambda: call(server, "GET", "/v2/health/ready").status == 503, 30,
-                     "readiness to turn 503")  # fmt: skip
+            wait_for(lambda: not any(listening(p) for p in (server.port, server.http_port)),
+                     30, "the ports to close")  # fmt: skip
             e = grpc_error(pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer,
                            x_request("gated", 6.0))  # fmt: skip
-            r = call(server, "POST", "/v2/models/gated/infer", x_body(6.0))
-            ready = call(server, "GET", "/v2/models/gated/ready")
+            requests.put(x_request("gated", 7.0))
+            in_stream = next(stream).error_message
+            kept[0].request("POST", "/v2/models/gated/infer", json.dumps(x_body(6.0)))
+            r = kept[0].getresponse()
+            refused = Reply(r.status, r.headers, r.read())
+            kept[1].request("GET", "/v2/models/gated/ready")
+            r = kept[1].getresponse()
+            ready = Reply(r.status, r.headers, r.read())
             gate.open()
+            requests.put(None)
             answer = held.result(60)
-        assert e.code() == grpc.StatusCode.UNAVAILABLE
-        assert (r.status, r.error) == (503, e.details())
-        assert "shutting down" in r.error
+        assert e.code() == grpc.StatusCode.UNAVAILABLE  # (its connection: GOAWAY, then refused)
+        assert (refused.status, refused.error) == (503, in_stream)
+        assert "shutting down" in in_stream and refused.headers["Connection"] == "close"
         assert (ready.status, ready.json()) == (503, {"name": "gated", "ready": False})
         assert (answer.status, answer.json()["outputs"][0]["data"]) == (200, [10.0])
         assert server.proc.wait(60) == 0, server.log()
     finally:
         gate.open()
+        for conn in kept:
+            conn.close()
         server.stop()
     assert gate.calls("gated") == [[5.0]]
 
