@@ -43,11 +43,14 @@ def generate(directory: Path) -> list[Path]:
     (directory / AUTHORIZED).mkdir(mode=0o700, parents=True, exist_ok=True)
     if made:
         os.chmod(directory, 0o700)
-    written = []
-    for name in PAIRS:
-        public, secret = zmq.auth.create_certificates(directory, name)
-        os.chmod(secret, 0o600)
-        written += [Path(public), Path(secret)]
+    written, umask = [], os.umask(0o077)  # a secret is private from its first byte
+    try:  # (pyzmq writes it under the umask: 0644 until a chmod after, in a folder of 0755)
+        for name in PAIRS:
+            public, secret = zmq.auth.create_certificates(directory, name)
+            os.chmod(public, 0o644)
+            written += [Path(public), Path(secret)]
+    finally:
+        os.umask(umask)
     authorized = directory / AUTHORIZED / f"{WORKER}.key"
     shutil.copyfile(directory / f"{WORKER}.key", authorized)
     return [*written, authorized]

@@ -135,6 +135,31 @@ def test_keys_generate_and_load(tmp_path: Path) -> None:
         keys.load_authorized(d)
 
 
+def test_a_secret_key_is_never_readable_by_others_not_even_while_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pyzmq writes a key file under the process's umask and batchd narrowed it after: in
+    a folder of the user's (`batchd keys generate ~`) a reader caught the secret at 0644."""
+    real = zmq.auth.create_certificates
+    modes: dict[str, int] = {}
+
+    def spy(directory: Any, name: str) -> tuple[str, str]:
+        public, secret = real(directory, name)
+        modes[name] = os.stat(secret).st_mode & 0o777  # as written, before any chmod
+        return public, secret
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", spy)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    old = os.umask(0o022)
+    try:
+        keys.generate(home)
+    finally:
+        os.umask(old)
+    assert modes == {"server": 0o600, "worker": 0o600}
+    assert (home / "worker.key").stat().st_mode & 0o777 == 0o644  # a public key stays readable
+
+
 def test_worker_endpoint_off_loopback_needs_keys(tmp_path: Path) -> None:
     for endpoint in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "tcp://eth0:1"):
         with pytest.raises(ConfigError, match="--worker-keys"):
