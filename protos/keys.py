@@ -14,6 +14,7 @@ are ZeroMQ certificates (zmq.auth.create_certificates / load_certificate).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -54,6 +55,13 @@ def generate(directory: Path) -> list[Path]:
     authorized = directory / AUTHORIZED / f"{WORKER}.key"
     shutil.copyfile(directory / f"{WORKER}.key", authorized)
     return [*written, authorized]
+
+
+def warn_loose(log: logging.Logger, *secrets: Path) -> None:
+    """A warning for each of `secrets` that other users may read."""
+    for path in secrets:
+        if path.exists() and path.stat().st_mode & 0o077:
+            log.warning("%s is readable by other users: chmod 600 it", path)
 
 
 def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:

@@ -214,7 +214,11 @@ def taken(host: str, port: int) -> str | None:
 
 def check_worker_endpoint(endpoint: str, worker_keys: Path | None) -> None:
     """Refuse a tcp:// worker endpoint off loopback without CURVE keys: whoever connects
-    there could register as a worker and read every batch."""
+    there could register as a worker and read every batch. On loopback, or an abstract
+    ipc://@NAME socket (no file, so no permissions), warn that any local process may."""
+    if endpoint.startswith("ipc://@") and worker_keys is None:
+        log.warning("worker endpoint %s has no --worker-keys, and an abstract socket has no "
+                    "permissions: any local process may join", endpoint[:80])  # fmt: skip
     if not endpoint.startswith("tcp://"):
         return
     host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
@@ -243,9 +247,7 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
     if security.auth_token_file is not None:
         load_tokens(security.auth_token_file)
         secrets.append(security.auth_token_file)
-    for path in secrets:  # (a missing key secret fails at WorkerAuth, naming it)
-        if path.exists() and path.stat().st_mode & 0o077:
-            log.warning("%s is readable by other users: chmod 600 it", path)
+    keys.warn_loose(log, *secrets)  # (a missing key secret fails at WorkerAuth, naming it)
     check_worker_endpoint(cfg.workers.endpoint or "", security.worker_keys)
     if key_dir is not None and cfg.workers.local:  # each would exit, again and again
         try:

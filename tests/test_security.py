@@ -13,6 +13,8 @@ import argparse
 import asyncio
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -625,3 +627,16 @@ def test_secrets_readable_by_others_are_warned_of(
         preflight(server_config(security=security))
     warned = {r.getMessage() for r in caplog.records if "readable by other users" in r.message}
     assert warned == {f"{p} is readable by other users: chmod 600 it" for p in secrets}
+    # `batchd worker` on another host, its secret copied there (cp, scp: 0644): it said nothing
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "batchd.worker", "--connect", f"ipc://{tmp_path}/none.sock",
+         "--worker-keys", str(key_dir), "--model-repository", str(EXAMPLES)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert worker.stderr is not None
+        first = worker.stderr.readline()  # (the warning comes before it tries to connect)
+    finally:
+        worker.terminate()
+        worker.communicate(timeout=30)
+    assert f"{key_dir / 'worker.key_secret'} is readable by other users: chmod 600 it" in first

@@ -6,6 +6,7 @@ keys can join: the remote worker runs in its own network namespace when
 from __future__ import annotations
 
 import ast
+import logging
 import os
 import re
 import shutil
@@ -160,13 +161,23 @@ def test_a_secret_key_is_never_readable_by_others_not_even_while_written(
     assert (home / "worker.key").stat().st_mode & 0o777 == 0o644  # a public key stays readable
 
 
-def test_worker_endpoint_off_loopback_needs_keys(tmp_path: Path) -> None:
+def test_worker_endpoint_off_loopback_needs_keys(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     for endpoint in ("tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "tcp://eth0:1"):
         with pytest.raises(ConfigError, match="--worker-keys"):
             check_worker_endpoint(endpoint, None)
         check_worker_endpoint(endpoint, tmp_path)
     for endpoint in ("tcp://127.0.0.1:5555", "tcp://127.0.0.2:1", "tcp://[::1]:1", "ipc:///x", ""):
         check_worker_endpoint(endpoint, None)  # loopback: allowed, with a warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "batchd.server"):  # (an abstract socket has no
+        check_worker_endpoint("ipc://@batchd-w", None)  # permissions: it said nothing)
+        check_worker_endpoint("ipc://@batchd-w", tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        "worker endpoint ipc://@batchd-w has no --worker-keys, and an abstract socket has no "
+        "permissions: any local process may join"
+    ]
     for endpoint in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:-1", "tcp://127.0.0.1"):
         with pytest.raises(ConfigError, match="ends in a port from 0 to 65535"):  # (ZeroMQ
             check_worker_endpoint(endpoint, tmp_path)  # bound 99999 as 34463, quietly)

@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.worker_keys is not None:
             keys.load_pair(args.worker_keys, keys.WORKER)  # a bad key fails here, loudly
             keys.load_public(args.worker_keys, keys.SERVER)
+            keys.warn_loose(log, args.worker_keys / f"{keys.WORKER}.key_secret")
     except ConfigError as e:
         print(f"batchd worker: {e}", file=sys.stderr)
         return 2
