@@ -107,7 +107,14 @@ def ssl_context(cfg: Security) -> ssl.SSLContext | None:
     # The certificates alone first: ssl blames either file of a pair as "PEM lib".
     alone = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     _load(f"--tls-cert {cert}", lambda: alone.load_verify_locations(cert))
-    _load(f"--tls-key {key} (the key of --tls-cert)", lambda: context.load_cert_chain(cert, key))
+
+    def encrypted() -> str:  # (OpenSSL would prompt on a terminal: start-up hung there)
+        raise ConfigError(f"--tls-key {key}: it is encrypted, and batchd asks for no "
+                          "passphrase: decrypt it (openssl pkey -in KEY -out PLAIN) and let "
+                          "only batchd's user read it")  # fmt: skip
+
+    _load(f"--tls-key {key} (the key of --tls-cert)",
+          lambda: context.load_cert_chain(cert, key, password=encrypted))  # fmt: skip
     if ca is not None:
         _load(f"--tls-client-ca {ca}", lambda: context.load_verify_locations(ca))
         context.verify_mode = ssl.CERT_REQUIRED

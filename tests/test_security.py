@@ -513,6 +513,13 @@ def test_tls_files_that_ssl_cannot_load_are_named_at_start_up(certs: Path, tmp_p
             preflight(server_config(security=security))
         assert str(e.value).startswith(f"{expected}: not usable for TLS: ["), str(e.value)
         assert reason in str(e.value) and "_ssl.c" not in str(e.value)
+    # an encrypted key: OpenSSL prompted on a terminal for its passphrase (start-up hung),
+    # else failed as "cannot read it: Invalid argument"
+    encrypted = tmp_path / "encrypted.key"
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-out", str(encrypted), "-aes256",
+                    "-passout", "pass:secret"], check=True, capture_output=True)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"is encrypted, and batchd asks for no passphrase"):
+        preflight(server_config(security=Security(tls_cert=cert, tls_key=encrypted)))
     good = Security(tls_cert=cert, tls_key=key, tls_client_ca=certs / "ca.pem")
     assert preflight(server_config(security=good)) is None
 
