@@ -367,6 +367,22 @@ def test_the_store_claims_checkpoints_recovers_and_expires(tmp_path: Path) -> No
     SqliteStore(tmp_path).close()  # the lock went with the store
 
 
+def test_a_job_s_files_are_the_server_user_s_alone(tmp_path: Path) -> None:
+    """A job's folder (its input, its results) and a jobs directory batchd makes are 0700:
+    they were 0755 and their files 0644, so any local user read every job's tensors."""
+    old = os.umask(0o022)
+    try:
+        store = SqliteStore(tmp_path / "state" / "jobs")
+        job = run(lambda: store.create("", "m", ""))
+    finally:
+        os.umask(old)
+    try:
+        assert (tmp_path / "state" / "jobs").stat().st_mode & 0o777 == 0o700
+        assert store.folder(job.id).stat().st_mode & 0o777 == 0o700
+    finally:
+        store.close()
+
+
 class Ended(BaseException):
     """The process ending in the middle of a call."""
 

@@ -121,7 +121,7 @@ class PostgresStore(Store):
 
     async def create(self, owner: str, model: str, version: str) -> JobRow:
         job_id = new_job_id()
-        self.folder(job_id).mkdir()
+        self.folder(job_id).mkdir(mode=0o700)  # its input and results: this user's alone
         self._uploads.add(job_id)
         sql = (
             "INSERT INTO batchd_jobs (id, owner, model, version, status, created_at, runner, "
@@ -267,7 +267,7 @@ class PostgresStore(Store):
             return path  # taken in here
         count = "SELECT count(*) FROM batchd_job_input WHERE job_id = %s"
         part = "SELECT data FROM batchd_job_input WHERE job_id = %s AND part = %s"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
         with partial.open("wb") as f:  # a part at a time: memory stays PART_BYTES
             for n in range((await self._db.run(one, count, (row.id,)))[0]):

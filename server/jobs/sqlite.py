@@ -111,7 +111,7 @@ class SqliteStore(Store):
     ) -> None:
         self.directory = directory
         self._clock = clock
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # (its jobs: this user's)
         self._lock_fd = lock_directory(directory) if lock else None
         self._db = sqlite3.connect(directory / "jobs.sqlite", isolation_level=None, timeout=10)
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -147,7 +147,7 @@ class SqliteStore(Store):
 
     async def create(self, owner: str, model: str, version: str) -> JobRow:
         job_id = new_job_id()
-        self.folder(job_id).mkdir()
+        self.folder(job_id).mkdir(mode=0o700)  # its input and results: this user's alone
         self._db.execute(
             "INSERT INTO jobs (id, owner, model, version, status, created_at) "
             "VALUES (?, ?, ?, ?, 'validating', ?)",

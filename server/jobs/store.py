@@ -100,7 +100,7 @@ class InUse(Exception):
 def lock_directory(directory: Path) -> int:
     """Hold `directory` for this process (flock on DIR/lock, our pid written in it);
     InUse if another holds it. The lock goes with the process or the returned fd."""
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
