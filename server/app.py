@@ -158,7 +158,7 @@ def _build(
     jobs_service = JobsService(jobs, off, tokens, cfg.network.max_message_bytes)
     server, port = _grpc_server(cfg, service, health, jobs_service, tokens)
     rest = RestApi(
-        service, core, jobs_service, tokens,
+        service, core, jobs_service, tokens, host=cfg.network.host,
         max_body_bytes=cfg.network.max_message_bytes, connections=cfg.connections,
     )  # fmt: skip
     registry = CollectorRegistry()  # this server's own: nothing is registered globally

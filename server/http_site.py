@@ -19,8 +19,10 @@ cause. The client gets its 400; here such a report is one DEBUG line.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
+import socket
 import ssl
 import threading
 import weakref
@@ -186,6 +188,50 @@ def bounded_send(seconds: float) -> Middleware:
         return response
 
     return send
+
+
+def same_site(listening_on: str) -> Middleware:
+    """A middleware: what a web page in a browser sends batchd of its own accord is refused
+    (403). A request whose `Origin` (every browser POST has one) names another host than
+    its `Host` came from another site's page: infer, a job or an unload, sent by a page the
+    user merely visited. On a loopback `--host`, a `Host` that is no loopback name (nor
+    this machine's) came through a name that page's site resolved to 127.0.0.1 (DNS
+    rebinding), which lets it read the answers too. Programs send neither."""
+    local = _loopback_name(listening_on.strip("[]"))
+    own = {socket.gethostname().lower()}
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        host = _name(request.headers.get("Host", ""))
+        origin = request.headers.get("Origin")
+        if origin is not None and _name(origin.partition("://")[2]) != host:
+            raise web.HTTPForbidden(text=f"a request from a web page of another site (Origin "
+                                    f"{origin[:60]!r}, Host {host[:60]!r}) is refused")  # fmt: skip
+        if local and host and not (_loopback_name(host) or host in own):
+            raise web.HTTPForbidden(
+                text=f"Host {host[:60]!r} is not a name of this server, which listens on "
+                "loopback (a web page may be reaching it through a name of its own): send "
+                "Host: localhost or 127.0.0.1, or serve on another --host"
+            )
+        return await handler(request)
+
+    return check
+
+
+def _name(authority: str) -> str:
+    """The host name of HOST[:PORT] or [IPV6][:PORT], lowercase."""
+    if authority.startswith("["):
+        return authority[1:].partition("]")[0].lower()
+    return authority.rpartition(":")[0].lower() if ":" in authority else authority.lower()
+
+
+def _loopback_name(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class PatientStream(web.StreamResponse):

@@ -60,6 +60,7 @@ from batchd.server.http_site import (
     PatientStream,
     bounded_send,
     encoding,
+    same_site,
 )
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
@@ -150,16 +151,16 @@ class RestApi:
         tokens: Tokens | None,
         max_body_bytes: int,
         connections: Connections,
+        host: str = "127.0.0.1",  # --host: on loopback, only loopback names (same_site)
     ) -> None:
-        self._service, self._core = service, core
-        self._tokens = tokens
+        self._service, self._core, self._tokens = service, core, tokens
         body_timeout_s = connections.handshake_timeout_s
         self._body_timeout_s = body_timeout_s or None  # 0: none (asyncio's 0 is "at once")
         self._max_body = max_body_bytes
         self._inflated = InflateBudget(INFLATED_BODIES * max_body_bytes)
         sent = bounded_send(connections.max_age_grace_s)  # outermost: error answers too
         self.app = web.Application(
-            client_max_size=max_body_bytes, middlewares=[sent, _errors, self._auth]
+            client_max_size=max_body_bytes, middlewares=[sent, _errors, same_site(host), self._auth]
         )
         get = self.app.router.add_get  # GET: HEAD too
 

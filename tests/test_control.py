@@ -847,7 +847,7 @@ def test_an_http_body_that_arrives_across_a_reload_is_served_by_the_new_version(
         c.load_model("uploaded", timeout=60)
         s = socket.create_connection(("127.0.0.1", server.http_port), timeout=60)
         try:
-            s.sendall(b"POST /v2/models/uploaded/infer HTTP/1.1\r\nHost: x\r\n"
+            s.sendall(b"POST /v2/models/uploaded/infer HTTP/1.1\r\nHost: [::1]\r\n"
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:10]))  # fmt: skip
             c.load_model("uploaded", timeout=60)  # version 2, while the body comes
             s.sendall(body[10:])

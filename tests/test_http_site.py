@@ -19,13 +19,13 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from aiohttp import streams
+from aiohttp import streams, web
 from aiohttp.test_utils import make_mocked_request
 
 from batchd.client import Client
 from batchd.server.config import Connections
 from batchd.server.errors import QueueFull
-from batchd.server.http_site import InflateBudget, Inflating
+from batchd.server.http_site import InflateBudget, Inflating, same_site
 from batchd.server.jobs.service import JobsService
 from batchd.server.rest import INLINE_BYTES, RestApi
 from tests.servers import ServerProcess, wait_for
@@ -59,6 +59,38 @@ def test_compressed_bodies_are_answered_as_plain_ones(
         got = call(example_server, "POST", path, packed, {"Content-Encoding": coding})
         assert plain.status == got.status == 200, (path, got.body[:300])
         assert got.body == plain.body, path
+
+
+def test_a_web_page_s_own_requests_are_refused(example_server: ServerProcess) -> None:
+    """With loopback and no tokens, a page the user merely visited could infer, submit
+    jobs or unload models (POST with a cross-site Origin: 200), and read jobs and results
+    through a name of its site resolved to 127.0.0.1 (DNS rebinding: Host evil.example)."""
+    port, body = example_server.http_port, json.dumps(tiny_body(0.5)).encode()
+    for origin in ("http://evil.example", "null", f"http://evil.example:{port}"):
+        r = call(example_server, "POST", TINY, body, {"Origin": origin})
+        assert r.status == 403 and "a request from a web page of another site" in r.error
+    for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example"):
+        r = call(example_server, "GET", "/v2/jobs", None, {"Host": host})
+        assert r.status == 403 and f"Host {host.partition(':')[0]!r}" in r.error
+        assert "is not a name of this server, which listens on loopback" in r.error
+    for headers in ({}, {"Host": f"localhost:{port}"}, {"Host": "[::1]"},
+                    {"Origin": f"http://127.0.0.1:{port}"}, {"Host": "a.localhost"},
+                    {"Origin": "http://localhost:3000", "Host": f"localhost:{port}"}):  # fmt: skip
+        assert call(example_server, "POST", TINY, body, headers).status == 200, headers
+
+
+def test_off_loopback_any_host_is_served_but_no_other_site_s_page() -> None:
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    check = same_site("0.0.0.0")
+    named = make_mocked_request("GET", "/v2", headers={"Host": "batchd.example:8000"})
+    assert asyncio.run(check(named, ok)).status == 200  # a name of its own, through DNS
+    page = make_mocked_request(
+        "POST", "/v2", headers={"Host": "batchd.example", "Origin": "https://evil.example"}
+    )
+    with pytest.raises(web.HTTPForbidden):
+        asyncio.run(check(page, ok))
 
 
 def test_a_compression_bomb_inflates_only_to_the_body_limit(
@@ -225,7 +257,7 @@ def test_an_answer_its_caller_never_reads_is_dropped_with_its_connection(
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         s.connect(("127.0.0.1", wide.http_port))
         s.sendall(
-            b"POST /v2/models/wide/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"POST /v2/models/wide/infer HTTP/1.1\r\nHost: [::1]\r\nContent-Type: application/json"
             b"\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
         )
         wait_for(lambda: "its answer was not read within 1 s" in wide.log(), 30, "dropped")
@@ -274,7 +306,7 @@ def test_expect_100_continue_refuses_a_body_over_the_limit_before_it_comes(
     for length, first in ((big, b"HTTP/1.1 413"), (10, b"HTTP/1.1 100 Continue")):
         with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
             s.sendall(
-                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: [::1]\r\nExpect: 100-continue\r\n"
                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % length
             )
             answer = s.recv(4096)

@@ -334,7 +334,7 @@ def test_a_dripping_upload_ends_after_the_grace_and_cancel_stops_an_upload(
 
             status, body = await asyncio.wait_for(
                 http_answer(server.http_port, b"POST /v2/jobs?model=gated HTTP/1.1\r\n"
-                            b"Host: x\r\nContent-Length: 100000\r\n\r\n"), 30,
+                            b"Host: [::1]\r\nContent-Length: 100000\r\n\r\n"), 30,
             )  # fmt: skip
             assert status == b"HTTP/1.1 429 Too Many Requests", (status, body)
             assert re.match(too_slow, json.loads(body)["error"]), body

@@ -638,14 +638,14 @@ def test_expect_100_continue_asks_for_the_token_first(strict: ServerProcess) -> 
         head = b"Authorization: " + auth + b"\r\n" if auth else b""
         with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
             expect = b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
-            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\n" + head + expect)
+            s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: [::1]\r\n" + head + expect)
             answer = s.recv(4096)
         refused_and_closed = b"Connection: close" in answer or first.endswith(b"Continue")
         assert answer.startswith(first) and refused_and_closed, (path, answer[:300])
     # A job file declared over --jobs-max-file-bytes (1 GiB) is refused before it is
     # sent (it was told 100 Continue, and refused once 1 GiB of it had come)
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
-        s.sendall(b"POST /v2/jobs?model=gated HTTP/1.1\r\nHost: x\r\nAuthorization: " + token
+        s.sendall(b"POST /v2/jobs?model=gated HTTP/1.1\r\nHost: [::1]\r\nAuthorization: " + token
                   + b"\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % 2**31)  # fmt: skip
         status, answer = read_response(s)
     too_large = f"the body is {2**31} bytes, more than {2**30} (--jobs-max-file-bytes)"
@@ -653,7 +653,7 @@ def test_expect_100_continue_asks_for_the_token_first(strict: ServerProcess) -> 
     # An expectation it does not understand is 417 saying so, whatever the body's size
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
         s.sendall(
-            b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\nAuthorization: "
+            b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: [::1]\r\nAuthorization: "
             + token
             + b"\r\nExpect: foo\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1)
         )
@@ -1500,7 +1500,7 @@ def test_a_content_length_longer_than_the_body_then_the_client_leaves(
     the server closes, or answers 400/408, and stays up for everyone else."""
     before = len(example_server.log())
     with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
-        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\n"
+        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: [::1]\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"inputs\": [")  # fmt: skip
         if leave == "half-close":
             s.shutdown(socket.SHUT_WR)
@@ -1516,7 +1516,7 @@ def test_malformed_http_from_a_client_is_not_logged_as_a_server_error(
     """Garbage on the wire is the client's error: 400, and no traceback in the log."""
     before = len(example_server.log())
     for raw in (b"GARBAGE\r\n\r\n",
-                b"POST /v2 HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n"):  # fmt: skip
+                b"POST /v2 HTTP/1.1\r\nHost: [::1]\r\nContent-Length: -5\r\n\r\n"):  # fmt: skip
         with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
             s.sendall(raw)
             assert until_eof(s).startswith((b"HTTP/1.0 400", b"HTTP/1.1 400"))
@@ -1536,7 +1536,7 @@ def test_a_body_over_max_message_bytes_is_413(
     assert (r.status, r.error) == (413, f"the body is {len(big)} bytes, {over}"), r.body
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
         piece = b"x" * 40000  # chunked: no length said, so it is found over as it is read
-        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: [::1]\r\nAuthorization: Bearer "
                   + INFER_TOKEN.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
                   + (b"%x\r\n" % len(piece) + piece + b"\r\n") * 2 + b"0\r\n\r\n")  # fmt: skip
         status, answer = read_response(s)
@@ -1553,7 +1553,7 @@ def test_a_body_that_stops_arriving_is_408(strict: ServerProcess) -> None:
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
         started = time.monotonic()
         auth = f"Authorization: Bearer {INFER_TOKEN}\r\n".encode()
-        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n" + auth
+        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: [::1]\r\n" + auth
                   + b"Content-Length: 1000\r\n\r\n{\"inputs\": [")  # fmt: skip
         assert_serving(strict, INFER)
         status, body = read_response(s)
@@ -1573,7 +1573,7 @@ def test_slow_loris_is_closed_after_the_handshake_timeout(strict: ServerProcess,
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
         started = time.monotonic()
         if part == "headers":
-            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: [::1]\r\n")
             pieces = (b"X-Slow-%d: y\r\n" % i for i in range(1_000_000))
         else:
             s.sendall(b"GET /v2/health/live?")
@@ -1672,7 +1672,7 @@ def test_json_over_8_mib_is_refused_and_binary_is_the_way(example_server: Server
 def test_a_declared_body_over_the_limit_is_413_before_it_is_read(strict: ServerProcess) -> None:
     """Content-Length of 1 GB: 413 at once, not after reading (or waiting for) the body."""
     with socket.create_connection(("127.0.0.1", strict.http_port), timeout=30) as s:
-        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: x\r\n"
+        s.sendall(b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: [::1]\r\n"
                   b"Authorization: Bearer " + INFER_TOKEN.encode() + b"\r\n"
                   b"Content-Length: 1000000000\r\n\r\n")  # fmt: skip
         head = s.recv(4096)
@@ -1718,14 +1718,14 @@ def test_handshake_timeout_0_waits_for_a_body_and_for_the_next_request(tmp_path:
     try:
         body = b'{"ready": false}'
         with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
-            s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nExpect: 100-continue"
+            s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: [::1]\r\nExpect: 100-continue"
                       b"\r\nContent-Length: %d\r\n\r\n" % len(body))  # fmt: skip
             assert _continue(s) == b"HTTP/1.1 100 Continue\r\n\r\n"
             s.sendall(body)
             status, answer = read_response(s)
             assert status == 200, answer
             assert "tiny" in {m["name"] for m in json.loads(answer)}
-            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: [::1]\r\n\r\n")
             assert read_response(s) == (200, b'{"live":true}')
     finally:
         assert server.stop() == 0, server.log()

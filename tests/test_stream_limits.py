@@ -593,7 +593,7 @@ def test_an_sse_caller_that_reads_nothing_for_execution_timeout_s_is_let_go(
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect(("127.0.0.1", server.http_port))
     body = json.dumps({"ID": 11, "N": 250, "MODE": 0, "WIDTH": 16384}).encode()
-    s.sendall(b"POST /v2/models/wide/generate_stream HTTP/1.1\r\nHost: x\r\n"
+    s.sendall(b"POST /v2/models/wide/generate_stream HTTP/1.1\r\nHost: [::1]\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
     try:
         assert s.recv(64).startswith(b"HTTP/1.1 200")  # then it reads nothing more
