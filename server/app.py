@@ -202,7 +202,7 @@ def _jobs(cfg: ServerConfig, core: Core, limits: Limits) -> tuple[Jobs | None, s
     jobs = Jobs(
         store, core, limits, max_file_bytes=j.max_file_bytes, max_open=j.max_open,
         retention_s=j.retention_hours * 3600, min_upload_rate=j.min_upload_rate,
-        upload_grace_s=j.upload_grace_s, runs=first,
+        upload_grace_s=j.upload_grace_s, runs=first, max_kept=j.max_kept,
     )  # fmt: skip
     return jobs, ""
 

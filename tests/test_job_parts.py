@@ -38,7 +38,7 @@ from batchd.server.jobs.ids import check_ids
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
-from batchd.server.jobs.store import InUse, JobRow, Progress
+from batchd.server.jobs.store import InUse, JobRow, Progress, Store
 from batchd.server.request import Request, Tensor
 from tests.conftest import Clock, FakeDispatch, model, ragged_model, request, run
 from tests.servers import alive, children, wait_for
@@ -365,6 +365,36 @@ def test_the_store_claims_checkpoints_recovers_and_expires(tmp_path: Path) -> No
     run(body)
     store.close()
     SqliteStore(tmp_path).close()  # the lock went with the store
+
+
+async def keeps_each_owner_s_newest_ended_jobs(store: Store, clock: list[float]) -> None:
+    """--jobs-max-kept: one caller's tiny jobs were kept until their retention (7 days),
+    68 times the bytes it sent, 12 kB a job: 500 in 159 s (state review)."""
+    ended: dict[str, list[str]] = {"a": [], "b": []}
+    for owner, n in (("a", 5), ("b", 2)):
+        for _ in range(n):
+            row = await store.create(owner, "m", "")
+            store.upload_path(row.id).write_bytes(b"\n")
+            await store.queue(row.id, total=1, input_bytes=1)
+            claimed = await store.claim()
+            assert claimed is not None and claimed.id == row.id
+            clock[0] += 1
+            await store.finish(claimed, "completed")
+            ended[owner].append(row.id)
+    open_one = await store.create("a", "m", "")  # not ended: never counted nor removed
+    assert sorted(await store.expire(retention_s=1e9, keep=3)) == sorted(ended["a"][:2])
+    assert {r.id for r in await store.select("a")} == {*ended["a"][2:], open_one.id}
+    assert {r.id for r in await store.select("b")} == set(ended["b"])
+    assert await store.expire(retention_s=1e9, keep=3) == []
+
+
+def test_the_sqlite_store_keeps_each_owner_s_newest_ended_jobs(tmp_path: Path) -> None:
+    clock = [1000.0]
+    store = SqliteStore(tmp_path, clock=lambda: clock[0])
+    try:
+        run(lambda: keeps_each_owner_s_newest_ended_jobs(store, clock))
+    finally:
+        store.close()
 
 
 def test_a_job_s_files_are_the_server_user_s_alone(tmp_path: Path) -> None:

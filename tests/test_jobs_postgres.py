@@ -46,7 +46,7 @@ from batchd.server.jobs.store import JobRow, LeaseLost, Progress, Submitted
 from tests.conftest import Gate, model, run
 from tests.postgres import PostgresServer
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
-from tests.test_job_parts import FakeCore
+from tests.test_job_parts import FakeCore, keeps_each_owner_s_newest_ended_jobs
 from tests.test_jobs_upload import until
 
 psycopg = pytest.importorskip("psycopg", reason="psycopg (batchd[postgres]) is not installed")
@@ -183,6 +183,17 @@ def test_a_frontend_that_runs_no_jobs_keeps_no_input_and_the_runner_reads_it_bac
     finally:
         taker.close()
         runner.close()
+
+
+def test_the_postgres_store_keeps_each_owner_s_newest_ended_jobs(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    clock = [1000.0]
+    store = PostgresStore(jobs_db, tmp_path / "a", lease_s=30, clock=lambda: clock[0])
+    try:
+        run(lambda: keeps_each_owner_s_newest_ended_jobs(store, clock))
+    finally:
+        store.close()
 
 
 def test_an_upload_whose_replica_went_is_removed_and_a_database_down_is_unavailable(

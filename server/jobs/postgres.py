@@ -10,26 +10,24 @@ elsewhere from its last checkpoint, without losing or repeating a result.
     batchd_job_input     the uploaded file, in parts of PART_BYTES
     batchd_job_results   the results, in parts, each written by one checkpoint
 
-A claim is a lease. The replica running a job renews it with every checkpoint
-(each second) or, while a slow batch writes nothing, on its own. A job whose
-lease ran out (its replica was killed, or cut off from the database) is claimed
-like a queued one by whichever replica asks first (`FOR UPDATE SKIP LOCKED`),
-which bumps its epoch. Every write of a run names the epoch it claimed, so a
-replica that lost its lease, and comes back, writes nothing: its checkpoint
-finds no row of its epoch, rolls back and stops the run (LeaseLost). A
-checkpoint inserts the results written since the last one in the same
-transaction as the offsets that cover them, so results and offsets never
-disagree; a run that takes over starts where the last committed checkpoint left
-off. A stop (SIGTERM) checkpoints and gives the job back at once. A replica
-claims only jobs of models it can run now (`claim(only=...)`); a job whose
-model went away after its claim is given back (jobs/runner.py), never failed.
+A claim is a lease. The replica running a job renews it with every checkpoint (each second)
+or, while a slow batch writes nothing, on its own. A job whose lease ran out (its replica
+was killed, or cut off from the database) is claimed like a queued one by whichever replica
+asks first (`FOR UPDATE SKIP LOCKED`), which bumps its epoch. Every write of a run names
+the epoch it claimed, so a replica that lost its lease, and comes back, writes nothing: its
+checkpoint finds no row of its epoch, rolls back and stops the run (LeaseLost). A
+checkpoint inserts the results written since the last one in the same transaction as the
+offsets that cover them, so results and offsets never disagree; a run that takes over
+starts where the last committed checkpoint left off. A stop (SIGTERM) checkpoints and gives
+the job back at once. A replica claims only jobs of models it can run now
+(`claim(only=...)`); a job whose model went away after its claim is given back
+(jobs/runner.py), never failed.
 
-Leases use the database's clock, so replicas' clocks need not agree. Calls run
-on a thread, one at a time on each of two connections: the running jobs'
-(claims, checkpoints, renewals, their ends) and every other call's (uploads,
-inputs read back, questions), so a long upload never holds up a lease. A
-database that does not answer (database.py bounds every call) makes the job
-calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
+Leases use the database's clock, so replicas' clocks need not agree. Calls run on a thread,
+one at a time on each of two connections: the running jobs' (claims, checkpoints, renewals,
+their ends) and every other call's (uploads, inputs read back, questions), so a long upload
+never holds up a lease. A database that does not answer (database.py bounds every call)
+makes the job calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
 inference goes on.
 """
 
@@ -51,6 +49,7 @@ from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, ev
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
+    KEEP,
     READ_PIECE,
     STATUSES,
     JobRow,
@@ -61,6 +60,7 @@ from batchd.server.jobs.store import (
     Submitted,
     lock_directory,
     new_job_id,
+    past_keep,
 )
 
 if TYPE_CHECKING:
@@ -363,16 +363,15 @@ class PostgresStore(Store):
         their leases run out. Uploads whose replica went (their lease ran out) go."""
         return await self._remove(-math.inf)
 
-    async def expire(self, retention_s: float) -> list[str]:
-        return await self._remove(self._clock() - retention_s)
+    async def expire(self, retention_s: float, keep: int = KEEP) -> list[str]:
+        return await self._remove(self._clock() - retention_s, keep)
 
-    async def _remove(self, before: float) -> list[str]:
-        """Jobs that ended before `before`, uploads whose replica went; local leftovers."""
-        sql = (
-            "DELETE FROM batchd_jobs WHERE (finished_at > 0 AND finished_at < %s) OR "
-            f"(status = 'validating' AND lease_until < {_NOW}) RETURNING id"
-        )
-        gone = [r[0] for r in await self._db.run(every, sql, (before,))]
+    async def _remove(self, before: float, keep: int = KEEP) -> list[str]:
+        """Ended before `before` or past their owner's `keep` newest; dead uploads; leftovers."""
+        sql = (f"DELETE FROM batchd_jobs WHERE (finished_at > 0 AND finished_at < %s) OR (status = "
+               f"'validating' AND lease_until < {_NOW}) OR id IN ({past_keep('batchd_jobs', '%s')})"
+               " RETURNING id")  # fmt: skip
+        gone = [r[0] for r in await self._db.run(every, sql, (before, keep))]
         self._sweep()
         return gone
 

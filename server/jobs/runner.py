@@ -251,11 +251,12 @@ class Jobs:
 
     def __init__(self, store: Store, core: JobCore, limits: Limits, *, max_file_bytes: int,
                  max_open: int, retention_s: float, min_upload_rate: int, upload_grace_s: float,
-                 runs: bool = True) -> None:  # fmt: skip
+                 runs: bool = True, max_kept: int = sys.maxsize) -> None:  # fmt: skip
         # A line's results go to a file, never a response: no response limit refuses it.
         self._limits = dataclasses.replace(limits, max_response_bytes=sys.maxsize)
         self.store, self._core = store, core
         self.max_file_bytes, self.max_open, self.retention_s = max_file_bytes, max_open, retention_s
+        self.max_kept = max_kept  # ended jobs kept per owner (--jobs-max-kept)
         self.min_upload_rate, self.upload_grace_s = min_upload_rate, upload_grace_s  # 0: off
         self.runs = runs  # False in frontends 1..N-1: they take jobs in and answer about them
         self.running: dict[str, JobRun] = {}
@@ -301,8 +302,9 @@ class Jobs:
                     recovered = True
                 if time.monotonic() - expired_at > EXPIRE_EVERY_S:
                     expired_at = time.monotonic()
-                    for job_id in await self.store.expire(self.retention_s):
-                        log.info("job %s: past --jobs-retention-hours; removed", job_id)
+                    for job_id in await self.store.expire(self.retention_s, self.max_kept):
+                        log.info("job %s: past --jobs-retention-hours or its token's "
+                                 "--jobs-max-kept; removed", job_id)  # fmt: skip
                 self._claiming = asyncio.ensure_future(self._claim())
                 row = await asyncio.shield(self._claiming)  # a stop waits for it
             except Unavailable as e:  # the jobs database is down: online traffic goes on

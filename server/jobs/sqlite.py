@@ -24,6 +24,7 @@ from typing import BinaryIO
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
+    KEEP,
     READ_PIECE,
     STATUSES,
     JobRow,
@@ -33,6 +34,7 @@ from batchd.server.jobs.store import (
     Submitted,
     lock_directory,
     new_job_id,
+    past_keep,
 )
 
 _SCHEMA = """
@@ -74,6 +76,11 @@ _KEYS = (
     "WHERE submission <> ''"
 )
 _COLUMNS = ", ".join(COLUMNS)
+# Ended jobs past their retention, and each owner's past its `keep` newest (--jobs-max-kept)
+_EXPIRED = (
+    "SELECT id FROM jobs WHERE (finished_at > 0 AND finished_at < ?) OR id IN "
+    f"({past_keep('jobs', '?')})"
+)
 
 
 class _ResultsFile(Results):
@@ -312,14 +319,9 @@ class SqliteStore(Store):
             await self.delete(job_id)
         return gone
 
-    async def expire(self, retention_s: float) -> list[str]:
+    async def expire(self, retention_s: float, keep: int = KEEP) -> list[str]:
         before = self._clock() - retention_s
-        old = [
-            r[0]
-            for r in self._db.execute(
-                "SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ?", (before,)
-            )
-        ]
+        old = [r[0] for r in self._db.execute(_EXPIRED, (before, keep))]
         for job_id in old:
             await self.delete(job_id)
         return old

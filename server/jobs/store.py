@@ -31,6 +31,7 @@ from pathlib import Path
 STATUSES = ("validating", "queued", "running", "completed", "failed", "cancelling", "cancelled")
 OPEN = ("validating", "queued", "running", "cancelling")
 ENDED = ("completed", "failed", "cancelled")
+KEEP = 10_000  # ended jobs kept per owner (--jobs-max-kept): one caller's stay bounded
 READ_PIECE = 1024 * 1024  # bytes of results per piece read back
 OVERDUE_S = 2.0  # an ETA past by this long is not known (pace)
 
@@ -67,6 +68,14 @@ class JobRow:
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
+
+
+def past_keep(table: str, param: str) -> str:
+    """SQL: the ids of each owner's ended jobs past its newest `param` (--jobs-max-kept)."""
+    return (
+        "SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY owner ORDER BY "
+        f"finished_at DESC) AS n FROM {table} WHERE finished_at > 0) ranked WHERE n > {param}"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,8 +265,9 @@ class Store(ABC):
         uploads a crash cut short are removed; the ids of those removed."""
 
     @abstractmethod
-    async def expire(self, retention_s: float) -> list[str]:
-        """Remove the jobs that ended more than `retention_s` ago; their ids."""
+    async def expire(self, retention_s: float, keep: int = KEEP) -> list[str]:
+        """Remove the jobs that ended more than `retention_s` ago, and each owner's ended
+        beyond its `keep` newest (--jobs-max-kept); their ids."""
 
     @abstractmethod
     def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
