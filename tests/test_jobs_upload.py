@@ -87,6 +87,9 @@ def test_the_rate_and_grace_flags_are_checked_at_start_up() -> None:
     for flag, value, takes in (
         ("--jobs-min-upload-rate", "-1", "bytes per second from 0 (off) to 2147483647, got -1"),
         ("--jobs-upload-grace", "inf", "seconds from 0 to 2147483.647, got inf"),
+        # (SQLite's integers stop at 2**63 - 1: past it every expiry raised OverflowError)
+        ("--jobs-max-kept", str(2**63), f"an integer from 1 to 2147483647, got {2**63}"),
+        ("--jobs-max-kept", "0", "an integer from 1 to 2147483647, got 0"),
     ):
         with pytest.raises(ConfigError, match=re.escape(f"{flag} takes {takes}")):
             parsed(flag, value).check()
