@@ -28,7 +28,7 @@ from batchd.client import (
     ServerBusy,
 )
 from tests.conftest import Gate, scrape, value
-from tests.servers import TEST_MODELS, ServerProcess, wait_for
+from tests.servers import EXAMPLES, TEST_MODELS, ServerProcess, wait_for
 
 
 def line(cid: str, name: str, datatype: str, data: Any, shape: list[int]) -> dict[str, Any]:
@@ -129,6 +129,27 @@ def test_malformed_lines_become_error_lines_and_the_job_completes(
     assert "needs 16 values, 'data' holds 2" in errors["count"]["message"]
     assert "'NOPE'" in errors["name"]["message"]
     assert "MISSING" in errors["outputs"]["message"]
+
+
+def test_a_token_keeps_at_most_jobs_max_kept_ended_jobs(tmp_path: Path) -> None:
+    """Each submission removes its token's oldest ended jobs past --jobs-max-kept (they
+    were all kept until --jobs-retention-hours: 7 days of one caller's tiny jobs)."""
+    server = ServerProcess(EXAMPLES, "--jobs-max-kept", "2", "--jobs-dir",
+                           str(tmp_path / "jobs"), log_dir=tmp_path).start()  # fmt: skip
+    one = [line("a", "INPUT0", "FP32", [0.0] * 16, [1, 16])]
+    try:
+        with Client(server.url) as c:
+            made = []
+            for _ in range(4):
+                made.append(c.submit_job("tiny", one).id)
+                ended(c, made[-1])
+            assert {j.id for j in c.jobs()} == set(made[1:])  # the 4th removed the 1st
+            with pytest.raises(JobNotFound):
+                c.job(made[0])
+            assert not (tmp_path / "jobs" / made[0]).exists()
+        assert f"job {made[0]}: past its token's --jobs-max-kept; removed" in server.log()
+    finally:
+        server.stop()
 
 
 def test_submission_is_refused_with_the_reason(example_server: ServerProcess,

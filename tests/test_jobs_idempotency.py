@@ -92,7 +92,8 @@ def test_a_jobs_database_of_an_older_batchd_gets_the_key_column(tmp_path: Path) 
     db = sqlite3.connect(tmp_path / "jobs.sqlite")
     db.execute(
         "CREATE TABLE jobs (id TEXT PRIMARY KEY, owner TEXT NOT NULL, model TEXT NOT NULL, "
-        "version TEXT NOT NULL, status TEXT NOT NULL, created_at REAL NOT NULL)"
+        "version TEXT NOT NULL, status TEXT NOT NULL, created_at REAL NOT NULL, "
+        "finished_at REAL NOT NULL DEFAULT 0)"  # (every batchd's had finished_at)
     )
     db.close()
     store = SqliteStore(tmp_path)

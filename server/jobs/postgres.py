@@ -10,24 +10,26 @@ elsewhere from its last checkpoint, without losing or repeating a result.
     batchd_job_input     the uploaded file, in parts of PART_BYTES
     batchd_job_results   the results, in parts, each written by one checkpoint
 
-A claim is a lease. The replica running a job renews it with every checkpoint (each second)
-or, while a slow batch writes nothing, on its own. A job whose lease ran out (its replica
-was killed, or cut off from the database) is claimed like a queued one by whichever replica
-asks first (`FOR UPDATE SKIP LOCKED`), which bumps its epoch. Every write of a run names
-the epoch it claimed, so a replica that lost its lease, and comes back, writes nothing: its
-checkpoint finds no row of its epoch, rolls back and stops the run (LeaseLost). A
-checkpoint inserts the results written since the last one in the same transaction as the
-offsets that cover them, so results and offsets never disagree; a run that takes over
-starts where the last committed checkpoint left off. A stop (SIGTERM) checkpoints and gives
-the job back at once. A replica claims only jobs of models it can run now
-(`claim(only=...)`); a job whose model went away after its claim is given back
-(jobs/runner.py), never failed.
+A claim is a lease. The replica running a job renews it with every checkpoint
+(each second) or, while a slow batch writes nothing, on its own. A job whose
+lease ran out (its replica was killed, or cut off from the database) is claimed
+like a queued one by whichever replica asks first (`FOR UPDATE SKIP LOCKED`),
+which bumps its epoch. Every write of a run names the epoch it claimed, so a
+replica that lost its lease, and comes back, writes nothing: its checkpoint
+finds no row of its epoch, rolls back and stops the run (LeaseLost). A
+checkpoint inserts the results written since the last one in the same
+transaction as the offsets that cover them, so results and offsets never
+disagree; a run that takes over starts where the last committed checkpoint left
+off. A stop (SIGTERM) checkpoints and gives the job back at once. A replica
+claims only jobs of models it can run now (`claim(only=...)`); a job whose
+model went away after its claim is given back (jobs/runner.py), never failed.
 
-Leases use the database's clock, so replicas' clocks need not agree. Calls run on a thread,
-one at a time on each of two connections: the running jobs' (claims, checkpoints, renewals,
-their ends) and every other call's (uploads, inputs read back, questions), so a long upload
-never holds up a lease. A database that does not answer (database.py bounds every call)
-makes the job calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
+Leases use the database's clock, so replicas' clocks need not agree. Calls run
+on a thread, one at a time on each of two connections: the running jobs'
+(claims, checkpoints, renewals, their ends) and every other call's (uploads,
+inputs read back, questions), so a long upload never holds up a lease. A
+database that does not answer (database.py bounds every call) makes the job
+calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
 inference goes on.
 """
 
@@ -49,18 +51,18 @@ from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, ev
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
-    KEEP,
     READ_PIECE,
     STATUSES,
+    TRIM_MOST,
     JobRow,
     LeaseLost,
+    PendingResults,
     Progress,
     Results,
     Store,
     Submitted,
     lock_directory,
     new_job_id,
-    past_keep,
 )
 
 if TYPE_CHECKING:
@@ -70,29 +72,6 @@ STORE_RATE = 8 * 1024 * 1024  # bytes/s an upload is given to be stored, at the 
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in seconds
 _ROW = ", ".join(COLUMNS)
 _KEYED = "SELECT id FROM batchd_jobs WHERE submission = %s AND submission <> ''"
-
-
-class _Pending(Results):
-    """Results written since the last checkpoint, held until it inserts them: at most
-    runner.CHECKPOINT_BYTES and one chunk's answers."""
-
-    def __init__(self, at: int) -> None:
-        self.saved, self.size = at, 0
-        self.parts: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.parts.append(data)
-        self.size += len(data)
-
-    def tell(self) -> int:
-        return self.saved + self.size
-
-    def unsaved(self) -> int:
-        return self.size
-
-    def close(self) -> None:
-        self.parts.clear()
-        self.size = 0
 
 
 class PostgresStore(Store):
@@ -276,9 +255,9 @@ class PostgresStore(Store):
         return path
 
     def open_results(self, row: JobRow) -> Results:
-        return _Pending(row.results_bytes)
+        return PendingResults(row.results_bytes)
 
-    def _save(self, cur: psycopg.Cursor[Any], row: JobRow, pending: _Pending, p: Progress,
+    def _save(self, cur: psycopg.Cursor[Any], row: JobRow, pending: PendingResults, p: Progress,
               give_back_at: float | None = None) -> str:  # fmt: skip
         """The checkpoint's offsets (fenced), then the results they cover. The lease is
         renewed, or with `give_back_at` (a stop) the job given back: queued, or cancelled."""
@@ -307,7 +286,7 @@ class PostgresStore(Store):
         return status
 
     async def checkpoint(self, row: JobRow, results: Results, progress: Progress) -> str:
-        assert isinstance(results, _Pending)
+        assert isinstance(results, PendingResults)
 
         def saved(_: str) -> None:  # once committed, even if this run is cancelled meanwhile:
             results.saved, results.parts, results.size = results.tell(), [], 0  # (a stop's
@@ -320,7 +299,7 @@ class PostgresStore(Store):
         return await self._runs.run(self._fenced, row, sets, (self.lease_s,))
 
     async def release(self, row: JobRow, results: Results, progress: Progress) -> None:
-        assert isinstance(results, _Pending)
+        assert isinstance(results, PendingResults)
         try:
             await self._runs.run(self._save, row, results, progress, self._clock())
         finally:
@@ -363,17 +342,25 @@ class PostgresStore(Store):
         their leases run out. Uploads whose replica went (their lease ran out) go."""
         return await self._remove(-math.inf)
 
-    async def expire(self, retention_s: float, keep: int = KEEP) -> list[str]:
-        return await self._remove(self._clock() - retention_s, keep)
+    async def expire(self, retention_s: float) -> list[str]:
+        return await self._remove(self._clock() - retention_s)
 
-    async def _remove(self, before: float, keep: int = KEEP) -> list[str]:
-        """Ended before `before` or past their owner's `keep` newest; dead uploads; leftovers."""
-        sql = (f"DELETE FROM batchd_jobs WHERE (finished_at > 0 AND finished_at < %s) OR (status = "
-               f"'validating' AND lease_until < {_NOW}) OR id IN ({past_keep('batchd_jobs', '%s')})"
-               " RETURNING id")  # fmt: skip
-        gone = [r[0] for r in await self._db.run(every, sql, (before, keep))]
+    async def _remove(self, before: float) -> list[str]:
+        """Jobs that ended before `before`, uploads whose replica went; local leftovers."""
+        sql = (
+            "DELETE FROM batchd_jobs WHERE (finished_at > 0 AND finished_at < %s) OR "
+            f"(status = 'validating' AND lease_until < {_NOW}) RETURNING id"
+        )
+        gone = [r[0] for r in await self._db.run(every, sql, (before,))]
         self._sweep()
         return gone
+
+    async def trim(self, owner: str, keep: int) -> list[str]:
+        sql = (
+            "DELETE FROM batchd_jobs WHERE id IN (SELECT id FROM batchd_jobs WHERE owner = %s "
+            "AND finished_at > 0 ORDER BY finished_at DESC LIMIT %s OFFSET %s) RETURNING id"
+        )
+        return [r[0] for r in await self._db.run(every, sql, (owner, TRIM_MOST, keep))]
 
     def _sweep(self) -> None:
         """Remove the local folders of jobs not running or taken in here: input caches of

@@ -302,9 +302,8 @@ class Jobs:
                     recovered = True
                 if time.monotonic() - expired_at > EXPIRE_EVERY_S:
                     expired_at = time.monotonic()
-                    for job_id in await self.store.expire(self.retention_s, self.max_kept):
-                        log.info("job %s: past --jobs-retention-hours or its token's "
-                                 "--jobs-max-kept; removed", job_id)  # fmt: skip
+                    for job_id in await self.store.expire(self.retention_s):
+                        log.info("job %s: past --jobs-retention-hours; removed", job_id)
                 self._claiming = asyncio.ensure_future(self._claim())
                 row = await asyncio.shield(self._claiming)  # a stop waits for it
             except Unavailable as e:  # the jobs database is down: online traffic goes on

@@ -179,7 +179,14 @@ class JobsService(pb_grpc.JobsServicer):
             jobs.uploads.pop(row.id, None)
             jobs.wake()  # (a stop waits for the uploads under way)
         jobs.wake()
+        await self._trim(jobs, caller[0])
         return self._message(await self._job(row.id, caller))
+
+    @staticmethod
+    async def _trim(jobs: Jobs, owner: str) -> None:
+        """--jobs-max-kept: the token's oldest ended jobs past it go, at its submission."""
+        for gone in await jobs.store.trim(owner, jobs.max_kept):
+            log.info("job %s: past its token's --jobs-max-kept; removed", gone)
 
     @staticmethod
     async def _watching(jobs: Jobs, upload: Upload) -> None:

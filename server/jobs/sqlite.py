@@ -24,9 +24,9 @@ from typing import BinaryIO
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
-    KEEP,
     READ_PIECE,
     STATUSES,
+    TRIM_MOST,
     JobRow,
     Progress,
     Results,
@@ -34,7 +34,6 @@ from batchd.server.jobs.store import (
     Submitted,
     lock_directory,
     new_job_id,
-    past_keep,
 )
 
 _SCHEMA = """
@@ -65,6 +64,7 @@ CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
 -- (--jobs-retention-hours), ~1 us each, whatever its limit
 CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at);
 CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at);
+CREATE INDEX IF NOT EXISTS jobs_by_owner_end ON jobs (owner, finished_at);  -- trim()
 """
 _ADDED = (
     ("submission", "TEXT NOT NULL DEFAULT ''"),
@@ -76,10 +76,10 @@ _KEYS = (
     "WHERE submission <> ''"
 )
 _COLUMNS = ", ".join(COLUMNS)
-# Ended jobs past their retention, and each owner's past its `keep` newest (--jobs-max-kept)
-_EXPIRED = (
-    "SELECT id FROM jobs WHERE (finished_at > 0 AND finished_at < ?) OR id IN "
-    f"({past_keep('jobs', '?')})"
+# An owner's ended jobs past its newest (--jobs-max-kept), from the index, newest first
+_PAST_KEPT = (
+    "SELECT id FROM jobs WHERE owner = ? AND finished_at > 0 ORDER BY finished_at DESC "
+    "LIMIT ? OFFSET ?"
 )
 
 
@@ -319,12 +319,23 @@ class SqliteStore(Store):
             await self.delete(job_id)
         return gone
 
-    async def expire(self, retention_s: float, keep: int = KEEP) -> list[str]:
+    async def expire(self, retention_s: float) -> list[str]:
         before = self._clock() - retention_s
-        old = [r[0] for r in self._db.execute(_EXPIRED, (before, keep))]
+        old = [
+            r[0]
+            for r in self._db.execute(
+                "SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ?", (before,)
+            )
+        ]
         for job_id in old:
             await self.delete(job_id)
         return old
+
+    async def trim(self, owner: str, keep: int) -> list[str]:
+        past = [r[0] for r in self._db.execute(_PAST_KEPT, (owner, TRIM_MOST, keep))]
+        for job_id in past:
+            await self.delete(job_id)
+        return past
 
     async def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
         if start >= end:

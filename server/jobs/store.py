@@ -31,7 +31,7 @@ from pathlib import Path
 STATUSES = ("validating", "queued", "running", "completed", "failed", "cancelling", "cancelled")
 OPEN = ("validating", "queued", "running", "cancelling")
 ENDED = ("completed", "failed", "cancelled")
-KEEP = 10_000  # ended jobs kept per owner (--jobs-max-kept): one caller's stay bounded
+TRIM_MOST = 100  # ended jobs one submission removes past its token's --jobs-max-kept
 READ_PIECE = 1024 * 1024  # bytes of results per piece read back
 OVERDUE_S = 2.0  # an ETA past by this long is not known (pace)
 
@@ -68,14 +68,6 @@ class JobRow:
 
 
 COLUMNS = tuple(f.name for f in fields(JobRow))
-
-
-def past_keep(table: str, param: str) -> str:
-    """SQL: the ids of each owner's ended jobs past its newest `param` (--jobs-max-kept)."""
-    return (
-        "SELECT id FROM (SELECT id, row_number() OVER (PARTITION BY owner ORDER BY "
-        f"finished_at DESC) AS n FROM {table} WHERE finished_at > 0) ranked WHERE n > {param}"
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +155,29 @@ class Results(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+
+class PendingResults(Results):
+    """Results written since the last checkpoint, held until it inserts them (postgres.py):
+    at most runner.CHECKPOINT_BYTES and one chunk's answers."""
+
+    def __init__(self, at: int) -> None:
+        self.saved, self.size = at, 0
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def tell(self) -> int:
+        return self.saved + self.size
+
+    def unsaved(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        self.parts.clear()
+        self.size = 0
 
 
 class Store(ABC):
@@ -265,9 +280,14 @@ class Store(ABC):
         uploads a crash cut short are removed; the ids of those removed."""
 
     @abstractmethod
-    async def expire(self, retention_s: float, keep: int = KEEP) -> list[str]:
-        """Remove the jobs that ended more than `retention_s` ago, and each owner's ended
-        beyond its `keep` newest (--jobs-max-kept); their ids."""
+    async def expire(self, retention_s: float) -> list[str]:
+        """Remove the jobs that ended more than `retention_s` ago; their ids."""
+
+    @abstractmethod
+    async def trim(self, owner: str, keep: int) -> list[str]:
+        """Remove `owner`'s ended jobs past its `keep` newest (--jobs-max-kept), at most
+        TRIM_MOST of them (a lowered cap is reached over several submissions, none
+        holding the event loop long); their ids."""
 
     @abstractmethod
     def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
