@@ -404,6 +404,9 @@ def test_the_sqlite_store_keeps_each_owner_s_newest_ended_jobs(
         kept = [r.id for r in run(lambda: store.select("a")) if r.ended]
         assert len(run(lambda: store.trim("a", 0))) == 2
         assert len([r for r in run(lambda: store.select("a")) if r.ended]) == len(kept) - 2
+        monkeypatch.setattr(sqlite_module, "EXPIRE_MOST", 1)  # and expiry, EXPIRE_MOST a run
+        assert len(run(lambda: store.expire(retention_s=0))) == 1
+        assert len(run(lambda: store.expire(retention_s=0))) == 1
     finally:
         store.close()
 
