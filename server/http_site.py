@@ -19,6 +19,7 @@ cause. The client gets its 400; here such a report is one DEBUG line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import math
@@ -70,6 +71,7 @@ def encoding(request: web.Request) -> str:
 
 MAX_MEMBERS = 64  # gzip members of one body: each costs a decompressor, even an empty one
 STEP = 64 * 1024  # compressed bytes given zlib at a time: what it hands back stays small
+HOSTS = "/etc/hosts"  # its loopback names are this machine's (same_site)
 INFLATED_BODIES = 4  # what inflated bodies may hold at once, over all requests, in body limits
 
 
@@ -198,7 +200,7 @@ def same_site(listening_on: str) -> Middleware:
     this machine's) came through a name that page's site resolved to 127.0.0.1 (DNS
     rebinding), which lets it read the answers too. Programs send neither."""
     local = _loopback_name(listening_on.strip("[]"))
-    own = {socket.gethostname().lower()}
+    own = {socket.gethostname().lower(), *_hosts_loopback_names()}
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -219,19 +221,34 @@ def same_site(listening_on: str) -> Middleware:
 
 
 def _name(authority: str) -> str:
-    """The host name of HOST[:PORT] or [IPV6][:PORT], lowercase."""
+    """The host name of HOST[:PORT] or [IPV6][:PORT], lowercase, without a final dot."""
     if authority.startswith("["):
         return authority[1:].partition("]")[0].lower()
-    return authority.rpartition(":")[0].lower() if ":" in authority else authority.lower()
+    name = authority.rpartition(":")[0] if ":" in authority else authority
+    return name.lower().rstrip(".")
 
 
 def _loopback_name(name: str) -> bool:
     if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # [::ffff:127.0.0.1]
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def _hosts_loopback_names() -> set[str]:
+    """The names /etc/hosts gives a loopback address (localhost.localdomain, ip6-localhost,
+    this machine's own): no web page can make those resolve elsewhere."""
+    names: set[str] = set()
+    with contextlib.suppress(OSError, UnicodeDecodeError), open(HOSTS) as hosts:
+        for line in hosts:
+            address, *aliases = line.partition("#")[0].split() or [""]
+            if aliases and _loopback_name(address):
+                names.update(a.lower().rstrip(".") for a in aliases)
+    return names
 
 
 class PatientStream(web.StreamResponse):

@@ -23,6 +23,7 @@ from aiohttp import streams, web
 from aiohttp.test_utils import make_mocked_request
 
 from batchd.client import Client
+from batchd.server import http_site
 from batchd.server.config import Connections
 from batchd.server.errors import QueueFull
 from batchd.server.http_site import InflateBudget, Inflating, same_site
@@ -73,10 +74,36 @@ def test_a_web_page_s_own_requests_are_refused(example_server: ServerProcess) ->
         r = call(example_server, "GET", "/v2/jobs", None, {"Host": host})
         assert r.status == 403 and f"Host {host.partition(':')[0]!r}" in r.error
         assert "is not a name of this server, which listens on loopback" in r.error
-    for headers in ({}, {"Host": f"localhost:{port}"}, {"Host": "[::1]"},
+    for headers in ({}, {"Host": f"localhost:{port}"}, {"Host": "[::1]"}, {"Host": "localhost."},
+                    {"Host": f"[::ffff:127.0.0.1]:{port}"},
                     {"Origin": f"http://127.0.0.1:{port}"}, {"Host": "a.localhost"},
                     {"Origin": "http://localhost:3000", "Host": f"localhost:{port}"}):  # fmt: skip
         assert call(example_server, "POST", TINY, body, headers).status == 200, headers
+
+
+def test_the_loopback_names_of_etc_hosts_are_this_machine_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Debian's ip6-localhost, RHEL's localhost.localdomain were refused (late review)."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text(
+        "127.0.0.1 localhost localhost.localdomain # a comment\n"
+        "::1 ip6-localhost ip6-loopback\n10.0.0.1 elsewhere\n\n#127.0.0.1 nope\n"
+    )
+    monkeypatch.setattr(http_site, "HOSTS", str(hosts))
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    check = same_site("127.0.0.1")
+    served = {"localhost.localdomain", "IP6-LOCALHOST:8000", "ip6-loopback."}
+    for host in [*served, "elsewhere", "nope"]:
+        request = make_mocked_request("GET", "/v2", headers={"Host": host})
+        if host in served:
+            assert asyncio.run(check(request, ok)).status == 200, host
+        else:
+            with pytest.raises(web.HTTPForbidden):
+                asyncio.run(check(request, ok))
 
 
 def test_off_loopback_any_host_is_served_but_no_other_site_s_page() -> None:
