@@ -37,7 +37,7 @@ from batchd.protos import jobs_pb2 as pb
 from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ConfigError
 from batchd.server.config import Limits, add_arguments, from_arguments
-from batchd.server.errors import Unavailable
+from batchd.server.errors import ModelNotFound, Unavailable
 from batchd.server.jobs import database, runner
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PART_BYTES, PostgresStore
@@ -192,6 +192,36 @@ def test_the_postgres_store_keeps_each_owner_s_newest_ended_jobs(
     store = PostgresStore(jobs_db, tmp_path / "a", lease_s=30, clock=lambda: clock[0])
     try:
         run(lambda: keeps_each_owner_s_newest_ended_jobs(store, clock))
+    finally:
+        store.close()
+
+
+def test_a_download_of_a_job_removed_under_it_fails_rather_than_ends_short(
+    jobs_db: str, tmp_path: Path
+) -> None:
+    """A submission's trim (or retention) removed a job whose results another client
+    was reading: the next part was not found, and the download ended short, with OK
+    and whole lines, so the client wrote the short file as the results (late review)."""
+    store = PostgresStore(jobs_db, tmp_path / "a", lease_s=30)
+
+    async def body() -> None:
+        row = await store.create("", "gated", "")
+        store.upload_path(row.id).write_text(job_lines(2))
+        await store.queue(row.id, 2, len(job_lines(2)))
+        mine = await store.claim()
+        assert mine is not None
+        out = store.open_results(mine)
+        for n in (1, 2):  # two checkpoints: two parts
+            out.write(b"x" * 9 + b"\n")
+            await store.checkpoint(mine, out, Progress(n, n, n, 0))
+        reading = store.read_results(row.id, 0, 20)
+        assert await anext(reading) == b"x" * 9 + b"\n"
+        await store.delete(row.id)
+        with pytest.raises(ModelNotFound, match="was removed while its results were read"):
+            await anext(reading)
+
+    try:
+        run(body)
     finally:
         store.close()
 

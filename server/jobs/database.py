@@ -76,6 +76,9 @@ DO $$ BEGIN
                    AND table_name = 'batchd_jobs' AND column_name = 'checkpointed_at') THEN
         ALTER TABLE batchd_jobs ADD COLUMN checkpointed_at DOUBLE PRECISION NOT NULL DEFAULT 0;
     END IF;
+    IF to_regclass('batchd_jobs_by_owner_end') IS NULL THEN  -- a submission's trim
+        CREATE INDEX batchd_jobs_by_owner_end ON batchd_jobs (owner, finished_at);
+    END IF;
     IF to_regclass('batchd_jobs_by_key') IS NULL THEN
         CREATE UNIQUE INDEX batchd_jobs_by_key ON batchd_jobs (owner, submission)
             WHERE submission <> '';

@@ -47,6 +47,7 @@ from dataclasses import astuple
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchd.server.errors import ModelNotFound
 from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, every, one, parts
 from batchd.server.jobs.store import (
     COLUMNS,
@@ -379,8 +380,8 @@ class PostgresStore(Store):
         while start < end:  # a part (at most PART_BYTES) at a time
             found = await self._db.run(one, sql, (job_id, start))
             data = b"" if found is None else bytes(found[1])[start - found[0] : end - found[0]]
-            if not data:
-                return
+            if not data:  # removed meanwhile (its retention, a trim): a short file is no answer
+                raise ModelNotFound(f"job {job_id} was removed while its results were read")
             for at in range(0, len(data), READ_PIECE):
                 yield data[at : at + READ_PIECE]
             start += len(data)
