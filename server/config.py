@@ -235,8 +235,8 @@ class Jobs:
         1024 * MiB, "--jobs-max-file-bytes", "largest job file accepted", **positive())  # fmt: skip
     max_open: int = setting(64, "--jobs-max-open", "jobs validating, queued or running at once",
                             **positive())  # fmt: skip
-    max_kept: int = setting(10_000, "--jobs-max-kept", "ended jobs kept per token (without, "
-        "in all): a submission removes its oldest past it", **positive(INT_MAX))  # fmt: skip
+    max_kept: int = setting(10_000, "--jobs-max-kept", "ended jobs kept per token (no tokens: "
+        "in all); a submission removes its oldest past it", **positive(INT_MAX))  # fmt: skip
     # An upload holds a --jobs-max-open place: one that dripped could hold it for ever.
     min_upload_rate: int = setting(
         64 * 1024, "--jobs-min-upload-rate", "end an upload that falls behind B bytes per second "

@@ -155,6 +155,27 @@ def test_an_upload_that_stops_sending_ends_after_its_head_start_and_frees_its_pl
     assert [p.name for p in tmp_path.glob("job-*")] == [queued]  # the dripper's files went
 
 
+def test_a_trim_that_fails_leaves_the_submission_answered(tmp_path: Path) -> None:
+    """The job is queued by the time --jobs-max-kept trims its token's: a trim that
+    failed (a database that did not answer) answered the submission 503, and a client
+    without an idempotency key sent the job again (second late review)."""
+
+    class FailingTrim(SqliteStore):
+        async def trim(self, owner: str, keep: int) -> list[str]:
+            raise Unavailable("the jobs database did not answer within 10 s")
+
+    store = FailingTrim(tmp_path)
+    service = JobsService(jobs_of(store))
+
+    async def body() -> None:
+        resume = asyncio.Event()
+        resume.set()
+        job = await service.submit(EVERYONE, CFG.name, "", paused(ONE_LINE.encode(), resume))
+        assert job.status == "queued" and await store.get(job.id) is not None
+
+    run(lambda: asyncio.wait_for(body(), 30))
+
+
 def test_a_cancel_stops_an_upload_to_this_process_at_once(tmp_path: Path) -> None:
     class NoLooks(SqliteStore):
         renew_every_s = math.inf  # the upload never reads its row: only the cancel can stop it
