@@ -199,8 +199,9 @@ def same_site(listening_on: str) -> Middleware:
     user merely visited. On a loopback `--host`, a `Host` that is no loopback name (nor
     this machine's) came through a name that page's site resolved to 127.0.0.1 (DNS
     rebinding), which lets it read the answers too. Programs send neither."""
-    local = _loopback_name(listening_on.strip("[]"))
     own = {socket.gethostname().lower(), *_hosts_loopback_names()}
+    listening_on = _name(f"[{listening_on.strip('[]')}]" if ":" in listening_on else listening_on)
+    local = _loopback_name(listening_on) or listening_on in own  # (--host vm: /etc/hosts')
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -229,13 +230,16 @@ def _name(authority: str) -> str:
 
 
 def _loopback_name(name: str) -> bool:
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
+    return name == "localhost" or name.endswith(".localhost") or _loopback_ip(name)
+
+
+def _loopback_ip(text: str) -> bool:
+    """Whether `text` is a loopback address (::ffff:127.0.0.1 too); a name is not."""
     try:
-        address = ipaddress.ip_address(name)
+        address = ipaddress.ip_address(text)
     except ValueError:
         return False
-    mapped = getattr(address, "ipv4_mapped", None)  # [::ffff:127.0.0.1]
+    mapped = getattr(address, "ipv4_mapped", None)
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
@@ -243,10 +247,11 @@ def _hosts_loopback_names() -> set[str]:
     """The names /etc/hosts gives a loopback address (localhost.localdomain, ip6-localhost,
     this machine's own): no web page can make those resolve elsewhere."""
     names: set[str] = set()
-    with contextlib.suppress(OSError, UnicodeDecodeError), open(HOSTS) as hosts:
-        for line in hosts:
+    with contextlib.suppress(OSError), open(HOSTS, errors="replace") as hosts:
+        for line in hosts:  # (a byte not UTF-8 spoils its own line, not the others)
             address, *aliases = line.partition("#")[0].split() or [""]
-            if aliases and _loopback_name(address):
+            # an address, as glibc reads it: a line led by a name is none of its
+            if _loopback_ip(address.partition("%")[0]):
                 names.update(a.lower().rstrip(".") for a in aliases)
     return names
 

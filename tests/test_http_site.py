@@ -86,9 +86,11 @@ def test_the_loopback_names_of_etc_hosts_are_this_machine_s(
 ) -> None:
     """Debian's ip6-localhost, RHEL's localhost.localdomain were refused (late review)."""
     hosts = tmp_path / "hosts"
-    hosts.write_text(
-        "127.0.0.1 localhost localhost.localdomain # a comment\n"
-        "::1 ip6-localhost ip6-loopback\n10.0.0.1 elsewhere\n\n#127.0.0.1 nope\n"
+    hosts.write_bytes(
+        b"127.0.0.1 localhost localhost.localdomain # a comment\n"
+        b"::1 ip6-localhost ip6-loopback\n10.0.0.1 elsewhere\n\n#127.0.0.1 nope\n"
+        b"caf\xe9 \xff\n127.0.0.1 loopname\n"  # (a byte not UTF-8 lost every line)
+        b"localhost evil.example\n"  # led by a name: glibc reads no address there
     )
     monkeypatch.setattr(http_site, "HOSTS", str(hosts))
 
@@ -96,14 +98,19 @@ def test_the_loopback_names_of_etc_hosts_are_this_machine_s(
         return web.Response(text="ok")
 
     check = same_site("127.0.0.1")
-    served = {"localhost.localdomain", "IP6-LOCALHOST:8000", "ip6-loopback."}
-    for host in [*served, "elsewhere", "nope"]:
+    served = {"localhost.localdomain", "IP6-LOCALHOST:8000", "ip6-loopback.", "loopname"}
+    for host in [*served, "elsewhere", "nope", "evil.example"]:
         request = make_mocked_request("GET", "/v2", headers={"Host": host})
         if host in served:
             assert asyncio.run(check(request, ok)).status == 200, host
         else:
             with pytest.raises(web.HTTPForbidden):
                 asyncio.run(check(request, ok))
+    # --host given as such a name listens on loopback: the Host check is on (it was off)
+    rebound = make_mocked_request("GET", "/v2", headers={"Host": "rebind.example"})
+    for name in ("loopname", "localhost.localdomain", "::1", "[::1]"):
+        with pytest.raises(web.HTTPForbidden):
+            asyncio.run(same_site(name)(rebound, ok))
 
 
 def test_off_loopback_any_host_is_served_but_no_other_site_s_page() -> None:
