@@ -1120,12 +1120,17 @@ def test_a_draining_server_is_503_with_the_grpc_message(tmp_path: Path) -> None:
             stream = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
                 iter(requests.get, None), timeout=60
             )
+            states: list[grpc.ChannelConnectivity] = []
+            channel.subscribe(states.append, try_to_connect=False)
             held = pool.submit(call, server, "POST", "/v2/models/gated/infer", x_body(5.0))
             wait_for(lambda: gate.calls("gated", "entered") == [[5.0]], 30, "the held batch")
             assert server.proc is not None
             server.proc.send_signal(signal.SIGTERM)
             wait_for(lambda: not any(listening(p) for p in (server.port, server.http_port)),
                      30, "the ports to close")  # fmt: skip
+            # (a call sent before the client reads the GOAWAY can be CANCELLED by gRPC itself,
+            # which takes no call once its stop began: the README's Status codes)
+            wait_for(lambda: states[-1] != grpc.ChannelConnectivity.READY, 30, "the GOAWAY")
             e = grpc_error(pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer,
                            x_request("gated", 6.0))  # fmt: skip
             requests.put(x_request("gated", 7.0))
