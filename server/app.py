@@ -40,6 +40,7 @@ from batchd.server.core import Core
 from batchd.server.errors import Unavailable
 from batchd.server.frontends import Children, Models, bind, endpoints, models_at_start, watch_parent
 from batchd.server.handlers import add_service
+from batchd.server.health import liveness, track_health
 from batchd.server.http_site import serve_rest
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PostgresStore
@@ -56,33 +57,6 @@ from batchd.server.stats import Stats
 from batchd.server.supervisor import Launch, plan_workers
 
 log = logging.getLogger("batchd.server")
-
-
-LIVENESS = "batchd.liveness"  # SERVING from start-up until the process stops (a liveness probe)
-
-
-async def _track_health(health: HealthServicer, service: InferenceService, core: Core) -> None:
-    """The health service: "" is readiness (every model ready, not stopping), each model
-    its own, LIVENESS the process."""
-    serving = health_pb2.HealthCheckResponse.SERVING
-    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    await health.set(LIVENESS, serving)
-    announced: dict[str, bool] = {}
-    while True:
-        for name in sorted(set(core.models) | announced.keys() - {""}):
-            ready = core.model_ready(name) and not service.leaving  # stopping: LIVENESS stays
-            if announced.get(name) != ready:
-                why = "stopping" if service.leaving else core.load_error(name) or "no live worker"
-                log.info("model %s is %s", name, "ready" if ready else f"NOT ready ({why})",
-                         extra={"model": name})  # fmt: skip
-                await health.set(name, serving if ready else not_serving)
-                announced[name] = ready
-        overall = service.ready()
-        if announced.get("") != overall:
-            await health.set("", serving if overall else not_serving)
-            announced[""] = overall
-        await core.changed.wait()
-        core.changed.clear()
 
 
 def _grpc_server(
@@ -274,7 +248,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     notice = min(notice, cfg.drain_timeout_s)
     log.info("stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
              "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
-    # Readiness and health say so at once, before a jobs database that hangs (_track_health:
+    # Readiness and health say so at once, before a jobs database that hangs (track_health:
     # every service NOT_SERVING but LIVENESS); loads and unloads are refused.
     p.service.leaving = p.core.control.closed = True
     p.core.changed.set()
@@ -344,14 +318,15 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
     async with asyncio.TaskGroup() as tg:
         tasks = [
             tg.create_task(p.core.run(), name="core"),
-            tg.create_task(_track_health(p.health, p.service, p.core), name="health"),
+            tg.create_task(track_health(p.health, p.service, p.core), name="health"),
         ]
         if children is not None:
             tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))
         if p.jobs is not None:
             tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
         if fronts.index:
-            orphaned = watch_parent(stop, p.core.pool.workers, p.core.fail_all)
+            live = liveness(p.service, p.core.changed)
+            orphaned = watch_parent(stop, p.core.pool.workers, p.core.fail_all, live)
             tasks.append(tg.create_task(orphaned, name="parent"))
         await stop.wait()
         notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)

@@ -22,6 +22,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence, Sized
@@ -37,7 +38,7 @@ from batchd.server.errors import Unavailable
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
 MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
-BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the pipe it beats on (watch_parent)
+BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the socket it beats on (watch_parent)
 SOCKET = "BATCHD_FRONTEND_SOCKET"  # ... and its socket for the others (siblings.py)
 HUNG_S = 10.0  # a child not beating this long is killed (and restarted)
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
@@ -102,7 +103,8 @@ class Children:
             # restart then failed to read it, for good)
             with contextlib.suppress(OSError):
                 self._saved.write_bytes(self._models)
-            started, (beats, beating) = time.monotonic(), os.pipe()
+            started, (ours, theirs) = time.monotonic(), socket.socketpair()
+            beats, beating = ours.detach(), theirs.detach()  # (a pipe each way: see _watched)
             env = {**self._env, BEAT: str(beating), SOCKET: self.sockets[i]}
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -191,7 +193,8 @@ def gone(pid: int) -> bool:
 async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int | None:
     """Wait for a child frontend's exit; kill it if it stops beating (watch_parent writes
     a byte to `beats` each round): a child hung (its event loop blocked, stopped) kept
-    its listening socket and took its share of new connections, which hung."""
+    its listening socket and took its share of new connections, which hung. Each beat
+    is answered, from this loop: the child hears whether this process is hung."""
     heard = time.monotonic()
 
     def beat() -> None:
@@ -199,6 +202,8 @@ async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int 
         with contextlib.suppress(BlockingIOError):
             if os.read(beats, 4096):
                 heard = time.monotonic()
+                with contextlib.suppress(OSError):  # (the child's side full: it is behind)
+                    os.write(beats, b".")
 
     os.set_blocking(beats, False)
     loop = asyncio.get_running_loop()
@@ -228,21 +233,34 @@ def restart_after(last: float, ran_s: float) -> float:
 
 
 async def watch_parent(
-    stop: asyncio.Event, workers: Callable[[], Sized], fail_all: Callable[[Exception], None]
-) -> None:
+    stop: asyncio.Event, workers: Callable[[], Sized], fail_all: Callable[[Exception], None],
+    live: Callable[[bool], None],
+) -> None:  # fmt: skip
     """A child frontend stops (draining) when frontend 0 is gone, or was before it looked
     (it watched init for ever: it held the ports, and every call hung). Once the workers,
     frontend 0's, are gone too, what is left is answered UNAVAILABLE at once: no worker
-    comes back (it waited out --drain-timeout)."""
+    comes back (it waited out --drain-timeout). While frontend 0 answers no beat for
+    HUNG_S (its loop blocked, the process stopped) this one is not live either, so that a
+    liveness probe the kernel hands here restarts the server: nothing else restarts 0,
+    whose callers wait (a probe reaching this frontend passed, and 0 was found late)."""
     beat = int(os.environ.get(BEAT, -1))  # frontend 0 hears from this child each round
     if beat >= 0:
         os.set_blocking(beat, False)
+    heard, hung = time.monotonic(), False
     while True:  # (no event tells a process its parent exited)
         if os.getppid() != parent():
             break
         if beat >= 0:
-            with contextlib.suppress(OSError):  # (a full pipe: frontend 0 is behind)
+            with contextlib.suppress(OSError):  # (full: frontend 0 is behind; gone: above)
                 os.write(beat, b".")
+            with contextlib.suppress(BlockingIOError):
+                heard = time.monotonic() if os.read(beat, 4096) else heard
+            if hung != (time.monotonic() - heard > HUNG_S):
+                hung = not hung
+                said = f"silent for {HUNG_S:.0f} s: not live" if hung else "answers again: live"
+                log.log(logging.ERROR if hung else logging.INFO, "frontend 0 (pid %d) %s",
+                        parent(), said)  # fmt: skip
+                live(not hung)
         await asyncio.sleep(0.5)
     log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()

@@ -282,7 +282,7 @@ class RestApi:
         )
 
     async def live(self, request: web.Request) -> web.Response:
-        return json_response({"live": True})
+        return json_response({"live": self._service.live}, 200 if self._service.live else 503)
 
     async def ready(self, request: web.Request) -> web.Response:
         ready = self._service.ready()

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from concurrent.futures import ThreadPoolExecutor
 from functools import wraps
 from itertools import islice
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 
@@ -168,6 +168,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self._clock = clock
         self.draining = False  # new requests are refused
         self.leaving = False  # stopping: unready to health checks (still admitting at first)
+        self.live = True  # False: a child frontend's frontend 0 is silent (health.liveness)
         self._decoder = ThreadPoolExecutor(1, thread_name_prefix="batchd-decode")
         self._heavy = 0  # requests waiting for or on the decode thread
         self.siblings: Callable[..., Awaitable[pb.ModelStatisticsResponse]] | None = None
@@ -283,8 +284,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInferResponse:
         remaining, carrier = context.time_remaining(), self._carrier(context)
-        answer: pb.ModelInferResponse = await self.infer(request, remaining, carrier)
-        return answer
+        return cast(pb.ModelInferResponse, await self.infer(request, remaining, carrier))
 
     def _carrier(self, context: grpc.aio.ServicerContext) -> Carrier | None:  # traceparent
         return None if self.tracing is None else dict(context.invocation_metadata() or ())
@@ -307,7 +307,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerLive(
         self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=True)
+        return pb.ServerLiveResponse(live=self.live)
 
     @_status
     async def ServerReady(

@@ -36,7 +36,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ),
     ("model control and sequences", {"control", "sequences"}),
     ("the core", {"core"}),
-    ("transports", {"service", "jobs.runner", "jobs.upload", "jobs.service", "jobs.rest", "rest"}),
+    (
+        "transports",
+        {"service", "health", "jobs.runner", "jobs.upload", "jobs.service", "jobs.rest", "rest"},
+    ),
     ("the composition root and the command", {"app", "cli", "__main__"}),
 ]
 # Pairs of one layer that must not know each other even so.

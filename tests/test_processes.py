@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchd.client import AsyncClient, Client, ServerUnavailable
 from batchd.client.codec import build_request, parse_response
@@ -470,6 +472,62 @@ def test_a_hung_child_frontend_is_killed_and_started_again(tmp_path: Path) -> No
         os.kill(child, signal.SIGSTOP)
         wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 replaced, serving")
         assert f"frontend 1 (pid {child}) silent for 10 s; killing it" in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def _liveness_answers(server: ServerProcess) -> set[str]:
+    """What fresh connections get, each over gRPC health (the liveness probe's service),
+    ServerLive and HTTP /v2/health/live: the kernel spreads them over the frontends, and
+    one reaching a stopped frontend gets nothing in its second."""
+    seen = set()
+    for _ in range(8):
+        with (
+            contextlib.suppress(grpc.RpcError),
+            grpc.insecure_channel(
+                server.url, options=[("grpc.use_local_subchannel_pool", 1)]
+            ) as ch,
+        ):
+            check = health_pb2.HealthCheckRequest(service="batchd.liveness")
+            status = health_pb2_grpc.HealthStub(ch).Check(check, timeout=1)
+            live = pb_grpc.GRPCInferenceServiceStub(ch).ServerLive(
+                pb.ServerLiveRequest(), timeout=1
+            )
+            seen.add(f"{health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)} "
+                     f"live={live.live}")  # fmt: skip
+        with contextlib.suppress(OSError):
+            try:
+                with urllib.request.urlopen(f"{server.http_url}/v2/health/live", timeout=1) as r:
+                    seen.add(f"http {r.status} {r.read().decode()}")
+            except urllib.error.HTTPError as e:
+                seen.add(f"http {e.code} {e.read().decode()}")
+    return seen
+
+
+def test_a_child_frontend_is_not_live_while_frontend_0_is_hung(tmp_path: Path) -> None:
+    """Frontend 0's event loop stopped (here SIGSTOP): its own callers wait, and nothing
+    restarts it, but a liveness probe the kernel handed to another frontend passed, so a
+    supervisor found it late, if ever. Each other frontend is not live while frontend 0
+    answers none of its beats, and live again once it does."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    assert server.proc is not None
+    live = {"SERVING live=True", 'http 200 {"live":true}'}
+    try:
+        wait_for(lambda: server.log().count("model scaled is ready") == 2, 60, "both frontends")
+        assert _liveness_answers(server) == live
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            hung = f"frontend 0 (pid {server.proc.pid}) silent for 10 s: not live"
+            wait_for(lambda: hung in server.log(), 60, "frontend 1 to hear frontend 0 is hung")
+            not_live = {"NOT_SERVING live=False", 'http 503 {"live":false}'}
+            wait_for(lambda: _liveness_answers(server) == not_live, 30, "frontend 1 not live")
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        back = f"frontend 0 (pid {server.proc.pid}) answers again: live"
+        wait_for(lambda: back in server.log(), 30, "frontend 1 to hear frontend 0 again")
+        wait_for(lambda: _liveness_answers(server) == live, 30, "both live")
+        assert "killing it" not in server.log()  # (frontend 0 heard frontend 1 all along)
     finally:
         assert server.stop() == 0, server.log()
 
