@@ -38,7 +38,7 @@ from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
-from batchd.server.frontends import Children, Models, bind, endpoints, models_at_start, watch_parent
+from batchd.server.frontends import Children, Models, at_start, bind, endpoints, watch_parent
 from batchd.server.handlers import add_service
 from batchd.server.health import liveness, track_health
 from batchd.server.http_site import serve_rest
@@ -101,6 +101,7 @@ class _Parts:
 def _build(
     cfg: ServerConfig,
     models: Models,  # the repository's at start, and their files
+    tokens: Tokens | None,  # --auth-token-file's, as frontend 0 read them at start
     router: zmq.asyncio.Socket,
     endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
@@ -127,8 +128,6 @@ def _build(
     )  # fmt: skip
     health = HealthServicer()
     jobs, off = _jobs(cfg, core, limits)
-    token_file = cfg.security.auth_token_file
-    tokens = None if token_file is None else load_tokens(token_file)
     jobs_service = JobsService(jobs, off, tokens, cfg.network.max_message_bytes)
     server, port = _grpc_server(cfg, service, health, jobs_service, tokens)
     rest = RestApi(
@@ -337,7 +336,9 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
 
 async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
-    models = models_at_start(cfg.model_repository, cfg.frontends.index > 0)  # (a child: 0's)
+    file, child = cfg.security.auth_token_file, cfg.frontends.index > 0
+    read_tokens = lambda: None if file is None else load_tokens(file)  # noqa: E731
+    models, tokens = at_start(cfg.model_repository, child, read_tokens)  # (a child: 0's)
     log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(models[0])
              or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
     if (slow := slow_backend()) is not None:
@@ -349,7 +350,9 @@ async def serve(cfg: ServerConfig) -> None:
     with private or contextlib.nullcontext() as tmp:  # (frontend 0's: a child's was left)
         every = endpoints(tmp, fronts.count) if tmp is not None else []
         endpoint = cfg.workers.endpoint or every[0]
-        children = Children(fronts.argv, every, models, tmp) if tmp and len(every) > 1 else None
+        children = (
+            Children(fronts.argv, every, (models, tokens), tmp) if tmp and len(every) > 1 else None
+        )
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)
         for option, value in link.ROUTER_OPTIONS:
@@ -361,7 +364,7 @@ async def serve(cfg: ServerConfig) -> None:
             bind(router, endpoint, given=bool(cfg.workers.endpoint) and not fronts.index)
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
-            p = _build(cfg, models, router, ",".join(every) or endpoint)
+            p = _build(cfg, models, tokens, router, ",".join(every) or endpoint)
             await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT))
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):

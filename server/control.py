@@ -72,7 +72,7 @@ class ModelControl:
         self, configs: dict[str, ModelConfig], files: Mapping[str, Files] | None = None
     ) -> None:
         """The models serving from the start (before any worker registered), with their
-        files as the repository was read (frontends.models_at_start), else as they are."""
+        files as the repository was read (frontends.at_start), else as they are."""
         for cfg in configs.values():
             then = (files or {}).get(cfg.name)
             self._install(self._next_version(cfg, then or files_of(cfg.directory)))

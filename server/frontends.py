@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -37,13 +37,14 @@ from batchd.server import siblings
 from batchd.server.errors import Unavailable
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
-MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models as it read them
+MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models and tokens at start
 BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the socket it beats on (watch_parent)
 SOCKET = "BATCHD_FRONTEND_SOCKET"  # ... and its socket for the others (siblings.py)
 HUNG_S = 10.0  # a child not beating this long is killed (and restarted)
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.5, 10.0, 30.0
+T = TypeVar("T")
 
 
 def endpoints(tmp: str, count: int) -> list[str]:
@@ -72,12 +73,12 @@ def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:
 class Children:
     """Frontends 1..N-1, started and kept running by frontend 0."""
 
-    def __init__(self, argv: Sequence[str], endpoints: Sequence[str], models: Models,
+    def __init__(self, argv: Sequence[str], endpoints: Sequence[str], at: tuple[Models, Any],
                  tmp: str) -> None:  # fmt: skip
         self._argv = list(argv)
         self._endpoints = list(endpoints)
         self.sockets = siblings.sockets(tmp, len(endpoints))  # each one's, for the others
-        self._models, self._saved = pickle.dumps(models), Path(tmp) / "models.pickle"
+        self._models, self._saved = pickle.dumps(at), Path(tmp) / "at-start.pickle"  # (0700)
         self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(self._saved)}
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
@@ -144,25 +145,30 @@ class Children:
                         p.kill()
 
 
-def models_at_start(root: Path, child: bool) -> Models:
-    """The repository's models and their files: read from it, or, in a child frontend
-    (restarted ones too), as frontend 0 read them. A child that read it again served a
-    model's files changed since as the version frontend 0 refused them for, and one
-    that found a model added broken failed to start, again and again."""
+def at_start(root: Path, child: bool, tokens: Callable[[], T]) -> tuple[Models, T]:
+    """The repository's models and their files, and the tokens (`tokens()` reads them):
+    read now, or, in a child frontend (restarted ones too), as frontend 0 read them. A
+    child that read the repository again served a model's files changed since as the
+    version frontend 0 refused them for, and one that found a model added broken failed
+    to start, again and again; one that read the token file again let in the tokens of
+    an edit that the other frontends refused, until the next restart."""
     if not child:  # (a variable inherited from elsewhere is not this process's)
         for name in (PARENT, MODELS, BEAT, SOCKET):
             os.environ.pop(name, None)
     if saved := os.environ.get(MODELS):
         try:
-            models: Models = pickle.loads(Path(saved).read_bytes())  # (frontend 0's, 0700)
+            at: tuple[Models, T] = pickle.loads(Path(saved).read_bytes())  # (frontend 0's)
         except (OSError, pickle.UnpicklingError, EOFError) as e:
-            why = f"frontend 0's models at start ({saved}) cannot be read: {e}"
+            why = f"frontend 0's models and tokens at start ({saved}) cannot be read: {e}"
             raise ConfigError(why) from None
-        return models
+        return at
     repository = load_repository(root)
     for stray in strays(root) + ([] if repository else [NO_MODELS]):  # (not again in a child)
         log.warning("%s", stray)
-    return repository, {name: files_of(cfg.directory) for name, cfg in repository.items()}
+    return (
+        repository,
+        {name: files_of(cfg.directory) for name, cfg in repository.items()},
+    ), tokens()
 
 
 def parent() -> int:

@@ -433,29 +433,50 @@ def test_a_child_frontend_s_callers_are_answered_once_frontend_0_dies(tmp_path: 
     assert all(o["Y"][0, 0] == 2 * k for k, o in enumerate(out) if isinstance(o, dict)), out
 
 
+def _admitted(server: ServerProcess, token: str) -> set[str]:
+    """How ServerLive goes with `token` over 8 fresh connections (the kernel spreads them
+    over the frontends)."""
+    seen = set()
+    for _ in range(8):
+        with grpc.insecure_channel(server.url, [("grpc.use_local_subchannel_pool", 1)]) as ch:
+            try:
+                live = pb_grpc.GRPCInferenceServiceStub(ch).ServerLive
+                live(pb.ServerLiveRequest(), metadata=[("authorization", f"Bearer {token}")])
+                seen.add("OK")
+            except grpc.RpcError as e:
+                seen.add(e.code().name)
+    return seen
+
+
 def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: Path) -> None:
     """A child restarted after a crash read the repository again: a model folder added
     broken since stopped it starting, again and again (and files changed since were
     served as the version frontend 0 refused them for). It takes frontend 0's models,
     and a version the worker holds, whose files changed since (here a mere touch), it
-    takes from the worker, which does not read them."""
+    takes from the worker, which does not read them. So with the tokens: it read the
+    token file again, and let in an edit's token that frontend 0 refused."""
     scaled = make_model(tmp_path / "repo", "scaled", 2.0)
     (tmp := tmp_path / "tmp").mkdir()
-    args = ("--frontends", "2")
+    (tokens := tmp_path / "tokens").write_text("infer: at-start-0123456789\n")
+    tokens.chmod(0o600)
+    args = ("--frontends", "2", "--auth-token-file", str(tokens))
     server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path, env={"TMPDIR": str(tmp)})
-    server.start()
+    server.start(token="at-start-0123456789")
     try:
         ready = "model scaled is ready"
         wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
-        for saved in tmp.glob("batchd-*/models.pickle"):  # a /tmp cleaner took it: written
+        for saved in tmp.glob("batchd-*/*.pickle"):  # a /tmp cleaner took it: written
             saved.unlink()  # again for each start (every restart failed to read it)
         (tmp_path / "repo" / "broken").mkdir()
         (tmp_path / "repo" / "broken" / "model.toml").write_text("max_batch_size = 'x'\n")
         os.utime(scaled / "model.py", ns=(1, 1))  # (the worker holds version 1 still)
+        tokens.write_text("infer: edited-since-0123456789\n")
         (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
         os.kill(child, signal.SIGKILL)
         wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 back, serving")
         assert "connected again to frontend" in server.log()  # READY at once, not in 3 s
+        assert _admitted(server, "at-start-0123456789") == {"OK"}
+        assert _admitted(server, "edited-since-0123456789") == {"UNAUTHENTICATED"}
     finally:
         assert server.stop() == 0, server.log()
 
