@@ -40,17 +40,12 @@ DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 
 class ModelControl:
     def __init__(
-        self,
-        repository: Path,
-        pool: WorkerPool,
-        link: WorkerLink,
-        scheduler: Scheduler,
-        explicit: bool,
-        clock: Callable[[], float],
+        self, repository: Path, pool: WorkerPool, link: WorkerLink, scheduler: Scheduler,
+        explicit: bool, clock: Callable[[], float],
         changed: Callable[[], None],  # readiness may have changed
         pump_soon: Callable[[], None],  # capacity changed: decide again, once, soon
         answering: Callable[[str, str], int] = lambda name, version: 0,  # (Stats.answering)
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.repository = repository
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
@@ -65,12 +60,12 @@ class ModelControl:
         # long drain) holds up none: name -> its lock, and how many hold or await it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()  # retirements, loads and unloads under way
+        self._next_load: dict[str, asyncio.Task[ModelConfig]] = {}  # name -> one not begun
         self._retiring: dict[str, set[asyncio.Task[None]]] = {}  # name -> its versions draining
         self.closed = False  # shutting down: loads and unloads are refused
 
-    def start_with(
-        self, configs: dict[str, ModelConfig], files: Mapping[str, Files] | None = None
-    ) -> None:
+    def start_with(self, configs: dict[str, ModelConfig],
+                   files: Mapping[str, Files] | None = None) -> None:  # fmt: skip
         """The models serving from the start (before any worker registered), with their
         files as the repository was read (frontends.at_start), else as they are."""
         for cfg in configs.values():
@@ -118,11 +113,9 @@ class ModelControl:
         self.current[cfg.name] = cfg
 
     def ready(self, name: str) -> bool:
-        cfg = self.current.get(name)
-        return cfg is not None and self._pool.model_ready(cfg.key)
+        return (cfg := self.current.get(name)) is not None and self._pool.model_ready(cfg.key)
 
-    def load_error(self, name: str) -> str | None:  # (every worker that may run it failed)
-        """Why model `name` cannot be served: none of its workers could load it."""
+    def load_error(self, name: str) -> str | None:  # why not served: no worker could load it
         return None if (cfg := self.current.get(name)) is None else self.broken.get(cfg.key)
 
     def _judge(self, key: str) -> None:
@@ -271,17 +264,23 @@ class ModelControl:
             raise Unavailable("the server is shutting down: it loads and unloads no models")
 
     async def load(self, name: str) -> ModelConfig:
-        """Load `name` from the repository (again); swap it in once every worker has it."""
+        """Load `name` from the repository (again); swap it in once every worker has it. A
+        load not yet begun reads the files when it begins, so it serves those after it (a
+        caller retrying on a short deadline queued one for each try, each run to its end)."""
         self._allowed()
         if not MODEL_NAME.fullmatch(name):  # before any message quotes it whole
             raise InvalidInput(
                 f"cannot load model {clip(name)}: not a model name (1 to 128 letters, "
                 "digits, '_', '-' or '.', not starting with '.')"
             )
-        return await self._to_the_end(self._load(name))
+        if (task := self._next_load.get(name)) is None or task.done():
+            task = self._next_load[name] = self._keep(asyncio.create_task(self._load(name)))
+        return await asyncio.shield(task)
 
     async def _load(self, name: str) -> ModelConfig:
         async with self._one_at_a_time(name):  # (read in it: the files as they are now)
+            if self._next_load.get(name) is asyncio.current_task():
+                del self._next_load[name]  # begun: a later load reads the files after it
             try:  # (off the loop: a name no folder has is looked for in every model.toml)
                 found = await asyncio.to_thread(find_model, self.repository, name)
             except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
@@ -333,6 +332,7 @@ class ModelControl:
     async def unload(self, name: str) -> None:
         """Stop admitting requests for `name`; return once its admitted requests are answered."""
         self._allowed()
+        self._next_load.pop(name, None)  # a load asked for after this one runs after it
         await self._to_the_end(self._unload(name))
 
     async def _unload(self, name: str) -> None:

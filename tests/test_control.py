@@ -427,6 +427,49 @@ def test_a_load_or_unload_whose_caller_left_still_ends(server: ServerProcess, re
         batch_gate(d, 5.0).unlink(missing_ok=True)
 
 
+def test_loads_whose_callers_left_while_one_waits_are_that_one_load(
+    server: ServerProcess, repo: Path
+) -> None:
+    """A caller that retried its load on a short deadline (as a deploy script does) while
+    a load was held queued a load for each try, and each ran in turn, to its end: 5
+    retries made 5 loads more. A load not yet begun serves every load asked for after
+    it (it reads the files when it begins); one asked for after an unload follows it."""
+    d = make_model(repo, "retried", 3.0)
+    gate = load_gate(d)
+    gate.touch()
+    try:
+        with Client(server.url) as c:
+            for timeout in (1.0, 0.3, 0.3, 0.3, 0.3, 0.3):  # the first held, the rest queued
+                with pytest.raises(BatchdClientError) as e:
+                    c.load_model("retried", timeout=timeout)
+                assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_for(lambda: len(model_log(d, "loads.log")) == WORKERS, 60, "the held loads")
+            gate.unlink()
+            c.load_model("retried", timeout=60)  # joins the one queued
+            assert len(model_log(d, "loads.log")) == 2 * WORKERS
+            assert c.model_metadata("retried")["versions"] == ["2"]
+            gate.touch()
+            waits = lambda: server.log().count("model retried: waits")  # noqa: E731
+            before = waits()
+            for timeout in (1.0, 0.3):  # version 3, held; 4, queued behind it
+                with pytest.raises(BatchdClientError):
+                    c.load_model("retried", timeout=timeout)
+            wait_for(lambda: waits() == before + 1, 30, "the second load to queue")
+            with ThreadPoolExecutor(2) as pool:
+                unloaded = pool.submit(c.unload_model, "retried", timeout=60)
+                wait_for(lambda: waits() == before + 2, 30, "the unload to queue")
+                loaded = pool.submit(c.load_model, "retried", timeout=60)  # not 4: after it
+                wait_for(lambda: waits() == before + 3, 30, "the last load to queue")
+                gate.unlink()
+                unloaded.result(60)
+                loaded.result(60)
+            assert c.model_metadata("retried")["versions"] == ["5"]
+            assert len(model_log(d, "loads.log")) == 5 * WORKERS
+            c.unload_model("retried", timeout=60)
+    finally:
+        gate.unlink(missing_ok=True)
+
+
 def test_models_answer_while_another_loads_and_a_drain_holds_up_no_load(
     server: ServerProcess, repo: Path
 ) -> None:
