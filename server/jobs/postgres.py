@@ -52,6 +52,7 @@ from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, ev
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
+    EXPIRE_MOST,
     READ_PIECE,
     STATUSES,
     TRIM_MOST,
@@ -340,7 +341,8 @@ class PostgresStore(Store):
 
     async def recover(self) -> list[str]:
         """Nothing of another replica's is touched: its running jobs are its own until
-        their leases run out. Uploads whose replica went (their lease ran out) go."""
+        their leases run out. Uploads whose replica went (their lease ran out) go (EXPIRE_MOST
+        of them: any more at the expiry runs)."""
         return await self._remove(-math.inf)
 
     async def expire(self, retention_s: float) -> list[str]:
@@ -349,10 +351,11 @@ class PostgresStore(Store):
     async def _remove(self, before: float) -> list[str]:
         """Jobs that ended before `before`, uploads whose replica went; local leftovers."""
         sql = (
-            "DELETE FROM batchd_jobs WHERE (finished_at > 0 AND finished_at < %s) OR "
-            f"(status = 'validating' AND lease_until < {_NOW}) RETURNING id"
+            "DELETE FROM batchd_jobs WHERE id IN (SELECT id FROM batchd_jobs WHERE (finished_at "
+            f"> 0 AND finished_at < %s) OR (status = 'validating' AND lease_until < {_NOW}) "
+            "LIMIT %s) RETURNING id"
         )
-        gone = [r[0] for r in await self._db.run(every, sql, (before,))]
+        gone = [r[0] for r in await self._db.run(every, sql, (before, EXPIRE_MOST))]
         self._sweep()
         return gone
 

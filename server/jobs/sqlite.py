@@ -24,6 +24,7 @@ from typing import BinaryIO
 from batchd.server.jobs.store import (
     COLUMNS,
     ENDED,
+    EXPIRE_MOST,
     READ_PIECE,
     STATUSES,
     TRIM_MOST,
@@ -76,9 +77,6 @@ _KEYS = (
     "WHERE submission <> ''"
 )
 _COLUMNS = ", ".join(COLUMNS)
-# Expired jobs removed a minute at most (on the loop, ~0.1 ms each: a backlog of 300,000
-# after a long stop held it 27 s at once); more than a day's worth at a job a second
-EXPIRE_MOST = 500
 # An owner's ended jobs past its newest (--jobs-max-kept), from the index, newest first
 _PAST_KEPT = (
     "SELECT id FROM jobs WHERE owner = ? AND finished_at > 0 ORDER BY finished_at DESC "

@@ -32,6 +32,10 @@ STATUSES = ("validating", "queued", "running", "completed", "failed", "cancellin
 OPEN = ("validating", "queued", "running", "cancelling")
 ENDED = ("completed", "failed", "cancelled")
 TRIM_MOST = 100  # ended jobs one submission removes past its token's --jobs-max-kept
+# Expired jobs removed a minute at most: SQLite's on the loop, ~0.1 ms each (a backlog of
+# 300,000 after a long stop held it 27 s at once), PostgreSQL's on its thread (every job
+# call of the frontend waits behind it); more than a day's worth at a job a second
+EXPIRE_MOST = 500
 READ_PIECE = 1024 * 1024  # bytes of results per piece read back
 OVERDUE_S = 2.0  # an ETA past by this long is not known (pace)
 
@@ -281,7 +285,8 @@ class Store(ABC):
 
     @abstractmethod
     async def expire(self, retention_s: float) -> list[str]:
-        """Remove the jobs that ended more than `retention_s` ago; their ids."""
+        """Remove the jobs that ended more than `retention_s` ago, at most EXPIRE_MOST of
+        them (a backlog goes over several runs); their ids."""
 
     @abstractmethod
     async def trim(self, owner: str, keep: int) -> list[str]:
