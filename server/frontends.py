@@ -103,7 +103,7 @@ class Children:
             # Written before each start: a /tmp cleaner may have taken it since (each
             # restart then failed to read it, for good)
             with contextlib.suppress(OSError):
-                self._saved.write_bytes(self._models)
+                _save(self._saved, self._models)
             started, (ours, theirs) = time.monotonic(), socket.socketpair()
             beats, beating = ours.detach(), theirs.detach()  # (a pipe each way: see _watched)
             env = {**self._env, BEAT: str(beating), SOCKET: self.sockets[i]}
@@ -161,6 +161,9 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T]) -> tuple[Models, 
         except (OSError, pickle.UnpicklingError, EOFError) as e:
             why = f"frontend 0's models and tokens at start ({saved}) cannot be read: {e}"
             raise ConfigError(why) from None
+        if not (isinstance(at, tuple) and len(at) == 2 and isinstance(at[0], tuple)):
+            why = f"frontend 0's models and tokens at start ({saved}) are another version's"
+            raise ConfigError(why + " (batchd upgraded under it?): restart the server")
         return at
     repository = load_repository(root)
     for stray in strays(root) + ([] if repository else [NO_MODELS]):  # (not again in a child)
@@ -201,27 +204,45 @@ async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int 
     a byte to `beats` each round): a child hung (its event loop blocked, stopped) kept
     its listening socket and took its share of new connections, which hung. Each beat
     is answered, from this loop: the child hears whether this process is hung."""
-    heard = time.monotonic()
+    heard = woke = time.monotonic()
 
     def beat() -> None:
         nonlocal heard
-        with contextlib.suppress(BlockingIOError):
-            if os.read(beats, 4096):
-                heard = time.monotonic()
-                with contextlib.suppress(OSError):  # (the child's side full: it is behind)
-                    os.write(beats, b".")
+        try:
+            got = os.read(beats, 4096)
+        except BlockingIOError:
+            return
+        except OSError:  # reset: the child left an answer unread, as it exits
+            got = b""
+        if not got:  # its exit comes next
+            loop.remove_reader(beats)
+            return
+        heard = time.monotonic()
+        with contextlib.suppress(OSError):  # (the child's side full: it is behind)
+            os.write(beats, b".")
 
     os.set_blocking(beats, False)
     loop = asyncio.get_running_loop()
     loop.add_reader(beats, beat)
     try:
         while (code := await _exit_within(proc, 1.0)) is None:
-            if time.monotonic() - heard > HUNG_S and proc.returncode is None:
+            if (now := time.monotonic()) - woke > HUNG_S / 2:  # this process was stopped
+                heard = now  # itself (the whole group: Ctrl-Z, a freeze): nobody's silence
+            woke = now
+            if now - heard > HUNG_S and proc.returncode is None:
                 log.error("frontend %d (pid %d) silent for %.0f s; killing it", i, proc.pid, HUNG_S)
                 proc.kill()
         return code
     finally:
         loop.remove_reader(beats)
+
+
+def _save(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all (a child may be reading it), 0600 (token digests)."""
+    fd = os.open(writing := f"{path}.new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "wb") as f:
+        f.write(data)
+    os.replace(writing, path)
 
 
 async def _exit_within(proc: asyncio.subprocess.Process, seconds: float) -> int | None:
@@ -250,23 +271,31 @@ async def watch_parent(
     liveness probe the kernel hands here restarts the server: nothing else restarts 0,
     whose callers wait (a probe reaching this frontend passed, and 0 was found late)."""
     beat = int(os.environ.get(BEAT, -1))  # frontend 0 hears from this child each round
-    if beat >= 0:
+    with contextlib.suppress(OSError):  # (none such: a stale variable; see below)
         os.set_blocking(beat, False)
-    heard, hung = time.monotonic(), False
+    heard = woke = time.monotonic()
+    hung = False
     while True:  # (no event tells a process its parent exited)
         if os.getppid() != parent():
             break
-        if beat >= 0:
-            with contextlib.suppress(OSError):  # (full: frontend 0 is behind; gone: above)
-                os.write(beat, b".")
-            with contextlib.suppress(BlockingIOError):
-                heard = time.monotonic() if os.read(beat, 4096) else heard
-            if hung != (time.monotonic() - heard > HUNG_S):
-                hung = not hung
-                said = f"silent for {HUNG_S:.0f} s: not live" if hung else "answers again: live"
-                log.log(logging.ERROR if hung else logging.INFO, "frontend 0 (pid %d) %s",
-                        parent(), said)  # fmt: skip
-                live(not hung)
+        if (now := time.monotonic()) - woke > HUNG_S / 2:  # this process was stopped itself
+            heard = now  # (the whole group: Ctrl-Z, a freeze): not frontend 0's silence
+        woke = now
+        try:
+            if beat >= 0:
+                with contextlib.suppress(OSError):  # (full: frontend 0 is behind; gone: above)
+                    os.write(beat, b".")
+                heard = now if os.read(beat, 4096) else heard
+        except BlockingIOError:
+            pass
+        except OSError:  # no such socket (a stale variable), or frontend 0 leaving: not watched
+            beat = -1
+        if hung != (beat >= 0 and now - heard > HUNG_S):
+            hung = not hung
+            said = f"silent for {HUNG_S:.0f} s: not live" if hung else "answers again: live"
+            log.log(logging.ERROR if hung else logging.INFO, "frontend 0 (pid %d) %s",
+                    parent(), said)  # fmt: skip
+            live(not hung)
         await asyncio.sleep(0.5)
     log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()

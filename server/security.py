@@ -251,8 +251,9 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
     ssl_context(security)
     key_dir = security.worker_keys
     secrets = [] if key_dir is None else [key_dir / f"{n}.key_secret" for n in keys.PAIRS]
-    if security.auth_token_file is not None and cfg.frontends.index == 0:  # (a child: 0's)
-        load_tokens(security.auth_token_file)
+    if security.auth_token_file is not None:
+        if cfg.frontends.index == 0:  # (a child holds frontend 0's: frontends.at_start)
+            load_tokens(security.auth_token_file)
         secrets.append(security.auth_token_file)
     keys.warn_loose(log, *secrets)  # (a missing key secret fails at WorkerAuth, naming it)
     check_worker_endpoint(cfg.workers.endpoint or "", security.worker_keys)
