@@ -204,6 +204,43 @@ def test_the_postgres_store_keeps_each_owner_s_newest_ended_jobs(
         store.close()
 
 
+def _lock_waiters(url: str) -> int:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return int(conn.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0])
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["upload", "ended"])
+def test_expiry_takes_no_row_another_transaction_holds(
+    jobs_db: str, tmp_path: Path, ended: bool
+) -> None:
+    """An upload that queue() held past its lease (a large input being stored), then
+    committed queued: expiry picked its id while it read 'validating, lease passed', waited,
+    and deleted the queued job its submitter had been told of (late review). Rows held
+    are skipped (an ended job too: another replica expiring it) and terms checked again."""
+    store = PostgresStore(jobs_db, tmp_path / "a", lease_s=30)
+    try:
+        job = run(lambda: store.create("o", "m", ""))
+        past = "finished_at = 1, status = 'completed'" if ended else "lease_until = 1"
+        with psycopg.connect(jobs_db) as conn:
+            conn.execute(f"UPDATE batchd_jobs SET {past} WHERE id = %s", (job.id,))
+            conn.commit()
+            then = "finished_at = 0, status = 'queued'" if ended else "status = 'queued'"
+            conn.execute(f"UPDATE batchd_jobs SET {then} WHERE id = %s", (job.id,))  # held
+
+            async def expiring() -> list[str]:
+                task = asyncio.ensure_future(store.expire(retention_s=0))
+                ended_or_waits = lambda: task.done() or _lock_waiters(jobs_db) > 0  # noqa: E731
+                await asyncio.to_thread(wait_for, ended_or_waits, 30, "expiry to end or wait")
+                conn.commit()  # queued
+                return await task
+
+            assert run(expiring) == []
+        row = run(lambda: store.get(job.id))
+        assert row is not None and row.status == "queued"
+    finally:
+        store.close()
+
+
 def test_a_download_of_a_job_removed_under_it_fails_rather_than_ends_short(
     jobs_db: str, tmp_path: Path
 ) -> None:

@@ -76,6 +76,16 @@ _ROW = ", ".join(COLUMNS)
 _KEYED = "SELECT id FROM batchd_jobs WHERE submission = %s AND submission <> ''"
 
 
+def _removal(where: str, then: str = "LIMIT %s FOR UPDATE SKIP LOCKED") -> str:
+    """DELETE of rows matching `where` that `then` keeps (by default %s, none held), chosen
+    once (as `id IN`'s subquery it ran again for each row), `where` checked again on them."""
+    return (
+        f"WITH chosen AS MATERIALIZED (SELECT id FROM batchd_jobs WHERE {where} {then}) DELETE "
+        f"FROM batchd_jobs USING chosen WHERE batchd_jobs.id = chosen.id AND {where} "
+        "RETURNING batchd_jobs.id"
+    )
+
+
 class PostgresStore(Store):
     shared = True
 
@@ -341,30 +351,30 @@ class PostgresStore(Store):
 
     async def recover(self) -> list[str]:
         """Nothing of another replica's is touched: its running jobs are its own until
-        their leases run out. Uploads whose replica went (their lease ran out) go (EXPIRE_MOST
-        of them: any more at the expiry runs)."""
+        their leases run out. Uploads whose replica went (their lease ran out) go."""
         return await self._remove(-math.inf)
 
     async def expire(self, retention_s: float) -> list[str]:
         return await self._remove(self._clock() - retention_s)
 
     async def _remove(self, before: float) -> list[str]:
-        """Jobs that ended before `before`, uploads whose replica went; local leftovers."""
-        sql = (
-            "DELETE FROM batchd_jobs WHERE id IN (SELECT id FROM batchd_jobs WHERE (finished_at "
-            f"> 0 AND finished_at < %s) OR (status = 'validating' AND lease_until < {_NOW}) "
-            "LIMIT %s) RETURNING id"
-        )
-        gone = [r[0] for r in await self._db.run(every, sql, (before, EXPIRE_MOST))]
+        """Uploads whose replica went (a few: --jobs-max-open), then at most EXPIRE_MOST jobs
+        that ended before `before`; local leftovers. Rows held are skipped (a replica expiring
+        too; a queue() past the upload's lease), and terms checked again: they deleted them."""
+        stale = f"status = 'validating' AND lease_until < {_NOW}"
+        ended = "finished_at > 0 AND finished_at < %s"
+        gone = [r[0] for r in await self._db.run(every, _removal(stale), (1 << 31,))]
+        if before > 0:
+            removal, args = _removal(ended), (before, EXPIRE_MOST, before)
+            gone += [r[0] for r in await self._db.run(every, removal, args)]
         self._sweep()
         return gone
 
     async def trim(self, owner: str, keep: int) -> list[str]:
-        sql = (
-            "DELETE FROM batchd_jobs WHERE id IN (SELECT id FROM batchd_jobs WHERE owner = %s "
-            "AND finished_at > 0 ORDER BY finished_at DESC LIMIT %s OFFSET %s) RETURNING id"
+        sql = _removal(
+            "owner = %s AND finished_at > 0", "ORDER BY finished_at DESC LIMIT %s OFFSET %s"
         )
-        return [r[0] for r in await self._db.run(every, sql, (owner, TRIM_MOST, keep))]
+        return [r[0] for r in await self._db.run(every, sql, (owner, TRIM_MOST, keep, owner))]
 
     def _sweep(self) -> None:
         """Remove the local folders of jobs not running or taken in here: input caches of

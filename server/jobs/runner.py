@@ -303,7 +303,7 @@ class Jobs:
                 if time.monotonic() - expired_at > EXPIRE_EVERY_S:
                     expired_at = time.monotonic()
                     for job_id in await self.store.expire(self.retention_s):
-                        log.info("job %s: past --jobs-retention-hours; removed", job_id)
+                        log.info("job %s: past its retention, or an upload cut; removed", job_id)
                 self._claiming = asyncio.ensure_future(self._claim())
                 row = await asyncio.shield(self._claiming)  # a stop waits for it
             except Unavailable as e:  # the jobs database is down: online traffic goes on
