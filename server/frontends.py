@@ -168,10 +168,8 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T]) -> tuple[Models, 
     repository = load_repository(root)
     for stray in strays(root) + ([] if repository else [NO_MODELS]):  # (not again in a child)
         log.warning("%s", stray)
-    return (
-        repository,
-        {name: files_of(cfg.directory) for name, cfg in repository.items()},
-    ), tokens()
+    files = {name: files_of(cfg.directory) for name, cfg in repository.items()}
+    return (repository, files), tokens()
 
 
 def parent() -> int:
