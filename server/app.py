@@ -19,6 +19,7 @@ import os
 import signal
 import sqlite3
 import tempfile
+import time
 from dataclasses import dataclass, replace
 
 import grpc
@@ -240,10 +241,12 @@ async def _close_ports(p: _Parts) -> None:
             listening.close()
 
 
-async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float) -> None:
-    """Say not ready and keep serving for `notice` seconds (balancers stop sending), then
-    GOAWAY and close the ports, refuse new work, drain the admitted, answer leftovers, then
-    stop workers (after the other frontends, which need them to drain)."""
+async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float,
+                    again: asyncio.Event) -> None:  # fmt: skip
+    """Say not ready and keep serving for `notice` seconds (balancers stop sending; a second
+    signal, `again`, ends them at once), then GOAWAY and close the ports, refuse new work,
+    drain the admitted, answer leftovers, then stop workers (after the other frontends,
+    which need them to drain)."""
     notice = min(notice, cfg.drain_timeout_s)
     log.info("stopping: not ready; serving new requests %.1f s more (--drain-notice), then "
              "draining for up to %.1f s", notice, cfg.drain_timeout_s - notice)  # fmt: skip
@@ -254,7 +257,16 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     jobs = asyncio.create_task(p.jobs.stop(cfg.drain_timeout_s, notice)) if p.jobs else None
     sig = signal.SIGTERM if notice else signal.SIGINT  # children: this one's notice (SIGINT: 0)
     others = asyncio.create_task(children.stop(cfg.drain_timeout_s + 10, sig)) if children else None
-    await asyncio.sleep(notice)
+    began = time.monotonic()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(again.wait(), notice)
+    if notice and again.is_set():  # (Ctrl-C after a SIGTERM, a second SIGTERM)
+        notice = time.monotonic() - began
+        log.info("a second signal: the drain notice ends after %.1f s", notice)
+        if p.jobs is not None:
+            p.jobs.no_uploads()
+        if children is not None:
+            children.send(signal.SIGINT)  # (theirs end too)
     goaway = await security.stop_listening(p.server, p.http, cfg.drain_timeout_s + 10)
     left = await p.service.drain(cfg.drain_timeout_s - notice)
     if left:
@@ -279,14 +291,19 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
 
 
-def _on_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> list[int]:
-    """SIGINT and SIGTERM set `stop`; the list returned says which came (SIGTERM, from
-    a service manager or Kubernetes, drains with the notice; SIGINT without)."""
+def _on_signals(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, again: asyncio.Event
+) -> list[int]:
+    """SIGINT and SIGTERM set `stop`, and a second one `again`; the list returned says which
+    came (SIGTERM, from a service manager or Kubernetes, drains with the notice; SIGINT
+    without; a second signal ends the notice)."""
     got: list[int] = []
 
     def on_signal(sig: int) -> None:
         got.append(sig)
         stop.set()
+        if len(got) > 1:
+            again.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -313,7 +330,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
     local = len(p.core.supervisor.specs)
     log.info("serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
              in_url(cfg.network.host), p.port, endpoint, local, which)  # fmt: skip
-    got = _on_signals(asyncio.get_running_loop(), stop := asyncio.Event())
+    got = _on_signals(asyncio.get_running_loop(), stop := asyncio.Event(), again := asyncio.Event())
     async with asyncio.TaskGroup() as tg:
         tasks = [
             tg.create_task(p.core.run(), name="core"),
@@ -329,7 +346,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
             tasks.append(tg.create_task(orphaned, name="parent"))
         await stop.wait()
         notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)
-        await _shutdown(cfg, p, children, notice)
+        await _shutdown(cfg, p, children, notice, again)
         for t in tasks:
             t.cancel()
 

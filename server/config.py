@@ -303,8 +303,8 @@ class ServerConfig:
     drain_timeout_s: float = duration(30.0, "--drain-timeout",
                                       "seconds to finish admitted requests on SIGTERM")  # fmt: skip
     drain_notice_s: float = duration(3.0, "--drain-notice", "on SIGTERM, first S seconds (of "
-        "--drain-timeout) of still serving new requests while health and readiness say not "
-        "ready, so load balancers stop sending before any is refused (SIGINT: none)")  # fmt: skip
+        "--drain-timeout) still serving new requests while health and readiness say not "
+        "ready, so balancers stop sending first (SIGINT: none; a second ends it)")  # fmt: skip
     network: Network = section(Network)
     workers: Workers = section(Workers)
     models: Models = section(Models)

@@ -126,13 +126,18 @@ class Children:
             log.warning("frontend %d exited with code %s; restarting in %.1f s", i, code, backoff)
             await asyncio.sleep(backoff)
 
+    def send(self, sig: int) -> None:
+        """Pass `sig` on to every child running (each drains as this process does)."""
+        for p in self._procs.values():
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(sig)
+
     async def stop(self, timeout_s: float, sig: int = signal.SIGTERM) -> None:
         """Signal every child (each drains as this process does); wait, then kill."""
         self._stopping = True
         procs = [p for p in self._procs.values() if p.returncode is None]
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(sig)
+        self.send(sig)
         try:
             await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), timeout_s)
         except TimeoutError:

@@ -308,6 +308,26 @@ def test_sigterm_drains_admitted_requests_then_stops(
     assert not any(alive(p) for p in workers)
 
 
+def test_a_second_signal_ends_the_drain_notice_at_once(tmp_path: Path) -> None:
+    """Ctrl-C after a SIGTERM (an operator who will not wait out the notice) left the
+    server serving for all of --drain-notice: the second signal was ignored. It now ends
+    the notice, and the drain goes on; with --frontends 2 the other frontend's too."""
+    server = ServerProcess(
+        TEST_MODELS, "--drain-notice", "600", "--frontends", "2", log_dir=tmp_path
+    ).start()
+    assert server.proc is not None
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: server.log().count("stopping: not ready") == 2, 30, "both notices")
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(60) == 0, server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.stop(signal.SIGKILL)
+    assert server.log().count("a second signal: the drain notice ends after") == 2
+    assert "the drain notice is over: new job uploads are refused" in server.log()
+
+
 def test_drain_timeout_still_answers_every_request(
     tmp_path: Path, state_dir: Path, gate: Gate
 ) -> None:

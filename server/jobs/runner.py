@@ -341,7 +341,7 @@ class Jobs:
         self.stopping, self.taking_uploads = True, notice_s > 0  # (SIGINT: no notice)
         self._wake.set()
         until = time.monotonic() + timeout_s  # uploads taken: the notice, at most half of it all
-        asyncio.get_running_loop().call_later(min(notice_s, timeout_s / 2), self._no_uploads)
+        asyncio.get_running_loop().call_later(min(notice_s, timeout_s / 2), self.no_uploads)
         claiming = self._claiming
         if claiming is not None:
             await asyncio.wait([claiming], timeout=timeout_s)
@@ -362,9 +362,10 @@ class Jobs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), left)
 
-    def _no_uploads(self) -> None:
-        self.taking_uploads = False
-        log.info("the drain notice is over: new job uploads are refused")
+    def no_uploads(self) -> None:  # (at the notice's end, or when a second signal ends it)
+        if self.taking_uploads:
+            self.taking_uploads = False
+            log.info("the drain notice is over: new job uploads are refused")
 
     async def count_statuses(self) -> None:
         """Read the jobs by status, before each scrape; a database that fails keeps the last."""
