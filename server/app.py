@@ -243,8 +243,8 @@ async def _close_ports(p: _Parts) -> None:
 
 async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, notice: float,
                     again: asyncio.Event) -> None:  # fmt: skip
-    """Say not ready and keep serving for `notice` seconds (balancers stop sending; a second
-    signal, `again`, ends them at once), then GOAWAY and close the ports, refuse new work,
+    """Say not ready and keep serving for `notice` seconds (balancers stop sending; a SIGINT,
+    `again`, ends them at once), then GOAWAY and close the ports, refuse new work,
     drain the admitted, answer leftovers, then stop workers (after the other frontends,
     which need them to drain)."""
     notice = min(notice, cfg.drain_timeout_s)
@@ -260,9 +260,10 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     began = time.monotonic()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(again.wait(), notice)
-    if notice and again.is_set():  # (Ctrl-C after a SIGTERM, a second SIGTERM)
+    if notice and again.is_set():  # (Ctrl-C after a SIGTERM)
         notice = time.monotonic() - began
-        log.info("a second signal: the drain notice ends after %.1f s", notice)
+        log.info("SIGINT: the drain notice ends after %.1f s; draining for up to %.1f s",
+                 notice, cfg.drain_timeout_s - notice)  # fmt: skip
         if p.jobs is not None:
             p.jobs.no_uploads()
         if children is not None:
@@ -294,15 +295,17 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
 def _on_signals(
     loop: asyncio.AbstractEventLoop, stop: asyncio.Event, again: asyncio.Event
 ) -> list[int]:
-    """SIGINT and SIGTERM set `stop`, and a second one `again`; the list returned says which
-    came (SIGTERM, from a service manager or Kubernetes, drains with the notice; SIGINT
-    without; a second signal ends the notice)."""
+    """SIGINT and SIGTERM set `stop`; the list returned says which came (SIGTERM, from
+    a service manager or Kubernetes, drains with the notice; SIGINT without). A SIGINT
+    after the first signal sets `again`: it ends the notice. A second SIGTERM does not:
+    one to the whole process group (systemd) reaches each child frontend twice, frontend
+    0 passing it on, and their notices ended at once."""
     got: list[int] = []
 
     def on_signal(sig: int) -> None:
         got.append(sig)
         stop.set()
-        if len(got) > 1:
+        if len(got) > 1 and sig == signal.SIGINT:
             again.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -304,7 +304,7 @@ class ServerConfig:
                                       "seconds to finish admitted requests on SIGTERM")  # fmt: skip
     drain_notice_s: float = duration(3.0, "--drain-notice", "on SIGTERM, first S seconds (of "
         "--drain-timeout) still serving new requests while health and readiness say not "
-        "ready, so balancers stop sending first (SIGINT: none; a second ends it)")  # fmt: skip
+        "ready, so balancers stop sending first (SIGINT: none; one during it ends it)")  # fmt: skip
     network: Network = section(Network)
     workers: Workers = section(Workers)
     models: Models = section(Models)

@@ -1032,3 +1032,18 @@ def test_results_to_a_path_that_is_not_a_regular_file_go_to_it_as_it_is(tmp_path
     assert (tmp_path / "link.jsonl").is_symlink()
     assert (tmp_path / "real.jsonl").read_text() == "new\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]
+
+
+def test_uploads_a_sigint_refused_before_the_stop_began_stay_refused(tmp_path: Path) -> None:
+    """A SIGINT that ends the drain notice can come before the jobs' stop has begun
+    (Python 3.12's wait_for returns without a switch when the signal is already in):
+    stop() then took uploads again for the notice it was given (late review)."""
+    store = SqliteStore(tmp_path)
+    jobs = jobs_of(store, model(max_batch_size=4, shape=(1,)), runs=False)
+    try:
+        assert jobs.taking_uploads
+        jobs.no_uploads()
+        run(lambda: jobs.stop(timeout_s=1.0, notice_s=30.0))
+        assert not jobs.taking_uploads
+    finally:
+        store.close()

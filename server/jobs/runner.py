@@ -338,7 +338,7 @@ class Jobs:
     async def stop(self, timeout_s: float = STOP_S, notice_s: float = 0.0) -> None:
         """Stop jobs where they are (they go on from a checkpoint, here or elsewhere), a claim
         in flight too; take uploads `notice_s` more, then let those under way end. `timeout_s`."""
-        self.stopping, self.taking_uploads = True, notice_s > 0  # (SIGINT: no notice)
+        self.stopping, self.taking_uploads = True, self.taking_uploads and notice_s > 0
         self._wake.set()
         until = time.monotonic() + timeout_s  # uploads taken: the notice, at most half of it all
         asyncio.get_running_loop().call_later(min(notice_s, timeout_s / 2), self.no_uploads)
