@@ -629,7 +629,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from batchd.protos import inference_pb2_grpc, jobs_pb2_grpc
 
 def died(name):
-    with open(sys.argv[2], "a") as f:
+    with open(sys.argv[1], "a") as f:
         f.write(name + "\\n")
     os._exit(1)  # after the call came whole, before any answer: haproxy sees none
 
@@ -649,10 +649,25 @@ checks.set("", health_pb2.HealthCheckResponse.SERVING)
 health_pb2_grpc.add_HealthServicer_to_server(checks, server)
 jobs_pb2_grpc.add_JobsServicer_to_server(Jobs(), server)
 inference_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Inference(), server)
-server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+port = server.add_insecure_port("127.0.0.1:0")
 server.start()
+print(port, flush=True)
 server.wait_for_termination()
 """
+
+
+def dying_backends(tmp_path: Path, calls: Path) -> tuple[list[subprocess.Popen[str]], list[int]]:
+    """Five DYING_BACKEND processes and the ports they took (port 0: one picked free and
+    then bound was once another test's server, whose health checks passed until it went)."""
+    (tmp_path / "backend.py").write_text(DYING_BACKEND)
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(calls)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(5)]  # fmt: skip
+    ports = []
+    for p in procs:
+        assert p.stdout is not None
+        with p.stdout:  # (it says nothing more)
+            ports.append(int(p.stdout.readline()))
+    return procs, ports
 
 
 def submit_in_one_frame(url: str) -> None:
@@ -679,12 +694,9 @@ def test_haproxy_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
         def __init__(self, port: int) -> None:
             self.url = f"127.0.0.1:{port}"
 
-    (tmp_path / "backend.py").write_text(DYING_BACKEND)
     calls = tmp_path / "calls.log"
-    backends, procs = [Url(_free_port()) for _ in range(5)], []
-    for b in backends:
-        cmd = [sys.executable, str(tmp_path / "backend.py"), b.url.split(":")[1], str(calls)]
-        procs.append(subprocess.Popen(cmd))
+    procs, ports = dying_backends(tmp_path, calls)
+    backends = [Url(port) for port in ports]
     nodes = Cluster(tmp_path, tmp_path, tmp_path)
     nodes.replicas = backends  # type: ignore[assignment]  (they have .url)
     h = Haproxy(distro_binary("haproxy", "haproxy"), nodes, tmp_path).start()
@@ -711,12 +723,8 @@ def test_nginx_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
     nginx as deploy/ configures it: nginx streams a gRPC request body to its replica,
     so it sends no call again once it went, a job submission in either framing (the
     replica may have stored it) nor an inference call, which then fails."""
-    (tmp_path / "backend.py").write_text(DYING_BACKEND)
     calls = tmp_path / "calls.log"
-    ports, procs = [_free_port() for _ in range(5)], []
-    for port in ports:
-        procs.append(subprocess.Popen([sys.executable, str(tmp_path / "backend.py"), str(port),
-                                       str(calls)]))  # fmt: skip
+    procs, ports = dying_backends(tmp_path, calls)
     url = f"127.0.0.1:{_free_port()}"
     (tmp_path / "nginx.conf").write_text(render.nginx(url, [f"127.0.0.1:{p}" for p in ports]))
     binary = distro_binary("nginx", "nginx")
@@ -726,8 +734,8 @@ def test_nginx_never_sends_a_job_submission_twice(tmp_path: Path) -> None:
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        for port in ports:
-            wait_for(lambda p=port: listening(p), 30, "the backends to listen")
+        # (the backends listen: they said their ports)
+        wait_for(lambda: listening(int(url.rsplit(":", 1)[1])), 30, "nginx to listen")
         with Client(url) as c, pytest.raises(BatchdClientError):
             c.submit_job("m", [{"custom_id": "a", "inputs": []}])
         assert calls.read_text().split() == ["SubmitJob"]
