@@ -48,6 +48,19 @@ def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
+def own_channel(server: ServerProcess) -> grpc.Channel:
+    """A channel with a connection of its own (channels of one process share one
+    otherwise), so the kernel hands each to whichever frontend it picks."""
+    return grpc.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def liveness(channel: grpc.Channel) -> str:
+    """What gRPC health says of `batchd.liveness` (the liveness probe's service)."""
+    check = health_pb2.HealthCheckRequest(service="batchd.liveness")
+    status = health_pb2_grpc.HealthStub(channel).Check(check, timeout=1).status
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+
+
 def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     server = ServerProcess(
@@ -439,7 +452,7 @@ def _admitted(server: ServerProcess, token: str) -> set[str]:
     over the frontends)."""
     seen = set()
     for _ in range(8):
-        with grpc.insecure_channel(server.url, [("grpc.use_local_subchannel_pool", 1)]) as ch:
+        with own_channel(server) as ch:
             try:
                 live = pb_grpc.GRPCInferenceServiceStub(ch).ServerLive
                 live(pb.ServerLiveRequest(), metadata=[("authorization", f"Bearer {token}")])
@@ -507,19 +520,12 @@ def _liveness_answers(server: ServerProcess) -> set[str]:
     one reaching a stopped frontend gets nothing in its second."""
     seen = set()
     for _ in range(8):
-        with (
-            contextlib.suppress(grpc.RpcError),
-            grpc.insecure_channel(
-                server.url, options=[("grpc.use_local_subchannel_pool", 1)]
-            ) as ch,
-        ):
-            check = health_pb2.HealthCheckRequest(service="batchd.liveness")
-            status = health_pb2_grpc.HealthStub(ch).Check(check, timeout=1)
+        with contextlib.suppress(grpc.RpcError), own_channel(server) as ch:
+            status = liveness(ch)
             live = pb_grpc.GRPCInferenceServiceStub(ch).ServerLive(
                 pb.ServerLiveRequest(), timeout=1
             )
-            seen.add(f"{health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)} "
-                     f"live={live.live}")  # fmt: skip
+            seen.add(f"{status} live={live.live}")
         with contextlib.suppress(OSError):
             try:
                 with urllib.request.urlopen(f"{server.http_url}/v2/health/live", timeout=1) as r:
@@ -560,13 +566,8 @@ def test_a_child_frontend_is_not_live_while_frontend_0_is_hung(tmp_path: Path) -
 def _answered(server: ServerProcess) -> str:
     """The liveness of whichever frontend answers a fresh connection first ("" if none
     did within its second)."""
-    with (
-        contextlib.suppress(grpc.RpcError),
-        grpc.insecure_channel(server.url, options=[("grpc.use_local_subchannel_pool", 1)]) as ch,
-    ):
-        check = health_pb2.HealthCheckRequest(service="batchd.liveness")
-        status = health_pb2_grpc.HealthStub(ch).Check(check, timeout=1).status
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    with contextlib.suppress(grpc.RpcError), own_channel(server) as ch:
+        return liveness(ch)
     return ""
 
 

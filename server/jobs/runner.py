@@ -362,7 +362,7 @@ class Jobs:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), left)
 
-    def no_uploads(self) -> None:  # (at the notice's end, or when a second signal ends it)
+    def no_uploads(self) -> None:  # (at the notice's end, or when a SIGINT ends it)
         if self.taking_uploads:
             self.taking_uploads = False
             log.info("the drain notice is over: new job uploads are refused")
