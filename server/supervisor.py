@@ -91,6 +91,16 @@ class Supervisor:
                 tg.create_task(self._keep_running(spec), name=f"worker-{spec.slot}")
 
     async def _start(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
+        # Born with SIGINT and SIGTERM blocked (the mask passes through fork and exec), which
+        # it unblocks once it ignores them: a signal to the whole group in its first seconds,
+        # torch's import, killed it, and it was started again during the stop
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            return await self._exec(spec, worker_id)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    async def _exec(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

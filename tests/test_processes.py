@@ -675,6 +675,25 @@ def test_frontends_refuse_what_they_cannot_share(tmp_path: Path) -> None:
         assert f"--frontends 2 does not work with {why}" in done.stderr
 
 
+def test_a_worker_signalled_as_it_starts_is_not_killed(tmp_path: Path) -> None:
+    """A worker ignores SIGTERM and SIGINT (its frontend drains first), but only once its
+    start-up (torch's import: seconds) is done: a signal to the whole group in that time
+    killed it, and it was started again during the stop. Its frontend starts it with both
+    blocked."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start(ready=False)
+    assert server.proc is not None
+    try:
+        found: list[int] = []
+        wait_for(lambda: found.extend(server.worker_pids()) or found, 30, "the worker")
+        os.kill(found[0], signal.SIGTERM)  # (as it starts: a group signal in a test's time)
+        with Client(server.url) as c:
+            wait_for(lambda: c.ready(), 60, "the server ready")
+        assert server.worker_pids() == found and "exited with code" not in server.log()
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_a_signal_to_the_whole_process_group_still_drains(tmp_path: Path) -> None:
     """systemd stopping a unit, or Ctrl-C in a terminal, signals every process of the
     group: the workers must stay for the frontend's drain, not leave with the signal.

@@ -54,6 +54,9 @@ def install_signal_handlers(runner: Runner) -> None:
             signal.signal(sig, lambda *_: runner.stop())
         else:
             signal.signal(sig, signal.SIG_IGN)
+    # (its frontend starts it with both blocked, so that none kills it before it gets here:
+    # one that came meanwhile is dropped as ignored)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
