@@ -29,7 +29,6 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry
 
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
@@ -39,6 +38,7 @@ from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
 from batchd.server.errors import Unavailable
+from batchd.server.exposition import Source
 from batchd.server.frontends import Children, Models, at_start, bind, endpoints, watch_parent
 from batchd.server.handlers import add_service
 from batchd.server.health import liveness, track_health
@@ -91,7 +91,7 @@ class _Parts:
     health: HealthServicer
     server: grpc.aio.Server
     port: int
-    registry: CollectorRegistry
+    sources: list[Source]  # what /metrics reads (exposition.py)
     jobs: Jobs | None
     rest: RestApi
     http: web.AppRunner | None = None  # serving `rest`, once started
@@ -135,17 +135,15 @@ def _build(
         service, core, jobs_service, tokens, host=cfg.network.host,
         max_body_bytes=cfg.network.max_message_bytes, connections=cfg.connections,
     )  # fmt: skip
-    registry = CollectorRegistry()  # this server's own: nothing is registered globally
-    if jobs is not None:
-        registry.register(jobs)
-    registry.register(Collector(
+    sources: list[Source] = [] if jobs is None else [jobs]  # (nothing is registered globally)
+    sources.append(Collector(
         core.models, core.stats, core.scheduler.pending,
         lambda: worker_views([(s.slot, s.device) for s in core.supervisor.specs],
                              [(w.name, w.info.device) for w in core.pool.workers()]),
         lambda: core.supervisor.restarts, load.busy_seconds, functools.partial(_sequences, core),
         core.scheduler.pending_jobs,
     ))  # fmt: skip
-    return _Parts(core, service, health, server, port, registry, jobs, rest)
+    return _Parts(core, service, health, server, port, sources, jobs, rest)
 
 
 def _sequences(core: Core, model: str) -> tuple[int, int]:
@@ -209,10 +207,10 @@ async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -
     try:
         if metrics >= 0:
             counts = None if p.jobs is None else p.jobs.count_statuses  # (the jobs store's)
-            p.metrics = await start_metrics(p.registry, host, metrics, counts, siblings=sockets[1:])
+            p.metrics = await start_metrics(p.sources, host, metrics, counts, siblings=sockets[1:])
         if unix := os.environ.get(frontends.SOCKET) or (sockets[0] if sockets else ""):
             own = siblings.answering(p.service.statistics)  # (for the others: theirs they add)
-            p.internal = await start_metrics(p.registry, "", -1, unix=unix, statistics=own)
+            p.internal = await start_metrics(p.sources, "", -1, unix=unix, statistics=own)
             others = siblings.others(unix, cfg.frontends.count)
             p.service.siblings = functools.partial(siblings.statistics, paths=others)
     except OSError as e:

@@ -2,10 +2,11 @@
 
 Nothing is counted twice: the collector turns `Stats` (and the queues and
 workers) into metric families when /metrics is scraped, so the request path
-pays nothing for metrics. The registry is created by the composition root and
+pays nothing for metrics. The collectors are created by the composition root and
 passed in; nothing is registered globally. /metrics is served from the event
-loop itself (a tiny HTTP/1.1 responder), so the state is never read from
-another thread; scrapes that arrive while one is rendered share it.
+loop itself (a tiny HTTP/1.1 responder): the state is read there, never from
+another thread, a few models a turn of the loop (exposition.py); scrapes that
+arrive while one is rendered share it.
 
 Names follow Triton's (`nv_` becomes `batchd_`) so dashboards port by a prefix
 rename; batchd adds batch-size, padding and worker metrics.
@@ -18,20 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-
 from batchd.protos.model_config import ConfigError, ModelConfig
+from batchd.server.exposition import Families, Family, Source, labels, render
 from batchd.server.security import in_url
 from batchd.server.siblings import gathered
 from batchd.server.stats import LATENCY_BUCKETS_US, Duration, Histogram, ModelStats, Stats
@@ -40,6 +35,8 @@ log = logging.getLogger("batchd.metrics")
 REFRESH_S = 2.0  # a scrape waits this long, at most, for the jobs store's counts
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 T = TypeVar("T")
+Rows = list[tuple[str, str, ModelStats, str]]  # (model, version, its statistics, labels)
+PART = 50  # models read and written per turn of the loop (exposition.py): 3-8 ms here
 
 
 @dataclass(frozen=True)
@@ -66,234 +63,205 @@ def worker_views(
 
 
 class Collector:
-    """A prometheus_client collector over batchd's own state."""
+    """batchd's own state as metric families' text (exposition.py), a few models a part."""
 
     def __init__(
         self,
         models: Mapping[str, ModelConfig],
         stats: Stats,
-        pending: Callable[[str], int],
+        pending: Callable[[], Mapping[str, int]],  # requests waiting, by model
         workers: Callable[[], list[WorkerView]],
         restarts: Callable[[], Mapping[str, int]],
         loop_busy_s: Callable[[], float | None] = lambda: None,
         # step-wise sequences on workers, and how many of them are held for their callers
         active: Callable[[str], tuple[int, int]] = lambda model: (0, 0),
-        jobs_pending: Callable[[str], int] = lambda model: 0,  # batch jobs' requests waiting
+        jobs_pending: Callable[[], Mapping[str, int]] = dict,  # jobs' requests waiting, likewise
     ) -> None:
         self._jobs_pending = jobs_pending
         self._models, self._stats, self._pending = models, stats, pending
         self._active = active
         self._workers, self._restarts = workers, restarts
         self._loop_busy_s = loop_busy_s
-        self._rows: list[tuple[str, str, ModelStats]] = []  # this scrape's (_reported)
 
-    def _reported(self) -> list[tuple[str, str, ModelStats]]:
-        """(model, version, its statistics) of each version reported: every loaded
-        model's current version, and older ones still answering (Stats.versions)."""
-        stats = self._stats
-        return [
-            (m, v, stats.model(m, v))
-            for m, cfg in list(self._models.items())
-            for v in stats.versions(m, cfg.version)
-        ]
+    def parts(self, size: int = PART) -> Iterator[Families]:
+        """The families of `size` models at a time (the workers' and the loop's in the first
+        part), for a caller that lets the loop run between parts (exposition.render). A
+        model unloaded meanwhile is left out, one reloaded read as it is now."""
+        names, waiting = list(self._models), (self._pending(), self._jobs_pending())
+        for i in range(0, max(len(names), 1), size):
+            part = [(m, cfg) for m in names[i : i + size] if (cfg := self._models.get(m))]
+            yield self._families(part, waiting, whole=i == 0)
 
-    def _per_model(
-        self,
-        name: str,
-        doc: str,
-        value: Callable[[ModelStats], float],
-        kind: type = CounterMetricFamily,
-    ) -> Metric:
-        family = kind(name, doc, labels=["model", "version"])
-        for m, version, stats in self._rows:
-            family.add_metric([m, version], value(stats))
-        return family  # type: ignore[no-any-return]
+    def _families(
+        self, models: list[tuple[str, ModelConfig]],
+        waiting: tuple[Mapping[str, int], Mapping[str, int]], whole: bool,
+    ) -> Families:  # fmt: skip
+        # (model, version, its statistics, its labels) of each version reported: every
+        # loaded model's current version, and older ones still answering (Stats.versions)
+        of = self._stats
+        rows = [(m, v, of.model(m, v), labels(model=m, version=v))
+                for m, cfg in models for v in of.versions(m, cfg.version)]  # fmt: skip
+        out: Families = {}
 
-    def _durations(self, name: str, doc: str, pick: Callable[[ModelStats], Duration]) -> Metric:
-        return self._per_model(name, doc, lambda s: pick(s).ns / 1000)
+        def family(name: str, kind: str, doc: str) -> Family:
+            made = out[name] = Family.of(name, kind, doc)
+            return made
 
-    def collect(self) -> Iterator[Metric]:
-        self._rows = self._reported()
-        yield self._per_model(
+        def per_model(name: str, doc: str, value: Callable[[ModelStats], float],
+                      kind: str = "counter") -> None:  # fmt: skip
+            f = family(name, kind, doc)
+            for _, _, s, lab in rows:
+                f.add(lab, value(s))
+
+        def durations(name: str, doc: str, pick: Callable[[ModelStats], Duration]) -> None:
+            per_model(name, doc, lambda s: pick(s).ns / 1000)
+
+        per_model(
             "batchd_inference_request_success",
             "Requests answered successfully",
             lambda s: s.success.count,
         )
-        failure = CounterMetricFamily(
-            "batchd_inference_request_failure",
+        failure = family(
+            "batchd_inference_request_failure", "counter",
             "Requests answered with an error, by reason",
-            labels=["model", "version", "reason"],
-        )
-        for m, version, stats in self._rows:
+        )  # fmt: skip
+        for m, version, stats, _ in rows:
             for reason, n in sorted(stats.rejected.items()):
-                failure.add_metric([m, version, reason], n)
-        yield failure
-        yield self._per_model(
+                failure.add(labels(model=m, version=version, reason=reason), n)
+        per_model(
             "batchd_inference_count",
             "Rows inferred (summed over batches)",
             lambda s: s.inference_count,
         )
-        yield self._per_model(
-            "batchd_inference_exec_count", "Batches executed", lambda s: s.execution_count
-        )
-        yield self._per_model(
+        per_model("batchd_inference_exec_count", "Batches executed", lambda s: s.execution_count)
+        per_model(
             "batchd_forward_rows",
             "Rows of the forwards that ran this frontend's batches (other frontends' merged in)",
             lambda s: s.forward_rows,
         )
-        pending = GaugeMetricFamily(
-            "batchd_inference_pending_request_count",
+        pending = family(
+            "batchd_inference_pending_request_count", "gauge",
             "Requests waiting in the model's queue",
-            labels=["model", "version"],
-        )
-        for m, cfg in self._models.items():
-            pending.add_metric([m, cfg.version], self._pending(m))
-        yield pending
-        jobs = GaugeMetricFamily(
-            "batchd_job_pending_request_count",
+        )  # fmt: skip
+        jobs = family(
+            "batchd_job_pending_request_count", "gauge",
             "Batch jobs' requests waiting in the model's job lane, behind every online one",
-            labels=["model", "version"],
-        )
-        for m, cfg in self._models.items():
-            jobs.add_metric([m, cfg.version], self._jobs_pending(m))
-        yield jobs
-        yield self._durations(
+        )  # fmt: skip
+        for m, cfg in models:
+            pending.add(labels(model=m, version=cfg.version), waiting[0].get(m, 0))
+        for m, cfg in models:
+            jobs.add(labels(model=m, version=cfg.version), waiting[1].get(m, 0))
+        durations(
             "batchd_inference_request_duration_us",
             "Time from admission to answer, successful requests",
             lambda s: s.success,
         )
-        yield self._durations(
-            "batchd_inference_queue_duration_us", "Time in the queue", lambda s: s.queue
-        )
-        yield self._durations(
+        durations("batchd_inference_queue_duration_us", "Time in the queue", lambda s: s.queue)
+        durations(
             "batchd_inference_compute_input_duration_us",
             "Transfer to and from the worker",
             lambda s: s.compute_input,
         )
-        yield self._durations(
+        durations(
             "batchd_inference_compute_infer_duration_us",
             "Model execution",
             lambda s: s.compute_infer,
         )
-        yield self._durations(
+        durations(
             "batchd_inference_compute_output_duration_us",
             "Splitting outputs into responses",
             lambda s: s.compute_output,
         )
-        yield self._batch_sizes()
-        yield self._per_model(
+        sizes = family("batchd_batch_size", "histogram", "Rows per executed batch")
+        for _, _, stats, lab in rows:
+            counts = {size: b.compute_infer.count for size, b in stats.batches.items()}
+            sizes.histogram(lab, _buckets(counts, BATCH_BUCKETS),
+                            sum(s * n for s, n in counts.items()))  # fmt: skip
+        per_model(
             "batchd_padding_efficiency",
             "Real tokens / padded tokens over all batches (ragged models)",
             lambda s: s.padding_efficiency(),
-            GaugeMetricFamily,
+            "gauge",
         )
-        yield self._per_model(
+        per_model(
             "batchd_padded_tokens", "Tokens computed, padding included", lambda s: s.padded_tokens
         )
-        yield self._per_model(
+        per_model(
             "batchd_tokens_per_batch",
             "Tokens computed per batch, padding included (ragged models; packed: real tokens)",
             lambda s: s.padded_tokens / s.execution_count if s.execution_count else 0.0,
-            GaugeMetricFamily,
+            "gauge",
         )
-        yield from self._stepwise()
-        yield from self._worker_metrics()
-        busy = self._loop_busy_s()
-        if busy is not None:
-            yield CounterMetricFamily(
-                "batchd_frontend_loop_busy_seconds",
-                "Seconds this frontend's event loop spent working rather than waiting; its "
-                "rate is the loop's utilization, the frontend's ceiling (near 1: saturated, "
-                "and batches wait up to max_queue_delay_us to fill)",
-                value=busy,
-            )
+        self._stepwise(family, rows, models)
+        if whole:
+            self._whole(family)
+        return out
 
-    def _stepwise(self) -> Iterator[Metric]:
+    def _stepwise(
+        self, family: Callable[[str, str, str], Family], rows: Rows,
+        of: list[tuple[str, ModelConfig]],
+    ) -> None:  # fmt: skip
         """Step-wise models (model.toml [generate]) only."""
-        models = {m: cfg for m, cfg in self._models.items() if cfg.generate is not None}
-        rows = [(m, v, s) for m, v, s in self._rows if m in models]
-        active = GaugeMetricFamily(
-            "batchd_sequences_active",
-            "Sequences in a slot on a worker",
-            labels=["model", "version"],
-        )
-        held = GaugeMetricFamily(
-            "batchd_sequences_held",
+        models = {m: cfg for m, cfg in of if cfg.generate is not None}
+        rows = [row for row in rows if row[0] in models]
+        active = family("batchd_sequences_active", "gauge", "Sequences in a slot on a worker")
+        held = family(
+            "batchd_sequences_held", "gauge",
             "Sequences in a slot held for their callers: flow control, the caller reads "
             "slower than the model",
-            labels=["model", "version"],
-        )
-        outputs = CounterMetricFamily(
-            "batchd_outputs", "Outputs streamed by step-wise models", labels=["model", "version"]
-        )
+        )  # fmt: skip
+        outputs = family("batchd_outputs", "counter", "Outputs streamed by step-wise models")
         for m, cfg in models.items():
             running, waiting = self._active(m)
-            active.add_metric([m, cfg.version], running)
-            held.add_metric([m, cfg.version], waiting)
-        for m, version, stats in rows:
-            outputs.add_metric([m, version], stats.outputs)
-        yield active
-        yield held
-        yield outputs
+            active.add(labels(model=m, version=cfg.version), running)
+            held.add(labels(model=m, version=cfg.version), waiting)
+        for _, _, stats, lab in rows:
+            outputs.add(lab, stats.outputs)
         pickers: list[tuple[str, str, Callable[[ModelStats], Histogram]]] = [
             ("batchd_time_to_first_output_us", "Admission to a sequence's first output",
              lambda s: s.first_output),
             ("batchd_inter_output_us", "One output of a sequence to its next",
              lambda s: s.between_outputs),
         ]  # fmt: skip
+        tops = [str(float(le)) for le in LATENCY_BUCKETS_US] + ["+Inf"]
         for name, doc, pick in pickers:
-            family = HistogramMetricFamily(name, doc, labels=["model", "version"])
-            for m, version, stats in rows:
+            times = family(name, "histogram", doc)
+            for _, _, stats, lab in rows:
                 h = pick(stats)
-                tops = [str(float(le)) for le in LATENCY_BUCKETS_US] + ["+Inf"]
-                running, buckets = 0, []
-                for le, n in zip(tops, h.counts, strict=True):
-                    running += n
-                    buckets.append((le, running))
-                family.add_metric([m, version], buckets, h.sum_us)
-            yield family
-        slots = HistogramMetricFamily(
-            "batchd_step_slots", "Sequences stepped together per step", labels=["model", "version"]
-        )
-        for m, version, stats in rows:
+                times.histogram(
+                    lab, zip(tops, itertools.accumulate(h.counts), strict=True), h.sum_us
+                )
+        slots = family("batchd_step_slots", "histogram", "Sequences stepped together per step")
+        for m, _, stats, lab in rows:
             counts, generate = stats.slots, models[m].generate
             bounds = [b for b in BATCH_BUCKETS if b <= 2 * generate.max_active] if generate else []
-            buckets = [
-                (str(float(le)), sum(n for a, n in counts.items() if a <= le)) for le in bounds
-            ]
-            buckets.append(("+Inf", sum(counts.values())))
-            slots.add_metric([m, version], buckets, sum(a * n for a, n in counts.items()))
-        yield slots
+            slots.histogram(lab, _buckets(counts, bounds), sum(a * n for a, n in counts.items()))
 
-    def _batch_sizes(self) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(
-            "batchd_batch_size", "Rows per executed batch", labels=["model", "version"]
-        )
-        for m, version, stats in self._rows:
-            counts = {size: b.compute_infer.count for size, b in stats.batches.items()}
-            buckets = [
-                (str(float(le)), sum(n for s, n in counts.items() if s <= le))
-                for le in BATCH_BUCKETS
-            ]
-            buckets.append(("+Inf", sum(counts.values())))
-            family.add_metric([m, version], buckets, sum(s * n for s, n in counts.items()))
-        return family
-
-    def _worker_metrics(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily(
-            "batchd_worker_up",
+    def _whole(self, family: Callable[[str, str, str], Family]) -> None:
+        up = family(
+            "batchd_worker_up", "gauge",
             "1 while the worker of this slot is registered, 0 while it is down or restarting",
-            labels=["worker", "device"],
-        )
+        )  # fmt: skip
         for w in self._workers():
-            up.add_metric([w.slot, w.device], 1.0 if w.up else 0.0)
-        yield up
-        restarts = CounterMetricFamily(
-            "batchd_worker_restarts", "Local worker restarts", labels=["slot"]
-        )
+            up.add(labels(worker=w.slot, device=w.device), 1.0 if w.up else 0.0)
+        restarts = family("batchd_worker_restarts", "counter", "Local worker restarts")
         for slot, n in sorted(self._restarts().items()):
-            restarts.add_metric([slot], n)
-        yield restarts
+            restarts.add(labels(slot=slot), n)
+        if (busy := self._loop_busy_s()) is not None:
+            family(
+                "batchd_frontend_loop_busy_seconds", "counter",
+                "Seconds this frontend's event loop spent working rather than waiting; its "
+                "rate is the loop's utilization, the frontend's ceiling (near 1: saturated, "
+                "and batches wait up to max_queue_delay_us to fill)",
+            ).add("", busy)  # fmt: skip
+
+
+def _buckets(counts: Mapping[int, int], bounds: Iterable[int]) -> list[tuple[str, float]]:
+    """A histogram's buckets of `counts` (value: how many), up to each bound and +Inf."""
+    buckets: list[tuple[str, float]] = [
+        (str(float(le)), sum(n for s, n in counts.items() if s <= le)) for le in bounds
+    ]
+    return [*buckets, ("+Inf", sum(counts.values()))]
 
 
 class Shared(Generic[T]):
@@ -311,13 +279,14 @@ class Shared(Generic[T]):
 
 
 async def start_metrics(
-    registry: CollectorRegistry, host: str, port: int,
+    sources: Sequence[Source], host: str, port: int,
     refresh: Callable[[], Awaitable[None]] | None = None,
     *, unix: str = "", siblings: Sequence[str] = (),
     statistics: Callable[[bytes], bytes] | None = None,
 ) -> asyncio.Server:  # fmt: skip
     """Answer GET /metrics on host:port (or the Unix socket `unix`: a frontend's, for
-    the others), from now until the server returned is closed; `refresh` first, on
+    the others) with the families of `sources` (exposition.render: a part a turn),
+    from now until the server returned is closed; `refresh` first, on
     each scrape (what a collector must not read on the loop: the jobs store), waited
     for REFRESH_S at most: a refresh that does not come in time (a database that hangs)
     goes on alone, one at a time, and the scrape is answered with what the last one
@@ -338,7 +307,8 @@ async def start_metrics(
 
     async def scrape() -> bytes:
         await refreshed()
-        return await gathered(registry, siblings)
+        own = await render(sources)
+        return await gathered(own, siblings) if siblings else own
 
     # (each scrape rendered its own: 20 sent and closed held the loop 7 s, 1,500 models)
     scraped = Shared(scrape)

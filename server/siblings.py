@@ -16,15 +16,10 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
+from collections.abc import Callable, Sequence
 
 from batchd.protos import inference_pb2 as pb
+from batchd.server import exposition
 
 Stats = pb.ModelStatisticsResponse
 
@@ -32,7 +27,7 @@ log = logging.getLogger("batchd.metrics")
 ANSWER_S = 2.0  # each sibling's answer is waited for this long, at most
 # Frontend 0's alone, unlabelled: the jobs store's counts, which every frontend reads, and
 # the workers, which it owns (a child names them by id, a new series for each restart)
-WHOLE = frozenset({"batchd_jobs", "batchd_worker_up", "batchd_worker_restarts"})
+WHOLE = frozenset({"batchd_jobs", "batchd_worker_up", "batchd_worker_restarts_total"})
 MAX_SCRAPE_BYTES = 64 * 2**20  # a sibling's answer larger than this is left out
 _left_out: set[str] = set()  # siblings' sockets whose metrics the last scrape left out
 # Each sibling's last statistics, and what its runs before a restart counted: by its
@@ -41,44 +36,46 @@ _last: dict[tuple[str, str, str], tuple[int, pb.ModelStatistics]] = {}  # (its p
 _gone: dict[tuple[str, str, str], pb.ModelStatistics] = {}
 
 
-async def gathered(registry: CollectorRegistry, siblings: Sequence[str]) -> bytes:
-    """The exposition of `registry`; with `siblings`, also of each sibling's /metrics
-    (frontends 1.., asked at once, each given ANSWER_S, parsed off the loop), every
-    sample labelled with its frontend's index, but for the WHOLE families, frontend
-    0's alone. A sibling that does not answer whole and in time (restarting, hung) is
-    left out of the scrape: a WARNING when it first is (but for one not listening:
-    starting, restarting), INFO when it is back."""
-    if not siblings:
-        return generate_latest(registry)
+async def gathered(own: bytes, siblings: Sequence[str]) -> bytes:
+    """The exposition `own`, this frontend's, and each sibling's /metrics (frontends 1..,
+    asked at once, each given ANSWER_S), every sample labelled with its frontend's index,
+    but for the WHOLE families, frontend 0's alone; parsed and merged off the loop. A
+    sibling that does not answer whole and in time (restarting, hung) is left out of the
+    scrape: a WARNING when it first is (but for one not listening: starting,
+    restarting), INFO when it is back."""
     asked = [asyncio.wait_for(_ask(path, b"/metrics"), ANSWER_S) for path in siblings]
     answers = await asyncio.gather(*asked, return_exceptions=True)
-    merged: dict[str, Metric] = {}
-
-    def add(families: Iterable[Metric], index: int) -> None:
-        for f in families:
-            if index and f.name in WHOLE:
-                continue
-            label = {} if f.name in WHOLE else {"frontend": str(index)}
-            into = merged.setdefault(f.name, Metric(f.name, f.documentation, f.type, f.unit))
-            into.samples += [s._replace(labels={**s.labels, **label}) for s in f.samples]
-
-    add(registry.collect(), 0)
-    for index, (path, answer) in enumerate(zip(siblings, answers, strict=True), 1):
-        try:
-            if isinstance(answer, BaseException):
-                raise answer
-            add(await asyncio.to_thread(_parsed, answer.decode()), index)
-        except Exception as e:  # (another process's answer: data, never this scrape's end)
+    text, errors = await asyncio.to_thread(_merged, own, answers)
+    for index, (path, e) in enumerate(zip(siblings, errors, strict=True), 1):
+        if e is not None:  # (another process's answer: data, never this scrape's end)
             # (one not listening yet, or restarting, frontend 0 logs as it starts it)
             absent = isinstance(e, FileNotFoundError | ConnectionRefusedError)
             say = log.debug if path in _left_out or absent else log.warning
             say("frontend %d's metrics are left out of this scrape: %.200r", index, e)
             _left_out.add(path)
-            continue
-        if path in _left_out:
+        elif path in _left_out:
             _left_out.discard(path)
             log.info("frontend %d's metrics are gathered again", index)
-    return generate_latest(_Fixed(list(merged.values())))
+    return text
+
+
+def _merged(
+    own: bytes, answers: Sequence[bytes | BaseException]
+) -> tuple[bytes, list[Exception | None]]:
+    """gathered's exposition (on a thread of its own: it reads only `own` and `answers`),
+    and what left out each answer, None for one merged."""
+    merged = exposition.parse(own.decode(), 'frontend="0"', WHOLE)
+    errors: list[Exception | None] = []
+    for index, answer in enumerate(answers, 1):
+        try:
+            if isinstance(answer, BaseException):
+                raise answer
+            theirs = exposition.parse(answer.decode(), f'frontend="{index}"', WHOLE)
+            exposition.merge(merged, {n: f for n, f in theirs.items() if n not in WHOLE})
+            errors.append(None)
+        except Exception as e:
+            errors.append(e)
+    return exposition.text(merged), errors
 
 
 async def statistics(request: pb.ModelStatisticsRequest, own: Stats, remaining: float | None,
@@ -199,15 +196,3 @@ async def _ask(path: str, what: bytes) -> bytes:
         return await reader.readexactly(size)
     finally:
         writer.close()
-
-
-@dataclass(frozen=True)
-class _Fixed(Collector):
-    families: list[Metric]
-
-    def collect(self) -> Iterable[Metric]:
-        return self.families
-
-
-def _parsed(text: str) -> list[Metric]:
-    return list(text_string_to_metric_families(text))

@@ -67,7 +67,7 @@ def test_job_requests_wait_while_online_requests_do_and_never_share_their_batch(
         online = [request(cfg), request(cfg)]
         for r in online:
             s.submit(r)
-        assert s.pending_jobs("m") == 6 and s.pending("m") == 2
+        assert s.pending_jobs()["m"] == 6 and s.pending()["m"] == 2
         dispatch.idle, dispatch.credits = 1, 1
         s.pump()
         assert dispatch.sent == [online]  # the online pair first, alone
@@ -77,7 +77,7 @@ def test_job_requests_wait_while_online_requests_do_and_never_share_their_batch(
         dispatch.idle, dispatch.credits = 1, 1
         s.pump()
         assert dispatch.sent[1] == jobs[:4]  # a full batch of the job lane, in order
-        assert s.pending_jobs("m") == 2
+        assert s.pending_jobs()["m"] == 2
 
     run(body)
 
@@ -132,7 +132,7 @@ def test_a_version_with_no_worker_left_hands_its_queue_to_the_current_one() -> N
         assert not s.move_queued(old.key, other)
         assert s.move_queued(old.key, new)
         assert s.queued_version(old.key, jobs=True) == 0
-        assert (s.pending_jobs("m"), s.queued_version(new.key)) == (1, 1)
+        assert (s.pending_jobs()["m"], s.queued_version(new.key)) == (1, 1)
         assert line.model is new and caller.model is new
         dispatch.idle, dispatch.credits = 1, 1
         s.pump()
@@ -153,7 +153,7 @@ def test_a_job_line_of_more_rows_than_a_batch_splits_into_the_lane() -> None:
         big = request(cfg, rows=10)
         big.background = True
         s.submit(big)
-        assert (s.pending_jobs("m"), s.pending("m")) == (3, 0)  # 4 + 4 + 2 rows, all lane
+        assert (s.pending_jobs()["m"], s.pending()["m"]) == (3, 0)  # 4 + 4 + 2 rows, all lane
 
     run(body)
 
@@ -168,7 +168,7 @@ def test_a_lost_job_batch_goes_back_to_the_lane_and_an_unload_fails_the_lane() -
         s.submit(r)
         assert dispatch.sent == [[r]]
         s.requeue([r])  # its worker was lost
-        assert s.pending_jobs("m") == 1 and s.pending("m") == 0
+        assert s.pending_jobs()["m"] == 1 and s.pending()["m"] == 0
         s.remove_model(cfg.key)
         with pytest.raises(Unavailable, match="was unloaded"):
             await r.future

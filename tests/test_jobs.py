@@ -417,7 +417,7 @@ def test_a_scrape_is_answered_while_the_jobs_store_hangs(monkeypatch: pytest.Mon
         await asyncio.Event().wait()  # a database that never answers
 
     async def body() -> None:
-        server = await metrics.start_metrics(registry, "127.0.0.1", 0, refresh=hangs)
+        server = await metrics.start_metrics([registry], "127.0.0.1", 0, refresh=hangs)
         port = server.sockets[0].getsockname()[1]
         try:
             for _ in range(2):

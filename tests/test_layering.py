@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "leaves: values, settings, processes, the socket",
         {
             *("request", "flow", "errors", "config", "stats", "loopload", "describe"),
-            *("supervisor", "frontends", "link", "tracing", "siblings", "parser"),
+            *("supervisor", "frontends", "link", "tracing", "siblings", "parser", "exposition"),
             *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),

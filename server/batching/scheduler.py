@@ -24,6 +24,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Protocol
@@ -126,26 +127,20 @@ class Scheduler:
         until they are swept: cheap, for admission)."""
         return sum(len(q) for q in self._queues.values() if q.config.name == model)
 
-    def pending(self, model: str) -> int:
-        """Requests still waiting for any version of `model`: not those whose caller
-        left or whose deadline passed (a walk over the queue: for metrics)."""
-        now = self._clock()
-        return sum(
-            not dead(r, now)
-            for q in self._queues.values()
-            if q.config.name == model
-            for level in q.levels
-            for r in level
-        )
+    def pending(self) -> Counter[str]:
+        """Requests still waiting, by model (any version): not those whose caller left or
+        whose deadline passed (one walk over the queues, for a scrape of every model)."""
+        now, waiting = self._clock(), Counter[str]()
+        for q in self._queues.values():
+            waiting[q.config.name] += sum(not dead(r, now) for level in q.levels for r in level)
+        return waiting
 
-    def pending_jobs(self, model: str) -> int:
-        """Batch jobs' requests waiting in `model`'s job lanes (for metrics)."""
-        return sum(
-            not r.future.done()
-            for q in self._queues.values()
-            if q.config.name == model
-            for r in q.jobs
-        )
+    def pending_jobs(self) -> Counter[str]:
+        """Batch jobs' requests waiting in the models' job lanes, by model (for metrics)."""
+        waiting = Counter[str]()
+        for q in self._queues.values():
+            waiting[q.config.name] += sum(not r.future.done() for r in q.jobs)
+        return waiting
 
     def has(self, key: str) -> bool:
         return key in self._queues

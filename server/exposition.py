@@ -1,0 +1,142 @@
+"""/metrics' text: Prometheus' text format (version 0.0.4), written as lines.
+
+prometheus_client builds an object for each sample, then renders it: a scrape of
+1,500 models (39,000 samples) held the event loop 0.35-0.67 s, and the requests
+that came meanwhile waited for it. batchd's own families (metrics.Collector) are
+written here as lines instead, about 2.5 µs a sample, a few models a turn of the
+loop: a source that has `parts()` is read a part a turn, and the loop runs between
+parts. Another source (the jobs' counts, a few samples) is rendered by
+prometheus_client. README.md, Metrics, has the figures (bench/metrics_scrape.py).
+
+With `--frontends N`, frontend 0 merges every frontend's text (siblings.py):
+`parse` reads it back, checks each line, and labels each sample with its frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, cast
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.utils import floatToGoString
+
+
+@dataclass(slots=True)
+class Family:
+    """One metric family's text: its HELP and TYPE lines, then its samples' lines."""
+
+    name: str  # as its samples are named: a counter's ends in _total
+    head: str
+    lines: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, name: str, kind: str, doc: str) -> Family:
+        name = f"{name}_total" if kind == "counter" else name
+        doc = doc.replace("\\", r"\\").replace("\n", r"\n")
+        return cls(name, f"# HELP {name} {doc}\n# TYPE {name} {kind}\n")
+
+    def add(self, labels: str, value: float) -> None:
+        """A sample: `labels` as labels() writes them ("" for none)."""
+        braced = f"{{{labels}}}" if labels else ""
+        self.lines.append(f"{self.name}{braced} {_value(value)}\n")
+
+    def histogram(self, labels: str, buckets: Iterable[tuple[str, float]], total: float) -> None:
+        """A histogram's samples: `buckets`, (upper bound, count at or under it), end at +Inf."""
+        count: float = 0
+        for le, count in buckets:
+            self.lines.append(f'{self.name}_bucket{{le="{le}",{labels}}} {_value(count)}\n')
+        self.lines.append(f"{self.name}_count{{{labels}}} {_value(count)}\n")
+        self.lines.append(f"{self.name}_sum{{{labels}}} {_value(total)}\n")
+
+
+Families = dict[str, Family]  # by name, in the order written
+
+
+def labels(**pairs: str) -> str:
+    """Labels as a sample's braces hold them, names in order, values escaped."""
+    return ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(pairs.items()))
+
+
+def _value(value: float) -> str:
+    if type(value) is int and 0 <= value < 1_000_000:  # most: the Go form of 12 is 12.0
+        return f"{value}.0"
+    return str(floatToGoString(value))  # type: ignore[no-untyped-call]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class Parted(Protocol):
+    def parts(self) -> Iterator[Families]: ...
+
+
+class Collecting(Protocol):  # a prometheus_client collector
+    def collect(self) -> Iterable[Metric]: ...
+
+
+Source = Parted | Collecting
+
+
+def merge(into: Families, more: Families) -> None:
+    for name, family in more.items():
+        if (have := into.setdefault(name, family)) is not family:
+            have.lines += family.lines
+
+
+def text(families: Families) -> bytes:
+    return "".join(f.head + "".join(f.lines) for f in families.values()).encode()
+
+
+async def render(sources: Sequence[Source]) -> bytes:
+    """The text of every source's families, read a part a turn of the loop."""
+    families: Families = {}
+    for source in sources:
+        if hasattr(source, "parts"):
+            for part in cast(Parted, source).parts():
+                merge(families, part)
+                await asyncio.sleep(0)
+        else:
+            merge(families, parse(generate_latest(cast(CollectorRegistry, source)).decode()))
+    return text(families)
+
+
+# name, labels (within the braces), value, timestamp
+_SAMPLE = re.compile(
+    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*)\})?'
+    r" ([^ \n]+)( -?[0-9]+)?\n?"
+)
+
+
+def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Families:
+    """The families of `exposition` as prometheus_client and this module write it (each
+    family's HELP line, its TYPE line, its samples), each sample labelled `label`
+    (name="value") but in the families `whole`. ValueError: a line that is not one of
+    those, a sample of another family, or a value that is not a number."""
+    families: Families = {}
+    family: Family | None = None
+    add = ""
+    for line in exposition.splitlines(keepends=True):
+        if line.startswith("# HELP "):
+            name = line[7:].split(" ", 1)[0]
+            family = families.setdefault(name, Family(name, line))
+            add = "" if name in whole else label
+        elif line.startswith("# TYPE ") and family and line.split(" ", 3)[2] == family.name:
+            family.head += line if family.head.count("\n") == 1 else ""
+        elif (m := _SAMPLE.fullmatch(line)) and family and _of(m[1], family.name):
+            float(m[3])  # (ValueError)
+            if add:
+                inner = f"{add},{m[2]}" if m[2] else add
+                line = f"{m[1]}{{{inner}}} {m[3]}{m[4] or ''}\n"
+            family.lines.append(line if line.endswith("\n") else line + "\n")
+        elif line.strip():
+            raise ValueError(f"not a line of a metric family: {line[:80]!r}")
+    return families
+
+
+def _of(sample: str, family: str) -> bool:
+    return sample == family or sample.startswith(family + "_")
