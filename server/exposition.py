@@ -105,37 +105,45 @@ async def render(sources: Sequence[Source]) -> bytes:
     return text(families)
 
 
+_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?Inf|NaN"
 # name, labels (within the braces), value, timestamp
 _SAMPLE = re.compile(
-    r'([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*)\})?'
-    r" ([^ \n]+)( -?[0-9]+)?\n?"
+    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_PAIR}(?:,{_PAIR})*,?)?)\}})?"
+    rf" ({_NUMBER})( -?[0-9]+)?\n?"
 )
+_NAMED = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
 
 
 def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Families:
     """The families of `exposition` as prometheus_client and this module write it (each
     family's HELP line, its TYPE line, its samples), each sample labelled `label`
-    (name="value") but in the families `whole`. ValueError: a line that is not one of
-    those, a sample of another family, or a value that is not a number."""
+    (name="value", in place of a label of that name) but in the families `whole`.
+    ValueError: a line that is not one of those, or a sample of another family."""
     families: Families = {}
     family: Family | None = None
     add = ""
-    for line in exposition.splitlines(keepends=True):
+    for line in exposition.split("\n"):  # (only \n ends a line: a label may hold \r)
         if line.startswith("# HELP "):
             name = line[7:].split(" ", 1)[0]
-            family = families.setdefault(name, Family(name, line))
+            family = families.setdefault(name, Family(name, line + "\n"))
             add = "" if name in whole else label
         elif line.startswith("# TYPE ") and family and line.split(" ", 3)[2] == family.name:
-            family.head += line if family.head.count("\n") == 1 else ""
+            family.head += line + "\n" if family.head.count("\n") == 1 else ""
         elif (m := _SAMPLE.fullmatch(line)) and family and _of(m[1], family.name):
-            float(m[3])  # (ValueError)
             if add:
-                inner = f"{add},{m[2]}" if m[2] else add
-                line = f"{m[1]}{{{inner}}} {m[3]}{m[4] or ''}\n"
-            family.lines.append(line if line.endswith("\n") else line + "\n")
-        elif line.strip():
+                line = f"{m[1]}{{{_relabelled(m[2] or '', add)}}} {m[3]}{m[4] or ''}"
+            family.lines.append(line + "\n")
+        elif line:
             raise ValueError(f"not a line of a metric family: {line[:80]!r}")
     return families
+
+
+def _relabelled(pairs: str, label: str) -> str:
+    """`label` first, then `pairs` (a sample's, checked) but for one of its name."""
+    name = label.split("=", 1)[0]
+    kept = [p[0] for p in _NAMED.finditer(pairs) if p[1] != name]
+    return ",".join([label, *kept])
 
 
 def _of(sample: str, family: str) -> bool:

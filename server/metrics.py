@@ -321,8 +321,12 @@ async def start_metrics(
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
-                body, status = await scraped(), b"200 OK"
                 kind = b"text/plain; version=0.0.4; charset=utf-8"
+                try:
+                    body, status = await scraped(), b"200 OK"
+                except Exception:  # (a defect: said, not an empty reply)
+                    log.exception("a /metrics scrape failed")
+                    body, status = b"the scrape failed: see batchd's log\n", b"500 Server Error"
             elif statistics is not None and path.startswith(b"/statistics/"):
                 body, status = statistics(bytes.fromhex(path[12:].decode())), b"200 OK"
                 kind = b"application/octet-stream"

@@ -16,7 +16,7 @@ from batchd.protos.model_config import ConfigError
 from batchd.server import exposition, metrics, siblings
 from batchd.server.metrics import Collector, WorkerView, worker_views
 from batchd.server.stats import Stats
-from tests.conftest import model
+from tests.conftest import model, stepwise_model
 
 
 def test_batches_rows_histogram_and_durations() -> None:
@@ -210,6 +210,93 @@ def test_a_scrape_lets_the_loop_run_and_says_what_one_read_of_every_model_says()
     pending = {s.labels["model"]: s.value
                for s in families["batchd_inference_pending_request_count"].samples}  # fmt: skip
     assert len(pending) == len(models) and pending["m006"] == 3 and pending["m005"] == 0
+
+
+def test_the_text_is_prometheus_client_s_byte_for_byte() -> None:
+    """batchd writes /metrics itself (exposition.py) since it is read a few models a turn
+    of the loop: the text must stay what prometheus_client wrote before, which dashboards
+    and scrapers read. The file is the parent revision's text of this state."""
+    stats = Stats()
+    models = {
+        "plain": model(),
+        "reloaded": dataclasses.replace(model(), version="2"),
+        'odd"é\\name': model(),
+        "steps": stepwise_model("steps", max_active=3),
+    }
+    for i, m in enumerate(["plain", "reloaded", 'odd"é\\name'] * 3):
+        stats.batch_done(m, "1", rows=i % 5 + 1, requests=2, queue_ns=1000 * i + 7,
+                         input_ns=13, infer_ns=2_000_000 + i, output_ns=5)  # fmt: skip
+        stats.answered(m, "1", 3_000_000 + i)
+        stats.answered(m, "1", 10, failure=("INTERNAL", "RESOURCE_EXHAUSTED")[i % 2])
+    stats.opened("reloaded", "1")  # version 1 still answers
+    stats.answered("reloaded", "2", 123_456_789_012)
+    s = stats.model("steps", "1")
+    s.first_output.counts[2] += 3
+    s.first_output.sum_us += 2500.25
+    s.between_outputs.counts[0] += 40
+    s.between_outputs.sum_us += 11.5
+    s.slots.update({1: 4, 3: 9})
+    s.outputs = 49
+    s.real_tokens, s.padded_tokens = 30, 48
+    views = [WorkerView("cpu0#1", "cpu0", "cpu", True), WorkerView("", "cpu1", "cpu", False),
+             WorkerView('gpu"\\\nbox', 'gpu"\\\nbox', "cuda:0", True)]  # fmt: skip
+    collector = Collector(
+        models, stats, lambda: {"plain": 2, "steps": 1}, lambda: views,
+        lambda: {"cpu1": 3, "cpu0": 1}, lambda: 2.5, lambda m: (1, 2), lambda: {"plain": 4},
+    )  # fmt: skip
+    want = (Path(__file__).parent / "data" / "metrics-543b6a3.txt").read_bytes()
+    assert asyncio.run(exposition.render([collector])) == want
+
+
+def test_a_sibling_s_text_prometheus_would_refuse_is_left_out_and_a_label_it_adds_replaced() -> (
+    None
+):
+    """Frontend 0 merges every frontend's text (siblings.py): a sample that would make
+    Prometheus refuse the whole scrape (a value float() reads but Go does not, labels
+    with no comma between them) passed; a `frontend` label of the text's own was
+    kept beside the one added, twice in one series."""
+    head = "# HELP batchd_x a\n# TYPE batchd_x gauge\n"
+    for bad in ('batchd_x{model="m"} 1_0', 'batchd_x{model="m"model="n"} 1', "batchd_x \uff11",
+                'batchd_x{model="m" 5', "batchd_y 1", "# a comment"):  # fmt: skip
+        with pytest.raises(ValueError):
+            exposition.parse(head + bad + "\n", 'frontend="1"')
+    text = head + 'batchd_x{frontend="9",model="m"} 1.5e+07\nbatchd_x +Inf\n'
+    got = exposition.text(exposition.parse(text, 'frontend="1"'))
+    assert got == (head + 'batchd_x{frontend="1",model="m"} 1.5e+07\n'
+                   'batchd_x{frontend="1"} +Inf\n').encode()  # fmt: skip
+
+
+def test_a_label_holding_a_line_break_other_than_newline_leaves_the_merged_scrape_whole() -> None:
+    """Frontend 0 reads its own text back to merge the others' (--frontends N), and split
+    it at every line break Python knows: a worker id holding U+2028 (a remote worker's
+    --id) made each scrape fail, answered with nothing, and logged nowhere."""
+    odd = [WorkerView("gpu\u2028box\rx", "gpu\u2028box\rx", "cuda:0", True)]
+    collector = Collector({}, Stats(), dict, lambda: odd, dict)
+    own = asyncio.run(exposition.render([collector]))
+    assert asyncio.run(siblings.gathered(own, [])) == own  # (worker_up: frontend 0's alone)
+    assert 'worker="gpu\u2028box\rx"'.encode() in own
+
+
+def test_a_scrape_that_fails_is_answered_500_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A scrape that raised closed the connection with no answer and no log line."""
+
+    class Broken:
+        def collect(self) -> list[Any]:
+            raise RuntimeError("a defect")
+
+    async def body() -> bytes:
+        server = await metrics.start_metrics([Broken()], "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        server.close()
+        return answer
+
+    with caplog.at_level(logging.ERROR, "batchd.metrics"):
+        answer = asyncio.run(body())
+    assert answer.startswith(b"HTTP/1.1 500 ") and answer.endswith(b"see batchd's log\n")
+    assert "a /metrics scrape failed" in caplog.text and "a defect" in caplog.text
 
 
 def test_metrics_are_labelled_by_the_version_that_counted_them() -> None:
