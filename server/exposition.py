@@ -47,10 +47,12 @@ class Family:
     def histogram(self, labels: str, buckets: Iterable[tuple[str, float]], total: float) -> None:
         """A histogram's samples: `buckets`, (upper bound, count at or under it), end at +Inf."""
         count: float = 0
+        rest = f",{labels}" if labels else ""
         for le, count in buckets:
-            self.lines.append(f'{self.name}_bucket{{le="{le}",{labels}}} {_value(count)}\n')
-        self.lines.append(f"{self.name}_count{{{labels}}} {_value(count)}\n")
-        self.lines.append(f"{self.name}_sum{{{labels}}} {_value(total)}\n")
+            self.lines.append(f'{self.name}_bucket{{le="{le}"{rest}}} {_value(count)}\n')
+        braced = f"{{{labels}}}" if labels else ""
+        self.lines.append(f"{self.name}_count{braced} {_value(count)}\n")
+        self.lines.append(f"{self.name}_sum{braced} {_value(total)}\n")
 
 
 Families = dict[str, Family]  # by name, in the order written
@@ -62,8 +64,6 @@ def labels(**pairs: str) -> str:
 
 
 def _value(value: float) -> str:
-    if type(value) is int and 0 <= value < 1_000_000:  # most: the Go form of 12 is 12.0
-        return f"{value}.0"
     return str(floatToGoString(value))  # type: ignore[no-untyped-call]
 
 
@@ -105,14 +105,15 @@ async def render(sources: Sequence[Source]) -> bytes:
     return text(families)
 
 
-_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+_NAME, _QUOTED = r"[a-zA-Z_][a-zA-Z0-9_]*", r'"(?:[^"\\\n]|\\.)*"'  # a label's
+_PAIR = f"{_NAME}={_QUOTED}"
 _NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?Inf|NaN"
 # name, labels (within the braces), value, timestamp
 _SAMPLE = re.compile(
     rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_PAIR}(?:,{_PAIR})*,?)?)\}})?"
     rf" ({_NUMBER})( -?[0-9]+)?\n?"
 )
-_NAMED = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\.)*)"')
+_NAMED = re.compile(f"({_NAME})={_QUOTED}")
 
 
 def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Families:

@@ -104,7 +104,7 @@ class Collector:
         out: Families = {}
 
         def family(name: str, kind: str, doc: str) -> Family:
-            made = out[name] = Family.of(name, kind, doc)
+            out[name] = made = Family.of(name, kind, doc)
             return made
 
         def per_model(name: str, doc: str, value: Callable[[ModelStats], float],
