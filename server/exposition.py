@@ -15,6 +15,7 @@ With `--frontends N`, frontend 0 merges every frontend's text (siblings.py):
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ class Family:
         self.lines.append(f"{self.name}{braced} {_value(value)}\n")
 
     def histogram(self, labels: str, buckets: Iterable[tuple[str, float]], total: float) -> None:
-        """A histogram's samples: `buckets`, (upper bound, count at or under it), end at +Inf."""
+        """A histogram's samples: `buckets`, (upper bound, count at or under it), end at +Inf.
+        `le` is written first, where prometheus_client sorts: `labels` sort after it."""
         count: float = 0
         rest = f",{labels}" if labels else ""
         for le, count in buckets:
@@ -114,6 +116,8 @@ _SAMPLE = re.compile(
     rf" ({_NUMBER})( -?[0-9]+)?\n?"
 )
 _NAMED = re.compile(f"({_NAME})={_QUOTED}")
+_METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_TYPE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|summary|untyped)")
 
 
 def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Families:
@@ -125,13 +129,20 @@ def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Fami
     family: Family | None = None
     add = ""
     for line in exposition.split("\n"):  # (only \n ends a line: a label may hold \r)
-        if line.startswith("# HELP "):
-            name = line[7:].split(" ", 1)[0]
+        if line.startswith("# HELP ") and _METRIC.fullmatch(name := line[7:].split(" ", 1)[0]):
             family = families.setdefault(name, Family(name, line + "\n"))
             add = "" if name in whole else label
-        elif line.startswith("# TYPE ") and family and line.split(" ", 3)[2] == family.name:
+        elif (
+            line.startswith("# TYPE ")
+            and family
+            and _TYPE.fullmatch(line[7:])
+            and (line.split(" ")[2] == family.name)
+        ):
             family.head += line + "\n" if family.head.count("\n") == 1 else ""
         elif (m := _SAMPLE.fullmatch(line)) and family and _of(m[1], family.name):
+            pairs = [p[1] for p in _NAMED.finditer(m[2] or "")]
+            if len(set(pairs)) < len(pairs) or not _finite(m[3]):
+                raise ValueError(f"a label twice, or a number out of range: {line[:80]!r}")
             if add:
                 line = f"{m[1]}{{{_relabelled(m[2] or '', add)}}} {m[3]}{m[4] or ''}"
             family.lines.append(line + "\n")
@@ -145,6 +156,11 @@ def _relabelled(pairs: str, label: str) -> str:
     name = label.split("=", 1)[0]
     kept = [p[0] for p in _NAMED.finditer(pairs) if p[1] != name]
     return ",".join([label, *kept])
+
+
+def _finite(number: str) -> bool:
+    """Whether Go reads `number` (Inf and NaN written so; 1e400 is out of its range)."""
+    return math.isfinite(float(number)) or number.lstrip("+-") in ("Inf", "NaN")
 
 
 def _of(sample: str, family: str) -> bool:

@@ -306,9 +306,13 @@ async def start_metrics(
         await asyncio.wait([pending], timeout=REFRESH_S)
 
     async def scrape() -> bytes:
-        await refreshed()
-        own = await render(sources)
-        return await gathered(own, siblings) if siblings else own
+        try:
+            await refreshed()
+            own = await render(sources)
+            return await gathered(own, siblings) if siblings else own
+        except Exception:  # (a defect: said once, and answered 500 to each caller)
+            log.exception("a /metrics scrape failed")
+            raise
 
     # (each scrape rendered its own: 20 sent and closed held the loop 7 s, 1,500 models)
     scraped = Shared(scrape)
@@ -321,12 +325,12 @@ async def start_metrics(
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
             if path.split(b"?")[0] == b"/metrics":
-                kind = b"text/plain; version=0.0.4; charset=utf-8"
                 try:
                     body, status = await scraped(), b"200 OK"
-                except Exception:  # (a defect: said, not an empty reply)
-                    log.exception("a /metrics scrape failed")
+                    kind = b"text/plain; version=0.0.4; charset=utf-8"
+                except Exception:  # (scrape() logged it)
                     body, status = b"the scrape failed: see batchd's log\n", b"500 Server Error"
+                    kind = b"text/plain; charset=utf-8"
             elif statistics is not None and path.startswith(b"/statistics/"):
                 body, status = statistics(bytes.fromhex(path[12:].decode())), b"200 OK"
                 kind = b"application/octet-stream"

@@ -4,6 +4,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +238,8 @@ def test_the_text_is_prometheus_client_s_byte_for_byte() -> None:
     s.between_outputs.sum_us += 11.5
     s.slots.update({1: 4, 3: 9})
     s.outputs = 49
-    s.real_tokens, s.padded_tokens = 30, 48
+    s.real_tokens, s.padded_tokens = float("nan"), 48  # (NaN as Go writes it)
+    stats.model("plain", "1").forward_rows = 12_345_678_901  # (1.2345678901e+10)
     views = [WorkerView("cpu0#1", "cpu0", "cpu", True), WorkerView("", "cpu1", "cpu", False),
              WorkerView('gpu"\\\nbox', 'gpu"\\\nbox', "cuda:0", True)]  # fmt: skip
     collector = Collector(
@@ -248,18 +250,21 @@ def test_the_text_is_prometheus_client_s_byte_for_byte() -> None:
     assert asyncio.run(exposition.render([collector])) == want
 
 
-def test_a_sibling_s_text_prometheus_would_refuse_is_left_out_and_a_label_it_adds_replaced() -> (
-    None
-):
-    """Frontend 0 merges every frontend's text (siblings.py): a sample that would make
+def test_a_sibling_s_text_prometheus_would_refuse_is_refused_and_a_label_it_adds_replaced() -> None:
+    """Frontend 0 merges every frontend's text (siblings.py): a line that would make
     Prometheus refuse the whole scrape (a value float() reads but Go does not, labels
-    with no comma between them) passed; a `frontend` label of the text's own was
+    with no comma between them or a label twice, a type it does not know) passed; a `frontend` label of the text's own was
     kept beside the one added, twice in one series."""
     head = "# HELP batchd_x a\n# TYPE batchd_x gauge\n"
     for bad in ('batchd_x{model="m"} 1_0', 'batchd_x{model="m"model="n"} 1', "batchd_x \uff11",
-                'batchd_x{model="m" 5', "batchd_y 1", "# a comment"):  # fmt: skip
+                'batchd_x{model="m" 5', "batchd_y 1", "# a comment", 'batchd_x{a="1",a="2"} 1',
+                "batchd_x 1e400"):  # fmt: skip
         with pytest.raises(ValueError):
             exposition.parse(head + bad + "\n", 'frontend="1"')
+    for bad_head in ("# HELP batchd-x a\n", "# HELP batchd_x a\n# TYPE batchd_x bogus\n",
+                     "# HELP batchd_x a\n# TYPE batchd_x\n"):  # fmt: skip
+        with pytest.raises(ValueError):
+            exposition.parse(bad_head + "batchd_x 1\n")
     text = head + 'batchd_x{frontend="9",model="m"} 1.5e+07\nbatchd_x +Inf\n'
     got = exposition.text(exposition.parse(text, 'frontend="1"'))
     assert got == (head + 'batchd_x{frontend="1",model="m"} 1.5e+07\n'
@@ -280,23 +285,31 @@ def test_a_label_holding_a_line_break_other_than_newline_leaves_the_merged_scrap
 def test_a_scrape_that_fails_is_answered_500_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     """A scrape that raised closed the connection with no answer and no log line."""
 
-    class Broken:
-        def collect(self) -> list[Any]:
+    class Broken:  # (its scrape takes many turns of the loop: the three callers share it)
+        def parts(self) -> Iterator[exposition.Families]:
+            yield from ({} for _ in range(200))
             raise RuntimeError("a defect")
 
-    async def body() -> bytes:
-        server = await metrics.start_metrics([Broken()], "127.0.0.1", 0)
-        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+    async def ask(port: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /metrics HTTP/1.1\r\n\r\n")
         answer = await reader.read()
         writer.close()
-        server.close()
         return answer
 
+    async def body() -> list[bytes]:
+        server = await metrics.start_metrics([Broken()], "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        answers = await asyncio.gather(*[ask(port) for _ in range(3)])
+        server.close()
+        return answers
+
     with caplog.at_level(logging.ERROR, "batchd.metrics"):
-        answer = asyncio.run(body())
-    assert answer.startswith(b"HTTP/1.1 500 ") and answer.endswith(b"see batchd's log\n")
-    assert "a /metrics scrape failed" in caplog.text and "a defect" in caplog.text
+        answers = asyncio.run(body())
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 500 ") and answer.endswith(b"see batchd's log\n")
+    assert [r.getMessage() for r in caplog.records] == ["a /metrics scrape failed"]
+    assert "a defect" in caplog.text
 
 
 def test_metrics_are_labelled_by_the_version_that_counted_them() -> None:
