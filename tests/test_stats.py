@@ -253,8 +253,9 @@ def test_the_text_is_prometheus_client_s_byte_for_byte() -> None:
 def test_a_sibling_s_text_prometheus_would_refuse_is_refused_and_a_label_it_adds_replaced() -> None:
     """Frontend 0 merges every frontend's text (siblings.py): a line that would make
     Prometheus refuse the whole scrape (a value float() reads but Go does not, labels
-    with no comma between them or a label twice, a type it does not know) passed; a `frontend` label of the text's own was
-    kept beside the one added, twice in one series."""
+    with no comma between them or a label twice, a type it does not know) passed; a
+    `frontend` label of the text's own was kept beside the one added, twice in one
+    series."""
     head = "# HELP batchd_x a\n# TYPE batchd_x gauge\n"
     for bad in ('batchd_x{model="m"} 1_0', 'batchd_x{model="m"model="n"} 1', "batchd_x \uff11",
                 'batchd_x{model="m" 5', "batchd_y 1", "# a comment", 'batchd_x{a="1",a="2"} 1',
