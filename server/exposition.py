@@ -108,16 +108,15 @@ async def render(sources: Sequence[Source]) -> bytes:
 
 
 _NAME, _QUOTED = r"[a-zA-Z_][a-zA-Z0-9_]*", r'"(?:[^"\\\n]|\\.)*"'  # a label's
-_PAIR = f"{_NAME}={_QUOTED}"
+_PAIR, _METRIC = f"{_NAME}={_QUOTED}", r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?Inf|NaN"
 # name, labels (within the braces), value, timestamp
 _SAMPLE = re.compile(
-    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_PAIR}(?:,{_PAIR})*,?)?)\}})?"
+    rf"({_METRIC})(?:\{{((?:{_PAIR}(?:,{_PAIR})*,?)?)\}})?"
     rf" ({_NUMBER})( -?[0-9]+)?\n?"
 )
 _NAMED = re.compile(f"({_NAME})={_QUOTED}")
-_METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_TYPE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]* (?:counter|gauge|histogram|summary|untyped)")
+_TYPE = re.compile(rf"{_METRIC} (?:counter|gauge|histogram|summary|untyped)")
 
 
 def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Families:
@@ -129,7 +128,7 @@ def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Fami
     family: Family | None = None
     add = ""
     for line in exposition.split("\n"):  # (only \n ends a line: a label may hold \r)
-        if line.startswith("# HELP ") and _METRIC.fullmatch(name := line[7:].split(" ", 1)[0]):
+        if line.startswith("# HELP ") and re.fullmatch(_METRIC, name := line[7:].split(" ")[0]):
             family = families.setdefault(name, Family(name, line + "\n"))
             add = "" if name in whole else label
         elif (
@@ -140,22 +139,16 @@ def parse(exposition: str, label: str = "", whole: Collection[str] = ()) -> Fami
         ):
             family.head += line + "\n" if family.head.count("\n") == 1 else ""
         elif (m := _SAMPLE.fullmatch(line)) and family and _of(m[1], family.name):
-            pairs = [p[1] for p in _NAMED.finditer(m[2] or "")]
-            if len(set(pairs)) < len(pairs) or not _finite(m[3]):
+            pairs = [(p[0], p[1]) for p in _NAMED.finditer(m[2] or "")]  # (the pair, its name)
+            if len({name for _, name in pairs}) < len(pairs) or not _finite(m[3]):
                 raise ValueError(f"a label twice, or a number out of range: {line[:80]!r}")
-            if add:
-                line = f"{m[1]}{{{_relabelled(m[2] or '', add)}}} {m[3]}{m[4] or ''}"
+            if add:  # first, in place of a label of its name
+                kept = [pair for pair, name in pairs if name != add.split("=")[0]]
+                line = f"{m[1]}{{{','.join([add, *kept])}}} {m[3]}{m[4] or ''}"
             family.lines.append(line + "\n")
         elif line:
             raise ValueError(f"not a line of a metric family: {line[:80]!r}")
     return families
-
-
-def _relabelled(pairs: str, label: str) -> str:
-    """`label` first, then `pairs` (a sample's, checked) but for one of its name."""
-    name = label.split("=", 1)[0]
-    kept = [p[0] for p in _NAMED.finditer(pairs) if p[1] != name]
-    return ",".join([label, *kept])
 
 
 def _finite(number: str) -> bool:
