@@ -288,7 +288,7 @@ def test_a_scrape_that_fails_is_answered_500_and_logged(caplog: pytest.LogCaptur
 
     class Broken:  # (its scrape takes many turns of the loop: the three callers share it)
         def parts(self) -> Iterator[exposition.Families]:
-            yield from ({} for _ in range(200))
+            yield from ({} for _ in range(1000))
             raise RuntimeError("a defect")
 
     async def ask(port: int) -> bytes:
