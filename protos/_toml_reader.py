@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,9 @@ from typing import Any
 # the widest a key may take where it travels in an int32 field (ModelConfig's
 # max_batch_size: server/describe.py).
 INT64_MAX, INT32_MAX = 2**63 - 1, 2**31 - 1
+# A model.toml is a page of keys; read no more than this of one (a file swapped for a
+# log, a disk image), so that a repository scan's memory and time stay bounded.
+MAX_TOML_BYTES = 1 << 20
 
 
 class ConfigError(ValueError):
@@ -26,7 +31,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     """The document in `path`: UTF-8 TOML (as its spec says) whose integers are 64-bit;
     any other file is a ConfigError naming it, never a UnicodeDecodeError."""
     try:
-        doc = tomllib.loads(path.read_bytes().decode("utf-8"))
+        doc = tomllib.loads(_read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
     except UnicodeDecodeError as e:
@@ -36,6 +41,20 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {e}") from e
     _check_integers(path, doc)
     return doc
+
+
+def _read_bounded(path: Path) -> bytes:
+    """At most MAX_TOML_BYTES of a regular file; opened without blocking, so that a
+    model.toml swapped for a FIFO after the scan saw a file is refused, not waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        data = f.read(MAX_TOML_BYTES + 1)
+    if len(data) > MAX_TOML_BYTES:
+        raise ConfigError(f"{path}: over {MAX_TOML_BYTES >> 20} MiB; a model.toml holds keys "
+                          "only, and is read no further")  # fmt: skip
+    return data
 
 
 def _check_integers(path: Path, value: Any) -> None:

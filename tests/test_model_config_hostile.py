@@ -5,6 +5,7 @@ never accepted into a server that then fails every request, and never a tracebac
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,19 @@ def test_a_malformed_file_is_a_config_error_naming_it(
     tmp_path: Path, toml: str | bytes, message: str
 ) -> None:
     refused(write(tmp_path, "bad", toml), message)
+
+
+def test_a_huge_file_or_a_fifo_is_refused_without_reading_it_all_or_waiting(
+    tmp_path: Path,
+) -> None:
+    """A model.toml grown past 1 MiB (valid TOML: comments) was read whole, every
+    RepositoryIndex call; one swapped for a FIFO after the scan blocked the reading
+    thread until a writer came."""
+    d = write(tmp_path, "big", ("# " + "x" * 1022 + "\n") * 1025 + GOOD)
+    refused(d, "over 1 MiB; a model.toml holds keys only")
+    (d / "model.toml").unlink()
+    os.mkfifo(d / "model.toml")
+    refused(d, "not a regular file")
 
 
 def test_an_unforeseen_failure_while_parsing_is_a_config_error_too(
