@@ -106,9 +106,9 @@ def test_a_refused_send_does_not_reenter_the_pump(router: zmq.Socket[bytes]) -> 
             r = request(cfg)
             future = core.submit(r)
             assert deepest[0] == 1 and core.pool.workers() == [] and killed == ["gone"]
-            assert r.suspect and r.attempts == 1 and core.scheduler.queued("m") == 1
+            assert r.suspect and r.attempts == 1 and core.scheduler.queued_version(r.model.key) == 1
             await asyncio.sleep(0)  # the deferred pump runs
-            assert not future.done() and core.scheduler.queued("m") == 1
+            assert not future.done() and core.scheduler.queued_version(r.model.key) == 1
         finally:
             Scheduler.pump = pump  # type: ignore[method-assign]
 
@@ -176,7 +176,7 @@ def test_a_worker_on_a_new_connection_gives_back_its_batch_uncharged(
         (anew,) = core.pool.workers()
         assert anew is not worker and not anew.inflight and killed == []
         assert r.attempts == 0 and r.spared and not r.future.done()
-        assert core.scheduler.queued("m") == 1
+        assert core.scheduler.queued_version(r.model.key) == 1
 
     run(body)
 
@@ -521,7 +521,7 @@ def test_a_model_whose_worker_was_lost_waits_for_one_not_broken_by_another_s_old
         r = request(core.models["m"])
         future = core.submit(r)
         await asyncio.sleep(0)
-        assert not future.done() and core.scheduler.queued("m") == 1
+        assert not future.done() and core.scheduler.queued_version(r.model.key) == 1
 
     run(body)
 

@@ -122,11 +122,6 @@ class Scheduler:
             if not r.future.done():
                 r.future.set_exception(gone)
 
-    def queued(self, model: str) -> int:
-        """Entries waiting for any version of `model` (cancelled or expired ones too,
-        until they are swept: cheap, for admission)."""
-        return sum(len(q) for q in self._queues.values() if q.config.name == model)
-
     def pending(self) -> Counter[str]:
         """Requests still waiting, by model (any version): not those whose caller left or
         whose deadline passed (one walk over the queues, for a scrape of every model)."""
