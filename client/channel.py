@@ -1,6 +1,16 @@
 """How a client reaches its server: TLS, the bearer token, the channel and its
 options. Checked as the client is built: a setting that would send the token in
-the clear, or one a header cannot carry, is a ValueError then, not a failed call."""
+the clear, or one a header cannot carry, is a ValueError then, not a failed call.
+
+The clients' options (keyword-only, both clients):
+    tls=True                  TLS, checking the server against the system's CAs
+    ca_cert=PEM               ... or against this CA (implies tls)
+    client_cert=, client_key= a client certificate for mutual TLS (implies tls)
+    token="..."               sends `authorization: Bearer <token>` with every call
+A PEM is bytes (the PEM itself) or a str / Path (a file holding it).
+own_connection=True gives the client a TCP connection of its own (by default
+gRPC shares one among a process's channels to the same server), which is what
+spreads load over the processes of `batchd serve --frontends N`."""
 
 from __future__ import annotations
 

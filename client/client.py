@@ -4,19 +4,11 @@ with Client("127.0.0.1:8001") as c:
     out = c.infer("mlp", {"INPUT0": np.zeros((1, 512), np.float32)})
     out["OUTPUT0"]  # numpy array
 
-Security options (keyword-only, both clients):
-    tls=True                  TLS, checking the server against the system's CAs
-    ca_cert=PEM               ... or against this CA (implies tls)
-    client_cert=, client_key= a client certificate for mutual TLS (implies tls)
-    token="..."               sends `authorization: Bearer <token>` with every call
-A PEM is bytes (the PEM itself) or a str / Path (a file holding it).
-own_connection=True gives the client a TCP connection of its own (by default
-gRPC shares one among a process's channels to the same server), which is what
-spreads load over the processes of `batchd serve --frontends N`.
+Security and connection options (keyword-only, both clients: tls=, ca_cert=,
+client_cert=, client_key=, token=, own_connection=): client/channel.py.
 
-Both clients are the same operations (client/core.py, written once as steps)
-driven over a channel: Client over a blocking gRPC channel, AsyncClient over
-grpc.aio. Their methods are that table; each is one operation of ClientCore.
+Both clients are ClientCore's operations (client/core.py, written once as steps),
+driven over a blocking gRPC channel (Client) or grpc.aio (AsyncClient).
 
 A decoupled (step-wise) model's outputs, one dict per step, as they come:
     for out in c.stream("decoder", {"PROMPT": ids, "MAX_NEW_TOKENS": np.array([32])}):
@@ -29,6 +21,7 @@ cancels the call, and with it the sequence on the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
@@ -45,6 +38,7 @@ from batchd.client.core import (
     END,
     ClientCore,
     Emit,
+    End,
     Inputs,
     Open,
     Rpc,
@@ -219,6 +213,9 @@ class Client(_Connection):
                         call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
                     elif isinstance(step, Rpc | Wait):
                         reply = self._do(step)
+                    elif isinstance(step, End):
+                        with contextlib.suppress(grpc.FutureTimeoutError):
+                            call.exception(timeout=step.within)  # (its end, not its error)
                     else:  # Read
                         try:
                             reply = next(call)
@@ -347,6 +344,9 @@ class AsyncClient(_Connection):
                         call = method(requests, timeout=step.timeout, **self._core.call_kwargs)
                     elif isinstance(step, Rpc | Wait):
                         reply = await self._do(step)
+                    elif isinstance(step, End):
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(call.code(), step.within)
                     else:  # Read
                         try:
                             reply = await call.read()

@@ -11,11 +11,12 @@ bare array's metadata lookup included), the retry policy
 
 `stream` (a decoupled model's outputs, over ModelStreamInfer) has three more
 steps: `Open` (start the stream call with this one request), `Read` (resume me
-with its next response, END when it closed, or its grpc.RpcError) and `Emit`
-(hand these outputs to the caller, then resume me). It ends at the response
-flagged `triton_final_response`; the driver cancels the call whenever it stops
-before that (the caller left the loop, or an error), so the server frees the
-sequence.
+with its next response, END when it closed, or its grpc.RpcError), `Emit`
+(hand these outputs to the caller, then resume me) and `End` (wait a moment for
+the call's end). It ends at the response flagged `triton_final_response`; the
+driver cancels the call whenever it stops before that (the caller left the loop,
+or an error), so the server frees the sequence, and after it if the call has not
+ended within END_GRACE_S (a server or proxy holding the stream open).
 
 Client drives the steps with blocking gRPC and time.sleep, AsyncClient with
 grpc.aio and asyncio.sleep (client/client.py); neither holds any other logic.
@@ -91,6 +92,14 @@ class Read:
 
 
 @dataclass(frozen=True, slots=True)
+class End:
+    """Resume with None once the open stream's call has ended, or `within` seconds
+    passed (what it sends meanwhile is not read)."""
+
+    within: float
+
+
+@dataclass(frozen=True, slots=True)
 class Emit:
     """Hand `outputs` to the caller; resume with None once it asks for the next."""
 
@@ -100,7 +109,8 @@ class Emit:
 END = object()  # what a Read resumes with when the stream closed normally
 READ = Read()
 Steps = Generator[Rpc | Wait, Any, T]
-StreamSteps = Generator[Rpc | Wait | Open | Read | Emit, Any, None]
+StreamSteps = Generator[Rpc | Wait | Open | Read | End | Emit, Any, None]
+END_GRACE_S = 1.0  # for the call's end after the final response, before it is cancelled
 
 # Triton's decoupled protocol: the last response of a request says so; with the
 # request parameter set, the last one carries no outputs, so the end is always known.
@@ -295,8 +305,9 @@ class ClientCore:
                 yield Emit(parse_response(response))
             if final:
                 # The call's end follows at once (our one request is answered and we
-                # half-closed): read it, so that a finished call is not cancelled.
-                yield READ
+                # half-closed): wait for it, so that a finished call is not cancelled;
+                # one held open past it is, and the caller has every output meanwhile.
+                yield End(END_GRACE_S)
                 return
 
     def live(self) -> Steps[bool]:

@@ -49,7 +49,8 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     output) and `step_s` (before each later one); `fail_after` k: after k outputs an
     error response, its status in the `error_code` parameter (`fail_code`, "" for
     none) and `fail_text` as its message; `hold_after` k: after k outputs, answer
-    nothing more until the call ends; `hold_metadata`: ModelMetadata never answers."""
+    nothing more until the call ends; `hold_final`: after the final response, keep the
+    call open until it is cancelled; `hold_metadata`: ModelMetadata never answers."""
 
     def __init__(self) -> None:
         self.first_s = 0.0
@@ -58,6 +59,7 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.fail_code = "RESOURCE_EXHAUSTED"
         self.fail_text = "stream too far behind"
         self.hold_after: int | None = None
+        self.hold_final = False
         self.hold_metadata = False
         self.requests: list[pb.ModelInferRequest] = []
         self.ended: queue.Queue[bool] = queue.Queue()  # per call, once over: cancelled?
@@ -116,6 +118,8 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             return
         if empty_final or sent == 0:
             yield _streamed(pb.ModelInferResponse(model_name=req.model_name, id=req.id), True)
+        if self.hold_final:
+            await asyncio.Event().wait()  # until the call is cancelled
 
     async def ModelInfer(self, req: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         """Every step's outputs concatenated: TOKEN [n]."""
@@ -316,6 +320,29 @@ def test_leaving_the_loop_early_cancels_the_call(fake: FakeDecoupled, url: str, 
     with Client(url) as c:
         leave(c)
         assert fake.ended_call() is True
+
+
+@pytest.mark.timeout(60)  # it hung: the client waited for a call's end that never came
+@pytest.mark.parametrize("empty_final", [True, False])
+def test_a_stream_held_open_after_its_final_response_ends_and_is_cancelled(
+    fake: FakeDecoupled, url: str, empty_final: bool
+) -> None:
+    """A server (or a proxy) that keeps the call open past the final response: the
+    loop ends with every output, in both clients, and the held call is cancelled."""
+    fake.hold_final = True
+    params = {EMPTY_FINAL: empty_final}
+    with Client(url) as c:
+        assert [o["TOKEN"][0] for o in c.stream("count", n_tokens(3), parameters=params)] == [
+            100, 101, 102
+        ]  # fmt: skip
+    assert fake.ended_call() is True
+
+    async def drive() -> list[int]:
+        async with AsyncClient(url) as ac:
+            return [o["TOKEN"][0] async for o in ac.stream("count", n_tokens(2))]
+
+    assert asyncio.run(drive()) == [100, 101]
+    assert fake.ended_call() is True
 
 
 def test_timeout_is_the_deadline_of_the_whole_stream(fake: FakeDecoupled, url: str) -> None:
