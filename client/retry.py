@@ -48,11 +48,13 @@ class RetryPolicy:
         """Seconds to wait before attempt `attempt + 1`, or None to give up and raise."""
         if attempt >= self.retries or not retryable(error):
             return None
-        wait = rng.uniform(0.0, min(self.max_s, self.base_s * 2**attempt))
-        if isinstance(error, ServerBusy) and error.retry_after_ms:
-            if error.retry_after_ms / 1000 > self.max_pushback_s:
+        # (2**attempt capped: a float of 2**1024 overflowed, the 1,025th retry raised)
+        wait = rng.uniform(0.0, min(self.max_s, self.base_s * 2 ** min(attempt, 64)))
+        pushback_ms = getattr(error, "retry_after_ms", None)  # ServerBusy's, ServerUnavailable's
+        if pushback_ms:
+            if pushback_ms / 1000 > self.max_pushback_s:
                 return None
-            wait = max(wait, error.retry_after_ms / 1000)
+            wait = max(wait, pushback_ms / 1000)
         if remaining_s is not None and wait >= remaining_s:
             return None
         return wait

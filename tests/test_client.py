@@ -97,6 +97,21 @@ def test_a_pushback_past_reason_raises_rather_than_sleeping() -> None:
         assert isinstance(error, LimitExceeded) and policy.delay(0, error, None, rng) is None
 
 
+def test_an_unavailable_s_pushback_is_waited_out_too_and_a_long_run_of_retries_goes_on() -> None:
+    """The pushback came with UNAVAILABLE too (a stopping server's upload), and was not
+    waited for: the call came back in milliseconds. The 1,025th retry raised
+    OverflowError (2**1024 as a float), not a retry or a typed error."""
+    rng, policy = random.Random(0), RetryPolicy(retries=5_000)
+    down = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, 2_000))
+    assert isinstance(down, ServerUnavailable) and down.retry_after_ms == 2_000
+    assert policy.delay(0, down, None, rng) == 2.0
+    hour = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, 3_600_000))
+    assert policy.delay(0, hour, None, rng) is None  # raised: the caller reads retry_after_ms
+    bare = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE))
+    waits = [policy.delay(a, bare, None, rng) for a in (1_024, 4_999)]
+    assert all(w is not None and 0 <= w <= policy.max_s for w in waits), waits
+
+
 def test_a_job_listing_s_limit_out_of_range_is_named() -> None:
     with Client("127.0.0.1:1") as c, pytest.raises(ValueError, match=r"count of jobs.*got -1"):
         c.jobs(limit=-1)
