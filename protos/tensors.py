@@ -17,6 +17,7 @@ import numpy as np
 from batchd.protos.datatypes import DATATYPES, datatype_of
 
 _LEN = struct.Struct("<I")
+_SLICE = 65_536  # BYTES elements whose offsets are Python ints at once (deserialize_bytes)
 
 
 MAX_DIMS = 32  # dimensions of a tensor a client may send: more are refused unread
@@ -161,9 +162,10 @@ def deserialize_bytes(buf: bytes | memoryview, shape: Sequence[int]) -> np.ndarr
         raise ValueError(f"BYTES tensor of shape {_shown(shape)}: {e}") from None
     data = bytes(buf)
     out = np.empty(count, dtype=object)
-    starts = offsets.tolist()
-    for i in range(count):
-        out[i] = data[starts[i] + 4 : starts[i + 1]]
+    for lo in range(0, count, _SLICE):  # (all the offsets as Python ints: 4x the offsets'
+        starts = offsets[lo : lo + _SLICE + 1].tolist()  # memory, 14x a reply of b""s)
+        for i in range(len(starts) - 1):
+            out[lo + i] = data[starts[i] + 4 : starts[i + 1]]
     return out.reshape(tuple(shape))
 
 

@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,23 @@ def test_bytes_layout_is_length_prefixed_little_endian() -> None:
     assert raw == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
     assert bytes_element_offsets(raw, 2).tolist() == [0, 6, 11]
     assert deserialize_bytes(raw, [2]).tolist() == [b"ab", b"c"]
+
+
+def test_decoding_many_bytes_elements_holds_a_slice_of_their_offsets_as_python_ints() -> None:
+    """All the offsets became Python ints at once: 14x the reply's size for a reply of
+    empty elements, beside the array the caller gets (a 57 MB reply took 800 MB)."""
+    count = 400_000
+    raw = serialize_bytes([b""] * (count - 2) + [b"x", b"yz"])
+    tracemalloc.start()
+    try:
+        got = deserialize_bytes(raw, [count // 2, 2])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got.shape == (count // 2, 2) and got[-1].tolist() == [b"x", b"yz"]
+    # the answer (8 bytes an element), the offsets and their making (16), the reply's
+    # copy (4): 29 measured; with every offset a Python int at once, 56
+    assert peak < 40 * count, peak
 
 
 def test_bytes_row_offsets_mark_where_each_row_starts() -> None:
