@@ -20,7 +20,13 @@ import numpy as np
 from batchd.client.errors import BadResponse, InvalidInput
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
-from batchd.protos.tensors import from_raw, serialize_bytes, set_parameter, to_raw
+from batchd.protos.tensors import (
+    bounded_count,
+    contents_to_raw,
+    from_raw,
+    set_parameter,
+    to_raw,
+)
 
 CLIP = 64  # characters of a name or datatype from the server quoted in a message
 
@@ -160,11 +166,12 @@ def _typed(t: pb.InferOutputTensor) -> np.ndarray:
     dt = DATATYPES[t.datatype]
     if dt.contents_field is None:
         raise ValueError(f"{t.datatype} came without raw contents")
-    values = getattr(t.contents, dt.contents_field)
-    if dt.is_bytes:  # (framed as raw: its shape is checked against them the same way)
-        return from_raw(t.datatype, tuple(t.shape), serialize_bytes(values))
-    arr = np.asarray(list(values), dtype=dt.numpy)  # (a value past the type: OverflowError)
-    return from_raw(t.datatype, tuple(t.shape), arr.tobytes()).copy()  # (its shape checked)
+    values, shape = getattr(t.contents, dt.contents_field), tuple(t.shape)
+    if any(d < 0 for d in shape) or bounded_count(shape, len(values)) != len(values):
+        raise ValueError(f"shape {list(shape[:8])} does not hold its {len(values)} values")
+    # as raw, as the server reads typed contents (a narrow type's value past it: ValueError)
+    arr = from_raw(t.datatype, shape, contents_to_raw(t.datatype, values))
+    return arr if dt.is_bytes else arr.copy()
 
 
 def parse_response(msg: pb.ModelInferResponse) -> dict[str, np.ndarray]:

@@ -570,8 +570,24 @@ def test_bytes_in_typed_contents_decode() -> None:
     out.contents.bytes_contents.extend([b"ab", b"c"])
     assert parse_response(msg)["Y"].tolist() == [[b"ab"], [b"c"]]
     out.shape[:] = [3]
-    with pytest.raises(BadResponse, match=r"shape \[3\] cannot be in 11 bytes"):
+    with pytest.raises(BadResponse, match=r"shape \[3\] does not hold its 2 values"):
         parse_response(msg)
+
+
+def test_typed_contents_are_counted_against_the_shape_before_they_are_converted() -> None:
+    """Typed values went through a Python list, one object each, before their count was
+    checked (8M INT64s: 3 s); a narrow type's value past it is refused, never wrapped."""
+    msg = pb.ModelInferResponse(model_name="m")
+    out = msg.outputs.add(name="Y", datatype="INT64", shape=[2, 2])
+    out.contents.int64_contents.extend([1, -2, 3, 2**62])
+    assert parse_response(msg)["Y"].tolist() == [[1, -2], [3, 2**62]]
+    out.shape[:] = [2, -2]
+    with pytest.raises(BadResponse, match=r"shape \[2, -2\] does not hold its 4 values"):
+        parse_response(msg)
+    small = pb.ModelInferResponse(model_name="m")
+    small.outputs.add(name="Y", datatype="UINT8", shape=[2]).contents.uint_contents.extend([7, 300])
+    with pytest.raises(BadResponse, match="UINT8 holds 0 to 255, got 300"):
+        parse_response(small)
 
 
 def test_an_infinite_timeout_means_none() -> None:
