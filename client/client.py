@@ -239,7 +239,7 @@ class Client(_Connection):
             while True:
                 try:
                     for piece in resume.call(self._jobs_stub.JobResults, f.size):
-                        f.write(piece.data)
+                        f.write(job_ops.data(piece))
                     return f.whole()
                 except grpc.RpcError as e:
                     time.sleep(resume.wait(e))
@@ -366,7 +366,7 @@ class AsyncClient(_Connection):
             while True:
                 try:
                     async for piece in resume.call(self._jobs_stub.JobResults, f.size):
-                        f.write(piece.data)
+                        f.write(job_ops.data(piece))
                     return f.whole()
                 except grpc.RpcError as e:
                     await asyncio.sleep(resume.wait(e))

@@ -48,6 +48,7 @@ from batchd.client.errors import (
     ServerUnavailable,
     from_rpc_error,
     from_status_name,
+    undecodable,
 )
 from batchd.client.retry import RetryPolicy
 from batchd.protos import inference_pb2 as pb
@@ -163,6 +164,8 @@ def stream_read(reply: Any) -> tuple[pb.ModelInferResponse | None, bool]:
     a failed call, or of a stream that closed before its final response."""
     if reply is END:
         raise InferenceFailed("the stream closed before the final response")
+    if reply is None:  # (grpc.aio's answer that did not parse)
+        raise undecodable()
     if isinstance(reply, grpc.RpcError):
         raise from_rpc_error(reply)
     if reply.error_message:
@@ -225,6 +228,8 @@ class ClientCore:
         attempt = 0
         while True:
             reply = yield Rpc(method, msg, _unexpired(deadline, "call", "sent"), service)
+            if reply is None:  # (grpc.aio's answer that did not parse)
+                raise undecodable()
             if not isinstance(reply, grpc.RpcError):
                 return reply
             error = from_rpc_error(reply, of_job=method in ("GetJob", "CancelJob"))

@@ -88,6 +88,9 @@ class BadResponse(BatchdClientError):
     code = grpc.StatusCode.INTERNAL
 
 
+UNDECODABLE = "Exception deserializing response!"  # blocking gRPC's INTERNAL for a reply
+# that does not parse (grpc.aio's reply is None: client/core.py)
+
 _BY_CODE: dict[grpc.StatusCode, type[BatchdClientError]] = {
     cls.code: cls
     for cls in (
@@ -106,6 +109,8 @@ def from_rpc_error(error: grpc.RpcError, of_job: bool = False) -> BatchdClientEr
     """The typed exception for a failed gRPC call; `of_job`: a call about one job, whose
     NOT_FOUND is the job's (SubmitJob's is its model's)."""
     code = error.code()
+    if code == grpc.StatusCode.INTERNAL and error.details() == UNDECODABLE:
+        return undecodable()
     cls = JobNotFound if of_job and code == grpc.StatusCode.NOT_FOUND else _BY_CODE.get(code)
     cls = cls or BatchdClientError
     if cls is ServerUnavailable:
@@ -120,6 +125,11 @@ def from_rpc_error(error: grpc.RpcError, of_job: bool = False) -> BatchdClientEr
     busy = ServerBusy(error.details() or "", code)
     busy.retry_after_ms = pushback
     return busy
+
+
+def undecodable() -> BadResponse:
+    """A reply that does not parse: blocking gRPC's INTERNAL UNDECODABLE, grpc.aio's None."""
+    return BadResponse(f"the answer does not parse as the message expected ({UNDECODABLE})")
 
 
 def _pushback_ms(error: grpc.RpcError) -> int | None:

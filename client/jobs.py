@@ -31,6 +31,7 @@ from batchd.client.errors import (
     BatchdClientError,
     ServerUnavailable,
     from_rpc_error,
+    undecodable,
 )
 from batchd.protos import jobs_pb2 as pb
 
@@ -289,6 +290,13 @@ class ResultsFile:
             else:
                 self._partial.unlink(missing_ok=True)
             ResultsFile.writing.discard(self._partial)
+
+
+def data(piece: Any) -> bytes:
+    """A JobResults piece's bytes; BadResponse for one that did not parse (grpc.aio's None)."""
+    if piece is None:
+        raise undecodable()
+    return bytes(piece.data)
 
 
 class Resume:

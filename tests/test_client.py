@@ -525,6 +525,54 @@ def test_an_answer_that_does_not_decode_is_bad_response_saying_why(
         parse_response(twice)
 
 
+def test_an_answer_that_does_not_parse_is_bad_response_in_both_clients() -> None:
+    """Bytes that are no answer (or one with an output name that is not UTF-8): the
+    blocking client said InferenceFailed, "the model raised"; the asyncio one raised
+    AttributeError on the None grpc.aio hands back."""
+    not_utf8 = b"\x2a\x05\x0a\x03\xff\xfe\xfd"  # outputs { name: b"\xff\xfe\xfd" }
+    garbage = b"\xff" * 16
+    handlers = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {
+            "ModelInfer": grpc.unary_unary_rpc_method_handler(lambda req, ctx: not_utf8),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                lambda reqs, ctx: iter([garbage])
+            ),
+        },
+    )
+    results = grpc.method_handlers_generic_handler(
+        "batchd.jobs.v1.Jobs",
+        {"JobResults": grpc.unary_stream_rpc_method_handler(lambda req, ctx: iter([garbage]))},
+    )
+    server = grpc.server(ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handlers, results))
+    url = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    x = {"X": np.zeros(1, np.float32)}
+    try:
+        with Client(url) as c:
+            for call in (
+                lambda: c.infer("m", x, timeout=10),
+                lambda: list(c.stream("m", x, 10)),
+                lambda: c.job_results("job-1", io.BytesIO()),
+            ):
+                with pytest.raises(BadResponse, match="the answer does not parse"):
+                    call()
+
+        async def both() -> None:
+            async with AsyncClient(url) as ac:
+                with pytest.raises(BadResponse, match="the answer does not parse"):
+                    await ac.infer("m", x, timeout=10)
+                with pytest.raises(BadResponse, match="the answer does not parse"):
+                    _ = [o async for o in ac.stream("m", x, 10)]
+                with pytest.raises(BadResponse, match="the answer does not parse"):
+                    await ac.job_results("job-1", io.BytesIO())
+
+        asyncio.run(both())
+    finally:
+        server.stop(0).wait()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
