@@ -10,6 +10,7 @@ is refused here, as orjson refuses it, not failed later as a defect.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
@@ -46,6 +47,14 @@ def _refuse_lone_surrogates(value: Any, what: str) -> None:
                 ) from None
 
 
+def _finite(text: str) -> float:
+    """A number literal as Python's json reads it, but one past a double's range (1e999)
+    is refused as orjson refuses it: the NaN and Infinity constants are not literals."""
+    if math.isinf(value := float(text)):
+        raise ValueError(f"number {text[:20]} is infinity when parsed as double")
+    return value
+
+
 def with_nan(raw: bytes, what: str) -> Any:
     """What orjson refused, read by Python's json where it holds NaN or Infinity (which
     Python's json, and so tritonclient.http, writes), its strings checked for lone
@@ -55,8 +64,8 @@ def with_nan(raw: bytes, what: str) -> Any:
     if b"NaN" not in raw and b"Infinity" not in raw:
         return None
     try:
-        value = json.loads(raw)
-    except ValueError:
+        value = json.loads(raw, parse_float=_finite)
+    except ValueError:  # (orjson's reason is the one told: for 1e999, "infinity")
         return None
     except RecursionError:  # past the interpreter's limit: 1,000 levels on 3.11, 8,000 on 3.12
         raise InvalidInput(

@@ -1413,6 +1413,28 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     "negative binary_data_size": (
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], -1)]}, ZEROS),
         "binary_data_size must be a non-negative integer, got a number '-1'"),
+    # each walked in Python before (600,000 parameters held the loop ~0.7 s, then a 200)
+    "257 request parameters": (
+        TINY, tiny_body(parameters={f"k{i}": i for i in range(257)}), {},
+        "the request has 257 parameters, at most 256"),
+    "257 parameters of an input": (
+        TINY, {"inputs": [{**tensor("INPUT0", "FP32", [1, 16], [0.5] * 16),
+                           "parameters": {f"k{i}": i for i in range(257)}}]}, {},
+        "input 'INPUT0' has 257 parameters, at most 256"),
+    "257 outputs": (
+        TINY, tiny_body(outputs=[{"name": "OUTPUT0"}] * 257), {},
+        "the request has 257 outputs, at most 256"),
+    # read as false before; Triton refuses it
+    "binary_data not a boolean": (
+        TINY, tiny_body(outputs=[{"name": "OUTPUT0", "parameters": {"binary_data": "yes"}}]), {},
+        "output 'OUTPUT0': parameter 'binary_data' must be true or false, got a string"),
+    "binary_data_output not a boolean": (
+        TINY, tiny_body(parameters={"binary_data_output": 1}), {},
+        "the request: parameter 'binary_data_output' must be true or false, got a number"),
+    # (read as inf where the text "NaN" was anywhere in the body, even in the id)
+    "1e999 beside a NaN": (
+        TINY, '{"id": "NaN", "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 2], '
+        '"data": [1, 1e999]}]}', {}, "number is infinity when parsed as double"),
 }
 # fmt: on
 
@@ -1484,6 +1506,13 @@ def test_too_many_inputs_are_refused_before_any_is_read() -> None:
     )
     with pytest.raises(ValueError, match="200 inputs, more than the server's limit of 128"):
         lines.parse(json.loads(body), "m", "1", Limits(max_inputs=128))
+
+
+def test_a_header_length_of_0_means_the_whole_body_is_json(example_server: ServerProcess) -> None:
+    """As Triton reads Inference-Header-Content-Length: 0 (it was "not valid JSON")."""
+    r = call(example_server, "POST", TINY, tiny_body(0.5), {HEADER_LENGTH: "0"})
+    assert r.status == 200, r.body[:300]
+    assert r.json()["outputs"][0]["name"] == "OUTPUT0"
 
 
 @pytest.mark.parametrize("size", ["64", 64.0])
