@@ -25,7 +25,7 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import bounded_count, bytes_row_offsets, contents_to_raw
 from batchd.server.config import Limits
-from batchd.server.errors import InvalidInput, ResponseTooLarge, clip, clip_list
+from batchd.server.errors import InvalidInput, ResponseTooLarge, clip, clip_list, parameter_said
 from batchd.server.request import Request, Tensor
 
 _CONTENT_FIELDS = tuple(f.name for f in pb.InferTensorContents.DESCRIPTOR.fields)
@@ -176,7 +176,7 @@ def _int_param(msg: pb.ModelInferRequest, name: str, unit: str) -> int | None:
     kind = p.WhichOneof("parameter_choice")
     if kind not in ("int64_param", "uint64_param"):
         raise InvalidInput(
-            f"parameter {name!r}: expected an integer {unit}, got {kind or 'nothing'}"
+            f"parameter {name!r}: expected an integer {unit}, got {parameter_said(p)}"
         )
     value = int(p.int64_param if kind == "int64_param" else p.uint64_param)
     if value < 0:
@@ -207,7 +207,7 @@ def _level(msg: pb.ModelInferRequest, model: ModelConfig) -> int:
         value = int(p.int64_param if kind == "int64_param" else p.uint64_param)
         top = f"1 (highest) to {levels}" if levels else "1 (highest) and up"
         if kind not in ("int64_param", "uint64_param") or value < 0 or (levels and value > levels):
-            got = value if kind in ("int64_param", "uint64_param") else kind or "nothing"
+            got = value if kind in ("int64_param", "uint64_param") else parameter_said(p)
             raise InvalidInput(
                 f"parameter 'priority': model {model.name!r} takes 0 (its default level, "
                 f"{model.batching.default_priority_level or 'none'}) or a level {top}, got {got}"

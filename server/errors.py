@@ -55,6 +55,15 @@ def clip_list(values: Sequence[object]) -> str:
     return f"[{shown}, ...] ({len(values)} items)"
 
 
+def parameter_said(p: Any) -> str:
+    """An InferParameter's value in words, not protobuf's field name: `a string '1s'`."""
+    if (kind := p.WhichOneof("parameter_choice")) is None:
+        return "nothing"
+    value = getattr(p, kind)
+    words = {"bool_param": "a boolean", "string_param": "a string", "double_param": "a number"}
+    return f"{words.get(kind, 'an integer')} {clip(value) if isinstance(value, str) else value}"
+
+
 def first_names(names: Collection[str], most: int = 32) -> str:
     """The first `most` of `names` (sorted), and how many there are past that: an
     unknown model's error lists what the server serves, never thousands of names,

@@ -232,7 +232,8 @@ BAD_REQUESTS = {
             raw_input_contents=[GOOD],
             parameters={"timeout": pb.InferParameter(string_param="1s")},
         ),
-        "parameter 'timeout': expected an integer",
+        # (it said "got string_param": protobuf's field, not what came)
+        "parameter 'timeout': expected an integer of microseconds, got a string '1s'",
     ),
 }
 
