@@ -41,6 +41,7 @@ import numpy as np
 from batchd.client import views
 from batchd.client.codec import build_request, parse_response
 from batchd.client.errors import (
+    BadResponse,
     BatchdClientError,
     DeadlineExceeded,
     InferenceFailed,
@@ -282,7 +283,11 @@ class ClientCore:
         msg = yield from self._request(
             model, inputs, outputs, request_id, datatypes, parameters, deadline, retries
         )
-        return parse_response((yield from self._call("ModelInfer", msg, deadline, retries)))
+        out = parse_response((yield from self._call("ModelInfer", msg, deadline, retries)))
+        if outputs is not None and (missing := [o for o in outputs if o not in out]):
+            raise BadResponse(f"the answer lacks output(s) {missing[:8]} the call asked for; "
+                              f"it holds {list(out)[:8]}")  # fmt: skip
+        return out
 
     def stream(
         self,

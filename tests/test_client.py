@@ -525,6 +525,29 @@ def test_an_answer_that_does_not_decode_is_bad_response_saying_why(
         parse_response(twice)
 
 
+def test_an_answer_without_an_output_the_call_asked_for_is_bad_response() -> None:
+    """It came back as {} (or other outputs), without a word: the caller's KeyError later."""
+    other = pb.ModelInferResponse(model_name="m")
+    other.outputs.add(name="OTHER", datatype="INT32", shape=[1])
+    other.raw_output_contents.append(bytes(4))
+    handlers = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelInfer": grpc.unary_unary_rpc_method_handler(lambda r, c: other.SerializeToString())},
+    )
+    server = grpc.server(ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handlers,))
+    url = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        with Client(url) as c:
+            x = {"X": np.zeros(1, np.float32)}
+            assert list(c.infer("m", x, timeout=10)) == ["OTHER"]  # (none asked for: all)
+            with pytest.raises(BadResponse, match=re.escape("lacks output(s) ['Y'] the call")):
+                c.infer("m", x, outputs=["Y", "OTHER"], timeout=10)
+    finally:
+        server.stop(0).wait()
+
+
 def test_an_answer_that_does_not_parse_is_bad_response_in_both_clients() -> None:
     """Bytes that are no answer (or one with an output name that is not UTF-8): the
     blocking client said InferenceFailed, "the model raised"; the asyncio one raised
