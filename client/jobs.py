@@ -13,6 +13,7 @@ A request line: {"custom_id": "...", "inputs": [{"name", "datatype", "shape",
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -254,8 +255,17 @@ class ResultsFile:
         where = path.resolve()  # (a link: where it points)
         self._partial = where.with_name(where.name + ".partial")
         self._path = where
+        # (not through a link planted at PATH.partial: in a shared folder, another user's
+        # link made the download overwrite a file of theirs choosing)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self._partial, flags, 0o666)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise OSError(e.errno, "a symbolic link, not followed", str(self._partial)) from None
         ResultsFile.writing.add(self._partial)
-        self.file = self._partial.open("wb")
+        self.file = os.fdopen(fd, "wb")
 
     def write(self, data: bytes) -> None:
         self.file.write(data)

@@ -1034,6 +1034,20 @@ def test_results_to_a_path_that_is_not_a_regular_file_go_to_it_as_it_is(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]
 
 
+def test_results_are_not_written_through_a_link_planted_at_their_partial_path(
+    tmp_path: Path,
+) -> None:
+    """In a shared folder (/tmp), another user's link at OUT.partial made a download
+    truncate and overwrite the file it named; it is refused, the file left as it was."""
+    (tmp_path / "victim").write_text("theirs\n")
+    (tmp_path / "out.jsonl.partial").symlink_to(tmp_path / "victim")
+    refused = pytest.raises(OSError, match="a symbolic link, not followed")
+    with refused, ResultsFile(tmp_path / "out.jsonl") as f:
+        f.write(b"new\n")
+    assert (tmp_path / "victim").read_text() == "theirs\n"
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_uploads_a_sigint_refused_before_the_stop_began_stay_refused(tmp_path: Path) -> None:
     """A SIGINT that ends the drain notice can come before the jobs' stop has begun
     (Python 3.12's wait_for returns without a switch when the signal is already in):
