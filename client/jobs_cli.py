@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -34,6 +35,21 @@ from batchd.client.options import add_security, connection
 POLL_S = 0.5
 RETRY_MAX_S = 5.0  # the longest pause between polls that failed UNAVAILABLE
 PLAIN_EVERY_S = 30.0  # a progress line this often when stderr is not a terminal
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _shown(text: object) -> str:
+    """A server's text for a terminal: control characters (an escape sequence that
+    would retitle, clear or hide it) written as escapes, `\\x1b`."""
+    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], str(text))
+
+
+def _json(job: Job) -> str:
+    """A job as one line of JSON: a server's NaN or inf as null, not as the `NaN` that
+    Python writes and JSON readers refuse."""
+    fields = dataclasses.asdict(job)
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                       for k, v in fields.items()})  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,7 +121,7 @@ def describe(job: Job) -> str:
         lines.append(
             f"rate      {job.rows_per_second:,.0f} lines/s, ETA {_duration(job.eta_seconds)}"
         )
-    return "\n".join(lines)
+    return "\n".join(_shown(line) for line in lines)
 
 
 def bar(job: Job, width: int = 30) -> str:
@@ -113,7 +129,7 @@ def bar(job: Job, width: int = 30) -> str:
     filled = int(share * width)
     return (
         f"[{'#' * filled}{'.' * (width - filled)}] {share:6.1%} {job.done:,}/{job.total:,} "
-        f"{job.rows_per_second:,.0f}/s ETA {_duration(job.eta_seconds)} {job.status}"
+        f"{job.rows_per_second:,.0f}/s ETA {_duration(job.eta_seconds)} {_shown(job.status)}"
     )
 
 
@@ -155,16 +171,16 @@ def wait(client: Client, job_id: str, out: TextIO, give_up_s: float | None = Non
 
 
 def _print_job(job: Job, as_json: bool) -> None:
-    print(json.dumps(dataclasses.asdict(job)) if as_json else describe(job))
+    print(_json(job) if as_json else describe(job))
 
 
 def _list(jobs: list[Job], as_json: bool) -> None:
     for job in jobs:
         if as_json:
-            print(json.dumps(dataclasses.asdict(job)))
+            print(_json(job))
             continue
         done = f"{job.done:>10,}/{job.total:<10,}"
-        print(f"{job.id}  {job.status:10}  {job.model:16}  {done}  {_when(job.created_at)}")
+        print(_shown(f"{job.id}  {job.status:10}  {job.model:16}  {done}  {_when(job.created_at)}"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -184,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             job = wait(c, args.id, sys.stderr, give_up_s=args.timeout)
             if job.status != "completed":
                 why = f": {job.error}" if job.error else ""
-                print(f"job {job.id} {job.status}{why}", file=sys.stderr)
+                print(_shown(f"job {job.id} {job.status}{why}"), file=sys.stderr)
                 return 1
         elif args.verb == "results":
             out: Any = sys.stdout.buffer if args.output == "-" else args.output
@@ -213,10 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except BatchdClientError as e:
-        print(f"batchd jobs {args.verb}: {e}", file=sys.stderr)
+        print(f"batchd jobs {args.verb}: {_shown(e)}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:  # (ValueError: a URL, a certificate without its key)
-        print(f"batchd jobs {args.verb}: {e}", file=sys.stderr)
+        print(f"batchd jobs {args.verb}: {_shown(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if args.verb == "wait":

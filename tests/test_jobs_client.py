@@ -22,9 +22,16 @@ import grpc
 import numpy as np
 import pytest
 
-from batchd.client import AsyncClient, BadResponse, Client, LimitExceeded, ServerUnavailable
+from batchd.client import (
+    AsyncClient,
+    BadResponse,
+    Client,
+    LimitExceeded,
+    ServerUnavailable,
+    jobs_cli,
+)
 from batchd.client.jobs import Job, _GivenUp, _Upload
-from batchd.client.jobs_cli import describe
+from batchd.client.jobs_cli import bar, describe
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from tests.conftest import Gate, run
 from tests.servers import TEST_MODELS, ServerProcess, grpc_servicer, listening, wait_for
@@ -343,3 +350,22 @@ def test_a_job_s_numbers_no_clock_holds_are_shown_not_a_traceback() -> None:
                                    started_at=math.nan, eta_seconds=math.inf))  # fmt: skip
     text = describe(job)
     assert "created   1e+300" in text and "started   nan" in text and "ETA ?" in text
+
+
+def test_a_server_s_text_reaches_the_terminal_escaped_and_its_json_stays_json(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A model name or an error holding an escape sequence retitled, cleared or hid the
+    user's terminal; `--json` wrote a NaN rate as `NaN`, which JSON readers refuse."""
+    evil = "m\x1b]0;owned\x07\x1b[2J\x9b8m"
+    job = Job.from_pb(jobs_pb2.Job(id="j", model_name=evil, status="failed", error=evil,
+                                   rows_per_second=math.nan))  # fmt: skip
+    for text in (describe(job), bar(job)):
+        assert not any(c in text for c in "\x1b\x07\x9b"), text
+    assert "model     m\\x1b]0;owned\\x07\\x1b[2J\\x9b8m" in describe(job)
+    jobs_cli._list([job], as_json=False)
+    jobs_cli._list([job], as_json=True)
+    plain, as_json = capsys.readouterr().out.splitlines()
+    assert "\x1b" not in plain
+    line = json.loads(as_json, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert line["rows_per_second"] is None and line["model"] == evil
