@@ -115,8 +115,9 @@ def _array(values: Sequence[Any], ints: bool) -> tuple[np.ndarray, str]:
 def _not_one(values: Sequence[Any], ints: bool) -> str:
     """The first of `values` that is not an integer (`ints`) or not a number, said."""
     for v in values:
-        if type(v) is float and ints:
-            return f"{number(v)} (not an integer)"
+        if type(v) is float and ints:  # (orjson reads an integer past 64 bits as a float)
+            past = v.is_integer() and abs(v) >= 2**63
+            return f"{number(v)} ({'an integer past 64 bits' if past else 'not an integer'})"
         if type(v) not in (int, float):
             return _kind(v)
     return "an integer past any float's range"  # (of hundreds of digits: Python's json)

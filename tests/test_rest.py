@@ -1391,6 +1391,9 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
                             "FP32 data holds numbers only, got a boolean"),
     "true beside integers": (TEXTPOOL, one("TOKENS", "INT64", [1, 2], [True, 5]), {},
                              "INT64 data holds integers only, got a boolean"),
+    "an integer past 64 bits": (  # (it said "not an integer")
+        TEXTPOOL, one("TOKENS", "INT64", [1, 2], [1, 2**64]), {},
+        "INT64 data holds integers only, got 1.8446744073709552e+19 (an integer past 64 bits)"),
     "a shape of 32 dimensions of 2**62": (
         TINY, one("INPUT0", "FP32", [2**62] * 32, [1]), {},
         "needs 1751908409537131537220509645351687597690... (598 digits) values"),
