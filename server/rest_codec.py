@@ -22,8 +22,9 @@ from typing import Any
 import orjson
 
 from batchd.protos import inference_pb2 as pb
+from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig
-from batchd.protos.tensors import MAX_DIMS, set_parameter
+from batchd.protos.tensors import MAX_DIMS, bounded_count, set_parameter
 from batchd.server.codec import check_inputs, fixed_output_bytes, refuse_unserved
 from batchd.server.config import Limits
 from batchd.server.errors import CLIP_ITEMS, InvalidInput, ResponseTooLarge, clip
@@ -281,10 +282,20 @@ def _json_room(in_json: Sequence[Tensor], size: int | None = None, would: str = 
 def json_room(msg: pb.ModelInferRequest, cfg: ModelConfig, wanted: Wanted) -> None:
     """Refuse, before the model runs, a request whose JSON outputs its model's signature
     makes too large (_json_room; one whose size the model decides is checked once made)."""
-    rows = msg.inputs[0].shape[0] if cfg.batches and msg.inputs and msg.inputs[0].shape else 1
     asked = [o.name for o in msg.outputs] or cfg.output_names
-    size, _ = fixed_output_bytes(cfg, [n for n in asked if not wanted.binary(n)], max(rows, 0))
+    size, _ = fixed_output_bytes(cfg, [n for n in asked if not wanted.binary(n)], _rows(msg, cfg))
     _json_room((), size, "would hold")
+
+
+def _rows(msg: pb.ModelInferRequest, cfg: ModelConfig) -> int:
+    """The rows the first input declares; 0 where its data cannot fill its shape, which
+    decoding refuses saying so (it was told to ask for binary outputs of 2**40 rows)."""
+    if not (cfg.batches and msg.inputs and msg.inputs[0].shape):
+        return 1
+    shape, raw = msg.inputs[0].shape, msg.raw_input_contents
+    dt = DATATYPES.get(msg.inputs[0].datatype)
+    most = len(raw[0]) // max(dt.itemsize, 1) if dt is not None and raw else 0
+    return shape[0] if min(shape) >= 0 and bounded_count(shape, most) <= most else 0
 
 
 def generate_response(model: ModelConfig, request_id: str, results: Sequence[Tensor]) -> bytes:

@@ -1413,6 +1413,9 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
         TINY, one("\udfff", "FP32", [1], [math.inf]), {}, LONE),
     "a lone surrogate in a parameter key, generate": (
         "/v2/models/tiny/generate", '{"\\ud800x": NaN}', {}, LONE),
+    "2**40 rows in 64 bytes, outputs in JSON": (  # (it was told to ask for binary outputs)
+        TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [2**40, 16], 64)]}, ZEROS),
+        "1099511627776 rows would need more batches of 32 than model 'tiny' queues"),
     "negative binary_data_size": (
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], -1)]}, ZEROS),
         "binary_data_size must be a non-negative integer, got a number '-1'"),
