@@ -240,8 +240,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise Unavailable("the server is shutting down and takes no new requests")
         if isinstance(msg, tuple):  # an HTTP body: traced from before its parse, which can fail
             a.trace = trace = tracing.begin(self.tracing, cfg.name, "", carrier)
-            msg = await msg[1]()
-            self.model(msg.model_name, msg.model_version)  # not replaced while it came
+            msg = await msg[1]()  # (a reload meanwhile: the version `a` holds answers it)
             if trace is not None and msg.id:
                 trace.span.set_attribute("batchd.request_id", msg.id[:64])
         else:

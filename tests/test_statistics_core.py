@@ -5,6 +5,7 @@ and replies the test sends, on a clock the test moves (so every duration is exac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -189,5 +190,34 @@ def test_a_sequence_started_again_after_its_worker_was_lost_counts_one_wait(
         m = core.stats.model("gen", "1")
         assert (m.success.count, m.queue.count, m.queue.ns) == (1, 1, 0)
         assert (m.execution_count, m.compute_infer.count, m.compute_infer.ns) == (1, 1, INFER_NS)
+
+    run(body)
+
+
+def test_an_http_body_parsed_across_a_reload_is_answered_by_the_version_it_came_to(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A body parsed off the loop (over 8 KiB) while a reload replaced its version was
+    refused 404, "model 'm' has no version '1'", though its URL named none: the
+    parsed message carried the version the route resolved, checked again after the
+    parse. The request is the version's it was admitted to, which drains it."""
+
+    async def body() -> None:
+        core, service = serving(router, Clock(), model(max_batch_size=4, queue=8, delay_us=0))
+        old = core.models["m"]
+        worker = register(core, "w", old.key)
+
+        async def parse() -> pb.ModelInferRequest:  # as rest.py's: the version resolved
+            core.models["m"] = dataclasses.replace(old, version="2")  # (a reload, meanwhile)
+            msg = infer_msg(1)
+            msg.model_version = old.version
+            return msg
+
+        call = asyncio.ensure_future(service.infer((old, parse), None))
+        await until(lambda: len(worker.inflight) == 1 or call.done(), "the request sent")
+        assert not call.done(), call.exception()
+        answer(core, worker, next(iter(worker.inflight.values())))
+        response = await call
+        assert (response.model_version, response.outputs[0].shape) == ("1", [1, 2])
 
     run(body)
