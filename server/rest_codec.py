@@ -35,9 +35,9 @@ from batchd.server.request import Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_DIM = 1 << 62  # a shape dimension beyond this cannot be an int64 of a real tensor
-# A request's outputs, and the parameters of each of its objects: more are refused before
-# any is read (gRPC's protobuf parses them in C++; these are walked in Python, and 600,000
-# request parameters then held the loop ~0.7 s, unpickled, to be served all the same).
+# The parameters of each object of a request, and its outputs (or its model's, if more):
+# more are refused before any is read (gRPC's protobuf parses them in C++; these are walked
+# in Python, and 600,000 request parameters held the loop ~0.7 s, then were served).
 MAX_LISTED = 256
 
 
@@ -70,9 +70,9 @@ def _parameters(target: Any, params: dict[str, Any], where: str, skip: Iterable[
             )
 
 
-def _at_most(count: int, what: str, where: str) -> None:
-    if count > MAX_LISTED:
-        raise InvalidInput(f"{where} has {count} {what}, at most {MAX_LISTED}")
+def _at_most(count: int, what: str, where: str, most: int = MAX_LISTED) -> None:
+    if count > most:
+        raise InvalidInput(f"{where} has {count} {what}, at most {most}")
 
 
 def _flag(params: dict[str, Any], key: str, where: str, default: bool) -> bool:
@@ -97,20 +97,35 @@ class Wanted:
 
 
 def parse_infer(
-    body: bytes, header_length: int | None, model: str, version: str, limits: Limits
+    body: bytes,
+    header_length: int | None,
+    model: str,
+    version: str,
+    limits: Limits,
+    outputs: int = MAX_LISTED,
 ) -> tuple[pb.ModelInferRequest, Wanted]:
-    """A v2 REST inference body (JSON, or JSON + binary tensors) -> ModelInferRequest."""
+    """A v2 REST inference body (JSON, or JSON + binary tensors) -> ModelInferRequest;
+    `outputs`: at most how many it may ask for (its model's number, or MAX_LISTED)."""
     size = len(body)
-    if not header_length:  # (0: the whole body is JSON, as Triton reads it)
+    if header_length is None:
         header_length = size
+    elif header_length == 0:
+        raise InvalidInput(f"{HEADER_LENGTH} 0 asks for Triton's raw binary request (the body "
+                           "as the one input's bytes), which batchd does not serve; send the "
+                           "JSON header first and its length")  # fmt: skip
     elif not 0 <= header_length <= size:
         raise InvalidInput(f"{HEADER_LENGTH} is {header_length}, but the body holds {size} bytes")
     head = load_json(memoryview(body)[:header_length], "the inference header")
-    return request_from(head, memoryview(body)[header_length:], model, version, limits)
+    return request_from(head, memoryview(body)[header_length:], model, version, limits, outputs)
 
 
 def request_from(
-    head: dict[str, Any], binary: memoryview, model: str, version: str, limits: Limits
+    head: dict[str, Any],
+    binary: memoryview,
+    model: str,
+    version: str,
+    limits: Limits,
+    outputs: int = MAX_LISTED,
 ) -> tuple[pb.ModelInferRequest, Wanted]:
     """A v2 JSON request (parsed) and the binary tensors after it -> ModelInferRequest
     (also a batch job's line, jobs/lines.py); more inputs than `limits` allow are refused
@@ -129,7 +144,8 @@ def request_from(
             f"the body holds {len(binary)} bytes after the header; the inputs' "
             f"binary_data_size parameters add up to {at}"
         )
-    return msg, _wanted(msg, head, _flag(params, "binary_data_output", "the request", False))
+    default = _flag(params, "binary_data_output", "the request", False)
+    return msg, _wanted(msg, head, default, max(outputs, MAX_LISTED))
 
 
 def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at: int) -> int:
@@ -172,10 +188,10 @@ def _input(msg: pb.ModelInferRequest, i: int, item: Any, binary: memoryview, at:
     return at
 
 
-def _wanted(msg: pb.ModelInferRequest, head: dict[str, Any], default: bool) -> Wanted:
+def _wanted(msg: pb.ModelInferRequest, head: dict[str, Any], default: bool, most: int) -> Wanted:
     named: dict[str, bool] = {}
     outputs = _field(head, "outputs", list, "the request", [])
-    _at_most(len(outputs), "outputs", "the request")
+    _at_most(len(outputs), "outputs", "the request", most)
     for i, item in enumerate(outputs):
         if not isinstance(item, dict):
             raise InvalidInput(f"output {i}: expected an object, got {_kind(item)}")

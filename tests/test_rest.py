@@ -1514,11 +1514,25 @@ def test_too_many_inputs_are_refused_before_any_is_read() -> None:
         lines.parse(json.loads(body), "m", "1", Limits(max_inputs=128))
 
 
-def test_a_header_length_of_0_means_the_whole_body_is_json(example_server: ServerProcess) -> None:
-    """As Triton reads Inference-Header-Content-Length: 0 (it was "not valid JSON")."""
-    r = call(example_server, "POST", TINY, tiny_body(0.5), {HEADER_LENGTH: "0"})
-    assert r.status == 200, r.body[:300]
-    assert r.json()["outputs"][0]["name"] == "OUTPUT0"
+def test_a_header_length_of_0_is_refused_saying_what_triton_means_by_it(
+    example_server: ServerProcess,
+) -> None:
+    """Triton reads 0 as a raw binary request (the body: the one input's bytes); batchd
+    said "the inference header is not valid JSON: ... zero-length"."""
+    r = call(example_server, "POST", TINY, ZEROS, {HEADER_LENGTH: "0"})
+    assert r.status == 400, r.body[:300]
+    assert f"{HEADER_LENGTH} 0 asks for Triton's raw binary request" in r.error
+
+
+def test_a_model_of_more_outputs_than_the_cap_may_be_asked_for_each() -> None:
+    """The cap on the outputs a request names is its model's number where larger: a
+    model of 300 outputs had each asked for over gRPC, and was refused over HTTP."""
+    head = {"inputs": [], "outputs": [{"name": f"Y{i}"} for i in range(300)]}
+    body = json.dumps(head).encode()
+    msg, _ = parse_infer(body, None, "m", "1", Limits(), 300)
+    assert len(msg.outputs) == 300
+    with pytest.raises(InvalidInput, match="the request has 300 outputs, at most 256"):
+        parse_infer(body, None, "m", "1", Limits(), 3)
 
 
 @pytest.mark.parametrize("size", ["64", 64.0])

@@ -171,7 +171,14 @@ def decode(raw: bytes, number: int, model: ModelConfig, limits: Limits) -> Line:
     cid: str | None = None
     try:  # a long line's JSON in the parser process: its parse holds no GIL of the loop's
         cid, msg = parser.run(
-            lines.request_of, len(raw), raw, model.name, model.version, limits, background=True
+            lines.request_of,
+            len(raw),
+            raw,
+            model.name,
+            model.version,
+            limits,
+            len(model.outputs),
+            background=True,
         )
         request = decode_request(msg, model, time.monotonic(), limits=limits)
     except lines.LineError as e:  # (a new one: this one's traceback holds the parsed line)

@@ -98,7 +98,8 @@ def load(line: bytes) -> Any:
         raise ValueError(f"not JSON ({e}); the line starts {start}") from None
 
 
-def parse(doc: Any, model: str, version: str, limits: Limits) -> pb.ModelInferRequest:
+def parse(doc: Any, model: str, version: str, limits: Limits,
+          outputs: int = rest_codec.MAX_LISTED) -> pb.ModelInferRequest:  # fmt: skip
     """The ModelInferRequest a line stands for; ValueError naming what is wrong."""
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
@@ -109,14 +110,14 @@ def parse(doc: Any, model: str, version: str, limits: Limits) -> pb.ModelInferRe
     # applied: a job's requests have no deadline and their own lane.
     head = {k: doc[k] for k in ("inputs", "outputs") if k in doc}
     try:
-        msg, _ = rest_codec.request_from(head, memoryview(b""), model, version, limits)
+        msg, _ = rest_codec.request_from(head, memoryview(b""), model, version, limits, outputs)
     except InvalidInput as e:
         raise ValueError(e.message) from None
     return msg
 
 
 def request_of(
-    line: bytes, model: str, version: str, limits: Limits
+    line: bytes, model: str, version: str, limits: Limits, outputs: int = rest_codec.MAX_LISTED
 ) -> tuple[str, pb.ModelInferRequest]:
     """(custom_id, request) of a line; LineError (with the custom_id, when it had one) naming
     what is wrong. Called by chunks.decode through parser.run: in the JSON parser process
@@ -125,7 +126,7 @@ def request_of(
     try:
         doc = load(line)
         cid = custom_id_of(doc)
-        return cid, parse(doc, model, version, limits)
+        return cid, parse(doc, model, version, limits, outputs)
     except ValueError as e:
         raise LineError(cid, str(e)) from None
 
