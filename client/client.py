@@ -4,8 +4,7 @@ with Client("127.0.0.1:8001") as c:
     out = c.infer("mlp", {"INPUT0": np.zeros((1, 512), np.float32)})
     out["OUTPUT0"]  # numpy array
 
-Security and connection options (keyword-only, both clients: tls=, ca_cert=,
-client_cert=, client_key=, token=, own_connection=): client/channel.py.
+Options (keyword-only), TLS, tokens and connections: client/channel.py.
 
 Both clients are ClientCore's operations (client/core.py, written once as steps),
 driven over a blocking gRPC channel (Client) or grpc.aio (AsyncClient).
@@ -345,8 +344,9 @@ class AsyncClient(_Connection):
                     elif isinstance(step, Rpc | Wait):
                         reply = await self._do(step)
                     elif isinstance(step, End):
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(call.code(), step.within)
+                        with contextlib.suppress(TimeoutError):  # (not wait_for: 3.11's
+                            async with asyncio.timeout(step.within):  # can lose a cancel)
+                                await call.code()
                     else:  # Read
                         try:
                             reply = await call.read()

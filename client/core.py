@@ -9,7 +9,7 @@ bare array's metadata lookup included), the retry policy
 (client/retry.py), turning a failed call into its typed error
 (client/errors.py), the metadata cache, and the token metadata.
 
-`stream` (a decoupled model's outputs, over ModelStreamInfer) has three more
+`stream` (a decoupled model's outputs, over ModelStreamInfer) has four more
 steps: `Open` (start the stream call with this one request), `Read` (resume me
 with its next response, END when it closed, or its grpc.RpcError), `Emit`
 (hand these outputs to the caller, then resume me) and `End` (wait a moment for

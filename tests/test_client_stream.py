@@ -22,6 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -37,6 +38,7 @@ from batchd.client import (
     ServerUnavailable,
     bench,
 )
+from batchd.client.core import End, Open
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 
@@ -485,3 +487,45 @@ def test_bench_stream_plots_outputs_per_second_and_time_to_first_output(
     plot = tmp_path / "stream.png"
     code, _ = run_bench(url, tmp_path, "--concurrency", "1,2", "--plot", str(plot))
     assert code == 0 and plot.stat().st_size > 0
+
+
+def test_a_task_cancelled_as_its_stream_ends_stays_cancelled() -> None:
+    """AsyncClient waited for the call's end with asyncio.wait_for, which on 3.11 drops
+    a cancel landing in the turn the call ends (CPython gh-86296): the caller's task
+    ran on past the loop as though never cancelled."""
+
+    class Call:
+        def __init__(self, ended: asyncio.Future[int]) -> None:
+            self.ended = ended
+
+        async def code(self) -> int:
+            return await self.ended
+
+        def cancel(self) -> bool:
+            return False
+
+    async def scenario() -> list[str]:
+        ended = asyncio.get_running_loop().create_future()
+        ran_on: list[str] = []
+        async with AsyncClient("127.0.0.1:1") as ac:
+            ac._stub = mock.Mock(ModelStreamInfer=lambda *a, **k: Call(ended))
+
+            def steps() -> Any:
+                yield Open("ModelStreamInfer", None, None)
+                yield End(1.0)
+
+            async def consume() -> None:
+                async for _ in ac._drive_stream(steps()):
+                    pass
+                ran_on.append("after the loop")
+
+            task = asyncio.create_task(consume())
+            for _ in range(5):
+                await asyncio.sleep(0)  # (it waits for the end)
+            ended.set_result(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return ran_on
+
+    assert asyncio.run(scenario()) == []
