@@ -32,6 +32,8 @@ def read_toml(path: Path) -> dict[str, Any]:
     any other file is a ConfigError naming it, never a UnicodeDecodeError."""
     try:
         doc = tomllib.loads(_read_bounded(path).decode("utf-8"))
+    except ConfigError:
+        raise  # (its own: a ValueError too, not to be said again as "not valid TOML")
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
     except UnicodeDecodeError as e:
