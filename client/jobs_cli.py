@@ -148,7 +148,7 @@ def wait(client: Client, job_id: str, out: TextIO, give_up_s: float | None = Non
             now = time.monotonic()
             if failing_since is None:
                 failing_since = now
-                out.write(f"{chr(10) if tty else ''}job {job_id}: {e}; asking again\n")
+                out.write(f"{chr(10) if tty else ''}job {job_id}: {_shown(e)}; asking again\n")
             elif give_up_s is not None and now - failing_since >= give_up_s:
                 raise
             pause = min(RETRY_MAX_S, POLL_S * 2 ** min(10, int(now - failing_since).bit_length()))
@@ -189,7 +189,8 @@ def run(args: argparse.Namespace) -> int:
     with Client(args.url, timeout=args.timeout, retries=3, **connection(args)) as c:
         if args.verb == "submit":
             key = args.idempotency_key
-            print(c.submit_job(args.model, args.file, args.model_version, idempotency_key=key).id)
+            print(_shown(c.submit_job(args.model, args.file, args.model_version,
+                                      idempotency_key=key).id))  # fmt: skip
         elif args.verb == "status":
             _print_job(c.job(args.id), args.json)
         elif args.verb == "cancel":

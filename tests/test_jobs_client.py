@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import io
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -212,16 +214,15 @@ def test_sigterm_during_a_download_leaves_no_partial_file(
     out = tmp_path / "results.jsonl"
     cmd = [str(Path(sys.executable).parent / "batchd"), "jobs", "results", "--url", url, "j",
            "-o", str(out)]  # fmt: skip
-    partial = tmp_path / "results.jsonl.partial"
     with subprocess.Popen(cmd, stderr=subprocess.PIPE) as proc:
         try:
-            wait_for(partial.exists, 30, "the download to begin")
+            wait_for(lambda: list(tmp_path.glob("*.partial")), 30, "the download to begin")
             proc.send_signal(signal.SIGTERM)
             _, err = proc.communicate(timeout=30)
         finally:
             proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert not partial.exists() and not out.exists()
+    assert not list(tmp_path.glob("*.partial")) and not out.exists()
 
 
 def test_the_async_client_reports_the_server_s_refusal_of_an_upload_it_still_sends(
@@ -369,3 +370,13 @@ def test_a_server_s_text_reaches_the_terminal_escaped_and_its_json_stays_json(
     assert "\x1b" not in plain
     line = json.loads(as_json, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
     assert line["rows_per_second"] is None and line["model"] == evil
+    polls = iter([ServerUnavailable(evil), job])
+
+    def poll(job_id: str) -> Job:
+        if isinstance(answer := next(polls), Exception):
+            raise answer
+        return answer
+
+    out = io.StringIO()
+    jobs_cli.wait(mock.Mock(job=poll), "j", out, sleep=lambda s: None)
+    assert "\x1b" not in out.getvalue() and "\\x1b]0;owned" in out.getvalue()
