@@ -13,10 +13,11 @@ A request line: {"custom_id": "...", "inputs": [{"name", "datatype", "shape",
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -228,13 +229,23 @@ def cancel_job(core: ClientCore, job_id: str) -> Steps[Job]:
     return Job.from_pb((yield from core.call("CancelJob", msg, service="jobs")))
 
 
+def _umask() -> int:
+    """The process's umask, read without setting it (Linux's /proc; else the usual)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    return 0o022
+
+
 class ResultsFile:
     """Where job_results writes: a path (opened and closed here) or a binary file. A
-    path is written whole or not at all: the results go to PATH.partial beside it,
-    which replaces PATH only once every piece came, so a download that fails (the job
-    gone past its retention, a lost connection) leaves an earlier copy as it was."""
+    path is written whole or not at all: the results go to a file of the download's
+    own beside it (PATH.<random>.partial, made here: a link, FIFO or file another user
+    put at a fixed name in a shared folder is never written through), which replaces
+    PATH only once every piece came, so a download that fails (the job gone past its
+    retention, a lost connection) leaves an earlier copy as it was."""
 
-    writing: ClassVar[set[Path]] = set()  # the PATH.partial files open now (jobs_cli's SIGTERM)
+    writing: ClassVar[set[Path]] = set()  # the .partial files open now (jobs_cli's SIGTERM)
 
     def __init__(self, out: str | os.PathLike[str] | BinaryIO) -> None:
         self._out, self._mine = out, False
@@ -253,17 +264,9 @@ class ResultsFile:
             self.file = path.open("wb")
             return
         where = path.resolve()  # (a link: where it points)
-        self._partial = where.with_name(where.name + ".partial")
-        self._path = where
-        # (not through a link planted at PATH.partial: in a shared folder, another user's
-        # link made the download overwrite a file of theirs choosing)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(self._partial, flags, 0o666)
-        except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise OSError(e.errno, "a symbolic link, not followed", str(self._partial)) from None
+        fd, name = tempfile.mkstemp(prefix=f"{where.name}.", suffix=".partial", dir=where.parent)
+        os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp's 0600: PATH as open() would make it)
+        self._partial, self._path = Path(name), where
         ResultsFile.writing.add(self._partial)
         self.file = os.fdopen(fd, "wb")
 

@@ -1034,18 +1034,30 @@ def test_results_to_a_path_that_is_not_a_regular_file_go_to_it_as_it_is(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "real.jsonl"]
 
 
-def test_results_are_not_written_through_a_link_planted_at_their_partial_path(
+def test_results_are_not_written_through_what_is_planted_at_a_partial_path(
     tmp_path: Path,
 ) -> None:
     """In a shared folder (/tmp), another user's link at OUT.partial made a download
-    truncate and overwrite the file it named; it is refused, the file left as it was."""
+    truncate and overwrite the file it named, their FIFO hung it, their file took the
+    results (and made OUT theirs). The download's file is its own, made beside OUT."""
     (tmp_path / "victim").write_text("theirs\n")
     (tmp_path / "out.jsonl.partial").symlink_to(tmp_path / "victim")
-    refused = pytest.raises(OSError, match="a symbolic link, not followed")
-    with refused, ResultsFile(tmp_path / "out.jsonl") as f:
-        f.write(b"new\n")
+    os.mkfifo(tmp_path / "other.jsonl.partial")
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("out.jsonl", "other.jsonl"):
+        with ResultsFile(tmp_path / name) as f:
+            f.write(b"new\n")
+        assert (tmp_path / name).read_text() == "new\n"
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask  # (as open() makes)
     assert (tmp_path / "victim").read_text() == "theirs\n"
-    assert not (tmp_path / "out.jsonl").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "other.jsonl",
+        "other.jsonl.partial",
+        "out.jsonl",
+        "out.jsonl.partial",
+        "victim",
+    ]
 
 
 def test_uploads_a_sigint_refused_before_the_stop_began_stay_refused(tmp_path: Path) -> None:
