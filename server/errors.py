@@ -61,7 +61,8 @@ def parameter_said(p: Any) -> str:
         return "nothing"
     value = getattr(p, kind)
     words = {"bool_param": "a boolean", "string_param": "a string", "double_param": "a number"}
-    return f"{words.get(kind, 'an integer')} {clip(value) if isinstance(value, str) else value}"
+    shown = clip(value) if isinstance(value, str) else str(value).lower()  # (true, as JSON)
+    return f"{words.get(kind, 'an integer')} {shown}"
 
 
 def first_names(names: Collection[str], most: int = 32) -> str:
