@@ -1413,6 +1413,9 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
         TINY, one("\udfff", "FP32", [1], [math.inf]), {}, LONE),
     "a lone surrogate in a parameter key, generate": (
         "/v2/models/tiny/generate", '{"\\ud800x": NaN}', {}, LONE),
+    "a timeout of true": (  # (it said "got bool_param", then "got a boolean True")
+        TINY, tiny_body(parameters={"timeout": True}), {},
+        "parameter 'timeout': expected an integer of microseconds, got a boolean true"),
     "2**40 rows in 64 bytes, outputs in JSON": (  # (it was told to ask for binary outputs)
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [2**40, 16], 64)]}, ZEROS),
         "1099511627776 rows would need more batches of 32 than model 'tiny' queues"),
