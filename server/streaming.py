@@ -49,7 +49,7 @@ import grpc
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.server.codec import echoable, encode_response, fixed_output_bytes
-from batchd.server.errors import BatchdError, InvalidInput
+from batchd.server.errors import BatchdError, InvalidInput, Unavailable, clip
 from batchd.server.flow import StepStream, stream_budget
 from batchd.server.handlers import Undecodable
 from batchd.server.request import Request, Tensor
@@ -196,6 +196,11 @@ async def _answer(service: Answers, msg: pb.ModelInferRequest | Undecodable,
         if isinstance(msg, Undecodable):
             raise msg.error
         _check(msg)
+        now = service.served(msg)  # (no await from here to the version's own lookup)
+        if now is not None and _steps_of(now) != _steps_of(cfg):  # (unloaded: NOT_FOUND)
+            kind = "a step-wise" if _steps_of(now) else "a one-shot"
+            raise Unavailable(f"model {clip(msg.model_name)} was loaded or reloaded as {kind} "
+                              "model while this request was read; send it again")  # fmt: skip
         if cfg is not None and stream is not None:
             await _steps(service, msg, cfg, put, carrier, time_remaining, stream)
         else:

@@ -226,3 +226,29 @@ def test_what_a_one_shot_answer_is_promised() -> None:
     assert streaming.answer_bytes(msg(2), stepwise_model(), 99) == 0
     assert streaming.answer_bytes(msg(2), None, 99) == 0
     assert streaming.answer_bytes(Undecodable(InvalidInput("x")), fixed, 99) == 0
+
+
+@pytest.mark.parametrize("read_as", ["none", "step-wise", "one-shot"])
+def test_a_request_whose_model_changed_kind_while_it_was_read_is_unavailable(
+    read_as: str,
+) -> None:
+    """The stream chose a one-shot or a step-wise answer by the model as it read the
+    request, and the servicer ran the model serving when it answered: a step-wise model
+    loaded meanwhile answered one response of every step's outputs joined, one reloaded
+    as one-shot an empty final response, both OK (a review's load/unload loop)."""
+    first = {"none": None, "step-wise": stepwise_model("s"), "one-shot": model()}[read_as]
+    then = model() if read_as == "step-wise" else stepwise_model("s")
+    asked: list[ModelConfig | None] = []
+
+    class Changing(Service):
+        def served(self, msg: pb.ModelInferRequest) -> ModelConfig | None:
+            asked.append(first if not asked else then)
+            return asked[-1]
+
+    async def run() -> list[pb.ModelStreamInferResponse]:
+        return [r async for r in respond(Changing(), requests(["a"], name="s"))]  # type: ignore[arg-type]
+
+    (out,) = asyncio.run(asyncio.wait_for(run(), 10))
+    assert out.infer_response.parameters["error_code"].string_param == "UNAVAILABLE"
+    kind = "a one-shot" if read_as == "step-wise" else "a step-wise"
+    assert f"model 's' was loaded or reloaded as {kind} model while this" in out.error_message
