@@ -29,6 +29,7 @@ __all__ = [
     "confined",
     "files_of",
     "find_model",
+    "find_with_files",
     "load_each",
     "load_repository",
     "model_directory",
@@ -170,3 +171,11 @@ def files_of(directory: Path) -> Files:
             if stat.S_ISREG(st.st_mode):
                 found.add((str(rel), st.st_size, st.st_mtime_ns))
     return frozenset(found)
+
+
+def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:
+    """find_model, and its files as they were when its model.toml was read: the config is
+    read again after the snapshot, so a model.toml rewritten between the two is the
+    snapshot's (a rewrite read first, then snapshotted as it was, passed as unchanged)."""
+    files = files_of(find_model(root, name).directory)
+    return find_model(root, name), files

@@ -23,9 +23,10 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from batchd.protos import repository as repo
 from batchd.protos import wire
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
-from batchd.protos.repository import Files, RepositoryUnreadable, files_of, find_model, load_each
+from batchd.protos.repository import Files, RepositoryUnreadable, files_of, load_each
 from batchd.server import index
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
@@ -282,11 +283,10 @@ class ModelControl:
             if self._next_load.get(name) is asyncio.current_task():
                 del self._next_load[name]  # begun: a later load reads the files after it
             try:  # (off the loop: a name no folder has is looked for in every model.toml)
-                found = await asyncio.to_thread(find_model, self.repository, name)
+                found, files = await asyncio.to_thread(repo.find_with_files, self.repository, name)
             except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
                 fault = Unavailable if isinstance(e, RepositoryUnreadable) else InvalidInput
                 raise fault(f"cannot load model {name!r}: {e}") from None
-            files = await asyncio.to_thread(files_of, found.directory)
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
                 raise Unavailable(f"no live worker may load model {name!r}; try again later")

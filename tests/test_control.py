@@ -961,7 +961,7 @@ def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
         go_on.wait(30)
         return find_model(root, name)
 
-    monkeypatch.setattr(control, "find_model", slow_find)
+    monkeypatch.setattr(control.repo, "find_model", slow_find)
 
     async def body() -> list[str]:
         ctl = control.ModelControl(tmp_path, WorkerPool(), None, None, True, time.monotonic,  # type: ignore[arg-type]

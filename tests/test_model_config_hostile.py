@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from batchd.protos import repository
 from batchd.protos.model_config import ConfigError, load_model_config
 from batchd.protos.repository import find_model, load_repository
 from batchd.server.config import ServerConfig, Workers
@@ -107,6 +108,27 @@ def test_a_huge_file_or_a_fifo_is_refused_without_reading_it_all_or_waiting(
     path.unlink()
     os.mkfifo(path)
     assert refused(d) == f"{path}: not a regular file"  # (not "not valid TOML: PATH: ...")
+
+
+def test_a_model_toml_rewritten_before_the_files_snapshot_is_read_as_the_snapshot_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load read model.toml, then snapshotted the files to check them against once
+    loaded: a rewrite between the two was in the snapshot, so the load passed as unchanged
+    with the frontend holding the old config and the workers the new (36 of 40 loads of a
+    review's race). The config is read again after the snapshot."""
+    write(tmp_path, "m", GOOD)
+    real = repository.files_of
+
+    def rewritten_first(directory: Path) -> repository.Files:
+        (directory / "model.toml").write_text(
+            GOOD.replace("max_batch_size = 4", "max_batch_size = 3")
+        )
+        return real(directory)
+
+    monkeypatch.setattr(repository, "files_of", rewritten_first)
+    cfg, files = repository.find_with_files(tmp_path, "m")
+    assert cfg.max_batch_size == 3 and files == real(tmp_path / "m")
 
 
 def test_an_unforeseen_failure_while_parsing_is_a_config_error_too(

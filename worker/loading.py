@@ -30,7 +30,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.protos.repository import Files, files_of, find_model
+from batchd.protos.repository import Files, files_of, find_model, find_with_files
 from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, load_model
 
@@ -88,8 +88,9 @@ def load(
         elif header.held:  # (its files changed: they are not that version's)
             return Loaded(error=wire.NOT_HELD)
         start = time.perf_counter()
-        cfg = dataclasses.replace(find_model(repository, header.model), version=header.version)
-        files = (cfg.directory, files_of(cfg.directory))  # (before: what load() reads)
+        found, snapshot = find_with_files(repository, header.model)  # (before what load() reads)
+        cfg = dataclasses.replace(found, version=header.version)
+        files = (cfg.directory, snapshot)
         fn = load_model(cfg, device)
         settle_heap()
         log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
