@@ -39,7 +39,10 @@ __all__ = [
 
 def confined(root: Path, path: Path) -> Path:
     """`path`, resolved, if it lies inside the repository `root`; else ConfigError."""
-    real = path.resolve()
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as e:  # (3.11: a symlink loop is a RuntimeError)
+        raise ConfigError(f"{path}: cannot be resolved: {e}") from None
     if not real.is_relative_to(root.resolve()):
         raise ConfigError(f"{path}: resolves to {real}, outside the model repository {root}")
     return real

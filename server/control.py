@@ -1,16 +1,13 @@
 """Model control: which version of each model serves, loading, swapping, unloading.
 
 Every load gives a model its next version ("1", "2", ...), keyed "name@version".
-A load asks every worker that may run the model to load the new version and
-waits for all of them; only then does the swap happen, in one step: new
-requests go to the new version's queue while the old version's queue and
-in-flight batches drain on the copies the workers still hold. When nothing of
-the old version is queued or running, the workers drop it. A failed load
-changes nothing: the old version keeps serving.
-
-Workers that register later are told to load the current versions. The
-load protocol lives here too: LOAD to a worker, its LOADED (or the reason it
-could not), UNLOAD once a version has drained.
+A load asks every worker that may run the model to load the new version and waits
+for all of them; only then does the swap happen, in one step: new requests go to
+the new version's queue while the old version's queue and in-flight batches drain
+on the copies the workers still hold, which drop it once nothing of it is queued or
+running. A failed load changes nothing: the old version keeps serving. Workers that
+register later are told to load the current versions. The load protocol lives here
+too: LOAD to a worker, its LOADED (or why it could not), UNLOAD once drained.
 """
 
 from __future__ import annotations
@@ -37,6 +34,12 @@ log = logging.getLogger("batchd.control")
 T = TypeVar("T")
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
+
+
+def _check_name(verb: str, name: str) -> None:
+    if not MODEL_NAME.fullmatch(name):  # before any message quotes it whole
+        raise InvalidInput(f"cannot {verb} model {clip(name)}: not a model name (1 to 128 "
+                           "letters, digits, '_', '-' or '.', not starting with '.')")  # fmt: skip
 
 
 class ModelControl:
@@ -269,11 +272,7 @@ class ModelControl:
         load not yet begun reads the files when it begins, so it serves those after it (a
         caller retrying on a short deadline queued one for each try, each run to its end)."""
         self._allowed()
-        if not MODEL_NAME.fullmatch(name):  # before any message quotes it whole
-            raise InvalidInput(
-                f"cannot load model {clip(name)}: not a model name (1 to 128 letters, "
-                "digits, '_', '-' or '.', not starting with '.')"
-            )
+        _check_name("load", name)
         if (task := self._next_load.get(name)) is None or task.done():
             task = self._next_load[name] = self._keep(asyncio.create_task(self._load(name)))
         return await asyncio.shield(task)
@@ -332,6 +331,7 @@ class ModelControl:
     async def unload(self, name: str) -> None:
         """Stop admitting requests for `name`; return once its admitted requests are answered."""
         self._allowed()
+        _check_name("unload", name)  # (a name no model has: a typo, or worse, is no OK)
         self._next_load.pop(name, None)  # a load asked for after this one runs after it
         await self._to_the_end(self._unload(name))
 
@@ -343,8 +343,8 @@ class ModelControl:
                              extra={"model": name})  # fmt: skip
                     self._changed()
                     self._retire_soon(cfg)  # its drain holds up no other load or unload
-        while draining := self._retiring.get(name):  # (another unload's, or a reload's, too)
-            await asyncio.wait(draining)  # not loaded: nothing to wait for (as Triton does)
+        if draining := set(self._retiring.get(name, ())):  # under way now, not later reloads
+            await asyncio.wait(draining)  # (not loaded: nothing to wait for, as Triton does)
 
     def _retire_soon(self, cfg: ModelConfig) -> None:
         task = self._keep(asyncio.create_task(self._retire(cfg), name=f"retire-{cfg.key}"))

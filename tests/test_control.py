@@ -42,7 +42,7 @@ from batchd.client import (
 )
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
-from batchd.protos.model_config import load_model_config
+from batchd.protos.model_config import ConfigError, load_model_config
 from batchd.protos.repository import find_model
 from batchd.server import control
 from batchd.server.errors import Unavailable
@@ -1022,3 +1022,37 @@ def test_a_worker_cut_off_while_its_version_retired_unloads_it_on_its_return(
             p.kill()
             p.wait()
         assert server.stop() == 0, server.log()
+
+
+def test_an_unload_waits_for_the_drains_under_way_not_for_those_reloads_start_after_it(
+    tmp_path: Path,
+) -> None:
+    """It waited for every drain of its model, and each reload under way added one: a
+    reload a second kept an unload waiting 21 s, its own version drained in 1 ms. A name
+    no model may have is refused, as a load refuses it, not answered OK."""
+
+    async def body() -> None:
+        ctl = control.ModelControl(tmp_path, WorkerPool(), None, None, True, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        now, later = asyncio.Event(), asyncio.Event()
+        ctl._retiring["m"] = {asyncio.create_task(now.wait())}
+        unload = asyncio.create_task(ctl.unload("m"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        ctl._retiring["m"].add(asyncio.create_task(later.wait()))  # a reload's, after it
+        now.set()
+        await asyncio.wait_for(unload, 10)
+        assert not later.is_set()
+        later.set()
+        for name in ("", "../x", "a\x00b", "x" * 100_000):
+            with pytest.raises(control.InvalidInput, match=r"cannot unload model .*: not a model"):
+                await ctl.unload(name)
+
+    asyncio.run(body())
+
+
+def test_a_symlink_loop_in_the_repository_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    """RuntimeError ("Symlink loop"), answered UNKNOWN with a traceback in the log."""
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(ConfigError, match=r"loop: cannot be resolved: Symlink loop"):
+        find_model(tmp_path, "loop")
