@@ -13,11 +13,10 @@ A request line: {"custom_id": "...", "inputs": [{"name", "datatype", "shape",
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import tempfile
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -229,18 +228,10 @@ def cancel_job(core: ClientCore, job_id: str) -> Steps[Job]:
     return Job.from_pb((yield from core.call("CancelJob", msg, service="jobs")))
 
 
-def _umask() -> int:
-    """The process's umask, read without setting it (Linux's /proc; else the usual)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        status = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
-    return 0o022
-
-
 class ResultsFile:
     """Where job_results writes: a path (opened and closed here) or a binary file. A
     path is written whole or not at all: the results go to a file of the download's
-    own beside it (PATH.<random>.partial, made here: a link, FIFO or file another user
+    own beside it (.PATH.<random>.partial, made here: a link, FIFO or file another user
     put at a fixed name in a shared folder is never written through), which replaces
     PATH only once every piece came, so a download that fails (the job gone past its
     retention, a lost connection) leaves an earlier copy as it was."""
@@ -264,11 +255,13 @@ class ResultsFile:
             self.file = path.open("wb")
             return
         where = path.resolve()  # (a link: where it points)
-        fd, name = tempfile.mkstemp(prefix=f"{where.name}.", suffix=".partial", dir=where.parent)
-        os.fchmod(fd, 0o666 & ~_umask())  # (mkstemp's 0600: PATH as open() would make it)
-        self._partial, self._path = Path(name), where
-        ResultsFile.writing.add(self._partial)
-        self.file = os.fdopen(fd, "wb")
+        self._path = where  # (the name cut: a long PATH's would pass the 255 a name may have)
+        self._partial = where.with_name(f".{where.name[:200]}.{secrets.token_hex(4)}.partial")
+        ResultsFile.writing.add(self._partial)  # (before it exists: Ctrl-C, SIGTERM remove it)
+        # made here, O_EXCL: nothing another user put in a shared folder is written through;
+        # mode 0666 less the umask, as open() makes PATH
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+        self.file = os.fdopen(os.open(self._partial, flags, 0o666), "wb")
 
     def write(self, data: bytes) -> None:
         self.file.write(data)
@@ -289,20 +282,21 @@ class ResultsFile:
     def __enter__(self) -> ResultsFile:
         try:
             self._open()
-        except BaseException:  # (Ctrl-C, which lands anywhere) leaves no PATH.partial
+        except BaseException:  # (Ctrl-C, which lands anywhere) leaves no .partial file
             self.__exit__(BaseException)
             raise
         return self
 
     def __exit__(self, failed: type[BaseException] | None, *exc: object) -> None:
-        if self._mine and hasattr(self, "file"):
-            self.file.close()
-        if self._path is not None:
-            if failed is None:
+        try:
+            if self._mine and hasattr(self, "file"):
+                self.file.close()  # (may fail: a full disk)
+            if self._path is not None and failed is None:
                 os.replace(self._partial, self._path)
-            else:
+        finally:  # (what did not replace PATH is not left beside it)
+            if self._path is not None:
                 self._partial.unlink(missing_ok=True)
-            ResultsFile.writing.discard(self._partial)
+                ResultsFile.writing.discard(self._partial)
 
 
 def data(piece: Any) -> bytes:

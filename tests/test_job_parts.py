@@ -1060,6 +1060,27 @@ def test_results_are_not_written_through_what_is_planted_at_a_partial_path(
     ]
 
 
+def test_results_leave_no_partial_file_when_the_last_step_fails_and_take_a_long_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close or replace that failed (a full disk) left the download's file beside
+    PATH; a name of 240 characters failed ("File name too long") once ".<random>.partial"
+    was added to it."""
+    long = tmp_path / ("r" * 240)
+    with ResultsFile(long) as f:
+        f.write(b"a\n")
+    assert long.read_text() == "a\n"
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError, match="No space left"), ResultsFile(tmp_path / "x") as f:
+        f.write(b"b\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [long.name]
+    assert not ResultsFile.writing
+
+
 def test_uploads_a_sigint_refused_before_the_stop_began_stay_refused(tmp_path: Path) -> None:
     """A SIGINT that ends the drain notice can come before the jobs' stop has begun
     (Python 3.12's wait_for returns without a switch when the signal is already in):
