@@ -690,3 +690,11 @@ def test_a_sparse_model_on_a_patient_frontend_waits_for_no_rows_not_coming() -> 
         return waits
 
     assert asyncio.run(body()) == [0.0] * 12
+
+
+def test_room_is_checked_for_a_version_retired_meanwhile_as_unavailable() -> None:
+    """An HTTP body parsed off the loop while its version was retired (its last worker
+    lost as a reload went on): check_room raised KeyError, a 500 and a traceback."""
+    s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+    with pytest.raises(Unavailable, match="m@1 was replaced or unloaded while this request"):
+        s.check_room("m@1")

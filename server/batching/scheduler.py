@@ -196,7 +196,9 @@ class Scheduler:
     def check_room(self, key: str) -> None:
         """Raise QueueFull if the queue of model version `key` is full: lets the
         frontend refuse a request before it spends time decoding it. submit() checks fully."""
-        q = self._queues[key]
+        if (q := self._queues.get(key)) is None:  # (retired while an HTTP body was parsed)
+            raise Unavailable(f"model version {key} was replaced or unloaded while this "
+                              "request was read; retry")  # fmt: skip
         if len(q) >= q.config.batching.max_queue_size:
             self._admit(q, 0, 1, self._clock())
 
