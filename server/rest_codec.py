@@ -128,8 +128,8 @@ def request_from(
     outputs: int = MAX_LISTED,
 ) -> tuple[pb.ModelInferRequest, Wanted]:
     """A v2 JSON request (parsed) and the binary tensors after it -> ModelInferRequest
-    (also a batch job's line, jobs/lines.py); more inputs than `limits` allow are refused
-    before any is read, as over gRPC."""
+    (also a batch job's line, jobs/lines.py); more inputs than `limits` allow, or more
+    outputs than `outputs` (or MAX_LISTED), are refused before any is read."""
     msg = pb.ModelInferRequest(
         model_name=model, model_version=version, id=_field(head, "id", str, "the request", "")
     )

@@ -186,9 +186,11 @@ def test_a_json_body_of_many_values_is_parsed_off_the_loop_one_of_few_on_it() ->
                       max_body_bytes=1 << 24, connections=Connections())  # fmt: skip
         few = json.dumps({"id": "x" * 30_000, "data": [0.123456789] * 100}).encode()
         many = json.dumps({"data": [[0]] * 5_000}).encode()
+        deep = json.dumps({"data": [[[[[[[[0]]]]]]]] * 3_000}).encode()  # (3,000 commas)
         assert len(few) > len(many)
         assert (await api._parse(few, json.loads))["data"] and Service.asides == 0
         assert (await api._parse(many, json.loads))["data"] and Service.asides == 1
+        assert (await api._parse(deep, json.loads))["data"] and Service.asides == 2
 
     asyncio.run(scenario())
 

@@ -197,7 +197,7 @@ def test_a_sequence_started_again_after_its_worker_was_lost_counts_one_wait(
 def test_an_http_body_parsed_across_a_reload_is_answered_by_the_version_it_came_to(
     router: zmq.Socket[bytes],
 ) -> None:
-    """A body parsed off the loop (over 8 KiB) while a reload replaced its version was
+    """A body parsed off the loop (of thousands of values) while a reload replaced its version was
     refused 404, "model 'm' has no version '1'", though its URL named none: the
     parsed message carried the version the route resolved, checked again after the
     parse. The request is the version's it was admitted to, which drains it."""
