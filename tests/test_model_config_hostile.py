@@ -130,6 +130,16 @@ def test_a_model_toml_rewritten_before_the_files_snapshot_is_read_as_the_snapsho
     cfg, files = repository.find_with_files(tmp_path, "m")
     assert cfg.max_batch_size == 3 and files == real(tmp_path / "m")
 
+    def moved_first(directory: Path) -> repository.Files:  # (a deploy renamed the folder)
+        write(tmp_path, "m2", 'name = "n"\n' + GOOD)
+        (directory / "model.toml").unlink()
+        return real(directory)
+
+    write(tmp_path, "n", GOOD)
+    monkeypatch.setattr(repository, "files_of", moved_first)
+    with pytest.raises(ConfigError, match=r"m2: model 'n' moved here from .*/n as it was read"):
+        repository.find_with_files(tmp_path, "n")
+
 
 def test_an_unforeseen_failure_while_parsing_is_a_config_error_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
