@@ -38,8 +38,8 @@ DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 
 def _check_name(verb: str, name: str) -> None:
     if not MODEL_NAME.fullmatch(name):  # before any message quotes it whole
-        raise InvalidInput(f"cannot {verb} model {clip(name)}: not a model name (1 to 128 "
-                           "letters, digits, '_', '-' or '.', not starting with '.')")  # fmt: skip
+        raise InvalidInput(f"cannot {verb} model {clip(name)}: not a model name (1 to 128 letters, "
+                           "digits, '_', '-' or '.', not starting with '.' or '-')")  # fmt: skip
 
 
 class ModelControl:
