@@ -315,7 +315,7 @@ class RestApi:
 
         async def encode(response: pb.ModelInferResponse) -> tuple[bytes, int | None]:
             """In the request's scope: a failure here is counted and traced as one."""
-            if sum(len(r) for r in response.raw_output_contents) > 4 * INLINE_VALUES:  # (values)
+            if got[0][1].json_bytes(response) > 4 * INLINE_VALUES:  # (its values, as JSON)
                 return await self._service.aside(infer_response, response, got[0][1], bounded=False)
             return infer_response(response, got[0][1])
 

@@ -95,6 +95,11 @@ class Wanted:
     def binary(self, name: str) -> bool:
         return self.named.get(name, self.default)
 
+    def json_bytes(self, response: pb.ModelInferResponse) -> int:
+        """The raw bytes of the outputs `response` writes as JSON (whose writing costs)."""
+        pairs = zip(response.outputs, response.raw_output_contents, strict=False)
+        return sum(len(raw) for t, raw in pairs if not self.binary(t.name))
+
 
 def parse_infer(
     body: bytes,

@@ -54,7 +54,7 @@ from batchd.server.jobs import chunks, lines
 from batchd.server.jobs.chunks import ModelGone
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.json_data import to_raw
-from batchd.server.rest_codec import parse_infer, parse_load
+from batchd.server.rest_codec import Wanted, parse_infer, parse_load
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
@@ -1525,6 +1525,19 @@ def test_a_header_length_of_0_is_refused_saying_what_triton_means_by_it(
     r = call(example_server, "POST", TINY, ZEROS, {HEADER_LENGTH: "0"})
     assert r.status == 400, r.body[:300]
     assert f"{HEADER_LENGTH} 0 asks for Triton's raw binary request" in r.error
+
+
+def test_an_answer_is_weighed_by_the_outputs_it_writes_as_json() -> None:
+    """What sends an answer's writing off the loop: its outputs written as JSON, not its
+    binary ones (every mlp answer of 9 rows or more, binary, went to the decode
+    thread, behind the bodies it parses: 259 ms, against 12 ms)."""
+    answer = pb.ModelInferResponse()
+    for name in ("A", "B"):
+        answer.outputs.add(name=name, datatype="FP32", shape=[1, 10])
+    answer.raw_output_contents.extend([bytes(40), bytes(400)])
+    assert Wanted(False, {}).json_bytes(answer) == 440
+    assert Wanted(False, {"B": True}).json_bytes(answer) == 40
+    assert Wanted(True, {"A": False}).json_bytes(answer) == 40
 
 
 def test_a_model_of_more_outputs_than_the_cap_may_be_asked_for_each() -> None:
