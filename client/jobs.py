@@ -241,6 +241,7 @@ class ResultsFile:
     def __init__(self, out: str | os.PathLike[str] | BinaryIO) -> None:
         self._out, self._mine = out, False
         self._path: Path | None = None
+        self._partial: Path | None = None  # (set first: __exit__ removes it once set)
         self.file: BinaryIO
         self.lines = self.size = 0
         self._cut = False  # the last piece ended inside a line
@@ -255,9 +256,13 @@ class ResultsFile:
             self.file = path.open("wb")
             return
         where = path.resolve()  # (a link: where it points)
-        self._path = where  # (the name cut: a long PATH's would pass the 255 a name may have)
-        self._partial = where.with_name(f".{where.name[:200]}.{secrets.token_hex(4)}.partial")
-        ResultsFile.writing.add(self._partial)  # (before it exists: Ctrl-C, SIGTERM remove it)
+        if not where.name or where.is_dir():  # ("/missing/..": "/")
+            raise IsADirectoryError(21, "a folder, not a file", str(path))
+        # (the name cut: a long PATH's would pass the 255 a name may have)
+        partial = where.parent / f".{where.name[:200]}.{secrets.token_hex(4)}.partial"
+        ResultsFile.writing.add(partial)  # (before it exists: Ctrl-C, SIGTERM remove it)
+        self._partial = partial
+        self._path = where
         # made here, O_EXCL: nothing another user put in a shared folder is written through;
         # mode 0666 less the umask, as open() makes PATH
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
@@ -288,15 +293,18 @@ class ResultsFile:
         return self
 
     def __exit__(self, failed: type[BaseException] | None, *exc: object) -> None:
+        replaced, partial = False, self._partial
         try:
             if self._mine and hasattr(self, "file"):
                 self.file.close()  # (may fail: a full disk)
-            if self._path is not None and failed is None:
-                os.replace(self._partial, self._path)
+            if partial is not None and self._path is not None and failed is None:
+                os.replace(partial, self._path)
+                replaced = True
         finally:  # (what did not replace PATH is not left beside it)
-            if self._path is not None:
-                self._partial.unlink(missing_ok=True)
-                ResultsFile.writing.discard(self._partial)
+            if partial is not None:
+                if not replaced:
+                    partial.unlink(missing_ok=True)
+                ResultsFile.writing.discard(partial)
 
 
 def data(piece: Any) -> bytes:

@@ -1079,6 +1079,20 @@ def test_results_leave_no_partial_file_when_the_last_step_fails_and_take_a_long_
         f.write(b"b\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == [long.name]
     assert not ResultsFile.writing
+    refused = pytest.raises(IsADirectoryError, match="a folder, not a file")  # (AttributeError)
+    with refused, ResultsFile(tmp_path / "missing" / ".." / ".."):
+        pass
+    monkeypatch.undo()
+
+    def then_another(src: Path, dst: Path) -> None:  # (its name taken again at once)
+        real_replace(src, dst)
+        Path(src).write_text("another's\n")
+
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", then_another)
+    with ResultsFile(tmp_path / "y") as f:
+        f.write(b"c\n")
+    assert [p.read_text() for p in tmp_path.glob("*.partial")] == ["another's\n"]
 
 
 def test_uploads_a_sigint_refused_before_the_stop_began_stay_refused(tmp_path: Path) -> None:
