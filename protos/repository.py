@@ -181,7 +181,7 @@ def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:
     read again after the snapshot, so a model.toml rewritten between the two is the
     snapshot's (a rewrite read first, then snapshotted as it was, passed as unchanged)."""
     files = files_of(directory := find_model(root, name).directory)
-    if (cfg := find_model(root, name)).directory != directory:  # (a deploy renamed it)
+    if (cfg := find_model(root, name)).directory.resolve() != directory.resolve():  # (moved)
         raise ConfigError(f"{cfg.directory}: model {name!r} moved here from {directory} as "
                           "it was read; load it again")  # fmt: skip
     return cfg, files
