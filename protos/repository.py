@@ -180,8 +180,8 @@ def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:
     """find_model, and its files as they were when its model.toml was read: the config is
     read again after the snapshot, so a model.toml rewritten between the two is the
     snapshot's (a rewrite read first, then snapshotted as it was, passed as unchanged)."""
-    files = files_of(directory := find_model(root, name).directory)
-    if (cfg := find_model(root, name)).directory.resolve() != directory.resolve():  # (moved)
+    files = files_of(directory := find_model(root, name).directory.resolve())  # (a link: now)
+    if (cfg := find_model(root, name)).directory.resolve() != directory:  # (moved, relinked)
         raise ConfigError(f"{cfg.directory}: model {name!r} moved here from {directory} as "
                           "it was read; load it again")  # fmt: skip
     return cfg, files

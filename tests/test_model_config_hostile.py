@@ -140,6 +140,18 @@ def test_a_model_toml_rewritten_before_the_files_snapshot_is_read_as_the_snapsho
     with pytest.raises(ConfigError, match=r"m2: model 'n' moved here from .*/n as it was read"):
         repository.find_with_files(tmp_path, "n")
 
+    def flipped_first(directory: Path) -> repository.Files:  # (a deploy's symlink swap)
+        (tmp_path / "live").unlink()
+        (tmp_path / "live").symlink_to(tmp_path / "blue")
+        return real(directory)
+
+    for colour in ("green", "blue"):
+        write(tmp_path, colour, 'name = "live"\n' + GOOD)
+    (tmp_path / "live").symlink_to(tmp_path / "green")
+    monkeypatch.setattr(repository, "files_of", flipped_first)
+    with pytest.raises(ConfigError, match="model 'live' moved here from"):
+        repository.find_with_files(tmp_path, "live")
+
 
 def test_an_unforeseen_failure_while_parsing_is_a_config_error_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
