@@ -315,7 +315,7 @@ class RestApi:
 
         async def encode(response: pb.ModelInferResponse) -> tuple[bytes, int | None]:
             """In the request's scope: a failure here is counted and traced as one."""
-            if got[0][1].json_bytes(response) > 4 * INLINE_VALUES:  # (its values, as JSON)
+            if got[0][1].heavy(response, 4 * INLINE_VALUES, INLINE_BYTES):  # (4 B a value)
                 return await self._service.aside(infer_response, response, got[0][1], bounded=False)
             return infer_response(response, got[0][1])
 

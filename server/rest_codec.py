@@ -95,10 +95,12 @@ class Wanted:
     def binary(self, name: str) -> bool:
         return self.named.get(name, self.default)
 
-    def json_bytes(self, response: pb.ModelInferResponse) -> int:
-        """The raw bytes of the outputs `response` writes as JSON (whose writing costs)."""
-        pairs = zip(response.outputs, response.raw_output_contents, strict=False)
-        return sum(len(raw) for t, raw in pairs if not self.binary(t.name))
+    def heavy(self, response: pb.ModelInferResponse, json_bytes: int, all_bytes: int) -> bool:
+        """Whether writing `response` is work for off the loop: the outputs it writes as
+        JSON pass `json_bytes` of raw data, or all of them `all_bytes` (copied whole)."""
+        pairs = list(zip(response.outputs, response.raw_output_contents, strict=False))
+        as_json = sum(len(raw) for t, raw in pairs if not self.binary(t.name))
+        return as_json > json_bytes or sum(len(raw) for _, raw in pairs) > all_bytes
 
 
 def parse_infer(

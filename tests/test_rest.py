@@ -1530,14 +1530,15 @@ def test_a_header_length_of_0_is_refused_saying_what_triton_means_by_it(
 def test_an_answer_is_weighed_by_the_outputs_it_writes_as_json() -> None:
     """What sends an answer's writing off the loop: its outputs written as JSON, not its
     binary ones (every mlp answer of 9 rows or more, binary, went to the decode
-    thread, behind the bodies it parses: 259 ms, against 12 ms)."""
+    thread, behind the bodies it parses: 259 ms, against 12 ms), or all its bytes."""
     answer = pb.ModelInferResponse()
     for name in ("A", "B"):
         answer.outputs.add(name=name, datatype="FP32", shape=[1, 10])
     answer.raw_output_contents.extend([bytes(40), bytes(400)])
-    assert Wanted(False, {}).json_bytes(answer) == 440
-    assert Wanted(False, {"B": True}).json_bytes(answer) == 40
-    assert Wanted(True, {"A": False}).json_bytes(answer) == 40
+    assert Wanted(False, {}).heavy(answer, 400, 1000)
+    assert not Wanted(False, {"B": True}).heavy(answer, 400, 1000)
+    assert not Wanted(True, {"A": False}).heavy(answer, 400, 1000)
+    assert Wanted(True, {}).heavy(answer, 400, 439)  # (a large binary answer: its copy)
 
 
 def test_a_model_of_more_outputs_than_the_cap_may_be_asked_for_each() -> None:
