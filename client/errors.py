@@ -71,6 +71,7 @@ class DeadlineExceeded(BatchdClientError):
 class ServerUnavailable(BatchdClientError):
     code = grpc.StatusCode.UNAVAILABLE
     retry_after_ms: int | None = None  # with a pushback: the server did nothing, send it again
+    retry_refused = False  # a pushback that is not a count of ms: gRFC A6, do not retry
 
 
 class InferenceFailed(BatchdClientError):
@@ -116,6 +117,7 @@ def from_rpc_error(error: grpc.RpcError, of_job: bool = False) -> BatchdClientEr
     if cls is ServerUnavailable:
         down = ServerUnavailable(error.details() or "", code)
         down.retry_after_ms = _pushback_ms(error)
+        down.retry_refused = down.retry_after_ms is None and _pushback_said(error)
         return down
     if cls is not ServerBusy:
         return cls(error.details() or "", code)
@@ -141,6 +143,10 @@ def _pushback_ms(error: grpc.RpcError) -> int | None:
         if key == "grpc-retry-pushback-ms" and text.isascii() and text.isdigit():
             return int(text) if len(text) <= 12 else None
     return None
+
+
+def _pushback_said(error: grpc.RpcError) -> bool:
+    return any(key == "grpc-retry-pushback-ms" for key, _ in error.trailing_metadata() or ())
 
 
 def from_status_name(name: str, message: str) -> BatchdClientError:

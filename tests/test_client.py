@@ -112,6 +112,18 @@ def test_an_unavailable_s_pushback_is_waited_out_too_and_a_long_run_of_retries_g
     assert all(w is not None and 0 <= w <= policy.max_s for w in waits), waits
 
 
+def test_an_unavailable_with_a_negative_or_malformed_pushback_is_not_retried() -> None:
+    """gRFC A6: a pushback that is negative or not a number means do not retry. It was
+    read as no pushback at all, and UNAVAILABLE retried."""
+    rng, policy = random.Random(0), RetryPolicy(retries=3)
+    for said in ("-1", "soon", "1e3", "", "9" * 13):
+        down = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, said))
+        assert isinstance(down, ServerUnavailable) and down.retry_after_ms is None
+        assert policy.delay(0, down, None, rng) is None, said
+    now = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "0"))
+    assert policy.delay(0, now, None, rng) is not None
+
+
 def test_a_job_listing_s_limit_out_of_range_is_named() -> None:
     with Client("127.0.0.1:1") as c, pytest.raises(ValueError, match=r"count of jobs.*got -1"):
         c.jobs(limit=-1)
