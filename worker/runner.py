@@ -20,7 +20,6 @@ with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import queue
@@ -43,7 +42,7 @@ from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence
 from batchd.worker.loader import ModelFn
-from batchd.worker.loading import Loaded, Loader, addressed, own_thread, settle_heap
+from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
@@ -84,6 +83,7 @@ class Runner:
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
         o = options
         self._loader = Loader(self._work, self._install, o.repository, o.device, o.allowed)
+        self._collections = Collections(o.device.type == "cuda")
         self._frontends = len(options.endpoint.split(","))
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
 
@@ -104,6 +104,7 @@ class Runner:
         try:
             while True:
                 item: merge.Item | None
+                due = self._collections.run(time.monotonic())
                 if held is not None:
                     item, held = held, None
                 elif any(loop.busy or loop.waiting for loop in self.loops.values()):
@@ -116,7 +117,10 @@ class Runner:
                         self._rounds(reply, held_back)
                         continue
                 else:
-                    item = self._work.get()
+                    try:
+                        item = self._work.get(timeout=due)  # (None: till work comes)
+                    except queue.Empty:
+                        continue  # an unload's collection's time has come
                 if item is None:
                     return
                 try:
@@ -194,10 +198,7 @@ class Runner:
         if entry is not None:
             del entry
             loader.forget(key)  # its model.py's modules
-            gc.unfreeze()  # the model's objects may be among the frozen: collect them now
-            settle_heap()
-            if self.options.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._collections.pending = True  # (its objects may be among the frozen)
             log.info("unloaded model %s version %s", name, version, extra={"model": name})
         return ended
 
