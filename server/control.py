@@ -229,7 +229,10 @@ class ModelControl:
         self._pump_soon()
 
     def worker_lost(self, worker: WorkerHandle, reason: str) -> None:
-        self._awaited |= worker.models  # wait for one back, not broken by another's old word
+        # Wait for one back, not broken by another's old word, unless it is back (heard of
+        # late, after 3 missed beats, by --frontends N's others): its replacement's is new.
+        if all(w.slot != worker.slot for w in self._pool.workers()):
+            self._awaited |= worker.models
         for fut in worker.loads.values():
             if not fut.done():
                 fut.set_result(f"worker {worker.name} was lost while loading: {reason}")
@@ -257,8 +260,6 @@ class ModelControl:
             log.info("worker %s ready (pid %d, device %s) with models %s", worker.name,
                      worker.info.pid, worker.info.device, models,
                      extra={"worker": worker.name, "device": worker.info.device})  # fmt: skip
-
-    # ---- RepositoryModelLoad / RepositoryModelUnload ----
 
     def _allowed(self) -> None:
         if not self.explicit:
@@ -386,8 +387,6 @@ class ModelControl:
         self._pool.forget_hung(cfg.key)
         self._unload_everywhere(cfg)
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
-
-    # ---- RepositoryIndex ----
 
     async def index(self) -> list[index.IndexEntry]:
         """Every model of the repository, loaded or not, sorted by name (its folder read

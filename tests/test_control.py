@@ -42,6 +42,7 @@ from batchd.client import (
 )
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
+from batchd.protos import wire
 from batchd.protos.model_config import ConfigError, load_model_config
 from batchd.protos.repository import find_model
 from batchd.server import control
@@ -763,6 +764,55 @@ def test_a_load_whose_weights_change_as_its_workers_read_them_fails(tmp_path: Pa
     finally:
         gate.unlink(missing_ok=True)
         assert s.stop() == 0, s.log()
+
+
+def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
+    tmp_path: Path,
+) -> None:
+    """With --frontends N, a frontend other than the first hears of a worker's death only
+    after 3 missed heartbeats: by then its replacement had registered and said it could
+    not load the model. The late loss marked the model as waiting for a worker to come
+    back, which no later word cleared: its requests waited for their deadlines (or for
+    ever) and the frontend said not ready, while the first failed them at once."""
+    failed: list[str] = []
+
+    class Queues:
+        add_model = staticmethod(lambda cfg: None)
+        has = staticmethod(lambda key: True)
+        fail_queued = staticmethod(lambda key, error: failed.append(str(error)))
+
+    class Link:
+        send = staticmethod(lambda identity, parts: None)
+
+    async def body() -> None:
+        pool = WorkerPool()
+        ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        cfg = load_model_config(make_model(tmp_path, "scaled", 2.0))
+        ctl.start_with({"scaled": cfg})
+        key = ctl.current["scaled"].key
+
+        def worker(name: str, pid: int) -> Any:
+            info = wire.WorkerInfo(worker_id=name, device="cpu", pid=pid, instance=name,
+                                   protocol=wire.PROTOCOL_VERSION)  # fmt: skip
+            return pool.join(name.encode(), info)[1]
+
+        def loaded(worker: Any, error: str) -> None:  # asked to load it, and said
+            ctl.worker_ready(worker)
+            ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="scaled",
+                                              version="1", error=error))  # fmt: skip
+
+        old = worker("cpu0#1", 1)
+        loaded(old, "")
+        assert key in old.models
+        new = worker("cpu0#2", 2)  # the replacement, first heard of here
+        loaded(new, "boom")
+        assert key not in ctl.broken  # the old one still holds it, as far as this one knows
+        pool.leave(old)
+        ctl.worker_lost(old, "silent for 3.0 s")  # ... heard of now
+        assert "boom" in ctl.broken.get(key, "") and failed
+
+    asyncio.run(body())
 
 
 def test_a_load_no_worker_may_take_keeps_no_version_number_nor_file_list(
