@@ -77,8 +77,16 @@ class WorkerHandle:
 
     @property
     def exclusive(self) -> bool:
-        """It runs a suspect: no other batch may be staged beside it."""
-        return any(b.suspect for b in self.inflight.values())
+        """It runs a suspect, a batch or a sequence: nothing else goes beside it."""
+        return any(b.suspect for b in self.inflight.values()) or any(
+            s.suspect for s in self.sequences.values()
+        )
+
+    @property
+    def alone(self) -> bool:
+        """Nothing of ours on it: where a suspect may go (a poison ends every batch and
+        sequence of the process it runs in)."""
+        return not self.inflight and not self.sequences
 
     def has_credit(self) -> bool:
         return len(self.inflight) < self.credits and not self.exclusive
@@ -183,13 +191,14 @@ class WorkerPool:
             for b in held.values()
         )
 
-    def capacity(self, model: ModelConfig) -> Capacity:
+    def capacity(self, model: ModelConfig, alone: bool = False) -> Capacity:
+        """`alone`: for a suspect, only a worker with nothing of ours on it is idle."""
         if model.generate is not None:
-            return self._slots(model)
+            return self._slots(model, alone)
         key, free = model.key, False
         for w in self._order:
             if key in w.models and w.has_credit():
-                if not w.inflight:
+                if w.alone if alone else not w.inflight:
                     return IDLE
                 free = True
         return BUSY_WITH_CREDIT if free else NO_CAPACITY
@@ -204,17 +213,18 @@ class WorkerPool:
             if b.model.key == key and not b.requests[0].background
         )
 
-    def choose(self, key: str, idle_only: bool = False) -> WorkerHandle | None:
+    def choose(self, key: str, idle_only: bool = False, alone: bool = False) -> WorkerHandle | None:
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit (none when `idle_only`)."""
+        one with a free credit (none when `idle_only`); `alone`: a suspect's, only a
+        worker with nothing of ours on it."""
         order, n, busy = self._order, len(self._order), None
         for k in range(n):
             w = order[(self._rr + k) % n]
             if key in w.models and w.has_credit():
-                if not w.inflight:
+                if w.alone if alone else not w.inflight:
                     self._rr = (self._rr + k + 1) % n
                     return w
-                if busy is None and not idle_only:
+                if busy is None and not idle_only and not alone:
                     busy = (w, k)
         if busy is None:
             return None
@@ -226,31 +236,33 @@ class WorkerPool:
     def active(self, worker: WorkerHandle, key: str) -> int:
         return sum(b.model.key == key for b in worker.sequences.values())
 
-    def _slots(self, model: ModelConfig) -> Capacity:
+    def _slots(self, model: ModelConfig, alone: bool = False) -> Capacity:
         assert model.generate is not None
         free = False
         for w in self._order:
             if (
                 model.key in w.models
+                and not w.exclusive
                 and (n := self.active(w, model.key)) < model.generate.max_active
             ):
-                if not n:
+                if w.alone if alone else not n:
                     return IDLE
                 free = True
         return BUSY_WITH_CREDIT if free else NO_CAPACITY
 
-    def choose_slot(self, model: ModelConfig) -> WorkerHandle | None:
+    def choose_slot(self, model: ModelConfig, alone: bool = False) -> WorkerHandle | None:
         """The worker with the most free slots for `model` (None: none has a slot free
         of our sequences). Its slots free of ours are what may be sent to it; of several
         such workers, the one whose slots other frontends (of `--frontends N`, or
         servers sharing a `batchd worker`) fill least is chosen, as its last heartbeat
         told: a sequence sent where another frontend's fill every slot would wait there
         while a worker beside it idles. Their count only ranks: it is up to a second
-        old, and a worker queues a sequence it has no slot for."""
+        old, and a worker queues a sequence it has no slot for. None runs beside a
+        suspect; `alone`: a suspect's, only on a worker with nothing of ours on it."""
         assert model.generate is not None
         best, most = None, -math.inf
         for w in self._order:
-            if model.key in w.models:
+            if model.key in w.models and not w.exclusive and (w.alone or not alone):
                 mine = self.active(w, model.key)
                 free = model.generate.max_active - mine - w.others.get(model.key, 0)
                 if mine < model.generate.max_active and free > most:
@@ -282,7 +294,7 @@ class WorkerPool:
               now: float) -> Batch:  # fmt: skip
         """Record a sequence on `worker` before its START is sent."""
         self._next_id += 1
-        sequence = Batch(self._next_id, model, [request], now)
+        sequence = Batch(self._next_id, model, [request], now, request.suspect)
         worker.sequences[sequence.id] = sequence
         return sequence
 

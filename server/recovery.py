@@ -18,16 +18,19 @@ The policy has one owner, this module:
     where the model refused its inputs (batchd.worker.InputRefused), else INTERNAL.
 
   * A step-wise model's sequence on a lost worker is retried on another worker if
-    it has streamed nothing yet (attempts counted as above; never a suspect: it
-    shares no batch). One that has streamed fails with UNAVAILABLE naming how many
+    it has streamed nothing yet (attempts counted as above), as a suspect: a
+    sequence shares no batch, but it shares its process, which a poison one ends
+    (its innocent neighbours, started again beside others, were lost twice and
+    failed). One that has streamed fails with UNAVAILABLE naming how many
     outputs its caller got: a sequence cannot resume where it was. A unary call's
     outputs are held for one answer at the end (StepStream.held): its caller has
     seen none, so it starts over like one that streamed nothing, what its lost run
     gave dropped (StepStream.restart), and its answer holds the new run's only.
 
 Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
-for an idle worker for it, pool.WorkerHandle.exclusive keeps a worker running
-one from taking a staged batch beside it.
+for an idle worker for it (pool.WorkerHandle.alone: nothing of ours on it, batch
+or sequence), pool.WorkerHandle.exclusive keeps a worker running one from taking
+a batch or sequence beside it.
 """
 
 from __future__ import annotations
@@ -121,5 +124,6 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str) ->
         else:
             stream.worker, stream.seq_id = None, 0
             stream.restart()
+            r.suspect = True
             back.append(r)
     return back

@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,7 +31,7 @@ from batchd.server.flow import StepStream, StreamBudget
 from batchd.server.pool import WorkerPool
 from batchd.server.sequences import IDLE_WATCHES, Sequences
 from batchd.server.stats import Stats
-from tests.conftest import Gate, request, scrape, stepwise_model, value
+from tests.conftest import Gate, request, scrape, stepwise_model, stepwise_toml, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 
 OWN = [("grpc.use_local_subchannel_pool", 1)]
@@ -391,6 +392,70 @@ def test_a_unary_sequence_whose_worker_was_lost_starts_over_and_answers_once(
     assert list(joined.outputs[0].shape) == [5]
     ran = {r["pid"] for r in records(gate, "started") if 71 in r["started"]}
     assert ran - {first}  # it started again, on a live worker
+
+
+POISONED = """
+import os, signal, time
+import torch
+
+class Counter:
+    def start(self, requests):
+        if any(int(r["N"][0]) < 0 for r in requests):
+            os.kill(os.getpid(), signal.SIGKILL)  # a poison: it ends the worker's process
+        return [{"n": int(r["N"][0]), "k": 0} for r in requests]
+
+    def step(self, states):
+        time.sleep(0.02)  # 150 steps: 3 s a sequence
+        for s in states:
+            s["k"] += 1
+        return [({"OUT": torch.tensor([s["n"] * 1000 + s["k"]])}, s["k"] >= 150) for s in states]
+
+    def release(self, state):
+        pass
+
+def load(device):
+    return Counter()
+"""
+
+
+def test_a_sequence_that_ends_its_worker_fails_alone_not_its_neighbours(tmp_path: Path) -> None:
+    """A poison sequence (N < 0 ends its worker's process as it starts) beside innocent
+    ones on every worker: those that shared its process went back to the queue, and one
+    started again on the other worker, the others on the first's replacement beside the
+    poison, which ended it again: they were lost twice and failed. A sequence started
+    again is a suspect now, as a batch's requests are: it runs on a worker with nothing
+    else of ours, and nothing goes beside it; the poison alone fails."""
+    (d := tmp_path / "repo" / "counter").mkdir(parents=True)
+    (d / "model.toml").write_text(stepwise_toml(3, 200))
+    (d / "model.py").write_text(POISONED)
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path, workers=2).start()
+    active = {"model": "counter", "version": "1"}
+
+    def call(stub: Any, n: int) -> Any:
+        msg = pb.ModelInferRequest(model_name="counter")
+        msg.inputs.add(name="N", datatype="INT64", shape=[1])
+        msg.raw_input_contents.append(np.array([n], np.int64).tobytes())
+        return stub.ModelInfer.future(msg, timeout=120)
+
+    try:
+        wait_for(lambda: server.log().count(" ready (pid ") >= 2, 60, "both workers ready")
+        with grpc.insecure_channel(server.url, options=OWN) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answers = {n: call(stub, n) for n in range(1, 5)}
+            wait_for(
+                lambda: value(scrape(server), "batchd_sequences_active", **active) == 4,
+                30, "two innocents on each worker",
+            )  # fmt: skip
+            poison = call(stub, -1)
+            for n, answer in answers.items():
+                got = np.frombuffer(answer.result().raw_output_contents[0], np.int64).tolist()
+                assert got == [n * 1000 + k for k in range(1, 151)], (n, got[:3])
+            with pytest.raises(grpc.RpcError) as failed:
+                poison.result()
+        assert failed.value.code() == grpc.StatusCode.INTERNAL
+        assert "was lost 2 times" in str(failed.value.details())
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_perf_analyzer_streams_against_the_example(example_server: ServerProcess,
