@@ -73,11 +73,8 @@ class Core:
         self.pool = WorkerPool(credits, load_timeout_s)
         self.link = WorkerLink(socket, self, clock)
         self._saturated: Callable[[], bool] = load if load is not None else (lambda: False)
-        self.scheduler = (
-            Scheduler(self, clock)
-            if load is None
-            else Scheduler(self, clock, load.patient, idle=load.idle_s, busy=lambda: load.busy)
-        )
+        self.scheduler = Scheduler(self, clock) if load is None else Scheduler(
+            self, clock, load.patient, idle=load.idle_s, busy=lambda: load.busy)  # fmt: skip
         self.control = ModelControl(
             repository, self.pool, self.link, self.scheduler, explicit, clock,
             self.changed.set, self.pump_soon, stats.answering,
@@ -213,7 +210,10 @@ class Core:
         )
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
-        if failed:  # its requests go back to the queue, and a pump is scheduled: no recursion
+        if failed:  # it never left, nor ran: its requests go back uncharged, and the
+            self.pool.finish(worker, batch.id)  # worker's others as after any loss
+            tracing.end_batch(batch.span, f"not sent to worker {worker.name}: {failed}")
+            self.scheduler.requeue(requests)  # (and a pump is scheduled: no recursion)
             self.lose(worker, failed)
 
     def _loaded(self, model: ModelConfig, requests: list[Request]) -> bool:

@@ -81,9 +81,6 @@ class Sequences:
             stream.worker, stream.seq_id = worker.identity, sequence.id
             if stream.budget is not None:  # (a wait for another's output is that long)
                 stream.budget.running[stream] = model.instances.execution_timeout_s
-            if not r.attempts:  # one started again after its worker was lost is still
-                # one request: its first wait is the one counted
-                self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
             header = wire.Header(
                 kind=wire.Header.START, batch_id=sequence.id, model=model.name,
                 version=model.version, credit=stream.window,
@@ -96,8 +93,14 @@ class Sequences:
             frames = [t.data for t in r.inputs]
             copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
             failed = self._link.send(worker.identity, wire.pack(header, frames), copy=copy)
-            if failed:
+            if failed:  # it never left, nor ran: it goes back uncharged, the worker's
+                self._pool.end(worker, sequence.id)  # others as after any loss
+                stream.worker, stream.seq_id = None, 0
+                self._scheduler.requeue([r])
                 self._lose(worker, failed)
+            elif not r.attempts:  # one started again after its worker was lost is still
+                # one request: its first wait is the one counted
+                self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
 
     def cancel(self, request: Request) -> None:
         """The caller of a step-wise request left (cancelled, disconnected, its deadline
