@@ -257,8 +257,6 @@ class Core:
         LOADING_SILENCE_S. A live local process with work on it gets its work's limit
         (on_tick), one of several frontends (its forward may be another's, or a gone
         one's) the longest execution_timeout_s; a remote one could as well be gone."""
-        if frontends.gone(worker.info.pid):  # (killed: frontend 0 saw it exit, not this one)
-            return False
         if silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
             return True
         pid, models = worker.info.pid, self.models.values()
@@ -269,6 +267,8 @@ class Core:
             worker.info.frontends > 1 and silent_s < longest)  # fmt: skip
 
     def on_tick(self, now: float) -> None:
+        for worker in [w for w in self.pool.workers() if frontends.gone(w.info.pid)]:  # (a
+            self.lose(worker, "its process exited", stuck=False)  # child: frontend 0 saw it)
         for worker, why in self.pool.overdue(now):
             self.link.send(worker.identity, _STOP)  # if it can hear
             self.lose(worker, why)

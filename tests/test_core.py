@@ -518,8 +518,30 @@ def test_a_child_frontend_s_worker_killed_while_it_loads_is_lost_at_once(
         worker.info.pid = dead.pid
         worker.loads["other@1"] = asyncio.get_running_loop().create_future()  # loading
         monkeypatch.setenv(frontends.PARENT, str(os.getpid()))
-        core.on_silent(b"w", 3.5)
+        core.on_tick(0.0)  # each heartbeat round: before any silence is judged
         assert core.pool.workers() == [] and r.attempts == 1 and not r.future.done()
+
+    run(body)
+
+
+def test_a_child_frontend_says_a_gone_worker_exited_not_that_its_batch_ran_late(
+    router: zmq.Socket[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker SIGKILLed under a 20 ms batch was reported by a child frontend as the
+    batch that "ran past execution_timeout_s": its limit passed before the 3 s of
+    silence that told the child of the death, and callers got the wrong cause."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    async def body() -> None:
+        clock = Clock()
+        core, _ = make_core(router, clock)
+        worker, r = one_batch_on(core, "w")
+        worker.info.pid, r.attempts = dead.pid, 1  # (its second loss: it fails, saying why)
+        monkeypatch.setenv(frontends.PARENT, str(os.getpid()))
+        core.on_tick(clock() + 3600)  # long past any execution limit
+        with pytest.raises(ModelFailed, match=r"w: its process exited\)"):
+            r.future.result()
 
     run(body)
 
