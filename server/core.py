@@ -240,8 +240,8 @@ class Core:
             self.sequences.on_step(worker, header, frames)
         elif kind == wire.Header.LOADED:
             self.control.on_loaded(worker, header)
-        elif kind == wire.Header.HEARTBEAT:
-            self.pool.beat(worker, header, self._clock())
+        elif kind == wire.Header.HEARTBEAT and self.pool.beat(worker, header, self._clock()):
+            self.pump_soon()  # it takes batches again: another frontend's retry has gone
 
     def on_silent(self, identity: bytes, silent_s: float) -> None:
         worker = self.pool.get(identity)
@@ -293,11 +293,9 @@ class Core:
         if joined is Joined.AGAIN and not info.reconnected:
             return  # the same process, which heard nothing from us for a while: kept as is
         if joined is not Joined.NEW:  # another process under that id (the old one is gone),
-            why = (
-                f"it registered again, a new process (pid {info.pid})"
-                if not info.reconnected
-                else "it connected again: what its old connection carried may be lost"
-            )
+            why = f"it registered again, a new process (pid {info.pid})"
+            if info.reconnected:
+                why = "it connected again: what its old connection carried may be lost"
             self.lose(worker, why, stuck=False, blamed=joined is Joined.REPLACED)
             joined, worker = self.pool.join(identity, info)  # (or this one on a new connection)
         self.link.watch(identity)
@@ -350,17 +348,19 @@ class Core:
             tracing.end_batch(batch.span, header.error, **{
                 "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,
             })  # fmt: skip
+        if header.bounced:  # unrun: another frontend's retry runs alone there (worker/alone.py)
+            worker.others_alone = True  # till a heartbeat says it has gone
+            self.scheduler.requeue(batch.requests)  # as they were: no attempt lost
+            return
         if header.kind == wire.Header.ERROR:
             retry = recovery.after_error(
                 batch, worker.name, header.error, header.forward_rows, header.invalid
             )
             if retry:
-                log.warning(
-                    "batch %d of model %s failed on worker %s (%s); retrying its %d "
-                    "requests one by one",
-                    *(batch.id, batch.model.name, worker.name, header.error, len(retry)),
-                    extra={"batch": batch.id, "model": batch.model.name, "worker": worker.name},
-                )
+                log.warning("batch %d of model %s failed on worker %s (%s); retrying its %d "
+                            "requests one by one", batch.id, batch.model.name, worker.name,
+                            header.error, len(retry), extra={"batch": batch.id,
+                            "model": batch.model.name, "worker": worker.name})  # fmt: skip
                 self.scheduler.requeue(retry)
             return
         try:

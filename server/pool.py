@@ -61,6 +61,9 @@ class WorkerHandle:
     busy_at: float = -math.inf
     running: dict[int, float] = field(default_factory=dict)
     forward: tuple[float, float] | None = None  # the one it runs: began, its time limit
+    # Another frontend's retry runs alone on it (worker/alone.py): it bounced a batch of
+    # ours, or its heartbeats say so; no batch goes to it till a beat says otherwise.
+    others_alone: bool = False
 
     @property
     def name(self) -> str:
@@ -89,7 +92,7 @@ class WorkerHandle:
         return not self.inflight and not self.sequences
 
     def has_credit(self) -> bool:
-        return len(self.inflight) < self.credits and not self.exclusive
+        return len(self.inflight) < self.credits and not self.exclusive and not self.others_alone
 
 
 class Joined(enum.Enum):
@@ -269,9 +272,11 @@ class WorkerPool:
                     best, most = w, free
         return best
 
-    def beat(self, worker: WorkerHandle, header: wire.Header, now: float) -> None:
+    def beat(self, worker: WorkerHandle, header: wire.Header, now: float) -> bool:
         """A heartbeat of `worker`, come at `now`: the forward it runs (see overdue),
-        and the sequences every frontend has on it."""
+        the sequences every frontend has on it, whether another's retry runs alone.
+        True: it takes batches again (it did not: a pump is due)."""
+        freed, worker.others_alone = worker.others_alone and not header.alone, header.alone
         if header.busy_ns:
             began, worker.busy_at = now - header.busy_ns / 1e9, now
             worker.running = {i: worker.running.get(i, began) for i in header.running}
@@ -281,6 +286,7 @@ class WorkerPool:
             if header.idle_ns:  # (a beat between two forwards says it was busy just now)
                 worker.busy_at = max(worker.busy_at, now - header.idle_ns / 1e9)
         self.occupied(worker, header.occupied)
+        return freed
 
     def occupied(self, worker: WorkerHandle, occupied: Mapping[str, int]) -> None:
         """A heartbeat's count of the sequences on `worker`, every frontend's: keep the

@@ -140,6 +140,42 @@ def test_a_start_that_could_not_be_sent_goes_back_uncharged(router: zmq.Socket[b
     run(body)
 
 
+def test_a_batch_bounced_goes_back_uncharged_and_its_worker_takes_none_till_it_beats_free(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A worker another frontend's retry runs alone on bounces our batch unrun
+    (worker/alone.py): its requests go back as they were, and nothing more goes to it
+    until a heartbeat says the retry has gone (a bounce each pump, else); that beat
+    sends the batch again, with no other event (every caller stalled, else)."""
+
+    async def body() -> None:
+        worker_side = router.context.socket(zmq.DEALER)
+        worker_side.setsockopt(zmq.IDENTITY, b"w")
+        worker_side.connect("inproc://batchd-test-core")
+        try:
+            core, killed = make_core(router, Clock())
+            worker, r = one_batch_on(core, "w")
+            (batch_id,) = worker.inflight
+            bounced = wire.Header(kind=wire.Header.ERROR, batch_id=batch_id, bounced=True,
+                                  error="bounced: another frontend's runs alone here")  # fmt: skip
+            core.on_message(b"w", bounced, [])
+            assert r.attempts == 0 and not r.suspect and not r.future.done() and killed == []
+            assert worker.inflight == {} and core.scheduler.queued_version(r.model.key) == 1
+            assert worker.others_alone and not worker.has_credit()
+            await asyncio.sleep(0)  # a pump: nothing goes to it
+            assert worker.inflight == {} and core.scheduler.queued_version(r.model.key) == 1
+            core.on_message(b"w", wire.Header(kind=wire.Header.HEARTBEAT, alone=True), [])
+            assert not worker.has_credit()
+            core.on_message(b"w", wire.Header(kind=wire.Header.HEARTBEAT), [])
+            await asyncio.sleep(0)
+            (again,) = worker.inflight.values()
+            assert again.requests == [r] and core.pool.workers() == [worker]
+        finally:
+            worker_side.close(linger=0)
+
+    run(body)
+
+
 def test_a_batch_that_cannot_be_built_fails_its_requests_and_holds_no_worker(
     router: zmq.Socket[bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:

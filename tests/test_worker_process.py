@@ -48,6 +48,11 @@ def _repository(tmp_path: Path) -> Path:
         # sys.exit() raises SystemExit, which `except Exception` lets through
         "exits_loading": "import sys\n\ndef load(device):\n    sys.exit('no weights')\n",
         "exits_running": "import sys\n\ndef load(device):\n    return lambda x: sys.exit(3)\n",
+        # a batch waits while the hidden file .gate beside it exists
+        "waits": "import time\nfrom pathlib import Path\n\ndef load(device):\n"
+        "    gate = Path(__file__).parent / '.gate'\n\n    def run(x):\n"
+        "        while gate.exists():\n            time.sleep(0.005)\n"
+        "        return x + 1\n\n    return run\n",
     }.items():
         (repo / name).mkdir(parents=True)
         (repo / name / "model.toml").write_text(TOML)
@@ -260,6 +265,59 @@ def test_a_worker_of_two_frontends_says_so_and_takes_pass(tmp_path: Path) -> Non
         frontend.close()
         ctx.destroy(linger=0)
     assert "malformed" not in frontend.log()
+
+
+def test_another_frontend_s_batch_is_bounced_while_a_retry_runs_alone(tmp_path: Path) -> None:
+    """A retry after a failure (BATCH alone) runs with nothing else on the worker; with
+    --frontends N the other frontends did not know, and their batches queued behind a
+    poison retry died with it (an innocent retry of theirs then failed, lost twice).
+    While one is here, another frontend's batch is bounced unrun, and its heartbeats
+    say so; once it has gone, batches run again."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    other = ctx.socket(zmq.ROUTER)
+    other.linger = 0
+    port = other.bind_to_random_port("tcp://127.0.0.1")
+    frontend = Frontend(tmp_path, "w-alone", also=f"tcp://127.0.0.1:{port}")
+    gate = tmp_path / "repo" / "waits" / ".gate"
+
+    def from_worker(sock: zmq.Socket[Any], want: Any) -> wire.Header:
+        end = time.monotonic() + WAIT_S
+        while time.monotonic() < end:
+            if sock.poll(200):
+                _, *parts = sock.recv_multipart()
+                header, _ = wire.unpack(parts)
+                if want(header):
+                    return header
+        raise AssertionError(f"nothing wanted within {WAIT_S} s:\n{frontend.log()}")
+
+    def batch(batch_id: int, alone: bool = False) -> list[bytes]:
+        datatype, shape, raw = to_raw(X)
+        tensor = wire.Tensor(name="X", datatype=datatype, shape=shape)
+        header = wire.Header(kind=wire.Header.BATCH, batch_id=batch_id, model="waits",
+                             version="1", tensors=[tensor], alone=alone)  # fmt: skip
+        return [b"w-alone", *wire.pack(header, (raw,))]
+
+    try:
+        from_worker(other, lambda h: h.kind == wire.Header.READY)
+        assert frontend.load("waits").error == ""
+        gate.touch()
+        frontend.router.send_multipart(batch(1, alone=True))
+        from_worker(frontend.router, lambda h: h.kind == wire.Header.HEARTBEAT and 1 in h.running)
+        other.send_multipart(batch(7))
+        bounced = from_worker(other, lambda h: h.kind == wire.Header.ERROR)
+        assert bounced.batch_id == 7 and bounced.bounced
+        from_worker(other, lambda h: h.kind == wire.Header.HEARTBEAT and h.alone)
+        gate.unlink()
+        assert frontend.recv(wire.Header.RESULT).batch_id == 1
+        from_worker(other, lambda h: h.kind == wire.Header.HEARTBEAT and not h.alone)
+        other.send_multipart(batch(8))
+        ran = from_worker(other, lambda h: h.kind in (wire.Header.RESULT, wire.Header.ERROR))
+        assert ran.kind == wire.Header.RESULT and ran.batch_id == 8
+        assert frontend.stop() == 0, frontend.log()
+    finally:
+        gate.unlink(missing_ok=True)
+        frontend.close()
+        ctx.destroy(linger=0)
 
 
 _LOGGED = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")

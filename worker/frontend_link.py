@@ -299,3 +299,13 @@ class FrontendLink:
             f"the CURVE handshake failed (is {self._key_dir / 'server.key'} the public key "
             "of this frontend, and was it started with --worker-keys?)"
         )
+
+
+def poller(links: list[FrontendLink], results: zmq.Socket[Any]) -> zmq.Poller:
+    """The I/O thread's: each frontend's socket and the compute and loader threads'."""
+    poll = zmq.Poller()
+    for link in links:
+        poll.register(link.socket, zmq.POLLIN)
+        link.polled_out = False
+    poll.register(results, zmq.POLLIN)
+    return poll

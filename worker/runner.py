@@ -36,7 +36,7 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.worker import InputRefused, loader, merge
+from batchd.worker import InputRefused, alone, frontend_link, loader, merge
 from batchd.worker.execute import COUNTED, BatchError, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
@@ -86,6 +86,7 @@ class Runner:
         self._collections = Collections(o.device.type == "cuda")
         self._frontends = len(options.endpoint.split(","))
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
+        self._alone = alone.Alone()
 
     # ---- compute thread ----
 
@@ -128,6 +129,7 @@ class Runner:
                 except Exception as e:  # a defect, or a message no frontend sends: it
                     log.exception("work of kind %d failed", item[1].kind)  # fails, not the
                     reply(item[0], *failed(item[1], e))  # compute thread
+                    self._alone.ran(item[0], item[1])
                 if item[1].kind == wire.Header.BATCH and any(x.busy for x in self.loops.values()):
                     self._rounds(reply, self._behind.is_set())  # (staged forwards starved them)
         finally:
@@ -172,6 +174,8 @@ class Runner:
                 replies = [(f, failed(h, e)[0]) for f, h, _ in group]
             finally:
                 self._busy = (time.perf_counter_ns(), None, 0.0)
+                for f, h, _ in group:
+                    self._alone.ran(f, h)
             for to, parts in replies:
                 reply(to, parts)
             return held
@@ -277,6 +281,7 @@ class Runner:
             beat.running.extend(h.batch_id for f, h, _ in group if f == frontend)
         for key, loop in self.loops.items():
             beat.occupied[key] = len(loop.active) + len(loop.waiting)
+        beat.alone = self._alone.others(frontend, time.monotonic())
         return wire.pack(beat)
 
     def _parent_gone(self) -> bool:
@@ -322,7 +327,7 @@ class Runner:
         now = time.monotonic()
         for link in links:
             link.open(now)
-        poller, io = _poller(links, results), _IO()
+        poller, io = frontend_link.poller(links, results), _IO()
         beats = [functools.partial(self._beat, i) for i in range(len(links))]
         while not (io.stopping and io.pending == 0) and not self._stop.is_set():
             events = dict(poller.poll(timeout=POLL_MS))
@@ -335,11 +340,15 @@ class Runner:
                     links[frontend].reply(reply)
             for i, link in enumerate(links):
                 if events.get(link.socket, 0) & zmq.POLLIN and (msg := link.receive(now)):
-                    self._from_frontend(io, i, *msg)
+                    batch = msg[0].kind == wire.Header.BATCH
+                    if batch and not self._alone.admit(i, msg[0], io.pending > 0, now):
+                        link.reply(alone.bounce(msg[0]))  # another frontend's runs alone here
+                    else:
+                        self._from_frontend(io, i, *msg)
             self._keep_up(links, poller, now)
             # (a link opened a new socket: poll that one)
             if any([link.tick(now, beat) for link, beat in zip(links, beats, strict=True)]):
-                poller = _poller(links, results)
+                poller = frontend_link.poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return 0.0  # the batch at hand will not finish: serve() leaves without it
             if not io.stopping and self._parent_gone():  # as a STOP: the replies still go
@@ -378,15 +387,6 @@ class Runner:
             # again with STOP, and those must not push the hung model's deadline on
             log.info("STOP received")
             io.stopping, io.stop_at = True, time.monotonic()
-
-
-def _poller(links: list[FrontendLink], results: zmq.Socket[Any]) -> zmq.Poller:
-    poller = zmq.Poller()
-    for link in links:
-        poller.register(link.socket, zmq.POLLIN)
-        link.polled_out = False
-    poller.register(results, zmq.POLLIN)
-    return poller
 
 
 @dataclass
