@@ -255,16 +255,11 @@ class Runner:
     # ---- I/O thread ----
 
     def _ready(self, reconnected: bool = False) -> list[Any]:
-        info = wire.WorkerInfo(
-            worker_id=self.options.worker_id,
-            device=str(self.options.device),
-            pid=os.getpid(),
-            models=self.options.allowed,
-            protocol=wire.PROTOCOL_VERSION,
-            frontends=self._frontends,
-            instance=self._instance,
-            held=sorted(self.models), reconnected=reconnected,
-        )  # fmt: skip
+        o = self.options
+        info = wire.WorkerInfo(worker_id=o.worker_id, device=str(o.device), pid=os.getpid(),
+                               models=o.allowed, protocol=wire.PROTOCOL_VERSION,
+                               frontends=self._frontends, instance=self._instance,
+                               held=sorted(self.models), reconnected=reconnected)  # fmt: skip
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
     def _beat(self, frontend: int) -> list[Any]:
@@ -283,6 +278,12 @@ class Runner:
             beat.occupied[key] = len(loop.active) + len(loop.waiting)
         beat.alone = self._alone.others(frontend, time.monotonic())
         return wire.pack(beat)
+
+    def _occupied(self) -> bool:
+        """Whether batches or sequences are here, queued or running (not loads: a retry
+        runs beside a load, as on a worker of one frontend). Read from the I/O thread."""
+        return not self._work.empty() or self._busy[1] is not None or any(
+            loop.active or loop.waiting for loop in self.loops.values())  # fmt: skip
 
     def _parent_gone(self) -> bool:
         return self.options.parent_pid is not None and os.getppid() != self.options.parent_pid
@@ -341,7 +342,7 @@ class Runner:
             for i, link in enumerate(links):
                 if events.get(link.socket, 0) & zmq.POLLIN and (msg := link.receive(now)):
                     batch = msg[0].kind == wire.Header.BATCH
-                    if batch and not self._alone.admit(i, msg[0], io.pending > 0, now):
+                    if batch and not self._alone.admit(i, msg[0], self._occupied(), now):
                         link.reply(alone.bounce(msg[0]))  # another frontend's runs alone here
                     else:
                         self._from_frontend(io, i, *msg)
