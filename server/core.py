@@ -160,8 +160,8 @@ class Core:
 
     # ---- what the scheduler calls ----
 
-    def capacity(self, model: ModelConfig, alone: bool = False) -> Capacity:
-        return self.pool.capacity(model, alone)
+    def capacity(self, model: ModelConfig) -> Capacity:
+        return self.pool.capacity(model)
 
     def requests_out(self, key: str) -> int:
         return self.pool.requests_out(key)
@@ -173,9 +173,9 @@ class Core:
         if model.generate is not None:
             self.sequences.start(model, requests)
             return
-        # A retry after a failure goes only to a worker with nothing of ours, a job's batch
-        alone = any(r.suspect for r in requests)  # to one with no batch of ours
-        worker = self.pool.choose(model.key, alone or requests[0].background, alone)
+        # A retry after a failure, and a job's batch, go only to an idle worker.
+        idle_only = any(r.suspect or r.background for r in requests)
+        worker = self.pool.choose(model.key, idle_only=idle_only)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
             self.pump_soon()
@@ -324,7 +324,7 @@ class Core:
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
         back = recovery.after_loss(batches, worker.name, reason, blamed and not worker.load_sent)
-        back += recovery.after_sequence_loss(sequences, worker.name, reason)
+        back += recovery.after_sequence_loss(sequences, worker.name, reason, bool(batches))
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
         log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason,

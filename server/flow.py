@@ -167,6 +167,7 @@ class StepStream:
         self._wake: asyncio.Future[None] | None = None
         self.closed = False
         self.sent = 0  # outputs pushed so far
+        self._sent_before = 0  # ... before its last restart
         # Where the sequence runs, once the core has started it: the worker's
         # identity and the sequence's id there (to cancel it).
         self.worker: bytes | None = None
@@ -323,6 +324,11 @@ class StepStream:
         self._settle()
         self._release()
 
+    @property
+    def gave(self) -> bool:
+        """Whether its run on its worker has given outputs (since its last restart)."""
+        return self.sent > self._sent_before
+
     def restart(self) -> None:
         """The sequence starts over on another worker: what it gave so far goes."""
         self.discard()
@@ -330,6 +336,7 @@ class StepStream:
         self.credit, self.need, self.watched, self.idle_watches = self.window, 0, False, 0
         self.start_clock()  # (its time before is not its caller's)
         self.restarts += 1
+        self._sent_before = self.sent
 
     async def next(self) -> tuple[list[Tensor], bool] | None:
         """The next step's outputs and whether they are the last, or None once closed

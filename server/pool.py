@@ -80,16 +80,8 @@ class WorkerHandle:
 
     @property
     def exclusive(self) -> bool:
-        """It runs a suspect, a batch or a sequence: nothing else goes beside it."""
-        return any(b.suspect for b in self.inflight.values()) or any(
-            s.suspect for s in self.sequences.values()
-        )
-
-    @property
-    def alone(self) -> bool:
-        """Nothing of ours on it: where a suspect may go (a poison ends every batch and
-        sequence of the process it runs in)."""
-        return not self.inflight and not self.sequences
+        """It runs a suspect: no other batch may be staged beside it."""
+        return any(b.suspect for b in self.inflight.values())
 
     def has_credit(self) -> bool:
         return len(self.inflight) < self.credits and not self.exclusive and not self.others_alone
@@ -194,14 +186,13 @@ class WorkerPool:
             for b in held.values()
         )
 
-    def capacity(self, model: ModelConfig, alone: bool = False) -> Capacity:
-        """`alone`: for a suspect, only a worker with nothing of ours on it is idle."""
+    def capacity(self, model: ModelConfig) -> Capacity:
         if model.generate is not None:
-            return self._slots(model, alone)
+            return self._slots(model)
         key, free = model.key, False
         for w in self._order:
             if key in w.models and w.has_credit():
-                if w.alone if alone else not w.inflight:
+                if not w.inflight:
                     return IDLE
                 free = True
         return BUSY_WITH_CREDIT if free else NO_CAPACITY
@@ -216,18 +207,17 @@ class WorkerPool:
             if b.model.key == key and not b.requests[0].background
         )
 
-    def choose(self, key: str, idle_only: bool = False, alone: bool = False) -> WorkerHandle | None:
+    def choose(self, key: str, idle_only: bool = False) -> WorkerHandle | None:
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit (none when `idle_only`); `alone`: a suspect's, only a
-        worker with nothing of ours on it."""
+        one with a free credit (none when `idle_only`)."""
         order, n, busy = self._order, len(self._order), None
         for k in range(n):
             w = order[(self._rr + k) % n]
             if key in w.models and w.has_credit():
-                if w.alone if alone else not w.inflight:
+                if not w.inflight:
                     self._rr = (self._rr + k + 1) % n
                     return w
-                if busy is None and not idle_only and not alone:
+                if busy is None and not idle_only:
                     busy = (w, k)
         if busy is None:
             return None
@@ -239,33 +229,31 @@ class WorkerPool:
     def active(self, worker: WorkerHandle, key: str) -> int:
         return sum(b.model.key == key for b in worker.sequences.values())
 
-    def _slots(self, model: ModelConfig, alone: bool = False) -> Capacity:
+    def _slots(self, model: ModelConfig) -> Capacity:
         assert model.generate is not None
         free = False
         for w in self._order:
             if (
                 model.key in w.models
-                and not w.exclusive
                 and (n := self.active(w, model.key)) < model.generate.max_active
             ):
-                if w.alone if alone else not n:
+                if not n:
                     return IDLE
                 free = True
         return BUSY_WITH_CREDIT if free else NO_CAPACITY
 
-    def choose_slot(self, model: ModelConfig, alone: bool = False) -> WorkerHandle | None:
+    def choose_slot(self, model: ModelConfig) -> WorkerHandle | None:
         """The worker with the most free slots for `model` (None: none has a slot free
         of our sequences). Its slots free of ours are what may be sent to it; of several
         such workers, the one whose slots other frontends (of `--frontends N`, or
         servers sharing a `batchd worker`) fill least is chosen, as its last heartbeat
         told: a sequence sent where another frontend's fill every slot would wait there
         while a worker beside it idles. Their count only ranks: it is up to a second
-        old, and a worker queues a sequence it has no slot for. None runs beside a
-        suspect; `alone`: a suspect's, only on a worker with nothing of ours on it."""
+        old, and a worker queues a sequence it has no slot for."""
         assert model.generate is not None
         best, most = None, -math.inf
         for w in self._order:
-            if model.key in w.models and not w.exclusive and (w.alone or not alone):
+            if model.key in w.models:
                 mine = self.active(w, model.key)
                 free = model.generate.max_active - mine - w.others.get(model.key, 0)
                 if mine < model.generate.max_active and free > most:
@@ -300,7 +288,7 @@ class WorkerPool:
               now: float) -> Batch:  # fmt: skip
         """Record a sequence on `worker` before its START is sent."""
         self._next_id += 1
-        sequence = Batch(self._next_id, model, [request], now, request.suspect)
+        sequence = Batch(self._next_id, model, [request], now)
         worker.sequences[sequence.id] = sequence
         return sequence
 

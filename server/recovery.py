@@ -18,19 +18,21 @@ The policy has one owner, this module:
     where the model refused its inputs (batchd.worker.InputRefused), else INTERNAL.
 
   * A step-wise model's sequence on a lost worker is retried on another worker if
-    it has streamed nothing yet (attempts counted as above), as a suspect: a
-    sequence shares no batch, but it shares its process, which a poison one ends
-    (its innocent neighbours, started again beside others, were lost twice and
-    failed). One that has streamed fails with UNAVAILABLE naming how many
-    outputs its caller got: a sequence cannot resume where it was. A unary call's
+    it has streamed nothing yet (attempts counted as above; never a suspect: it
+    shares no batch, and a worker running sequences without end would keep one
+    waiting for ever). Where something on the worker had just begun (a sequence
+    with no output yet, or a batch was in flight), those that had stepped are not
+    counted, once: the poison is likelier what began (in `start`), and counted, an
+    innocent restarted beside it was lost twice and failed. One that has streamed
+    fails with UNAVAILABLE naming how many outputs its caller got: a sequence
+    cannot resume where it was. A unary call's
     outputs are held for one answer at the end (StepStream.held): its caller has
     seen none, so it starts over like one that streamed nothing, what its lost run
     gave dropped (StepStream.restart), and its answer holds the new run's only.
 
 Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
-for an idle worker for it (pool.WorkerHandle.alone: nothing of ours on it, batch
-or sequence), pool.WorkerHandle.exclusive keeps a worker running one from taking
-a batch or sequence beside it.
+for an idle worker for it, pool.WorkerHandle.exclusive keeps a worker running
+one from taking a staged batch beside it.
 """
 
 from __future__ import annotations
@@ -96,27 +98,31 @@ def after_error(
     return []
 
 
-def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str) -> list[Request]:
-    """A lost worker's sequences: those to start again elsewhere; the others fail."""
+def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
+                        batches: bool = False) -> list[Request]:  # fmt: skip
+    """A lost worker's sequences: those to start again elsewhere; the others fail.
+    `batches`: batches were in flight on it too."""
+    live = [seq.requests[0] for seq in sequences if not seq.requests[0].future.done()]
+    began = batches or not all(_stepped(r) for r in live)
     back: list[Request] = []
-    for seq in sequences:
-        r = seq.requests[0]
+    for r in live:
         stream = r.stream
         assert stream is not None, "a sequence always has its stream"
-        if r.future.done():
-            continue
-        r.attempts += 1
+        if began and _stepped(r) and not r.spared:
+            r.spared = True  # (not the likelier cause: once)
+        else:
+            r.attempts += 1
         streamed = 0 if stream.held else stream.sent
         if streamed or r.attempts >= MAX_ATTEMPTS:
             r.future.set_exception(
                 Unavailable(
-                    f"model {seq.model.name!r}: the worker running this sequence was lost "
+                    f"model {r.model.name!r}: the worker running this sequence was lost "
                     f"({worker}: {reason}) after {streamed} output(s) were streamed; a "
                     "sequence cannot resume on another worker, retry it"
                 )
                 if streamed
                 else ModelFailed(
-                    f"model {seq.model.name!r}: the worker running this sequence was lost "
+                    f"model {r.model.name!r}: the worker running this sequence was lost "
                     f"{r.attempts} times (last: {worker}: {reason}); not retried again"
                 )
             )
@@ -124,6 +130,11 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str) ->
         else:
             stream.worker, stream.seq_id = None, 0
             stream.restart()
-            r.suspect = True
             back.append(r)
     return back
+
+
+def _stepped(r: Request) -> bool:
+    """Whether sequence `r` has given outputs in this run on its worker."""
+    assert r.stream is not None, "a sequence always has its stream"
+    return r.stream.gave

@@ -68,7 +68,7 @@ class Sequences:
     def start(self, model: ModelConfig, requests: list[Request]) -> None:
         """Each request is one sequence: a START to the worker with the most free slots."""
         for r in requests:
-            worker = self._pool.choose_slot(model, alone=r.suspect)
+            worker = self._pool.choose_slot(model)
             stream = r.stream
             assert stream is not None, "a step-wise request has its stream"
             if worker is None or r.future.done():  # no slot after all, or its caller left

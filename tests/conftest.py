@@ -88,7 +88,7 @@ class FakeDispatch:
         self.unheld: set[str] = set()  # model versions no live worker holds
         self.sent: list[list[Request]] = []
 
-    def capacity(self, model: ModelConfig, alone: bool = False) -> Capacity:
+    def capacity(self, model: ModelConfig) -> Capacity:
         return Capacity(idle_worker=self.idle > 0, free_credit=self.credits > 0)
 
     def requests_out(self, key: str) -> int:

@@ -54,35 +54,6 @@ def test_an_idle_worker_is_chosen_first_then_round_robin_among_those_with_credit
     assert pool.capacity(cfg) == NO_CAPACITY and pool.choose(cfg.key) is None
 
 
-def test_a_suspect_goes_only_where_nothing_of_ours_runs_and_nothing_goes_beside_it() -> None:
-    """A poison ends the process it runs in, every batch and sequence on it: a suspect,
-    batch or sequence, waits for a worker with nothing of ours on it, and a worker
-    running one takes nothing else. (A sequence started again after its worker was
-    lost went beside others, and the poison among them took them down twice.)"""
-    seq, one = stepwise_model(max_active=3), model()
-    pool = WorkerPool(credits=2)
-    a, b = serving(pool, "a", "b", key=seq.key)
-    for w in (a, b):
-        w.models.add(one.key)
-    pool.start(a, seq, request(seq), 0.0)
-    pool.hand(b, one, [request(one)], 0.0)
-    assert pool.capacity(seq) == IDLE  # no sequence of it on b
-    assert pool.capacity(seq, alone=True) == BUSY_WITH_CREDIT  # but b runs a batch
-    assert pool.choose_slot(seq, alone=True) is None
-    assert pool.capacity(one, alone=True) == BUSY_WITH_CREDIT  # a runs a sequence
-    assert pool.choose(one.key, idle_only=True, alone=True) is None
-    pool.finish(b, next(iter(b.inflight)))
-    assert pool.capacity(seq, alone=True) == IDLE and pool.choose_slot(seq, alone=True) is b
-    suspect = request(seq)
-    suspect.suspect = True
-    pool.start(b, seq, suspect, 0.0)
-    assert b.exclusive and pool.choose_slot(seq) is a  # not beside the suspect
-    assert pool.choose(one.key) is a  # a batch, too, goes only where no suspect runs
-    pool.start(a, seq, request(seq), 0.0)
-    pool.start(a, seq, request(seq), 0.0)
-    assert pool.capacity(seq) == NO_CAPACITY  # b has 2 free slots, but runs a suspect
-
-
 def test_a_sequence_starts_where_other_frontends_fill_fewest_slots_never_past_ours() -> None:
     """choose_slot ranks the workers with a slot free of our sequences by what their
     heartbeats say other frontends hold there (their count less ours)."""

@@ -10,8 +10,9 @@ import pytest
 from batchd.protos.model_config import ModelConfig
 from batchd.server import recovery
 from batchd.server.errors import InvalidInput, ModelFailed
+from batchd.server.flow import StepStream
 from batchd.server.request import Batch, Request
-from tests.conftest import model, run
+from tests.conftest import model, run, stepwise_model
 from tests.conftest import request as _request
 
 
@@ -99,5 +100,34 @@ def test_a_worker_lost_while_it_loaded_a_model_charges_none_of_its_requests() ->
         # once: a poison request on workers loading at their start does not go round for ever
         assert recovery.after_loss([batch], "w", "exited", charged=False) == []
         assert r.future.done()
+
+    run(body)
+
+
+def test_sequences_that_stepped_are_not_counted_once_when_something_had_just_begun() -> None:
+    """A sequence whose start() ends its worker's process beside sequences already
+    stepping: they were each counted a loss, restarted beside it, lost again and
+    failed. Those that had stepped when something began (a sequence with no output
+    yet, or a batch in flight) are not counted the first time; the new one is."""
+
+    async def body() -> None:
+        cfg = stepwise_model()
+        loop = asyncio.get_running_loop()
+
+        def sequence(outputs: int) -> Batch:
+            r = _request(cfg)
+            r.future, r.stream = loop.create_future(), StepStream(held=True)
+            r.stream.sent = outputs  # (what push() counts)
+            return Batch(0, cfg, [r], 0.0)
+
+        old, new = sequence(3), sequence(0)
+        back = recovery.after_sequence_loss([old, new], "w", "killed")
+        assert [r.attempts for r in back] == [0, 1] and old.requests[0].spared
+        back = recovery.after_sequence_loss([old, sequence(0)], "w", "killed")  # (restarted,
+        assert old.requests[0].attempts == 1  # it has not stepped since: counted now)
+        steady = sequence(5)
+        assert recovery.after_sequence_loss([steady], "w", "killed")[0].attempts == 1
+        lone = sequence(5)  # ... unless a batch was in flight on it
+        assert recovery.after_sequence_loss([lone], "w", "killed", batches=True)[0].attempts == 0
 
     run(body)

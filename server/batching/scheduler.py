@@ -72,8 +72,7 @@ class LoopTimer:
 class Dispatch(Protocol):
     """What the scheduler needs from the core (a fake in unit tests)."""
 
-    # alone: for a suspect, only a worker with nothing of ours on it is idle
-    def capacity(self, model: ModelConfig, alone: bool = False) -> Capacity: ...
+    def capacity(self, model: ModelConfig) -> Capacity: ...
 
     def requests_out(self, key: str) -> int: ...  # online requests of `key` on workers now
 
@@ -300,7 +299,7 @@ class Scheduler:
     def _capacity(self, q: ModelQueue) -> Capacity:
         """The workers' capacity for `q`'s model; while a suspect waits, a busy worker's
         free credit is not offered."""
-        capacity = self._dispatch.capacity(q.config, self._suspect_waits and q.suspect_first())
+        capacity = self._dispatch.capacity(q.config)
         if self._suspect_waits and capacity.free_credit and not capacity.idle_worker:
             return NO_CAPACITY
         return capacity
