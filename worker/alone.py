@@ -11,11 +11,13 @@ So the worker keeps the others off itself: while a frontend's `alone` batch is h
 (queued or running), a batch of another frontend is bounced at once, unrun (ERROR
 with `bounced`: the frontend sends it elsewhere, no attempt counted), and each
 heartbeat to the others says `alone`, so they send nothing more till it has gone.
-An alone batch that finds other work here (queued, running, a sequence) is bounced
-too, since a poison among that work would take it down: the worker is then kept for
-it for RESERVE_S (the others' batches bounced), so that it drains and the retry,
-sent again after its frontend's next heartbeat, finds it free. The I/O thread counts
-an alone batch in as it arrives, the compute thread out once it has run.
+An alone batch that finds other batches here (queued or running) is bounced too,
+since a poison among them would take it down: the worker is then kept for it for
+RESERVE_S (the others' batches bounced), so that it drains and the retry, sent again
+after its frontend's next heartbeat, finds it free. Sequences do not count, as on a
+frontend (pool.py): under continuous batching a worker is never without them, and a
+retry would wait for ever. The I/O thread counts a batch in as it arrives, the
+compute thread out once it has run.
 """
 
 from __future__ import annotations
@@ -33,26 +35,30 @@ class Alone:
         self._lock = threading.Lock()
         self._here: dict[int, int] = {}  # frontend index -> its alone batches here
         self._kept: dict[int, float] = {}  # frontend index -> kept for its retry until
+        self._batches = 0  # queued or running, every frontend's
 
-    def admit(self, frontend: int, header: wire.Header, busy: bool, now: float) -> bool:
-        """A BATCH from `frontend` arrived (I/O thread; `busy`: other work is here):
-        whether it may be queued; not while another frontend's alone batch is here or
-        the worker is kept for one, nor an alone one while other work is here."""
+    def admit(self, frontend: int, header: wire.Header, now: float) -> bool:
+        """A BATCH from `frontend` arrived (I/O thread): whether it may be queued; not
+        while another frontend's alone batch is here or the worker is kept for one, nor
+        an alone one while other batches are here."""
         with self._lock:
             if self._others(frontend, now):
                 return False
             if header.alone:
-                if busy:
+                if self._batches:
                     self._kept[frontend] = now + RESERVE_S
                     return False
                 self._kept.pop(frontend, None)
                 self._here[frontend] = self._here.get(frontend, 0) + 1
+            self._batches += 1
             return True
 
     def ran(self, frontend: int, header: wire.Header) -> None:
-        """A BATCH of `frontend` has run and been answered (compute thread)."""
-        if header.alone:
-            with self._lock:
+        """A BATCH of `frontend` has run, or failed before it could (compute thread;
+        said twice, it counts once too few for a moment, never too many for good)."""
+        with self._lock:
+            self._batches = max(0, self._batches - 1)
+            if header.alone:
                 if (left := self._here.get(frontend, 0) - 1) > 0:
                     self._here[frontend] = left
                 else:

@@ -279,12 +279,6 @@ class Runner:
         beat.alone = self._alone.others(frontend, time.monotonic())
         return wire.pack(beat)
 
-    def _occupied(self) -> bool:
-        """Whether batches or sequences are here, queued or running (not loads: a retry
-        runs beside a load, as on a worker of one frontend). Read from the I/O thread."""
-        return not self._work.empty() or self._busy[1] is not None or any(
-            loop.active or loop.waiting for loop in self.loops.values())  # fmt: skip
-
     def _parent_gone(self) -> bool:
         return self.options.parent_pid is not None and os.getppid() != self.options.parent_pid
 
@@ -342,7 +336,7 @@ class Runner:
             for i, link in enumerate(links):
                 if events.get(link.socket, 0) & zmq.POLLIN and (msg := link.receive(now)):
                     batch = msg[0].kind == wire.Header.BATCH
-                    if batch and not self._alone.admit(i, msg[0], self._occupied(), now):
+                    if batch and not self._alone.admit(i, msg[0], now):
                         link.reply(alone.bounce(msg[0]))  # another frontend's runs alone here
                     else:
                         self._from_frontend(io, i, *msg)
