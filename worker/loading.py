@@ -122,6 +122,7 @@ def settle_heap() -> None:
 
 
 COLLECT_SHARE = 0.1  # of the compute thread's time, at most, for unloads' collections
+COLLECT_GAP_MAX_S = 1.0  # ... but an unloaded model's memory waits no longer than this
 
 
 class Collections:
@@ -131,7 +132,9 @@ class Collections:
     compute thread. One per unload stalled every model on the worker: reloads back to
     back (7 a second) took another model from 1,338 to 79 req/s. Unloads now share one,
     run as soon as the last one is far enough behind that collections take at most
-    COLLECT_SHARE of the time (at once, for an unload now and then)."""
+    COLLECT_SHARE of the time (at once, for an unload now and then), and at most
+    COLLECT_GAP_MAX_S after it: a heap that takes a second to collect would otherwise
+    hold an unloaded model's memory (a GPU's too) for ten, a reload's third copy."""
 
     def __init__(self, cuda: bool) -> None:
         self.pending = False
@@ -151,7 +154,7 @@ class Collections:
         if self._cuda:
             torch.cuda.empty_cache()
         self.pending = False
-        self._at = now + (time.perf_counter() - start) / COLLECT_SHARE
+        self._at = now + min((time.perf_counter() - start) / COLLECT_SHARE, COLLECT_GAP_MAX_S)
         return None
 
 
