@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
 from batchd.protos import wire
+from batchd.worker import runner as runner_module
 from batchd.worker.alone import RESERVE_S, Alone, bounce
+from batchd.worker.runner import Runner, RunnerOptions
 
 BATCH = wire.Header(kind=wire.Header.BATCH, batch_id=5)
 RETRY = wire.Header(kind=wire.Header.BATCH, batch_id=6, alone=True)
@@ -44,3 +53,30 @@ def test_a_bounce_names_its_batch_and_says_why() -> None:
     (header, _) = wire.unpack(bounce(BATCH))
     assert header.kind == wire.Header.ERROR and header.batch_id == 5 and header.bounced
     assert "runs alone" in header.error
+
+
+def test_work_that_fails_in_the_compute_thread_counts_out_only_a_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message that fails on the compute thread (a defect) was counted out as a batch
+    whatever its kind: a START's failure let another frontend's retry in beside a
+    batch still queued, where a poison in it would take the retry down too."""
+    runner = Runner(RunnerOptions("w", "ipc://unused", torch.device("cpu"), tmp_path))
+    ctx: zmq.Context[Any] = zmq.Context()
+    results = ctx.socket(zmq.PULL)
+    results.bind(runner_module._RESULTS)
+
+    def broken(item: Any, reply: Any) -> None:
+        raise RuntimeError("a defect")
+
+    monkeypatch.setattr(runner, "_handle", broken)
+    try:
+        assert runner._alone.admit(1, BATCH, now=0.0)  # queued, from frontend 1
+        runner._work.put((0, wire.Header(kind=wire.Header.START, batch_id=9), []))
+        runner._work.put(None)
+        runner._compute(ctx)
+        assert results.poll(10_000)  # (its failure, answered)
+        assert not runner._alone.admit(0, RETRY, now=0.0)  # frontend 1's batch is still here
+    finally:
+        results.close(linger=0)
+        ctx.term()

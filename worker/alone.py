@@ -54,8 +54,7 @@ class Alone:
             return True
 
     def ran(self, frontend: int, header: wire.Header) -> None:
-        """A BATCH of `frontend` has run, or failed before it could (compute thread;
-        said twice, it counts once too few for a moment, never too many for good)."""
+        """A BATCH of `frontend` has run, or failed before it could (compute thread)."""
         with self._lock:
             self._batches = max(0, self._batches - 1)
             if header.alone:

@@ -129,7 +129,6 @@ class Runner:
                 except Exception as e:  # a defect, or a message no frontend sends: it
                     log.exception("work of kind %d failed", item[1].kind)  # fails, not the
                     reply(item[0], *failed(item[1], e))  # compute thread
-                    self._alone.ran(item[0], item[1])
                 if item[1].kind == wire.Header.BATCH and any(x.busy for x in self.loops.values()):
                     self._rounds(reply, self._behind.is_set())  # (staged forwards starved them)
         finally:
@@ -164,7 +163,11 @@ class Runner:
         else:
             cfg, _ = self.models.get(model_key(header.model, header.version), (None, None))
             stepping = any(loop.busy for loop in self.loops.values())
-            group, held = self._gatherer.gather(cfg, item, not stepping)
+            try:
+                group, held = self._gatherer.gather(cfg, item, not stepping)
+            except BaseException:  # (a defect: the batch fails; it is here no more)
+                self._alone.ran(frontend, header)
+                raise
             limit = cfg.instances.execution_timeout_s if cfg else 0.0  # (the heartbeats tell)
             self._busy = (time.perf_counter_ns(), group, limit)
             try:
