@@ -6,8 +6,9 @@ backlog, and RESOURCE_EXHAUSTED that came with the server's
 full queue and a full decode backlog). A RESOURCE_EXHAUSTED without it is a
 limit the call passed (LimitExceeded: a response over --max-message-bytes, a
 message over the client's own max_message_bytes): the same call would fail
-again, after running the model again, so it is not retried. Nor is one whose
-pushback is negative or not a number (gRFC A6: the server says do not retry). Nor is an input
+again, after running the model again, so it is not retried. Nor is an
+UNAVAILABLE whose pushback is negative or not a number (gRFC A6: the server says
+do not retry; `.retry_refused`). Nor is an input
 the server rejected, an unknown model or a failed model. The wait is "full
 jitter" exponential backoff, and never shorter than the server's pushback. All
 attempts share the caller's timeout. A pushback longer than that timeout, or

@@ -70,7 +70,8 @@ class Alone:
             return self._others(frontend, now)
 
     def _others(self, frontend: int, now: float) -> bool:
-        self._kept = {f: until for f, until in self._kept.items() if until > now}
+        if self._kept:  # (on every batch's arrival: nothing built when none is kept)
+            self._kept = {f: until for f, until in self._kept.items() if until > now}
         return any(f != frontend for f in (*self._here, *self._kept))
 
 
