@@ -209,15 +209,17 @@ class WorkerPool:
 
     def choose(self, key: str, idle_only: bool = False) -> WorkerHandle | None:
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit (none when `idle_only`)."""
+        one with a free credit. `idle_only` (a suspect): an idle one, where no sequence
+        runs if one is (a poison ended the sequences beside it: a bystander's, restarted
+        beside its retry, was lost twice and failed)."""
         order, n, busy = self._order, len(self._order), None
         for k in range(n):
             w = order[(self._rr + k) % n]
             if key in w.models and w.has_credit():
-                if not w.inflight:
+                if not w.inflight and not (idle_only and (w.sequences or any(w.others.values()))):
                     self._rr = (self._rr + k + 1) % n
                     return w
-                if busy is None and not idle_only:
+                if busy is None and not (idle_only and w.inflight):
                     busy = (w, k)
         if busy is None:
             return None
@@ -233,9 +235,10 @@ class WorkerPool:
         assert model.generate is not None
         free = False
         for w in self._order:
-            if (
+            if (  # (not beside a suspect: it may be a poison, that ends what runs there)
                 model.key in w.models
                 and (n := self.active(w, model.key)) < model.generate.max_active
+                and not w.exclusive
             ):
                 if not n:
                     return IDLE
@@ -253,7 +256,7 @@ class WorkerPool:
         assert model.generate is not None
         best, most = None, -math.inf
         for w in self._order:
-            if model.key in w.models:
+            if model.key in w.models and not w.exclusive:
                 mine = self.active(w, model.key)
                 free = model.generate.max_active - mine - w.others.get(model.key, 0)
                 if mine < model.generate.max_active and free > most:

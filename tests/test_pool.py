@@ -109,6 +109,32 @@ def test_a_worker_running_a_suspect_takes_nothing_beside_it() -> None:
     assert pool.capacity(cfg) == IDLE
 
 
+def test_a_suspect_goes_where_no_sequence_runs_and_no_sequence_starts_beside_it() -> None:
+    """A poison ends what runs beside it: a suspect (idle_only) goes to an idle worker
+    with no sequence, ours or another frontend's, if there is one, else to an idle one
+    with sequences; while it runs there, no sequence starts there."""
+    cfg, gen = model(), stepwise_model(max_active=2)
+    pool = WorkerPool(credits=2)
+    a, b, c = serving(pool, "a", "b", "c", key=cfg.key)
+    for w in (a, b, c):
+        w.models.add(gen.key)
+    pool.start(a, gen, request(gen), 0.0)
+    b.others = {gen.key: 1}
+    assert pool.choose(cfg.key, idle_only=True) is c
+    pool.hand(c, cfg, [request(cfg)], 0.0)
+    assert pool.choose(cfg.key, idle_only=True) in (a, b)  # (none free of sequences)
+    c.inflight.clear()
+    suspect = request(cfg)
+    suspect.suspect = True
+    pool.hand(c, cfg, [suspect], 0.0)
+    assert pool.choose_slot(gen) is a  # (a and b have one slot free, c two: it runs the suspect)
+    for w in (a, b, b):
+        pool.start(w, gen, request(gen), 0.0)
+    assert pool.choose_slot(gen) is None and pool.capacity(gen) == NO_CAPACITY
+    c.inflight.clear()
+    assert pool.choose_slot(gen) is c and pool.capacity(gen) == IDLE
+
+
 def test_joining_again_from_the_same_process_keeps_the_worker_and_its_batches() -> None:
     cfg = model()
     pool = WorkerPool()
