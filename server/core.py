@@ -39,6 +39,7 @@ from batchd.server.index import IndexEntry
 from batchd.server.link import WorkerLink
 from batchd.server.loopload import LoopLoad
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
+from batchd.server.quarantine import Quarantine
 from batchd.server.request import Batch, Request, Tensor
 from batchd.server.sequences import Sequences
 from batchd.server.stats import Stats
@@ -80,6 +81,7 @@ class Core:
             self.changed.set, self.pump_soon, stats.answering,
         )  # fmt: skip
         self.supervisor = Supervisor(launch or Launch(repository=repository), self.worker_exited)
+        self.quarantine = Quarantine(clock)
         self.sequences = Sequences(
             self.pool, self.link, self.scheduler, stats, clock, self.pump_soon, self.lose
         )
@@ -92,6 +94,8 @@ class Core:
         return self.control.current
 
     def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
+        if self.quarantine.held:  # (inputs that ended their worker: refused a while, unrun)
+            self.quarantine.check(request)
         return self.scheduler.submit(request)
 
     def check_room(self, key: str) -> None:
@@ -197,17 +201,10 @@ class Core:
             batch.span, traceparent = tracing.start_batch(
                 traces, model.name, batch.id, worker.name, rows
             )
-        header = wire.Header(
-            kind=wire.Header.BATCH,
-            batch_id=batch.id,
-            model=model.name,
-            version=model.version,
-            tensors=tensors,
-            rows=sum(r.rows for r in requests),
-            loaded=loaded,
-            alone=batch.suspect,
-            traceparent=traceparent,
-        )
+        header = wire.Header(kind=wire.Header.BATCH, batch_id=batch.id, model=model.name,
+                             version=model.version, tensors=tensors, loaded=loaded,
+                             rows=sum(r.rows for r in requests), alone=batch.suspect,
+                             traceparent=traceparent)  # fmt: skip
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
         if failed:  # it never left, nor ran: its requests go back uncharged, and the
@@ -273,11 +270,15 @@ class Core:
             self.link.send(worker.identity, _STOP)  # if it can hear
             self.lose(worker, why)
 
-    def worker_exited(self, name: str, pid: int, reason: str) -> None:
-        """The supervisor saw that local worker's process exit (not a peer under its id)."""
+    def worker_exited(self, name: str, pid: int, reason: str) -> bool:
+        """The supervisor saw that local worker's process exit (not a peer under its id).
+        Whether it ran requests then (and loaded nothing): not a crash loop (supervisor.py)."""
+        ran = False
         for w in self.pool.workers():
             if w.name == name and w.info.pid == pid:
+                ran = bool(w.inflight or w.sequences) and not w.load_sent
                 self.lose(w, reason, stuck=False)
+        return ran
 
     # ---- workers joining and leaving ----
 
@@ -300,14 +301,9 @@ class Core:
             joined, worker = self.pool.join(identity, info)  # (or this one on a new connection)
         self.link.watch(identity)
         self.link.send(identity, _FORGET)  # what it runs for us now is a predecessor's, or lost
-        log.info(
-            "worker %s registered (pid %d, device %s) for models %s",
-            info.worker_id,
-            info.pid,
-            info.device,
-            ", ".join(info.models) or "any",
-            extra={"worker": info.worker_id, "device": info.device},
-        )
+        log.info("worker %s registered (pid %d, device %s) for models %s", info.worker_id,
+                 info.pid, info.device, ", ".join(info.models) or "any",
+                 extra={"worker": info.worker_id, "device": info.device})  # fmt: skip
         self.control.worker_ready(worker)
         self.changed.set()
         self.pump_soon()
@@ -323,7 +319,8 @@ class Core:
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        back = recovery.after_loss(batches, worker.name, reason, blamed and not worker.load_sent)
+        back = recovery.after_loss(batches, worker.name, reason, blamed and not worker.load_sent,
+                                   self.quarantine.add)  # fmt: skip
         back += recovery.after_sequence_loss(sequences, worker.name, reason, bool(batches))
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)

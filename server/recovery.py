@@ -6,7 +6,8 @@ The policy has one owner, this module:
     ModelFailed naming the cause. A worker lost while it loaded a model is not
     counted against its requests, once (a reload killed for want of memory failed
     requests of other models). So a request runs at least once and at most
-    twice, counting only runs on a worker that was lost.
+    twice, counting only runs on a worker that was lost. The same inputs sent
+    again are then refused unrun for a while (quarantine.py).
   * Every request of a lost worker's batches, and of a forward of several whose
     model raised (a batch of several, or batches the worker merged), becomes a
     *suspect*: it is retried alone, on an idle worker
@@ -31,13 +32,14 @@ The policy has one owner, this module:
     gave dropped (StepStream.restart), and its answer holds the new run's only.
 
 Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
-for an idle worker for it, pool.WorkerHandle.exclusive keeps a worker running
-one from taking a staged batch beside it.
+for an idle worker for it (pool.choose: one where no sequence runs, if one is),
+pool.WorkerHandle.exclusive keeps a worker running one from taking a staged batch
+or starting a sequence beside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from batchd.server.errors import InvalidInput, ModelFailed, Unavailable
 from batchd.server.request import Batch, Request
@@ -45,9 +47,15 @@ from batchd.server.request import Batch, Request
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
 
 
-def after_loss(batches: Iterable[Batch], worker: str, reason: str,
-               charged: bool = True) -> list[Request]:  # fmt: skip
-    """The lost worker's requests to retry, as suspects; those out of attempts fail.
+def after_loss(
+    batches: Iterable[Batch],
+    worker: str,
+    reason: str,
+    charged: bool = True,
+    poisoned: Callable[[Request, str], None] | None = None,
+) -> list[Request]:
+    """The lost worker's requests to retry, as suspects; those out of attempts fail,
+    each told to `poisoned` with its error (quarantine.py: its last loss was alone).
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
     of memory, is the likelier cause), they go back as they were, once each (a poison
     request on workers that load at their start would otherwise go round for ever)."""
@@ -62,12 +70,13 @@ def after_loss(batches: Iterable[Batch], worker: str, reason: str,
                 continue
             r.attempts += 1
             if r.attempts >= MAX_ATTEMPTS:
-                r.future.set_exception(
-                    ModelFailed(
-                        f"model {batch.model.name!r}: the worker running this request was lost "
-                        f"{r.attempts} times (last: {worker}: {reason}); not retried again"
-                    )
+                why = (
+                    f"model {batch.model.name!r}: the worker running this request was "
+                    f"lost {r.attempts} times (last: {worker}: {reason}); not retried again"
                 )
+                r.future.set_exception(ModelFailed(why))
+                if poisoned is not None:
+                    poisoned(r, why)
             else:
                 r.suspect = True
                 back.append(r)

@@ -62,6 +62,7 @@ class Request:
     stream: StepStream | None = None  # a step-wise model's: where its outputs go
     background: bool = False  # a batch job's: it waits in the job lane (scheduler.py)
     trace: Any = None  # its tracing.RequestTrace, when tracing is on and it is sampled
+    whole: Request | None = None  # a chunk's: the request it was split from
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
     # Derived from the inputs, once:
     length: int = field(init=False)  # longest ragged length (0: the model has no ragged input)

@@ -2,7 +2,11 @@
 
 The frontend holds handles only; each worker runs `python -m batchd.worker`
 in its own process. A worker that exits is reported lost at once (its batches
-are requeued) and restarted with exponential backoff. Stop: the dispatcher
+are requeued) and restarted with exponential backoff: a crash loop (a model
+whose load ends the process, a broken device) must not spin. Not after a death
+while it ran requests: recovery.py bounds the deaths one request may cause (two,
+then its inputs are refused a while: quarantine.py), and backed off, a client
+resending a poison request kept the whole pool down for every model. Stop: the dispatcher
 sends STOP, then we wait, then terminate, then kill. Workers also watch their
 parent and exit if it disappears, so none is ever orphaned.
 """
@@ -69,7 +73,7 @@ class Launch:
 
 
 class Supervisor:
-    def __init__(self, launch: Launch, on_exit: Callable[[str, int, str], None]) -> None:
+    def __init__(self, launch: Launch, on_exit: Callable[[str, int, str], bool]) -> None:
         self.specs = list(launch.specs)
         self._launch = launch
         keys = launch.worker_keys
@@ -78,7 +82,7 @@ class Supervisor:
             self._keys += ["--otlp-endpoint", launch.otlp_endpoint]
         self.restarts = {s.slot: 0 for s in self.specs}  # by slot: 0 from the start, so an
         # increase() over the series sees the first restart
-        self._on_exit = on_exit
+        self._on_exit = on_exit  # (worker id, pid, why) -> whether it ran requests then
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         self._stopping = False
 
@@ -130,12 +134,14 @@ class Supervisor:
         backoff = BACKOFF_FIRST_S
         generation = 0
         while not self._stopping:
-            worker_id = f"{spec.slot}#{generation}"
+            worker_id, ran = f"{spec.slot}#{generation}", False
             try:
                 proc = await self._start(spec, worker_id)
             except OSError as e:  # no process (out of memory, of pids): try again later
                 log.error("could not start worker %s (%s); trying in %.1f s", worker_id, e, backoff)
             else:
+                if generation:
+                    self.restarts[spec.slot] = self.restarts.get(spec.slot, 0) + 1
                 self._procs[spec.slot] = (worker_id, proc)
                 log.info(
                     "started worker %s (pid %d) on %s for %s",
@@ -149,8 +155,8 @@ class Supervisor:
                 code = await proc.wait()
                 if self._stopping:
                     return
-                self._on_exit(worker_id, proc.pid, f"process exited ({_exit_reason(code)})")
-                if time.monotonic() - started > STABLE_AFTER_S:
+                ran = self._on_exit(worker_id, proc.pid, f"process exited ({_exit_reason(code)})")
+                if ran or time.monotonic() - started > STABLE_AFTER_S:
                     backoff = BACKOFF_FIRST_S
                 log.warning(
                     "worker %s exited with code %s; restarting in %.1f s",
@@ -160,9 +166,8 @@ class Supervisor:
                     extra={"worker": worker_id},
                 )
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            backoff = backoff if ran else min(backoff * 2, BACKOFF_MAX_S)
             generation += 1
-            self.restarts[spec.slot] = self.restarts.get(spec.slot, 0) + 1
 
     def kill(self, worker_id: str, pid: int) -> None:
         """Kill a local worker that is alive but useless (hung past its execution limit):

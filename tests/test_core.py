@@ -512,7 +512,7 @@ def test_the_supervisor_kills_the_process_of_that_worker_s_pid_only() -> None:
     """A peer that registered under a local worker's id and went silent had the healthy
     local worker of that id killed: a stuck worker is killed by its id and its pid."""
     killed: list[int] = []
-    sup = Supervisor(Launch(repository=Path(".")), lambda name, pid, reason: None)
+    sup = Supervisor(Launch(repository=Path(".")), lambda name, pid, reason: False)
     proc = SimpleNamespace(pid=41, returncode=None, kill=lambda: killed.append(41))
     sup._procs["cpu0"] = ("cpu0#0", proc)  # type: ignore[assignment]
     sup.kill("cpu0#0", 99)  # (the impostor's pid)
@@ -533,6 +533,27 @@ def test_a_local_worker_s_exit_loses_that_process_only(router: zmq.Socket[bytes]
         assert [w.info.pid for w in core.pool.workers()] == [99]
         core.worker_exited("cpu0#0", 99, "process exited (code 1)")
         assert core.pool.workers() == []
+
+    run(body)
+
+
+def test_a_lost_worker_is_said_to_have_run_requests_if_it_had_batches_and_no_load(
+    router: zmq.Socket[bytes],
+) -> None:
+    """worker_exited tells the supervisor whether the process ran requests when it
+    ended: not a crash loop, restarted without backing off (a load that ends its
+    process is one, and an idle worker's end)."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        _, r = one_batch_on(core, "cpu0#0")
+        assert core.worker_exited("cpu0#0", 7, "killed") is True and r.attempts == 1
+        register(core, "cpu1#0", core.models["m"].key, pid=8)
+        assert core.worker_exited("cpu1#0", 8, "killed") is False
+        loading, _ = one_batch_on(core, "cpu2#0")
+        loading.load_sent["other:1"] = 0.0
+        assert core.worker_exited("cpu2#0", 7, "killed") is False
+        assert core.worker_exited("cpu3#0", 7, "killed") is False  # (none of that name)
 
     run(body)
 

@@ -60,7 +60,8 @@ async def finished(calls: list[asyncio.Future[object]], count: int) -> None:
 
 def back_to_two(server: ServerProcess, restarts_before: float, restarts: int) -> None:
     """Wait until the server counts `restarts` more worker restarts and has both
-    workers registered again (a restart is counted before its worker starts)."""
+    workers registered again (a restart is counted once its process started, before
+    the worker registers)."""
     wait_for(
         lambda: worker_restarts(server) - restarts_before >= restarts and workers_up(server) == 2,
         120,
@@ -154,7 +155,18 @@ def test_poison_request_fails_alone_after_two_deaths(both_workers: ServerProcess
     assert "lost 2 times" in poison.message and "killed by SIGKILL" in poison.message
     assert [o["Y"][0, 0] for i, o in enumerate(out) if i != 2] == [2, 4, 6, 8]  # type: ignore[index]
     back_to_two(server, restarts_before, 2)
+    # Sent again, twice (a client retrying on INTERNAL), the same inputs are refused
+    # unrun and end no more workers; other inputs run on.
+    with Client(server.url) as client:
+        for _ in range(2):
+            with pytest.raises(InferenceFailed) as again:
+                client.infer("crashy", x(666), timeout=60)
+            assert again.value.code == grpc.StatusCode.INTERNAL
+            assert "refused unrun: the same inputs failed" in again.value.message
+            assert "lost 2 times" in again.value.message, again.value.message
+        assert client.infer("crashy", x(5), timeout=60)["Y"][0, 0] == 10
     assert worker_restarts(server) - restarts_before == 2  # and no more
+    assert workers_up(server) == 2
 
 
 def test_hung_batch_gets_its_worker_replaced(both_workers: ServerProcess) -> None:

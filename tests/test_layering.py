@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             *("batching.decision", "batching.plan", "batching.latency"),
             *("batching.split_join", "batching.queues", "batching.scheduler", "pool", "recovery"),
+            "quarantine",
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
             *("unary_steps", "jobs.ids", "index"),
             *("rest_codec", "json_body", "json_data", "handlers", "jobs.chunks", "http_site"),

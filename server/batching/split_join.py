@@ -262,7 +262,7 @@ def split_request(request: Request, max_rows: int) -> list[Request]:
             request.model, request.id, inputs, request.outputs, stop - start, request.deadline
         )
         chunk.queue_timeout, chunk.level = request.queue_timeout, request.level
-        chunk.background, chunk.trace = request.background, request.trace
+        chunk.background, chunk.trace, chunk.whole = request.background, request.trace, request
         chunks.append(chunk)
     return chunks
 
