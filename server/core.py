@@ -179,7 +179,7 @@ class Core:
             return
         # A retry after a failure, and a job's batch, go only to an idle worker.
         idle_only = any(r.suspect or r.background for r in requests)
-        worker = self.pool.choose(model.key, idle_only=idle_only)
+        worker = self.pool.choose(model.key, idle_only, requests[0].suspect)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
             self.pump_soon()
@@ -321,7 +321,7 @@ class Core:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
         back = recovery.after_loss(batches, worker.name, reason, blamed and not worker.load_sent,
                                    self.quarantine.add)  # fmt: skip
-        back += recovery.after_sequence_loss(sequences, worker.name, reason, bool(batches))
+        back += recovery.after_sequence_loss(sequences, worker.name, reason, batches)
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
         log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason,

@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
+from batchd.server.batching.decision import (
+    BUSY_WITH_CREDIT,
+    IDLE,
+    IDLE_LOADING,
+    NO_CAPACITY,
+    Capacity,
+)
 from batchd.server.errors import clip
 from batchd.server.request import Batch, Request
 
@@ -189,13 +195,15 @@ class WorkerPool:
     def capacity(self, model: ModelConfig) -> Capacity:
         if model.generate is not None:
             return self._slots(model)
-        key, free = model.key, False
+        key, free, loading = model.key, False, False
         for w in self._order:
             if key in w.models and w.has_credit():
                 if not w.inflight:
-                    return IDLE
+                    if not w.load_sent:
+                        return IDLE
+                    loading = True
                 free = True
-        return BUSY_WITH_CREDIT if free else NO_CAPACITY
+        return IDLE_LOADING if loading else BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     def requests_out(self, key: str) -> int:
         """Online requests of model version `key` in batches on workers now (a job's
@@ -207,16 +215,18 @@ class WorkerPool:
             if b.model.key == key and not b.requests[0].background
         )
 
-    def choose(self, key: str, idle_only: bool = False) -> WorkerHandle | None:
+    def choose(self, key: str, idle_only: bool = False,
+               suspect: bool = False) -> WorkerHandle | None:  # fmt: skip
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit. `idle_only` (a suspect): an idle one, where no sequence
-        runs if one is (a poison ended the sequences beside it: a bystander's, restarted
-        beside its retry, was lost twice and failed)."""
-        order, n, busy = self._order, len(self._order), None
+        one with a free credit; `idle_only` (a job's), an idle one. A `suspect`'s: an
+        idle one that loads no model (as capacity() tells), where no sequence runs if
+        one is: a poison ends the sequences beside it (a bystander's, restarted beside
+        its retry, was lost twice and failed), and a load beside it takes the blame."""
+        order, n, busy, idle_only = self._order, len(self._order), None, idle_only or suspect
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if key in w.models and w.has_credit():
-                if not w.inflight and not (idle_only and (w.sequences or any(w.others.values()))):
+            if key in w.models and w.has_credit() and not (suspect and w.load_sent):
+                if not w.inflight and not (suspect and (w.sequences or any(w.others.values()))):
                     self._rr = (self._rr + k + 1) % n
                     return w
                 if busy is None and not (idle_only and w.inflight):

@@ -6,9 +6,15 @@ client that retries, the same inputs end two more workers each time: the pool is
 forever restarting and every model on it goes unserved (one client resending a
 poison request took 0 of a bystander's 12 calls in 60 s). So the failed request's
 inputs are remembered, by digest, for HOLD_S per model version, and the same
-inputs again fail at admission with the first failure's message, unrun. A new
-version (a reload) starts with none. A step-wise model's sequences are not
-remembered: one that started beside a poison can be counted with it.
+inputs again fail at admission with the first failure's message, unrun. Other
+inputs that end workers do the same (a model that crashes on a class of inputs:
+a client sending a new one each time ended 98 workers in 60 s, and the bystander
+got 0 of 12 answers), so a model version with BREAK such failures in the last
+HOLD_S takes no online request (UNAVAILABLE, with a pushback) till the oldest of
+them is HOLD_S old: at most BREAK a minute end workers, and the pool stays up for
+the other models. A new version (a reload) starts with none held. A step-wise
+model's sequences are not remembered (one that started beside a poison can be
+counted with it), and a batch job's lines are not held back by BREAK.
 
 Cost: a dict lookup per request while its model version holds none; else a
 comparison of shapes, and a digest (blake2b, about 1 GB/s) only of a request
@@ -22,10 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchd.server.errors import ModelFailed
+from batchd.server.errors import ModelFailed, Refused
 from batchd.server.request import Request
 
 HOLD_S, MOST = 60.0, 64  # how long inputs are remembered; how many, per model version
+BREAK = 3  # failures in HOLD_S past which a model version takes no online request
 
 Shapes = tuple[tuple[str, str, tuple[int, ...]], ...]
 
@@ -54,13 +61,24 @@ class Quarantine:
         del held[:-MOST]
 
     def check(self, request: Request) -> None:
-        """Raise ModelFailed if the inputs of `request` are held."""
+        """Raise ModelFailed if the inputs of `request` are held, Refused if its model
+        version is (an online request)."""
         if request.model.key not in self.held:
             return
         now = self._clock()
         self._expire(now)
+        held = self.held.get(request.model.key, [])
+        if len(held) >= BREAK and not request.background:
+            left = HOLD_S - (now - held[-BREAK].since)
+            refused = Refused(
+                f"model {request.model.name!r} takes no requests for {left:.0f} s: {len(held)} "
+                f"of its requests ended their workers in the last {HOLD_S:.0f} s, and it is "
+                f"held back so that the workers stay up for the other models (last: {held[-1].why})"
+            )
+            refused.retry_after_ms = max(1, round(left * 1000))
+            raise refused
         shapes, digest = _shapes(request), b""
-        for h in self.held.get(request.model.key, ()):
+        for h in held:
             if h.shapes == shapes and h.digest == (digest := digest or _digest(request)):
                 raise ModelFailed(
                     f"refused unrun: the same inputs failed {now - h.since:.0f} s ago, and are "

@@ -5,13 +5,16 @@ The policy has one owner, this module:
     silence, a batch past its execution limit); the last such loss fails it with
     ModelFailed naming the cause. A worker lost while it loaded a model is not
     counted against its requests, once (a reload killed for want of memory failed
-    requests of other models). So a request runs at least once and at most
+    requests of other models); they are retried as suspects, which run where no
+    load is (were it lost again, the load and they would each be blamed: a poison
+    storm had a healthy model's load blamed twice, and never sent again). So a
+    request runs at least once and at most
     twice, counting only runs on a worker that was lost. The same inputs sent
     again are then refused unrun for a while (quarantine.py).
   * Every request of a lost worker's batches, and of a forward of several whose
     model raised (a batch of several, or batches the worker merged), becomes a
-    *suspect*: it is retried alone, on an idle worker
-    that takes nothing else meanwhile. An innocent request that shared a batch
+    *suspect*: it is retried alone, on an idle worker that loads no model
+    and takes nothing else meanwhile. An innocent request that shared a batch
     with a poison one is charged once and its lone retry succeeds; the poison
     request kills one more worker at most, then fails; a model error is pinned
     on the request that causes it.
@@ -39,7 +42,7 @@ or starting a sequence beside it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from batchd.server.errors import InvalidInput, ModelFailed, Unavailable
 from batchd.server.request import Batch, Request
@@ -57,15 +60,16 @@ def after_loss(
     """The lost worker's requests to retry, as suspects; those out of attempts fail,
     each told to `poisoned` with its error (quarantine.py: its last loss was alone).
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
-    of memory, is the likelier cause), they go back as they were, once each (a poison
-    request on workers that load at their start would otherwise go round for ever)."""
+    of memory, may be the cause), they go back uncounted, once each, as suspects (a
+    poison request on workers that load at their start would otherwise go round for
+    ever)."""
     back: list[Request] = []
     for batch in batches:
         for r in batch.requests:
             if r.future.done():
                 continue
             if not charged and not r.spared:
-                r.spared = True
+                r.spared = r.suspect = True
                 back.append(r)
                 continue
             r.attempts += 1
@@ -108,16 +112,21 @@ def after_error(
 
 
 def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
-                        batches: bool = False) -> list[Request]:  # fmt: skip
+                        batches: Sequence[Batch] = ()) -> list[Request]:  # fmt: skip
     """A lost worker's sequences: those to start again elsewhere; the others fail.
-    `batches`: batches were in flight on it too."""
+    `batches`: those in flight on it too. One of them a suspect (lost its worker once
+    already, then sent alone), it is the likelier cause: none is counted (a sequence
+    restarted beside a poison's retry, with one worker, was lost twice and failed)."""
     live = [seq.requests[0] for seq in sequences if not seq.requests[0].future.done()]
     began = batches or not all(_stepped(r) for r in live)
+    suspect = any(b.suspect for b in batches)
     back: list[Request] = []
     for r in live:
         stream = r.stream
         assert stream is not None, "a sequence always has its stream"
-        if began and _stepped(r) and not r.spared:
+        if suspect:
+            pass
+        elif began and _stepped(r) and not r.spared:
             r.spared = True  # (not the likelier cause: once)
         else:
             r.attempts += 1

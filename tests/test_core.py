@@ -537,6 +537,33 @@ def test_a_local_worker_s_exit_loses_that_process_only(router: zmq.Socket[bytes]
     run(body)
 
 
+def test_a_request_of_a_worker_lost_while_loading_waits_for_a_worker_that_loads_nothing(
+    router: zmq.Socket[bytes],
+) -> None:
+    """A worker lost while it loaded a model and ran a batch: either may be the cause.
+    Its request goes back uncharged, as a suspect, which no worker loading a model
+    takes: in a poison storm the poison, spared and sent again beside the next
+    worker's loads, had a healthy model's load blamed twice and never sent again."""
+
+    async def body() -> None:
+        core, _ = make_core(router, Clock())
+        lost, r = one_batch_on(core, "cpu0#0")
+        lost.load_sent["other@1"] = 0.0
+        core.worker_exited("cpu0#0", 7, "killed")
+        assert (r.attempts, r.suspect) == (0, True)
+        loading = register(core, "cpu0#1", core.models["m"].key, pid=8)
+        loading.load_sent["other@1"] = 0.0
+        core.link.send = lambda identity, *a, **k: ""  # type: ignore[method-assign]
+        await asyncio.sleep(0)
+        assert loading.inflight == {} and core.scheduler.queued_version(r.model.key) == 1
+        loading.load_sent.clear()  # (LOADED came: control pumps)
+        core.pump_soon()
+        await asyncio.sleep(0)
+        assert [b.requests for b in loading.inflight.values()] == [[r]] and not r.future.done()
+
+    run(body)
+
+
 def test_a_lost_worker_is_said_to_have_run_requests_if_it_had_batches_and_no_load(
     router: zmq.Socket[bytes],
 ) -> None:

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from batchd.protos import wire
-from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, IDLE_LOADING, NO_CAPACITY
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
 from tests.conftest import model, request, stepwise_model
 
@@ -109,10 +109,11 @@ def test_a_worker_running_a_suspect_takes_nothing_beside_it() -> None:
     assert pool.capacity(cfg) == IDLE
 
 
-def test_a_suspect_goes_where_no_sequence_runs_and_no_sequence_starts_beside_it() -> None:
-    """A poison ends what runs beside it: a suspect (idle_only) goes to an idle worker
-    with no sequence, ours or another frontend's, if there is one, else to an idle one
-    with sequences; while it runs there, no sequence starts there."""
+def test_a_suspect_goes_where_no_sequence_runs_nor_load_and_no_sequence_starts_beside_it() -> None:
+    """A poison ends what runs beside it: a suspect goes to an idle worker with no
+    sequence, ours or another frontend's, if there is one, else to an idle one with
+    sequences; while it runs there, no sequence starts there. Never to one that loads
+    a model: were it lost, the load would be blamed too."""
     cfg, gen = model(), stepwise_model(max_active=2)
     pool = WorkerPool(credits=2)
     a, b, c = serving(pool, "a", "b", "c", key=cfg.key)
@@ -120,9 +121,10 @@ def test_a_suspect_goes_where_no_sequence_runs_and_no_sequence_starts_beside_it(
         w.models.add(gen.key)
     pool.start(a, gen, request(gen), 0.0)
     b.others = {gen.key: 1}
-    assert pool.choose(cfg.key, idle_only=True) is c
+    assert pool.choose(cfg.key, suspect=True) is c
+    assert pool.choose(cfg.key, idle_only=True) is a  # (a job's batch: any idle worker)
     pool.hand(c, cfg, [request(cfg)], 0.0)
-    assert pool.choose(cfg.key, idle_only=True) in (a, b)  # (none free of sequences)
+    assert pool.choose(cfg.key, suspect=True) in (a, b)  # (none free of sequences)
     c.inflight.clear()
     suspect = request(cfg)
     suspect.suspect = True
@@ -133,6 +135,15 @@ def test_a_suspect_goes_where_no_sequence_runs_and_no_sequence_starts_beside_it(
     assert pool.choose_slot(gen) is None and pool.capacity(gen) == NO_CAPACITY
     c.inflight.clear()
     assert pool.choose_slot(gen) is c and pool.capacity(gen) == IDLE
+    # An idle worker loading a model takes no suspect (a job's batch, or any other, yes)
+    pool.hand(a, cfg, [request(cfg)], 0.0)
+    pool.hand(b, cfg, [request(cfg)], 0.0)
+    c.load_sent["other@1"] = 0.0
+    assert pool.capacity(cfg) == IDLE_LOADING
+    assert pool.choose(cfg.key, suspect=True) is None
+    assert pool.choose(cfg.key, idle_only=True) is c and pool.choose(cfg.key) is c
+    c.load_sent.clear()
+    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, suspect=True) is c
 
 
 def test_joining_again_from_the_same_process_keeps_the_worker_and_its_batches() -> None:

@@ -9,12 +9,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from batchd.server import recovery
 from batchd.server.batching.split_join import split_request
-from batchd.server.errors import ModelFailed
-from batchd.server.quarantine import HOLD_S, MOST, Quarantine
+from batchd.server.errors import ModelFailed, Refused
+from batchd.server.quarantine import BREAK, HOLD_S, MOST, Quarantine
 from batchd.server.request import Batch, Request, Tensor
 from batchd.server.supervisor import BACKOFF_FIRST_S, Launch, Supervisor, WorkerSpec
 from tests.conftest import Clock, model
@@ -69,10 +70,45 @@ def test_at_most_most_inputs_are_held_per_version_the_oldest_going() -> None:
     for i in range(MOST + 1):
         q.add(req(i), f"lost {i}")
         clock.now += 0.01
-    q.check(req(0))
+    oldest, next_oldest = req(0), req(1)
+    oldest.background = next_oldest.background = True  # (a job's: the model is held too)
+    q.check(oldest)
     with pytest.raises(ModelFailed, match=r"lost 1$"):
-        q.check(req(1))
+        q.check(next_oldest)
     assert len(q.held[req(0).model.key]) == MOST
+
+
+def test_a_model_version_with_break_failures_in_hold_s_takes_no_online_request() -> None:
+    """A model that crashes on a class of inputs, sent a new one each time: past BREAK
+    failures in HOLD_S it is refused (UNAVAILABLE, with a pushback) till the oldest is
+    HOLD_S old; a batch job's request only for its own inputs, another model never."""
+    clock = Clock()
+    q = Quarantine(clock)
+    for i in range(BREAK - 1):
+        q.add(req(i), f"lost {i}")
+        clock.now += 10
+    q.check(req(100))
+    q.add(req(BREAK - 1), "lost last")
+    with pytest.raises(Refused) as refused:
+        q.check(req(100))
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    assert str(refused.value) == (
+        f"model 'm' takes no requests for {HOLD_S - 10 * (BREAK - 1):.0f} s: {BREAK} of its "
+        "requests ended their workers in the last 60 s, and it is held back so that the "
+        "workers stay up for the other models (last: lost last)"
+    )
+    assert refused.value.trailers() == (
+        ("grpc-retry-pushback-ms", str(int((HOLD_S - 10 * (BREAK - 1)) * 1000))),
+    )
+    job = req(100)
+    job.background = True
+    q.check(job)
+    job.inputs = req(0).inputs
+    with pytest.raises(ModelFailed):
+        q.check(job)
+    q.check(req(100, name="other"))
+    clock.now += HOLD_S - 10 * (BREAK - 1)  # the oldest is HOLD_S old
+    q.check(req(100))
 
 
 def test_recovery_tells_of_each_request_out_of_attempts_only() -> None:

@@ -96,10 +96,31 @@ def test_a_worker_lost_while_it_loaded_a_model_charges_none_of_its_requests() ->
         r.attempts = recovery.MAX_ATTEMPTS - 1  # (one more charged loss would fail it)
         batch = Batch(1, r.model, [r], 0.0)
         assert recovery.after_loss([batch], "w", "exited", charged=False) == [r]
-        assert (r.attempts, r.suspect, r.future.done()) == (recovery.MAX_ATTEMPTS - 1, False, False)
+        # (a suspect: it runs where no load is, so that its next loss is its own)
+        assert (r.attempts, r.suspect, r.future.done()) == (recovery.MAX_ATTEMPTS - 1, True, False)
         # once: a poison request on workers loading at their start does not go round for ever
         assert recovery.after_loss([batch], "w", "exited", charged=False) == []
         assert r.future.done()
+
+    run(body)
+
+
+def test_no_sequence_is_counted_when_a_suspect_was_in_flight() -> None:
+    """A suspect (lost its worker once, then sent alone) in flight when its worker is
+    lost again is the likelier cause: with one worker a bystander's sequence,
+    restarted beside the poison's retry, was counted twice and failed."""
+
+    async def body() -> None:
+        cfg = stepwise_model()
+        r = _request(cfg)
+        r.future, r.stream = asyncio.get_running_loop().create_future(), StepStream(held=True)
+        r.attempts = recovery.MAX_ATTEMPTS - 1
+        poison = request(model())
+        poison.suspect = True
+        retry = Batch(2, poison.model, [poison], 0.0, suspect=True)
+        for _ in range(3):
+            assert recovery.after_sequence_loss([Batch(1, cfg, [r], 0.0)], "w", "x", [retry]) == [r]
+        assert r.attempts == recovery.MAX_ATTEMPTS - 1 and not r.future.done()
 
     run(body)
 
@@ -128,6 +149,7 @@ def test_sequences_that_stepped_are_not_counted_once_when_something_had_just_beg
         steady = sequence(5)
         assert recovery.after_sequence_loss([steady], "w", "killed")[0].attempts == 1
         lone = sequence(5)  # ... unless a batch was in flight on it
-        assert recovery.after_sequence_loss([lone], "w", "killed", batches=True)[0].attempts == 0
+        batch = Batch(9, model(), [request(model())], 0.0)
+        assert recovery.after_sequence_loss([lone], "w", "killed", [batch])[0].attempts == 0
 
     run(body)
