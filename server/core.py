@@ -319,9 +319,9 @@ class Core:
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        back = recovery.after_loss(batches, worker.name, reason, blamed and not worker.load_sent,
-                                   self.quarantine.add)  # fmt: skip
-        back += recovery.after_sequence_loss(sequences, worker.name, reason, batches)
+        charged = blamed and not worker.load_sent
+        back = recovery.after_loss(batches, worker.name, reason, charged, self.quarantine.add)
+        back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged)
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
         log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason,

@@ -112,11 +112,13 @@ def after_error(
 
 
 def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
-                        batches: Sequence[Batch] = ()) -> list[Request]:  # fmt: skip
+                        batches: Sequence[Batch] = (), charged: bool = True,
+                        ) -> list[Request]:  # fmt: skip
     """A lost worker's sequences: those to start again elsewhere; the others fail.
     `batches`: those in flight on it too. One of them a suspect (lost its worker once
     already, then sent alone), it is the likelier cause: none is counted (a sequence
-    restarted beside a poison's retry, with one worker, was lost twice and failed)."""
+    restarted beside a poison's retry, with one worker, was lost twice and failed).
+    Not `charged` (it was loading a model), each is not counted, once, as batches."""
     live = [seq.requests[0] for seq in sequences if not seq.requests[0].future.done()]
     began = batches or not all(_stepped(r) for r in live)
     suspect = any(b.suspect for b in batches)
@@ -126,7 +128,7 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
         assert stream is not None, "a sequence always has its stream"
         if suspect:
             pass
-        elif began and _stepped(r) and not r.spared:
+        elif (not charged or (began and _stepped(r))) and not r.spared:
             r.spared = True  # (not the likelier cause: once)
         else:
             r.attempts += 1

@@ -125,6 +125,23 @@ def test_no_sequence_is_counted_when_a_suspect_was_in_flight() -> None:
     run(body)
 
 
+def test_a_sequence_of_a_worker_lost_while_it_loaded_a_model_is_not_counted_once() -> None:
+    """As a batch's requests: a reload's load() killed for want of memory took the
+    worker; the sequences on it that had not streamed were each counted a loss."""
+
+    async def body() -> None:
+        cfg = stepwise_model()
+        r = _request(cfg)
+        r.future, r.stream = asyncio.get_running_loop().create_future(), StepStream(held=True)
+        lost = Batch(1, cfg, [r], 0.0)
+        assert recovery.after_sequence_loss([lost], "w", "x", charged=False) == [r]
+        assert (r.attempts, r.spared) == (0, True)
+        assert recovery.after_sequence_loss([lost], "w", "x", charged=False) == [r]
+        assert r.attempts == 1  # (once)
+
+    run(body)
+
+
 def test_sequences_that_stepped_are_not_counted_once_when_something_had_just_begun() -> None:
     """A sequence whose start() ends its worker's process beside sequences already
     stepping: they were each counted a loss, restarted beside it, lost again and
