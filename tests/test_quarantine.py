@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from batchd.server import recovery
+from batchd.server import quarantine, recovery
 from batchd.server.batching.split_join import split_request
 from batchd.server.errors import ModelFailed, Refused
 from batchd.server.quarantine import BREAK, HOLD_S, MOST, Quarantine
@@ -62,6 +62,22 @@ def test_a_chunk_s_failure_holds_the_whole_request_s_inputs() -> None:
     with pytest.raises(ModelFailed):
         q.check(req(3, rows=5))
     q.check(chunks[1])  # (a chunk is never admitted alone)
+
+
+def test_inputs_past_digest_most_are_counted_not_remembered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Their digest would hold the event loop (8 ms at DIGEST_MOST): such a request
+    runs again, and counts towards its model's BREAK."""
+    monkeypatch.setattr(quarantine, "DIGEST_MOST", 15)
+    q = Quarantine(Clock())
+    big, small = req(1, rows=2), req(2)  # 16 bytes, 8
+    q.add(big, "lost big")
+    q.add(small, "lost small")
+    q.check(req(1, rows=2))
+    with pytest.raises(ModelFailed, match=r"lost small$"):
+        q.check(req(2))
+    assert len(q.held[big.model.key]) == 2
 
 
 def test_at_most_most_inputs_are_held_per_version_the_oldest_going() -> None:
