@@ -51,12 +51,15 @@ bench: install
 
 # Hostile requests: the frontend's cost per byte as each dimension grows 100x,
 # issue 15's attacks against a real server with a probe alongside, and what 7 MB
-# JSON bodies and job lines cost everyone else.
+# JSON bodies and job lines cost everyone else, and what a client resending poison
+# requests (the same one, a new one each time) costs a bystander model.
 bench-hostile: install
 	mkdir -p bench/results
 	$(BIN)/python bench/linearity.py --json bench/results/linearity.json
 	$(BIN)/python bench/attacks.py --json bench/results/attacks.json
 	$(BIN)/python bench/big_json.py --json bench/results/big_json.json
+	$(BIN)/python bench/poison_storm.py --inputs same --json bench/results/poison_same.json
+	$(BIN)/python bench/poison_storm.py --inputs new --json bench/results/poison_new.json
 
 # The request-path fuzzer and the server-level one, far longer than `make test` runs them.
 fuzz: install
