@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from big_json import cpu_model  # noqa: E402
 
-CRASHY = '''
+CRASHY = """
 import os, signal
 
 def load(device):
@@ -47,7 +47,7 @@ def load(device):
             os.kill(os.getpid(), signal.SIGKILL)
         return x * 2
     return run
-'''
+"""
 CRASHY_TOML = """max_batch_size = 8
 [[input]]
 name = "X"
@@ -58,7 +58,7 @@ name = "Y"
 datatype = "FP32"
 shape = [1]
 """
-STEPS = '''
+STEPS = """
 import torch
 
 class Steps:
@@ -74,7 +74,7 @@ class Steps:
 
 def load(device):
     return Steps()
-'''
+"""
 STEPS_TOML = """[[input]]
 name = "N"
 datatype = "INT64"
