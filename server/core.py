@@ -272,12 +272,13 @@ class Core:
 
     def worker_exited(self, name: str, pid: int, reason: str) -> bool:
         """The supervisor saw that local worker's process exit (not a peer under its id).
-        Whether it ran requests then (and loaded nothing): not a crash loop (supervisor.py)."""
+        Whether it ran online requests then (and loaded nothing): not a crash loop
+        (supervisor.py). A job's lines, which the model hold does not limit, back off."""
         ran = False
-        for w in self.pool.workers():
-            if w.name == name and w.info.pid == pid:
-                ran = bool(w.inflight or w.sequences) and not w.load_sent
-                self.lose(w, reason, stuck=False)
+        for w in [w for w in self.pool.workers() if w.name == name and w.info.pid == pid]:
+            jobs = all(b.requests[0].background for b in w.inflight.values())  # (or none)
+            ran = bool(w.sequences or not jobs) and not w.load_sent
+            self.lose(w, reason, stuck=False)
         return ran
 
     # ---- workers joining and leaving ----
@@ -319,9 +320,11 @@ class Core:
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        charged = blamed and not worker.load_sent
-        back = recovery.after_loss(batches, worker.name, reason, charged, self.quarantine.add)
-        back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged)
+        began, charged = recovery.begun(sequences), blamed and not worker.load_sent
+        back = recovery.after_loss(batches, worker.name, reason, charged and not began,
+                                   None if began else self.quarantine.add)  # fmt: skip
+        back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged,
+                                             self.quarantine.add)  # fmt: skip
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
         log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason,
@@ -363,9 +366,8 @@ class Core:
         try:
             results = split_outputs(batch.requests, header.tensors, frames)
         except Exception as e:  # (ValueError: bad outputs; anything else, from a peer
-            error = ModelFailed(  # that is not a batchd worker, must not stop the server)
-                f"model {batch.model.name!r} on worker {worker.name} returned bad outputs: {e}"
-            )
+            error = ModelFailed(f"model {batch.model.name!r} on worker {worker.name} returned "
+                                f"bad outputs: {e}")  # (that is not a batchd worker)  # fmt: skip
             for r in batch.requests:
                 if not r.future.done():
                     r.future.set_exception(error)

@@ -26,13 +26,7 @@ from dataclasses import dataclass, field
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import (
-    BUSY_WITH_CREDIT,
-    IDLE,
-    IDLE_LOADING,
-    NO_CAPACITY,
-    Capacity,
-)
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
 from batchd.server.errors import clip
 from batchd.server.request import Batch, Request
 
@@ -163,10 +157,16 @@ class WorkerPool:
         loaded a version (the first sent: it loads one at a time) DIED_LOADING times in a
         row on its slot, that version is not sent there again, as one whose load hung
         (hung_for): a model.py that ends or crashes its process as it loads took every
-        restart with it, and every other model's load behind it."""
+        restart with it, and every other model's load behind it. Not while a request that
+        has lost a worker before ran there (a suspect, a sequence started again): it is
+        the likelier cause (in a poison storm, a healthy model's load was blamed twice,
+        and never sent again)."""
         if self._by_identity.get(worker.identity) is not worker:
             return [], []
-        for key in list(worker.load_sent)[:1]:
+        suspect = any(b.suspect for b in worker.inflight.values()) or any(
+            s.requests[0].attempts or s.requests[0].spared for s in worker.sequences.values()
+        )
+        for key in list(worker.load_sent)[:1] if not suspect else ():
             died = self._died[worker.slot, key] = self._died.get((worker.slot, key), 0) + 1
             if died >= DIED_LOADING:
                 why = f"not sent: a worker of {worker.slot} was lost {died} times as it loaded it"
@@ -195,15 +195,13 @@ class WorkerPool:
     def capacity(self, model: ModelConfig) -> Capacity:
         if model.generate is not None:
             return self._slots(model)
-        key, free, loading = model.key, False, False
+        key, free = model.key, False
         for w in self._order:
             if key in w.models and w.has_credit():
                 if not w.inflight:
-                    if not w.load_sent:
-                        return IDLE
-                    loading = True
+                    return IDLE
                 free = True
-        return IDLE_LOADING if loading else BUSY_WITH_CREDIT if free else NO_CAPACITY
+        return BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     def requests_out(self, key: str) -> int:
         """Online requests of model version `key` in batches on workers now (a job's
@@ -219,13 +217,12 @@ class WorkerPool:
                suspect: bool = False) -> WorkerHandle | None:  # fmt: skip
         """The next worker for a batch of `key`, round-robin: an idle one first, else
         one with a free credit; `idle_only` (a job's), an idle one. A `suspect`'s: an
-        idle one that loads no model (as capacity() tells), where no sequence runs if
-        one is: a poison ends the sequences beside it (a bystander's, restarted beside
-        its retry, was lost twice and failed), and a load beside it takes the blame."""
+        idle one where no sequence runs if one is: a poison ends the sequences beside
+        it (a bystander's, restarted beside its retry, was lost twice and failed)."""
         order, n, busy, idle_only = self._order, len(self._order), None, idle_only or suspect
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if key in w.models and w.has_credit() and not (suspect and w.load_sent):
+            if key in w.models and w.has_credit():
                 if not w.inflight and not (suspect and (w.sequences or any(w.others.values()))):
                     self._rr = (self._rr + k + 1) % n
                     return w

@@ -13,8 +13,9 @@ got 0 of 12 answers), so a model version with BREAK such failures in the last
 HOLD_S takes no online request (UNAVAILABLE, with a pushback) till the oldest of
 them is HOLD_S old: at most BREAK a minute end workers, and the pool stays up for
 the other models. A new version (a reload) starts with none held. A step-wise
-model's sequences are not remembered (one that started beside a poison can be
-counted with it), and a batch job's lines are not held back by BREAK.
+model's sequences are remembered as well (limit: one that started in the same
+`start()` call as a poison is counted with it); a batch job's lines are not held
+back by BREAK (their deaths back off, supervisor.py).
 
 Cost: a dict lookup per request while its model version holds none; else a
 comparison of shapes, and a digest (SHA-256, about 2 GB/s, on the event loop)

@@ -60,9 +60,9 @@ def after_loss(
     """The lost worker's requests to retry, as suspects; those out of attempts fail,
     each told to `poisoned` with its error (quarantine.py: its last loss was alone).
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
-    of memory, may be the cause), they go back uncounted, once each, as suspects (a
-    poison request on workers that load at their start would otherwise go round for
-    ever)."""
+    of memory, may be the cause; or a sequence had just begun there), they go back
+    uncounted, once each, as suspects (a poison request on workers that load at their
+    start would otherwise go round for ever)."""
     back: list[Request] = []
     for batch in batches:
         for r in batch.requests:
@@ -113,45 +113,53 @@ def after_error(
 
 def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
                         batches: Sequence[Batch] = (), charged: bool = True,
+                        poisoned: Callable[[Request, str], None] | None = None,
                         ) -> list[Request]:  # fmt: skip
     """A lost worker's sequences: those to start again elsewhere; the others fail.
-    `batches`: those in flight on it too. One of them a suspect (lost its worker once
-    already, then sent alone), it is the likelier cause: none is counted (a sequence
-    restarted beside a poison's retry, with one worker, was lost twice and failed).
-    Not `charged` (it was loading a model), each is not counted, once, as batches."""
+    One out of attempts is told to `poisoned` with its error only where the loss was
+    its own: no batch in flight, no other sequence just begun (a bystander's, lost
+    twice beside poison batches, had its inputs refused).
+    `batches`: those in flight on it too. Not `charged` (it was loading a model), each
+    is not counted, once, as batches."""
     live = [seq.requests[0] for seq in sequences if not seq.requests[0].future.done()]
     began = batches or not all(_stepped(r) for r in live)
-    suspect = any(b.suspect for b in batches)
     back: list[Request] = []
     for r in live:
         stream = r.stream
         assert stream is not None, "a sequence always has its stream"
-        if suspect:
-            pass
-        elif (not charged or (began and _stepped(r))) and not r.spared:
+        if (not charged or (began and _stepped(r))) and not r.spared:
             r.spared = True  # (not the likelier cause: once)
         else:
             r.attempts += 1
         streamed = 0 if stream.held else stream.sent
-        if streamed or r.attempts >= MAX_ATTEMPTS:
-            r.future.set_exception(
-                Unavailable(
-                    f"model {r.model.name!r}: the worker running this sequence was lost "
-                    f"({worker}: {reason}) after {streamed} output(s) were streamed; a "
-                    "sequence cannot resume on another worker, retry it"
-                )
-                if streamed
-                else ModelFailed(
-                    f"model {r.model.name!r}: the worker running this sequence was lost "
-                    f"{r.attempts} times (last: {worker}: {reason}); not retried again"
-                )
-            )
+        if streamed:
+            r.future.set_exception(Unavailable(
+                f"model {r.model.name!r}: the worker running this sequence was lost "
+                f"({worker}: {reason}) after {streamed} output(s) were streamed; a "
+                "sequence cannot resume on another worker, retry it"))  # fmt: skip
             stream.close()
+        elif r.attempts >= MAX_ATTEMPTS:
+            why = (f"model {r.model.name!r}: the worker running this sequence was lost "
+                   f"{r.attempts} times (last: {worker}: {reason}); not retried again")  # fmt: skip
+            r.future.set_exception(ModelFailed(why))
+            stream.close()
+            if (
+                poisoned is not None
+                and not batches
+                and all(_stepped(o) for o in live if o is not r)
+            ):
+                poisoned(r, why)
         else:
             stream.worker, stream.seq_id = None, 0
             stream.restart()
             back.append(r)
     return back
+
+
+def begun(sequences: Iterable[Batch]) -> bool:
+    """Whether one of a lost worker's sequences had just begun (no output yet in this
+    run): it may have ended the worker as well as a batch beside it."""
+    return not all(_stepped(s.requests[0]) for s in sequences)
 
 
 def _stepped(r: Request) -> bool:

@@ -537,13 +537,13 @@ def test_a_local_worker_s_exit_loses_that_process_only(router: zmq.Socket[bytes]
     run(body)
 
 
-def test_a_request_of_a_worker_lost_while_loading_waits_for_a_worker_that_loads_nothing(
+def test_a_request_of_a_worker_lost_while_loading_goes_back_uncharged_as_a_suspect(
     router: zmq.Socket[bytes],
 ) -> None:
     """A worker lost while it loaded a model and ran a batch: either may be the cause.
-    Its request goes back uncharged, as a suspect, which no worker loading a model
-    takes: in a poison storm the poison, spared and sent again beside the next
-    worker's loads, had a healthy model's load blamed twice and never sent again."""
+    Its request goes back uncharged, as a suspect: alone, so that its next loss is its
+    own; it waits for no load (a restarted worker is sent every model's: a suspect
+    waiting out the slowest of them hit its deadline)."""
 
     async def body() -> None:
         core, _ = make_core(router, Clock())
@@ -555,11 +555,34 @@ def test_a_request_of_a_worker_lost_while_loading_waits_for_a_worker_that_loads_
         loading.load_sent["other@1"] = 0.0
         core.link.send = lambda identity, *a, **k: ""  # type: ignore[method-assign]
         await asyncio.sleep(0)
-        assert loading.inflight == {} and core.scheduler.queued_version(r.model.key) == 1
-        loading.load_sent.clear()  # (LOADED came: control pumps)
-        core.pump_soon()
-        await asyncio.sleep(0)
-        assert [b.requests for b in loading.inflight.values()] == [[r]] and not r.future.done()
+        batch = next(iter(loading.inflight.values()))
+        assert batch.requests == [r] and batch.suspect
+
+    run(body)
+
+
+def test_a_batch_lost_beside_a_sequence_just_begun_is_spared_once_and_not_quarantined(
+    router: zmq.Socket[bytes],
+) -> None:
+    """The sequence's start() may as well have ended the worker: in a step-wise poison
+    storm, a bystander's request lost twice beside it had its inputs refused. Beside
+    sequences that have stepped, the batch is charged, and remembered when it fails."""
+
+    async def body() -> None:
+        gen = stepwise_model("gen")
+        core, _ = make_core(router, Clock())
+        core.control.start_with({"m": model(), "gen": gen})
+        for name, stepped in (("cpu0#0", False), ("cpu1#0", True)):
+            worker, r = one_batch_on(core, name)
+            r.attempts = 1  # (its last chance)
+            worker.models.add(gen.key)
+            seq = Request(gen, "", [Tensor("N", "INT64", (1,), bytes(8))], ("OUT",), 1, math.inf)
+            seq.future, seq.stream = asyncio.get_running_loop().create_future(), StepStream()
+            seq.stream.sent = int(stepped)  # (what push() counts)
+            core.pool.start(worker, gen, seq, 0.0)
+            core.worker_exited(name, 7, "killed")
+            assert r.future.done() is stepped and r.spared is not stepped
+        assert list(core.quarantine.held) == [core.models["m"].key]
 
     run(body)
 
@@ -580,6 +603,9 @@ def test_a_lost_worker_is_said_to_have_run_requests_if_it_had_batches_and_no_loa
         loading, _ = one_batch_on(core, "cpu2#0")
         loading.load_sent["other:1"] = 0.0
         assert core.worker_exited("cpu2#0", 7, "killed") is False
+        _, line = one_batch_on(core, "cpu4#0")  # a job's line: it backs off
+        line.background = True
+        assert core.worker_exited("cpu4#0", 7, "killed") is False
         assert core.worker_exited("cpu3#0", 7, "killed") is False  # (none of that name)
 
     run(body)

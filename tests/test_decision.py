@@ -3,14 +3,7 @@ capacity, delay, eagerness)."""
 
 from __future__ import annotations
 
-from batchd.server.batching.decision import (
-    BUSY_WITH_CREDIT,
-    IDLE,
-    IDLE_LOADING,
-    Send,
-    Wait,
-    decide,
-)
+from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, Send, Wait, decide
 from batchd.server.batching.decision import NO_CAPACITY as FULL
 from batchd.server.batching.plan import Plan
 from tests.conftest import model, request
@@ -59,15 +52,6 @@ def test_busy_worker_gets_a_partial_batch_once_the_delay_ran_out() -> None:
     p = plan(3)
     assert decide(5.0099, p, BUSY_WITH_CREDIT, 0.01) == Wait(5.01)
     assert decide(5.01, p, BUSY_WITH_CREDIT, 0.01) == Send(p)
-
-
-def test_a_suspect_waits_for_an_idle_worker_that_loads_no_model() -> None:
-    """Were its worker lost, a load beside it would be blamed as well (pool.py)."""
-    suspect, other = Plan([], 1, 0, False, False, 5.0, suspect=True), plan()
-    assert decide(5.0, suspect, IDLE, 0.01) == Send(suspect)
-    assert decide(5.0, suspect, IDLE_LOADING, 0.01) == Wait(None)
-    assert decide(5.0, suspect, BUSY_WITH_CREDIT, 0.01) == Wait(None)
-    assert decide(5.0, other, IDLE_LOADING, 0.01) == Send(other)
 
 
 # ---- the queue and the scheduler ----

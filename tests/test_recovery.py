@@ -105,26 +105,6 @@ def test_a_worker_lost_while_it_loaded_a_model_charges_none_of_its_requests() ->
     run(body)
 
 
-def test_no_sequence_is_counted_when_a_suspect_was_in_flight() -> None:
-    """A suspect (lost its worker once, then sent alone) in flight when its worker is
-    lost again is the likelier cause: with one worker a bystander's sequence,
-    restarted beside the poison's retry, was counted twice and failed."""
-
-    async def body() -> None:
-        cfg = stepwise_model()
-        r = _request(cfg)
-        r.future, r.stream = asyncio.get_running_loop().create_future(), StepStream(held=True)
-        r.attempts = recovery.MAX_ATTEMPTS - 1
-        poison = request(model())
-        poison.suspect = True
-        retry = Batch(2, poison.model, [poison], 0.0, suspect=True)
-        for _ in range(3):
-            assert recovery.after_sequence_loss([Batch(1, cfg, [r], 0.0)], "w", "x", [retry]) == [r]
-        assert r.attempts == recovery.MAX_ATTEMPTS - 1 and not r.future.done()
-
-    run(body)
-
-
 def test_a_sequence_of_a_worker_lost_while_it_loaded_a_model_is_not_counted_once() -> None:
     """As a batch's requests: a reload's load() killed for want of memory took the
     worker; the sequences on it that had not streamed were each counted a loss."""
@@ -138,6 +118,20 @@ def test_a_sequence_of_a_worker_lost_while_it_loaded_a_model_is_not_counted_once
         assert (r.attempts, r.spared) == (0, True)
         assert recovery.after_sequence_loss([lost], "w", "x", charged=False) == [r]
         assert r.attempts == 1  # (once)
+        # Out of attempts, it is told to `poisoned` only where the loss was its own
+        told: list[tuple[Request, str]] = []
+
+        def tell(r: Request, why: str) -> None:
+            told.append((r, why))
+
+        beside = request(model())  # (a batch in flight: it may be the poison)
+        for others in ([Batch(2, beside.model, [beside], 0.0)], []):
+            s = _request(cfg)
+            s.future, s.stream = asyncio.get_running_loop().create_future(), StepStream()
+            s.attempts = recovery.MAX_ATTEMPTS - 1
+            lost = Batch(1, cfg, [s], 0.0)
+            assert recovery.after_sequence_loss([lost], "w", "x", others, poisoned=tell) == []
+        assert told == [(s, str(s.future.exception()))] and "lost 2 times" in told[0][1]
 
     run(body)
 

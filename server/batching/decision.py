@@ -32,9 +32,6 @@ from batchd.server.batching.plan import Plan
 class Capacity:
     idle_worker: bool  # some worker for this model has nothing in flight
     free_credit: bool  # some worker for this model can take one more batch
-    # Every idle one loads a model: no suspect goes there (were the worker lost, the
-    # load could be the cause as well, and a healthy model's load was blamed twice).
-    loading: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +47,6 @@ class Wait:
 IDLE = Capacity(idle_worker=True, free_credit=True)
 BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
 NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
-IDLE_LOADING = Capacity(idle_worker=True, free_credit=True, loading=True)
 UNTIL_AN_EVENT = Wait(None)  # decide() runs for every arrival: no new object for the usual answer
 
 
@@ -64,7 +60,7 @@ def decide(
 ) -> Send | Wait:
     if plan is None or not capacity.free_credit:
         return UNTIL_AN_EVENT
-    if plan.suspect and (not capacity.idle_worker or capacity.loading):
+    if plan.suspect and not capacity.idle_worker:
         return UNTIL_AN_EVENT  # a retry after a failure runs only on a worker with nothing else
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
