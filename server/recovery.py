@@ -3,18 +3,17 @@ The policy has one owner, this module:
 
   * A request rides on at most MAX_ATTEMPTS batches whose worker is lost (a crash,
     silence, a batch past its execution limit); the last such loss fails it with
-    ModelFailed naming the cause. A worker lost while it loaded a model is not
-    counted against its requests, once (a reload killed for want of memory failed
-    requests of other models); they are retried as suspects, which run where no
-    load is (were it lost again, the load and they would each be blamed: a poison
-    storm had a healthy model's load blamed twice, and never sent again). So a
-    request runs at least once and at most
-    twice, counting only runs on a worker that was lost. The same inputs sent
-    again are then refused unrun for a while (quarantine.py).
+    ModelFailed naming the cause. A worker lost while it loaded a model, or while
+    a step-wise sequence had just begun there (its `start()` may be the cause), is
+    not counted against its batches' requests, once (a reload killed for want of
+    memory failed requests of other models); they are retried as suspects. So a
+    request runs at least once and at most twice, counting only runs on a worker
+    that was lost. The same inputs sent again are then refused unrun for a while
+    (quarantine.py), where the last loss was theirs alone.
   * Every request of a lost worker's batches, and of a forward of several whose
     model raised (a batch of several, or batches the worker merged), becomes a
-    *suspect*: it is retried alone, on an idle worker that loads no model
-    and takes nothing else meanwhile. An innocent request that shared a batch
+    *suspect*: it is retried alone, on an idle worker that takes nothing else
+    meanwhile. An innocent request that shared a batch
     with a poison one is charged once and its lone retry succeeds; the poison
     request kills one more worker at most, then fails; a model error is pinned
     on the request that causes it.
