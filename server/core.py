@@ -272,12 +272,12 @@ class Core:
 
     def worker_exited(self, name: str, pid: int, reason: str) -> bool:
         """The supervisor saw that local worker's process exit (not a peer under its id).
-        Whether it ran online requests then (and loaded nothing): not a crash loop
-        (supervisor.py). A job's lines, which the model hold does not limit, back off."""
+        Whether it ran one online batch or sequence alone, loading nothing: its own doing,
+        not a crash loop (supervisor.py). A job's, and any death less plain, back off."""
         ran = False
         for w in [w for w in self.pool.workers() if w.name == name and w.info.pid == pid]:
-            jobs = all(b.requests[0].background for b in w.inflight.values())  # (or none)
-            ran = bool(w.sequences or not jobs) and not w.load_sent
+            held = [*w.inflight.values(), *w.sequences.values()]
+            ran = len(held) == 1 and not held[0].requests[0].background and not w.load_sent
             self.lose(w, reason, stuck=False)
         return ran
 
@@ -320,11 +320,12 @@ class Core:
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        began, charged = recovery.begun(sequences), blamed and not worker.load_sent
-        back = recovery.after_loss(batches, worker.name, reason, charged and not began,
-                                   None if began else self.quarantine.add)  # fmt: skip
+        charged = blamed and not worker.load_sent  # (alone: its own loss, remembered)
+        alone = charged and len(batches) + len(sequences) == 1
+        poisoned, began = self.quarantine.add if alone else None, recovery.begun(sequences)
+        back = recovery.after_loss(batches, worker.name, reason, charged and not began, poisoned)
         back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged,
-                                             self.quarantine.add)  # fmt: skip
+                                             poisoned)  # fmt: skip
         self.link.forget(worker.identity)
         self.control.worker_lost(worker, reason)
         log.warning("worker %s lost: %s; %d request(s) requeued", worker.name, reason,

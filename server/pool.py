@@ -159,8 +159,8 @@ class WorkerPool:
         (hung_for): a model.py that ends or crashes its process as it loads took every
         restart with it, and every other model's load behind it. Not while a request that
         has lost a worker before ran there (a suspect, a sequence started again): it is
-        the likelier cause (in a poison storm, a healthy model's load was blamed twice,
-        and never sent again)."""
+        as likely the cause (in a poison storm, a healthy model's load was blamed twice,
+        and never sent again; a load that ends its process is blamed the next time)."""
         if self._by_identity.get(worker.identity) is not worker:
             return [], []
         suspect = any(b.suspect for b in worker.inflight.values()) or any(

@@ -1,7 +1,8 @@
 """Quarantine: inputs that ended their worker refused for a while, unrun.
 
-A request whose worker is lost MAX_ATTEMPTS times fails (recovery.py); its last
-run was alone, so the loss is its own. Sent again at once, by a caller or a
+A request whose worker is lost MAX_ATTEMPTS times fails (recovery.py); where its
+last run was alone on its worker (nothing else in flight, nothing loading: core.lose
+tells only those), the loss is its own. Sent again at once, by a caller or a
 client that retries, the same inputs end two more workers each time: the pool is
 forever restarting and every model on it goes unserved (one client resending a
 poison request took 0 of a bystander's 12 calls in 60 s). So the failed request's
@@ -13,9 +14,8 @@ got 0 of 12 answers), so a model version with BREAK such failures in the last
 HOLD_S takes no online request (UNAVAILABLE, with a pushback) till the oldest of
 them is HOLD_S old: at most BREAK a minute end workers, and the pool stays up for
 the other models. A new version (a reload) starts with none held. A step-wise
-model's sequences are remembered as well (limit: one that started in the same
-`start()` call as a poison is counted with it); a batch job's lines are not held
-back by BREAK (their deaths back off, supervisor.py).
+model's sequences are remembered as well; a batch job's lines are not held back
+by BREAK (their deaths back off, supervisor.py).
 
 Cost: a dict lookup per request while its model version holds none; else a
 comparison of shapes, and a digest (SHA-256, about 2 GB/s, on the event loop)

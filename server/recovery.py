@@ -57,7 +57,7 @@ def after_loss(
     poisoned: Callable[[Request, str], None] | None = None,
 ) -> list[Request]:
     """The lost worker's requests to retry, as suspects; those out of attempts fail,
-    each told to `poisoned` with its error (quarantine.py: its last loss was alone).
+    each told to `poisoned` with its error (given only where it ran alone: quarantine).
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
     of memory, may be the cause; or a sequence had just begun there), they go back
     uncounted, once each, as suspects (a poison request on workers that load at their
@@ -114,10 +114,8 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
                         batches: Sequence[Batch] = (), charged: bool = True,
                         poisoned: Callable[[Request, str], None] | None = None,
                         ) -> list[Request]:  # fmt: skip
-    """A lost worker's sequences: those to start again elsewhere; the others fail.
-    One out of attempts is told to `poisoned` with its error only where the loss was
-    its own: no batch in flight, no other sequence just begun (a bystander's, lost
-    twice beside poison batches, had its inputs refused).
+    """A lost worker's sequences: those to start again elsewhere; the others fail, one
+    out of attempts told to `poisoned` with its error (given only where it ran alone).
     `batches`: those in flight on it too. Not `charged` (it was loading a model), each
     is not counted, once, as batches."""
     live = [seq.requests[0] for seq in sequences if not seq.requests[0].future.done()]
@@ -142,11 +140,7 @@ def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,
                    f"{r.attempts} times (last: {worker}: {reason}); not retried again")  # fmt: skip
             r.future.set_exception(ModelFailed(why))
             stream.close()
-            if (
-                poisoned is not None
-                and not batches
-                and all(_stepped(o) for o in live if o is not r)
-            ):
+            if poisoned is not None:
                 poisoned(r, why)
         else:
             stream.worker, stream.seq_id = None, 0

@@ -566,7 +566,8 @@ def test_a_batch_lost_beside_a_sequence_just_begun_is_spared_once_and_not_quaran
 ) -> None:
     """The sequence's start() may as well have ended the worker: in a step-wise poison
     storm, a bystander's request lost twice beside it had its inputs refused. Beside
-    sequences that have stepped, the batch is charged, and remembered when it fails."""
+    sequences that have stepped, the batch is charged; it is remembered only when it
+    ran alone on its worker (reviews 50a, 50b: innocents refused, a healthy model held)."""
 
     async def body() -> None:
         gen = stepwise_model("gen")
@@ -582,7 +583,11 @@ def test_a_batch_lost_beside_a_sequence_just_begun_is_spared_once_and_not_quaran
             core.pool.start(worker, gen, seq, 0.0)
             core.worker_exited(name, 7, "killed")
             assert r.future.done() is stepped and r.spared is not stepped
-        assert list(core.quarantine.held) == [core.models["m"].key]
+        assert core.quarantine.held == {}
+        _, r = one_batch_on(core, "cpu2#0")
+        r.attempts = 1
+        core.worker_exited("cpu2#0", 7, "killed")
+        assert r.future.done() and list(core.quarantine.held) == [core.models["m"].key]
 
     run(body)
 
@@ -606,6 +611,11 @@ def test_a_lost_worker_is_said_to_have_run_requests_if_it_had_batches_and_no_loa
         _, line = one_batch_on(core, "cpu4#0")  # a job's line: it backs off
         line.background = True
         assert core.worker_exited("cpu4#0", 7, "killed") is False
+        two, _ = one_batch_on(core, "cpu5#0")  # two batches: not plainly its own doing
+        other = request(core.models["m"])
+        other.future = asyncio.get_running_loop().create_future()
+        core.pool.hand(two, core.models["m"], [other], 0.0)
+        assert core.worker_exited("cpu5#0", 7, "killed") is False
         assert core.worker_exited("cpu3#0", 7, "killed") is False  # (none of that name)
 
     run(body)

@@ -118,19 +118,17 @@ def test_a_sequence_of_a_worker_lost_while_it_loaded_a_model_is_not_counted_once
         assert (r.attempts, r.spared) == (0, True)
         assert recovery.after_sequence_loss([lost], "w", "x", charged=False) == [r]
         assert r.attempts == 1  # (once)
-        # Out of attempts, it is told to `poisoned` only where the loss was its own
+        # Out of attempts, it is told to `poisoned` (core.lose gives one where it ran alone)
         told: list[tuple[Request, str]] = []
 
         def tell(r: Request, why: str) -> None:
             told.append((r, why))
 
-        beside = request(model())  # (a batch in flight: it may be the poison)
-        for others in ([Batch(2, beside.model, [beside], 0.0)], []):
-            s = _request(cfg)
-            s.future, s.stream = asyncio.get_running_loop().create_future(), StepStream()
-            s.attempts = recovery.MAX_ATTEMPTS - 1
-            lost = Batch(1, cfg, [s], 0.0)
-            assert recovery.after_sequence_loss([lost], "w", "x", others, poisoned=tell) == []
+        s = _request(cfg)
+        s.future, s.stream = asyncio.get_running_loop().create_future(), StepStream()
+        s.attempts = recovery.MAX_ATTEMPTS - 1
+        lost = Batch(1, cfg, [s], 0.0)
+        assert recovery.after_sequence_loss([lost], "w", "x", poisoned=tell) == []
         assert told == [(s, str(s.future.exception()))] and "lost 2 times" in told[0][1]
 
     run(body)
