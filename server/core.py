@@ -320,8 +320,8 @@ class Core:
         batches, sequences = self.pool.leave(worker)
         for b in batches:
             tracing.end_batch(b.span, f"worker {worker.name} lost: {reason}")
-        charged = blamed and not worker.load_sent  # (alone: its own loss, remembered)
-        alone = charged and len(batches) + len(sequences) == 1
+        charged = blamed and not worker.load_sent  # (alone, its process ended: remembered;
+        alone = charged and not stuck and len(batches) + len(sequences) == 1  # not a hang)
         poisoned, began = self.quarantine.add if alone else None, recovery.begun(sequences)
         back = recovery.after_loss(batches, worker.name, reason, charged and not began, poisoned)
         back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged,

@@ -1,11 +1,13 @@
 """Quarantine: inputs that ended their worker refused for a while, unrun.
 
 A request whose worker is lost MAX_ATTEMPTS times fails (recovery.py); where its
-last run was alone on its worker (nothing else in flight, nothing loading: core.lose
-tells only those), the loss is its own. Sent again at once, by a caller or a
-client that retries, the same inputs end two more workers each time: the pool is
-forever restarting and every model on it goes unserved (one client resending a
-poison request took 0 of a bystander's 12 calls in 60 s). So the failed request's
+last run was alone on its worker (nothing else in flight, nothing loading) and
+ended the process, the loss is its own: core.lose tells only those (not one past
+its execution_timeout_s: three slow but good inputs held a healthy model). Sent
+again at once, by a caller or a client that retries, the same inputs end two more
+workers each time: the pool is forever restarting and every model on it goes
+unserved (one client resending a poison request took 0 of a bystander's 12 calls
+in 60 s). So the failed request's
 inputs are remembered, by digest, for HOLD_S per model version, and the same
 inputs again fail at admission with the first failure's message, unrun. Other
 inputs that end workers do the same (a model that crashes on a class of inputs:

@@ -584,6 +584,10 @@ def test_a_batch_lost_beside_a_sequence_just_begun_is_spared_once_and_not_quaran
             core.worker_exited(name, 7, "killed")
             assert r.future.done() is stepped and r.spared is not stepped
         assert core.quarantine.held == {}
+        slow, r = one_batch_on(core, "cpu3#0")  # past its execution limit: maybe only slow
+        r.attempts = 1
+        core.lose(slow, "ran past execution_timeout_s 1.0")
+        assert r.future.done() and core.quarantine.held == {}
         _, r = one_batch_on(core, "cpu2#0")
         r.attempts = 1
         core.worker_exited("cpu2#0", 7, "killed")
