@@ -110,6 +110,22 @@ def test_a_huge_file_or_a_fifo_is_refused_without_reading_it_all_or_waiting(
     assert refused(d) == f"{path}: not a regular file"  # (not "not valid TOML: PATH: ...")
 
 
+def test_a_model_s_files_leave_out_hidden_ones_caches_and_logs(tmp_path: Path) -> None:
+    """What a version is loaded from, to tell whether it changed: not what loading and
+    serving write beside it (__pycache__, *.log), nor hidden files and folders (a .git
+    beside a model was walked whole, then left out); a link to a folder is not followed."""
+    d = tmp_path / "m"
+    for rel in ("model.py", "sub/w.bin", "a.log", ".env", "sub/.hidden", "__pycache__/m.pyc",
+                ".git/objects/ab", "sub/.cache/x", "../elsewhere/f"):  # fmt: skip
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(rel)
+    (d / "link").symlink_to(tmp_path / "elsewhere")
+    (d / "file-link").symlink_to(d / "model.py")
+    files = repository.files_of(d)
+    assert sorted(path for path, _, _ in files) == ["file-link", "model.py", "sub/w.bin"]
+    assert ("model.py", len("model.py"), (d / "model.py").stat().st_mtime_ns) in files
+
+
 def test_a_model_toml_rewritten_before_the_files_snapshot_is_read_as_the_snapshot_has_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
