@@ -4,10 +4,11 @@ The frontend holds handles only; each worker runs `python -m batchd.worker`
 in its own process. A worker that exits is reported lost at once (its batches
 are requeued) and restarted with exponential backoff: a crash loop (a model
 whose load ends the process, a broken device) must not spin. Not after a death
-while it ran requests: recovery.py bounds the deaths one request may cause (two,
-then its inputs are refused a while: quarantine.py), and backed off, a client
-resending a poison request kept the whole pool down for every model. Stop: the dispatcher
-sends STOP, then we wait, then terminate, then kill. Workers also watch their
+while it ran one online request alone (core.worker_exited says): recovery.py bounds
+the deaths one request may cause (two, then its inputs are refused a while:
+quarantine.py), and backed off, a client resending a poison request kept the whole
+pool down for every model. Stop: the dispatcher sends STOP, then we wait, then
+terminate, then kill. Workers also watch their
 parent and exit if it disappears, so none is ever orphaned.
 """
 
@@ -82,7 +83,7 @@ class Supervisor:
             self._keys += ["--otlp-endpoint", launch.otlp_endpoint]
         self.restarts = {s.slot: 0 for s in self.specs}  # by slot: 0 from the start, so an
         # increase() over the series sees the first restart
-        self._on_exit = on_exit  # (worker id, pid, why) -> whether it ran requests then
+        self._on_exit = on_exit  # (worker id, pid, why) -> whether a request ended it
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         self._stopping = False
 
