@@ -10,6 +10,7 @@ name received over the network maps onto a directory only inside it
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -26,8 +27,10 @@ __all__ = [
     "NO_MODELS",
     "Files",
     "RepositoryUnreadable",
+    "changed_since",
     "check_root",
     "confined",
+    "digest",
     "files_of",
     "find_model",
     "find_with_files",
@@ -179,6 +182,29 @@ def files_of(directory: Path) -> Files:
                 if stat.S_ISREG(st.st_mode):
                     found.add((str(path.relative_to(directory)), st.st_size, st.st_mtime_ns))
     return frozenset(found)
+
+
+def digest(files: Files) -> str:
+    """A short name for a snapshot of files_of: what a LOAD asks a worker to read (the
+    files its version was numbered for), so the worker, which reads them, checks."""
+    h = hashlib.sha256()
+    for path, size, mtime in sorted(files):
+        h.update(f"{path}\0{size}\0{mtime}\n".encode(errors="surrogateescape"))
+    return h.hexdigest()[:32]
+
+
+def changed_since(name: str, version: str, then: Files, now: Files | None) -> str:
+    """Why version `version` of model `name` is not loaded from the files as they are
+    `now` (None: not known; `then`: those it was numbered for), or "" if they are those."""
+    if now == then:
+        return ""
+    names = sorted({f for f, *_ in then ^ now}) if now is not None else []
+    which = f" ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else ""
+    return (
+        f"the files of model {name!r} changed since version {version} was loaded{which}: not "
+        f"loaded as version {version}; a load serves them as a new version (--model-control "
+        "none: a restart); what a model writes there itself must be hidden or *.log"
+    )
 
 
 def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:

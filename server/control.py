@@ -23,7 +23,14 @@ from typing import Any, TypeVar
 from batchd.protos import repository as repo
 from batchd.protos import wire
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
-from batchd.protos.repository import Files, RepositoryUnreadable, files_of, load_each
+from batchd.protos.repository import (
+    Files,
+    RepositoryUnreadable,
+    changed_since,
+    digest,
+    files_of,
+    load_each,
+)
 from batchd.server import index
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
@@ -59,7 +66,7 @@ class ModelControl:
         self._awaited: set[str] = set()  # keys whose holder was lost, no load tried since
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
-        self._files: dict[str, Files] = {}  # key -> files_of then
+        self._files: dict[str, tuple[Files, str]] = {}  # key -> files_of then, its digest
         # One load or unload at a time per model; another model's (a hung load(), a
         # long drain) holds up none: name -> its lock, and how many hold or await it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -80,7 +87,7 @@ class ModelControl:
         version = self._versions.get(cfg.name, 0) + 1
         self._versions[cfg.name] = version
         cfg = dataclasses.replace(cfg, version=str(version))
-        self._files[cfg.key] = files
+        self._files[cfg.key] = (files, digest(files))
         return cfg
 
     @contextlib.asynccontextmanager
@@ -101,16 +108,8 @@ class ModelControl:
         """Why a worker starting now must not load version `cfg` (its model's files are no
         longer those it was loaded from: it would serve other weights under its number),
         or "" if they are the same."""
-        then, now = self._files.get(cfg.key, frozenset()), files_of(cfg.directory)
-        if then == now:
-            return ""
-        changed = sorted({f for f, *_ in then ^ now})
-        return (
-            f"the files of model {cfg.name!r} changed since version {cfg.version} was loaded "
-            f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}): not loaded as "
-            f"version {cfg.version}; a load serves them as a new version (--model-control none:"
-            " a restart); what a model writes there itself must be hidden or *.log"
-        )
+        then = self._files.get(cfg.key, (frozenset(), ""))[0]
+        return changed_since(cfg.name, cfg.version, then, files_of(cfg.directory))
 
     def _install(self, cfg: ModelConfig) -> None:
         self._scheduler.add_model(cfg)
@@ -160,25 +159,18 @@ class ModelControl:
 
     async def _join(self, worker: WorkerHandle, joins: list[tuple[ModelConfig, Loading]]) -> None:
         """A worker that registered late (a restart) loads a version only if its files
-        are still those the version was loaded from, and keeps it only if they still
-        are once it has it: it loads its models one by one, so they may change before
-        it reads them, and it would answer with other weights under that version's
-        number. Files are read off the loop (a model's folder may hold thousands)."""
+        are still those the version was loaded from, else it may keep only a copy it
+        holds. (It loads its models one by one, so they may change before it reads them:
+        it checks that itself, wire.Header.files.) Files are read off the loop (a model's
+        folder may hold thousands)."""
         whys = await asyncio.to_thread(lambda: [self._changed_files(cfg) for cfg, _ in joins])
         for (cfg, fut), why in zip(joins, whys, strict=True):
             if not fut.done():  # (done: the worker was lost, or cfg unloaded)
                 self._send_load(worker, cfg, held=bool(why))  # changed: only a copy it holds
         for (cfg, fut), why in zip(joins, whys, strict=True):
-            if not why:
-                if await fut or not (why := await asyncio.to_thread(self._changed_files, cfg)):
-                    continue  # it could not load it (it said why), or the files are the same
-                if cfg.key not in worker.models:
-                    continue  # unloaded meanwhile
-                worker.models.discard(cfg.key)
-                self._send_unload(worker, cfg.name, cfg.version)
-            elif not await fut or cfg.key in worker.models:
-                continue  # it held that version (a frontend that joined it later): kept
-            elif worker.load_errors.get(cfg.key) != wire.NOT_HELD:
+            if not why or not await fut or cfg.key in worker.models:
+                continue  # a plain load (on_loaded), or it held that version: kept
+            if worker.load_errors.get(cfg.key) != wire.NOT_HELD:
                 continue  # lost, or unloaded meanwhile (it said why)
             worker.loads.pop(cfg.key, None)
             worker.load_errors[cfg.key] = why
@@ -199,8 +191,9 @@ class ModelControl:
         return fut
 
     def _send_load(self, worker: WorkerHandle, model: ModelConfig, held: bool = False) -> None:
+        files = "" if held else self._files.get(model.key, (frozenset(), ""))[1]
         header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version,
-                             held=held)  # (held: only a copy it holds already)  # fmt: skip
+                             held=held, files=files)  # (held: only a copy it holds)  # fmt: skip
         self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
         worker.load_sent[model.key] = self._clock()  # (--load-timeout: pool.overdue)
 
@@ -297,8 +290,6 @@ class ModelControl:
             finally:
                 del self._loading[name]
             failed = [f"{w.name}: {e}" for w, e in zip(workers, errors, strict=True) if e]
-            if not failed and (why := await asyncio.to_thread(self._changed_files, cfg)):
-                failed = [why]  # changed as the workers read them: they may hold either
             old = self.current.get(name)
             if failed:
                 self._unload_everywhere(cfg)

@@ -44,7 +44,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import wire
 from batchd.protos.model_config import ConfigError, load_model_config
-from batchd.protos.repository import find_model
+from batchd.protos.repository import digest, files_of, find_model
 from batchd.server import control
 from batchd.server.errors import Unavailable
 from batchd.server.pool import WorkerPool
@@ -550,9 +550,9 @@ def test_a_restarted_worker_keeps_no_version_whose_files_changed_while_it_loaded
     tmp_path: Path,
 ) -> None:
     """The files are checked when a worker registers, but it loads its models one by
-    one: a version's files may change before it reads them. They are checked again
-    once it has the version, and a worker that read other files drops it, rather
-    than answer with other weights under that version's number."""
+    one: a version's files may change before it reads them. The LOAD names them
+    (their digest), and a worker that would read other files does not load them,
+    rather than answer with other weights under that version's number."""
     repo = tmp_path / "repo"
     first, edited = make_model(repo, "first", 1.0), make_model(repo, "edited", 2.0)
     args = ("--model-control", "explicit", "--load-model", "first", "--load-model", "edited")
@@ -567,9 +567,10 @@ def test_a_restarted_worker_keeps_no_version_whose_files_changed_while_it_loaded
             wait_for(lambda: loaded_by(first) == 2, 60, "the restarted worker in first's load()")
             (edited / "scale.txt").write_text("7.0")  # ... while `edited` is edited
             gate.unlink()
-            wait_for(lambda: "changed since version 1 was loaded (scale.txt)" in s.log(), 60,
-                     "the restarted worker to drop version 1 of edited")  # fmt: skip
-            assert loaded_by(edited, 7.0) == 1  # it did read the new files
+            wait_for(lambda: "could not load model edited version 1: the files of model "
+                     "'edited' changed since version 1 was loaded" in s.log(), 60,
+                     "the restarted worker to refuse version 1 of edited")  # fmt: skip
+            assert loaded_by(edited, 7.0) == 0  # it did not read the new files
             with pytest.raises(BatchdClientError) as e:
                 y(c, "edited", 1.0)
             assert e.value.code == grpc.StatusCode.UNAVAILABLE
@@ -811,6 +812,55 @@ def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
         pool.leave(old)
         ctl.worker_lost(old, "silent for 3.0 s")  # ... heard of now
         assert "boom" in ctl.broken.get(key, "") and failed
+
+    asyncio.run(body())
+
+
+def test_a_file_touched_once_a_worker_loaded_its_version_leaves_the_copy_served(
+    tmp_path: Path,
+) -> None:
+    """A frontend checked a version's files again after its worker said LOADED: a touch
+    just after the load (here model.py's mtime) read as a change made while it loaded,
+    and the frontend sent UNLOAD. With --frontends N that dropped the copy every
+    frontend served: the model went NOT ready on all of them for good (a test that
+    touched model.py once both frontends said ready failed so). The worker checks the
+    files it reads now (wire.Header.files): the LOAD names them, and a copy is kept."""
+    sent: list[wire.Header] = []
+    failed: list[str] = []
+    heard: asyncio.Event
+
+    class Queues:
+        add_model = staticmethod(lambda cfg: None)
+        has = staticmethod(lambda key: True)
+        fail_queued = staticmethod(lambda key, error: failed.append(str(error)))
+
+    class Link:
+        @staticmethod
+        def send(identity: bytes, parts: list[Any]) -> None:
+            sent.append(wire.unpack(parts)[0])
+            heard.set()
+
+    async def body() -> None:
+        nonlocal heard
+        heard = asyncio.Event()
+        pool = WorkerPool()
+        ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        d = make_model(tmp_path, "scaled", 2.0)
+        ctl.start_with({"scaled": load_model_config(d)})
+        info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
+                               protocol=wire.PROTOCOL_VERSION)  # fmt: skip
+        worker = pool.join(b"cpu0#1", info)[1]
+        ctl.worker_ready(worker)
+        await heard.wait()  # (the files are read off the loop first)
+        (load,) = sent
+        assert (load.kind, load.model, load.version) == (wire.Header.LOAD, "scaled", "1")
+        assert load.files == digest(files_of(d)) and not load.held
+        os.utime(d / "model.py", ns=(1, 1))  # touched as soon as it was loaded
+        ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
+        await asyncio.gather(*ctl._tasks)
+        assert [h.kind for h in sent] == [wire.Header.LOAD]  # no UNLOAD
+        assert ctl.ready("scaled") and "scaled@1" in worker.models and not failed
 
     asyncio.run(body())
 

@@ -25,7 +25,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import load_model_config, model_key
-from batchd.protos.repository import files_of, find_model
+from batchd.protos.repository import digest, files_of, find_model
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch, why
@@ -816,6 +816,55 @@ def test_a_plain_load_of_a_version_held_whose_files_changed_loads_them_again(
     assert again.model is not None and again.files is not None and again.files != first.files
     assert again.model[0].key == "scaled@1"
     assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0, 3.0]  # the new weights
+
+
+def test_a_load_reads_only_the_files_its_version_was_numbered_for(tmp_path: Path) -> None:
+    """The frontend checked a version's files after its workers said LOADED: a file
+    touched just after one had loaded it (an editor, a deploy's rsync) read as changed
+    as it loaded, and the frontend dropped the copy; with --frontends N, the copy every
+    frontend served. The LOAD now names the files (their digest) and the worker checks
+    them as it reads: before its load, and at its end."""
+    d = make_model(tmp_path, "scaled", 2.0)
+    numbered = digest(files_of(d))
+    plain = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1", files=numbered)
+    first = load(plain, tmp_path, CPU, (), {})
+    assert first.model is not None and first.files is not None
+    os.utime(d / "model.py", ns=(1, 1))  # touched once it had it: its copy is that version's
+    assert load(plain, tmp_path, CPU, (), {"scaled@1": first.files}) == Loaded()
+    (d / "scale.txt").write_text("3.0")  # changed before a worker read them: not loaded
+    refused = load(plain, tmp_path, CPU, (), {})
+    assert refused.model is None
+    assert "the files of model 'scaled' changed since version 1 was loaded" in refused.error
+    assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0]  # (not read at all)
+    renumbered = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1",
+                             files=digest(files_of(d)))  # a frontend started again  # fmt: skip
+    again = load(renumbered, tmp_path, CPU, (), {"scaled@1": first.files})
+    assert again.model is not None and again.files is not None  # read again, the new ones
+    assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0, 3.0]
+
+
+SLOW_READ_PY = """
+import os
+from pathlib import Path
+
+def load(device):
+    here = Path(__file__).parent
+    (here / "scale.txt").write_text("5.0")  # as if rewritten while this load read it
+    return lambda x: x
+"""
+
+
+def test_a_load_whose_files_change_as_it_reads_them_keeps_nothing(tmp_path: Path) -> None:
+    d = tmp_path / "edited"
+    d.mkdir()
+    (d / "model.toml").write_text(TOML)
+    (d / "model.py").write_text(SLOW_READ_PY)
+    (d / "scale.txt").write_text("1.0")
+    header = wire.Header(kind=wire.Header.LOAD, model="edited", version="1",
+                         files=digest(files_of(d)))  # fmt: skip
+    loaded = load(header, tmp_path, CPU, (), {})
+    assert loaded.model is None and loaded.files is None
+    assert "changed since version 1 was loaded (scale.txt)" in loaded.error
 
 
 STEPS_PY = """

@@ -30,7 +30,14 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.protos.repository import Files, files_of, find_model, find_with_files
+from batchd.protos.repository import (
+    Files,
+    changed_since,
+    digest,
+    files_of,
+    find_model,
+    find_with_files,
+)
 from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, load_model
 
@@ -67,15 +74,17 @@ def load(
     have: Mapping[str, tuple[Path, Files]],
 ) -> Loaded:  # fmt: skip
     """Load the model version `header` names, unless `have` holds it (by key: its folder
-    and files as they were read). A plain LOAD of one whose files changed since loads
-    them again: it comes from a frontend that read them as they are now (a frontend
-    started again numbers its versions from 1: this worker served the old weights under
-    the new version's number); a frontend that knows of the change says `held`."""
+    and files as they were read), from the files the LOAD names (`files`: their digest),
+    unchanged till the load ends. A plain LOAD of one read from other files loads them
+    again: it comes from a frontend that read them as they are now (a frontend started
+    again numbers its versions from 1: this worker served the old weights under the new
+    version's number); a frontend that knows of the change says `held`."""
     try:
         if allowed and header.model not in allowed:
             raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
         if (had := have.get(model_key(header.model, header.version))) is not None:
-            if header.held or files_of(had[0]) == had[1]:
+            if header.held or (digest(had[1]) == header.files if header.files
+                               else files_of(had[0]) == had[1]):  # fmt: skip
                 return Loaded()
             if find_model(repository, header.model).generate is not None:  # its sequences
                 log.warning("model %s version %s: its files changed since it was loaded here, "
@@ -89,9 +98,13 @@ def load(
             return Loaded(error=wire.NOT_HELD)
         start = time.perf_counter()
         found, snapshot = find_with_files(repository, header.model)  # (before what load() reads)
+        if header.files and digest(snapshot) != header.files:  # changed since it was numbered
+            return Loaded(error=changed_since(header.model, header.version, snapshot, None))
         cfg = dataclasses.replace(found, version=header.version)
         files = (cfg.directory, snapshot)
         fn = load_model(cfg, device)
+        if changed := changed_since(cfg.name, cfg.version, snapshot, files_of(cfg.directory)):
+            return Loaded(error=changed)  # changed as it read them: it may hold either
         settle_heap()
         log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
                  cfg.artifact, time.perf_counter() - start, extra={"model": cfg.name})  # fmt: skip
