@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -34,6 +35,7 @@ __all__ = [
     "files_of",
     "find_model",
     "find_with_files",
+    "identity",
     "load_each",
     "load_repository",
     "model_directory",
@@ -193,18 +195,33 @@ def digest(files: Files) -> str:
     return h.hexdigest()[:32]
 
 
-def changed_since(name: str, version: str, then: Files, now: Files | None) -> str:
+def changed_since(name: str, version: str, then: Files, now: Files | None,
+                  when: str = "since version {} was loaded") -> str:  # fmt: skip
     """Why version `version` of model `name` is not loaded from the files as they are
-    `now` (None: not known; `then`: those it was numbered for), or "" if they are those."""
+    `now` (None: not known; `then`: those it was numbered for), or "" if they are those.
+    `when` they changed, the version's number in its braces."""
     if now == then:
         return ""
     names = sorted({f for f, *_ in then ^ now}) if now is not None else []
-    which = f" ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})" if names else ""
+    shown = [n.encode(errors="surrogateescape").decode(errors="backslashreplace")
+             for n in names[:3]]  # (a name that is not UTF-8: escaped)  # fmt: skip
+    which = f" ({', '.join(shown)}{', ...' if len(names) > 3 else ''})" if names else ""
     return (
-        f"the files of model {name!r} changed since version {version} was loaded{which}: not "
-        f"loaded as version {version}; a load serves them as a new version (--model-control "
-        "none: a restart); what a model writes there itself must be hidden or *.log"
+        f"the files of model {name!r} changed {when.format(version)}{which}: not loaded as "
+        f"version {version}; a load serves them as a new version (--model-control none: a "
+        "restart); what a model writes there itself must be hidden or *.log"
     )
+
+
+def identity(root: Path) -> str:
+    """Which folder `root` is, on which host: a LOAD names its version's files (their
+    modification times) only to a worker that reads the frontend's own folder; a copy
+    elsewhere (cp -r, git clone, an image) has other times, the same weights."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
 
 
 def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:

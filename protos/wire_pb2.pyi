@@ -20,7 +20,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., datatype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., row_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "device", "pid", "models", "protocol", "frontends", "instance", "held", "reconnected")
+    __slots__ = ("worker_id", "device", "pid", "models", "protocol", "frontends", "instance", "held", "reconnected", "repository")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerInfo(_message.Message):
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     RECONNECTED_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     device: str
     pid: int
@@ -39,7 +40,8 @@ class WorkerInfo(_message.Message):
     instance: str
     held: _containers.RepeatedScalarFieldContainer[str]
     reconnected: bool
-    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., frontends: _Optional[int] = ..., instance: _Optional[str] = ..., held: _Optional[_Iterable[str]] = ..., reconnected: _Optional[bool] = ...) -> None: ...
+    repository: str
+    def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., frontends: _Optional[int] = ..., instance: _Optional[str] = ..., held: _Optional[_Iterable[str]] = ..., reconnected: _Optional[bool] = ..., repository: _Optional[str] = ...) -> None: ...
 
 class Header(_message.Message):
     __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows", "credit", "invalid", "occupied", "waited_ns", "busy_ns", "idle_ns", "running", "busy_limit_s", "held", "outputs", "bounced", "files")

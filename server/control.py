@@ -57,7 +57,7 @@ class ModelControl:
         pump_soon: Callable[[], None],  # capacity changed: decide again, once, soon
         answering: Callable[[str, str], int] = lambda name, version: 0,  # (Stats.answering)
     ) -> None:  # fmt: skip
-        self.repository = repository
+        self.repository, self._folder = repository, repo.identity(repository)
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
         self._pool, self._link, self._scheduler, self._answering = pool, link, scheduler, answering
@@ -80,14 +80,14 @@ class ModelControl:
         """The models serving from the start (before any worker registered), with their
         files as the repository was read (frontends.at_start), else as they are."""
         for cfg in configs.values():
-            then = (files or {}).get(cfg.name)
-            self._install(self._next_version(cfg, then or files_of(cfg.directory)))
+            then = (files or {}).get(cfg.name) or files_of(cfg.directory)
+            self._install(self._next_version(cfg, then, digest(then)))
 
-    def _next_version(self, cfg: ModelConfig, files: Files) -> ModelConfig:
+    def _next_version(self, cfg: ModelConfig, files: Files, named: str) -> ModelConfig:
         version = self._versions.get(cfg.name, 0) + 1
         self._versions[cfg.name] = version
         cfg = dataclasses.replace(cfg, version=str(version))
-        self._files[cfg.key] = (files, digest(files))
+        self._files[cfg.key] = (files, named)  # (`named`: their digest)
         return cfg
 
     @contextlib.asynccontextmanager
@@ -191,9 +191,11 @@ class ModelControl:
         return fut
 
     def _send_load(self, worker: WorkerHandle, model: ModelConfig, held: bool = False) -> None:
-        files = "" if held else self._files.get(model.key, (frozenset(), ""))[1]
+        files = self._files.get(model.key, (frozenset(), ""))[1]  # (held: only a copy it
+        if held or worker.info.repository != self._folder:  # holds; a copy of the folder
+            files = ""  # elsewhere: other modification times, the same weights)
         header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version,
-                             held=held, files=files)  # (held: only a copy it holds)  # fmt: skip
+                             held=held, files=files)  # fmt: skip
         self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
         worker.load_sent[model.key] = self._clock()  # (--load-timeout: pool.overdue)
 
@@ -276,14 +278,14 @@ class ModelControl:
             if self._next_load.get(name) is asyncio.current_task():
                 del self._next_load[name]  # begun: a later load reads the files after it
             try:  # (off the loop: a name no folder has is looked for in every model.toml)
-                found, files = await asyncio.to_thread(repo.find_with_files, self.repository, name)
+                found, files, named = await asyncio.to_thread(self._read, name)
             except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
                 fault = Unavailable if isinstance(e, RepositoryUnreadable) else InvalidInput
                 raise fault(f"cannot load model {name!r}: {e}") from None
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
                 raise Unavailable(f"no live worker may load model {name!r}; try again later")
-            cfg = self._next_version(found, files)
+            cfg = self._next_version(found, files, named)
             self._loading[name] = cfg
             try:
                 errors = await asyncio.gather(*(self._load_on(w, cfg) for w in workers))
@@ -310,6 +312,10 @@ class ModelControl:
             if old is not None:
                 self._retire_soon(old)
             return cfg
+
+    def _read(self, name: str) -> tuple[ModelConfig, Files, str]:
+        found, files = repo.find_with_files(self.repository, name)
+        return found, files, digest(files)
 
     def _what_stays(self, old: ModelConfig | None) -> str:
         """After a failed load: what serves the model now."""

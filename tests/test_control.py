@@ -44,7 +44,7 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import wire
 from batchd.protos.model_config import ConfigError, load_model_config
-from batchd.protos.repository import digest, files_of, find_model
+from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.server import control
 from batchd.server.errors import Unavailable
 from batchd.server.pool import WorkerPool
@@ -568,7 +568,7 @@ def test_a_restarted_worker_keeps_no_version_whose_files_changed_while_it_loaded
             (edited / "scale.txt").write_text("7.0")  # ... while `edited` is edited
             gate.unlink()
             wait_for(lambda: "could not load model edited version 1: the files of model "
-                     "'edited' changed since version 1 was loaded" in s.log(), 60,
+                     "'edited' changed since they were read for version 1" in s.log(), 60,
                      "the restarted worker to refuse version 1 of edited")  # fmt: skip
             assert loaded_by(edited, 7.0) == 0  # it did not read the new files
             with pytest.raises(BatchdClientError) as e:
@@ -755,9 +755,7 @@ def test_a_load_whose_weights_change_as_its_workers_read_them_fails(tmp_path: Pa
             wait_for(lambda: loaded_by(d) == 1, 60, "the load in load()")
             (d / "scale.txt").write_text("5.0")
             gate.unlink()
-            changed = (
-                r"weights. changed since version 2 was loaded \(scale\.txt\).*hidden or \*\.log"
-            )
+            changed = r"weights. changed as version 2 loaded \(scale\.txt\).*hidden or \*\.log"
             with pytest.raises(InferenceFailed, match=changed):
                 load.result(60)
         with Client(s.url) as c:
@@ -849,13 +847,23 @@ def test_a_file_touched_once_a_worker_loaded_its_version_leaves_the_copy_served(
         d = make_model(tmp_path, "scaled", 2.0)
         ctl.start_with({"scaled": load_model_config(d)})
         info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
-                               protocol=wire.PROTOCOL_VERSION)  # fmt: skip
+                               protocol=wire.PROTOCOL_VERSION,
+                               repository=identity(tmp_path))  # fmt: skip
         worker = pool.join(b"cpu0#1", info)[1]
         ctl.worker_ready(worker)
         await heard.wait()  # (the files are read off the loop first)
         (load,) = sent
         assert (load.kind, load.model, load.version) == (wire.Header.LOAD, "scaled", "1")
         assert load.files == digest(files_of(d)) and not load.held
+        elsewhere = wire.WorkerInfo(worker_id="vm#1", device="cpu", pid=1, instance="vm#1",
+                                    protocol=wire.PROTOCOL_VERSION,
+                                    repository="vm:1:2")  # fmt: skip
+        ctl.worker_ready(remote := pool.join(b"vm#1", elsewhere)[1])  # (its own copy)
+        heard.clear()
+        await heard.wait()
+        assert (sent[-1].kind, sent[-1].files) == (wire.Header.LOAD, "")  # not its times
+        ctl.on_loaded(remote, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
+        del sent[1:]
         os.utime(d / "model.py", ns=(1, 1))  # touched as soon as it was loaded
         ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
         await asyncio.gather(*ctl._tasks)

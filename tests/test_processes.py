@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,7 +63,11 @@ def liveness(channel: grpc.Channel) -> str:
 
 
 def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
+    """It reads its own copy of the repository, as on another host: copied, its files
+    have other modification times (a LOAD named the frontend's, and it loaded none)."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
+    copy = tmp_path / "copy"
+    shutil.copytree(EXAMPLES / "tiny", copy / "tiny", copy_function=shutil.copyfile)
     server = ServerProcess(
         EXAMPLES, "--no-local-workers", "--worker-endpoint", endpoint, log_dir=tmp_path
     ).start(ready=False)
@@ -75,7 +80,7 @@ def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
             "--device",
             "cpu",
             "--model-repository",
-            str(EXAMPLES),
+            str(copy),
             "--models",
             "tiny",
             "--threads",

@@ -834,7 +834,7 @@ def test_a_load_reads_only_the_files_its_version_was_numbered_for(tmp_path: Path
     (d / "scale.txt").write_text("3.0")  # changed before a worker read them: not loaded
     refused = load(plain, tmp_path, CPU, (), {})
     assert refused.model is None
-    assert "the files of model 'scaled' changed since version 1 was loaded" in refused.error
+    assert "files of model 'scaled' changed since they were read for version 1" in refused.error
     assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0]  # (not read at all)
     renumbered = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1",
                              files=digest(files_of(d)))  # a frontend started again  # fmt: skip
@@ -843,13 +843,12 @@ def test_a_load_reads_only_the_files_its_version_was_numbered_for(tmp_path: Path
     assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0, 3.0]
 
 
-SLOW_READ_PY = """
-import os
+REWRITES_PY = """
 from pathlib import Path
 
 def load(device):
-    here = Path(__file__).parent
-    (here / "scale.txt").write_text("5.0")  # as if rewritten while this load read it
+    name = bytes.fromhex("%s").decode(errors="surrogateescape")
+    (Path(__file__).parent / name).write_text("5.0")  # as if rewritten as this load read it
     return lambda x: x
 """
 
@@ -858,13 +857,13 @@ def test_a_load_whose_files_change_as_it_reads_them_keeps_nothing(tmp_path: Path
     d = tmp_path / "edited"
     d.mkdir()
     (d / "model.toml").write_text(TOML)
-    (d / "model.py").write_text(SLOW_READ_PY)
-    (d / "scale.txt").write_text("1.0")
-    header = wire.Header(kind=wire.Header.LOAD, model="edited", version="1",
-                         files=digest(files_of(d)))  # fmt: skip
-    loaded = load(header, tmp_path, CPU, (), {})
-    assert loaded.model is None and loaded.files is None
-    assert "changed since version 1 was loaded (scale.txt)" in loaded.error
+    for name, shown in ((b"scale.txt", "scale.txt"), (b"w\xff.bin", "w\\xff.bin")):
+        (d / "model.py").write_text(REWRITES_PY % name.hex())  # (a name not UTF-8, too)
+        header = wire.Header(kind=wire.Header.LOAD, model="edited", version="1",
+                             files=digest(files_of(d)))  # fmt: skip
+        loaded = load(header, tmp_path, CPU, (), {})
+        assert loaded.model is None and loaded.files is None
+        assert f"changed as version 1 loaded ({shown})" in wire.Header(error=loaded.error).error
 
 
 STEPS_PY = """

@@ -99,12 +99,14 @@ def load(
         start = time.perf_counter()
         found, snapshot = find_with_files(repository, header.model)  # (before what load() reads)
         if header.files and digest(snapshot) != header.files:  # changed since it was numbered
-            return Loaded(error=changed_since(header.model, header.version, snapshot, None))
+            when = "since they were read for version {}"  # (by the frontend)
+            return Loaded(error=changed_since(header.model, header.version, snapshot, None, when))
         cfg = dataclasses.replace(found, version=header.version)
         files = (cfg.directory, snapshot)
         fn = load_model(cfg, device)
-        if changed := changed_since(cfg.name, cfg.version, snapshot, files_of(cfg.directory)):
-            return Loaded(error=changed)  # changed as it read them: it may hold either
+        now = files_of(cfg.directory)  # changed as it read them: it may hold either
+        if changed := changed_since(cfg.name, cfg.version, snapshot, now, "as version {} loaded"):
+            return Loaded(error=changed)
         settle_heap()
         log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
                  cfg.artifact, time.perf_counter() - start, extra={"model": cfg.name})  # fmt: skip
@@ -235,7 +237,7 @@ class Loader:
                 error = loaded.error
                 del loaded  # (kept, the model outlived its unload until the next load)
                 reply = wire.Header(kind=wire.Header.LOADED, model=header.model,
-                                    version=header.version, error=error,
+                                    version=header.version, error=wire.text(error),
                                     held=header.held and bool(error))  # fmt: skip
                 out.send_multipart([addressed(frontend, 1), *wire.pack(reply)])
         finally:
