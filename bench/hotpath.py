@@ -56,6 +56,9 @@ class FakeWorker:
     def held(self, key: str) -> bool:
         return True
 
+    def jobs_paused(self, key: str) -> float:
+        return 0.0
+
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         tensors, _frames = join_inputs(requests)
         wire.Header(kind=wire.Header.BATCH, batch_id=1, tensors=tensors).SerializeToString()

@@ -7,7 +7,9 @@ step-wise bystander of 2 steps. For `--seconds`, the poisoner sends `crashy`
 X = 666 (`--inputs same`) or a new X in [600, 700) each time (`--inputs new`);
 the bystander calls `steps` every 0.2 s with a 5 s deadline. Reported: the
 bystander's calls answered, the workers restarted (`batchd_worker_restarts_total`),
-and how the poison requests were answered.
+and how the poison requests were answered. `--inputs job` sends the poison as a
+batch job instead: `--job-lines` lines, each a new X in [600, 700), and reports
+how many lines the job had answered (failed) by the end.
 
     .venv/bin/python bench/poison_storm.py [--inputs new] [--workers 1] [--json F]
 
@@ -104,13 +106,25 @@ def restarts(metrics_port: int) -> int:
                                                   text, re.M))  # fmt: skip
 
 
-async def storm(url: str, new_inputs: bool, seconds: float) -> tuple[Counter[str], Counter[str]]:
+async def storm(url: str, inputs: str, seconds: float, job_lines: int,
+                ) -> tuple[Counter[str], Counter[str]]:  # fmt: skip
     poison: Counter[str] = Counter()
     bystander: Counter[str] = Counter()
     end = time.monotonic() + seconds
+    new_inputs = inputs == "new"
     async with AsyncClient(url) as c:
 
         async def poisoner() -> None:
+            if inputs == "job":  # every line a new poison
+                x = [{"name": "X", "datatype": "FP32", "shape": [1, 1]}]
+                lines = [{"custom_id": f"p{i}", "inputs": [{**x[0], "data": [600 + i / 1000]}]}
+                         for i in range(job_lines)]  # fmt: skip
+                job = await c.submit_job("crashy", lines)
+                await asyncio.sleep(max(0.0, end - time.monotonic()))
+                job = await c.job(job.id)
+                poison.update({f"job {job.status}": 1, "lines failed": job.failed,
+                               "lines answered": job.completed})  # fmt: skip
+                return
             n = 0
             while time.monotonic() < end:
                 x = 600.0 + n % 100 if new_inputs else 666.0
@@ -139,7 +153,8 @@ async def storm(url: str, new_inputs: bool, seconds: float) -> tuple[Counter[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=18061, help="gRPC; metrics on port + 2")
-    ap.add_argument("--inputs", choices=("same", "new"), default="same")
+    ap.add_argument("--inputs", choices=("same", "new", "job"), default="same")
+    ap.add_argument("--job-lines", type=int, default=200, help="with --inputs job")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--server-path", type=Path, help="run the server's code from here")
@@ -166,7 +181,7 @@ def main() -> None:
                         raise TimeoutError("the models were not ready in 120 s")
                     time.sleep(0.1)
             before = restarts(metrics)
-            poison, bystander = asyncio.run(storm(url, args.inputs == "new", args.seconds))
+            poison, bystander = asyncio.run(storm(url, args.inputs, args.seconds, args.job_lines))
             ended = restarts(metrics) - before
         finally:
             server.terminate()

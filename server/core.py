@@ -173,6 +173,9 @@ class Core:
     def held(self, key: str) -> bool:
         return self.pool.model_ready(key)
 
+    def jobs_paused(self, key: str) -> float:
+        return self.quarantine.paused_until(key) if self.quarantine.held else 0.0
+
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         if model.generate is not None:
             self.sequences.start(model, requests)
@@ -271,13 +274,11 @@ class Core:
             self.lose(worker, why)
 
     def worker_exited(self, name: str, pid: int, reason: str) -> bool:
-        """The supervisor saw that local worker's process exit (not a peer under its id).
-        Whether it ran one online batch or sequence alone, loading nothing: its own doing,
-        not a crash loop (supervisor.py). A job's, and any death less plain, back off."""
+        """The supervisor saw that local worker's process exit (not a peer under its id): if
+        it ran one batch or sequence alone, loading nothing, it is no crash loop (True)."""
         ran = False
         for w in [w for w in self.pool.workers() if w.name == name and w.info.pid == pid]:
-            held = [*w.inflight.values(), *w.sequences.values()]
-            ran = len(held) == 1 and not held[0].requests[0].background and not w.load_sent
+            ran = len(w.inflight) + len(w.sequences) == 1 and not w.load_sent
             self.lose(w, reason, stuck=False)
         return ran
 
@@ -354,9 +355,8 @@ class Core:
             self.scheduler.requeue(batch.requests)  # as they were: no attempt lost
             return
         if header.kind == wire.Header.ERROR:
-            retry = recovery.after_error(
-                batch, worker.name, header.error, header.forward_rows, header.invalid
-            )
+            why, rows = header.error, header.forward_rows
+            retry = recovery.after_error(batch, worker.name, why, rows, header.invalid)
             if retry:
                 log.warning("batch %d of model %s failed on worker %s (%s); retrying its %d "
                             "requests one by one", batch.id, batch.model.name, worker.name,

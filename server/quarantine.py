@@ -15,9 +15,11 @@ a client sending a new one each time ended 98 workers in 60 s, and the bystander
 got 0 of 12 answers), so a model version with BREAK such failures in the last
 HOLD_S takes no online request (UNAVAILABLE, with a pushback) till the oldest of
 them is HOLD_S old: at most BREAK a minute end workers, and the pool stays up for
-the other models. A new version (a reload) starts with none held. A step-wise
-model's sequences are remembered as well; a batch job's lines are not held back
-by BREAK (their deaths back off, supervisor.py).
+the other models. Its batch jobs' lines wait in their lane meanwhile, not failed
+(`paused_until`): a job of many poison lines ended a worker with each, every death
+backed off, and online callers of every model got 1 answer in 13 for as long as it
+ran. A new version (a reload) starts with none held. A step-wise model's sequences
+are remembered as well.
 
 Cost: a dict lookup per request while its model version holds none; else a
 comparison of shapes, and a digest (SHA-256, about 2 GB/s, on the event loop)
@@ -92,6 +94,12 @@ class Quarantine:
                     f"refused unrun: the same inputs failed {now - h.since:.0f} s ago, and are "
                     f"refused for {HOLD_S - (now - h.since):.0f} s more: {h.why}"
                 )
+
+    def paused_until(self, key: str) -> float:
+        """Till when model version `key` takes no batch job's lines (0.0: it does)."""
+        self._expire(self._clock())
+        held = self.held.get(key, ())
+        return held[-BREAK].since + HOLD_S if len(held) >= BREAK else 0.0
 
     def _expire(self, now: float) -> None:
         for key, held in list(self.held.items()):

@@ -86,6 +86,7 @@ class FakeDispatch:
         self.idle, self.credits = idle, credits
         self.out = 0  # online requests on workers, as the test says
         self.unheld: set[str] = set()  # model versions no live worker holds
+        self.paused: dict[str, float] = {}  # model version -> till when its job lane waits
         self.sent: list[list[Request]] = []
 
     def capacity(self, model: ModelConfig) -> Capacity:
@@ -96,6 +97,9 @@ class FakeDispatch:
 
     def held(self, key: str) -> bool:
         return key not in self.unheld
+
+    def jobs_paused(self, key: str) -> float:
+        return self.paused.get(key, 0.0)
 
     def send(self, model: ModelConfig, requests: list[Request]) -> None:
         self.sent.append(requests)

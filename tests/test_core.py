@@ -612,9 +612,9 @@ def test_a_lost_worker_is_said_to_have_run_requests_if_it_had_batches_and_no_loa
         loading, _ = one_batch_on(core, "cpu2#0")
         loading.load_sent["other:1"] = 0.0
         assert core.worker_exited("cpu2#0", 7, "killed") is False
-        _, line = one_batch_on(core, "cpu4#0")  # a job's line: it backs off
-        line.background = True
-        assert core.worker_exited("cpu4#0", 7, "killed") is False
+        _, line = one_batch_on(core, "cpu4#0")  # a job's line alone: as an online one (its
+        line.background = True  # lane waits once the quarantine holds its model version)
+        assert core.worker_exited("cpu4#0", 7, "killed") is True
         two, _ = one_batch_on(core, "cpu5#0")  # two batches: not plainly its own doing
         other = request(core.models["m"])
         other.future = asyncio.get_running_loop().create_future()

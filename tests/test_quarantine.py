@@ -127,6 +127,21 @@ def test_a_model_version_with_break_failures_in_hold_s_takes_no_online_request()
     q.check(req(100))
 
 
+def test_past_break_failures_a_model_version_s_job_lines_wait_till_the_oldest_expires() -> None:
+    """A job's lines are not refused at BREAK (a refusal would fail each): they wait."""
+    clock = Clock()
+    q = Quarantine(clock)
+    for i in range(BREAK - 1):
+        q.add(req(i), f"lost {i}")
+        assert q.paused_until("m@1") == 0.0
+        clock.now += 10
+    q.add(req(BREAK - 1), "lost last")
+    assert q.paused_until("m@1") == clock.now - 10 * (BREAK - 1) + HOLD_S
+    assert q.paused_until(req(0, name="other").model.key) == 0.0
+    clock.now = q.paused_until("m@1")
+    assert q.paused_until("m@1") == 0.0
+
+
 def test_recovery_tells_of_each_request_out_of_attempts_only() -> None:
     """The poison (its second loss, alone) is told with its error; an innocent
     lost once beside it, and one lost while its worker loaded, are not."""

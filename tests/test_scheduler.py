@@ -269,6 +269,36 @@ def test_scheduler_stages_a_partial_batch_when_the_delay_runs_out() -> None:
     run(body)
 
 
+def test_a_job_lane_its_model_s_quarantine_pauses_waits_then_goes() -> None:
+    """A job of many lines that each end their worker: past quarantine.BREAK of them
+    its model version's lane waits, its lines not failed, while online callers (of
+    another model here) are served; it goes on when the pause ends, at its timer."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, timer=timers)
+        cfg, other = model(), replace(model(), name="other")
+        s.add_model(cfg)
+        s.add_model(other)
+        dispatch.paused[cfg.key] = clock.now + 30
+        line = request(cfg)
+        line.background = True
+        s.submit(line)
+        online = request(other)
+        s.submit(online)
+        assert dispatch.sent == [[online]] and not line.future.done()
+        assert clock.now + 30 in timers.pending()
+        dispatch.idle, dispatch.credits = 1, 1  # online's answered: the worker is idle
+        timers.advance(29.9)
+        assert dispatch.sent == [[online]]
+        del dispatch.paused[cfg.key]
+        timers.advance(0.1)
+        assert dispatch.sent == [[online], [line]]
+
+    run(body)
+
+
 @pytest.mark.parametrize("quick_first", [True, False])
 def test_a_request_for_one_model_does_not_postpone_another_models_batch(quick_first: bool) -> None:
     """Each pump of one queue keeps an earlier timer of another; and a queue's first

@@ -78,6 +78,8 @@ class Dispatch(Protocol):
 
     def held(self, key: str) -> bool: ...  # whether some live worker holds model version `key`
 
+    def jobs_paused(self, key: str) -> float: ...  # till when its job lane waits (0.0: not)
+
     # Hand a batch to a worker. A send that fails puts the requests back with
     # requeue() and schedules a pump later; it never calls pump() itself.
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
@@ -290,7 +292,7 @@ class Scheduler:
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
-        self._pump_job_lanes(now)
+        wake = min(wake, self._pump_job_lanes(now))
         if only is None:  # a suspect whose model no live worker holds waits for no worker
             held = self._dispatch.held
             self._suspect_waits = any(q.suspect_first() and held(q.config.key) for q in queues)
@@ -304,20 +306,24 @@ class Scheduler:
             return NO_CAPACITY
         return capacity
 
-    def _pump_job_lanes(self, now: float) -> None:
+    def _pump_job_lanes(self, now: float) -> float:
         """Job batches, to idle workers, once no online request waits that an idle worker
         could take: of any model, for a job of one model would otherwise keep the
-        workers it shares while another model's callers wait out the whole job."""
-        queues = self._queues.values()
+        workers it shares while another model's callers wait out the whole job. A lane
+        its model's quarantine pauses waits: when to look again (inf: no such lane)."""
+        queues, wake = self._queues.values(), math.inf
         if not any(q.jobs for q in queues):
-            return
+            return wake
         for q in queues:
             q.drop_dead_heads(now)
             if len(q) and self._dispatch.capacity(q.config).idle_worker:
-                return  # it is filling a batch, or about to send one
+                return wake  # it is filling a batch, or about to send one
         for q in queues:
-            if q.jobs:
+            if q.jobs and (until := self._dispatch.jobs_paused(q.config.key)) > now:
+                wake = min(wake, until)
+            elif q.jobs:
                 self._pump_jobs(q, now)
+        return wake
 
     def _pump_jobs(self, q: ModelQueue, now: float) -> None:
         """Send job batches to idle workers while no online request of `q` waits."""
