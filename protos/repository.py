@@ -10,6 +10,7 @@ name received over the network maps onto a directory only inside it
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import socket
@@ -214,14 +215,24 @@ def changed_since(name: str, version: str, then: Files, now: Files | None,
 
 
 def identity(root: Path) -> str:
-    """Which folder `root` is, on which host: a LOAD names its version's files (their
-    modification times) only to a worker that reads the frontend's own folder; a copy
-    elsewhere (cp -r, git clone, an image) has other times, the same weights."""
+    """Which folder `root` is now, on which machine (its kernel's boot: containers on one
+    host share it, whatever their host names): a worker that reads the folder a LOAD's
+    files were read in is held to them (their modification times); one that reads a
+    copy elsewhere (cp -r, git clone, an image: other times, the same weights) is not.
+    Taken when the files are read: a symlink flipped to a new release is another."""
     try:
         st = os.stat(root)
     except OSError:
         return ""
-    return f"{socket.gethostname()}:{st.st_dev}:{st.st_ino}"
+    return f"{_boot()}:{st.st_dev}:{st.st_ino}"
+
+
+@functools.cache
+def _boot() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # (not Linux)
+        return socket.gethostname()
 
 
 def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:

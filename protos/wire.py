@@ -52,8 +52,8 @@ PROTOCOL_VERSION = 17  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # 15: WorkerInfo.held (a version retired while its worker was away is unloaded) and
 # .reconnected (what was on the wire when a connection reset is taken back); 16: ERROR's
 # bounced and HEARTBEAT's alone (a retry runs alone whichever frontends share its worker);
-# 17: LOAD's files (the worker checks it reads the files the version was numbered for),
-# WorkerInfo.repository (to which workers a LOAD names them)
+# 17: LOAD's files and folder (the worker checks it reads the files the version was
+# numbered for, where it reads the folder they were read in)
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What each tensor of a step's outputs takes from its sequence's credit (Header.credit)

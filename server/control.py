@@ -40,6 +40,8 @@ from batchd.server.pool import WorkerHandle, WorkerPool
 log = logging.getLogger("batchd.control")
 T = TypeVar("T")
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
+Read = tuple[Files, str, str]  # a version's files as read: files_of, their digest, the folder's
+UNREAD: Read = (frozenset(), "", "")  # identity (repository.identity) then
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 
 
@@ -57,7 +59,7 @@ class ModelControl:
         pump_soon: Callable[[], None],  # capacity changed: decide again, once, soon
         answering: Callable[[str, str], int] = lambda name, version: 0,  # (Stats.answering)
     ) -> None:  # fmt: skip
-        self.repository, self._folder = repository, repo.identity(repository)
+        self.repository = repository
         self.explicit = explicit  # False: the repository's models load at start, and stay
         self.current: dict[str, ModelConfig] = {}  # what new requests go to, by name
         self._pool, self._link, self._scheduler, self._answering = pool, link, scheduler, answering
@@ -66,7 +68,7 @@ class ModelControl:
         self._awaited: set[str] = set()  # keys whose holder was lost, no load tried since
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
-        self._files: dict[str, tuple[Files, str]] = {}  # key -> files_of then, its digest
+        self._files: dict[str, Read] = {}  # key -> as its files were read
         # One load or unload at a time per model; another model's (a hung load(), a
         # long drain) holds up none: name -> its lock, and how many hold or await it.
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
@@ -79,15 +81,16 @@ class ModelControl:
                    files: Mapping[str, Files] | None = None) -> None:  # fmt: skip
         """The models serving from the start (before any worker registered), with their
         files as the repository was read (frontends.at_start), else as they are."""
+        here = repo.identity(self.repository)
         for cfg in configs.values():
             then = (files or {}).get(cfg.name) or files_of(cfg.directory)
-            self._install(self._next_version(cfg, then, digest(then)))
+            self._install(self._next_version(cfg, (then, digest(then), here)))
 
-    def _next_version(self, cfg: ModelConfig, files: Files, named: str) -> ModelConfig:
+    def _next_version(self, cfg: ModelConfig, read: Read) -> ModelConfig:
         version = self._versions.get(cfg.name, 0) + 1
         self._versions[cfg.name] = version
         cfg = dataclasses.replace(cfg, version=str(version))
-        self._files[cfg.key] = (files, named)  # (`named`: their digest)
+        self._files[cfg.key] = read
         return cfg
 
     @contextlib.asynccontextmanager
@@ -104,12 +107,13 @@ class ModelControl:
             if not users[0]:
                 del self._locks[name]
 
-    def _changed_files(self, cfg: ModelConfig) -> str:
-        """Why a worker starting now must not load version `cfg` (its model's files are no
-        longer those it was loaded from: it would serve other weights under its number),
-        or "" if they are the same."""
-        then = self._files.get(cfg.key, (frozenset(), ""))[0]
-        return changed_since(cfg.name, cfg.version, then, files_of(cfg.directory))
+    def _look(self, versions: list[ModelConfig]) -> tuple[list[str], str]:
+        """Why a worker starting now must not load each version (its files are no longer
+        those it was loaded from: it would serve other weights under its number), or "";
+        and the folder they are read in now (a symlink may have been flipped since)."""
+        whys = [changed_since(c.name, c.version, self._files.get(c.key, UNREAD)[0],
+                              files_of(c.directory)) for c in versions]  # fmt: skip
+        return whys, repo.identity(self.repository)
 
     def _install(self, cfg: ModelConfig) -> None:
         self._scheduler.add_model(cfg)
@@ -159,14 +163,13 @@ class ModelControl:
 
     async def _join(self, worker: WorkerHandle, joins: list[tuple[ModelConfig, Loading]]) -> None:
         """A worker that registered late (a restart) loads a version only if its files
-        are still those the version was loaded from, else it may keep only a copy it
-        holds. (It loads its models one by one, so they may change before it reads them:
-        it checks that itself, wire.Header.files.) Files are read off the loop (a model's
-        folder may hold thousands)."""
-        whys = await asyncio.to_thread(lambda: [self._changed_files(cfg) for cfg, _ in joins])
+        are still those it was loaded from (read off the loop: a folder may hold
+        thousands), else it may keep only a copy it holds. (It loads its models one by
+        one, so they may change before it reads them: it checks, wire.Header.files.)"""
+        whys, here = await asyncio.to_thread(self._look, [cfg for cfg, _ in joins])
         for (cfg, fut), why in zip(joins, whys, strict=True):
-            if not fut.done():  # (done: the worker was lost, or cfg unloaded)
-                self._send_load(worker, cfg, held=bool(why))  # changed: only a copy it holds
+            if not fut.done():  # (done: the worker was lost, or cfg unloaded; changed: only a
+                self._send_load(worker, cfg, held=bool(why), folder=here)  # copy it holds)
         for (cfg, fut), why in zip(joins, whys, strict=True):
             if not why or not await fut or cfg.key in worker.models:
                 continue  # a plain load (on_loaded), or it held that version: kept
@@ -190,12 +193,13 @@ class ModelControl:
                 self._send_load(worker, model)
         return fut
 
-    def _send_load(self, worker: WorkerHandle, model: ModelConfig, held: bool = False) -> None:
-        files = self._files.get(model.key, (frozenset(), ""))[1]  # (held: only a copy it
-        if held or worker.info.repository != self._folder:  # holds; a copy of the folder
-            files = ""  # elsewhere: other modification times, the same weights)
+    def _send_load(self, worker: WorkerHandle, model: ModelConfig, held: bool = False,
+                   folder: str = "") -> None:  # fmt: skip
+        """LOAD (`held`: only a copy it holds), naming the files and where they were read."""
+        _, files, read_in = self._files.get(model.key, UNREAD)  # (`folder`: read just now)
         header = wire.Header(kind=wire.Header.LOAD, model=model.name, version=model.version,
-                             held=held, files=files)  # fmt: skip
+                             held=held, files="" if held else files,
+                             folder=folder or read_in)  # fmt: skip
         self._link.send(worker.identity, wire.pack(header))  # a failed send: lost soon
         worker.load_sent[model.key] = self._clock()  # (--load-timeout: pool.overdue)
 
@@ -278,14 +282,14 @@ class ModelControl:
             if self._next_load.get(name) is asyncio.current_task():
                 del self._next_load[name]  # begun: a later load reads the files after it
             try:  # (off the loop: a name no folder has is looked for in every model.toml)
-                found, files, named = await asyncio.to_thread(self._read, name)
+                found, read = await asyncio.to_thread(self._read, name)
             except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
                 fault = Unavailable if isinstance(e, RepositoryUnreadable) else InvalidInput
                 raise fault(f"cannot load model {name!r}: {e}") from None
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
                 raise Unavailable(f"no live worker may load model {name!r}; try again later")
-            cfg = self._next_version(found, files, named)
+            cfg = self._next_version(found, read)
             self._loading[name] = cfg
             try:
                 errors = await asyncio.gather(*(self._load_on(w, cfg) for w in workers))
@@ -313,9 +317,9 @@ class ModelControl:
                 self._retire_soon(old)
             return cfg
 
-    def _read(self, name: str) -> tuple[ModelConfig, Files, str]:
+    def _read(self, name: str) -> tuple[ModelConfig, Read]:
         found, files = repo.find_with_files(self.repository, name)
-        return found, files, digest(files)
+        return found, (files, digest(files), repo.identity(self.repository))
 
     def _what_stays(self, old: ModelConfig | None) -> str:
         """After a failed load: what serves the model now."""

@@ -847,28 +847,62 @@ def test_a_file_touched_once_a_worker_loaded_its_version_leaves_the_copy_served(
         d = make_model(tmp_path, "scaled", 2.0)
         ctl.start_with({"scaled": load_model_config(d)})
         info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
-                               protocol=wire.PROTOCOL_VERSION,
-                               repository=identity(tmp_path))  # fmt: skip
+                               protocol=wire.PROTOCOL_VERSION)  # fmt: skip
         worker = pool.join(b"cpu0#1", info)[1]
         ctl.worker_ready(worker)
         await heard.wait()  # (the files are read off the loop first)
         (load,) = sent
         assert (load.kind, load.model, load.version) == (wire.Header.LOAD, "scaled", "1")
-        assert load.files == digest(files_of(d)) and not load.held
-        elsewhere = wire.WorkerInfo(worker_id="vm#1", device="cpu", pid=1, instance="vm#1",
-                                    protocol=wire.PROTOCOL_VERSION,
-                                    repository="vm:1:2")  # fmt: skip
-        ctl.worker_ready(remote := pool.join(b"vm#1", elsewhere)[1])  # (its own copy)
-        heard.clear()
-        await heard.wait()
-        assert (sent[-1].kind, sent[-1].files) == (wire.Header.LOAD, "")  # not its times
-        ctl.on_loaded(remote, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
-        del sent[1:]
+        assert (load.files, load.folder) == (digest(files_of(d)), identity(tmp_path))
+        assert not load.held
         os.utime(d / "model.py", ns=(1, 1))  # touched as soon as it was loaded
         ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
         await asyncio.gather(*ctl._tasks)
         assert [h.kind for h in sent] == [wire.Header.LOAD]  # no UNLOAD
         assert ctl.ready("scaled") and "scaled@1" in worker.models and not failed
+
+    asyncio.run(body())
+
+
+def test_a_load_names_the_folder_its_files_were_read_in_then_not_at_start(
+    tmp_path: Path,
+) -> None:
+    """The frontend took its repository folder's identity once, at start: after a deploy
+    flipped the repository's symlink to a new release, a worker reading it seemed to read
+    a copy elsewhere, and was not held to the files its version was read from."""
+    sent: list[wire.Header] = []
+    heard: asyncio.Event
+
+    class Queues:
+        add_model = staticmethod(lambda cfg: None)
+
+    class Link:
+        @staticmethod
+        def send(identity: bytes, parts: list[Any]) -> None:
+            sent.append(wire.unpack(parts)[0])
+            heard.set()
+
+    async def body() -> None:
+        nonlocal heard
+        heard = asyncio.Event()
+        make_model(tmp_path / "release-1", "scaled", 2.0)
+        (current := tmp_path / "current").symlink_to(tmp_path / "release-1")
+        pool = WorkerPool()
+        ctl = control.ModelControl(current, pool, Link(), Queues(), True, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
+                               protocol=wire.PROTOCOL_VERSION)  # fmt: skip
+        worker = pool.join(b"cpu0#1", info)[1]
+        d = make_model(tmp_path / "release-2", "scaled", 3.0)
+        current.unlink()
+        current.symlink_to(tmp_path / "release-2")  # the deploy
+        load = asyncio.create_task(ctl.load("scaled"))
+        await heard.wait()
+        new, old = identity(tmp_path / "release-2"), identity(tmp_path / "release-1")
+        assert sent[-1].folder == new != old
+        assert sent[-1].files == digest(files_of(d))
+        ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
+        assert (await load).version == "1"
 
     asyncio.run(body())
 

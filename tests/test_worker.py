@@ -8,6 +8,8 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +27,7 @@ import zmq
 
 from batchd.protos import wire
 from batchd.protos.model_config import load_model_config, model_key
-from batchd.protos.repository import digest, files_of, find_model
+from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch, why
@@ -825,8 +827,8 @@ def test_a_load_reads_only_the_files_its_version_was_numbered_for(tmp_path: Path
     frontend served. The LOAD now names the files (their digest) and the worker checks
     them as it reads: before its load, and at its end."""
     d = make_model(tmp_path, "scaled", 2.0)
-    numbered = digest(files_of(d))
-    plain = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1", files=numbered)
+    plain = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1",
+                        files=digest(files_of(d)), folder=identity(tmp_path))  # fmt: skip
     first = load(plain, tmp_path, CPU, (), {})
     assert first.model is not None and first.files is not None
     os.utime(d / "model.py", ns=(1, 1))  # touched once it had it: its copy is that version's
@@ -837,10 +839,29 @@ def test_a_load_reads_only_the_files_its_version_was_numbered_for(tmp_path: Path
     assert "files of model 'scaled' changed since they were read for version 1" in refused.error
     assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0]  # (not read at all)
     renumbered = wire.Header(kind=wire.Header.LOAD, model="scaled", version="1",
-                             files=digest(files_of(d)))  # a frontend started again  # fmt: skip
+                             files=digest(files_of(d)), folder=plain.folder)  # fmt: skip
     again = load(renumbered, tmp_path, CPU, (), {"scaled@1": first.files})
     assert again.model is not None and again.files is not None  # read again, the new ones
     assert [r["scale"] for r in model_log(d, "loads.log")] == [2.0, 3.0]
+    copy = tmp_path / "copy"  # a worker on another host, its own copy: other times
+    shutil.copytree(d, copy / "scaled", copy_function=shutil.copyfile)
+    assert load(plain, copy, CPU, (), {}).model is not None
+
+
+def test_a_folder_s_identity_is_where_its_files_are_not_the_host_s_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Named by host name, the same folder in a container (another name, one kernel) or
+    read through a symlink was taken for a copy elsewhere, whose files go unchecked."""
+    (release := tmp_path / "release-1").mkdir()
+    (current := tmp_path / "current").symlink_to(release)
+    here = identity(release)
+    monkeypatch.setattr(socket, "gethostname", lambda: "container-2")
+    assert identity(current) == here != "" and identity(tmp_path) != here
+    (other := tmp_path / "release-2").mkdir()
+    current.unlink()
+    current.symlink_to(other)  # a deploy flips it: another folder now
+    assert identity(current) == identity(other) != here
 
 
 REWRITES_PY = """

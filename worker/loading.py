@@ -37,6 +37,7 @@ from batchd.protos.repository import (
     files_of,
     find_model,
     find_with_files,
+    identity,
 )
 from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, load_model
@@ -82,8 +83,10 @@ def load(
     try:
         if allowed and header.model not in allowed:
             raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
+        # (the folder the frontend read them in: else a copy, with other modification times)
+        same = bool(header.files) and header.folder == identity(repository)
         if (had := have.get(model_key(header.model, header.version))) is not None:
-            if header.held or (digest(had[1]) == header.files if header.files
+            if header.held or (digest(had[1]) == header.files if same
                                else files_of(had[0]) == had[1]):  # fmt: skip
                 return Loaded()
             if find_model(repository, header.model).generate is not None:  # its sequences
@@ -98,7 +101,7 @@ def load(
             return Loaded(error=wire.NOT_HELD)
         start = time.perf_counter()
         found, snapshot = find_with_files(repository, header.model)  # (before what load() reads)
-        if header.files and digest(snapshot) != header.files:  # changed since it was numbered
+        if same and digest(snapshot) != header.files:  # changed since it was numbered
             when = "since they were read for version {}"  # (by the frontend)
             return Loaded(error=changed_since(header.model, header.version, snapshot, None, when))
         cfg = dataclasses.replace(found, version=header.version)

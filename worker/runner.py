@@ -36,7 +36,6 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.protos.repository import identity
 from batchd.worker import InputRefused, alone, frontend_link, loader, merge
 from batchd.worker.execute import COUNTED, BatchError, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
@@ -77,7 +76,6 @@ class Runner:
         # (index of the frontend that sent it, header, frames)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]
         self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # WorkerInfo's
-        self._folder = identity(options.repository)  # (... `repository`)
         self._busy: tuple[int, list[merge.Item] | None, float]  # forward: since, batches, limit
         self._busy = (time.perf_counter_ns(), None, 0.0)  # (None: since when none runs)
         self._stop = threading.Event()
@@ -264,8 +262,7 @@ class Runner:
         info = wire.WorkerInfo(worker_id=o.worker_id, device=str(o.device), pid=os.getpid(),
                                models=o.allowed, protocol=wire.PROTOCOL_VERSION,
                                frontends=self._frontends, instance=self._instance,
-                               held=sorted(self.models), reconnected=reconnected,
-                               repository=self._folder)  # fmt: skip
+                               held=sorted(self.models), reconnected=reconnected)  # fmt: skip
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
     def _beat(self, frontend: int) -> list[Any]:
