@@ -814,6 +814,24 @@ def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
     asyncio.run(body())
 
 
+class _Sent:
+    """A WorkerLink that keeps what it was asked to send, and wakes whoever waits."""
+
+    def __init__(self) -> None:
+        self.headers: list[wire.Header] = []
+        self.heard = asyncio.Event()
+
+    def send(self, identity: bytes, parts: list[Any]) -> None:
+        self.headers.append(wire.unpack(parts)[0])
+        self.heard.set()
+
+
+def _worker(pool: WorkerPool) -> Any:
+    info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
+                           protocol=wire.PROTOCOL_VERSION)  # fmt: skip
+    return pool.join(b"cpu0#1", info)[1]
+
+
 def test_a_file_touched_once_a_worker_loaded_its_version_leaves_the_copy_served(
     tmp_path: Path,
 ) -> None:
@@ -823,35 +841,23 @@ def test_a_file_touched_once_a_worker_loaded_its_version_leaves_the_copy_served(
     frontend served: the model went NOT ready on all of them for good (a test that
     touched model.py once both frontends said ready failed so). The worker checks the
     files it reads now (wire.Header.files): the LOAD names them, and a copy is kept."""
-    sent: list[wire.Header] = []
     failed: list[str] = []
-    heard: asyncio.Event
 
     class Queues:
         add_model = staticmethod(lambda cfg: None)
         has = staticmethod(lambda key: True)
         fail_queued = staticmethod(lambda key, error: failed.append(str(error)))
 
-    class Link:
-        @staticmethod
-        def send(identity: bytes, parts: list[Any]) -> None:
-            sent.append(wire.unpack(parts)[0])
-            heard.set()
-
     async def body() -> None:
-        nonlocal heard
-        heard = asyncio.Event()
-        pool = WorkerPool()
-        ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
+        pool, link = WorkerPool(), _Sent()
+        ctl = control.ModelControl(tmp_path, pool, link, Queues(), False, time.monotonic,  # type: ignore[arg-type]
                                    lambda: None, lambda: None)  # fmt: skip
         d = make_model(tmp_path, "scaled", 2.0)
         ctl.start_with({"scaled": load_model_config(d)})
-        info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
-                               protocol=wire.PROTOCOL_VERSION)  # fmt: skip
-        worker = pool.join(b"cpu0#1", info)[1]
+        worker = _worker(pool)
         ctl.worker_ready(worker)
-        await heard.wait()  # (the files are read off the loop first)
-        (load,) = sent
+        await link.heard.wait()  # (the files are read off the loop first)
+        (load,) = sent = link.headers
         assert (load.kind, load.model, load.version) == (wire.Header.LOAD, "scaled", "1")
         assert (load.files, load.folder) == (digest(files_of(d)), identity(tmp_path))
         assert not load.held
@@ -870,34 +876,23 @@ def test_a_load_names_the_folder_its_files_were_read_in_then_not_at_start(
     """The frontend took its repository folder's identity once, at start: after a deploy
     flipped the repository's symlink to a new release, a worker reading it seemed to read
     a copy elsewhere, and was not held to the files its version was read from."""
-    sent: list[wire.Header] = []
-    heard: asyncio.Event
 
     class Queues:
         add_model = staticmethod(lambda cfg: None)
 
-    class Link:
-        @staticmethod
-        def send(identity: bytes, parts: list[Any]) -> None:
-            sent.append(wire.unpack(parts)[0])
-            heard.set()
-
     async def body() -> None:
-        nonlocal heard
-        heard = asyncio.Event()
         make_model(tmp_path / "release-1", "scaled", 2.0)
         (current := tmp_path / "current").symlink_to(tmp_path / "release-1")
-        pool = WorkerPool()
-        ctl = control.ModelControl(current, pool, Link(), Queues(), True, time.monotonic,  # type: ignore[arg-type]
+        pool, link = WorkerPool(), _Sent()
+        ctl = control.ModelControl(current, pool, link, Queues(), True, time.monotonic,  # type: ignore[arg-type]
                                    lambda: None, lambda: None)  # fmt: skip
-        info = wire.WorkerInfo(worker_id="cpu0#1", device="cpu", pid=1, instance="cpu0#1",
-                               protocol=wire.PROTOCOL_VERSION)  # fmt: skip
-        worker = pool.join(b"cpu0#1", info)[1]
+        worker = _worker(pool)
         d = make_model(tmp_path / "release-2", "scaled", 3.0)
         current.unlink()
         current.symlink_to(tmp_path / "release-2")  # the deploy
         load = asyncio.create_task(ctl.load("scaled"))
-        await heard.wait()
+        await link.heard.wait()
+        sent = link.headers
         new, old = identity(tmp_path / "release-2"), identity(tmp_path / "release-1")
         assert sent[-1].folder == new != old
         assert sent[-1].files == digest(files_of(d))
