@@ -136,12 +136,11 @@ class Core:
         """Answer every queued and in-flight request with `error` (shutdown)."""
         self.scheduler.fail_all(error)
         for w in self.pool.workers():
-            for batch in [*w.inflight.values(), *w.sequences.values()]:
-                for r in batch.requests:
-                    if not r.future.done():
-                        r.future.set_exception(error)
-                    if r.stream is not None:
-                        r.stream.close()
+            for r in w.requests():
+                if not r.future.done():
+                    r.future.set_exception(error)
+                if r.stream is not None:
+                    r.stream.close()
 
     def stop_workers(self) -> None:
         """STOP to every worker; from now on one that registers is told to stop too."""
@@ -180,9 +179,10 @@ class Core:
         if model.generate is not None:
             self.sequences.start(model, requests)
             return
-        # A retry after a failure, and a job's batch, go only to an idle worker.
-        idle_only = any(r.suspect or r.background for r in requests)
-        worker = self.pool.choose(model.key, idle_only, requests[0].suspect)
+        # A retry after a failure, and a job's batch, go only to an idle worker (a job's
+        job = requests[0].background  # to a settled one: Capacity.settled)
+        idle_only = job or any(r.suspect for r in requests)
+        worker = self.pool.choose(model.key, idle_only, requests[0].suspect, job)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
             self.pump_soon()
@@ -275,10 +275,10 @@ class Core:
 
     def worker_exited(self, name: str, pid: int, reason: str) -> bool:
         """The supervisor saw that local worker's process exit (not a peer under its id): if
-        it ran one batch or sequence alone, loading nothing, it is no crash loop (True)."""
+        it ran one request alone, loading nothing, it is no crash loop (True; quarantine.py)."""
         ran = False
         for w in [w for w in self.pool.workers() if w.name == name and w.info.pid == pid]:
-            ran = len(w.inflight) + len(w.sequences) == 1 and not w.load_sent
+            ran = len(w.requests()) == 1 and not w.load_sent
             self.lose(w, reason, stuck=False)
         return ran
 

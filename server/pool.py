@@ -26,7 +26,13 @@ from dataclasses import dataclass, field
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, NO_CAPACITY, Capacity
+from batchd.server.batching.decision import (
+    BUSY_WITH_CREDIT,
+    IDLE,
+    IDLE_UNSETTLED,
+    NO_CAPACITY,
+    Capacity,
+)
 from batchd.server.errors import clip
 from batchd.server.request import Batch, Request
 
@@ -85,6 +91,16 @@ class WorkerHandle:
 
     def has_credit(self) -> bool:
         return len(self.inflight) < self.credits and not self.exclusive and not self.others_alone
+
+    def settled(self) -> bool:
+        """It loads no model and runs no sequence (any frontend's): a batch job's line that
+        ends it is then the death's sole suspect (quarantine.py; a storm of them beside
+        loads and a bystander's sequences was never remembered, and kept it down)."""
+        return not self.load_sent and not self.sequences and not any(self.others.values())
+
+    def requests(self) -> list[Request]:
+        """What it runs for this frontend: its batches' requests and its sequences'."""
+        return [r for b in (*self.inflight.values(), *self.sequences.values()) for r in b.requests]
 
 
 class Joined(enum.Enum):
@@ -195,13 +211,13 @@ class WorkerPool:
     def capacity(self, model: ModelConfig) -> Capacity:
         if model.generate is not None:
             return self._slots(model)
-        key, free = model.key, False
+        key, free, idle = model.key, False, False
         for w in self._order:
             if key in w.models and w.has_credit():
-                if not w.inflight:
+                if not w.inflight and w.settled():
                     return IDLE
-                free = True
-        return BUSY_WITH_CREDIT if free else NO_CAPACITY
+                free, idle = True, idle or not w.inflight
+        return IDLE_UNSETTLED if idle else BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     def requests_out(self, key: str) -> int:
         """Online requests of model version `key` in batches on workers now (a job's
@@ -213,16 +229,17 @@ class WorkerPool:
             if b.model.key == key and not b.requests[0].background
         )
 
-    def choose(self, key: str, idle_only: bool = False,
-               suspect: bool = False) -> WorkerHandle | None:  # fmt: skip
+    def choose(self, key: str, idle_only: bool = False, suspect: bool = False,
+               job: bool = False) -> WorkerHandle | None:  # fmt: skip
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit; `idle_only` (a job's), an idle one. A `suspect`'s: an
-        idle one where no sequence runs if one is: a poison ends the sequences beside
-        it (a bystander's, restarted beside its retry, was lost twice and failed)."""
+        one with a free credit; `idle_only`, an idle one; a `job`'s, an idle one that is
+        settled (Capacity.settled). A `suspect`'s: an idle one where no sequence
+        runs if one is: a poison ends the sequences beside it (a bystander's, restarted
+        beside its retry, was lost twice and failed)."""
         order, n, busy, idle_only = self._order, len(self._order), None, idle_only or suspect
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if key in w.models and w.has_credit():
+            if key in w.models and w.has_credit() and not (job and not w.settled()):
                 if not w.inflight and not (suspect and (w.sequences or any(w.others.values()))):
                     self._rr = (self._rr + k + 1) % n
                     return w

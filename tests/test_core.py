@@ -615,6 +615,12 @@ def test_a_lost_worker_is_said_to_have_run_requests_if_it_had_batches_and_no_loa
         _, line = one_batch_on(core, "cpu4#0")  # a job's line alone: as an online one (its
         line.background = True  # lane waits once the quarantine holds its model version)
         assert core.worker_exited("cpu4#0", 7, "killed") is True
+        pair, _ = one_batch_on(core, "cpu6#0")  # one batch of two requests: it backs off
+        other = request(core.models["m"])
+        other.future = asyncio.get_running_loop().create_future()
+        (batch,) = pair.inflight.values()
+        batch.requests.append(other)  # (a job's full batch that ends it every time, its
+        assert core.worker_exited("cpu6#0", 7, "killed") is False  # lines fine alone)
         two, _ = one_batch_on(core, "cpu5#0")  # two batches: not plainly its own doing
         other = request(core.models["m"])
         other.future = asyncio.get_running_loop().create_future()

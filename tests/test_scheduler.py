@@ -293,7 +293,11 @@ def test_a_job_lane_its_model_s_quarantine_pauses_waits_then_goes() -> None:
         timers.advance(29.9)
         assert dispatch.sent == [[online]]
         del dispatch.paused[cfg.key]
+        dispatch.settled = False  # its idle worker loads a model: it waits for LOADED
         timers.advance(0.1)
+        assert dispatch.sent == [[online]]
+        dispatch.settled = True
+        s.pump()  # (as LOADED's)
         assert dispatch.sent == [[online], [line]]
 
     run(body)

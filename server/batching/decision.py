@@ -32,6 +32,9 @@ from batchd.server.batching.plan import Plan
 class Capacity:
     idle_worker: bool  # some worker for this model has nothing in flight
     free_credit: bool  # some worker for this model can take one more batch
+    # ... and one idle worker loads no model and runs no sequence: a batch job's line that
+    # ends its process elsewhere is not the death's sole suspect (pool.WorkerHandle.settled)
+    settled: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,7 @@ class Wait:
 
 
 IDLE = Capacity(idle_worker=True, free_credit=True)
+IDLE_UNSETTLED = Capacity(idle_worker=True, free_credit=True, settled=False)
 BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
 NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
 UNTIL_AN_EVENT = Wait(None)  # decide() runs for every arrival: no new object for the usual answer

@@ -326,8 +326,9 @@ class Scheduler:
         return wake
 
     def _pump_jobs(self, q: ModelQueue, now: float) -> None:
-        """Send job batches to idle workers while no online request of `q` waits."""
-        while q.jobs and self._dispatch.capacity(q.config).idle_worker:
+        """Send job batches to settled idle workers (Capacity.settled; a LOADED, or a
+        sequence's end, pumps again) while no online request of `q` waits."""
+        while q.jobs and (c := self._dispatch.capacity(q.config)).idle_worker and c.settled:
             plan = q.plan_jobs(now)
             if plan is None:
                 return
