@@ -180,9 +180,9 @@ class Core:
             self.sequences.start(model, requests)
             return
         # A retry after a failure, and a job's batch, go only to an idle worker (a job's
-        job = requests[0].background  # to a settled one: Capacity.settled)
-        idle_only = job or any(r.suspect for r in requests)
-        worker = self.pool.choose(model.key, idle_only, requests[0].suspect, job)
+        idle_only = any(r.suspect or r.background for r in requests)  # retry, for a while,
+        settled = requests[0].settle_by > self._clock()  # to a settled one: scheduler.py)
+        worker = self.pool.choose(model.key, idle_only, requests[0].suspect, settled)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
             self.pump_soon()

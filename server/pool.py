@@ -230,16 +230,16 @@ class WorkerPool:
         )
 
     def choose(self, key: str, idle_only: bool = False, suspect: bool = False,
-               job: bool = False) -> WorkerHandle | None:  # fmt: skip
+               settled: bool = False) -> WorkerHandle | None:  # fmt: skip
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit; `idle_only`, an idle one; a `job`'s, an idle one that is
-        settled (Capacity.settled). A `suspect`'s: an idle one where no sequence
+        one with a free credit; `idle_only`, an idle one; `settled`, a settled idle one
+        (a job's retried line, Capacity.settled). A `suspect`'s: an idle one where no sequence
         runs if one is: a poison ends the sequences beside it (a bystander's, restarted
         beside its retry, was lost twice and failed)."""
         order, n, busy, idle_only = self._order, len(self._order), None, idle_only or suspect
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if key in w.models and w.has_credit() and not (job and not w.settled()):
+            if key in w.models and w.has_credit() and not (settled and not w.settled()):
                 if not w.inflight and not (suspect and (w.sequences or any(w.others.values()))):
                     self._rr = (self._rr + k + 1) % n
                     return w
@@ -300,8 +300,9 @@ class WorkerPool:
             worker.running, worker.forward = {}, None
             if header.idle_ns:  # (a beat between two forwards says it was busy just now)
                 worker.busy_at = max(worker.busy_at, now - header.idle_ns / 1e9)
+        had = any(worker.others.values())  # (their last sequence ended: it is settled)
         self.occupied(worker, header.occupied)
-        return freed
+        return freed or (had and not any(worker.others.values()))
 
     def occupied(self, worker: WorkerHandle, occupied: Mapping[str, int]) -> None:
         """A heartbeat's count of the sequences on `worker`, every frontend's: keep the

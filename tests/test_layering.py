@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, set[str]]] = [
         "pure pieces and the edge's helpers",
         {
             *("batching.decision", "batching.plan", "batching.latency"),
-            *("batching.split_join", "batching.queues", "batching.scheduler", "pool", "recovery"),
+            *("batching.split_join", "batching.queues", "batching.lanes", "batching.scheduler"),
+            *("pool", "recovery"),
             "quarantine",
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
             *("unary_steps", "jobs.ids", "index"),

@@ -54,11 +54,13 @@ def test_an_idle_worker_is_chosen_first_then_round_robin_among_those_with_credit
     assert pool.capacity(cfg) == NO_CAPACITY and pool.choose(cfg.key) is None
 
 
-def test_a_job_s_batch_goes_to_an_idle_worker_that_loads_no_model_and_runs_no_sequence() -> None:
-    """A job line sent to a worker as it loaded another model (a restart loads them
-    all), or beside a bystander's sequence, and ended it was never the death's sole
-    suspect: not remembered, its deaths backed off, and a storm of such lines kept
-    the pool down (quarantine.py)."""
+def test_a_settled_worker_loads_no_model_and_runs_no_sequence() -> None:
+    """A retried job line sent to a worker as it loaded another model (a restart loads
+    them all), or beside a bystander's sequence, and ended it was never the death's
+    sole suspect: not remembered, its deaths backed off, and a storm of such lines
+    kept the pool down (quarantine.py). Such a line asks for a settled worker; the
+    heartbeat that says another frontend's last sequence there ended asks for a pump
+    (a job's line waited for some other event)."""
     cfg = model()
     pool = WorkerPool()
     a, b = serving(pool, "a", "b", key=cfg.key)
@@ -66,13 +68,14 @@ def test_a_job_s_batch_goes_to_an_idle_worker_that_loads_no_model_and_runs_no_se
     assert pool.capacity(cfg) == IDLE  # b: idle, loading nothing
     pool.hand(b, cfg, [request(cfg)], 0.0)
     assert pool.capacity(cfg) == IDLE_UNSETTLED and not IDLE_UNSETTLED.settled
-    assert pool.choose(cfg.key, idle_only=True, job=True) is None
+    assert pool.choose(cfg.key, idle_only=True, settled=True) is None
     assert pool.choose(cfg.key, idle_only=True) is a  # an online retry need not wait
     a.load_sent.clear()
     a.others["steps@1"] = 1  # another frontend's sequence runs there
-    assert pool.capacity(cfg) == IDLE_UNSETTLED and pool.choose(cfg.key, True, job=True) is None
-    a.others.clear()
-    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, True, job=True) is a
+    assert pool.capacity(cfg) == IDLE_UNSETTLED and pool.choose(cfg.key, True, settled=True) is None
+    assert pool.beat(a, wire.Header(kind=wire.Header.HEARTBEAT), 1.0) is True
+    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, True, settled=True) is a
+    assert pool.beat(a, wire.Header(kind=wire.Header.HEARTBEAT), 2.0) is False
 
 
 def test_a_sequence_starts_where_other_frontends_fill_fewest_slots_never_past_ours() -> None:

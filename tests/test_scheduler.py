@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.lanes import SETTLE_S
 from batchd.server.batching.plan import PAD_FREE
 from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
@@ -293,12 +294,42 @@ def test_a_job_lane_its_model_s_quarantine_pauses_waits_then_goes() -> None:
         timers.advance(29.9)
         assert dispatch.sent == [[online]]
         del dispatch.paused[cfg.key]
-        dispatch.settled = False  # its idle worker loads a model: it waits for LOADED
+        dispatch.settled = False  # its idle worker loads a model: a first try goes anyway
         timers.advance(0.1)
-        assert dispatch.sent == [[online]]
-        dispatch.settled = True
-        s.pump()  # (as LOADED's)
         assert dispatch.sent == [[online], [line]]
+
+    run(body)
+
+
+def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> None:
+    """A retried job line (a suspect) sent beside a load or a sequence and ending the
+    worker there is not the death's sole suspect: it waits for a settled worker, but
+    for SETTLE_S at most (a worker whose sequences never pause held a job for good)."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, timer=timers)
+        s.add_model(cfg := model())
+        line = request(cfg)
+        line.future = asyncio.get_running_loop().create_future()
+        line.background = line.suspect = True
+        dispatch.settled = False  # (its batch's worker was lost: the pool pumps)
+        s.requeue([line])
+        s.pump()
+        assert dispatch.sent == [] and timers.pending() == [clock.now + SETTLE_S]
+        assert line.settle_by == clock.now + SETTLE_S
+        dispatch.settled = True  # a sequence ended: its pump sends it
+        s.pump()
+        assert dispatch.sent == [[line]]
+        again = request(cfg)
+        again.future = asyncio.get_running_loop().create_future()
+        again.background = again.suspect = True
+        dispatch.settled, dispatch.idle, dispatch.credits = False, 1, 1
+        s.requeue([again])
+        s.pump()
+        timers.advance(SETTLE_S)  # none settled in time: it goes where it can
+        assert dispatch.sent == [[line], [again]]
 
     run(body)
 

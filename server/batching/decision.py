@@ -32,8 +32,9 @@ from batchd.server.batching.plan import Plan
 class Capacity:
     idle_worker: bool  # some worker for this model has nothing in flight
     free_credit: bool  # some worker for this model can take one more batch
-    # ... and one idle worker loads no model and runs no sequence: a batch job's line that
-    # ends its process elsewhere is not the death's sole suspect (pool.WorkerHandle.settled)
+    # ... and one idle worker loads no model and runs no sequence: a retried batch job's
+    # line that ends its process elsewhere is not the death's sole suspect (pool.py's
+    # WorkerHandle.settled; it waits for one SETTLE_S at most, scheduler.py)
     settled: bool = True
 
 

@@ -12,10 +12,7 @@ out). The scheduler owns the queues; nothing else touches them.
 
 Batch jobs' requests (`Request.background`) wait in a model's job lane, apart
 from its online levels: they hold no place of `max_queue_size`, never join an
-online request's batch, and leave only when a worker is idle and no online
-request waits that an idle worker could take, of any model (workers are
-shared), so online traffic keeps every queue place and every busy worker (one
-that finds a worker on a job's batch waits for that one batch, not the job).
+online request's batch, and leave as lanes.py says.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import NO_CAPACITY, Capacity, Send, decide
+from batchd.server.batching.lanes import SETTLE_S, pump_job_lanes
 from batchd.server.batching.queues import (
     GAP_ROWS,
     GAP_ROWS_SPARE,
@@ -221,9 +219,12 @@ class Scheduler:
         so a failed send cannot re-enter the pump that made it."""
         for key in dict.fromkeys(r.model.key for r in requests):
             self._queues[key].put_front([r for r in requests if r.model.key == key])
+        settle_by = self._clock() + SETTLE_S
         for r in requests:  # their timers went when they were taken: queued, they expire
             self._arm_timeout(r)
             self._suspect_waits |= r.suspect
+            if r.suspect and r.background:
+                r.settle_by = settle_by
 
     def _arm_timeout(self, request: Request) -> None:
         """A queued request with a queue timeout expires at its deadline."""
@@ -292,7 +293,7 @@ class Scheduler:
                 if decision.until is not None:
                     wake = min(wake, decision.until)
                 break
-        wake = min(wake, self._pump_job_lanes(now))
+        wake = min(wake, pump_job_lanes(self._queues.values(), self._dispatch, now))
         if only is None:  # a suspect whose model no live worker holds waits for no worker
             held = self._dispatch.held
             self._suspect_waits = any(q.suspect_first() and held(q.config.key) for q in queues)
@@ -305,35 +306,6 @@ class Scheduler:
         if self._suspect_waits and capacity.free_credit and not capacity.idle_worker:
             return NO_CAPACITY
         return capacity
-
-    def _pump_job_lanes(self, now: float) -> float:
-        """Job batches, to idle workers, once no online request waits that an idle worker
-        could take: of any model, for a job of one model would otherwise keep the
-        workers it shares while another model's callers wait out the whole job. A lane
-        its model's quarantine pauses waits: when to look again (inf: no such lane)."""
-        queues, wake = self._queues.values(), math.inf
-        if not any(q.jobs for q in queues):
-            return wake
-        for q in queues:
-            q.drop_dead_heads(now)
-            if len(q) and self._dispatch.capacity(q.config).idle_worker:
-                return wake  # it is filling a batch, or about to send one
-        for q in queues:
-            if q.jobs and (until := self._dispatch.jobs_paused(q.config.key)) > now:
-                wake = min(wake, until)
-            elif q.jobs:
-                self._pump_jobs(q, now)
-        return wake
-
-    def _pump_jobs(self, q: ModelQueue, now: float) -> None:
-        """Send job batches to settled idle workers (Capacity.settled; a LOADED, or a
-        sequence's end, pumps again) while no online request of `q` waits."""
-        while q.jobs and (c := self._dispatch.capacity(q.config)).idle_worker and c.settled:
-            plan = q.plan_jobs(now)
-            if plan is None:
-                return
-            q.take_jobs(plan)
-            self._dispatch.send(q.config, plan.requests)
 
     def _in_turn(self) -> list[ModelQueue]:
         """Every queue, from the one after the last that sent a batch in a full pump:

@@ -1,0 +1,70 @@
+"""Batch jobs' lanes: when a job's batch leaves, and for which worker.
+
+Batch jobs' requests (`Request.background`) wait in a model's job lane, apart from
+its online levels, and leave only when a worker is idle and no online request waits
+that an idle worker could take, of any model (workers are shared), so online traffic
+keeps every queue place and every busy worker (one that finds a worker on a job's
+batch waits for that one batch, not the job).
+
+A lane waits while the quarantine holds its model version (a job of poison lines
+would end a worker with each). A retried line (a suspect: its batch ended its
+worker, and it runs alone) goes to a settled worker, one that loads no model and
+runs no sequence (Capacity.settled), so that a line that ends it there is the
+death's sole suspect and is remembered (quarantine.py); it waits for one SETTLE_S
+at most: a worker whose sequences never pause would hold the job for good.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Protocol
+
+from batchd.protos.model_config import ModelConfig
+from batchd.server.batching.decision import Capacity
+from batchd.server.batching.queues import ModelQueue
+from batchd.server.request import Request
+
+SETTLE_S = 2.0  # a job's retried line waits this long, at most, for a settled worker
+
+
+class Dispatch(Protocol):  # (scheduler.Dispatch's, as lanes use it)
+    def capacity(self, model: ModelConfig) -> Capacity: ...
+
+    def jobs_paused(self, key: str) -> float: ...
+
+    def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
+
+
+def pump_job_lanes(queues: Iterable[ModelQueue], dispatch: Dispatch, now: float) -> float:
+    """Job batches, to idle workers, once no online request waits that an idle worker
+    could take: of any model, for a job of one model would otherwise keep the workers
+    it shares while another model's callers wait out the whole job. When to look
+    again (inf: at an event: a worker's batch back, a load's end, a sequence's)."""
+    queues, wake = list(queues), math.inf
+    if not any(q.jobs for q in queues):
+        return wake
+    for q in queues:
+        q.drop_dead_heads(now)
+        if len(q) and dispatch.capacity(q.config).idle_worker:
+            return wake  # it is filling a batch, or about to send one
+    for q in queues:
+        if q.jobs and (until := dispatch.jobs_paused(q.config.key)) > now:
+            wake = min(wake, until)
+        elif q.jobs:
+            wake = min(wake, _pump_jobs(q, dispatch, now))
+    return wake
+
+
+def _pump_jobs(q: ModelQueue, dispatch: Dispatch, now: float) -> float:
+    """Send `q`'s job batches to idle workers, a retried line's to a settled one for
+    SETTLE_S at most: when to look again."""
+    while q.jobs and (c := dispatch.capacity(q.config)).idle_worker:
+        if not c.settled and q.jobs[0].settle_by > now:
+            return q.jobs[0].settle_by
+        plan = q.plan_jobs(now)
+        if plan is None:
+            break
+        q.take_jobs(plan)
+        dispatch.send(q.config, plan.requests)
+    return math.inf
