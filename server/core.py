@@ -181,7 +181,7 @@ class Core:
             return
         # A retry after a failure, and a job's batch, go only to an idle worker (a job's
         idle_only = any(r.suspect or r.background for r in requests)  # retry, for a while,
-        settled = requests[0].settle_by > self._clock()  # to a settled one: scheduler.py)
+        settled = requests[0].settle_by > self._clock()  # to a settled one: lanes.py)
         worker = self.pool.choose(model.key, idle_only, requests[0].suspect, settled)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)

@@ -93,7 +93,7 @@ class WorkerHandle:
         return len(self.inflight) < self.credits and not self.exclusive and not self.others_alone
 
     def settled(self) -> bool:
-        """It loads no model and runs no sequence (any frontend's): a batch job's line that
+        """It loads no model and runs no sequence (any frontend's): a retried job line that
         ends it is then the death's sole suspect (quarantine.py; a storm of them beside
         loads and a bystander's sequences was never remembered, and kept it down)."""
         return not self.load_sent and not self.sequences and not any(self.others.values())

@@ -34,7 +34,7 @@ class Capacity:
     free_credit: bool  # some worker for this model can take one more batch
     # ... and one idle worker loads no model and runs no sequence: a retried batch job's
     # line that ends its process elsewhere is not the death's sole suspect (pool.py's
-    # WorkerHandle.settled; it waits for one SETTLE_S at most, scheduler.py)
+    # WorkerHandle.settled; it waits for one SETTLE_S at most, lanes.py)
     settled: bool = True
 
 
