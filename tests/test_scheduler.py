@@ -330,6 +330,20 @@ def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> N
         s.pump()
         timers.advance(SETTLE_S)  # none settled in time: it goes where it can
         assert dispatch.sent == [[line], [again]]
+        waits, fresh = request(cfg), request(cfg)  # a cancelled job's retried line first
+        for r in (waits, fresh):
+            r.future = asyncio.get_running_loop().create_future()
+            r.background = True
+        waits.suspect, dispatch.idle, dispatch.credits = True, 1, 1
+        s.requeue([waits])
+        s.requeue([fresh])  # (its first try, behind it)
+        settle_by = waits.settle_by
+        s._queues[cfg.key].jobs.remove(waits)  # taken, sent, and put back by a send that
+        s.requeue([waits])  # found no such worker: its wait does not start over
+        assert waits.settle_by == settle_by
+        waits.future.cancel()
+        s.pump()
+        assert dispatch.sent[-1] == [fresh]  # not held up by the dead line's wait
 
     run(body)
 

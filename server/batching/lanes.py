@@ -60,7 +60,9 @@ def _pump_jobs(q: ModelQueue, dispatch: Dispatch, now: float) -> float:
     """Send `q`'s job batches to idle workers, a retried line's to a settled one for
     SETTLE_S at most: when to look again."""
     while q.jobs and (c := dispatch.capacity(q.config)).idle_worker:
-        if not c.settled and q.jobs[0].settle_by > now:
+        while q.jobs and q.jobs[0].future.done():
+            q.jobs.popleft()  # a cancelled job's: its wait holds up no other line
+        if q.jobs and not c.settled and q.jobs[0].settle_by > now:
             return q.jobs[0].settle_by
         plan = q.plan_jobs(now)
         if plan is None:

@@ -223,8 +223,8 @@ class Scheduler:
         for r in requests:  # their timers went when they were taken: queued, they expire
             self._arm_timeout(r)
             self._suspect_waits |= r.suspect
-            if r.suspect and r.background:
-                r.settle_by = settle_by
+            if r.suspect and r.background and not r.settle_by:  # (once: a send that found
+                r.settle_by = settle_by  # no such worker puts it back, no longer a wait)
 
     def _arm_timeout(self, request: Request) -> None:
         """A queued request with a queue timeout expires at its deadline."""
