@@ -28,11 +28,15 @@ from batchd.server.request import Request
 SETTLE_S = 2.0  # a job's retried line waits this long, at most, for a settled worker
 
 
-class Dispatch(Protocol):  # (scheduler.Dispatch's, as lanes use it)
+class Dispatch(Protocol):
+    """What the lanes need from the core (scheduler.Dispatch has more)."""
+
     def capacity(self, model: ModelConfig) -> Capacity: ...
 
-    def jobs_paused(self, key: str) -> float: ...
+    def jobs_paused(self, key: str) -> float: ...  # till when its job lane waits (0.0: not)
 
+    # Hand a batch to a worker. A send that fails puts the requests back with
+    # requeue() and schedules a pump later; it never calls pump() itself.
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
 
 

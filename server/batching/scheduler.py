@@ -27,6 +27,7 @@ from functools import partial
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
+from batchd.server.batching import lanes
 from batchd.server.batching.decision import NO_CAPACITY, Capacity, Send, decide
 from batchd.server.batching.lanes import SETTLE_S, pump_job_lanes
 from batchd.server.batching.queues import (
@@ -67,20 +68,12 @@ class LoopTimer:
         return loop.call_at(loop.time() + max(0.0, when - self._clock()), callback)
 
 
-class Dispatch(Protocol):
-    """What the scheduler needs from the core (a fake in unit tests)."""
-
-    def capacity(self, model: ModelConfig) -> Capacity: ...
+class Dispatch(lanes.Dispatch, Protocol):
+    """What the scheduler needs from the core (a fake in unit tests): the lanes' too."""
 
     def requests_out(self, key: str) -> int: ...  # online requests of `key` on workers now
 
     def held(self, key: str) -> bool: ...  # whether some live worker holds model version `key`
-
-    def jobs_paused(self, key: str) -> float: ...  # till when its job lane waits (0.0: not)
-
-    # Hand a batch to a worker. A send that fails puts the requests back with
-    # requeue() and schedules a pump later; it never calls pump() itself.
-    def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
 
 
 class Scheduler:
