@@ -17,7 +17,7 @@ at most: a worker whose sequences never pause would hold the job for good.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Protocol
 
 from batchd.protos.model_config import ModelConfig
@@ -40,12 +40,12 @@ class Dispatch(Protocol):
     def send(self, model: ModelConfig, requests: list[Request]) -> None: ...
 
 
-def pump_job_lanes(queues: Iterable[ModelQueue], dispatch: Dispatch, now: float) -> float:
+def pump_job_lanes(queues: Collection[ModelQueue], dispatch: Dispatch, now: float) -> float:
     """Job batches, to idle workers, once no online request waits that an idle worker
     could take: of any model, for a job of one model would otherwise keep the workers
     it shares while another model's callers wait out the whole job. When to look
     again (inf: at an event: a worker's batch back, a load's end, a sequence's)."""
-    queues, wake = list(queues), math.inf
+    wake = math.inf  # (`queues`: walked twice, no copy made on every pump)
     if not any(q.jobs for q in queues):
         return wake
     for q in queues:
