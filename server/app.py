@@ -343,7 +343,8 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
             tasks.append(tg.create_task(p.jobs.run(), name="jobs"))
         if fronts.index:
             live = liveness(p.service, p.core.changed)
-            orphaned = watch_parent(stop, p.core.pool.workers, p.core.fail_all, live)
+            orphaned = watch_parent(stop, p.core.pool.workers, p.core.fail_all, live,
+                                    fronts.hung_s)  # fmt: skip
             tasks.append(tg.create_task(orphaned, name="parent"))
         await stop.wait()
         notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)
@@ -369,7 +370,9 @@ async def serve(cfg: ServerConfig) -> None:
         every = endpoints(tmp, fronts.count) if tmp is not None else []
         endpoint = cfg.workers.endpoint or every[0]
         children = (
-            Children(fronts.argv, every, (models, tokens), tmp) if tmp and len(every) > 1 else None
+            Children(fronts.argv, every, (models, tokens), tmp, fronts.hung_s)
+            if tmp and len(every) > 1
+            else None
         )
         ctx = zmq.asyncio.Context()
         router = ctx.socket(zmq.ROUTER)

@@ -158,11 +158,12 @@ class Models:
 class Frontends:
     """frontends"""
 
-    count: int = setting(
-        1, "--frontends", "gRPC frontend processes sharing the port (SO_REUSEPORT) in front "
-        "of the same workers, for when one event loop is the ceiling", **positive(256),
-        metavar="N",  # (a worker's frames name a frontend in one byte)
-    )  # fmt: skip
+    count: int = setting(1, "--frontends", "gRPC frontend processes sharing the port "
+        "(SO_REUSEPORT) in front of the same workers, for when one event loop is the ceiling",
+        **positive(256), metavar="N")  # fmt: skip  # (256: a worker's frames name one in a byte)
+    hung_s: float = setting(10.0, "--frontend-timeout", "a frontend answering no heartbeat "
+        "for S seconds is hung: frontend 0 restarts another; the others say not live while "
+        "0 is", type=float, metavar="S", bounds=(1, 3600, "seconds from 1 to 3600"))  # fmt: skip
     index: int = setting(0, "--frontend-index", argparse.SUPPRESS, type=int)
     argv: tuple[str, ...] = ()  # the serve arguments, for starting frontends 1..N-1
 
@@ -173,10 +174,8 @@ class Logging:
 
     level: str = setting("INFO", "--log-level", "log level",
                          choices=["DEBUG", "INFO", "WARNING", "ERROR"])  # fmt: skip
-    format: str = setting(
-        "text", "--log-format", "text, or one JSON object per line with model/worker/batch "
-        "fields", choices=["text", "json"],
-    )  # fmt: skip
+    format: str = setting("text", "--log-format", "text, or one JSON object per line with "
+        "model/worker/batch fields", choices=["text", "json"])  # fmt: skip
 
 
 @dataclass(frozen=True)

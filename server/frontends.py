@@ -40,7 +40,6 @@ PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who start
 MODELS = "BATCHD_FRONTEND_0_MODELS"  # ... and the file of its models and tokens at start
 BEAT = "BATCHD_FRONTEND_BEAT"  # ... and the socket it beats on (watch_parent)
 SOCKET = "BATCHD_FRONTEND_SOCKET"  # ... and its socket for the others (siblings.py)
-HUNG_S = 10.0  # a child not beating this long is killed (and restarted)
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.5, 10.0, 30.0
@@ -74,8 +73,8 @@ class Children:
     """Frontends 1..N-1, started and kept running by frontend 0."""
 
     def __init__(self, argv: Sequence[str], endpoints: Sequence[str], at: tuple[Models, Any],
-                 tmp: str) -> None:  # fmt: skip
-        self._argv = list(argv)
+                 tmp: str, hung_s: float) -> None:  # fmt: skip
+        self._argv, self._hung_s = list(argv), hung_s  # (--frontend-timeout)
         self._endpoints = list(endpoints)
         self.sockets = siblings.sockets(tmp, len(endpoints))  # each one's, for the others
         self._models, self._saved = pickle.dumps(at), Path(tmp) / "at-start.pickle"  # (0700)
@@ -115,7 +114,7 @@ class Children:
                 log.info("started frontend %d (pid %d)", i, proc.pid)
                 os.close(beating)
                 beating = -1
-                code = await _watched(proc, beats, i)
+                code = await _watched(proc, beats, i, self._hung_s)
             finally:
                 for fd in (beats, beating):
                     if fd >= 0:
@@ -202,11 +201,14 @@ def gone(pid: int) -> bool:
     return PARENT in os.environ and not sibling(pid)
 
 
-async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int | None:
-    """Wait for a child frontend's exit; kill it if it stops beating (watch_parent writes
-    a byte to `beats` each round): a child hung (its event loop blocked, stopped) kept
-    its listening socket and took its share of new connections, which hung. Each beat
-    is answered, from this loop: the child hears whether this process is hung."""
+async def _watched(
+    proc: asyncio.subprocess.Process, beats: int, i: int, hung_s: float
+) -> int | None:
+    """Wait for a child frontend's exit; kill it if it stops beating for `hung_s`
+    (watch_parent writes a byte to `beats` each round): a child hung (its event loop
+    blocked, stopped) kept its listening socket and took its share of new connections,
+    which hung. Each beat is answered, from this loop: the child hears whether this
+    process is hung."""
     heard = woke = time.monotonic()
 
     def beat() -> None:
@@ -228,12 +230,12 @@ async def _watched(proc: asyncio.subprocess.Process, beats: int, i: int) -> int 
     loop = asyncio.get_running_loop()
     loop.add_reader(beats, beat)
     try:
-        while (code := await _exit_within(proc, 1.0)) is None:
-            if (now := time.monotonic()) - woke > HUNG_S / 2:  # this process was stopped
+        while (code := await _exit_within(proc, min(1.0, hung_s / 8))) is None:
+            if (now := time.monotonic()) - woke > hung_s / 2:  # this process was stopped
                 heard = now  # itself (the whole group: Ctrl-Z, a freeze): nobody's silence
             woke = now
-            if now - heard > HUNG_S and proc.returncode is None:
-                log.error("frontend %d (pid %d) silent for %.0f s; killing it", i, proc.pid, HUNG_S)
+            if now - heard > hung_s and proc.returncode is None:
+                log.error("frontend %d (pid %d) silent for %g s; killing it", i, proc.pid, hung_s)
                 proc.kill()
         return code
     finally:
@@ -264,13 +266,13 @@ def restart_after(last: float, ran_s: float) -> float:
 
 async def watch_parent(
     stop: asyncio.Event, workers: Callable[[], Sized], fail_all: Callable[[Exception], None],
-    live: Callable[[bool], None],
+    live: Callable[[bool], None], hung_s: float,
 ) -> None:  # fmt: skip
     """A child frontend stops (draining) when frontend 0 is gone, or was before it looked
     (it watched init for ever: it held the ports, and every call hung). Once the workers,
     frontend 0's, are gone too, what is left is answered UNAVAILABLE at once: no worker
     comes back (it waited out --drain-timeout). While frontend 0 answers no beat for
-    HUNG_S (its loop blocked, the process stopped) this one is not live either, so that a
+    `hung_s` (its loop blocked, the process stopped) this one is not live either, so that a
     liveness probe the kernel hands here restarts the server: nothing else restarts 0,
     whose callers wait (a probe reaching this frontend passed, and 0 was found late)."""
     beat = int(os.environ.get(BEAT, -1))  # frontend 0 hears from this child each round
@@ -281,7 +283,7 @@ async def watch_parent(
     while True:  # (no event tells a process its parent exited)
         if os.getppid() != parent():
             break
-        if (now := time.monotonic()) - woke > HUNG_S / 2:  # this process was stopped itself
+        if (now := time.monotonic()) - woke > hung_s / 2:  # this process was stopped itself
             heard = now  # (the whole group: Ctrl-Z, a freeze): not frontend 0's silence
         woke = now
         try:
@@ -293,13 +295,13 @@ async def watch_parent(
             pass
         except OSError:  # no such socket (a stale variable), or frontend 0 leaving: not watched
             beat = -1
-        if hung != (beat >= 0 and now - heard > HUNG_S):
+        if hung != (beat >= 0 and now - heard > hung_s):
             hung = not hung
-            said = f"silent for {HUNG_S:.0f} s: not live" if hung else "answers again: live"
+            said = f"silent for {hung_s:g} s: not live" if hung else "answers again: live"
             log.log(logging.ERROR if hung else logging.INFO, "frontend 0 (pid %d) %s",
                     parent(), said)  # fmt: skip
             live(not hung)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(min(0.5, hung_s / 8))
     log.warning("frontend 0 (pid %d) is gone; stopping", parent())
     stop.set()
     while True:

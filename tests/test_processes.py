@@ -106,6 +106,11 @@ def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
         assert server.stop() == 0, server.log()
 
 
+# A frontend judged hung sooner than the default 10 s (the tests below wait for it),
+# yet far above the loop stalls of a busy 2-core run.
+HUNG_S = 4.0
+FRONTENDS_2 = ("--frontends", "2", "--frontend-timeout", str(HUNG_S))
+
 SLOW_STEPS_TOML = """
 [[input]]
 name = "ID"
@@ -504,14 +509,14 @@ def test_a_hung_child_frontend_is_killed_and_started_again(tmp_path: Path) -> No
     """A child frontend whose event loop stops (here SIGSTOP) kept its listening socket,
     and the new connections the kernel gave it hung; frontend 0 never knew."""
     make_model(tmp_path / "repo", "scaled", 2.0)
-    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    server = ServerProcess(tmp_path / "repo", *FRONTENDS_2, log_dir=tmp_path).start()
     try:
         ready = "model scaled is ready"
         wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
         (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
         os.kill(child, signal.SIGSTOP)
         wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 replaced, serving")
-        assert f"frontend 1 (pid {child}) silent for 10 s; killing it" in server.log()
+        assert f"frontend 1 (pid {child}) silent for {HUNG_S:g} s; killing it" in server.log()
     finally:
         assert server.stop() == 0, server.log()
     # a child that goes (killed, or stopping) leaves an answer to its beat unread: reading
@@ -546,7 +551,7 @@ def test_a_child_frontend_is_not_live_while_frontend_0_is_hung(tmp_path: Path) -
     supervisor found it late, if ever. Each other frontend is not live while frontend 0
     answers none of its beats, and live again once it does."""
     make_model(tmp_path / "repo", "scaled", 2.0)
-    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    server = ServerProcess(tmp_path / "repo", *FRONTENDS_2, log_dir=tmp_path).start()
     assert server.proc is not None
     live = {"SERVING live=True", 'http 200 {"live":true}'}
     try:
@@ -554,7 +559,7 @@ def test_a_child_frontend_is_not_live_while_frontend_0_is_hung(tmp_path: Path) -
         assert _liveness_answers(server) == live
         os.kill(server.proc.pid, signal.SIGSTOP)
         try:
-            hung = f"frontend 0 (pid {server.proc.pid}) silent for 10 s: not live"
+            hung = f"frontend 0 (pid {server.proc.pid}) silent for {HUNG_S:g} s: not live"
             wait_for(lambda: hung in server.log(), 60, "frontend 1 to hear frontend 0 is hung")
             not_live = {"NOT_SERVING live=False", 'http 503 {"live":false}'}
             wait_for(lambda: _liveness_answers(server) == not_live, 30, "frontend 1 not live")
@@ -577,12 +582,12 @@ def _answered(server: ServerProcess) -> str:
 
 
 def test_frontends_stopped_together_judge_no_silence_of_their_own(tmp_path: Path) -> None:
-    """The whole process group stopped past HUNG_S (Ctrl-Z, a container paused): on
+    """The whole process group stopped past --frontend-timeout (Ctrl-Z, a container paused): on
     resuming, frontend 0 took the child it had not heard from for hung and killed it, and
     the child took frontend 0 for hung and said it was not live, when either resumed
     first. The silence while a process itself was stopped is nobody's."""
     make_model(tmp_path / "repo", "scaled", 2.0)
-    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    server = ServerProcess(tmp_path / "repo", *FRONTENDS_2, log_dir=tmp_path).start()
     assert server.proc is not None
     zero = server.proc.pid
     try:
@@ -592,7 +597,7 @@ def test_frontends_stopped_together_judge_no_silence_of_their_own(tmp_path: Path
             os.kill(then, signal.SIGSTOP)  # a second apart: `first` reads what `then` sent
             time.sleep(1.0)
             os.kill(first, signal.SIGSTOP)
-            time.sleep(frontends.HUNG_S + 1)  # (the conditions: stopped past HUNG_S)
+            time.sleep(HUNG_S + 1)  # (the conditions: stopped past --frontend-timeout)
             os.kill(first, signal.SIGCONT)
             try:  # the other still stopped: whoever answers is `first`, its checks made
                 wait_for(lambda: _answered(server) == "SERVING", 30, "the first to answer")
