@@ -34,6 +34,8 @@ def bounded_count(shape: Sequence[int], limit: int) -> int:
     make a product thousands of digits long, in time quadratic in its length."""
     if len(shape) > MAX_DIMS:
         return limit + 1
+    if 0 in shape:  # (a product that passed `limit` before its 0 counted [2, 0] as 1)
+        return 0
     count = 1
     for d in shape:
         count *= d
@@ -176,7 +178,7 @@ def to_raw(arr: Any, datatype: str | None = None) -> tuple[str, list[int], bytes
     dt = DATATYPES[name]
     if dt.is_bytes:
         return name, list(a.shape), serialize_bytes(a)
-    if name == "BF16" and a.dtype != np.uint16:
+    if name == "BF16" and (a.dtype.kind, a.dtype.itemsize) != ("u", 2):  # (">u2" too)
         raise ValueError("BF16 tensors travel as their uint16 bit patterns: pass a uint16 array")
     return name, list(a.shape), np.ascontiguousarray(a, dtype=dt.numpy).tobytes()
 

@@ -18,6 +18,7 @@ from batchd.protos.datatypes import DATATYPES, datatype_of
 from batchd.protos.model_config import ConfigError, load_model_config
 from batchd.protos.repository import load_repository
 from batchd.protos.tensors import (
+    bounded_count,
     bytes_element_offsets,
     bytes_row_offsets,
     contents_to_raw,
@@ -115,10 +116,32 @@ def test_raw_round_trip(datatype: str) -> None:
         assert len(raw) == 2 * DATATYPES[datatype].itemsize
 
 
+@pytest.mark.parametrize("datatype", sorted(d for d in SAMPLES if not DATATYPES[d].is_bytes))
+def test_a_big_endian_array_travels_as_its_values(datatype: str) -> None:
+    """Raw tensors are little-endian; a `>u2` array for BF16 was refused as not uint16."""
+    arr = SAMPLES[datatype]
+    swapped = arr.astype(arr.dtype.newbyteorder(">"))
+    assert to_raw(swapped, "BF16" if datatype == "BF16" else None) == to_raw(arr, datatype)
+
+
 @pytest.mark.parametrize("datatype", sorted(d for d in SAMPLES if DATATYPES[d].contents_field))
 def test_typed_contents_give_the_same_bytes_as_raw(datatype: str) -> None:
     arr = SAMPLES[datatype]
     assert contents_to_raw(datatype, arr.ravel().tolist()) == to_raw(arr)[2]
+
+
+@pytest.mark.parametrize("datatype", sorted(SAMPLES))
+@pytest.mark.parametrize("shape", [[2, 0], [0, 3], [5, 0, 7]])
+def test_a_tensor_with_a_0_in_its_shape_decodes_from_0_bytes(
+    datatype: str, shape: list[int]
+) -> None:
+    """[2, 0] counted as 1 element once its product passed the 0 bytes' limit (the 0
+    came after): a legal empty output failed in the client, a BYTES input in the worker."""
+    empty = np.empty(shape, SAMPLES[datatype].dtype)
+    name, got_shape, raw = to_raw(empty, "BF16" if datatype == "BF16" else None)
+    assert (got_shape, raw) == (shape, b"")
+    assert from_raw(name, shape, b"").shape == tuple(shape)
+    assert bounded_count([2**62, 2**62, 0], 10) == 0 and bounded_count([3, 4], 12) == 12
 
 
 def test_bytes_layout_is_length_prefixed_little_endian() -> None:
