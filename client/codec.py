@@ -12,6 +12,7 @@ to it safely (uint8 as INT32), is sent unchecked.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,7 @@ def build_request(
             raise InvalidInput(f"input names are strings, got {type(name).__name__}")
         override = (datatypes or {}).get(name)
         try:  # (a ragged list, a dtype with no datatype, an odd element)
-            a = _array(value)
+            a = _array(value, override)
             if override is not None:
                 a = _as_datatype(name, a, override)
             datatype, shape, raw = to_raw(a, override)
@@ -67,13 +68,22 @@ def build_request(
     return msg
 
 
-def _array(value: Any) -> np.ndarray:
+def _array(value: Any, datatype: str | None) -> np.ndarray:
     """An input as an array. Bytes or str not yet in one (a list) go into an object
-    array: a fixed-width S/U array, what np.asarray makes, drops trailing NULs."""
+    array: a fixed-width S/U array, what np.asarray makes, drops trailing NULs. Whole
+    numbers sent as an integer `datatype` that numpy made floats (an int past 2**53
+    beside others) are typed from the list, exactly: as floats 2**63 + 1 was 2**63,
+    and 2**64 - 1 out of UINT64's range."""
     if isinstance(value, np.ndarray):
         return value
     a = np.asarray(value)
-    return np.array(value, dtype=object) if a.dtype.kind in "SU" else a
+    if a.dtype.kind in "SU":
+        return np.array(value, dtype=object)
+    target = DATATYPES[datatype].numpy if datatype in DATATYPES else a.dtype
+    if a.dtype.kind == "f" and target.kind in "iu" and (a == np.trunc(a)).all():
+        with contextlib.suppress(OverflowError, ValueError):  # (one past the type: refused
+            return np.asarray(value, dtype=target)  # below, naming it)
+    return a
 
 
 def _as_datatype(name: str, a: np.ndarray, datatype: str) -> np.ndarray:

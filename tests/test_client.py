@@ -444,6 +444,8 @@ def test_a_call_past_a_message_limit_is_not_retried(big_server: ServerProcess) -
         (np.array([2**63], np.uint64), "INT64", "got 9223372036854775808 at [0]"),
         (np.array([1, 2**70], dtype=object), "UINT64", "got 1180591620717411303424 at [1]"),
         (np.array([1, "2"], dtype=object), "INT32", "got '2' at [1]"),
+        ([2**63, -1], "UINT64", "got -1.0 at [1]"),
+        ([2**63 + 1, 1.5], "INT64", "got 9.223372036854776e+18 at [0]"),
     ],
 )
 def test_a_datatypes_override_refuses_values_the_datatype_cannot_hold(
@@ -467,6 +469,10 @@ def test_a_datatypes_override_sends_values_the_datatype_holds() -> None:
         ([0.0, 1.0], "BOOL", np.array([False, True])),
         (np.array([2**70, 1], dtype=object), "FP64", np.float64([2.0**70, 1.0])),
         (np.float32([1.5]), "FP32", np.float32([1.5])),
+        # numpy makes these lists floats: 2**63 + 1 was sent as 2**63, 2**64 - 1 refused
+        ([[2**63 + 1, 0, 1]], "UINT64", np.uint64([[2**63 + 1, 0, 1]])),
+        ([2**64 - 1, 0, 1], "UINT64", np.uint64([2**64 - 1, 0, 1])),
+        ([2**53 + 1, 0, 1.0], "INT64", np.int64([2**53 + 1, 0, 1])),
     ]
     for values, datatype, sent in cases:
         msg = build_request("m", {"X": values}, datatypes={"X": datatype})
