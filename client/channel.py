@@ -95,6 +95,12 @@ def channel_options(max_message_bytes: int, own_connection: bool) -> list[tuple[
         # its model ran twice). batchd permits one every 10 s (--keepalive-permit-time).
         ("grpc.keepalive_time_ms", 300_000),
         ("grpc.keepalive_timeout_ms", 20_000),
+        # A server gone (restarting): gRPC connects again after 1 s, then 1.6 times longer
+        # each time, up to 2 min, and meanwhile fails every call at once with the last
+        # error, retries= too. Up to 2 s here, as the retries' own backoff: a call with
+        # retries and a 3 s timeout failed 0.75 s after the server was back.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2_000),
     ]
 
 

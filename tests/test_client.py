@@ -32,6 +32,7 @@ from batchd.client import (
     Unauthenticated,
     jobs_cli,
 )
+from batchd.client.channel import channel_options
 from batchd.client.codec import build_request, parse_response
 from batchd.client.core import ClientCore, Open, Rpc, Wait
 from batchd.client.errors import LimitExceeded, from_rpc_error
@@ -68,6 +69,28 @@ def test_policy_retries_only_busy_and_unavailable() -> None:
     assert policy.delay(0, busy, 0.1, rng) is None  # the wait would pass the deadline
     invalid = from_rpc_error(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT))
     assert policy.delay(0, invalid, None, rng) is None
+
+
+def test_a_backoff_past_the_timeout_is_cut_short_so_the_last_try_is_made() -> None:
+    """A drawn wait of up to 2 s with 0.75 s left gave up at once: a call with retries
+    and a 3 s timeout failed 0.75 s after its server was back. The wait is cut to half
+    the time left; with under 20 ms left, the call raises."""
+    rng, policy = random.Random(0), RetryPolicy(retries=100)
+    down = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE))
+    waits = [policy.delay(40, down, 0.75, rng) for _ in range(50)]
+    assert all(w is not None and 0 <= w <= 0.375 for w in waits), waits
+    assert policy.delay(40, down, 0.019, rng) is None
+    # a server's pushback is never cut: one past the time left raises
+    assert policy.delay(0, from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, 500)), 0.4,
+                        rng) is None  # fmt: skip
+
+
+def test_a_channel_connects_again_within_the_retries_own_backoff() -> None:
+    """gRPC's own reconnect backoff (1 s, growing to 2 min) failed each retry at once
+    with its last error long after the server was back."""
+    options = dict(channel_options(1 << 20, own_connection=False))
+    assert options["grpc.initial_reconnect_backoff_ms"] <= 100
+    assert options["grpc.max_reconnect_backoff_ms"] <= RetryPolicy().max_s * 1000
 
 
 def test_resource_exhausted_without_pushback_is_a_limit_never_retried() -> None:
