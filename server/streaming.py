@@ -218,7 +218,10 @@ async def write_all(
 ) -> None:
     """Each response written to the call, until one cannot be: its caller left while it
     waited for room (gRPC's flow control). Yielded to gRPC instead, such a write logged
-    an ERROR with a traceback (ExecuteBatchError) for every caller that went."""
+    an ERROR with a traceback (ExecuteBatchError) for every caller that went. The
+    headers go first, alone: with the first response's write failed, gRPC sent them
+    again with the status, and logged GRPC_CALL_ERROR_TOO_MANY_OPERATIONS."""
+    await context.send_initial_metadata(())
     async with contextlib.aclosing(responses):
         async for response in responses:
             try:

@@ -53,7 +53,15 @@ async def follow(core: Submitter, request: Request) -> AsyncGenerator[tuple[list
     finally:
         if not future.done() or stream.worker is not None:
             core.cancel(request)
+        # a failure its caller left before reading (stopped as the stream fell behind, its
+        # worker lost) is taken here: asyncio logged an ERROR for each, never retrieved
+        future.add_done_callback(_taken)
         stream.discard()
+
+
+def _taken(future: asyncio.Future[list[Tensor]]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def join_sequence(core: Submitter, request: Request, max_bytes: int) -> list[Tensor]:

@@ -9,6 +9,7 @@ The live tests run a server over a model written here, `wide`, with
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import math
@@ -31,7 +32,7 @@ from batchd.server import flow, recovery
 from batchd.server.errors import ModelFailed, ResponseTooLarge
 from batchd.server.flow import OUTPUT_COST, WINDOW, StepStream, StreamBudget
 from batchd.server.request import Batch, Request, Tensor
-from batchd.server.unary_steps import Joined
+from batchd.server.unary_steps import Joined, follow
 from tests.conftest import scrape, total
 from tests.servers import ServerProcess, wait_for
 
@@ -217,6 +218,36 @@ def unary(outputs: tuple[str, ...] = ("OUT", "FLAT", "GRID", "TEXT")) -> Request
 
 def out(k: int, width: int = 2, name: str = "OUT") -> Tensor:
     return Tensor(name, "INT64", (1, width), np.full(width, k, np.int64).tobytes())
+
+
+def test_a_failure_its_caller_left_before_reading_is_taken_not_logged() -> None:
+    """A stream's caller left (cancelled) after its sequence failed (stopped as it fell
+    behind, its worker lost) but before it read the failure: asyncio logged "Future
+    exception was never retrieved", an ERROR per sequence, which any client could cause."""
+
+    class Core:
+        def submit(self, request: Request) -> asyncio.Future[list[Tensor]]:
+            self.future: asyncio.Future[list[Tensor]] = asyncio.get_running_loop().create_future()
+            return self.future
+
+        def cancel(self, request: Request) -> None:
+            pass
+
+    async def body() -> list[str]:
+        logged: list[str] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, c: logged.append(c["message"]))
+        core, r = Core(), unary()
+        assert r.stream is not None and r.stream.push([out(1)])
+        steps = follow(core, r)
+        assert (await anext(steps))[0] == [out(1)]
+        core.future.set_exception(ModelFailed("stopped: its caller took none of its outputs"))
+        await steps.aclose()  # the caller left
+        del core.future, steps
+        await asyncio.sleep(0)  # (the done callbacks)
+        gc.collect()
+        return logged
+
+    assert asyncio.run(body()) == []
 
 
 def test_a_sequence_without_outputs_answers_each_requested_output_empty() -> None:
@@ -794,20 +825,23 @@ def test_a_unary_step_over_a_response_is_refused_before_its_worker_sends_it(
     )
 
 
+@pytest.mark.parametrize("taken", [1, 0])
 def test_a_caller_that_leaves_while_its_responses_wait_for_room_logs_no_error(
-    wide: tuple[ServerProcess, Path],
+    wide: tuple[ServerProcess, Path], taken: int
 ) -> None:
     """Three callers of 512 KiB outputs stop reading, then cancel, while the server's
     writes wait for room in their HTTP/2 windows: the write that fails ends each
     stream quietly. gRPC wrote the responses itself before, and logged an ERROR with a
-    traceback (ExecuteBatchError) for each such caller."""
+    traceback (ExecuteBatchError) for each such caller; and where the first response's
+    write failed, one for sending the headers twice (TOO_MANY_OPERATIONS)."""
     server, _ = wide
     before = server.log().count("ExecuteBatchError")
     for k in range(3):
         with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            call = stub.ModelStreamInfer(iter([wide_request(130 + k, 40, width=65536)]))
-            next(call)  # one taken; the others wait for the window the caller never opens
+            call = stub.ModelStreamInfer(iter([wide_request(130 + 3 * taken + k, 40, width=65536)]))
+            for _ in range(taken):  # the others wait for the window the caller never opens
+                next(call)
             wait_for(lambda: total(scrape(server), "batchd_sequences_held") == 1, 30, "held")
             call.cancel()
         wait_for(lambda: total(scrape(server), "batchd_sequences_active") == 0, 30, "its end")
