@@ -131,8 +131,14 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             raise
         allow = e.headers.get("Allow")
         return error_response(e.status, e.text or e.reason, {"Allow": allow} if allow else None)
-    except TimeoutError:
-        return error_response(408, "the request body did not arrive in time")
+    except TimeoutError:  # sent, then the connection closed: aiohttp read on for the rest
+        late = error_response(408, "the request body did not arrive in time")  # of the body
+        late.force_close()  # for 10 s more (its lingering), holding the socket
+        await late.prepare(request)
+        await late.write_eof()
+        if request.transport is not None:
+            request.transport.close()  # (after what is buffered: the 408 reaches its caller)
+        return late
     except (ConnectionError, asyncio.CancelledError):
         raise
     except Exception:
