@@ -63,6 +63,8 @@ class StreamBudget:
         self.largest = 0  # the largest one-shot answer held yet (what one of unknown size
         # is promised)
         self.taken_at = time.monotonic()  # when its caller last took an output
+        # when a sequence of it was last stopped for its caller's reading nothing (0: never)
+        self.behind_at = 0.0
         self.running: dict[StepStream, float] = {}  # its sequences not ended: their models'
         # execution_timeout_s (a wait for another's output is at most the longest)
         self._asks: dict[StepStream, int] = {}  # sequences waiting to borrow, in order
@@ -188,7 +190,8 @@ class StepStream:
         # it ended and its caller took all its outputs
         self.reserved = reserved
         self.grant: Callable[[int, bool], None] | None = None
-        self._taken_at = time.monotonic()  # when its caller last took an output
+        # when its caller last took an output; when its request was read
+        self._taken_at = self.made_at = time.monotonic()
         self.watched = False  # a held sequence's timer runs (Sequences: the caller's stall)
         self.idle_watches = 0  # its timer's times in a row with nothing for its caller
 
@@ -223,6 +226,13 @@ class StepStream:
         self.need = need
         self._settle()
         return True
+
+    def forsaken(self) -> bool:
+        """Whether it was read before a sequence of its stream was stopped for its caller's
+        reading nothing, and the caller has read nothing since: not to be started (one
+        stream of such requests held the slots for execution_timeout_s each round)."""
+        b = self.budget
+        return b is not None and b.behind_at > max(self.made_at, b.taken_at)
 
     @property
     def paused(self) -> bool:

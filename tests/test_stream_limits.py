@@ -770,6 +770,37 @@ def test_a_caller_that_reads_nothing_for_execution_timeout_s_is_stopped_not_its_
     ]
 
 
+def test_a_stream_that_reads_nothing_holds_the_slots_once_not_once_per_request_it_sent(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """Eight sequences on one stream whose caller reads nothing: four take the slots and
+    are held, four queue. Once the held ones are stopped (execution_timeout_s), the four
+    queued behind them, read before, fail unstarted, and another caller's sequence takes
+    a slot. Before, they took the slots in turn for another execution_timeout_s each
+    round: a stream of 64 such requests kept another caller waiting 20 s (3 s limit)."""
+    server, log = wide
+    sent: queue.Queue[pb.ModelInferRequest | None] = queue.Queue()
+    for k in range(8):
+        sent.put(wide_request(200 + k, 250, width=16384))
+    behind = stub.ModelStreamInfer(iter(sent.get, None), timeout=120)
+    try:
+        wait_for(lambda: total(scrape(server), "batchd_sequences_held") == 4, 60, "4 held")
+        with grpc.insecure_channel(server.url, options=CHANNEL) as channel:
+            another = pb_grpc.GRPCInferenceServiceStub(channel)
+            other = list(another.ModelStreamInfer(iter([wide_request(299, 3)]), timeout=60))
+        sent.put(None)
+        responses = list(behind)
+    finally:
+        behind.cancel()
+    assert [r.error_message for r in other] == [""] * 3
+    errors = {r.infer_response.id: r.error_message for r in responses if r.error_message}
+    ran = {s for s in range(200, 208) if stepped(log, s)}
+    assert len(ran) == 4 and set(errors) == {str(s) for s in range(200, 208)}, errors
+    for s in range(200, 208):
+        said = "while its sequence waited for it" if s in ran else "was not started"
+        assert said in errors[str(s)], errors[str(s)]
+
+
 @pytest.mark.parametrize(("sequences", "steps", "width"), [(4, 8, 65536), (16, 40, 1)])
 def test_a_caller_reading_as_fast_as_it_can_gets_every_output_of_every_sequence(
     wide: tuple[ServerProcess, Path], stub: Any, sequences: int, steps: int, width: int
