@@ -1419,6 +1419,9 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     "2**40 rows in 64 bytes, outputs in JSON": (  # (it was told to ask for binary outputs)
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [2**40, 16], 64)]}, ZEROS),
         "1099511627776 rows would need more batches of 32 than model 'tiny' queues"),
+    "2**40 rows of no element, outputs in JSON": (  # (its outputs' room was not decoding's)
+        TINY, one("INPUT0", "FP32", [2**40, 0], []), {},
+        "expected shape [-1, 16] (batch dim first), got [1099511627776, 0]"),
     "negative binary_data_size": (
         TINY, *binary_body({"inputs": [bin_input("INPUT0", "FP32", [1, 16], -1)]}, ZEROS),
         "binary_data_size must be a non-negative integer, got a number '-1'"),
