@@ -30,6 +30,7 @@ from batchd.protos.tensors import (
 )
 
 CLIP = 64  # characters of a name or datatype from the server quoted in a message
+EXACT = 2.0**53  # past it, a float holds not every whole number
 
 
 def build_request(
@@ -80,9 +81,11 @@ def _array(value: Any, datatype: str | None) -> np.ndarray:
     if a.dtype.kind in "SU":
         return np.array(value, dtype=object)
     target = DATATYPES[datatype].numpy if datatype in DATATYPES else a.dtype
-    if a.dtype.kind == "f" and target.kind in "iu" and (a == np.trunc(a)).all():
+    if a.dtype.kind == "f" and target.kind in "iu" and (abs(a) >= EXACT).any():
         with contextlib.suppress(OverflowError, ValueError):  # (one past the type: refused
-            return np.asarray(value, dtype=target)  # below, naming it)
+            exact = np.asarray(value, dtype=target)  # below, naming it)
+            if np.array_equal(exact.astype(np.float64), a):  # what numpy's own floats in the
+                return exact  # list made (it wraps them: -1.0 as UINT64 2**64 - 1) is not
     return a
 
 

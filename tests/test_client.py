@@ -468,6 +468,8 @@ def test_a_call_past_a_message_limit_is_not_retried(big_server: ServerProcess) -
         (np.array([1, 2**70], dtype=object), "UINT64", "got 1180591620717411303424 at [1]"),
         (np.array([1, "2"], dtype=object), "INT32", "got '2' at [1]"),
         ([2**63, -1], "UINT64", "got -1.0 at [1]"),
+        (list(np.array([-2.0, 7.0])), "UINT8", "got -2.0 at [0]"),  # numpy's floats: wrapped
+        ([np.float64(-1.0), 2**63], "UINT64", "got -1.0 at [0]"),
         ([2**63 + 1, 1.5], "INT64", "got 9.223372036854776e+18 at [0]"),
     ],
 )
