@@ -43,6 +43,9 @@ SOCKET = "BATCHD_FRONTEND_SOCKET"  # ... and its socket for the others (siblings
 Models = tuple[dict[str, ModelConfig], dict[str, Files]]  # by name: config, files then
 log = logging.getLogger("batchd.server")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.5, 10.0, 30.0
+# A child's first beat comes once it has imported and set up (~1 s, more on a loaded
+# host): till then it has this long, however short --frontend-timeout (1 s killed each)
+START_S = 10.0
 T = TypeVar("T")
 
 
@@ -210,9 +213,10 @@ async def _watched(
     which hung. Each beat is answered, from this loop: the child hears whether this
     process is hung."""
     heard = woke = time.monotonic()
+    limit = max(hung_s, START_S)  # till its first beat: it imports and sets up first
 
     def beat() -> None:
-        nonlocal heard
+        nonlocal heard, limit
         try:
             got = os.read(beats, 4096)
         except BlockingIOError:
@@ -222,7 +226,7 @@ async def _watched(
         if not got:  # its exit comes next
             loop.remove_reader(beats)
             return
-        heard = time.monotonic()
+        heard, limit = time.monotonic(), hung_s
         with contextlib.suppress(OSError):  # (the child's side full: it is behind)
             os.write(beats, b".")
 
@@ -234,8 +238,8 @@ async def _watched(
             if (now := time.monotonic()) - woke > hung_s / 2:  # this process was stopped
                 heard = now  # itself (the whole group: Ctrl-Z, a freeze): nobody's silence
             woke = now
-            if now - heard > hung_s and proc.returncode is None:
-                log.error("frontend %d (pid %d) silent for %g s; killing it", i, proc.pid, hung_s)
+            if now - heard > limit and proc.returncode is None:
+                log.error("frontend %d (pid %d) silent for %g s; killing it", i, proc.pid, limit)
                 proc.kill()
         return code
     finally:

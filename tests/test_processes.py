@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -672,6 +673,29 @@ def test_a_child_frontend_restarts_sooner_again_after_a_stable_run() -> None:
         last = frontends.restart_after(last, ran_s)
         waits.append(last)
     assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 0.5, 1.0]  # (it stayed at 10 s)
+
+
+def test_a_child_frontend_has_time_to_start_before_its_silence_counts() -> None:
+    """--frontend-timeout 1 killed each child before its first beat, over and over (it
+    beats once it has imported and set up: ~1 s). Till its first beat a child has
+    START_S; from then, the timeout. A real child process, watched as frontend 0 does."""
+
+    async def watched(script: str) -> int | None:
+        ours, theirs = socket.socketpair()
+        beats, beating = ours.detach(), theirs.detach()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, str(beating), pass_fds=(beating,)
+        )
+        os.close(beating)
+        try:
+            return await asyncio.wait_for(frontends._watched(proc, beats, 1, 1.0), 30)
+        finally:
+            os.close(beats)
+
+    slow_start = "import time; time.sleep(2)"  # no beat yet: it ends by itself, at 2 s
+    assert asyncio.run(watched(slow_start)) == 0
+    then_silent = "import os, sys, time; os.write(int(sys.argv[1]), b'.'); time.sleep(60)"
+    assert asyncio.run(watched(then_silent)) == -signal.SIGKILL
 
 
 def test_frontends_refuse_what_they_cannot_share(tmp_path: Path) -> None:
