@@ -28,14 +28,15 @@ import ssl
 import threading
 import weakref
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from batchd.server.config import Connections
-from batchd.server.errors import QueueFull
+from batchd.server.errors import BatchdError, QueueFull, clip, http_status
 
 log = logging.getLogger("batchd.server")
 protocol_log = logging.getLogger("batchd.server.http")
@@ -192,6 +193,48 @@ def bounded_send(seconds: float) -> Middleware:
         return response
 
     return send
+
+
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None,
+                   ) -> web.Response:  # fmt: skip
+    body = orjson.dumps({"error": message})
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure as `{"error": ...}` with its status: a BatchdError's from its
+    gRPC code, aiohttp's own (404 route, 405, 413 body) with their text."""
+    try:
+        return await handler(request)
+    except BatchdError as e:
+        status, headers = http_status(e)
+        return error_response(status, e.message, headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        allow = e.headers.get("Allow")
+        return error_response(e.status, e.text or e.reason, {"Allow": allow} if allow else None)
+    except TimeoutError:  # (what is left of the body is not waited for)
+        late = error_response(408, "the request body did not arrive in time")
+        return await sent_then_closed(request, late)
+    except (ConnectionError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("HTTP %s %s failed", request.method, clip(request.path))
+        return error_response(500, "internal error; the server log has the details")
+
+
+async def sent_then_closed(request: web.Request, response: web.Response) -> web.Response:
+    """`response` sent now, then its connection closed, after what is buffered (so that
+    it reaches its caller): for a body that did not come, aiohttp read on for the rest of
+    it 10 s more (its lingering), holding the socket past --handshake-timeout."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None:
+        request.transport.close()
+    return response
 
 
 def same_site(listening_on: str) -> Middleware:

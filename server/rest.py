@@ -49,7 +49,6 @@ from batchd.server.errors import (
     InvalidInput,
     Unauthenticated,
     clip,
-    http_status,
 )
 from batchd.server.http_site import (
     INFLATED_BODIES,
@@ -60,6 +59,8 @@ from batchd.server.http_site import (
     PatientStream,
     bounded_send,
     encoding,
+    error_response,
+    errors_as_json,
     same_site,
 )
 from batchd.server.jobs.rest import JobRoutes
@@ -82,12 +83,6 @@ log = logging.getLogger("batchd.server")
 INLINE_BYTES, INLINE_VALUES = 256 * 1024, 4096  # more: off the loop (values: its , and [)
 REST_EXTENSIONS = sorted([*EXTENSIONS, "binary_tensor_data", "generate"])
 JSON = "application/json"
-
-
-def error_response(status: int, message: str, headers: Mapping[str, str] | None = None,
-                   ) -> web.Response:  # fmt: skip
-    body = orjson.dumps({"error": message})
-    return web.Response(status=status, body=body, content_type=JSON, headers=headers)
 
 
 def json_response(value: Any, status: int = 200) -> web.Response:
@@ -117,35 +112,6 @@ def _json_bytes(size: int) -> int:
     return 0 if size > MAX_JSON_BYTES else size
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure as `{"error": ...}` with its status: a BatchdError's from its
-    gRPC code, aiohttp's own (404 route, 405, 413 body) with their text."""
-    try:
-        return await handler(request)
-    except BatchdError as e:
-        status, headers = http_status(e)
-        return error_response(status, e.message, headers)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        allow = e.headers.get("Allow")
-        return error_response(e.status, e.text or e.reason, {"Allow": allow} if allow else None)
-    except TimeoutError:  # sent, then the connection closed: aiohttp read on for the rest
-        late = error_response(408, "the request body did not arrive in time")  # of the body
-        late.force_close()  # for 10 s more (its lingering), holding the socket
-        await late.prepare(request)
-        await late.write_eof()
-        if request.transport is not None:
-            request.transport.close()  # (after what is buffered: the 408 reaches its caller)
-        return late
-    except (ConnectionError, asyncio.CancelledError):
-        raise
-    except Exception:
-        log.exception("HTTP %s %s failed", request.method, clip(request.path))
-        return error_response(500, "internal error; the server log has the details")
-
-
 class RestApi:
     """The routes; everything they call is the gRPC edge's."""
 
@@ -160,13 +126,14 @@ class RestApi:
         host: str = "127.0.0.1",  # --host: on loopback, only loopback names (same_site)
     ) -> None:
         self._service, self._core, self._tokens = service, core, tokens
-        body_timeout_s = connections.handshake_timeout_s
-        self._body_timeout_s = body_timeout_s or None  # 0: none (asyncio's 0 is "at once")
+        body_timeout_s = connections.handshake_timeout_s  # 0: none (asyncio's 0: "at once")
+        self._body_timeout_s = body_timeout_s or None
         self._max_body = max_body_bytes
         self._inflated = InflateBudget(INFLATED_BODIES * max_body_bytes)
         sent = bounded_send(connections.max_age_grace_s)  # outermost: error answers too
         self.app = web.Application(
-            client_max_size=max_body_bytes, middlewares=[sent, _errors, same_site(host), self._auth]
+            client_max_size=max_body_bytes,
+            middlewares=[sent, errors_as_json, same_site(host), self._auth],
         )
         get = self.app.router.add_get  # GET: HEAD too
 
