@@ -32,6 +32,7 @@ from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos.datatypes import DATATYPES
 from batchd.protos.tensors import to_raw
 from batchd.server import frontends
+from batchd.server.config import Frontends
 from tests.conftest import (
     MODEL_TOML,
     SAMPLES,
@@ -588,7 +589,9 @@ def test_frontends_stopped_together_judge_no_silence_of_their_own(tmp_path: Path
     the child took frontend 0 for hung and said it was not live, when either resumed
     first. The silence while a process itself was stopped is nobody's."""
     make_model(tmp_path / "repo", "scaled", 2.0)
-    server = ServerProcess(tmp_path / "repo", *FRONTENDS_2, log_dir=tmp_path).start()
+    # (the default --frontend-timeout: the first to resume must be asked before it finds
+    # the other silent for it; 4 s were too few for a busy run's tries at 1 s each)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
     assert server.proc is not None
     zero = server.proc.pid
     try:
@@ -598,7 +601,7 @@ def test_frontends_stopped_together_judge_no_silence_of_their_own(tmp_path: Path
             os.kill(then, signal.SIGSTOP)  # a second apart: `first` reads what `then` sent
             time.sleep(1.0)
             os.kill(first, signal.SIGSTOP)
-            time.sleep(HUNG_S + 1)  # (the conditions: stopped past --frontend-timeout)
+            time.sleep(Frontends().hung_s + 1)  # (the conditions: stopped past its timeout)
             os.kill(first, signal.SIGCONT)
             try:  # the other still stopped: whoever answers is `first`, its checks made
                 wait_for(lambda: _answered(server) == "SERVING", 30, "the first to answer")
