@@ -63,8 +63,9 @@ class StreamBudget:
         self.largest = 0  # the largest one-shot answer held yet (what one of unknown size
         # is promised)
         self.taken_at = time.monotonic()  # when its caller last took an output
-        # when a sequence of it was last stopped for its caller's reading nothing (0: never)
-        self.behind_at = 0.0
+        # by model key: when a sequence of it was last stopped for its caller's reading
+        # nothing, and what its requests queued then are told (Sequences._stalled)
+        self.behind: dict[str, tuple[float, str]] = {}
         self.running: dict[StepStream, float] = {}  # its sequences not ended: their models'
         # execution_timeout_s (a wait for another's output is at most the longest)
         self._asks: dict[StepStream, int] = {}  # sequences waiting to borrow, in order
@@ -227,12 +228,13 @@ class StepStream:
         self._settle()
         return True
 
-    def forsaken(self) -> bool:
-        """Whether it was read before a sequence of its stream was stopped for its caller's
-        reading nothing, and the caller has read nothing since: not to be started (one
-        stream of such requests held the slots for execution_timeout_s each round)."""
-        b = self.budget
-        return b is not None and b.behind_at > max(self.made_at, b.taken_at)
+    def forsaken(self, model: str) -> str | None:
+        """Why not to start it, if it was read before a sequence of `model` on its stream
+        was stopped for its caller's reading nothing, and the caller has read nothing
+        since (one stream of such requests held the model's slots for its
+        execution_timeout_s each round); None to start it."""
+        at, why = self.budget.behind.get(model, (0.0, "")) if self.budget else (0.0, "")
+        return why if self.budget and at > max(self.made_at, self.budget.taken_at) else None
 
     @property
     def paused(self) -> bool:

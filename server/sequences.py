@@ -71,12 +71,8 @@ class Sequences:
             worker = self._pool.choose_slot(model)
             stream = r.stream
             assert stream is not None, "a step-wise request has its stream"
-            if stream.forsaken() and not r.future.done():
-                limit = model.instances.execution_timeout_s
-                r.future.set_exception(StreamBehind(
-                    f"this stream's caller took none of the outputs of model {model.name!r} "
-                    f"for {limit:g} s (its execution_timeout_s) while an earlier sequence "
-                    "waited for it; this request, read before, was not started"))  # fmt: skip
+            if (why := stream.forsaken(model.key)) and not r.future.done():
+                r.future.set_exception(StreamBehind(why))
                 self._pump_soon()  # (the slot it would have had: the next request's)
                 continue
             if worker is None or r.future.done():  # no slot after all, or its caller left
@@ -263,7 +259,11 @@ class Sequences:
                 f"the sequence was stopped after {stream.sent}"
             )
             if stream.budget is not None:  # its stream's requests queued behind it go too
-                stream.budget.behind_at = time.monotonic()
+                stream.budget.behind[sequence.model.key] = (time.monotonic(), (
+                    f"this stream's caller took none of the outputs of model "
+                    f"{sequence.model.name!r} for {limit:g} s (its execution_timeout_s) while "
+                    "an earlier sequence waited for it; this request, read before, was not "
+                    "started"))  # fmt: skip
             self._stop(worker, sequence, stalled)
         elif stream.paused:  # it read meanwhile: its caller has that long from then
             self._watch(identity, sequence)

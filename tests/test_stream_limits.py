@@ -799,6 +799,7 @@ def test_a_stream_that_reads_nothing_holds_the_slots_once_not_once_per_request_i
     for s in range(200, 208):
         said = "while its sequence waited for it" if s in ran else "was not started"
         assert said in errors[str(s)], errors[str(s)]
+        assert "of model 'wide' for 3 s (its execution_timeout_s)" in errors[str(s)]
 
 
 @pytest.mark.parametrize(("sequences", "steps", "width"), [(4, 8, 65536), (16, 40, 1)])
