@@ -26,7 +26,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from batchd.worker import InputRefused, alone, frontend_link, loader, merge
 from batchd.worker.execute import COUNTED, BatchError, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
-from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence
+from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence, time_limit
 from batchd.worker.loader import ModelFn
 from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
 
@@ -76,7 +76,7 @@ class Runner:
         # (index of the frontend that sent it, header, frames)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]
         self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # WorkerInfo's
-        self._busy: tuple[int, list[merge.Item] | None, float]  # forward: since, batches, limit
+        self._busy: tuple[int, Sequence[merge.Item] | None, float]  # since, batches, limit
         self._busy = (time.perf_counter_ns(), None, 0.0)  # (None: since when none runs)
         self._stop = threading.Event()
         self._tables = threading.Lock()  # the loader and the compute thread replace them
@@ -138,13 +138,18 @@ class Runner:
         """A round of every step-wise model's loop (none while a frontend is behind): after
         each forward too, so sequences step between forwards."""
         for loop in [] if held_back else self.loops.values():
-            if stepping := loop.busy:  # its beats say so: a round is work, to its limit
-                self._busy = (time.perf_counter_ns(), [], loop.cfg.instances.execution_timeout_s)
-            replies = loop.round()
-            if stepping:
-                self._busy = (time.perf_counter_ns(), None, 0.0)
+            limit = loop.cfg.instances.execution_timeout_s  # its beats say so: a round is
+            replies = self._timed(limit, loop.round) if loop.busy else loop.round()  # work
             for frontend, parts, ends in replies:
                 reply(frontend, parts, ends)
+
+    def _timed(self, limit: float, work: Callable[[], Any], group: Sequence[Any] = ()) -> Any:
+        """`work()`, busy in the heartbeats meanwhile (running `group`), held to `limit`."""
+        self._busy = (time.perf_counter_ns(), group, limit)
+        try:
+            return work()
+        finally:
+            self._busy = (time.perf_counter_ns(), None, 0.0)
 
     def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
         """Do one piece of work from a frontend; returns an item taken but not done
@@ -156,9 +161,11 @@ class Runner:
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
-            for to, parts, ends in on_sequence(
-                self.loops, frontend, header, frames, self.options.device
-            ):
+            work = functools.partial(
+                on_sequence, self.loops, frontend, header, frames, self.options.device
+            )
+            limit = time_limit(self.loops, header)  # None: a CREDIT runs no model code
+            for to, parts, ends in work() if limit is None else self._timed(limit, work):
                 reply(to, parts, ends)
         else:
             cfg, _ = self.models.get(model_key(header.model, header.version), (None, None))
@@ -169,14 +176,12 @@ class Runner:
                 self._alone.ran(frontend, header)
                 raise
             limit = cfg.instances.execution_timeout_s if cfg else 0.0  # (the heartbeats tell)
-            self._busy = (time.perf_counter_ns(), group, limit)
             try:
-                replies = self._run(group)
+                replies = self._timed(limit, functools.partial(self._run, group), group)
             except Exception as e:  # past the forward (a split, a pack): all of it fails
                 log.exception("batch %d failed", header.batch_id)
                 replies = [(f, failed(h, e)[0]) for f, h, _ in group]
             finally:
-                self._busy = (time.perf_counter_ns(), None, 0.0)
                 for f, h, _ in group:
                     self._alone.ran(f, h)
             for to, parts in replies:
@@ -302,14 +307,12 @@ class Runner:
             grace = self._loop(links, results)
         finally:
             end = time.monotonic() + grace
-            if not self._loader.stop(max(grace, 1.0)):  # it ends the compute thread's queue
-                log.error("a model is still loading after %.0f s; exiting without it", grace)
-                os._exit(3)
+            if not self._loader.stop(waited := max(grace, 1.0)):  # it ends the compute
+                log.error("a model is still loading %.0f s on; exiting without it", waited)
+                os._exit(3)  # thread's queue
             compute.join(timeout=max(0.0, end - time.monotonic()))
             if compute.is_alive():  # a hung model: no way to stop its thread but to leave
-                log.error(
-                    "the model is still running after %.0f s; exiting without it", STOP_GRACE_S
-                )
+                log.error("the model is still running after %.0f s; exiting", STOP_GRACE_S)
                 os._exit(3)
             results.close(linger=0)
             now = time.monotonic()
