@@ -12,6 +12,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -163,5 +164,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> NoReturn:
+    """main(), then out at once: Python's exit waits for every thread not a daemon, and a
+    model's own (started in load() or a forward) kept the worker alive for good after
+    SIGTERM (under a server, its stop waited 10 s, then killed it)."""
+    code = 1
+    try:
+        code = main()
+    except SystemExit as e:  # (argparse's)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
