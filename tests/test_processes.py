@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from batchd.client import AsyncClient, Client, ServerUnavailable
+from batchd.client import AsyncClient, Client, DeadlineExceeded, ServerUnavailable
 from batchd.client.codec import build_request, parse_response
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
@@ -108,6 +108,32 @@ def test_worker_started_by_hand_joins_over_tcp(tmp_path: Path) -> None:
         assert server.stop() == 0, server.log()
 
 
+def test_a_worker_whose_model_left_a_thread_running_exits_on_sigterm(tmp_path: Path) -> None:
+    """Python's exit waits for every thread that is not a daemon: one a model started (in
+    load(), or a forward's helper) kept a worker alive after SIGTERM for good (under a
+    server, its stop waited 10 s, then killed it). The worker leaves without it."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    model = make_model(tmp_path / "repo", "scaled", 2.0)
+    with (model / "model.py").open("a") as f:
+        f.write("\nimport threading as _t, time as _time\n"  # (not a daemon)
+                "_t.Thread(target=_time.sleep, args=(3600,), daemon=False).start()\n")  # fmt: skip
+    server = ServerProcess(tmp_path / "repo", "--no-local-workers", "--worker-endpoint",
+                           endpoint, log_dir=tmp_path).start(ready=False)  # fmt: skip
+    cmd = [sys.executable, "-m", "batchd.worker", "--connect", endpoint, "--device", "cpu",
+           "--model-repository", str(tmp_path / "repo"), "--threads", "1"]  # fmt: skip
+    worker = subprocess.Popen(cmd)
+    try:
+        with Client(server.url) as c:
+            wait_for(lambda: c.model_ready("scaled"), 60, "the hand-started worker")
+            assert c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=30)["Y"][0, 0] == 2
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        assert server.stop() == 0, server.log()
+
+
 # A frontend judged hung sooner than the default 10 s (the tests below wait for it),
 # yet far above the loop stalls of a busy 2-core run.
 HUNG_S = 4.0
@@ -140,6 +166,34 @@ class Counter:  # sequence ID yields ID * 1000 + k at step k; ID 7 ends at step 
 def load(device):
     return Counter()
 """
+
+
+def test_a_release_that_hangs_is_its_model_s_fault_within_its_execution_timeout(
+    tmp_path: Path,
+) -> None:
+    """A step-wise model's release() (run as its caller leaves) that never returns held
+    the worker while its heartbeats said idle: the next batch of another model was
+    blamed, after that model's 60 s, every call of every model waiting meanwhile. A
+    start() or release() is work held to its model's execution_timeout_s (2 s here)."""
+    stuck = tmp_path / "repo" / "stuck"
+    stuck.mkdir(parents=True)
+    (stuck / "model.toml").write_text(SLOW_STEPS_TOML + "[instances]\nexecution_timeout_s = 2\n")
+    (stuck / "model.py").write_text(SLOW_STEPS_PY.replace(
+        "def load(device):", "Counter.release = lambda self, state: time.sleep(3600)\n"
+        "def load(device):"))  # fmt: skip
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    try:
+        with Client(server.url) as c:
+            with pytest.raises(DeadlineExceeded):  # its caller leaves: release() hangs
+                for _ in c.stream("stuck", {"ID": np.array([1])}, timeout=0.5):
+                    pass
+            lost = "ran past execution_timeout_s 2.0"
+            wait_for(lambda: lost in server.log(), 30, "the worker found stuck in release()")
+            assert "model 'scaled'" not in server.log().split(lost)[0].splitlines()[-1]
+            assert c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=60)["Y"][0, 0] == 2
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_a_frontend_of_several_starts_a_sequence_on_the_worker_the_others_leave_free(
