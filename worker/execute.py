@@ -11,6 +11,7 @@ arrays of `bytes`.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +51,15 @@ class BatchError(Exception):
 
 
 WHY_CHARS = 4096  # of a model's exception message, at most, in a reply
+_PID = os.getpid()
+
+
+def forked_off() -> None:
+    """Called as a model's code returns or raises: in a process it forked (os.fork() in
+    a forward) this copy of the worker would go on, with the worker's sockets: it hung,
+    holding its memory, past the server's stop. It ends here, at once."""
+    if os.getpid() != _PID:
+        os._exit(0)
 
 
 def why(e: BaseException) -> str:
@@ -159,7 +169,10 @@ def run_batch(
             args = [to_model_input(*by_name[name], device) for name in names]
         except KeyError as e:
             raise BatchError(f"batch lacks input {e}") from None
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        finally:
+            forked_off()
     # A packed input's elements: the first dim of the outputs `ragged_like` it; a padded
     # one's width: their second (the frontend cuts each request's positions from it).
     elements = {s.name: int(by_name[s.name][0].shape[0]) for s in cfg.inputs if s.packed}

@@ -43,7 +43,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker import InputRefused
-from batchd.worker.execute import BatchError, encode_output, to_model_input, why
+from batchd.worker.execute import BatchError, encode_output, forked_off, to_model_input, why
 
 log = logging.getLogger("batchd.worker")
 Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends
@@ -212,7 +212,10 @@ class StepLoop:
         start = time.perf_counter_ns()
         try:
             with torch.inference_mode():
-                results = self.model.step([s.state for s in stepping])
+                try:
+                    results = self.model.step([s.state for s in stepping])
+                finally:
+                    forked_off()
             if len(results) != len(stepping):
                 raise BatchError(
                     f"step() returned {len(results)} results for {len(stepping)} sequences"
@@ -292,7 +295,10 @@ class StepLoop:
 
     def _start(self, joining: list[Running]) -> list[Any]:
         with torch.inference_mode():
-            states = self.model.start([s.inputs for s in joining])
+            try:
+                states = self.model.start([s.inputs for s in joining])
+            finally:
+                forked_off()
         if len(states) != len(joining):
             raise BatchError(f"start() returned {len(states)} states for {len(joining)}")
         return list(states)
@@ -329,6 +335,8 @@ class StepLoop:
                 release(s.state)
         except BaseException:  # a release that fails frees nothing more; the loop goes on
             log.exception("model %s: release() raised", self.cfg.name)
+        finally:
+            forked_off()
         s.state = None
 
 
