@@ -351,31 +351,31 @@ def load(device):
 """
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no team anyway")
-def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -> None:
-    # OpenMP keeps its thread count per thread: `--threads 1`, set in the main
-    # thread, must also hold in the compute thread, or a large op starts a team of
-    # one spinning thread per core there and takes the CPU the frontend needs.
-    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(THREAD_COUNTING_MODEL))
+def _forwards(tmp_path: Path, source: str, count: int, threads: int = 1) -> list[float]:
+    """The first output value of each of `count` one-row batches of a model of `source`,
+    run on a runner's compute thread as `batchd worker --threads N` runs them."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(source))
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     ctx: zmq.Context[Any] = zmq.Context()
     results = ctx.socket(zmq.PULL)
     results.bind(runner_module._RESULTS)
     configured = torch.get_num_threads()
-    torch.set_num_threads(1)  # what `batchd worker --threads 1` does before serving
+    torch.set_num_threads(threads)  # what `batchd worker --threads N` does before serving
     compute = threading.Thread(target=runner._compute, args=(ctx,))
     compute.start()
+    values = []
     try:
         assert install(runner, wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")) == ""
-        tensors, frames = batch(X)
-        header = wire.Header(
-            kind=wire.Header.BATCH, batch_id=1, model=d.name, version="1", tensors=tensors
-        )
-        runner._work.put((0, header, frames))
-        reply, out = wire.unpack(results.recv_multipart()[1:])
-        assert reply.error == ""
-        new_threads = from_raw(reply.tensors[0].datatype, reply.tensors[0].shape, bytes(out[0]))
-        assert new_threads.max() == 0
+        for n in range(count):
+            tensors, frames = batch(X)
+            header = wire.Header(
+                kind=wire.Header.BATCH, batch_id=n + 1, model=d.name, version="1", tensors=tensors
+            )
+            runner._work.put((0, header, frames))
+            reply, out = wire.unpack(results.recv_multipart()[1:])
+            assert reply.error == ""
+            got = from_raw(reply.tensors[0].datatype, reply.tensors[0].shape, bytes(out[0]))
+            values.append(float(got.max()))
     finally:
         runner._work.put(None)
         compute.join()
@@ -383,6 +383,28 @@ def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -
         ctx.term()
         torch.set_num_threads(configured)
         gc.unfreeze()
+    return values
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no team anyway")
+def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -> None:
+    # OpenMP keeps its thread count per thread: `--threads 1`, set in the main
+    # thread, must also hold in the compute thread, or a large op starts a team of
+    # one spinning thread per core there and takes the CPU the frontend needs.
+    assert _forwards(tmp_path, THREAD_COUNTING_MODEL, 1) == [0.0]
+
+
+def test_a_model_that_sets_its_own_thread_count_leaves_the_next_batch_the_worker_s(
+    tmp_path: Path,
+) -> None:
+    """torch.set_num_threads(7) in a forward stuck for every batch after it, any model's:
+    the worker compared its own count with the one it had set last, not torch's."""
+    source = (
+        "import torch\n\ndef load(device):\n    def forward(x):\n"
+        "        seen = torch.get_num_threads()\n        torch.set_num_threads(7)\n"
+        "        return torch.full_like(x, float(seen))\n    return forward\n"
+    )
+    assert _forwards(tmp_path, source, 3, threads=2) == [2.0, 2.0, 2.0]
 
 
 def test_no_worker_class_shares_a_name_with_a_server_class() -> None:

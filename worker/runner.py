@@ -94,7 +94,7 @@ class Runner:
         # OpenMP keeps its thread count per thread (`--threads`, set in the main thread,
         # reached not this one: mlp's small batches spun a thread per core, 2 cores not 1)
         torch.set_num_threads(torch.get_num_threads())
-        self._threads_all = self._threads_now = torch.get_num_threads()
+        self._threads_all = torch.get_num_threads()
         out = ctx.socket(zmq.PUSH)
         out.connect(_RESULTS)
 
@@ -256,9 +256,8 @@ class Runner:
     def _use_threads(self, threads: int) -> None:
         """`threads` intra-op threads from now (each batch says if its model is under load):
         2 cores, mlp: 2 make a lone row ~30% faster, under load cost 16-20% of req/s."""
-        if threads != self._threads_now:
-            torch.set_num_threads(threads)
-            self._threads_now = threads
+        if threads != torch.get_num_threads():  # (not the count set last: a model may set
+            torch.set_num_threads(threads)  # its own, which stuck for every batch after it)
 
     # ---- I/O thread ----
 
