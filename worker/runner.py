@@ -311,7 +311,8 @@ class Runner:
                 os._exit(3)  # thread's queue
             compute.join(timeout=max(0.0, end - time.monotonic()))
             if compute.is_alive():  # a hung model: no way to stop its thread but to leave
-                log.error("the model is still running after %.0f s; exiting", STOP_GRACE_S)
+                what = "the model is still running after %.0f s; exiting without it"
+                log.error(what, STOP_GRACE_S)
                 os._exit(3)
             results.close(linger=0)
             now = time.monotonic()
