@@ -11,7 +11,6 @@ arrays of `bytes`.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -24,7 +23,7 @@ from batchd.protos.datatypes import DATATYPES
 from batchd.protos.model_config import ModelConfig, TensorSpec
 from batchd.protos.tensors import bytes_row_offsets, from_raw, raw_view, serialize_bytes
 from batchd.worker import InputRefused
-from batchd.worker.loader import ModelFn
+from batchd.worker.loader import ModelFn, forked_off
 
 # What the compute thread owes an answer for: a STOP waits for those (a sequence
 # counts until its last STEP).
@@ -51,15 +50,6 @@ class BatchError(Exception):
 
 
 WHY_CHARS = 4096  # of a model's exception message, at most, in a reply
-_PID = os.getpid()
-
-
-def forked_off() -> None:
-    """Called as a model's code returns or raises: in a process it forked (os.fork() in
-    a forward) this copy of the worker would go on, with the worker's sockets: it hung,
-    holding its memory, past the server's stop. It ends here, at once."""
-    if os.getpid() != _PID:
-        os._exit(0)
 
 
 def why(e: BaseException) -> str:

@@ -43,7 +43,8 @@ import torch
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker import InputRefused
-from batchd.worker.execute import BatchError, encode_output, forked_off, to_model_input, why
+from batchd.worker.execute import BatchError, encode_output, to_model_input, why
+from batchd.worker.loader import forked_off
 
 log = logging.getLogger("batchd.worker")
 Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends

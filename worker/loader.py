@@ -35,6 +35,8 @@ from torch.export.passes import move_to_device_pass
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.repository import confined
 
+_PID = os.getpid()  # the worker's (forked_off)
+
 ModelFn = Callable[..., Any]
 log = logging.getLogger("batchd.worker")
 
@@ -64,11 +66,14 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
-        load = getattr(module, "load", None)
-        if not callable(load):
-            raise TypeError(f"{cfg.artifact}: defines no load(device) function")
-        fn = _checked(cfg, _eval(load(device)))
+        try:
+            spec.loader.exec_module(module)
+            load = getattr(module, "load", None)
+            if not callable(load):
+                raise TypeError(f"{cfg.artifact}: defines no load(device) function")
+            fn = _checked(cfg, _eval(load(device)))
+        finally:
+            forked_off()
     except FileNotFoundError as e:
         _forget_module(module_name)
         _explain_relative_path(cfg, e)
@@ -79,6 +84,14 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     forget(cfg.key)  # (the same version loaded again: the last load's module goes)
     _modules[cfg.key] = module_name
     return fn
+
+
+def forked_off() -> None:
+    """Called as a model's code returns or raises: in a process it forked (os.fork() in
+    load() or a forward) this copy of the worker would go on, with the worker's sockets:
+    it hung, holding its memory, past the server's stop. It ends here, at once."""
+    if os.getpid() != _PID:
+        os._exit(0)
 
 
 def _checked(cfg: ModelConfig, fn: Any) -> ModelFn:
