@@ -117,7 +117,7 @@ class Sequences:
             return  # still queued: the scheduler sweeps the cancelled entry
         worker = self._pool.get(stream.worker)
         if worker is not None and self._pool.end(worker, stream.seq_id) is not None:
-            self._cancel(worker.identity, stream.seq_id)
+            self._cancel(worker.identity, stream.seq_id, request.model.name)
             self._pump_soon()  # a slot is free
         stream.worker = None
         stream.close()
@@ -141,7 +141,7 @@ class Sequences:
             elif not step.final:  # its caller left (the worker stepped it before our
                 # CANCEL came), or it is the sequence of a frontend this one replaced:
                 # it must not go on holding a slot
-                self._cancel(worker.identity, step.id)
+                self._cancel(worker.identity, step.id, header.model)
 
     def _on_output(
         self,
@@ -270,12 +270,14 @@ class Sequences:
 
     def _stop(self, worker: WorkerHandle, sequence: Batch, error: BatchdError) -> None:
         """Its worker drops the sequence before its next step; its caller gets `error`."""
-        self._cancel(worker.identity, sequence.id)
+        self._cancel(worker.identity, sequence.id, sequence.model.name)
         self._end_sequence(worker, sequence, error)
 
-    def _cancel(self, identity: bytes, seq_id: int) -> None:
-        """The worker drops the sequence before its next step (nothing goes back)."""
-        self._link.send(identity, wire.pack(wire.Header(kind=wire.Header.CANCEL, batch_id=seq_id)))
+    def _cancel(self, identity: bytes, seq_id: int, model: str) -> None:
+        """The worker drops the sequence before its next step (nothing goes back); its
+        model's release() is held to that model's execution_timeout_s."""
+        cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=seq_id, model=model)
+        self._link.send(identity, wire.pack(cancel))
 
     def _credit(self, identity: bytes, sequence: Batch, more: int, paused: bool) -> None:
         """A sequence's caller read `more` bytes of its outputs: its worker may send as

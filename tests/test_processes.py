@@ -197,13 +197,18 @@ def test_a_release_that_hangs_is_its_model_s_fault_within_its_execution_timeout(
     """A step-wise model's release() (run as its caller leaves) that never returns held
     the worker while its heartbeats said idle: the next batch of another model was
     blamed, after that model's 60 s, every call of every model waiting meanwhile. A
-    start() or release() is work held to its model's execution_timeout_s (2 s here)."""
+    start() or release() is work held to its model's execution_timeout_s (2 s here), not
+    to another step-wise model's (a CANCEL named no model: the longest, 60 s, held)."""
     stuck = tmp_path / "repo" / "stuck"
     stuck.mkdir(parents=True)
     (stuck / "model.toml").write_text(SLOW_STEPS_TOML + "[instances]\nexecution_timeout_s = 2\n")
     (stuck / "model.py").write_text(SLOW_STEPS_PY.replace(
         "def load(device):", "Counter.release = lambda self, state: time.sleep(3600)\n"
         "def load(device):"))  # fmt: skip
+    patient = tmp_path / "repo" / "patient"  # its limit is not the stuck release()'s
+    patient.mkdir()
+    (patient / "model.toml").write_text(SLOW_STEPS_TOML + "[instances]\nexecution_timeout_s = 60\n")
+    (patient / "model.py").write_text(SLOW_STEPS_PY)
     make_model(tmp_path / "repo", "scaled", 2.0)
     server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
     try:

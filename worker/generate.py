@@ -369,14 +369,14 @@ def on_sequence(loops: Mapping[str, StepLoop], frontend: int, header: wire.Heade
 
 def time_limit(loops: Mapping[str, StepLoop], header: wire.Header) -> float | None:
     """How long a sequence's message may hold the compute thread as the model's code runs:
-    a START's start(), its model's execution_timeout_s; a CANCEL's release() (it names no
-    model), any loop's longest; None for a CREDIT (no model code). A release() that hung
-    beat idle, and the next batch of another model was blamed, after that model's 60 s."""
+    a START's start() or a CANCEL's release(), its model's execution_timeout_s (a CANCEL
+    naming none, the worker's own: any loop's longest); None for a CREDIT (no model code).
+    A release() that hung beat idle: the next batch of another model was blamed, after
+    that model's 60 s."""
     if header.kind == wire.Header.CREDIT:
         return None
-    own = loops.get(model_key(header.model, header.version))
-    limits = [x.cfg.instances.execution_timeout_s for x in ([own] if own else loops.values())]
-    return max(limits, default=0.0)
+    named = [x for x in loops.values() if x.cfg.name == header.model] if header.model else []
+    return max((x.cfg.instances.execution_timeout_s for x in named or loops.values()), default=0.0)
 
 
 def _start_failed(e: BaseException) -> dict[str, Any]:
