@@ -311,15 +311,16 @@ def json_room(msg: pb.ModelInferRequest, cfg: ModelConfig, wanted: Wanted) -> No
 
 
 def _rows(msg: pb.ModelInferRequest, cfg: ModelConfig) -> int:
-    """The rows the first input declares; 0 where its data cannot fill its shape, which
-    decoding refuses saying so (it was told to ask for binary outputs of 2**40 rows), or
-    where it holds no element: [2**40, 0] is decoding's to refuse (it fills 0 bytes)."""
+    """The rows the first input declares; 0 where its data cannot fill its shape, or
+    where they are more than the model queues ([2**40, 0] fills 0 bytes), which decoding
+    refuses saying so (it was told to ask for binary outputs of 2**40 rows)."""
     if not (cfg.batches and msg.inputs and msg.inputs[0].shape):
         return 1
     shape, raw = msg.inputs[0].shape, msg.raw_input_contents
     dt = DATATYPES.get(msg.inputs[0].datatype)
     most = len(raw[0]) // max(dt.itemsize, 1) if dt is not None and raw else 0
-    return shape[0] if min(shape) > 0 and bounded_count(shape, most) <= most else 0
+    fills = min(shape) >= 0 and bounded_count(shape, most) <= most
+    return shape[0] if fills and shape[0] <= cfg.max_batch_size * cfg.batching.max_queue_size else 0
 
 
 def generate_response(model: ModelConfig, request_id: str, results: Sequence[Tensor]) -> bytes:

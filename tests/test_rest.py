@@ -31,7 +31,7 @@ import urllib.request
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -46,19 +46,21 @@ from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
 from batchd.protos import jobs_pb2, jobs_pb2_grpc
 from batchd.protos.datatypes import DATATYPES
+from batchd.protos.model_config import TensorSpec
 from batchd.protos.tensors import serialize_bytes, set_parameter
 from batchd.protos.to_json import as_json
 from batchd.server.config import Limits
-from batchd.server.errors import CLIP_ITEMS, InvalidInput, ModelNotFound
+from batchd.server.errors import CLIP_ITEMS, InvalidInput, ModelNotFound, ResponseTooLarge
 from batchd.server.jobs import chunks, lines
 from batchd.server.jobs.chunks import ModelGone
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.json_data import to_raw
-from batchd.server.rest_codec import Wanted, parse_infer, parse_load
+from batchd.server.rest_codec import Wanted, json_room, parse_infer, parse_load
 from batchd.server.service import InferenceService
 from batchd.server.stats import Stats
 from tests.certs import ADMIN_TOKEN, INFER_TOKEN, openssl
 from tests.conftest import Gate, scrape, value
+from tests.conftest import model as fake_model
 from tests.servers import (
     EXAMPLES,
     TEST_DEVICE,
@@ -1449,6 +1451,24 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
         '"data": [1, 1e999]}]}', {}, "number is infinity when parsed as double"),
 }
 # fmt: on
+
+
+def test_rows_of_no_element_have_their_json_outputs_room_checked_before_the_model_runs() -> None:
+    """[64, 0] of a model whose outputs hold 256 KiB a row: refused before it runs, as
+    [64, 1] is (counting no rows for any shape with a 0 let the model run, and the answer
+    was refused once made); [2**40, 0], more rows than the model queues, is decoding's."""
+    cfg = replace(fake_model(max_batch_size=64, shape=(-1,)),
+                  outputs=(TensorSpec("Y", "FP32", (65536,)),))  # fmt: skip
+    wanted = Wanted(False, {})
+    for rows, refused in ((64, True), (2**40, False)):
+        msg = pb.ModelInferRequest(model_name="m")
+        msg.inputs.add(name="X", datatype="FP32", shape=[rows, 0])
+        msg.raw_input_contents.append(b"")
+        if refused:
+            with pytest.raises(ResponseTooLarge, match="would hold 16777216 bytes"):
+                json_room(msg, cfg, wanted)
+        else:
+            json_room(msg, cfg, wanted)
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
