@@ -115,8 +115,9 @@ def test_a_worker_whose_model_left_a_thread_running_exits_on_sigterm(tmp_path: P
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     model = make_model(tmp_path / "repo", "scaled", 2.0)
     with (model / "model.py").open("a") as f:
-        f.write("\nimport threading as _t, time as _time\n"  # (not a daemon)
-                "_t.Thread(target=_time.sleep, args=(3600,), daemon=False).start()\n")  # fmt: skip
+        f.write("\nimport threading as _t, time as _time, atexit as _atexit\n"  # (not a daemon)
+                "_t.Thread(target=_time.sleep, args=(3600,), daemon=False).start()\n"
+                f"_atexit.register(open, {str(tmp_path / 'left')!r}, 'w')\n")  # fmt: skip
     server = ServerProcess(tmp_path / "repo", "--no-local-workers", "--worker-endpoint",
                            endpoint, log_dir=tmp_path).start(ready=False)  # fmt: skip
     cmd = [sys.executable, "-m", "batchd.worker", "--connect", endpoint, "--device", "cpu",
@@ -128,6 +129,7 @@ def test_a_worker_whose_model_left_a_thread_running_exits_on_sigterm(tmp_path: P
             assert c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=30)["Y"][0, 0] == 2
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=30) == 0
+        assert (tmp_path / "left").exists()  # its atexit handlers ran (os._exit skips them)
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from batchd.worker.log_tag import tag_log_lines
 from batchd.worker.runner import Runner, RunnerOptions
 
 log = logging.getLogger("batchd.worker")
+EXIT_S = 5.0  # what the atexit handlers may take as the worker leaves (run())
 
 
 def die_with_a_worker_thread(args: threading.ExceptHookArgs) -> None:
@@ -165,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """main(), then out at once: Python's exit waits for every thread not a daemon, and a
-    model's own (started in load() or a forward) kept the worker alive for good after
-    SIGTERM (under a server, its stop waited 10 s, then killed it)."""
+    """main(), then the atexit handlers (a TemporaryDirectory's cleanup, a model's own),
+    for EXIT_S at most, and out: Python's own exit waits for every thread that is not a
+    daemon, and one a model started (in load() or a forward) kept the worker alive for
+    good after SIGTERM (under a server, its stop waited 10 s, then killed it)."""
     code = 1
     try:
         code = main()
@@ -175,6 +178,9 @@ def run() -> NoReturn:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
         traceback.print_exc()
+    exits = threading.Thread(target=atexit._run_exitfuncs, name="atexit", daemon=True)
+    exits.start()  # (off this thread: multiprocessing's waits for its children, which
+    exits.join(EXIT_S)  # take the worker's SIGTERM handler: one ignored it, for good)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
