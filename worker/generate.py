@@ -369,11 +369,11 @@ def on_sequence(loops: Mapping[str, StepLoop], frontend: int, header: wire.Heade
 
 def time_limit(loops: Mapping[str, StepLoop], header: wire.Header) -> float | None:
     """How long a sequence's message may hold the compute thread as the model's code runs:
-    a START's start() or a CANCEL's release(), its model's execution_timeout_s (a CANCEL
-    naming none, the worker's own: any loop's longest); None for a CREDIT (no model code).
-    A release() that hung beat idle: the next batch of another model was blamed, after
-    that model's 60 s."""
-    if header.kind == wire.Header.CREDIT:
+    a CANCEL's release(), its model's execution_timeout_s (one naming none, the worker's
+    own: any loop's longest); None for a START or CREDIT, which run none (start() runs in
+    the next step round, timed as the round). A release() that hung beat idle: the next
+    batch of another model was blamed, after that model's 60 s."""
+    if header.kind != wire.Header.CANCEL:
         return None
     named = [x for x in loops.values() if x.cfg.name == header.model] if header.model else []
     return max((x.cfg.instances.execution_timeout_s for x in named or loops.values()), default=0.0)

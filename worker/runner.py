@@ -164,7 +164,7 @@ class Runner:
             work = functools.partial(
                 on_sequence, self.loops, frontend, header, frames, self.options.device
             )
-            limit = time_limit(self.loops, header)  # None: a CREDIT runs no model code
+            limit = time_limit(self.loops, header)  # None: it runs no model code
             for to, parts, ends in work() if limit is None else self._timed(limit, work):
                 reply(to, parts, ends)
         else:
