@@ -117,7 +117,7 @@ class Sequences:
             return  # still queued: the scheduler sweeps the cancelled entry
         worker = self._pool.get(stream.worker)
         if worker is not None and self._pool.end(worker, stream.seq_id) is not None:
-            self._cancel(worker.identity, stream.seq_id, request.model.name)
+            self._cancel(worker.identity, stream.seq_id, request.model)
             self._pump_soon()  # a slot is free
         stream.worker = None
         stream.close()
@@ -141,7 +141,7 @@ class Sequences:
             elif not step.final:  # its caller left (the worker stepped it before our
                 # CANCEL came), or it is the sequence of a frontend this one replaced:
                 # it must not go on holding a slot
-                self._cancel(worker.identity, step.id, header.model)
+                self._cancel(worker.identity, step.id)
 
     def _on_output(
         self,
@@ -270,13 +270,15 @@ class Sequences:
 
     def _stop(self, worker: WorkerHandle, sequence: Batch, error: BatchdError) -> None:
         """Its worker drops the sequence before its next step; its caller gets `error`."""
-        self._cancel(worker.identity, sequence.id, sequence.model.name)
+        self._cancel(worker.identity, sequence.id, sequence.model)
         self._end_sequence(worker, sequence, error)
 
-    def _cancel(self, identity: bytes, seq_id: int, model: str) -> None:
+    def _cancel(self, identity: bytes, seq_id: int, model: ModelConfig | None = None) -> None:
         """The worker drops the sequence before its next step (nothing goes back); its
-        model's release() is held to that model's execution_timeout_s."""
-        cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=seq_id, model=model)
+        model's release() is held to that version's execution_timeout_s (none named: the
+        longest of the worker's step-wise models')."""
+        name, version = (model.name, model.version) if model else ("", "")
+        cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=seq_id, model=name, version=version)
         self._link.send(identity, wire.pack(cancel))
 
     def _credit(self, identity: bytes, sequence: Batch, more: int, paused: bool) -> None:

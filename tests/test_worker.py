@@ -18,6 +18,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, run_batch, why
+from batchd.worker.generate import EVERY, time_limit
 from batchd.worker.loader import load_model
 from batchd.worker.loading import Loaded, load
 from batchd.worker.runner import Runner, RunnerOptions
@@ -392,6 +394,23 @@ def test_models_run_on_the_threads_configured_not_one_per_core(tmp_path: Path) -
     # thread, must also hold in the compute thread, or a large op starts a team of
     # one spinning thread per core there and takes the CPU the frontend needs.
     assert _forwards(tmp_path, THREAD_COUNTING_MODEL, 1) == [0.0]
+
+
+def test_a_cancel_holds_the_compute_thread_to_its_own_model_version_s_limit() -> None:
+    """A release() that hangs is held to its model version's execution_timeout_s: a
+    CANCEL naming no version took the longest of the versions of that name (30 s for
+    a 2 s one, reloaded beside it), one naming no model every loop's longest."""
+    loops: Any = {
+        model_key(name, version): SimpleNamespace(
+            cfg=SimpleNamespace(instances=SimpleNamespace(execution_timeout_s=limit))
+        )
+        for name, version, limit in (("rel", "1", 2.0), ("rel", "2", 30.0), ("long", "1", 60.0))
+    }
+    cancel = wire.Header(kind=wire.Header.CANCEL, batch_id=7, model="rel", version="1")
+    assert time_limit(loops, cancel) == 2.0
+    assert time_limit(loops, wire.Header(kind=wire.Header.CANCEL, batch_id=EVERY)) == 60.0
+    for runs_no_model_code in (wire.Header.START, wire.Header.CREDIT):
+        assert time_limit(loops, wire.Header(kind=runs_no_model_code, model="rel")) is None
 
 
 def test_a_model_that_sets_its_own_thread_count_leaves_the_next_batch_the_worker_s(

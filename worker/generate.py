@@ -369,14 +369,15 @@ def on_sequence(loops: Mapping[str, StepLoop], frontend: int, header: wire.Heade
 
 def time_limit(loops: Mapping[str, StepLoop], header: wire.Header) -> float | None:
     """How long a sequence's message may hold the compute thread as the model's code runs:
-    a CANCEL's release(), its model's execution_timeout_s (one naming none, the worker's
-    own: any loop's longest); None for a START or CREDIT, which run none (start() runs in
-    the next step round, timed as the round). A release() that hung beat idle: the next
-    batch of another model was blamed, after that model's 60 s."""
+    a CANCEL's release(), its model version's execution_timeout_s (one naming none: any
+    loop's longest); None for a START or CREDIT, which run none (start() runs in the next
+    step round, timed as the round). A release() that hung beat idle: the next batch of
+    another model was blamed, after that model's 60 s."""
     if header.kind != wire.Header.CANCEL:
         return None
-    named = [x for x in loops.values() if x.cfg.name == header.model] if header.model else []
-    return max((x.cfg.instances.execution_timeout_s for x in named or loops.values()), default=0.0)
+    own = loops.get(model_key(header.model, header.version))
+    chosen = [own] if own else loops.values()
+    return max((x.cfg.instances.execution_timeout_s for x in chosen), default=0.0)
 
 
 def _start_failed(e: BaseException) -> dict[str, Any]:
