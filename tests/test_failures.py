@@ -370,9 +370,11 @@ def test_drain_timeout_still_answers_every_request(
 
     out = asyncio.run(scenario())
     assert all(isinstance(o, ServerUnavailable) for o in out), out
+    (worker,) = server.worker_pids()
     assert server.stop() == 0
     log = server.log()
     assert "drain timeout: answering 3 open request(s) UNAVAILABLE" in log
+    assert (state_dir / f"atexit-{worker}").exists()  # its atexit handlers ran, hung as it was
     # the hung model's worker leaves by itself after the 5 s grace (README, failure model),
     # however often the stopping frontend answers its READY with STOP again
     assert "the model is still running after 5 s; exiting without it" in log

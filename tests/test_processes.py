@@ -137,15 +137,19 @@ def test_a_worker_whose_model_left_a_thread_running_exits_on_sigterm(tmp_path: P
 
 
 def test_a_forward_that_forks_leaves_no_copy_of_the_worker_running(tmp_path: Path) -> None:
-    """os.fork() in load() and in a forward (a library's helper that forgot to _exit):
-    the child went on as a copy of the worker, blocked on its sockets for good, holding
-    its memory past the server's stop. It ends as the model's code returns in it."""
+    """os.fork() as model.py is imported, in load() and in a forward (a library's helper
+    that forgot to _exit): the child went on as a copy of the worker, blocked on its
+    sockets for good, holding its memory past the server's stop (one forked on import
+    ran load() too). It ends as the model's code returns in it."""
     model = make_model(tmp_path / "repo", "scaled", 2.0)
     text = (model / "model.py").read_text()
     assert "def load(device" in text
-    (model / "model.py").write_text(text.replace("def load(device", "import os as _os\n\n\n"
-        "def _forking(fn):\n    return lambda *a: (_os.fork(), fn(*a))[1]\n\n\ndef _load(device", 1)
-        + "\n\ndef load(device):\n    _os.fork()\n    return _forking(_load(device))\n"
+    loads = tmp_path / "loads"  # a line per load() run
+    (model / "model.py").write_text("import os as _os\n_os.fork()\n" + text.replace(
+        "def load(device", "def _forking(fn):\n    return lambda *a: (_os.fork(), fn(*a))[1]"
+        "\n\n\ndef _load(device", 1) + "\n\ndef load(device):\n"
+        f"    open({str(loads)!r}, 'a').write('.')\n"
+        "    _os.fork()\n    return _forking(_load(device))\n"
     )  # fmt: skip
     server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
     try:
@@ -155,6 +159,7 @@ def test_a_forward_that_forks_leaves_no_copy_of_the_worker_running(tmp_path: Pat
                     0, 0] == 2  # fmt: skip
         (worker,) = server.worker_pids()
         wait_for(lambda: not [p for p in children(worker) if alive(p)], 30, "no copy running")
+        assert loads.read_text() == "."  # the copy forked as model.py was imported: not two
     finally:
         assert server.stop() == 0, server.log()
 

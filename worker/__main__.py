@@ -20,12 +20,12 @@ import torch
 from batchd.protos import keys, traces
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
+from batchd.worker.loader import leave
 from batchd.worker.loading import is_own
 from batchd.worker.log_tag import tag_log_lines
 from batchd.worker.runner import Runner, RunnerOptions
 
 log = logging.getLogger("batchd.worker")
-EXIT_S = 5.0  # what the atexit handlers may take as the worker leaves (run())
 
 
 def die_with_a_worker_thread(args: threading.ExceptHookArgs) -> None:
@@ -158,19 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(options)
     install_signal_handlers(runner)
     threading.excepthook = die_with_a_worker_thread
-    try:
-        runner.serve()
-    finally:
-        if options.tracing is not None:
-            options.tracing.shutdown()
+    if options.tracing is not None:  # (at exit: a worker leaving a hung model leaves
+        atexit.register(options.tracing.shutdown)  # at once, loader.leave)
+    runner.serve()
     return 0
 
 
 def run() -> NoReturn:
-    """main(), then the atexit handlers (a TemporaryDirectory's cleanup, a model's own),
-    for EXIT_S at most, and out: Python's own exit waits for every thread that is not a
-    daemon, and one a model started (in load() or a forward) kept the worker alive for
-    good after SIGTERM (under a server, its stop waited 10 s, then killed it)."""
+    """main(), then out (loader.leave)."""
     code = 1
     try:
         code = main()
@@ -178,13 +173,7 @@ def run() -> NoReturn:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
         traceback.print_exc()
-    exits = threading.Thread(target=atexit._run_exitfuncs, name="atexit", daemon=True)
-    exits.start()  # (off this thread: multiprocessing's waits for its children, which
-    exits.join(EXIT_S)  # take the worker's SIGTERM handler: one ignored it, for good)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,17 @@ here must pass weights_only=True (a test checks every call).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import itertools
 import logging
 import os
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.export.passes import move_to_device_pass
@@ -36,6 +38,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.protos.repository import confined
 
 _PID = os.getpid()  # the worker's (forked_off)
+EXIT_S = 5.0  # what the atexit handlers may take as the worker leaves (leave)
 
 ModelFn = Callable[..., Any]
 log = logging.getLogger("batchd.worker")
@@ -67,7 +70,10 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     sys.modules[module_name] = module
     try:
         try:
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            finally:
+                forked_off()  # (a fork as it imported: the child would load the model too)
             load = getattr(module, "load", None)
             if not callable(load):
                 raise TypeError(f"{cfg.artifact}: defines no load(device) function")
@@ -84,6 +90,22 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     forget(cfg.key)  # (the same version loaded again: the last load's module goes)
     _modules[cfg.key] = module_name
     return fn
+
+
+def leave(code: int) -> NoReturn:
+    """End the worker process: its atexit handlers first (a TemporaryDirectory's cleanup,
+    a model's own, the trace exporter's flush), on this, the main, thread, for EXIT_S at
+    most (multiprocessing's waits for children that took the worker's SIGTERM handler:
+    one ignored it, for good), then out at once. Python's own exit would wait for every
+    thread that is not a daemon, and one a model started kept the worker alive after
+    SIGTERM for good (under a server, its stop waited 10 s, then killed it)."""
+    watchdog = threading.Timer(EXIT_S, os._exit, (code,))
+    watchdog.daemon = True
+    watchdog.start()
+    atexit._run_exitfuncs()  # (logging's shutdown among them)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def forked_off() -> None:

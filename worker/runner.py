@@ -41,7 +41,7 @@ from batchd.worker.execute import COUNTED, BatchError, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence, time_limit
-from batchd.worker.loader import ModelFn
+from batchd.worker.loader import ModelFn, leave
 from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
 
 log = logging.getLogger("batchd.worker")
@@ -308,12 +308,12 @@ class Runner:
             end = time.monotonic() + grace
             if not self._loader.stop(waited := max(grace, 1.0)):  # it ends the compute
                 log.error("a model is still loading %.0f s on; exiting without it", waited)
-                os._exit(3)  # thread's queue
+                leave(3)  # thread's queue
             compute.join(timeout=max(0.0, end - time.monotonic()))
             if compute.is_alive():  # a hung model: no way to stop its thread but to leave
                 what = "the model is still running after %.0f s; exiting without it"
                 log.error(what, STOP_GRACE_S)
-                os._exit(3)
+                leave(3)
             results.close(linger=0)
             now = time.monotonic()
             for link in links:

@@ -10,6 +10,7 @@ $BATCHD_TEST_DIR/hold-<V> exists, a batch holding the value V waits (after the
 gate). Other test models reuse `checkpoint` through runpy.
 """
 
+import atexit
 import json
 import os
 import time
@@ -20,6 +21,8 @@ import torch
 from batchd.worker import InputRefused
 
 NAME = globals().get("MODEL_NAME") or Path(__file__).parent.name
+# its worker's atexit handlers ran as it left (even past a hung batch: test_failures.py)
+atexit.register(lambda: (Path(os.environ["BATCHD_TEST_DIR"]) / f"atexit-{os.getpid()}").touch())
 
 
 def checkpoint(record: dict) -> None:
