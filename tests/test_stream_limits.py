@@ -793,13 +793,15 @@ def test_a_stream_that_reads_nothing_holds_the_slots_once_not_once_per_request_i
     finally:
         behind.cancel()
     assert [r.error_message for r in other] == [""] * 3
-    errors = {r.infer_response.id: r.error_message for r in responses if r.error_message}
+    errors = {int(r.infer_response.id): r.error_message for r in responses if r.error_message}
     ran = {s for s in range(200, 208) if stepped(log, s)}
-    assert len(ran) == 4 and set(errors) == {str(s) for s in range(200, 208)}, errors
-    for s in range(200, 208):
+    assert len(ran) == 4 and set(range(200, 208)) - ran <= set(errors), errors
+    # a held one stopped (and failed those queued); the others too, unless the caller
+    # read (list(behind)) before their own timers came: then they ran to their end
+    assert ran & set(errors), errors
+    for s, error in errors.items():
         said = "while its sequence waited for it" if s in ran else "was not started"
-        assert said in errors[str(s)], errors[str(s)]
-        assert "of model 'wide' for 3 s (its execution_timeout_s)" in errors[str(s)]
+        assert said in error and "of model 'wide' for 3 s (its execution_timeout_s)" in error
 
 
 @pytest.mark.parametrize(("sequences", "steps", "width"), [(4, 8, 65536), (16, 40, 1)])
