@@ -233,8 +233,10 @@ class StepStream:
         was stopped for its caller's reading nothing, and the caller has read nothing
         since (one stream of such requests held the model's slots for its
         execution_timeout_s each round); None to start it."""
-        at, why = self.budget.behind.get(model, (0.0, "")) if self.budget else (0.0, "")
-        return why if self.budget and at > max(self.made_at, self.budget.taken_at) else None
+        if (budget := self.budget) is None:
+            return None
+        at, why = budget.behind.get(model, (0.0, ""))
+        return why if at > max(self.made_at, budget.taken_at) else None
 
     @property
     def paused(self) -> bool:

@@ -70,11 +70,9 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     sys.modules[module_name] = module
     try:
         try:
-            try:
-                spec.loader.exec_module(module)
-            finally:
-                forked_off()  # (a fork as it imported: the child would load the model too)
-            load = getattr(module, "load", None)
+            spec.loader.exec_module(module)
+            forked_off()  # (a fork as it imported: the child would load the model too; one
+            load = getattr(module, "load", None)  # whose import raised ends just below)
             if not callable(load):
                 raise TypeError(f"{cfg.artifact}: defines no load(device) function")
             fn = _checked(cfg, _eval(load(device)))
