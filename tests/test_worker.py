@@ -186,6 +186,14 @@ def test_inputs_are_private_writable_copies(tmp_path: Path) -> None:
         ("(x, x)", "the model returned 2 output(s), model.toml declares 1"),
         ("{'Z': x}", "the model returned a dict without output(s) ['Y']"),
         ("'text'", "output 'Y': the model returned str, expected a tensor"),
+        # other layouts: named, not torch's own text about a missing kernel
+        ("x.to_sparse()", "output 'Y' is a sparse_coo tensor, expected a dense (strided) one"),
+        ("x.to_mkldnn()", "output 'Y' is a _mkldnn tensor, expected a dense"),
+        ("torch.empty_like(x, device='meta')", "output 'Y' is a meta tensor, expected a dense"),
+        (
+            "torch.nested.nested_tensor(list(x), layout=torch.jagged)",
+            "output 'Y' is a nested tensor, expected a dense",
+        ),
         # a view of 16 TiB: refused by its shape, before a copy (which fails, or takes
         # the worker's memory and its execution_timeout_s)
         (
@@ -195,7 +203,7 @@ def test_inputs_are_private_writable_copies(tmp_path: Path) -> None:
     ],
 )
 def test_bad_outputs_are_named(tmp_path: Path, body: str, message: str) -> None:
-    code = f"def load(device):\n    return lambda x: {body}\n"
+    code = f"import torch\ndef load(device):\n    return lambda x: {body}\n"
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(code))
     with pytest.raises(BatchError) as info:
         run(d, X)

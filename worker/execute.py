@@ -125,6 +125,12 @@ def _encode(spec_name: str, datatype: str, value: Any) -> tuple[list[int], Any]:
             raise BatchError(
                 f"{where} is declared {datatype} ({want}), the model returned {value.dtype}"
             )
+        if value.layout != torch.strided or value.is_nested or value.is_meta:  # (torch's own
+            kind = "nested" if value.is_nested else "meta" if value.is_meta else value.layout
+            raise BatchError(  # text on copying them names a kernel, not the layout)
+                f"{where} is a {str(kind).removeprefix('torch.')} tensor, expected a dense "
+                "(strided) one"
+            )
         # A copy of the model's memory: the reply leaves zero-copy after the next forward
         # may have started, and a model may return the same buffer every time (out=).
         t = value.detach().to("cpu", copy=True).contiguous()
