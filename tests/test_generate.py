@@ -170,6 +170,14 @@ def test_start_raising_fails_only_the_joining_sequences() -> None:
     assert [seq for seq, *_ in out if seq == 1] == [1]  # 1 stepped on
 
 
+def test_start_returning_too_few_states_is_named_so_not_as_a_raise() -> None:
+    model = Counter()
+    model.start = lambda requests: []  # type: ignore[method-assign]
+    loop = StepLoop(config(), model)
+    add(loop, 1, 5)
+    assert replies(loop) == [(1, [], True, "start() returned 0 states for 1 request(s)")]
+
+
 def test_start_refusing_inputs_marks_the_failure_the_caller_s_and_only_the_refused_one_s() -> None:
     """InputRefused from a start of several: each starts alone again, and only the
     refused sequence ends, with the model's message alone and `invalid` set."""

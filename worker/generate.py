@@ -301,7 +301,7 @@ class StepLoop:
             finally:
                 forked_off()
         if len(states) != len(joining):
-            raise BatchError(f"start() returned {len(states)} states for {len(joining)}")
+            raise BatchError(f"start() returned {len(states)} states for {len(joining)} request(s)")
         return list(states)
 
     def _admit_one(self, s: Running, out: Replies) -> None:
@@ -385,4 +385,4 @@ def _start_failed(e: BaseException) -> dict[str, Any]:
     fault (InputRefused), anything else the model's."""
     if isinstance(e, InputRefused):
         return {"error": why(e), "invalid": True}
-    return {"error": f"start() raised: {why(e)}"}
+    return {"error": str(e) if isinstance(e, BatchError) else f"start() raised: {why(e)}"}
