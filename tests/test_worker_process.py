@@ -20,6 +20,7 @@ import zmq
 from batchd.protos import wire
 from batchd.protos.tensors import from_raw, to_raw
 from tests.conftest import stepwise_toml
+from tests.servers import wait_for
 
 TOML = """max_batch_size = 4
 [[input]]
@@ -58,9 +59,10 @@ def _repository(tmp_path: Path) -> Path:
         (repo / name / "model.toml").write_text(TOML)
         (repo / name / "model.py").write_text(code)
         (repo / name / "n.txt").write_text("5")
-    (repo / "endless").mkdir()
-    (repo / "endless" / "model.toml").write_text(ENDLESS_TOML)
-    (repo / "endless" / "model.py").write_text(ENDLESS_PY)
+    for name, code in {"endless": ENDLESS_PY, "unreleased": UNRELEASED_PY}.items():
+        (repo / name).mkdir()
+        (repo / name / "model.toml").write_text(ENDLESS_TOML)
+        (repo / name / "model.py").write_text(code)
     return repo
 
 
@@ -76,6 +78,8 @@ class Endless:  # a sequence steps until it is cancelled or its model goes
 def load(device):
     return Endless()
 """
+# its sequences end at their first step, and its release() raises
+UNRELEASED_PY = ENDLESS_PY.replace("False)", "True)") + "Endless.release = lambda _, s: 1 / 0\n"
 
 
 class Frontend:
@@ -154,12 +158,12 @@ class Frontend:
         out = reply.tensors[0]
         return from_raw(out.datatype, tuple(out.shape), frames[0])
 
-    def start_endless(self, *seqs: int) -> None:
+    def start_endless(self, *seqs: int, model: str = "endless") -> None:
         """Load the `endless` step-wise model and START a sequence of it per id."""
-        assert self.load("endless").error == ""
+        assert self.load(model).error == ""
         for seq in seqs:
             tensor = wire.Tensor(name="N", datatype="INT64", shape=[1])
-            start = wire.Header(kind=wire.Header.START, batch_id=seq, model="endless",
+            start = wire.Header(kind=wire.Header.START, batch_id=seq, model=model,
                                 version="1", tensors=[tensor])  # fmt: skip
             self.send_header(start, (np.array([1], np.int64).tobytes(),))
 
@@ -395,3 +399,22 @@ def test_an_unload_ends_the_model_s_sequences_with_a_final_step(tmp_path: Path) 
     finally:
         frontend.close()
     assert "still running" not in frontend.log()
+
+
+def test_a_release_that_raises_is_logged_with_its_own_traceback_alone(tmp_path: Path) -> None:
+    """A sequence that ends in a round of steps run as the compute thread found no work
+    logged its release()'s error chained to that queue.Empty ("During handling of the
+    above exception, another exception occurred"), as if the worker had failed."""
+    frontend = Frontend(tmp_path, "w-release")
+    try:
+        frontend.start_endless(5, model="unreleased")
+        assert [s.final for s in frontend.recv(wire.Header.STEP).steps] == [True]
+        wait_for(lambda: "ZeroDivisionError" in frontend.log(), WAIT_S, "release()'s error")
+        frontend.load("plus1")  # the worker serves on
+        assert frontend.infer(1, X).tolist() == (X + 1).tolist()
+        assert frontend.stop() == 0, frontend.log()
+    finally:
+        frontend.close()
+    log = frontend.log()
+    assert "model unreleased: release() raised" in log, log
+    assert "queue.Empty" not in log and "During handling" not in log, log

@@ -50,6 +50,7 @@ _SEQUENCE = (wire.Header.START, wire.Header.CANCEL, wire.Header.CREDIT)
 POLL_MS = 100  # the I/O loop's longest wait: a SIGTERM's flag is read within it (exit < 1 s)
 HOLD_S = 0.01  # while a frontend is behind, how often the compute thread looks again
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
+_NOTHING: merge.Item = (-1, wire.Header(), [])  # the compute thread found no work
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,9 @@ class Runner:
                     idle = held_back or not any(loop.busy for loop in self.loops.values())
                     try:
                         item = self._work.get(timeout=HOLD_S) if idle else self._work.get_nowait()
-                    except queue.Empty:
+                    except queue.Empty:  # (the rounds run past this block: in it, a model's
+                        item = _NOTHING  # traceback logged there was chained to this Empty)
+                    if item is _NOTHING:
                         self._rounds(reply, held_back)
                         continue
                 else:
@@ -286,9 +289,6 @@ class Runner:
         beat.alone = self._alone.others(frontend, time.monotonic())
         return wire.pack(beat)
 
-    def _parent_gone(self) -> bool:
-        return self.options.parent_pid is not None and os.getppid() != self.options.parent_pid
-
     def serve(self) -> None:
         settle_heap()
         ctx: zmq.Context[Any] = zmq.Context()
@@ -352,9 +352,9 @@ class Runner:
                 poller = frontend_link.poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return 0.0  # the batch at hand will not finish: serve() leaves without it
-            if not io.stopping and self._parent_gone():  # as a STOP: the replies still go
-                log.warning("parent process exited; stopping")  # (to frontends of several)
-                io.stopping, io.stop_at = True, now
+            if not io.stopping and self.options.parent_pid not in (None, os.getppid()):
+                log.warning("parent process exited; stopping")  # as a STOP: the replies
+                io.stopping, io.stop_at = True, now  # still go (to frontends of several)
         return STOP_GRACE_S
 
     def _keep_up(self, links: list[FrontendLink], poller: zmq.Poller, now: float) -> None:
