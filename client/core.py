@@ -119,8 +119,9 @@ END_GRACE_S = 1.0  # for the call's end after the final response, before it is c
 FINAL_RESPONSE = "triton_final_response"
 EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
 STREAM_PARAMETERS: dict[str, bool] = {EMPTY_FINAL_RESPONSE: True}
-# An error response may name its gRPC status (a string parameter of its infer_response).
-ERROR_CODE = "error_code"
+# An error response may name its gRPC status (a string parameter of its infer_response),
+# and the pushback of a request not run, to send again (as a unary call's trailer).
+ERROR_CODE, PUSHBACK = "error_code", "retry_pushback_ms"
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -152,7 +153,8 @@ def stream_error(msg: pb.ModelStreamInferResponse) -> BatchdClientError:
     text = msg.error_message
     params = msg.infer_response.parameters
     if ERROR_CODE in params:
-        return from_status_name(params[ERROR_CODE].string_param, text)
+        pushback = params[PUSHBACK].int64_param if PUSHBACK in params else None
+        return from_status_name(params[ERROR_CODE].string_param, text, pushback)
     name, sep, rest = text.partition(": ")
     if sep and name != "OK" and name in grpc.StatusCode.__members__:
         return from_status_name(name, rest)

@@ -4,7 +4,8 @@ BatchdClientError            any failed call; .code is the grpc.StatusCode
 ├── InvalidInput             INVALID_ARGUMENT   (never worth retrying)
 ├── ModelNotFound            NOT_FOUND
 ├── JobNotFound              NOT_FOUND of a call about one job (GetJob, CancelJob, JobResults)
-├── ServerBusy               RESOURCE_EXHAUSTED (.retry_after_ms from the pushback trailer)
+├── ServerBusy               RESOURCE_EXHAUSTED (.retry_after_ms: the pushback trailer, or
+│   │                        a stream's error response's `retry_pushback_ms` parameter)
 │   └── LimitExceeded        RESOURCE_EXHAUSTED with no pushback: a limit the call passed
 ├── DeadlineExceeded         DEADLINE_EXCEEDED
 ├── ServerUnavailable        UNAVAILABLE (.retry_after_ms: a pushback says nothing was done)
@@ -149,11 +150,19 @@ def _pushback_said(error: grpc.RpcError) -> bool:
     return any(key == "grpc-retry-pushback-ms" for key, _ in error.trailing_metadata() or ())
 
 
-def from_status_name(name: str, message: str) -> BatchdClientError:
+def from_status_name(name: str, message: str, pushback: int | None = None) -> BatchdClientError:
     """The typed exception for a failure that arrived as text in a response (a stream's
-    `error_message`) with the name of its gRPC status, e.g. "RESOURCE_EXHAUSTED";
-    InferenceFailed when the name is empty or names no failure status."""
+    `error_message`) with the name of its gRPC status, e.g. "RESOURCE_EXHAUSTED", and
+    the pushback its response carried, read as a unary call's trailer is (a negative
+    one: none); InferenceFailed when the name is empty or names no failure status."""
     code = grpc.StatusCode.__members__.get(name.upper())
     if code is None or code == grpc.StatusCode.OK:
         return InferenceFailed(message)
-    return _BY_CODE.get(code, BatchdClientError)(message, code)
+    pushback = pushback if pushback is not None and 0 <= pushback < 10**12 else None
+    cls = _BY_CODE.get(code, BatchdClientError)
+    if cls is ServerBusy and pushback is None:
+        cls = LimitExceeded  # as a unary call's RESOURCE_EXHAUSTED with no pushback
+    error = cls(message, code)
+    if isinstance(error, ServerBusy | ServerUnavailable):
+        error.retry_after_ms = pushback
+    return error

@@ -34,6 +34,7 @@ from batchd.client import (
     Client,
     DeadlineExceeded,
     InferenceFailed,
+    LimitExceeded,
     ServerBusy,
     ServerUnavailable,
     bench,
@@ -114,8 +115,11 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         except _Failure as e:
             err = pb.ModelStreamInferResponse(error_message=e.text)
             err.infer_response.id = req.id
-            if e.code:
-                err.infer_response.parameters["error_code"].string_param = e.code
+            code, _, pushback = e.code.partition("+")  # "CODE+MS": with a pushback
+            if code:
+                err.infer_response.parameters["error_code"].string_param = code
+            if pushback:
+                err.infer_response.parameters["retry_pushback_ms"].int64_param = int(pushback)
             yield err  # the stream stays open; nothing more comes for this id
             return
         if empty_final or sent == 0:
@@ -246,8 +250,11 @@ def test_stream_and_infer_agree(url: str) -> None:
 @pytest.mark.parametrize(
     ("code", "text", "error", "message"),
     [
-        ("RESOURCE_EXHAUSTED", "stream too far behind", ServerBusy, "stream too far behind"),
+        ("RESOURCE_EXHAUSTED", "stream too far behind", LimitExceeded, "stream too far behind"),
+        ("RESOURCE_EXHAUSTED+250", "queue is full", ServerBusy, "queue is full"),
+        ("RESOURCE_EXHAUSTED+-1", "queue is full", LimitExceeded, "queue is full"),
         ("UNAVAILABLE", "worker lost after 2 outputs", ServerUnavailable, "worker lost after 2"),
+        ("UNAVAILABLE+100", "stopping", ServerUnavailable, "stopping"),
         ("", "INTERNAL: the model raised boom", InferenceFailed, "the model raised boom"),
         ("", "UNAVAILABLE: worker lost", ServerUnavailable, "worker lost"),
         ("", "no code here", InferenceFailed, "no code here"),
@@ -272,6 +279,9 @@ def test_an_error_response_raises_its_typed_error_after_the_outputs_before_it(
             seen.append(out["TOKEN"][0])
     assert seen == [100, 101]
     assert type(raised.value) is error and raised.value.message.startswith(message)
+    # the pushback, as a unary call's trailer says it (gRFC A6: a negative one is none)
+    pushback = int(code.partition("+")[2] or -1)
+    assert getattr(raised.value, "retry_after_ms", None) == (pushback if pushback >= 0 else None)
 
 
 def test_a_stream_that_closes_before_its_final_response_fails(

@@ -194,6 +194,13 @@ def test_a_full_queue_rejects_a_sequence_at_once(
             stub.ModelInfer(stepper(46, 2), timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_queue_size 2" in (e.value.details() or "")
+        # on a stream: the same refusal, with a pushback as the unary call's trailer has
+        assert int(dict(e.value.trailing_metadata() or ())["grpc-retry-pushback-ms"]) > 0
+        (refused,) = list(stub.ModelStreamInfer(iter([stepper(47, 2)]), timeout=30))
+        params = refused.infer_response.parameters
+        assert "max_queue_size 2" in refused.error_message
+        assert params["error_code"].string_param == "RESOURCE_EXHAUSTED"
+        assert params["retry_pushback_ms"].int64_param > 0
     finally:
         gate.open()
     assert all([values(r) for r in s][-1] == [] for s in streams)  # each ends normally
