@@ -164,6 +164,33 @@ def test_a_forward_that_forks_leaves_no_copy_of_the_worker_running(tmp_path: Pat
         assert server.stop() == 0, server.log()
 
 
+def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path) -> None:
+    """A daemon multiprocessing.Process a model starts (on import here) is ended by Python's
+    exit (terminate(): SIGTERM). It inherited the worker's handling of SIGTERM (ignored
+    under a server, a flag when started by hand), so it lived on after the worker, for
+    good (the worker, which waited for it, left after its 5 s grace)."""
+    model = make_model(tmp_path / "repo", "scaled", 2.0)
+    pid_file = tmp_path / "child.pid"
+    with (model / "model.py").open("a") as f:
+        f.write("\nimport multiprocessing as _mp, os as _os, time as _time\n"
+                "def _child(path):\n    open(path, 'w').write(str(_os.getpid()))\n"
+                "    _time.sleep(3600)\n"
+                "_p = _mp.get_context('fork').Process(target=_child, args=("
+                f"{str(pid_file)!r},), daemon=True)\n_p.start()\n")  # fmt: skip
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30, "the model's child")
+        child = int(pid_file.read_text())
+        assert alive(child)
+    finally:
+        assert server.stop() == 0, server.log()
+    try:
+        wait_for(lambda: not alive(child), 10, "the model's child to end with its worker")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
 # A frontend judged hung sooner than the default 10 s (the tests below wait for it),
 # yet far above the loop stalls of a busy 2-core run.
 HUNG_S = 4.0

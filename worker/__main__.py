@@ -60,6 +60,14 @@ def install_signal_handlers(runner: Runner) -> None:
     # (its frontend starts it with both blocked, so that none kills it before it gets here:
     # one that came meanwhile is dropped as ignored)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    os.register_at_fork(after_in_child=_ends_on_sigterm)
+
+
+def _ends_on_sigterm() -> None:
+    """A process a model forks (a daemon multiprocessing.Process) ends on SIGTERM, as the
+    worker's exit ends it (terminate()): it inherited the worker's handling, and lived on."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
