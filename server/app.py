@@ -118,7 +118,7 @@ def _build(
     core = Core(  # (a plain socket for the link: the asyncio one serves CURVE's authenticator)
         zmq.Socket.shadow(router.underlying), Stats(), cfg.model_repository,
         explicit=cfg.models.explicit, launch=launch, credits=w.credits, load=load,
-        load_timeout_s=cfg.models.load_timeout_s,
+        load_timeout_s=cfg.models.load_timeout_s, max_response_bytes=cfg.network.max_message_bytes,
     )  # fmt: skip
     core.control.start_with(_models_at_start(cfg, repository), files)
     limits = replace(cfg.limits, max_response_bytes=cfg.network.max_message_bytes)

@@ -67,8 +67,9 @@ class Core:
         clock: Callable[[], float] = time.monotonic,
         load: LoopLoad | None = None,  # the event loop's (None: never saturated nor patient)
         load_timeout_s: float = math.inf,  # --load-timeout
+        max_response_bytes: int = 0,  # --max-message-bytes: a worker sends no output past it
     ) -> None:
-        self.stats, self._clock = stats, clock
+        self.stats, self._clock, self._most = stats, clock, max_response_bytes
         self.changed = asyncio.Event()  # readiness may have changed
         self._stopping = self._pump_armed = False
         self.pool = WorkerPool(credits, load_timeout_s)
@@ -207,7 +208,7 @@ class Core:
         header = wire.Header(kind=wire.Header.BATCH, batch_id=batch.id, model=model.name,
                              version=model.version, tensors=tensors, loaded=loaded,
                              rows=sum(r.rows for r in requests), alone=batch.suspect,
-                             traceparent=traceparent)  # fmt: skip
+                             traceparent=traceparent, max_response_bytes=self._most)  # fmt: skip
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
         if failed:  # it never left, nor ran: its requests go back uncharged, and the
@@ -346,17 +347,16 @@ class Core:
         received = self._clock()
         self.pump_soon()  # a credit is free
         worker.owes_pass = worker.info.frontends > 1
-        if batch.span is not None:
-            tracing.end_batch(batch.span, header.error, **{
-                "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,
-            })  # fmt: skip
+        tracing.end_batch(batch.span, header.error, **{  # (no span: nothing)
+            "batchd.compute_ns": header.compute_ns, "batchd.forward_rows": header.forward_rows,
+        })  # fmt: skip
         if header.bounced:  # unrun: another frontend's retry runs alone there (worker/alone.py)
             worker.others_alone = True  # till a heartbeat says it has gone
             self.scheduler.requeue(batch.requests)  # as they were: no attempt lost
             return
         if header.kind == wire.Header.ERROR:
-            why, rows = header.error, header.forward_rows
-            retry = recovery.after_error(batch, worker.name, why, rows, header.invalid)
+            retry = recovery.after_error(batch, worker.name, header.error, header.forward_rows,
+                                         header.invalid, header.too_large)  # fmt: skip
             if retry:
                 log.warning("batch %d of model %s failed on worker %s (%s); retrying its %d "
                             "requests one by one", batch.id, batch.model.name, worker.name,

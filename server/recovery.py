@@ -18,7 +18,9 @@ The policy has one owner, this module:
     request kills one more worker at most, then fails; a model error is pinned
     on the request that causes it.
   * A suspect that fails alone is answered with the failure: INVALID_ARGUMENT
-    where the model refused its inputs (batchd.worker.InputRefused), else INTERNAL.
+    where the model refused its inputs (batchd.worker.InputRefused),
+    RESOURCE_EXHAUSTED where an output was past what a response may carry (the
+    worker's check, wire.proto's max_response_bytes), else INTERNAL.
 
   * A step-wise model's sequence on a lost worker is retried on another worker if
     it has streamed nothing yet (attempts counted as above; never a suspect: it
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from batchd.server.errors import InvalidInput, ModelFailed, Unavailable
+from batchd.server.errors import InvalidInput, ModelFailed, ResponseTooLarge, Unavailable
 from batchd.server.request import Batch, Request
 
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
@@ -87,10 +89,12 @@ def after_loss(
 
 
 def after_error(
-    batch: Batch, worker: str, error: str, forward_rows: int = 0, invalid: bool = False
-) -> list[Request]:
+    batch: Batch, worker: str, error: str, forward_rows: int = 0, invalid: bool = False,
+    too_large: bool = False,
+) -> list[Request]:  # fmt: skip
     """A batch whose model raised. A request that ran alone is answered with the error:
-    InvalidInput where the model refused its inputs (`invalid`), else ModelFailed; if
+    InvalidInput where the model refused its inputs (`invalid`), ResponseTooLarge where an
+    output was past what a response may carry (`too_large`), else ModelFailed; if
     the forward held others too (the batch's other requests, whether or not their
     callers are still waiting, or, `forward_rows` says, the batches the worker merged
     into it), each request still waiting is retried alone (returned, as suspects)."""
@@ -103,6 +107,8 @@ def after_error(
     failed = (
         InvalidInput(f"model {batch.model.name!r} refused the inputs: {error}")
         if invalid
+        else ResponseTooLarge(f"model {batch.model.name!r}: {error}")
+        if too_large
         else ModelFailed(f"model {batch.model.name!r} raised on worker {worker}: {error}")
     )
     for r in pending:

@@ -393,7 +393,8 @@ BIG_TOML = (  # Y: X[0, 0] floats a row
     '[[output]]\nname = "Y"\ndatatype = "FP32"\nshape = [-1]\n'
 )
 BIG_PY = (
-    "import torch\ndef load(device):\n    return lambda x: torch.zeros(x.shape[0], int(x[0, 0]))\n"
+    "import torch\ndef load(device):\n"  # (a view: no memory, till it is copied)
+    "    return lambda x: torch.zeros(1, 1).expand(x.shape[0], int(x[0, 0]))\n"
 )
 LIMIT = 65536  # the server's --max-message-bytes
 
@@ -432,7 +433,7 @@ def test_a_call_past_a_message_limit_is_not_retried(big_server: ServerProcess) -
         (before,) = c.model_statistics("big")
         c._stub = counting = CountingStub(c._stub)  # type: ignore[assignment]
         with pytest.raises(LimitExceeded, match="--max-message-bytes") as e:
-            c.infer("big", {"X": np.full((1, 1), LIMIT // 4 + 1, np.float32)}, timeout=30)
+            c.infer("big", {"X": np.full((2, 1), LIMIT // 8 + 1, np.float32)}, timeout=30)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and counting.attempts == 1
         (after,) = c.model_statistics("big")
     assert after.execution_count - before.execution_count == 1
@@ -441,6 +442,28 @@ def test_a_call_past_a_message_limit_is_not_retried(big_server: ServerProcess) -
         with pytest.raises(LimitExceeded, match="larger than max"):
             small.infer("big", {"X": np.ones((LIMIT // 4 + 1, 1), np.float32)}, timeout=30)
         assert counting.attempts == 1
+
+
+def test_an_output_no_response_may_carry_is_refused_by_the_worker_unmade(
+    big_server: ServerProcess,
+) -> None:
+    """An output whose every row is past --max-message-bytes (a view of 64 MiB a row
+    here) was copied whole by the worker and sent to the frontend, which refused it only
+    then: a view of gigabytes took that much of both. The worker refuses it unmade, as
+    RESOURCE_EXHAUSTED; rows that each fit, but not together, are still the frontend's
+    to refuse (a request of fewer rows would pass), and a request that fits is answered."""
+    per_row = 16 << 20  # floats
+    with Client(big_server.url) as c:
+        with pytest.raises(LimitExceeded) as e:
+            c.infer("big", {"X": np.full((2, 1), per_row, np.float32)}, timeout=30)
+        assert (
+            f"output 'Y' holds {per_row * 4} bytes a row (shape [2, {per_row}], FP32), "
+            f"more than a response may carry ({LIMIT}, --max-message-bytes)" in e.value.message
+        )
+        with pytest.raises(LimitExceeded, match="the outputs for this request hold 80000 bytes"):
+            c.infer("big", {"X": np.full((2, 1), 10_000, np.float32)}, timeout=30)
+        assert c.infer("big", {"X": np.full((1, 1), 10_000, np.float32)})["Y"].shape == (1, 10_000)
+    assert "Traceback" not in big_server.log()
 
 
 # ---- datatypes=: checked, never wrapped ----

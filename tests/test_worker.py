@@ -27,11 +27,11 @@ import torch
 import zmq
 
 from batchd.protos import wire
-from batchd.protos.model_config import load_model_config, model_key
+from batchd.protos.model_config import TensorSpec, load_model_config, model_key
 from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
-from batchd.worker.execute import BatchError, run_batch, why
+from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
 from batchd.worker.generate import EVERY, time_limit
 from batchd.worker.loader import load_model
 from batchd.worker.loading import Loaded, load
@@ -208,6 +208,28 @@ def test_bad_outputs_are_named(tmp_path: Path, body: str, message: str) -> None:
     with pytest.raises(BatchError) as info:
         run(d, X)
     assert message in str(info.value)
+
+
+def test_an_output_no_response_may_carry_is_refused_before_it_is_copied() -> None:
+    """`most` (Header.max_response_bytes): an output whose every row is past it is
+    refused by its shape alone; one that fits a row, or exactly, is encoded. A ragged
+    one is not judged (its requests' rows differ), nor BYTES till encoded."""
+    y = TensorSpec("Y", "FP32", (-1,))
+    view = torch.zeros(1, 1).expand(3, 1 << 40)  # 4 TiB a row, never made
+    with pytest.raises(OutputTooLarge, match=r"output 'Y' holds 4398046511104 bytes a row "
+                       r"\(shape \[3, 1099511627776\], FP32\), more than a response may "
+                       r"carry \(1024, --max-message-bytes\)"):  # fmt: skip
+        encode_output(y, view, True, rows=3, most=1024)
+    assert encode_output(y, torch.zeros(3, 256), True, rows=3, most=1024)[0].shape == [3, 256]
+    with pytest.raises(OutputTooLarge, match="1028 bytes a row"):
+        encode_output(y, np.zeros((3, 257), np.float32), True, rows=3, most=1024)
+    with pytest.raises(OutputTooLarge, match=r"holds 2048 bytes a row \(shape \[512\]"):
+        encode_output(y, torch.zeros(512), False, most=1024)  # (no batch dim: one request)
+    with pytest.raises(OutputTooLarge, match="1200 bytes a row"):
+        encode_output(TensorSpec("B", "BYTES", (1,)), np.array([[b"x" * 1196]], object), True,
+                      rows=1, most=1024)  # (its 4-byte length, then its bytes)  # fmt: skip
+    packed = TensorSpec("P", "FP32", (-1,), ragged_like="X")
+    assert encode_output(packed, torch.zeros(512), True, rows=1, packed=512, most=1024)[0]
 
 
 def test_dict_and_numpy_outputs_are_accepted(tmp_path: Path) -> None:

@@ -49,6 +49,10 @@ class BatchError(Exception):
     """The batch cannot be answered; the message goes back to its callers."""
 
 
+class OutputTooLarge(BatchError):
+    """An output no response may carry (ERROR's too_large: RESOURCE_EXHAUSTED)."""
+
+
 WHY_CHARS = 4096  # of a model's exception message, at most, in a reply
 
 
@@ -153,6 +157,7 @@ def run_batch(
     tensors: Sequence[wire.Tensor],
     frames: Sequence[Any],
     rows: int = 0,  # the batch's rows (Header.rows); 0: its first input's first dim
+    most: int = 0,  # the bytes a response may carry (Header.max_response_bytes); 0: any
 ) -> tuple[list[wire.Tensor], list[Any]]:
     """Run the model on one batch; raise BatchError (or the model's own error).
     Inputs are made under inference_mode too: inference tensors, which a model may
@@ -178,7 +183,7 @@ def run_batch(
     for spec, value in zip(cfg.outputs, _outputs_in_order(cfg, result), strict=True):
         like = spec.ragged_like or ""
         header, frame = encode_output(
-            spec, value, cfg.batches, rows, elements.get(like), widths.get(like)
+            spec, value, cfg.batches, rows, elements.get(like), widths.get(like), most
         )
         out_headers.append(header)
         out_frames.append(frame)
@@ -187,27 +192,45 @@ def run_batch(
 
 def encode_output(
     spec: TensorSpec, value: Any, batches: bool, rows: int | None = None,
-    packed: int | None = None, width: int | None = None,
+    packed: int | None = None, width: int | None = None, most: int = 0,
 ) -> tuple[wire.Tensor, Any]:  # fmt: skip
     """One output, checked against its declaration: its wire header and raw frame.
     `rows`: the batch's rows, when the model batches (dim 0 must match); `packed`: the
     elements of the packed input it is `ragged_like`, then its dim 0 instead; `width`:
     the padded length of the padded input it is `ragged_like`, its dim 1 (a position
-    more or fewer would hand requests another's values, or fail the whole batch)."""
-    # A tensor's or an array's shape is checked before the copy: an expanded view of
-    # gigabytes, of the wrong shape, is refused without being made whole first.
+    more or fewer would hand requests another's values, or fail the whole batch);
+    `most`: the bytes a response may carry (0: any), which no row of it may pass."""
+    # A tensor's or an array's shape (and size) is checked before the copy: an expanded
+    # view of gigabytes, of the wrong shape or past `most`, is refused without being made.
     known = isinstance(value, torch.Tensor | np.ndarray) and not getattr(value, "is_nested", 0)
+    fixed = DATATYPES[spec.datatype].itemsize  # (0: BYTES, its size known once encoded)
+    even = most > 0 and packed is None and width is None  # (a ragged one's rows differ)
     if known:
         _check_shape(spec, list(value.shape), batches, rows, packed, width)
+        if even and fixed:
+            _check_room(spec, list(value.shape), math.prod(value.shape) * fixed, batches, most)
     shape, frame = _encode(spec.name, spec.datatype, value)
     if not known:
         _check_shape(spec, shape, batches, rows, packed, width)
+    if even and not fixed:
+        _check_room(spec, shape, memoryview(frame).nbytes, batches, most)
     if packed is not None:
         return wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape), frame
     header = wire.Tensor(name=spec.name, datatype=spec.datatype, shape=shape)
     if spec.datatype == "BYTES" and batches:  # the frontend cuts rows by these
         header.row_offsets.extend(bytes_row_offsets(frame, shape[0], math.prod(shape[1:])).tolist())
     return header, frame
+
+
+def _check_room(spec: TensorSpec, shape: list[int], size: int, batches: bool, most: int) -> None:
+    """Refuse an output whose every row takes more than a response may carry: none could
+    carry it, and the frontend, which would refuse it, would get it whole first."""
+    rows = (shape[0] if shape else 1) if batches else 1
+    if rows and size // rows > most:
+        raise OutputTooLarge(
+            f"output {spec.name!r} holds {size // rows} bytes a row (shape {shape}, "
+            f"{spec.datatype}), more than a response may carry ({most}, --max-message-bytes)"
+        )
 
 
 def _check_shape(spec: TensorSpec, shape: list[int], batches: bool, rows: int | None,

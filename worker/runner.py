@@ -37,7 +37,7 @@ import zmq
 from batchd.protos import traces, wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker import InputRefused, alone, frontend_link, loader, merge
-from batchd.worker.execute import COUNTED, BatchError, failed, run_batch, why
+from batchd.worker.execute import COUNTED, BatchError, OutputTooLarge, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence, time_limit
@@ -231,7 +231,7 @@ class Runner:
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
             start, wall = time.perf_counter_ns(), time.time_ns()
             out_tensors, out_frames = run_batch(fn, cfg, self.options.device, tensors, frames,
-                                                sum(rows))  # fmt: skip
+                                                sum(rows), header.max_response_bytes)  # fmt: skip
             compute_ns = time.perf_counter_ns() - start
         except BaseException as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed", header.batch_id, exc_info=True)  # (formatted if shown)
@@ -239,7 +239,8 @@ class Runner:
             return [  # forward_rows: whether the batch ran alone (server/recovery.py)
                 (f, wire.pack(wire.Header(kind=wire.Header.ERROR, batch_id=h.batch_id,
                                           model=h.model, error=message, forward_rows=sum(rows),
-                                          invalid=isinstance(e, InputRefused))))
+                                          invalid=isinstance(e, InputRefused),
+                                          too_large=isinstance(e, OutputTooLarge))))
                 for f, h, _ in group
             ]  # fmt: skip
         headers = [h for _, h, _ in group]
