@@ -85,22 +85,38 @@ def _with_toml(root: Path) -> list[Path]:
         ) from None
 
 
-def find_model(root: Path, name: str) -> ModelConfig:
+def find_model(root: Path, name: str, unique: bool = False) -> ModelConfig:
     """Model `name` of repository `root`: `root/<name>/model.toml`, or the one
-    subdirectory whose model.toml declares that name. Raise ConfigError if none."""
+    subdirectory whose model.toml declares that name. Raise ConfigError if none, or,
+    `unique`, if two folders declare it (as start-up and the index refuse: a load took
+    the first, and a folder added beside the one serving swapped the model served)."""
     model_directory(root, name)  # refuses names that would leave the repository
     if (root / name / "model.toml").is_file():
         cfg = _load_confined(root, root / name)
-        if cfg.name == name:
+        if cfg.name == name and not unique:
             return cfg
+    found: list[ModelConfig] = []
     for sub in _with_toml(root):
         try:
+            if sub.name != name and not _may_declare(sub / "model.toml", name):
+                continue
             cfg = _load_confined(root, sub)
-        except ConfigError:
+        except (ConfigError, OSError):
             continue  # a broken neighbour does not stop this model from loading
         if cfg.name == name:
-            return cfg
+            found.append(cfg)
+    if len(found) > 1:
+        folders = " and ".join(f"{c.directory.name}/" for c in found[:2])
+        raise ConfigError(f"{root}: model name {name!r} is declared by {folders}; rename one")
+    if found:
+        return found[0]
     raise ConfigError(f"{root}: no model named {name!r} in the repository")
+
+
+def _may_declare(toml: Path, name: str) -> bool:
+    """Whether a model.toml may declare `name`: its text spells it (or escapes one)."""
+    text = toml.read_bytes()
+    return name.encode() in text or b"\\" in text
 
 
 def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:
@@ -235,11 +251,11 @@ def _boot() -> str:
         return socket.gethostname()
 
 
-def find_with_files(root: Path, name: str) -> tuple[ModelConfig, Files]:
+def find_with_files(root: Path, name: str, unique: bool = False) -> tuple[ModelConfig, Files]:
     """find_model, and its files as they were when its model.toml was read: the config is
     read again after the snapshot, so a model.toml rewritten between the two is the
     snapshot's (a rewrite read first, then snapshotted as it was, passed as unchanged)."""
-    files = files_of(directory := find_model(root, name).directory.resolve())  # (a link: now)
+    files = files_of(directory := find_model(root, name, unique).directory.resolve())  # (link: now)
     if (cfg := find_model(root, name)).directory.resolve() != directory:  # (moved, relinked)
         raise ConfigError(f"{cfg.directory}: model {name!r} moved here from {directory} as "
                           "it was read; load it again")  # fmt: skip

@@ -318,7 +318,7 @@ class ModelControl:
             return cfg
 
     def _read(self, name: str) -> tuple[ModelConfig, Read]:
-        found, files = repo.find_with_files(self.repository, name)
+        found, files = repo.find_with_files(self.repository, name, unique=True)
         return found, (files, digest(files), repo.identity(self.repository))
 
     def _what_stays(self, old: ModelConfig | None) -> str:

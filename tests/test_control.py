@@ -213,6 +213,26 @@ def test_a_version_that_fails_to_load_changes_nothing(server: ServerProcess, rep
         (repo / "spare" / "scale.txt").write_text("3.0")
 
 
+def test_a_load_of_a_name_two_folders_declare_fails_and_changes_nothing(
+    server: ServerProcess, repo: Path
+) -> None:
+    """A folder added beside the one serving, declaring the same name (and sorting
+    first): start-up and the index refuse such a repository, but a load took the first
+    folder, answered OK, and swapped the model served for the other's."""
+    copy = repo / "a-copy"
+    shutil.copytree(repo / "spare", copy)
+    (copy / "model.toml").write_text('name = "spare"\n' + (copy / "model.toml").read_text())
+    (copy / "scale.txt").write_text("1000.0")
+    try:
+        with Client(server.url) as c:
+            with pytest.raises(InvalidInput, match=r"model name 'spare' is declared by a-copy/ "
+                               "and spare/; rename one"):  # fmt: skip
+                c.load_model("spare")
+            assert y(c, "spare", 2.0) == 6.0
+    finally:
+        shutil.rmtree(copy)
+
+
 def test_unload_drains_then_load_brings_it_back(server: ServerProcess) -> None:
     with Client(server.url) as c:
         assert y(c, "spare", 1.0) == 3.0
