@@ -21,7 +21,24 @@ MAX_TOML_BYTES = 1 << 20
 
 
 class ConfigError(ValueError):
-    """A model.toml (or repository) is invalid; the message names the file and the key."""
+    """A model.toml (or repository) is invalid; the message names the file and the key.
+    It is cut to MAX_ERROR_CHARS: it travels in a gRPC status, whose clients take 16 KiB
+    of metadata (a 100 KB value quoted whole failed the call as RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str) -> None:
+        if len(message) > MAX_ERROR_CHARS:
+            message = f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
+        super().__init__(message)
+
+
+MAX_ERROR_CHARS, SAID_CHARS = 2000, 60
+
+
+def said(value: Any, quoted: bool = True) -> str:
+    """A value from a file, as an error quotes it: its repr (a key: as it is), cut to
+    SAID_CHARS."""
+    text = repr(value) if quoted else str(value)
+    return text if len(text) <= SAID_CHARS else f"{text[:SAID_CHARS]}... ({len(text)} characters)"
 
 
 _REQUIRED = object()
@@ -89,7 +106,7 @@ class Reader:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
             names = " or ".join(k.__name__ for k in kinds)
-            raise self.fail(key, f"expected {names}, got {value!r}")
+            raise self.fail(key, f"expected {names}, got {said(value)}")
         return value
 
     def integer(self, key: str, default: int, minimum: int = 0, maximum: int = INT64_MAX) -> int:
@@ -110,13 +127,13 @@ class Reader:
     def choice(self, key: str, options: tuple[str, ...], default: str) -> str:
         value: str = self.get(key, str, default)
         if value not in options:
-            raise self.fail(key, f"expected one of {', '.join(options)}, got {value!r}")
+            raise self.fail(key, f"expected one of {', '.join(options)}, got {said(value)}")
         return value
 
     def int_list(self, key: str, minimum: int = 0) -> tuple[int, ...]:
         values = self.get(key, list, [])
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
-            raise self.fail(key, f"expected a list of integers >= {minimum}, got {values!r}")
+            raise self.fail(key, f"expected a list of integers >= {minimum}, got {said(values)}")
         return tuple(values)
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -124,19 +141,20 @@ class Reader:
         dims = self.get(key, list)
         if not all(isinstance(d, int) and not isinstance(d, bool) and (d > 0 or d == -1)
                    for d in dims):  # fmt: skip
-            raise self.fail(key, f"expected a list of positive integers or -1, got {dims!r}")
+            raise self.fail(key, f"expected a list of positive integers or -1, got {said(dims)}")
         return tuple(dims)
 
     def near(self, key: str) -> str:
         """For a key that is not there: the key not yet read that is most like it, if
         any (`shap` for `shape`, `dtype` for `datatype`), said as a likely misspelling."""
         like = difflib.get_close_matches(key, [k for k in self.table if isinstance(k, str)], 1)
-        return f" ('{like[0]}' is there: misspelt?)" if like else ""
+        return f" ('{said(like[0], False)}' is there: misspelt?)" if like else ""
 
     def table_of(self, key: str) -> Reader:
         return Reader(self.path, self.table.pop(key, {}), f"[{key}] ")
 
     def done(self) -> None:
         if self.table:
-            unknown = ", ".join(sorted(self.table))
+            keys = sorted(self.table)
+            unknown = ", ".join(said(k, False) for k in keys[:8]) + (", ..." if keys[8:] else "")
             raise ConfigError(f"{self.path}: {self.where}unknown key(s): {unknown}")

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchd.protos._toml_reader import INT32_MAX, ConfigError, Reader, read_toml
+from batchd.protos._toml_reader import INT32_MAX, ConfigError, Reader, read_toml, said
 from batchd.protos.datatypes import DATATYPE_NAMES, DATATYPES, element
 
 __all__ = ["MODEL_NAME", "ConfigError", "ModelConfig", "load_model_config"]
@@ -180,10 +180,10 @@ def model_key(name: str, version: str) -> str:
 def _tensor(path: Path, kind: str, index: int, table: Any) -> TensorSpec:
     r = Reader(path, table, f"[[{kind}]] #{index + 1} ")
     name = r.get("name", str)
-    r.where = f"[[{kind}]] '{name}' "
+    r.where = f"[[{kind}]] '{said(name, False)}' "
     datatype = r.get("datatype", str)
     if datatype not in DATATYPES:
-        raise r.fail("datatype", f"expected one of {DATATYPE_NAMES}, got {datatype!r}")
+        raise r.fail("datatype", f"expected one of {DATATYPE_NAMES}, got {said(datatype)}")
     spec = TensorSpec(name, datatype, r.shape("shape"))
     if kind == "input" and r.get("ragged", bool, False):
         packed = r.get("packed", bool, False)
@@ -233,13 +233,12 @@ def _batch_inputs(path: Path, tables: Any, inputs: tuple[TensorSpec, ...]) -> tu
     for i, table in enumerate(tables or []):
         r = Reader(path, table, f"[[batch_input]] #{i + 1} ")
         name = r.get("name", str)
-        r.where = f"[[batch_input]] '{name}' "
+        r.where = f"[[batch_input]] '{said(name, False)}' "
         kind = r.choice("kind", BATCH_INPUT_KINDS, "mask")
         source = r.get("source", str)
         if source not in ragged:
-            raise r.fail(
-                "source", f"expected a ragged input ({ragged or 'none declared'}), got {source!r}"
-            )
+            what = f"expected a ragged input ({ragged or 'none declared'})"
+            raise r.fail("source", f"{what}, got {said(source)}")
         packed = next(t.packed for t in inputs if t.name == source)
         if kind == "mask" and packed:
             raise r.fail("kind", f"{source!r} is packed: no padding to mask (use offsets, "
@@ -317,7 +316,7 @@ def _parse(directory: Path, path: Path, doc: dict[str, Any]) -> ModelConfig:
     name = top.get("name", str, directory.name)
     if not MODEL_NAME.fullmatch(name):
         raise top.fail(
-            "name", f"expected letters, digits, '_', '-', '.' (no leading '.'), got {name!r}"
+            "name", f"expected letters, digits, '_', '-', '.' (no leading '.'), got {said(name)}"
         )
     max_batch_size = top.integer("max_batch_size", 0, maximum=INT32_MAX)  # int32 on the wire
     inputs = _tensors(path, "input", top.table.pop("input", None), top.near("input"))
@@ -338,7 +337,7 @@ def _parse(directory: Path, path: Path, doc: dict[str, Any]) -> ModelConfig:
             raise ConfigError(
                 f"{path}: [[output]] '{o.name}' key 'ragged_like': expected a "
                 f"ragged input ({ragged_names or 'none declared'}), "
-                f"got {o.ragged_like!r}"
+                f"got {said(o.ragged_like)}"
             )
     batching = _batching(top.table_of("batching"), max_batch_size, ragged, bool(packed))
     generate = _generate(top, max_batch_size, inputs, outputs) if "generate" in top.table else None

@@ -59,6 +59,32 @@ def test_a_nan_number_is_refused(tmp_path: Path, table: str, key: str) -> None:
     assert math.isinf(getattr(cfg.instances if table == "instances" else cfg.batching, key))
 
 
+LONG = "Q" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("toml", "parts"),
+    [
+        (GOOD.replace('datatype = "FP32"', f'datatype = "{LONG}"', 1),
+         ["key 'datatype': expected one of", f"got '{'Q' * 59}... (100002 characters)"]),
+        (f'name = "{LONG}"\n' + GOOD, ["key 'name': expected letters", "(100002 characters)"]),
+        (GOOD + f"[instances]\n{LONG} = 1\n",
+         ["[instances] unknown key(s): QQQ", "... (100000 characters)"]),
+        (GOOD.replace('name = "X"', f'name = "{LONG}"', 1).replace("shape = [2]", "shape = 2", 1),
+         ["[[input]] 'QQQ", "... (100000 characters)' key 'shape': expected list, got 2"]),
+        (GOOD + "".join(f"k{i} = 1\n" for i in range(20)), ["unknown key(s): k0, k1, ", "k15, ..."]),
+    ],
+)  # fmt: skip
+def test_a_long_value_is_quoted_by_its_prefix_and_the_message_is_bounded(
+    tmp_path: Path, toml: str, parts: list[str]
+) -> None:
+    """A 100 KB value was quoted whole: over gRPC, RepositoryModelLoad's message passed
+    the 16 KiB of metadata clients take, and its caller got RESOURCE_EXHAUSTED 'Stream
+    removed', never which key was wrong. RepositoryIndex's reasons held it too."""
+    message = refused(write(tmp_path, "long", toml), *parts)
+    assert len(message) < 1000, message
+
+
 @pytest.mark.parametrize(
     ("old", "new", "said"),
     [
