@@ -1283,6 +1283,10 @@ def test_a_job_over_http_matches_the_grpc_view_of_it(
     assert tail == results.body[10:]
     negative = call(example_server, "GET", f"{path}/results?offset=-5")  # (was the whole file)
     assert (negative.status, negative.error) == (400, "offset must be a byte offset >= 0, got -5")
+    for odd in ("5_0", "+5", "%205%20", "%D9%A5"):  # int() took them all (as 50, 5, 5, 5)
+        r = call(example_server, "GET", f"{path}/results?offset={odd}")
+        assert (r.status, r.error.split(", got ")[0]) == (400, "offset must be an integer"), odd
+    assert call(example_server, "GET", "/v2/jobs?limit=1_0").status == 400
     head = call(example_server, "HEAD", f"{path}/results")  # (was 405: every GET route takes HEAD)
     assert (head.status, head.body, head.headers["Content-Type"]) == (
         200, b"", "application/x-ndjson")  # fmt: skip

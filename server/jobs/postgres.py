@@ -39,7 +39,6 @@ import contextlib
 import math
 import os
 import secrets
-import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Collection
@@ -51,6 +50,7 @@ from batchd.server.errors import ModelNotFound
 from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, every, one, parts
 from batchd.server.jobs.store import (
     COLUMNS,
+    DISCARDED,
     ENDED,
     EXPIRE_MOST,
     READ_PIECE,
@@ -168,7 +168,7 @@ class PostgresStore(Store):
             return False
         self._uploads.discard(job_id)
         if not self._keep_inputs:  # this frontend runs no jobs: nothing would read it
-            shutil.rmtree(self.folder(job_id), ignore_errors=True)
+            self.discard(job_id)
         return True
 
     async def get(self, job_id: str) -> JobRow | None:
@@ -324,7 +324,7 @@ class PostgresStore(Store):
             await self._runs.run(self._fenced, row, sets, (status, error, self._clock()))
         finally:
             self._claims.pop(row.id, None)
-            shutil.rmtree(self.folder(row.id), ignore_errors=True)  # the input cache
+            self.discard(row.id)  # the input cache
 
     async def cancel(self, job_id: str) -> None:
         """queued or validating -> cancelled at once (the upload's replica hears it when
@@ -345,7 +345,7 @@ class PostgresStore(Store):
 
     def _forget_upload(self, job_id: str) -> None:
         self._uploads.discard(job_id)
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        self.discard(job_id)
 
     # ---- housekeeping ----
 
@@ -382,8 +382,8 @@ class PostgresStore(Store):
         keep = set(self._claims) | self._uploads
         with contextlib.suppress(OSError):
             for entry in self.directory.iterdir():
-                if entry.name.startswith("job-") and entry.name not in keep:
-                    shutil.rmtree(entry, ignore_errors=True)
+                if entry.name.startswith(("job-", DISCARDED)) and entry.name not in keep:
+                    self.discard(entry.name)
 
     async def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
         sql = (

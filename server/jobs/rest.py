@@ -15,6 +15,7 @@ A job is the JSON of protos/jobs.proto's Job, integers as numbers.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -45,11 +46,12 @@ def _offset(request: web.Request) -> int:
 
 
 def _int(request: web.Request, key: str) -> int:
+    """A query's integer, in ASCII digits only (int() takes '5_0', ' +5 ' and other
+    scripts' digits too)."""
     raw = request.query.get(key, "0")
-    try:
-        return int(raw)
-    except ValueError:
-        raise InvalidInput(f"{key} must be an integer, got {clip(raw)}") from None
+    if not re.fullmatch(r"-?[0-9]{1,30}", raw):
+        raise InvalidInput(f"{key} must be an integer, got {clip(raw)}")
+    return int(raw)
 
 
 class JobRoutes:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable, Collection
@@ -33,6 +32,8 @@ from batchd.server.jobs.store import (
     Results,
     Store,
     Submitted,
+    discard,
+    discarded,
     lock_directory,
     new_job_id,
 )
@@ -306,7 +307,7 @@ class SqliteStore(Store):
     async def delete(self, job_id: str) -> None:
         # The folder first: a process ended between the two leaves a row, deleted again
         # by the next recover() or expire(), not a folder that nothing names any more.
-        shutil.rmtree(self.folder(job_id), ignore_errors=True)
+        self.discard(job_id)
         self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
     async def recover(self) -> list[str]:
@@ -318,6 +319,8 @@ class SqliteStore(Store):
         gone = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'validating'")]
         for job_id in gone:
             await self.delete(job_id)
+        for left in discarded(self.directory):  # (a stop came as they were removed)
+            discard(left)
         return gone
 
     async def expire(self, retention_s: float) -> list[str]:
