@@ -41,7 +41,7 @@ from batchd.server.errors import Unavailable
 from batchd.server.exposition import Source
 from batchd.server.frontends import Children, Models, at_start, bind, endpoints, watch_parent
 from batchd.server.handlers import add_service
-from batchd.server.health import liveness, track_health
+from batchd.server.health import Health, liveness, track_health
 from batchd.server.http_site import serve_rest
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PostgresStore
@@ -127,7 +127,7 @@ def _build(
         core, limits=limits, calls_per_connection=cfg.connections.max_concurrent_streams,
         tracing=None if otlp is None else traces.Tracing.start("frontend", otlp),
     )  # fmt: skip
-    health = HealthServicer()
+    health = Health()
     jobs, off = _jobs(cfg, core, limits)
     jobs_service = JobsService(jobs, off, tokens, cfg.network.max_message_bytes)
     server, port = _grpc_server(cfg, service, health, jobs_service, tokens)

@@ -72,7 +72,8 @@ LONG = "Q" * 100_000
          ["[instances] unknown key(s): QQQ", "... (100000 characters)"]),
         (GOOD.replace('name = "X"', f'name = "{LONG}"', 1).replace("shape = [2]", "shape = 2", 1),
          ["[[input]] 'QQQ", "... (100000 characters)' key 'shape': expected list, got 2"]),
-        (GOOD + "".join(f"k{i} = 1\n" for i in range(20)), ["unknown key(s): k0, k1, ", "k15, ..."]),
+        (GOOD + "".join(f"k{i} = 1\n" for i in range(20)),
+         ["unknown key(s): k0, k1, ", "k15, ..."]),
     ],
 )  # fmt: skip
 def test_a_long_value_is_quoted_by_its_prefix_and_the_message_is_bounded(

@@ -150,6 +150,19 @@ def test_health_service_and_reflection(example_server: ServerProcess) -> None:
         for service in ("", "mlp"):
             status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
             assert status == health_pb2.HealthCheckResponse.SERVING
+        # A name past any it answers for is refused at once: a Watch held it (up to
+        # --max-message-bytes, with no token) for the life of its stream.
+        long = health_pb2.HealthCheckRequest(service="m" * (1 << 20))
+        for call in (health.Check, lambda r, **kw: next(health.Watch(r, **kw))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(long, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details() == (
+                f"service name {'m' * 40!r}... (1048576 characters): expected '' (the "
+                "server), 'batchd.liveness' or a model's name, at most 200 characters")  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:  # (a name of its length still: not found)
+            health.Check(health_pb2.HealthCheckRequest(service="m" * 200), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
         refl = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(
             refl.ServerReflectionInfo(
