@@ -42,7 +42,7 @@ from batchd.server.exposition import Source
 from batchd.server.frontends import Children, Models, at_start, bind, endpoints, watch_parent
 from batchd.server.handlers import add_service
 from batchd.server.health import Health, liveness, track_health
-from batchd.server.http_site import serve_rest
+from batchd.server.http_serve import serve_rest
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PostgresStore
 from batchd.server.jobs.runner import Jobs

@@ -22,9 +22,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import math
 import socket
-import ssl
 import threading
 import weakref
 import zlib
@@ -35,7 +33,6 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from batchd.server.config import Connections
 from batchd.server.errors import BatchdError, QueueFull, clip, http_status
 
 log = logging.getLogger("batchd.server")
@@ -327,68 +324,3 @@ class PatientStream(web.StreamResponse):
             if r.transport is not None:
                 r.transport.abort()
             raise ConnectionResetError("the caller read nothing") from None
-
-
-async def serve_rest(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    ssl_context: ssl.SSLContext | None,
-    reuse_port: bool,
-    connections: Connections,
-) -> tuple[web.AppRunner, int]:
-    """Start serving `app` on host:port; returns the runner (to stop it) and the port."""
-    header_timeout_s = connections.handshake_timeout_s or math.inf
-    runner = web.AppRunner(
-        app,
-        access_log=None,
-        handle_signals=False,
-        logger=protocol_log,
-        # A caller that leaves cancels its request, as a gRPC cancel does.
-        handler_cancellation=True,
-        # On shutdown, after the drain: a caller that does not read its answer holds
-        # the stop at most this long (aiohttp's default: 60 s, twice).
-        shutdown_timeout=1.0,
-        # Closes a connection that has not sent a whole request by then (counted from its
-        # start since aiohttp 3.14.4): slow loris and idle keep-alive connections alike.
-        keepalive_timeout=header_timeout_s,
-        max_line_size=8190,
-        max_field_size=8190,
-        # Bodies are inflated by RestApi, off the loop and bounded: aiohttp inflates on
-        # the loop, even a body it then refuses (a 1 MB gzip held it 0.5 s per GB).
-        auto_decompress=False,
-    )
-    await runner.setup()
-    site = _Site(runner, host, port, ssl_context, reuse_port=reuse_port,
-                 ssl_handshake_timeout=header_timeout_s if ssl_context else None)  # fmt: skip
-    await site.start()
-    sockets = getattr(site._server, "sockets", None)
-    assert sockets
-    return runner, int(sockets[0].getsockname()[1])
-
-
-class _Site(web.BaseSite):
-    """aiohttp's TCPSite, which takes no TLS handshake timeout (aiohttp 3.14): asyncio's
-    default, 60 s, let a connection that never finishes its handshake hold a socket."""
-
-    __slots__ = ("_host", "_options", "_port")
-
-    def __init__(
-        self, runner: web.BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext | None,
-        **options: Any,
-    ) -> None:  # fmt: skip
-        super().__init__(runner, ssl_context=ssl_context)
-        self._host, self._port, self._options = host, port, options
-
-    @property
-    def name(self) -> str:
-        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self._port}"
-
-    async def start(self) -> None:
-        await super().start()
-        assert self._runner.server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            self._runner.server, self._host, self._port, ssl=self._ssl_context,
-            backlog=self._backlog, **self._options,
-        )  # fmt: skip

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             *("calls", "auth", "codec", "metrics", "security", "streaming", "jobs.lines"),
             *("unary_steps", "jobs.ids", "index"),
             *("rest_codec", "json_body", "json_data", "handlers", "jobs.chunks", "http_site"),
+            "http_serve",
         },
     ),
     ("model control and sequences", {"control", "sequences"}),

@@ -1623,6 +1623,31 @@ def test_malformed_http_from_a_client_is_not_logged_as_a_server_error(
     assert "Traceback" not in log and " ERROR " not in log, log[-2000:]
 
 
+def test_a_request_the_parser_refuses_is_a_json_400_quoting_none_of_it(
+    example_server: ServerProcess,
+) -> None:
+    """A header over 8190 bytes (or a malformed line) that aiohttp's parser refuses was a
+    text/plain 400 quoting the start of what came: an Authorization header's token too.
+    It is `{"error": ...}` as every other error, names the fault, and quotes nothing."""
+    secret = b"Bearer secret-0123456789abcdef " + b"x" * 9000
+    for raw, said in (
+        (b"GET /v2 HTTP/1.1\r\nHost: [::1]\r\nAuthorization: " + secret + b"\r\n\r\n",
+         "not a request HTTP/1.1 can carry (a request line or header over 8190 bytes)"),
+        (b"GET /v2/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: [::1]\r\n\r\n",
+         "not a request HTTP/1.1 can carry (a request line or header over 8190 bytes)"),
+        (b"GET /v2 HTTP/1.1\r\nHost: [::1]\r\nX: a\x01secret\r\n\r\n",
+         "not a request HTTP/1.1 can carry (BadHttpMessage)"),
+    ):  # fmt: skip
+        with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
+            s.sendall(raw)
+            answer = until_eof(s)  # (and the connection closed)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith((b"HTTP/1.0 400", b"HTTP/1.1 400")), answer[:300]
+        assert b"Content-Type: application/json" in head, head
+        assert json.loads(body) == {"error": said} and b"secret" not in answer
+    assert_serving(example_server)
+
+
 def test_a_body_over_max_message_bytes_is_413(
     strict: ServerProcess, strict_stub: pb_grpc.GRPCInferenceServiceStub
 ) -> None:
