@@ -83,10 +83,10 @@ def load_tokens(path: Path) -> Tokens:
         scope, sep, token = (s.strip() for s in line.partition(":"))
         if not sep or scope not in scopes:
             raise ConfigError(f"{path}:{n}: expected 'infer: <token>' or 'admin: <token>'")
-        if len(token) < MIN_TOKEN_CHARS or any(c.isspace() for c in token):
-            raise ConfigError(
-                f"{path}:{n}: a token must be at least {MIN_TOKEN_CHARS} characters "
-                "without spaces (e.g. `openssl rand -hex 32`)"
+        if len(token) < MIN_TOKEN_CHARS or not re.fullmatch(r"[\x21-\x7e]+", token):
+            raise ConfigError(  # (gRPC metadata carries no other: one worked on HTTP only)
+                f"{path}:{n}: a token must be at least {MIN_TOKEN_CHARS} characters of "
+                "printable ASCII without spaces (e.g. `openssl rand -hex 32`)"
             )
         scopes[scope].append(_digest(token))
     if not any(scopes.values()):
@@ -95,13 +95,14 @@ def load_tokens(path: Path) -> Tokens:
 
 
 def bearer(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
-    """The token of an `authorization: Bearer <token>` entry, if any."""
+    """The token of the first `authorization` entry, if it is `Bearer <token>`: only the
+    first counts, as HTTP reads its first Authorization header (a Bearer entry after
+    another passed on gRPC, and failed on HTTP)."""
     for key, value in metadata or ():
         if key == "authorization":
             raw = value if isinstance(value, bytes) else str(value).encode()
             kind, _, token = raw.partition(b" ")
-            if kind.lower() == b"bearer" and token:
-                return token.strip()
+            return token.strip() if kind.lower() == b"bearer" and token.strip() else None
     return None
 
 

@@ -166,7 +166,11 @@ def test_token_file_format(tmp_path: Path, token_file: Path) -> None:
         ("# nothing\n\n", "holds no token"),
         ("infer: short\n", "at least 16 characters"),
         (f"\ninfer: {secret} {secret}\n", "bad:2: a token must be"),
-    ):
+        # gRPC metadata carries printable ASCII only: such a token worked on HTTP alone
+        (f"infer: {secret}\u00e9\n", "bad:1: a token must be at least 16 characters of "
+         "printable ASCII"),
+        (f"infer: {secret}\x01\n", "bad:1: a token must be"),
+    ):  # fmt: skip
         bad.write_text(text)
         with pytest.raises(ConfigError, match=expected) as e:
             load_tokens(bad)
@@ -224,6 +228,13 @@ def test_missing_or_wrong_token_is_unauthenticated_with_one_generic_detail(
             with pytest.raises(grpc.RpcError) as rpc:
                 stub.ServerLive(pb.ServerLiveRequest(), metadata=(("authorization", header),))
             assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # the first authorization entry alone counts, as HTTP reads its first header (a
+        # Bearer after another passed here, and failed there)
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.ServerLive(pb.ServerLiveRequest(), metadata=(
+                ("authorization", "Basic Zm9vOmJhcg=="), ("authorization", f"Bearer {INFER_TOKEN}"),
+            ))  # fmt: skip
+        assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
         stream = stub.ModelStreamInfer(iter([pb.ModelInferRequest(model_name="tiny")]))
         with pytest.raises(grpc.RpcError) as rpc:
             list(stream)
