@@ -14,6 +14,7 @@ are ZeroMQ certificates (zmq.auth.create_certificates / load_certificate).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -54,6 +55,7 @@ def generate(directory: Path) -> list[Path]:
         os.umask(umask)
     authorized = directory / AUTHORIZED / f"{WORKER}.key"
     shutil.copyfile(directory / f"{WORKER}.key", authorized)
+    os.chmod(authorized, 0o644)  # (copied under the caller's umask: 0666 under 000)
     return [*written, authorized]
 
 
@@ -62,6 +64,17 @@ def warn_loose(log: logging.Logger, *secrets: Path) -> None:
     for path in secrets:
         if path.exists() and path.stat().st_mode & 0o077:
             log.warning("%s is readable by other users: chmod 600 it", path)
+
+
+def warn_writable(log: logging.Logger, directory: Path) -> None:
+    """A warning if others may write `directory`'s authorized/ (or a key in it): whoever
+    can add a key there may register as a worker, and see every batch."""
+    folder = directory / AUTHORIZED
+    with contextlib.suppress(OSError):
+        for path in [folder, *folder.iterdir()]:
+            if path.stat().st_mode & 0o022:
+                log.warning("%s may be written by other users: chmod go-w it (whoever adds "
+                            "a key there may register as a worker)", path)  # fmt: skip
 
 
 def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:

@@ -256,6 +256,8 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
             load_tokens(security.auth_token_file)
         secrets.append(security.auth_token_file)
     keys.warn_loose(log, *secrets)  # (a missing key secret fails at WorkerAuth, naming it)
+    if key_dir is not None:
+        keys.warn_writable(log, key_dir)
     check_worker_endpoint(cfg.workers.endpoint or "", security.worker_keys)
     if key_dir is not None and cfg.workers.local:  # each would exit, again and again
         try:

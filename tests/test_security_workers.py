@@ -161,6 +161,29 @@ def test_a_secret_key_is_never_readable_by_others_not_even_while_written(
     assert (home / "worker.key").stat().st_mode & 0o777 == 0o644  # a public key stays readable
 
 
+def test_the_authorized_keys_are_never_writable_by_others(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """authorized/worker.key was copied under the caller's umask (0666 under 000), and
+    nothing said so: whoever adds a key there may register as a worker and see every
+    batch. It is 0644 whatever the umask, and a folder or key others may write is
+    warned of."""
+    old = os.umask(0)
+    try:
+        keys.generate(d := tmp_path / "keys")
+    finally:
+        os.umask(old)
+    assert (d / "authorized" / "worker.key").stat().st_mode & 0o777 == 0o644
+    with caplog.at_level(logging.WARNING, "batchd"):
+        keys.warn_writable(logging.getLogger("batchd.server"), d)
+        assert caplog.records == []
+        (d / "authorized").chmod(0o777)
+        keys.warn_writable(logging.getLogger("batchd.server"), d)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"{d / 'authorized'} may be written by other users"
+    ]
+
+
 def test_worker_endpoint_off_loopback_needs_keys(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
