@@ -7,13 +7,15 @@ waits. An 8 MiB inference header (the most json_body takes) or job line held it
 `run(fn, size, *args)` calls `fn(*args)` here when `size` is at most ASIDE_BYTES
 (a few milliseconds of parsing at most) or on the event loop's own thread, and
 else in one child process (`python -m batchd.server.parser`), started at the first
-large document and kept. The calling thread (the decode thread, a job's reader)
-waits for it without the GIL. What a parse leaves on the heap stays in the child,
-which gives it back to the system when idle: it has no event loop to stall.
+large document and kept; a job's lines (`background`) in another such child, so that
+an online document never waits for one (a shared child held an online call behind a
+hostile job's lines 1.1-1.6 s each, review 53a). The calling thread (the decode
+thread, a job's reader) waits for it without the GIL. What a parse leaves on the heap
+stays in the child, which gives it back to the system when idle: it has no event loop
+to stall.
 
-One document at a time; callers waiting for their turn go before a job's lines
-(`background`), which go once none waits (or after STARVE_S). `fn` and what it
-returns or raises cross as pickles (fn by reference: a module-level function).
+One document at a time in each child. `fn` and what it returns or raises cross as
+pickles (fn by reference: a module-level function).
 Every wait is bounded: an online turn, and a document's answer, by TIMEOUT_S
 (Unavailable; a child that does not answer is killed); a job's line waits its
 turn. A child that dies is started again and the document tried once more;
@@ -48,7 +50,6 @@ T = TypeVar("T")
 ASIDE_BYTES = 256 * 1024  # a larger document is parsed in the child
 TIMEOUT_S = 10.0  # for a turn, and for an answer (8 MiB of nested JSON: ~0.2 s)
 START_S = 30.0  # for a new child to say it is ready
-STARVE_S = 1.0  # a job's line waits at most this long for online documents to pass
 NO_CHILD_S = 60.0  # after a child could not start, documents are parsed here this long
 IDLE_S = 0.2  # the child gives its free heap back after this long without a document
 _HEAD = 8  # bytes of a frame's length
@@ -109,7 +110,7 @@ def _receive(fd: int, deadline: float) -> bytearray:
 class _Child:
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._busy, self._online = False, 0  # a document in the child; online waiting
+        self._busy = False  # a document in the child
         self.waiting = 0  # callers waiting for their turn
         self._proc: subprocess.Popen[bytes] | None = None
         self._no_child_until = 0.0
@@ -135,15 +136,7 @@ class _Child:
     def _wait_turn(self, background: bool) -> None:
         """(Holding the condition's lock.) A job's line waits as long as it takes (each
         turn ends within TIMEOUT_S): refused, it would be an error line for good."""
-        if background:  # behind online documents, for STARVE_S at most
-            self._cv.wait_for(lambda: not self._busy and not self._online, STARVE_S)
-        else:
-            self._online += 1
-        try:
-            turn = self._cv.wait_for(lambda: not self._busy, None if background else TIMEOUT_S)
-        finally:
-            if not background:
-                self._online -= 1
+        turn = self._cv.wait_for(lambda: not self._busy, None if background else TIMEOUT_S)
         if not turn:
             raise Unavailable(f"the JSON parser was busy for {TIMEOUT_S:g} s; retry later")
         self._busy = True
@@ -238,16 +231,16 @@ class _Child:
             self._no_child_until = 0.0
 
 
-_child = _Child()
+_child, _jobs_child = _Child(), _Child()  # online documents', a job's lines'
 
 
 def run(fn: Callable[..., T], size: int, *args: Any, background: bool = False) -> T:
     """`fn(*args)`, in the child when `size` (the document's bytes) passes ASIDE_BYTES,
     but not on an event loop's thread (whose callers wait on no process); `background`:
-    a job's line, which waits for online documents."""
+    a job's line, parsed in a child of its own, which has no deadline."""
     if size <= ASIDE_BYTES or _on_a_loop():
         return fn(*args)
-    return _child.call(fn, args, background)
+    return (_jobs_child if background else _child).call(fn, args, background)
 
 
 def _on_a_loop() -> bool:
@@ -258,15 +251,16 @@ def _on_a_loop() -> bool:
     return True
 
 
-def child_pid() -> int:
-    """The child's pid (0: none running)."""
-    return _child.pid
+def child_pid(background: bool = False) -> int:
+    """The online documents' child's pid (`background`: the job lines'); 0: none runs."""
+    return (_jobs_child if background else _child).pid
 
 
 def close() -> None:
-    """End the child, if one runs (it ends with the server anyway), and forget a child
+    """End the children, if they run (they end with the server anyway), and forget one
     that could not start."""
     _child.close()
+    _jobs_child.close()
 
 
 def _refuse(message: str) -> None:
