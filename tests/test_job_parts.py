@@ -344,7 +344,8 @@ def test_a_job_s_folder_is_removed_off_the_event_loop_and_a_stop_s_leftovers_at_
     rmtree = shutil.rmtree
 
     def recorded(path: Any, *args: Any, **kwargs: Any) -> None:
-        on_loop_thread.append(threading.current_thread() is threading.main_thread())
+        if Path(path).parent == tmp_path:  # (not another test's, in this process)
+            on_loop_thread.append(threading.current_thread() is threading.main_thread())
         rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(shutil, "rmtree", recorded)

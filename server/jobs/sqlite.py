@@ -316,11 +316,11 @@ class SqliteStore(Store):
             "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE status = 'cancelling'",
             (self._clock(),),
         )
+        for left in discarded(self.directory):  # (a stop came as they were removed)
+            discard(left)
         gone = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'validating'")]
         for job_id in gone:
             await self.delete(job_id)
-        for left in discarded(self.directory):  # (a stop came as they were removed)
-            discard(left)
         return gone
 
     async def expire(self, retention_s: float) -> list[str]:

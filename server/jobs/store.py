@@ -51,6 +51,8 @@ def discard(folder: Path) -> None:
     (nothing finds it half removed) and removed on a thread (removing a 1 GiB input took
     0.26 s: four jobs' expiry held every call 0.65 s). What a stop left aside goes at the
     next start (the stores' sweeps)."""
+    if folder in _removing:  # (a sweep's: this process removes it already)
+        return
     aside = folder.with_name(f"{DISCARDED}{folder.name}-{secrets.token_hex(4)}")
     try:
         folder.rename(aside)
@@ -58,10 +60,21 @@ def discard(folder: Path) -> None:
         return
     except OSError:  # (cannot be renamed: removed where it is)
         aside = folder
+    _removing.add(aside)
+
+    def remove() -> None:
+        try:
+            shutil.rmtree(aside, ignore_errors=True)
+        finally:
+            _removing.discard(aside)
+
     try:
-        asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, aside, True)
+        asyncio.get_running_loop().run_in_executor(None, remove)
     except RuntimeError:  # no event loop (a tool's, a test's store)
-        shutil.rmtree(aside, ignore_errors=True)
+        remove()
+
+
+_removing: set[Path] = set()  # folders set aside that a thread of this process removes
 
 
 def discarded(directory: Path) -> list[Path]:
