@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig
+from batchd.protos.processes import descendants, kill_all
 
 log = logging.getLogger("batchd.supervisor")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.2, 10.0, 30.0
@@ -177,7 +178,9 @@ class Supervisor:
         for wid, proc in self._procs.values():
             if wid == worker_id and proc.pid == pid and proc.returncode is None:
                 log.warning("killing worker %s (pid %d)", wid, proc.pid, extra={"worker": wid})
+                below = descendants(proc.pid)  # what its model started: with it (processes.py)
                 proc.kill()
+                kill_all(below)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the workers (already told STOP) to exit; terminate, then kill, stragglers."""
@@ -187,10 +190,12 @@ class Supervisor:
             alive = [p for p in procs if p.returncode is None]
             if not alive:
                 return
+            below = [d for p in alive for d in descendants(p.pid)] if signal_step == "kill" else []
             for p in alive:
                 if signal_step is not None:
                     with contextlib.suppress(ProcessLookupError):
                         getattr(p, signal_step)()
+            kill_all(below)  # (a worker killed: what its model started goes with it)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     asyncio.gather(*(p.wait() for p in alive)),

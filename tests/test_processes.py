@@ -164,20 +164,23 @@ def test_a_forward_that_forks_leaves_no_copy_of_the_worker_running(tmp_path: Pat
         assert server.stop() == 0, server.log()
 
 
-def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path) -> None:
-    """A daemon multiprocessing.Process a model starts (on import here) is ended by Python's
-    exit (terminate(): SIGTERM). It inherited the worker's handling of SIGTERM (ignored
-    under a server, a flag when started by hand), so it lived on after the worker, for
-    good (the worker, which waited for it, left after its 5 s grace)."""
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path, method: str) -> None:
+    """A daemon multiprocessing.Process a model starts (on import here) is ended by
+    Python's exit (terminate(): SIGTERM). It inherits the worker's handling of SIGTERM
+    (ignored under a server: a signal to the whole group must not end it while the
+    frontend drains), so it lived on after the worker, for good; spawned, or from a
+    forkserver, the same (an ignored signal outlives exec). The worker ends what its
+    model started as it leaves."""
     model = make_model(tmp_path / "repo", "scaled", 2.0)
     pid_file = tmp_path / "child.pid"
     with (model / "model.py").open("a") as f:
-        f.write("\nimport multiprocessing as _mp, os as _os, time as _time\n"
-                "def _child(path):\n    open(path, 'w').write(str(_os.getpid()))\n"
-                "    _time.sleep(3600)\n"
-                "_p = _mp.get_context('fork').Process(target=_child, args=("
-                f"{str(pid_file)!r},), daemon=True)\n_p.start()\n")  # fmt: skip
-    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+        f.write(
+            "\nimport multiprocessing as _mp, time as _time\n"
+            f"_p = _mp.get_context({method!r}).Process(target=_time.sleep, args=(3600,), "
+            f"daemon=True)\n_p.start()\nopen({str(pid_file)!r}, 'w').write(str(_p.pid))\n"
+        )
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()  # fmt: skip
     try:
         wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30, "the model's child")
         child = int(pid_file.read_text())
@@ -854,11 +857,17 @@ def test_a_signal_to_the_whole_process_group_still_drains(tmp_path: Path) -> Non
     worker that took the signal runs both."""
     model = make_model(tmp_path / "repo", "slow", 1.0)
     held = batch_gate(model, 1.0)
+    helper = tmp_path / "helper.pid"  # a process the model forks: it stays for the drain too
+    with (model / "model.py").open("a") as f:  # (it died at the signal, and a pool's batch)
+        f.write("\nimport multiprocessing as _mp, time as _time\n_p = _mp.get_context('fork')"
+                ".Process(target=_time.sleep, args=(3600,), daemon=True)\n_p.start()\n"
+                f"open({str(helper)!r}, 'w').write(str(_p.pid))\n")  # fmt: skip
     server = ServerProcess(
         tmp_path / "repo", "--credits-per-worker", "1", log_dir=tmp_path, new_session=True
     ).start()
     assert server.proc is not None
     (worker,) = server.worker_pids()
+    forked = int(helper.read_text())
 
     def queued() -> float:
         return total(scrape(server), "batchd_inference_pending_request_count", model="slow")
@@ -874,6 +883,7 @@ def test_a_signal_to_the_whole_process_group_still_drains(tmp_path: Path) -> Non
             wait_for(lambda: queued() == 1, 30, "the second request to be queued")
             os.killpg(server.proc.pid, signal.SIGTERM)
             wait_for(lambda: not c.ready(), 30, "the server to drain")  # it took the signal
+            assert alive(forked)
             held.unlink()
             assert float(running.result(timeout=30)["Y"][0, 0]) == 21.0
             assert float(waiting.result(timeout=30)["Y"][0, 0]) == 22.0
@@ -884,4 +894,5 @@ def test_a_signal_to_the_whole_process_group_still_drains(tmp_path: Path) -> Non
         (worker, [21.0]),
         (worker, [22.0]),
     ]
+    wait_for(lambda: not alive(forked), 10, "the model's process to end with its worker")
     assert "lost" not in server.log()  # the lost-worker alarm: the server is gone, ask its log

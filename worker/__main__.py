@@ -20,6 +20,7 @@ import torch
 from batchd.protos import keys, traces
 from batchd.protos.logs import setup_logging
 from batchd.protos.model_config import ConfigError
+from batchd.protos.processes import descendants, kill_all
 from batchd.worker.loader import leave
 from batchd.worker.loading import is_own
 from batchd.worker.log_tag import tag_log_lines
@@ -44,6 +45,7 @@ def die_with_a_worker_thread(args: threading.ExceptHookArgs) -> None:
         return
     log.critical("thread %s died; exiting:\n%s", thread, trace.rstrip())
     logging.shutdown()
+    kill_all(descendants(os.getpid()))  # (what a model started ends with it: processes.py)
     os._exit(70)  # EX_SOFTWARE
 
 
@@ -60,14 +62,6 @@ def install_signal_handlers(runner: Runner) -> None:
     # (its frontend starts it with both blocked, so that none kills it before it gets here:
     # one that came meanwhile is dropped as ignored)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
-    os.register_at_fork(after_in_child=_ends_on_sigterm)
-
-
-def _ends_on_sigterm() -> None:
-    """A process a model forks (a daemon multiprocessing.Process) ends on SIGTERM, as the
-    worker's exit ends it (terminate()): it inherited the worker's handling, and lived on."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -35,6 +35,7 @@ import torch
 from torch.export.passes import move_to_device_pass
 
 from batchd.protos.model_config import ModelConfig
+from batchd.protos.processes import descendants, kill_all
 from batchd.protos.repository import confined
 
 _PID = os.getpid()  # the worker's (forked_off)
@@ -93,16 +94,29 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
 def leave(code: int) -> NoReturn:
     """End the worker process: its atexit handlers first (a TemporaryDirectory's cleanup,
     a model's own, the trace exporter's flush), on this, the main, thread, for EXIT_S at
-    most (multiprocessing's waits for children that took the worker's SIGTERM handler:
-    one ignored it, for good), then out at once. Python's own exit would wait for every
-    thread that is not a daemon, and one a model started kept the worker alive after
-    SIGTERM for good (under a server, its stop waited 10 s, then killed it)."""
-    watchdog = threading.Timer(EXIT_S, os._exit, (code,))
+    most, then every process a model's code started and left (protos/processes.py), then
+    out at once. Python's own exit would wait for every thread that is not a daemon, and
+    one a model started kept the worker alive after SIGTERM for good (under a server, its
+    stop waited 10 s, then killed it)."""
+    watchdog = threading.Timer(EXIT_S, _out, (code,))
     watchdog.daemon = True
     watchdog.start()
+    # multiprocessing's handler terminate()s its daemonic children with a SIGTERM they
+    # ignore, as the worker does, then waits for them: this one, run first, kills them
+    atexit.register(_end_daemonic_children)
     atexit._run_exitfuncs()  # (logging's shutdown among them)
     sys.stdout.flush()
     sys.stderr.flush()
+    _out(code)
+
+
+def _end_daemonic_children() -> None:
+    if (mp := sys.modules.get("multiprocessing")) is not None:
+        kill_all([p.pid for p in mp.active_children() if p.daemon and p.pid])
+
+
+def _out(code: int) -> NoReturn:
+    kill_all(descendants(os.getpid()))
     os._exit(code)
 
 
