@@ -196,8 +196,7 @@ class Core:
                 if not r.future.done():
                     r.future.set_exception(BatchdError(f"internal error building the batch: {e}"))
             return
-        loaded = self._loaded(model, requests)
-        worker.owes_pass = False
+        loaded, worker.owes_pass = self._loaded(model, requests), False
         batch = self.pool.hand(worker, model, requests, self._clock())
         traceparent = ""
         if traces := [r.trace for r in requests if r.trace is not None]:
@@ -208,7 +207,8 @@ class Core:
         header = wire.Header(kind=wire.Header.BATCH, batch_id=batch.id, model=model.name,
                              version=model.version, tensors=tensors, loaded=loaded,
                              rows=sum(r.rows for r in requests), alone=batch.suspect,
-                             traceparent=traceparent, max_response_bytes=self._most)  # fmt: skip
+                             traceparent=traceparent, max_response_bytes=self._most if all(
+                                 r.bounded for r in requests) else 0)  # fmt: skip
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
         if failed:  # it never left, nor ran: its requests go back uncharged, and the

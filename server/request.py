@@ -83,6 +83,14 @@ class Request:
             (t.shape[1] for t, s in zip(self.inputs, specs, strict=True) if s.ragged), default=0
         )
 
+    @property
+    def bounded(self) -> bool:
+        """Whether every output the model makes goes into one response that
+        --max-message-bytes bounds: not a job's line (a file holds it), nor a request
+        asking for some outputs (the others are dropped). Then its worker may refuse an
+        output no response could carry (wire.proto, max_response_bytes)."""
+        return not self.background and len(self.outputs) == len(self.model.outputs)
+
 
 @dataclass(eq=False, slots=True)
 class Batch:

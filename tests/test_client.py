@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import io
+import json
 import math
 import random
 import re
@@ -406,6 +407,13 @@ def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
     (root / "repo" / "big").mkdir(parents=True)
     (root / "repo" / "big" / "model.toml").write_text(BIG_TOML)
     (root / "repo" / "big" / "model.py").write_text(BIG_PY)
+    (root / "repo" / "two").mkdir()  # Y: X, Z: X[0, 0] floats a row
+    (root / "repo" / "two" / "model.toml").write_text(
+        BIG_TOML.replace('shape = [-1]\n', 'shape = [1]\n[[output]]\nname = "Z"\n'
+                         'datatype = "FP32"\nshape = [-1]\n'))  # fmt: skip
+    (root / "repo" / "two" / "model.py").write_text(
+        "import torch\ndef load(device):\n    return lambda x: (x.clone(), "
+        "torch.zeros(1, 1).expand(x.shape[0], int(x[0, 0])))\n")  # fmt: skip
     server = ServerProcess(root / "repo", "--max-message-bytes", str(LIMIT), log_dir=root)
     yield server.start()
     assert server.stop() == 0, server.log()
@@ -464,6 +472,32 @@ def test_an_output_no_response_may_carry_is_refused_by_the_worker_unmade(
             c.infer("big", {"X": np.full((2, 1), 10_000, np.float32)}, timeout=30)
         assert c.infer("big", {"X": np.full((1, 1), 10_000, np.float32)})["Y"].shape == (1, 10_000)
     assert "Traceback" not in big_server.log()
+
+
+def test_an_output_a_response_leaves_out_is_not_refused_by_the_worker(
+    big_server: ServerProcess, tmp_path: Path
+) -> None:
+    """The worker refuses an output no response may carry only when every request of
+    the batch takes that output into a response: one asking for other outputs, or a job's
+    line (written to a file), got RESOURCE_EXHAUSTED for an output it would never hold."""
+    x = np.full((1, 1), LIMIT // 4 + 1, np.float32)  # Z: past the limit, every row
+    with Client(big_server.url) as c:
+        with pytest.raises(LimitExceeded, match="output 'Z' holds 65540 bytes a row"):
+            c.infer("two", {"X": x}, timeout=30)
+        assert c.infer("two", {"X": x}, ["Y"], timeout=30)["Y"].tolist() == [[LIMIT // 4 + 1]]
+        line = {
+            "custom_id": "a",
+            "inputs": [
+                {"name": "X", "datatype": "FP32", "shape": [1, 1], "data": [LIMIT // 4 + 1]}
+            ],
+        }
+        job = c.submit_job("two", [line])
+        wait_for(lambda: c.job(job.id).status not in ("validating", "queued", "running"), 60,
+                 "the job to end")  # fmt: skip
+        assert (c.job(job.id).status, c.job(job.id).completed) == ("completed", 1)
+        c.job_results(job.id, tmp_path / "results.jsonl")
+    (result,) = map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())
+    assert [o["shape"] for o in result["outputs"]] == [[1, 1], [1, LIMIT // 4 + 1]]
 
 
 # ---- datatypes=: checked, never wrapped ----

@@ -229,9 +229,10 @@ class Runner:
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
+            most = min(h.max_response_bytes for _, h, _ in group)  # (0, any batch's: none)
             start, wall = time.perf_counter_ns(), time.time_ns()
             out_tensors, out_frames = run_batch(fn, cfg, self.options.device, tensors, frames,
-                                                sum(rows), header.max_response_bytes)  # fmt: skip
+                                                sum(rows), most)  # fmt: skip
             compute_ns = time.perf_counter_ns() - start
         except BaseException as e:  # any model failure is reply data, never a dead worker
             log.debug("batch %d failed", header.batch_id, exc_info=True)  # (formatted if shown)
@@ -392,9 +393,7 @@ class Runner:
 
 
 @dataclass
-class _IO:
-    """The I/O thread's own state."""
-
+class _IO:  # the I/O thread's own state
     pending: int = 0  # batches and loads handed to the compute thread, not yet answered
     stopping: bool = False  # STOP came: finish what is pending, take nothing new
     stop_at: float = 0.0
