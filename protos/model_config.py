@@ -335,7 +335,7 @@ def _parse(directory: Path, path: Path, doc: dict[str, Any]) -> ModelConfig:
     for o in outputs:
         if o.ragged_like is not None and o.ragged_like not in ragged_names:
             raise ConfigError(
-                f"{path}: [[output]] '{o.name}' key 'ragged_like': expected a "
+                f"{path}: [[output]] '{said(o.name, False)}' key 'ragged_like': expected a "
                 f"ragged input ({ragged_names or 'none declared'}), "
                 f"got {said(o.ragged_like)}"
             )

@@ -19,7 +19,7 @@ from batchd.protos.model_config import ModelConfig, load_model_config
 from batchd.server.batching.split_join import split_request
 from batchd.server.codec import decode_request, encode_response, fixed_output_bytes
 from batchd.server.config import Limits
-from batchd.server.errors import InvalidInput, ResponseTooLarge
+from batchd.server.errors import MAX_DETAILS_CHARS, InvalidInput, ResponseTooLarge, details
 from batchd.server.request import Tensor
 from tests.servers import EXAMPLES, TEST_MODELS
 
@@ -292,3 +292,17 @@ def test_a_shape_of_a_million_dimensions_is_refused_from_its_length_unread() -> 
         "input 'INPUT0': expected shape [-1, 16] (batch dim first) of 2 dimensions, "
         "got 1000000 dimensions: [1, 1, 1, 1, 1, 1, 1, 1, ...] (1000000 items)"
     )
+
+
+def test_a_status_s_details_are_cut_to_what_a_client_takes_as_grpc_sends_them() -> None:
+    """gRPC sends each byte past printable ASCII (and %) as three characters, and clients
+    take 8 KiB of metadata: a model's 4,096-character message (WHY_CHARS) in CJK went as
+    36 KB, and its caller got RESOURCE_EXHAUSTED 'Stream removed' instead."""
+    ascii_ = "x" * 4096  # a model's message at its longest, in ASCII: whole
+    assert details(ascii_) is ascii_ and details("short") == "short"
+    for text in ("\u4e2d" * 4096, "%" * 9000, "x" * 9000, "\u4e2d" + "\U0001f600" * 3000):
+        cut = details(text)
+        data = cut.encode()
+        sent = len(data) + 2 * sum(1 for b in data if not 0x20 <= b < 0x7F or b == 0x25)
+        assert MAX_DETAILS_CHARS - 100 < sent <= MAX_DETAILS_CHARS, (text[:3], sent)
+        assert cut.endswith(f"... ({len(text)} characters)") and text.startswith(cut[:10])

@@ -233,6 +233,35 @@ def test_a_load_of_a_name_two_folders_declare_fails_and_changes_nothing(
         shutil.rmtree(copy)
 
 
+def test_a_load_error_of_any_length_or_script_reaches_its_caller(
+    server: ServerProcess, repo: Path
+) -> None:
+    """A status's details over gRPC's 16 KiB of metadata (each byte past ASCII goes as
+    three characters) failed the call as RESOURCE_EXHAUSTED 'Stream removed': here a
+    load() raising 4,000 CJK characters (a model's message is kept to 4,096), and a
+    model.toml quoting an output's name of 5,000."""
+    raising, named = repo / "cjk-load", repo / "cjk-name"
+    make_model(repo, raising.name, 1.0)
+    (raising / "model.py").write_text(
+        "def load(device):\n    raise ValueError('\u4e2d' * 4000)\n")  # fmt: skip
+    named.mkdir()
+    wide = "\u4e2d" * 5000
+    toml = MODEL_TOML.replace('name = "Y"', f'name = "{wide}"\nragged_like = "X"')
+    (named / "model.toml").write_text(toml.replace("[1]\n\n[batching]", "[-1]\n\n[batching]"))
+    (named / "model.py").write_text("def load(device):\n    return lambda x: x\n")
+    try:
+        with Client(server.url) as c:
+            with pytest.raises(InferenceFailed, match="ValueError: \u4e2d") as e:
+                c.load_model("cjk-load")
+            assert 2000 < len(e.value.message.encode()) <= 2400
+            with pytest.raises(InvalidInput, match="key 'ragged_like': expected a ragged") as i:
+                c.load_model("cjk-name")
+            assert len(i.value.message.encode()) <= 2400
+    finally:
+        shutil.rmtree(raising)
+        shutil.rmtree(named)
+
+
 def test_unload_drains_then_load_brings_it_back(server: ServerProcess) -> None:
     with Client(server.url) as c:
         assert y(c, "spare", 1.0) == 3.0
