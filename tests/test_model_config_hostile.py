@@ -224,6 +224,18 @@ def test_a_malformed_neighbour_is_reported_not_raised(
     assert "b_scalar/model.toml: [model] must be a table" in out and "1 ok, 2 failed" in out
 
 
+def test_a_name_two_folders_declare_is_found_twice_even_escaped(tmp_path: Path) -> None:
+    """find_model(unique=True), a load's: a folder that declares the name too, spelt with
+    an escape, is found; a backslash elsewhere (a comment) has no file parsed for it."""
+    write(tmp_path, "dup", GOOD)
+    write(tmp_path, "other", 'name = "d\\u0075p"\n' + GOOD)
+    write(tmp_path, "third", "# C:\\models\n" + GOOD)
+    assert find_model(tmp_path, "dup").directory.name == "dup"
+    with pytest.raises(ConfigError, match="'dup' is declared by dup/ and other/; rename one"):
+        find_model(tmp_path, "dup", unique=True)
+    assert repository._may_declare(tmp_path / "third" / "model.toml", "dup") is False
+
+
 def test_models_check_refuses_a_name_used_twice(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
