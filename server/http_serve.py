@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import ssl
 from typing import Any
 
@@ -109,9 +110,19 @@ class _JsonErrors(web_protocol.RequestHandler):
             return super().handle_error(request, status, exc, message)  # (not the parser's)
         protocol_log.debug("HTTP request from %s refused by the parser: %s", request.remote,
                            type(exc).__name__)  # fmt: skip
-        kind = type(exc).__name__  # (its message may hold what came: a header, a token)
-        what = f"a request line or header over {MAX_LINE_BYTES} bytes" if kind == "LineTooLong" \
-            else kind  # fmt: skip
-        response = error_response(status, f"not a request HTTP/1.1 can carry ({what})")
+        response = error_response(status, f"not a request HTTP/1.1 can carry ({_fault(exc)})")
         response.force_close()
         return response
+
+
+def _fault(exc: HttpProcessingError) -> str:
+    """What the parser found wrong, without what came: its message names the fault, then
+    (after a blank line) quotes the bytes; a long line's and a URL's quote them in it."""
+    kind = type(exc).__name__
+    if kind == "LineTooLong":
+        return f"a request line or header over {MAX_LINE_BYTES} bytes"
+    if kind == "InvalidURLError":
+        return "a malformed URL"
+    said = " ".join(str(exc.message).split("\n\n", 1)[0].split()).rstrip(":")
+    quotes = "b'" in said or re.search(r"'[^']*'|\"", said)  # (a message that quotes what came)
+    return said if said and not quotes and len(said) <= 100 else kind

@@ -1283,6 +1283,7 @@ def test_a_job_over_http_matches_the_grpc_view_of_it(
     assert tail == results.body[10:]
     negative = call(example_server, "GET", f"{path}/results?offset=-5")  # (was the whole file)
     assert (negative.status, negative.error) == (400, "offset must be a byte offset >= 0, got -5")
+    assert call(example_server, "GET", f"{path}/results?offset={'0' * 40}10").body == tail
     for odd in ("5_0", "+5", "%205%20", "%D9%A5"):  # int() took them all (as 50, 5, 5, 5)
         r = call(example_server, "GET", f"{path}/results?offset={odd}")
         assert (r.status, r.error.split(", got ")[0]) == (400, "offset must be an integer"), odd
@@ -1636,7 +1637,14 @@ def test_a_request_the_parser_refuses_is_a_json_400_quoting_none_of_it(
         (b"GET /v2/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: [::1]\r\n\r\n",
          "not a request HTTP/1.1 can carry (a request line or header over 8190 bytes)"),
         (b"GET /v2 HTTP/1.1\r\nHost: [::1]\r\nX: a\x01secret\r\n\r\n",
-         "not a request HTTP/1.1 can carry (BadHttpMessage)"),
+         "not a request HTTP/1.1 can carry (Invalid header value char)"),
+        (b"GET /v2 HTTP/1.1\r\nHost: [::1]\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"
+         b"\r\n\r\n", "not a request HTTP/1.1 can carry (Transfer-Encoding can't be present "
+         "with Content-Length)"),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03secret\r\n\r\n",  # https to http
+         "not a request HTTP/1.1 can carry (Received HTTPS traffic on an HTTP port)"),
+        (b"GET /v2/health/live HTTP/9.9\r\n\r\n",
+         "not a request HTTP/1.1 can carry (Bad status line: Invalid HTTP version)"),
     ):  # fmt: skip
         with socket.create_connection(("127.0.0.1", example_server.http_port), timeout=30) as s:
             s.sendall(raw)
