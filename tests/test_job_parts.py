@@ -35,6 +35,7 @@ from batchd.server.errors import BatchdError, Unavailable
 from batchd.server.jobs import chunks, ids, lines, runner
 from batchd.server.jobs import service as service_module
 from batchd.server.jobs import sqlite as sqlite_module
+from batchd.server.jobs import store as store_module
 from batchd.server.jobs.ids import check_ids
 from batchd.server.jobs.runner import JobRun
 from batchd.server.jobs.service import JobsService
@@ -360,8 +361,9 @@ def test_a_job_s_folder_is_removed_off_the_event_loop_and_a_stop_s_leftovers_at_
         assert not store.folder(job.id).exists() and await store.get(job.id) is None
         await store.recover()
 
-    run(body)  # (its loop's end waits for the threads removing them)
+    run(body)
     store.close()
+    wait_for(lambda: not store_module._removing, 30, "the removals")
     assert on_loop_thread == [False, False]
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(("jobs.", "lock"))] == []
     assert not aside_left(tmp_path)
@@ -481,12 +483,14 @@ def test_a_job_deleted_by_a_process_that_ends_midway_leaves_no_folder_for_ever(
         assert await store.recover() == [cut.id]
         monkeypatch.undo()
         assert not store.folder(cut.id).exists() and await store.get(cut.id) is None
+        wait_for(lambda: not store_module._removing, 30, "the removal")
         assert len(aside_left(tmp_path)) == 1  # left there
         assert await store.recover() == []  # (the next start's)
         assert not store.folder(cut.id).exists()
 
     run(body)
     store.close()
+    wait_for(lambda: not store_module._removing, 30, "the removals")
     assert not aside_left(tmp_path)
 
 
