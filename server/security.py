@@ -255,9 +255,10 @@ def preflight(cfg: ServerConfig) -> WorkerAuth | None:
         if cfg.frontends.index == 0:  # (a child holds frontend 0's: frontends.at_start)
             load_tokens(security.auth_token_file)
         secrets.append(security.auth_token_file)
-    keys.warn_loose(log, *secrets)  # (a missing key secret fails at WorkerAuth, naming it)
-    if key_dir is not None:
-        keys.warn_writable(log, key_dir)
+    if cfg.frontends.index == 0:  # (said once, not by each of --frontends N)
+        keys.warn_loose(log, *secrets)  # (a missing key secret fails at WorkerAuth, naming it)
+        if key_dir is not None:
+            keys.warn_writable(log, key_dir)
     check_worker_endpoint(cfg.workers.endpoint or "", security.worker_keys)
     if key_dir is not None and cfg.workers.local:  # each would exit, again and again
         try:

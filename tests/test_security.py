@@ -42,6 +42,7 @@ from batchd.server.auth import DENIED, load_tokens, scope_of
 from batchd.server.config import (
     INT_MAX,
     Connections,
+    Frontends,
     Limits,
     Network,
     Security,
@@ -645,6 +646,10 @@ def test_secrets_readable_by_others_are_warned_of(
         preflight(server_config(security=security))
     warned = {r.getMessage() for r in caplog.records if "readable by other users" in r.message}
     assert warned == {f"{p} is readable by other users: chmod 600 it" for p in secrets}
+    caplog.clear()  # frontend 0 says so; the others of --frontends N do not say it again
+    with caplog.at_level(logging.WARNING, "batchd.server"):
+        preflight(server_config(security=security, frontends=Frontends(count=2, index=1)))
+    assert not [r for r in caplog.records if "other users" in r.message]
     # `batchd worker` on another host, its secret copied there (cp, scp: 0644): it said nothing
     worker = subprocess.Popen(
         [sys.executable, "-m", "batchd.worker", "--connect", f"ipc://{tmp_path}/none.sock",
