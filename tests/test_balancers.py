@@ -75,8 +75,9 @@ class Cluster:
         self.replicas: list[ServerProcess] = []
 
     def replica(self, *args: str, repo: Path | None = None) -> ServerProcess:
-        return ServerProcess(
-            repo or self.repo, "--drain-notice", "3", *args, log_dir=self.logs,
+        return ServerProcess(  # (no ageing behind a per-call balancer: deploy/render.py)
+            repo or self.repo, "--drain-notice", "3", "--max-connection-age", "0", *args,
+            log_dir=self.logs,
             env={"BATCHD_TEST_DIR": str(self.state)},
         )  # fmt: skip
 
