@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
@@ -57,8 +58,28 @@ def plan_workers(
             names = tuple(m.name for m in models if m.instances.count > i) if i else ()
             if names or not i:
                 specs.append(WorkerSpec(f"{base}.{i}" if copies > 1 else base, device, names, 0))
-    per = threads or max(1, (os.cpu_count() or 1) // max(1, len(specs)))
+    per = threads or max(1, usable_cpus() // max(1, len(specs)))
     return [WorkerSpec(s.slot, s.device, s.models, per) for s in specs]
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may use: those its affinity allows (taskset, a cpuset),
+    at most its cgroup's CPU quota (a container's limit), not the machine's: os.cpu_count()
+    gave each worker of a pod with 2 CPUs on a 64-core node 32 threads."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not Linux)
+        cores = os.cpu_count() or 1
+    quota = None
+    with contextlib.suppress(OSError, ValueError):  # cgroup v2: "max 100000", "200000 100000"
+        limit, period = (cgroup / "cpu.max").read_text().split()[:2]
+        quota = None if limit == "max" else int(limit) / int(period)
+    if quota is None:  # cgroup v1: -1 for none
+        with contextlib.suppress(OSError, ValueError):
+            limit = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+            quota = int(limit) / int(period) if int(limit) > 0 else None
+    return max(1, min(cores, math.ceil(quota))) if quota else max(1, cores)
 
 
 @dataclass(frozen=True)

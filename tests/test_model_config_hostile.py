@@ -15,6 +15,7 @@ import pytest
 from batchd.protos import repository
 from batchd.protos.model_config import ConfigError, load_model_config
 from batchd.protos.repository import find_model, load_repository
+from batchd.server import supervisor
 from batchd.server.config import ServerConfig, Workers
 from batchd.server.describe import model_config
 from batchd.server.supervisor import plan_workers
@@ -446,3 +447,27 @@ def test_models_check_reports_an_error_whose_message_raises_or_is_huge(
     out = capsys.readouterr().out
     assert "Evil: (its message could not be read)" in out and "1 ok, 2 failed" in out
     assert "(1000000 characters)" in out and len(out) < 20_000
+
+
+def test_worker_threads_split_the_cores_this_process_may_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """os.cpu_count() counts the machine's cores: each worker of a pod with 2 CPUs on a
+    64-core node got 32 threads. Its affinity (taskset, a cpuset) and its cgroup's CPU
+    quota bound them."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)))
+    v2, v1 = tmp_path / "v2", tmp_path / "v1"
+    v2.mkdir()
+    (v1 / "cpu").mkdir(parents=True)
+    for text, cores in (("max 100000\n", 64), ("150000 100000\n", 2), ("50000 100000\n", 1)):
+        (v2 / "cpu.max").write_text(text)
+        assert supervisor.usable_cpus(v2) == cores, text
+    for quota, cores in (("-1", 64), ("400000", 4)):
+        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(quota)
+        (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+        assert supervisor.usable_cpus(v1) == cores, quota
+    assert supervisor.usable_cpus(tmp_path / "none") == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {3})  # taskset -c 3
+    assert supervisor.usable_cpus(v1) == 1
+    monkeypatch.setattr(supervisor, "usable_cpus", lambda: 4)
+    assert [s.threads for s in plan_workers([], ["cpu", "cpu"], 0)] == [2, 2]
