@@ -101,10 +101,10 @@ def test_the_deployment_probes_drains_and_uses_gpus_as_promised() -> None:
         assert pod["terminationGracePeriodSeconds"] > sleep + drain
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert (gpus == 1) == (target == "overlays/gpu")
-    assert (
-        "--workers=2"
-        in _deployment(render("overlays/cpu"))["spec"]["template"]["spec"]["containers"][0]["args"]
-    )
+        # jobs in a volume, not the container's own layer, which a restart empties
+        assert _flag(c["args"], "jobs-dir") in {m["mountPath"] for m in c["volumeMounts"]}
+    cpu = _deployment(render("overlays/cpu"))["spec"]["template"]["spec"]["containers"][0]
+    assert {"--workers=2", "--threads-per-worker=1"} <= set(cpu["args"])
 
 
 @needs_kubectl
