@@ -1,12 +1,10 @@
 """The processes below one: what a model's code started in its worker, ended with it.
 
-A worker its frontend started ignores SIGTERM (a signal to the whole process group,
-systemd stopping the unit, must not end it while its frontend drains), and so does
-every process a model's code forks or spawns from it: multiprocessing's terminate()
-at the worker's exit ended none of them, and they lived on (review 52e, 53e). The
-worker ends its own with SIGKILL as it leaves (worker/loader.leave), and the frontend
-a worker's with the worker when it kills a hung one (server/supervisor.py). Linux
-only (/proc); elsewhere there is nothing to find.
+What a model's code starts (a pool's processes, DataLoader workers, a helper program)
+is ended by the worker as it leaves (worker/loader.leave), with SIGKILL, once the
+model's own atexit handlers and multiprocessing's have run; and by the frontend with a
+hung worker it kills (server/supervisor.py). Before, they lived on after the worker
+(reviews 52e, 53e). Linux only (/proc); elsewhere there is nothing to find.
 """
 
 from __future__ import annotations

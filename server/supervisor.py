@@ -62,24 +62,41 @@ def plan_workers(
     return [WorkerSpec(s.slot, s.device, s.models, per) for s in specs]
 
 
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup"),
+                ) -> int:  # fmt: skip
     """The cores this process may use: those its affinity allows (taskset, a cpuset),
-    at most its cgroup's CPU quota (a container's limit), not the machine's: os.cpu_count()
-    gave each worker of a pod with 2 CPUs on a 64-core node 32 threads."""
+    at most the tightest CPU quota of its cgroup and those above it (a container's limit,
+    systemd's CPUQuota=), not the machine's: os.cpu_count() gave each worker of a pod
+    with 2 CPUs on a 64-core node 32 threads."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # (not Linux)
         cores = os.cpu_count() or 1
-    quota = None
-    with contextlib.suppress(OSError, ValueError):  # cgroup v2: "max 100000", "200000 100000"
-        limit, period = (cgroup / "cpu.max").read_text().split()[:2]
-        quota = None if limit == "max" else int(limit) / int(period)
-    if quota is None:  # cgroup v1: -1 for none
-        with contextlib.suppress(OSError, ValueError):
-            limit = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
-            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
-            quota = int(limit) / int(period) if int(limit) > 0 else None
+    quotas = []
+    with contextlib.suppress(OSError):
+        for line in own.read_text().splitlines():  # "0::/a/b" (v2), "4:cpu,cpuacct:/a" (v1)
+            _, controllers, path = line.split(":", 2)
+            if controllers and "cpu" not in controllers.split(","):
+                continue
+            mount = cgroup / controllers if (cgroup / controllers).is_dir() else cgroup / "cpu"
+            top = cgroup if not controllers else mount
+            here = top / path.strip("/")
+            for folder in [here, *here.parents]:  # (the mount shows a container's own at top)
+                if folder.is_relative_to(top):
+                    quotas += _quota(folder, v2=not controllers)
+    quota = min(quotas, default=None)
     return max(1, min(cores, math.ceil(quota))) if quota else max(1, cores)
+
+
+def _quota(folder: Path, v2: bool) -> list[float]:
+    """The CPUs a cgroup's quota allows, if it sets one."""
+    with contextlib.suppress(OSError, ValueError, ZeroDivisionError):
+        if v2:  # "max 100000", "200000 100000"
+            most, period = (folder / "cpu.max").read_text().split()[:2]
+            return [] if most == "max" else [int(most) / int(period)]
+        quota = int((folder / "cpu.cfs_quota_us").read_text())  # -1: none
+        return [quota / int((folder / "cpu.cfs_period_us").read_text())] if quota > 0 else []
+    return []
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,10 @@ class Supervisor:
             "--log-format",
             self._launch.log_format,
             *self._keys,
+            # its own process group: a signal to the server's whole group (Ctrl-C, kill
+            # -TERM -PGID) reaches neither it nor what its model started (a pool, whose
+            # processes a SIGTERM ends, mid-drain); it leaves when the frontend says STOP
+            start_new_session=True,
         )
 
     async def _keep_running(self, spec: WorkerSpec) -> None:

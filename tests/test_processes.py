@@ -167,18 +167,19 @@ def test_a_forward_that_forks_leaves_no_copy_of_the_worker_running(tmp_path: Pat
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path, method: str) -> None:
     """A daemon multiprocessing.Process a model starts (on import here) is ended by
-    Python's exit (terminate(): SIGTERM). It inherits the worker's handling of SIGTERM
-    (ignored under a server: a signal to the whole group must not end it while the
-    frontend drains), so it lived on after the worker, for good; spawned, or from a
-    forkserver, the same (an ignored signal outlives exec). The worker ends what its
-    model started as it leaves."""
+    Python's exit (terminate(): SIGTERM), after the model's own atexit handlers. It
+    inherited the worker's ignored SIGTERM (a signal to the whole group must not end a
+    worker while its frontend drains), so it lived on after the worker, for good;
+    spawned, or from a forkserver, the same (an ignored signal outlives exec)."""
     model = make_model(tmp_path / "repo", "scaled", 2.0)
-    pid_file = tmp_path / "child.pid"
-    with (model / "model.py").open("a") as f:
+    pid_file, at_exit = tmp_path / "child.pid", tmp_path / "at-exit"
+    with (model / "model.py").open("a") as f:  # (its atexit handler still finds it alive)
         f.write(
-            "\nimport multiprocessing as _mp, time as _time\n"
+            "\nimport atexit as _atexit, multiprocessing as _mp, time as _time\n"
             f"_p = _mp.get_context({method!r}).Process(target=_time.sleep, args=(3600,), "
             f"daemon=True)\n_p.start()\nopen({str(pid_file)!r}, 'w').write(str(_p.pid))\n"
+            "_atexit.register(lambda: (_time.sleep(0.2), open("  # (a cleanup that takes a while)
+            f"{str(at_exit)!r}, 'w').write(str(_p.is_alive()))))\n"
         )
     server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()  # fmt: skip
     try:
@@ -192,6 +193,29 @@ def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path, method: s
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+    assert at_exit.read_text() == "True"  # the model's own cleanup came first
+
+
+def test_a_pool_a_forward_terminates_ends(tmp_path: Path) -> None:
+    """`with Pool()` in a forward terminate()s its processes as it leaves, with SIGTERM:
+    they took the worker's ignored SIGTERM, and the forward hung now and then (2 of 25
+    calls, each past execution_timeout_s, the worker killed), here for good. (From a
+    forkserver: a process forked from the worker's threads may deadlock on its own.)"""
+    model = make_model(tmp_path / "repo", "scaled", 2.0)
+    text = (model / "model.py").read_text()
+    (model / "model.py").write_text(text.replace("def load(device", "def _load(device", 1) + (
+        "\nimport multiprocessing as _mp\n\ndef load(device):\n    fn = _load(device)\n"
+        "    def forward(x):\n        pool = _mp.get_context('forkserver').Pool(1)\n"
+        "        pool.terminate()\n        pool.join()\n        return fn(x)\n    return forward\n"
+    ))  # fmt: skip
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    try:
+        with Client(server.url) as c:
+            for _ in range(3):
+                y = c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=20)["Y"]
+                assert y[0, 0] == 2
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 # A frontend judged hung sooner than the default 10 s (the tests below wait for it),

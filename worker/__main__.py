@@ -51,17 +51,31 @@ def die_with_a_worker_thread(args: threading.ExceptHookArgs) -> None:
 
 def install_signal_handlers(runner: Runner) -> None:
     """SIGTERM and SIGINT stop a worker started by hand. A worker its frontend started
-    (--parent-pid) ignores them: a signal to the whole process group (Ctrl-C in a
-    terminal, systemd stopping the unit) must not take the worker away while the
-    frontend drains; STOP, or its parent's exit, ends it."""
+    (--parent-pid) takes them and does nothing: a signal to every process of the server
+    (systemd stopping the unit) must not take the worker away while the frontend
+    drains; STOP, or its parent's exit, ends it. (Taken, not ignored: what a model's code
+    runs in a new program, a spawned process, starts with SIGTERM's default, as a forked
+    one gets back (_default_sigterm), so that terminate() ends it: a pool's processes
+    that ignored it hung `with Pool()`, and outlived the worker.)"""
     for sig in (signal.SIGTERM, signal.SIGINT):
         if runner.options.parent_pid is None:
             signal.signal(sig, lambda *_: runner.stop())
         else:
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _taken)
     # (its frontend starts it with both blocked, so that none kills it before it gets here:
     # one that came meanwhile is dropped as ignored)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    os.register_at_fork(after_in_child=_default_sigterm)
+
+
+def _taken(signum: int, frame: object) -> None:
+    """A signal to a worker its frontend started: nothing to do (install_signal_handlers)."""
+
+
+def _default_sigterm() -> None:
+    """(In a process a model's code forked.) SIGTERM's default, so that terminate() ends it."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -101,18 +101,10 @@ def leave(code: int) -> NoReturn:
     watchdog = threading.Timer(EXIT_S, _out, (code,))
     watchdog.daemon = True
     watchdog.start()
-    # multiprocessing's handler terminate()s its daemonic children with a SIGTERM they
-    # ignore, as the worker does, then waits for them: this one, run first, kills them
-    atexit.register(_end_daemonic_children)
-    atexit._run_exitfuncs()  # (logging's shutdown among them)
-    sys.stdout.flush()
+    atexit._run_exitfuncs()  # (logging's shutdown among them; multiprocessing's ends its
+    sys.stdout.flush()  # daemonic children, after the model's own handlers)
     sys.stderr.flush()
     _out(code)
-
-
-def _end_daemonic_children() -> None:
-    if (mp := sys.modules.get("multiprocessing")) is not None:
-        kill_all([p.pid for p in mp.active_children() if p.daemon and p.pid])
 
 
 def _out(code: int) -> NoReturn:
