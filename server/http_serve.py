@@ -116,13 +116,20 @@ class _JsonErrors(web_protocol.RequestHandler):
 
 
 def _fault(exc: HttpProcessingError) -> str:
-    """What the parser found wrong, without what came: its message names the fault, then
-    (after a blank line) quotes the bytes; a long line's and a URL's quote them in it."""
+    """What the parser found wrong, without what came. The C parser's message names the
+    fault, then, after a blank line, quotes the bytes: the name is said; a few fixed
+    messages are said whole; any other (the pure-Python parser's quote what came bare,
+    a bad chunk size's as the whole message) by the exception's class alone."""
     kind = type(exc).__name__
     if kind == "LineTooLong":
         return f"a request line or header over {MAX_LINE_BYTES} bytes"
-    if kind == "InvalidURLError":
-        return "a malformed URL"
-    said = " ".join(str(exc.message).split("\n\n", 1)[0].split()).rstrip(":")
+    text = str(exc.message)
+    head, blank, _ = text.partition("\n\n")
+    said = " ".join(head.split()).rstrip(":")
     quotes = "b'" in said or re.search(r"'[^']*'|\"", said)  # (a message that quotes what came)
-    return said if said and not quotes and len(said) <= 100 else kind
+    if (blank or text in _FIXED) and said.isascii() and not quotes and 0 < len(said) <= 100:
+        return said
+    return kind
+
+
+_FIXED = {"Received HTTPS traffic on an HTTP port", "Too many headers received"}

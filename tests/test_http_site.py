@@ -428,3 +428,25 @@ def test_inflated_bodies_hold_at_most_their_budget_until_each_is_freed() -> None
     again = Inflating(body, "gzip", 2**24, budget)
     again.finish()
     assert budget.held == 2_000_000
+
+
+def test_a_parser_refusal_names_the_fault_and_quotes_nothing_of_what_came() -> None:
+    """The C parser says its fault, then quotes the bytes after a blank line: the fault
+    is said. The pure-Python parser's messages (where aiohttp's C extension is missing)
+    quote what came bare: a bad chunk size's whole message was the caller's bytes, and
+    non-ASCII ones failed the JSON answer (a 500)."""
+    from aiohttp import http_exceptions as he
+
+    from batchd.server.http_serve import _fault
+
+    assert _fault(he.BadHttpMessage("Invalid header value char:\n\n  b'X: a\\x01'\n  ^")) == (
+        "Invalid header value char")  # fmt: skip
+    assert _fault(he.BadHttpMethod("\x16\x03\x01")) == "Received HTTPS traffic on an HTTP port"
+    assert _fault(he.LineTooLong("Bearer secret", "8190")) == (
+        "a request line or header over 8190 bytes")  # fmt: skip
+    for bare in (
+        he.TransferEncodingError("SECRET-TOKEN-abc"),
+        he.TransferEncodingError("\udcff\udcfeZ"),
+        he.InvalidURLError("http://[::1"),
+    ):
+        assert _fault(bare) == type(bare).__name__
