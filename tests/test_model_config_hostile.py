@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -453,21 +454,63 @@ def test_worker_threads_split_the_cores_this_process_may_use(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """os.cpu_count() counts the machine's cores: each worker of a pod with 2 CPUs on a
-    64-core node got 32 threads. Its affinity (taskset, a cpuset) and its cgroup's CPU
-    quota bound them."""
+    64-core node got 32 threads. Its affinity (taskset, a cpuset) and the tightest CPU
+    quota of its own cgroup and those above it bound them (the mount's root alone missed
+    systemd's CPUQuota= and any cgroup of its own)."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(64)))
-    v2, v1 = tmp_path / "v2", tmp_path / "v1"
-    v2.mkdir()
-    (v1 / "cpu").mkdir(parents=True)
-    for text, cores in (("max 100000\n", 64), ("150000 100000\n", 2), ("50000 100000\n", 1)):
-        (v2 / "cpu.max").write_text(text)
-        assert supervisor.usable_cpus(v2) == cores, text
-    for quota, cores in (("-1", 64), ("400000", 4)):
-        (v1 / "cpu" / "cpu.cfs_quota_us").write_text(quota)
-        (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
-        assert supervisor.usable_cpus(v1) == cores, quota
-    assert supervisor.usable_cpus(tmp_path / "none") == 64
+    root, own = tmp_path / "cgroup", tmp_path / "own"
+
+    def cpus(own_line: str, files: dict[str, str]) -> int:
+        shutil.rmtree(root, ignore_errors=True)
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        own.write_text(own_line + "\n")
+        return supervisor.usable_cpus(root, own)
+
+    assert cpus("0::/", {"cpu.max": "max 100000"}) == 64  # cgroup v2, a container's own
+    assert cpus("0::/", {"cpu.max": "150000 100000"}) == 2
+    assert (
+        cpus(
+            "0::/system.slice/batchd.service",
+            {  # systemd's CPUQuota=50%
+                "cpu.max": "max 100000",
+                "system.slice/batchd.service/cpu.max": "50000 100000",
+            },
+        )
+        == 1
+    )
+    assert cpus("0::/a/b", {"a/cpu.max": "300000 100000", "a/b/cpu.max": "max 100000"}) == 3
+    assert (
+        cpus(
+            "4:cpu,cpuacct:/",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+        )
+        == 64
+    )
+    assert (
+        cpus(
+            "4:cpu,cpuacct:/review",
+            {  # v1, a cgroup of its own
+                "cpu,cpuacct/review/cpu.cfs_quota_us": "50000",
+                "cpu,cpuacct/review/cpu.cfs_period_us": "100000",
+            },
+        )
+        == 1
+    )
+    assert (
+        cpus(
+            "4:cpu:/docker/abc",
+            {  # v1, the container's own mounted at the top
+                "cpu/cpu.cfs_quota_us": "400000",
+                "cpu/cpu.cfs_period_us": "100000",
+            },
+        )
+        == 4
+    )
+    assert cpus("0::/", {"cpu.max": "100000 0"}) == 64  # (nonsense: no bound)
+    assert supervisor.usable_cpus(tmp_path / "none", tmp_path / "none") == 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {3})  # taskset -c 3
-    assert supervisor.usable_cpus(v1) == 1
+    assert cpus("0::/", {"cpu.max": "max 100000"}) == 1
     monkeypatch.setattr(supervisor, "usable_cpus", lambda: 4)
     assert [s.threads for s in plan_workers([], ["cpu", "cpu"], 0)] == [2, 2]
