@@ -48,7 +48,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     """The document in `path`: UTF-8 TOML (as its spec says) whose integers are 64-bit;
     any other file is a ConfigError naming it, never a UnicodeDecodeError."""
     try:
-        doc = tomllib.loads(_read_bounded(path).decode("utf-8"))
+        doc = tomllib.loads(read_bounded(path).decode("utf-8"))
     except ConfigError:
         raise  # (its own: a ValueError too, not to be said again as "not valid TOML")
     except OSError as e:
@@ -62,7 +62,7 @@ def read_toml(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _read_bounded(path: Path) -> bytes:
+def read_bounded(path: Path) -> bytes:
     """At most MAX_TOML_BYTES of a regular file; opened without blocking, so that a
     model.toml swapped for a FIFO after the scan saw a file is refused, not waited on."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)

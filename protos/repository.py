@@ -18,6 +18,7 @@ import socket
 import stat
 from pathlib import Path
 
+from batchd.protos._toml_reader import read_bounded
 from batchd.protos.model_config import (
     ARTIFACTS,
     MODEL_NAME,
@@ -118,7 +119,7 @@ def _may_declare(toml: Path, name: str) -> bool:
     """Whether a model.toml may declare `name`: its text spells it, or a name key's line
     escapes something (a backslash anywhere, in a comment say, had every file parsed:
     1.2 s a load among 3,000 models)."""
-    text = toml.read_bytes()
+    text = read_bounded(toml)  # (a FIFO swapped in, a disk image: ConfigError, skipped)
     return name.encode() in text or _ESCAPED_NAME.search(text) is not None
 
 
