@@ -73,7 +73,7 @@ def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/s
     except (AttributeError, OSError):  # (not Linux)
         cores = os.cpu_count() or 1
     quotas = []
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):  # (a line of another form: no quota read)
         for line in own.read_text().splitlines():  # "0::/a/b" (v2), "4:cpu,cpuacct:/a" (v1)
             _, controllers, path = line.split(":", 2)
             if controllers and "cpu" not in controllers.split(","):

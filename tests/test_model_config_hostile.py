@@ -509,6 +509,7 @@ def test_worker_threads_split_the_cores_this_process_may_use(
         == 4
     )
     assert cpus("0::/", {"cpu.max": "100000 0"}) == 64  # (nonsense: no bound)
+    assert cpus("garbage", {"cpu.max": "100000 100000"}) == 64
     assert supervisor.usable_cpus(tmp_path / "none", tmp_path / "none") == 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda _: {3})  # taskset -c 3
     assert cpus("0::/", {"cpu.max": "max 100000"}) == 1
