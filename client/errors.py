@@ -158,11 +158,14 @@ def from_status_name(name: str, message: str, pushback: int | None = None) -> Ba
     code = grpc.StatusCode.__members__.get(name.upper())
     if code is None or code == grpc.StatusCode.OK:
         return InferenceFailed(message)
-    pushback = pushback if pushback is not None and 0 <= pushback < 10**12 else None
+    refused = pushback is not None and not 0 <= pushback < 10**12  # (gRFC A6: do not retry)
+    pushback = None if refused else pushback
     cls = _BY_CODE.get(code, BatchdClientError)
     if cls is ServerBusy and pushback is None:
         cls = LimitExceeded  # as a unary call's RESOURCE_EXHAUSTED with no pushback
     error = cls(message, code)
     if isinstance(error, ServerBusy | ServerUnavailable):
         error.retry_after_ms = pushback
+    if isinstance(error, ServerUnavailable):  # (as a unary call's)
+        error.retry_refused = refused
     return error

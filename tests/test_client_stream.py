@@ -255,6 +255,7 @@ def test_stream_and_infer_agree(url: str) -> None:
         ("RESOURCE_EXHAUSTED+-1", "queue is full", LimitExceeded, "queue is full"),
         ("UNAVAILABLE", "worker lost after 2 outputs", ServerUnavailable, "worker lost after 2"),
         ("UNAVAILABLE+100", "stopping", ServerUnavailable, "stopping"),
+        ("UNAVAILABLE+-1", "stopping", ServerUnavailable, "stopping"),
         ("", "INTERNAL: the model raised boom", InferenceFailed, "the model raised boom"),
         ("", "UNAVAILABLE: worker lost", ServerUnavailable, "worker lost"),
         ("", "no code here", InferenceFailed, "no code here"),
@@ -282,6 +283,8 @@ def test_an_error_response_raises_its_typed_error_after_the_outputs_before_it(
     # the pushback, as a unary call's trailer says it (gRFC A6: a negative one is none)
     pushback = int(code.partition("+")[2] or -1)
     assert getattr(raised.value, "retry_after_ms", None) == (pushback if pushback >= 0 else None)
+    if isinstance(raised.value, ServerUnavailable):  # a negative one: do not retry (gRFC A6)
+        assert raised.value.retry_refused == code.endswith("+-1")
 
 
 def test_a_stream_that_closes_before_its_final_response_fails(
