@@ -388,8 +388,9 @@ async def serve(cfg: ServerConfig) -> None:
             p = _build(cfg, models, tokens, router, ",".join(every) or endpoint)
             await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT))
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                asyncio.get_running_loop().remove_signal_handler(sig)
+            for sig in (signal.SIGINT, signal.SIGTERM):  # (a stop is under way: one more
+                asyncio.get_running_loop().remove_signal_handler(sig)  # as it ends, killed
+                signal.signal(sig, signal.SIG_IGN)  # it, -15, with what was left undone)
             if worker_auth is not None:
                 worker_auth.stop()
             router.close(linger=0)

@@ -481,9 +481,9 @@ def test_a_job_deleted_by_a_process_that_ends_midway_leaves_no_folder_for_ever(
         store.upload_path(cut.id).write_bytes(b"{}\n")
         monkeypatch.setattr(shutil, "rmtree", ended)
         assert await store.recover() == [cut.id]
+        wait_for(lambda: not store_module._removing, 30, "the removal")  # (that removed none)
         monkeypatch.undo()
         assert not store.folder(cut.id).exists() and await store.get(cut.id) is None
-        wait_for(lambda: not store_module._removing, 30, "the removal")
         assert len(aside_left(tmp_path)) == 1  # left there
         assert await store.recover() == []  # (the next start's)
         assert not store.folder(cut.id).exists()
