@@ -81,8 +81,13 @@ class BatchdError(Exception):
         super().__init__(message)
         self.message = message
 
+    # A pushback: nothing was done, and the same call may be sent again after this long
+    # (the `grpc-retry-pushback-ms` trailer; a stream's `retry_pushback_ms` parameter).
+    retry_after_ms: int | None = None
+
     def trailers(self) -> tuple[tuple[str, str], ...]:
-        return ()
+        ms = self.retry_after_ms
+        return () if ms is None else (("grpc-retry-pushback-ms", str(ms)),)
 
 
 class ModelNotFound(BatchdError):
@@ -103,18 +108,13 @@ class QueueFull(BatchdError):
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
 
-    def trailers(self) -> tuple[tuple[str, str], ...]:
-        return (("grpc-retry-pushback-ms", str(self.retry_after_ms)),)
-
 
 class TooManyCalls(BatchdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "too_many_calls"
-
-    def trailers(self) -> tuple[tuple[str, str], ...]:
-        # Calls on the connection end, and the same call then passes: worth a retry
-        # (clients retry RESOURCE_EXHAUSTED only with a pushback, client/retry.py).
-        return (("grpc-retry-pushback-ms", "100"),)
+    # Calls on the connection end, and the same call then passes: worth a retry
+    # (clients retry RESOURCE_EXHAUSTED only with a pushback, client/retry.py).
+    retry_after_ms = 100
 
 
 class ResponseTooLarge(BatchdError):
@@ -147,9 +147,6 @@ class Refused(Unavailable):
     its pushback trailer tells a client the same call may be sent again, as it was."""
 
     retry_after_ms = 100
-
-    def trailers(self) -> tuple[tuple[str, str], ...]:
-        return (("grpc-retry-pushback-ms", str(self.retry_after_ms)),)
 
 
 class NotAllowed(BatchdError):
@@ -189,7 +186,7 @@ def http_status(error: BatchdError) -> tuple[int, dict[str, str]]:
     """The HTTP status and headers of a BatchdError: its gRPC code's (HTTP_STATUS); a
     full queue's retry-after in whole seconds, as Retry-After takes it."""
     headers: dict[str, str] = {}
-    if isinstance(error, QueueFull | Refused):
+    if isinstance(error, QueueFull | Refused) and error.retry_after_ms is not None:
         headers["Retry-After"] = str(max(1, -(-error.retry_after_ms // 1000)))
     elif isinstance(error, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"

@@ -279,7 +279,7 @@ def _error(msg: pb.ModelInferRequest | Undecodable, e: BatchdError,
         error.model_name, error.id = msg.model_name[:200], msg.id if echoable(msg.id) else ""
         error.model_version = msg.model_version[:200] or (cfg.version if cfg else "")
     error.parameters["error_code"].string_param = e.code.name  # for typed errors
-    if pushback := dict(e.trailers()).get("grpc-retry-pushback-ms"):  # as a unary call's
-        error.parameters["retry_pushback_ms"].int64_param = int(pushback)  # trailer says
+    if e.retry_after_ms is not None:  # as a unary call's trailer says
+        error.parameters["retry_pushback_ms"].int64_param = e.retry_after_ms
     error.parameters[FINAL].bool_param = True
     return pb.ModelStreamInferResponse(error_message=e.message, infer_response=error)
