@@ -111,7 +111,6 @@ class _Child:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._busy = False  # a document in the child
-        self.waiting = 0  # callers waiting for their turn
         self._proc: subprocess.Popen[bytes] | None = None
         self._no_child_until = 0.0
         self.pid = 0
@@ -126,20 +125,12 @@ class _Child:
                 self._cv.notify_all()
 
     def _take_turn(self, background: bool) -> None:
+        """A job's line waits as long as it takes (each turn ends within TIMEOUT_S):
+        refused, it would be an error line for good."""
         with self._cv:
-            self.waiting += 1
-            try:
-                self._wait_turn(background)
-            finally:
-                self.waiting -= 1
-
-    def _wait_turn(self, background: bool) -> None:
-        """(Holding the condition's lock.) A job's line waits as long as it takes (each
-        turn ends within TIMEOUT_S): refused, it would be an error line for good."""
-        turn = self._cv.wait_for(lambda: not self._busy, None if background else TIMEOUT_S)
-        if not turn:
-            raise Unavailable(f"the JSON parser was busy for {TIMEOUT_S:g} s; retry later")
-        self._busy = True
+            if not self._cv.wait_for(lambda: not self._busy, None if background else TIMEOUT_S):
+                raise Unavailable(f"the JSON parser was busy for {TIMEOUT_S:g} s; retry later")
+            self._busy = True
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], background: bool) -> T:
         """Once more after a child that died, or for a job's line (which has no
