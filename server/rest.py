@@ -27,7 +27,6 @@ gRPC request is decoded, so the loop serves everyone else (one of 227 KiB held i
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -61,6 +60,7 @@ from batchd.server.http_site import (
     encoding,
     error_response,
     errors_as_json,
+    read_body,
     same_site,
 )
 from batchd.server.jobs.rest import JobRoutes
@@ -201,16 +201,15 @@ class RestApi:
 
     async def _body(self, request: web.Request) -> BodyBytes:
         """The whole body: one that says it is over the limit is refused before a byte
-        of it is read; one that does not come within --handshake-timeout, 408."""
+        of it is read; one that does not keep coming (read_body), 408."""
         limit, coding = self._max_body, encoding(request)
         over = f"more than {limit} bytes (--max-message-bytes)"  # (aiohttp's text named neither)
         if (declared := request.content_length or 0) > limit:
             raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {declared} bytes, {over}")
-        async with asyncio.timeout(self._body_timeout_s):
-            try:
-                body = await request.read()
-            except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past it
-                raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {over}") from None
+        try:
+            body = await read_body(request, limit, self._body_timeout_s)
+        except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past it
+            raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {over}") from None
         if not coding:
             return body
         inflating = Inflating(body, coding, limit, self._inflated)  # a small one on the loop

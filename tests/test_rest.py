@@ -1700,6 +1700,53 @@ def test_a_body_that_stops_arriving_is_408(strict: ServerProcess) -> None:
     assert_serving(strict, INFER)
 
 
+def test_a_large_body_that_keeps_coming_is_read_whole(tmp_path: Path) -> None:
+    """--handshake-timeout 1: a body of 1 MB sent in 20 pieces over 3 s is answered, as
+    each 64 KiB that came gives it a second more (17 s in all). Before, the whole body
+    had to come within the second: 408, so a large body over a slow link never could.
+    A body that trickles, 100 bytes every 0.1 s, is 408 still, about a second in."""
+    state = tmp_path / "state"
+    state.mkdir()
+    server = ServerProcess(
+        small_repo(tmp_path / "repo", "gated"), "--handshake-timeout", "1",
+        "--max-message-bytes", str(4 << 20), log_dir=tmp_path, env={"BATCHD_TEST_DIR": str(state)},
+    ).start()  # fmt: skip
+    post = b"POST /v2/models/gated/infer HTTP/1.1\r\nHost: [::1]\r\nContent-Length: %d\r\n\r\n"
+    try:
+        body = json.dumps(x_body(21.0)).encode() + b" " * (1 << 20)
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
+            started = time.monotonic()
+            s.sendall(post % len(body))
+            for i in range(20):
+                s.sendall(body[i * len(body) // 20 : (i + 1) * len(body) // 20])
+                time.sleep(0.15)  # (pacing the sender: no assertion waits on it)
+            assert time.monotonic() - started > 2  # past the second the old rule gave
+            status, answer = read_response(s)
+        assert (status, json.loads(answer)["outputs"][0]["data"]) == (200, [42.0]), answer
+        with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as s:
+            started = time.monotonic()
+            s.sendall(post % 100_000)
+            s.settimeout(0.1)
+            while time.monotonic() - started < 10:
+                s.sendall(b" " * 100)
+                try:
+                    if s.recv(1, socket.MSG_PEEK):
+                        break
+                except TimeoutError:
+                    pass
+            s.settimeout(30)
+            status, answer = read_response(s)
+            elapsed = time.monotonic() - started
+        assert (status, json.loads(answer)) == (
+            408,
+            {"error": "the request body did not arrive in time"},
+        )
+        assert elapsed < 5
+        assert_serving(server)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 @pytest.mark.parametrize("part", ["request line", "headers"])
 def test_slow_loris_is_closed_after_the_handshake_timeout(strict: ServerProcess, part: str) -> None:
     """--handshake-timeout 1: a client that keeps sending its request line or headers a
