@@ -2,9 +2,10 @@
 
 What a model's code starts (a pool's processes, DataLoader workers, a helper program)
 is ended by the worker as it leaves (worker/loader.leave), with SIGKILL, once the
-model's own atexit handlers and multiprocessing's have run; and by the frontend with a
-hung worker it kills (server/supervisor.py). Before, they lived on after the worker
-(reviews 52e, 53e). Linux only (/proc); elsewhere there is nothing to find.
+model's own atexit handlers and multiprocessing's have run. Before, they lived on after
+the worker (reviews 52e, 53e). A worker killed, by its frontend (hung) or from outside,
+runs nothing: its frontend kills what is left of the process group it leads
+(server/supervisor.end_group). Linux only (/proc); elsewhere there is nothing to find.
 """
 
 from __future__ import annotations

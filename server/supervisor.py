@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig
-from batchd.protos.processes import descendants, kill_all
 
 log = logging.getLogger("batchd.supervisor")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.2, 10.0, 30.0
@@ -197,6 +196,7 @@ class Supervisor:
                 )
                 started = time.monotonic()
                 code = await proc.wait()
+                end_group(proc.pid)  # killed from outside (the OOM killer): what it started
                 if self._stopping:
                     return
                 ran = self._on_exit(worker_id, proc.pid, f"process exited ({_exit_reason(code)})")
@@ -220,9 +220,8 @@ class Supervisor:
         for wid, proc in self._procs.values():
             if wid == worker_id and proc.pid == pid and proc.returncode is None:
                 log.warning("killing worker %s (pid %d)", wid, proc.pid, extra={"worker": wid})
-                below = descendants(proc.pid)  # what its model started: with it (processes.py)
                 proc.kill()
-                kill_all(below)
+                end_group(proc.pid)  # what its model started, with it
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the workers (already told STOP) to exit; terminate, then kill, stragglers."""
@@ -231,18 +230,30 @@ class Supervisor:
         for signal_step in (None, "terminate", "kill"):
             alive = [p for p in procs if p.returncode is None]
             if not alive:
-                return
-            below = [d for p in alive for d in descendants(p.pid)] if signal_step == "kill" else []
+                break
             for p in alive:
                 if signal_step is not None:
                     with contextlib.suppress(ProcessLookupError):
                         getattr(p, signal_step)()
-            kill_all(below)  # (a worker killed: what its model started goes with it)
+                if signal_step == "kill":
+                    end_group(p.pid)  # (a worker killed: what its model started goes with it)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     asyncio.gather(*(p.wait() for p in alive)),
                     timeout_s if signal_step is None else 3.0,
                 )
+        for p in procs:  # what a worker killed, here or from outside, left behind
+            end_group(p.pid)
+
+
+def end_group(pid: int) -> None:
+    """SIGKILL what is left in the process group a local worker leads (its own: it starts
+    in a session of its own), that is, what its model started: with a worker killed from
+    outside (the OOM killer, an operator), they lived on, re-parented, for good. A
+    group's id is given to no new process while the group has a member; once it has none,
+    this finds nothing. (It read /proc for the worker's descendants, on the event loop.)"""
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _exit_reason(code: int) -> str:

@@ -196,6 +196,38 @@ def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path, method: s
     assert at_exit.read_text() == "True"  # the model's own cleanup came first
 
 
+def test_a_worker_killed_from_outside_takes_what_its_model_started(tmp_path: Path) -> None:
+    """A worker SIGKILLed from outside (the OOM killer, an operator) runs no cleanup: a
+    process its model started lived on, re-parented, for good. Its frontend now kills
+    what is left of the process group the worker led, and starts another worker."""
+    model = make_model(tmp_path / "repo", "scaled", 2.0)
+    pid_file = tmp_path / "child.pid"
+    with (model / "model.py").open("a") as f:
+        f.write(
+            "\nimport multiprocessing as _mp, time as _time\n"
+            "_p = _mp.get_context('spawn').Process(target=_time.sleep, args=(3600,))\n"
+            f"_p.start()\nopen({str(pid_file)!r}, 'w').write(str(_p.pid))\n"
+        )
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    child = 0
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30, "the model's child")
+        child = int(pid_file.read_text())
+        (worker,) = server.worker_pids()
+        assert alive(child) and child in children(worker)
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: not alive(child), 30, "the model's child to end with its worker")
+        wait_for(lambda: server.worker_pids() not in ([], [worker]), 30, "another worker")
+        with Client(server.url) as c:
+            y = c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=30)["Y"]
+            assert y[0, 0] == 2
+    finally:
+        if child:  # (0 would be this test's own process group)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        assert server.stop() == 0, server.log()
+
+
 def test_a_pool_a_forward_terminates_ends(tmp_path: Path) -> None:
     """`with Pool()` in a forward terminate()s its processes as it leaves, with SIGTERM:
     they took the worker's ignored SIGTERM, and the forward hung now and then (2 of 25
