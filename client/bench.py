@@ -54,6 +54,9 @@ from batchd.client.errors import BatchdClientError
 from batchd.client.loadgen import Level, LoadFailed, random_tensor, run_level
 from batchd.client.options import add_security, connection
 
+SETUP_TIMEOUT_S = 30.0  # its own calls (metadata, statistics): a server that never answered
+# them held the bench for ever, never `exit 2`
+
 
 def _server_batches(client: Client, model: str) -> tuple[int, int] | None:
     """(rows, batches) the server has run for `model`, if it keeps statistics."""
@@ -75,7 +78,7 @@ def measure(args: argparse.Namespace, msg: Any, mode: str, load: float) -> Level
             line = f"\r  {mode} {load:g}: {shown:4.1f}/{args.duration:g} s"
             print(line, end="", file=sys.stderr, flush=True)
 
-    with Client(args.url, **connection(args)) as client:
+    with Client(args.url, timeout=SETUP_TIMEOUT_S, **connection(args)) as client:
         before = _server_batches(client, args.model)
         try:
             level = run_level(
@@ -362,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     mode, levels_to_run = loads(args)
     try:
-        with Client(args.url, **connection(args)) as client:
+        with Client(args.url, timeout=SETUP_TIMEOUT_S, **connection(args)) as client:
             meta = client.model_metadata(args.model)
     except (BatchdClientError, OSError, ValueError) as e:  # (ValueError: a URL)
         print(f"batchd bench: {args.url}: {e}", file=sys.stderr)

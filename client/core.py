@@ -146,6 +146,13 @@ def _named(inputs: Inputs, meta: dict[str, Any] | None) -> Mapping[str, Any]:
     return {meta["inputs"][0]["name"]: inputs}
 
 
+def _pushback_param(param: pb.InferParameter) -> int:
+    """A stream error's pushback: its int64_param; -1 (do not retry, as a malformed
+    trailer is read on a unary call) where it is not one (a string "never" read as 0 ms,
+    retry at once: a caller looping on retry_after_ms would hammer the server)."""
+    return param.int64_param if param.WhichOneof("parameter_choice") == "int64_param" else -1
+
+
 def stream_error(msg: pb.ModelStreamInferResponse) -> BatchdClientError:
     """The typed error of a stream response carrying `error_message`. Its status is the
     response's `error_code` parameter, or a leading "STATUS_NAME: " in the message;
@@ -153,7 +160,7 @@ def stream_error(msg: pb.ModelStreamInferResponse) -> BatchdClientError:
     text = msg.error_message
     params = msg.infer_response.parameters
     if ERROR_CODE in params:
-        pushback = params[PUSHBACK].int64_param if PUSHBACK in params else None
+        pushback = _pushback_param(params[PUSHBACK]) if PUSHBACK in params else None
         return from_status_name(params[ERROR_CODE].string_param, text, pushback)
     name, sep, rest = text.partition(": ")
     if sep and name != "OK" and name in grpc.StatusCode.__members__:

@@ -19,6 +19,7 @@ parent gives them one start instant once every one of them is ready.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import queue
@@ -35,8 +36,9 @@ import grpc
 import numpy as np
 
 from batchd.client.client import AsyncClient
-from batchd.client.core import END, stream_read
-from batchd.client.errors import BatchdClientError
+from batchd.client.codec import parse_response
+from batchd.client.core import END, END_GRACE_S, stream_read
+from batchd.client.errors import BadResponse, BatchdClientError, undecodable
 from batchd.protos.datatypes import DATATYPES
 
 REQUEST_TIMEOUT_S = 30.0  # each request's deadline
@@ -121,13 +123,26 @@ class _Tally:
         self.errors[code] += 1
         self.messages.setdefault(code, message)
 
+    def bad(self, e: BadResponse) -> None:
+        self.failed("BAD_RESPONSE", e.message)  # (not the server's INTERNAL: the client's)
+
     async def unary(self, client: AsyncClient) -> None:
+        """One ModelInfer; an answer counts once it decodes as Client.infer's would (5 µs
+        for tiny's): a server sending garbage, or empty answers, benchmarked as healthy."""
         start = time.monotonic()
         try:
-            await client.stub.ModelInfer(self.msg, timeout=REQUEST_TIMEOUT_S, **client.call_kwargs)
-            self.latencies.append(time.monotonic() - start)
+            reply = await client.stub.ModelInfer(
+                self.msg, timeout=REQUEST_TIMEOUT_S, **client.call_kwargs
+            )
+            took = time.monotonic() - start
+            if reply is None:  # (grpc.aio's answer that did not parse)
+                raise undecodable()
+            parse_response(reply)
+            self.latencies.append(took)
         except grpc.RpcError as e:
             self.failed(e.code().name, e.details() or "")
+        except BadResponse as e:
+            self.bad(e)
 
     async def streamed(self, client: AsyncClient) -> None:
         """The request alone on a ModelStreamInfer call, read to its final response."""
@@ -144,16 +159,22 @@ class _Tally:
                     reply = e
                 try:
                     response, final = stream_read(END if reply is grpc.aio.EOF else reply)
+                    now = time.monotonic()
+                    if response is not None:
+                        parse_response(response)
+                except BadResponse as e:
+                    self.bad(e)
+                    return
                 except BatchdClientError as e:
                     self.failed(e.code.name, e.message)
                     return
-                now = time.monotonic()
                 if response is not None:
                     (self.gaps if n else self.ttfo).append(now - last)
                     n, last = n + 1, now
                 if final:
                     self.latencies.append(now - start)
-                    await call.code()  # its end follows: then the cancel below is a no-op
+                    with contextlib.suppress(TimeoutError):  # its end follows, or is cancelled
+                        await asyncio.wait_for(call.code(), END_GRACE_S)  # (as Client.stream)
                     return
         finally:
             self.outputs += n

@@ -53,7 +53,8 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     error response, its status in the `error_code` parameter (`fail_code`, "" for
     none) and `fail_text` as its message; `hold_after` k: after k outputs, answer
     nothing more until the call ends; `hold_final`: after the final response, keep the
-    call open until it is cancelled; `hold_metadata`: ModelMetadata never answers."""
+    call open until it is cancelled; `hold_metadata`: ModelMetadata never answers;
+    `garble`: each answer's TOKEN shape says one more value than its data holds."""
 
     def __init__(self) -> None:
         self.first_s = 0.0
@@ -64,6 +65,7 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         self.hold_after: int | None = None
         self.hold_final = False
         self.hold_metadata = False
+        self.garble = False
         self.requests: list[pb.ModelInferRequest] = []
         self.ended: queue.Queue[bool] = queue.Queue()  # per call, once over: cancelled?
 
@@ -83,7 +85,7 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
                 await asyncio.Event().wait()  # until the call is cancelled
             await asyncio.sleep(self.first_s if i == 0 else self.step_s)
             out = pb.ModelInferResponse(model_name=req.model_name, id=req.id)
-            out.outputs.add(name="TOKEN", datatype="INT64", shape=[1])
+            out.outputs.add(name="TOKEN", datatype="INT64", shape=[1 + self.garble])
             out.raw_output_contents.append(np.array([100 + i], np.int64).tobytes())
             yield out, i == n - 1
 
@@ -118,8 +120,10 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
             code, _, pushback = e.code.partition("+")  # "CODE+MS": with a pushback
             if code:
                 err.infer_response.parameters["error_code"].string_param = code
-            if pushback:
+            if pushback.lstrip("-").isdigit():
                 err.infer_response.parameters["retry_pushback_ms"].int64_param = int(pushback)
+            elif pushback:  # not a count: as a hostile or broken server sends it
+                err.infer_response.parameters["retry_pushback_ms"].string_param = pushback
             yield err  # the stream stays open; nothing more comes for this id
             return
         if empty_final or sent == 0:
@@ -136,7 +140,7 @@ class FakeDecoupled(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
         except _Failure as e:
             await context.abort(grpc.StatusCode[e.code or "INTERNAL"], e.text)
         answer = pb.ModelInferResponse(model_name=req.model_name, id=req.id)
-        answer.outputs.add(name="TOKEN", datatype="INT64", shape=[len(tokens)])
+        answer.outputs.add(name="TOKEN", datatype="INT64", shape=[len(tokens) + self.garble])
         joined = np.concatenate([np.zeros(0, np.int64), *tokens])
         answer.raw_output_contents.append(joined.tobytes())
         return answer
@@ -256,6 +260,9 @@ def test_stream_and_infer_agree(url: str) -> None:
         ("UNAVAILABLE", "worker lost after 2 outputs", ServerUnavailable, "worker lost after 2"),
         ("UNAVAILABLE+100", "stopping", ServerUnavailable, "stopping"),
         ("UNAVAILABLE+-1", "stopping", ServerUnavailable, "stopping"),
+        # a pushback that is no int64 is malformed: do not retry (it read as 0 ms: at once)
+        ("RESOURCE_EXHAUSTED+never", "queue is full", LimitExceeded, "queue is full"),
+        ("UNAVAILABLE+never", "stopping", ServerUnavailable, "stopping"),
         ("", "INTERNAL: the model raised boom", InferenceFailed, "the model raised boom"),
         ("", "UNAVAILABLE: worker lost", ServerUnavailable, "worker lost"),
         ("", "no code here", InferenceFailed, "no code here"),
@@ -281,10 +288,11 @@ def test_an_error_response_raises_its_typed_error_after_the_outputs_before_it(
     assert seen == [100, 101]
     assert type(raised.value) is error and raised.value.message.startswith(message)
     # the pushback, as a unary call's trailer says it (gRFC A6: a negative one is none)
-    pushback = int(code.partition("+")[2] or -1)
+    said = code.partition("+")[2]
+    pushback = int(said) if said.lstrip("-").isdigit() else -1
     assert getattr(raised.value, "retry_after_ms", None) == (pushback if pushback >= 0 else None)
     if isinstance(raised.value, ServerUnavailable):  # a negative one: do not retry (gRFC A6)
-        assert raised.value.retry_refused == code.endswith("+-1")
+        assert raised.value.retry_refused == code.endswith(("+-1", "+never"))
 
 
 def test_a_stream_that_closes_before_its_final_response_fails(
@@ -443,11 +451,13 @@ def test_async_leaving_the_loop_early_cancels_the_call(
 # ---- batchd bench --stream ----
 
 
-def run_bench(url: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+def run_bench(
+    url: str, tmp_path: Path, *extra: str, stream: bool = True
+) -> tuple[int, dict[str, Any]]:
     tokens = tmp_path / "n.npy"
     np.save(tokens, np.array([5], np.int64))
     out = tmp_path / "bench.json"
-    argv = ["--url", url, "--model", "count", "--stream", "--duration", "0.5"]
+    argv = ["--url", url, "--model", "count", *["--stream"] * stream, "--duration", "0.5"]
     argv += ["--warmup", "0", "--processes", "1", "--json", str(out)]
     argv += ["--input", f"MAX_NEW_TOKENS={tokens}", *extra]
     code = bench.main(argv)
@@ -491,6 +501,50 @@ def test_bench_stream_counts_error_responses_by_status_with_the_first_message(
     assert level["error_messages"] == {"RESOURCE_EXHAUSTED": "stream too far behind"}
     assert level["stream"]["outputs"] == 2 * level["errors"]["RESOURCE_EXHAUSTED"]
     assert "RESOURCE_EXHAUSTED: stream too far behind" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_bench_counts_answers_that_do_not_decode_as_errors(
+    fake: FakeDecoupled, url: str, tmp_path: Path, stream: bool
+) -> None:
+    """An answer whose TOKEN shape its data cannot fill is an error, as Client.infer
+    raises BadResponse for it: a server sending garbage benchmarked as healthy (exit 0,
+    no errors)."""
+    fake.garble = True
+    code, result = run_bench(url, tmp_path, "--concurrency", "1", stream=stream)
+    (level,) = result["levels"]
+    assert code == 1 and level["ok"] == 0 and level["errors"]["BAD_RESPONSE"] > 0
+    assert "does not decode" in level["error_messages"]["BAD_RESPONSE"]
+
+
+def test_bench_stream_leaves_a_stream_held_open_after_its_final_response(
+    fake: FakeDecoupled, url: str, tmp_path: Path
+) -> None:
+    """A server that keeps a stream open after its final response: the bench cancels it
+    after the grace Client.stream gives (1 s), as Client.stream does. It waited for the
+    request's 30 s deadline: a 0.5 s level took 61 s, and said 0.1 req/s."""
+    fake.hold_final = True
+    code, result = run_bench(url, tmp_path, "--concurrency", "2")
+    (level,) = result["levels"]
+    assert (code, level["errors"]) == (0, {}) and level["ok"] >= 2
+    assert level["stream"]["elapsed_s"] < 10  # (its requests' 30 s deadline: not waited out)
+    assert fake.ended_call() is True  # cancelled
+
+
+def test_bench_gives_up_on_a_server_that_never_answers_its_own_calls(
+    fake: FakeDecoupled,
+    url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """ModelMetadata never answered: exit 2 saying so, after SETUP_TIMEOUT_S (1 s here).
+    It had no deadline, and waited for ever."""
+    fake.hold_metadata = True
+    monkeypatch.setattr(bench, "SETUP_TIMEOUT_S", 1.0)
+    argv = ["--url", url, "--model", "count", "--duration", "0.5", "--processes", "1"]
+    assert bench.main(argv) == 2
+    assert "DEADLINE" in capsys.readouterr().err.upper()
 
 
 def test_bench_stream_plots_outputs_per_second_and_time_to_first_output(
