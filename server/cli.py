@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import resource
+import signal
 import sys
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         parser.error(str(e))
     setup_logging(cfg.logging.level, cfg.logging.format)
+    # (a child frontend started while frontend 0 started a worker inherited both blocked)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     if (files := more_files())[1] > files[0]:
         logging.getLogger("batchd.server").info("open files: up to %d (was %d)", *files[::-1])
     try:

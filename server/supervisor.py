@@ -136,12 +136,16 @@ class Supervisor:
     async def _start(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
         # Born with SIGINT and SIGTERM blocked (the mask passes through fork and exec), which
         # it unblocks once it ignores them: a signal to the whole group in its first seconds,
-        # torch's import, killed it, and it was started again during the stop
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            return await self._exec(spec, worker_id)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        # torch's import, killed it, and it was started again during the stop. Unblocked
+        # again once this step yields, its fork done (asyncio forks before its first wait),
+        # and only those this start blocked: restored to the mask it found after the await,
+        # two starts interleaved and the second restored the first's blocked mask, for good;
+        # a child frontend started later inherited it, ignored SIGTERM, and its streams
+        # were cut at the stop's 40 s (review 54c; a frontend unblocks both as it starts)
+        both = {signal.SIGINT, signal.SIGTERM}
+        blocked = both - signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        asyncio.get_running_loop().call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, blocked)
+        return await self._exec(spec, worker_id)
 
     async def _exec(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(

@@ -682,6 +682,35 @@ def test_a_restarted_child_frontend_serves_the_models_frontend_0_read(tmp_path: 
         assert server.stop() == 0, server.log()
 
 
+def _blocked(pid: int) -> set[int]:
+    """The signals blocked in process `pid`'s main thread."""
+    mask = int(re.search(r"SigBlk:\s*([0-9a-f]+)", Path(f"/proc/{pid}/status").read_text())[1], 16)
+    return {n for n in (signal.SIGINT, signal.SIGTERM) if mask >> (n - 1) & 1}
+
+
+def test_a_child_frontend_restarted_beside_two_workers_stops_on_sigterm(tmp_path: Path) -> None:
+    """Two workers started at once left frontend 0 with SIGINT and SIGTERM blocked for
+    good (each start blocked them around an await, and the second restored the first's
+    blocked mask); a child frontend it started again inherited that, ignored the stop,
+    took new calls through it, and was killed at 40 s with its streams."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", "--workers", "2",
+                           log_dir=tmp_path).start()  # fmt: skip
+    try:
+        assert server.proc is not None
+        ready = "model scaled is ready"
+        wait_for(lambda: server.log().count(ready) == 2, 60, "both frontends")
+        assert _blocked(server.proc.pid) == set()
+        (child,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
+        os.kill(child, signal.SIGKILL)
+        wait_for(lambda: server.log().count(ready) == 3, 60, "frontend 1 back, serving")
+        (again,) = [p for p in server.worker_pids() if "--frontend-index" in cmdline(p)]
+        assert _blocked(again) == set() and _blocked(server.proc.pid) == set()
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "did not stop" not in server.log()
+
+
 def test_a_hung_child_frontend_is_killed_and_started_again(tmp_path: Path) -> None:
     """A child frontend whose event loop stops (here SIGSTOP) kept its listening socket,
     and the new connections the kernel gave it hung; frontend 0 never knew."""
