@@ -200,8 +200,18 @@ def sibling(pid: int) -> bool:
 
 def gone(pid: int) -> bool:
     """Whether this is a child frontend and worker `pid` is gone: its workers are all
-    frontend 0's local processes (no --worker-endpoint with --frontends)."""
-    return PARENT in os.environ and not sibling(pid)
+    frontend 0's local processes (no --worker-endpoint with --frontends). Frontend 0
+    gone, its workers outlive it a while, finishing what they hold (runner.py): each is
+    gone once its process is (every one was taken for gone at once, and the sequences
+    they were stepping failed as "lost", review 54c)."""
+    if PARENT not in os.environ or sibling(pid):
+        return False
+    if os.getppid() == parent():
+        return True
+    try:  # (an orphan's parent is init, or a subreaper: not frontend 0)
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 async def _watched(

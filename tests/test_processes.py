@@ -634,6 +634,49 @@ def test_a_child_frontend_s_callers_are_answered_once_frontend_0_dies(tmp_path: 
     assert all(o["Y"][0, 0] == 2 * k for k, o in enumerate(out) if isinstance(o, dict)), out
 
 
+def test_a_child_frontend_s_sequences_finish_on_the_worker_frontend_0_left(
+    tmp_path: Path,
+) -> None:
+    """Frontend 0 killed while sequences step on its worker: the worker finishes what it
+    holds before it leaves, and a child frontend's sequences end whole. The child took
+    every worker for gone as soon as frontend 0 was (their parent no longer it), and
+    failed its sequences at once as "lost", with the worker still stepping them."""
+    (tmp_path / "repo" / "counter").mkdir(parents=True)
+    toml = SLOW_STEPS_TOML.replace("max_active = 4", "max_active = 16")
+    (tmp_path / "repo" / "counter" / "model.toml").write_text(toml)
+    (tmp_path / "repo" / "counter" / "model.py").write_text(
+        SLOW_STEPS_PY.replace('s["id"] == 7 and s["k"] == 10', 's["k"] == 60'))  # fmt: skip
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path).start()
+    wait_for(lambda: server.log().count("model counter is ready") == 2, 60, "both frontends")
+
+    async def one(c: AsyncClient, got: list[int]) -> object:
+        try:
+            async for out in c.stream("counter", {"ID": np.array([1], np.int64)}, timeout=60):
+                got.append(int(out["VALUE"][0]))
+        except Exception as e:  # (frontend 0's own: its connection closed)
+            return e
+        return None
+
+    async def scenario() -> list[tuple[object, list[int]]]:
+        clients = [AsyncClient(server.url, own_connection=True) for _ in range(12)]
+        got: list[list[int]] = [[] for _ in clients]
+        calls = [asyncio.ensure_future(one(c, g)) for c, g in zip(clients, got, strict=True)]
+        await asyncio.to_thread(wait_for, lambda: all(got), 30, "every sequence to step")
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait()
+        try:
+            return list(zip(await asyncio.gather(*calls), got, strict=True))
+        finally:
+            for c in clients:
+                await c.close()
+
+    out = asyncio.run(scenario())
+    whole = [g for e, g in out if e is None]
+    assert whole and all(g == [1001 + k for k in range(60)] for g in whole), out
+    assert not [e for e, _ in out if "lost" in str(e)], out  # (frontend 0's: Socket closed)
+
+
 def _admitted(server: ServerProcess, token: str) -> set[str]:
     """How ServerLive goes with `token` over 8 fresh connections (the kernel spreads them
     over the frontends)."""
