@@ -124,6 +124,7 @@ class Supervisor:
         self._on_exit = on_exit  # (worker id, pid, why) -> whether a request ended it
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         self._stopping = False
+        self._groups: set[int] = set()  # the workers leading a process group (end_group)
 
     def pids(self) -> dict[str, int]:
         return {wid: p.pid for wid, p in self._procs.values() if p.returncode is None}
@@ -145,7 +146,11 @@ class Supervisor:
         both = {signal.SIGINT, signal.SIGTERM}
         blocked = both - signal.pthread_sigmask(signal.SIG_BLOCK, both)
         asyncio.get_running_loop().call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, blocked)
-        return await self._exec(spec, worker_id)
+        proc = await self._exec(spec, worker_id)
+        with contextlib.suppress(OSError):  # (alive: it has not even registered yet)
+            if os.getpgid(proc.pid) == proc.pid:  # (a session of its own: start_new_session)
+                self._groups.add(proc.pid)
+        return proc
 
     async def _exec(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
@@ -200,7 +205,7 @@ class Supervisor:
                 )
                 started = time.monotonic()
                 code = await proc.wait()
-                end_group(proc.pid)  # killed from outside (the OOM killer): what it started
+                self._end_group(proc.pid, last=True)  # killed from outside: what it started
                 if self._stopping:
                     return
                 ran = self._on_exit(worker_id, proc.pid, f"process exited ({_exit_reason(code)})")
@@ -225,7 +230,7 @@ class Supervisor:
             if wid == worker_id and proc.pid == pid and proc.returncode is None:
                 log.warning("killing worker %s (pid %d)", wid, proc.pid, extra={"worker": wid})
                 proc.kill()
-                end_group(proc.pid)  # what its model started, with it
+                self._end_group(proc.pid)  # what its model started, with it
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the workers (already told STOP) to exit; terminate, then kill, stragglers."""
@@ -240,24 +245,28 @@ class Supervisor:
                     with contextlib.suppress(ProcessLookupError):
                         getattr(p, signal_step)()
                 if signal_step == "kill":
-                    end_group(p.pid)  # (a worker killed: what its model started goes with it)
+                    self._end_group(p.pid)  # (killed: what its model started goes with it)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     asyncio.gather(*(p.wait() for p in alive)),
                     timeout_s if signal_step is None else 3.0,
                 )
         for p in procs:  # what a worker killed, here or from outside, left behind
-            end_group(p.pid)
+            self._end_group(p.pid, last=True)
 
-
-def end_group(pid: int) -> None:
-    """SIGKILL what is left in the process group a local worker leads (its own: it starts
-    in a session of its own), that is, what its model started: with a worker killed from
-    outside (the OOM killer, an operator), they lived on, re-parented, for good. A
-    group's id is given to no new process while the group has a member; once it has none,
-    this finds nothing. (It read /proc for the worker's descendants, on the event loop.)"""
-    with contextlib.suppress(OSError):
-        os.killpg(pid, signal.SIGKILL)
+    def _end_group(self, pid: int, last: bool = False) -> None:
+        """SIGKILL what is left in the process group local worker `pid` leads (its own: it
+        starts in a session of its own, checked as it started), that is, what its model
+        started: with a worker killed from outside (the OOM killer, an operator), they
+        lived on, re-parented, for good. A group's id is given to no new process while the
+        group has a member; once it has none, this finds nothing. `last`: the worker was
+        reaped, and this is the last look. (It read /proc for the worker's descendants, on
+        the event loop.)"""
+        if pid in self._groups:
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        if last:
+            self._groups.discard(pid)
 
 
 def _exit_reason(code: int) -> str:

@@ -521,6 +521,24 @@ def test_the_supervisor_kills_the_process_of_that_worker_s_pid_only() -> None:
     assert killed == [41]
 
 
+def test_the_supervisor_kills_only_process_groups_its_workers_lead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a killed worker's model started goes with its process group, only where that
+    worker was seen to lead one as it started: a pid alone named any group (these tests'
+    fake workers, pids 1 and 41, had the test run SIGKILL process group 1, the machine's)."""
+    groups: list[int] = []
+    monkeypatch.setattr("batchd.server.supervisor.os.killpg", lambda pid, sig: groups.append(pid))
+    sup = Supervisor(Launch(repository=Path(".")), lambda name, pid, reason: False)
+    proc = SimpleNamespace(pid=41, returncode=None, kill=lambda: None)
+    sup._procs["cpu0"] = ("cpu0#0", proc)  # type: ignore[assignment]
+    sup.kill("cpu0#0", 41)
+    assert groups == []
+    sup._groups.add(41)  # (as _start records a worker that leads its group)
+    sup.kill("cpu0#0", 41)
+    assert groups == [41]
+
+
 def test_a_local_worker_s_exit_loses_that_process_only(router: zmq.Socket[bytes]) -> None:
     """The supervisor saw local worker cpu0#0 exit: every handle of that id was lost,
     a peer that registered under it with its own pid too, its batches requeued."""
