@@ -36,7 +36,8 @@ The policy has one owner, this module:
     gave dropped (StepStream.restart), and its answer holds the new run's only.
 
 Where the suspect flag is read: plan.py sends a suspect alone, decision.py waits
-for an idle worker for it (pool.choose: one where no sequence runs, if one is),
+for an idle worker for it, a settled one for a while (lanes.settle_by; pool.choose:
+else one where no sequence runs, if one is),
 pool.WorkerHandle.exclusive keeps a worker running one from taking a staged batch
 or starting a sequence beside it.
 """

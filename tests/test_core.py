@@ -20,6 +20,7 @@ import zmq
 from batchd.protos import wire
 from batchd.server import core as core_module
 from batchd.server import frontends
+from batchd.server.batching.lanes import SETTLE_S
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.core import Core
 from batchd.server.errors import BatchdError, ModelFailed, StreamBehind
@@ -560,21 +561,38 @@ def test_a_request_of_a_worker_lost_while_loading_goes_back_uncharged_as_a_suspe
 ) -> None:
     """A worker lost while it loaded a model and ran a batch: either may be the cause.
     Its request goes back uncharged, as a suspect: alone, so that its next loss is its
-    own; it waits for no load (a restarted worker is sent every model's: a suspect
-    waiting out the slowest of them hit its deadline)."""
+    own. It waits for a worker that loads nothing, SETTLE_S at most from when it first
+    finds one idle (a restarted worker is sent every model's: a suspect waiting out the
+    slowest of them hit its deadline); sent at once, its death there was not its own
+    either, and a poison ended a third worker (review 54a)."""
 
     async def body() -> None:
-        core, _ = make_core(router, Clock())
+        clock = Clock()
+        core, _ = make_core(router, clock)
         lost, r = one_batch_on(core, "cpu0#0")
         lost.load_sent["other@1"] = 0.0
         core.worker_exited("cpu0#0", 7, "killed")
         assert (r.attempts, r.suspect) == (0, True)
+        clock.now += 5.0  # (the worker's restart: not counted in the wait)
         loading = register(core, "cpu0#1", core.models["m"].key, pid=8)
         loading.load_sent["other@1"] = 0.0
         core.link.send = lambda identity, *a, **k: ""  # type: ignore[method-assign]
-        await asyncio.sleep(0)
+        core.scheduler.pump()
+        assert loading.inflight == {} and r.settle_by == clock.now + SETTLE_S
+        clock.now += SETTLE_S  # its wait over: to the loading worker
+        core.scheduler.pump()
         batch = next(iter(loading.inflight.values()))
         assert batch.requests == [r] and batch.suspect
+        lost, r = one_batch_on(core, "cpu1#0")  # and again, the load done in time
+        core.worker_exited("cpu1#0", 7, "killed")
+        core.pool.leave(loading)
+        settling = register(core, "cpu1#1", core.models["m"].key, pid=9)
+        settling.load_sent["other@1"] = 0.0
+        core.scheduler.pump()
+        assert settling.inflight == {}
+        settling.load_sent.clear()  # (the load done)
+        core.scheduler.pump()
+        assert next(iter(settling.inflight.values())).requests == [r]
 
     run(body)
 

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -139,9 +140,9 @@ def test_a_worker_killed_by_a_signal_with_no_name_is_restarted(both_workers: Ser
     assert f"process exited (killed by signal {int(rt)})" in server.log()
 
 
-def test_poison_request_fails_alone_after_two_deaths(both_workers: ServerProcess) -> None:
-    server = both_workers
-    restarts_before = worker_restarts(server)
+def poison_among_four(server: ServerProcess) -> None:
+    """crashy called at once with 1, 2, 666 (which ends its worker), 3 and 4: the poison
+    fails after two deaths, INTERNAL, and the others are answered."""
 
     async def scenario() -> list[object]:
         async with AsyncClient(server.url) as client:
@@ -150,10 +151,16 @@ def test_poison_request_fails_alone_after_two_deaths(both_workers: ServerProcess
 
     out = asyncio.run(scenario())
     poison = out[2]
-    assert isinstance(poison, InferenceFailed), poison
+    assert isinstance(poison, InferenceFailed), out
     assert poison.code == grpc.StatusCode.INTERNAL
     assert "lost 2 times" in poison.message and "killed by SIGKILL" in poison.message
     assert [o["Y"][0, 0] for i, o in enumerate(out) if i != 2] == [2, 4, 6, 8]  # type: ignore[index]
+
+
+def test_poison_request_fails_alone_after_two_deaths(both_workers: ServerProcess) -> None:
+    server = both_workers
+    restarts_before = worker_restarts(server)
+    poison_among_four(server)
     back_to_two(server, restarts_before, 2)
     # Sent again, twice (a client retrying on INTERNAL), the same inputs are refused
     # unrun and end no more workers; other inputs run on.
@@ -167,6 +174,30 @@ def test_poison_request_fails_alone_after_two_deaths(both_workers: ServerProcess
         assert client.infer("crashy", x(5), timeout=60)["Y"][0, 0] == 10
     assert worker_restarts(server) - restarts_before == 2  # and no more
     assert workers_up(server) == 2
+
+
+def test_a_poison_s_retry_waits_for_its_worker_to_finish_loading(tmp_path: Path) -> None:
+    """One worker, serving crashy and a model whose load takes a second. Its batch's
+    requests, retried alone, wait for the restarted worker to finish loading (2 s at
+    most): a death there is then the retry's own, and the poison fails after two. They
+    went at once, the second death came as it loaded, was not counted, and a third
+    worker died."""
+    repo = tmp_path / "repo"
+    shutil.copytree(TEST_MODELS / "crashy", repo / "crashy")
+    (repo / "slow").mkdir()
+    (repo / "slow" / "model.toml").write_text(MODEL_TOML)
+    (repo / "slow" / "model.py").write_text(
+        "import time\n\ndef load(device):\n    time.sleep(1.0)\n    return lambda x: x\n"
+    )
+    server = ServerProcess(repo, log_dir=tmp_path, workers=1).start()
+    try:
+        wait_for(lambda: workers_up(server) == 1, 60, "the worker")
+        restarts_before = worker_restarts(server)
+        poison_among_four(server)
+        wait_for(lambda: workers_up(server) == 1, 60, "the worker back")
+        assert worker_restarts(server) - restarts_before == 2, server.log()
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_hung_batch_gets_its_worker_replaced(both_workers: ServerProcess) -> None:

@@ -32,8 +32,8 @@ from batchd.server.batching.plan import Plan
 class Capacity:
     idle_worker: bool  # some worker for this model has nothing in flight
     free_credit: bool  # some worker for this model can take one more batch
-    # ... and one idle worker loads no model and runs no sequence: a retried batch job's
-    # line that ends its process elsewhere is not the death's sole suspect (pool.py's
+    # ... and one idle worker loads no model and runs no sequence: a retry (a suspect)
+    # that ends its process elsewhere is not the death's sole suspect (pool.py's
     # WorkerHandle.settled; it waits for one SETTLE_S at most, lanes.py)
     settled: bool = True
 
@@ -67,6 +67,8 @@ def decide(
         return UNTIL_AN_EVENT
     if plan.suspect and not capacity.idle_worker:
         return UNTIL_AN_EVENT  # a retry after a failure runs only on a worker with nothing else
+    if plan.suspect and not capacity.settled and plan.settle_by > now:
+        return Wait(plan.settle_by)  # ... loading nothing, for a while: a death there is its own
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s

@@ -57,6 +57,7 @@ class Plan:
     # The soonest deadline of the live requests planned over, in the batch or not (one
     # of another shape waits for this batch to leave): it must not wait past that.
     deadline: float = math.inf
+    settle_by: float = 0.0  # a suspect: till when it waits for a settled worker (lanes.py)
 
 
 def _live(r: Request, now: float) -> bool:
@@ -115,7 +116,8 @@ def plan_batch(
     if anchor is None:
         return None
     if anchor.suspect:  # its last batch failed: alone, it cannot take others down with it
-        return Plan([anchor], anchor.rows, anchor.length, True, False, anchor.arrival, True)
+        return Plan([anchor], anchor.rows, anchor.length, True, False, anchor.arrival, True,
+                    anchor.deadline, anchor.settle_by)  # fmt: skip
     bucket = cfg.bucket_by_length
     soonest = [anchor.deadline]
     candidates: Iterable[Request] = _joinable(levels, order, window, anchor, now, soonest)

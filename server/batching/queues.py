@@ -5,9 +5,10 @@ scheduler owns the queues and decides what leaves; a queue only holds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from batchd.protos.model_config import AUTO_DELAY_MAX_US, ModelConfig
 from batchd.server.batching.latency import LatencyTarget
@@ -197,6 +198,11 @@ class ModelQueue:
     def suspect_first(self) -> bool:
         """Whether a retry after a failure (put back at the front) heads a level."""
         return any(q and q[0].suspect and not q[0].future.done() for q in self.levels)
+
+    def suspects(self) -> Iterator[Request]:
+        """The retries after a failure, at the front of each level and of the job lane."""
+        for q in (*self.levels, self.jobs):
+            yield from itertools.takewhile(lambda r: r.suspect, q)
 
     def hand_over(self, dest: ModelQueue) -> bool:
         """Move every live request queued here (online and job lane) to `dest`, another

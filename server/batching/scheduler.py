@@ -29,7 +29,7 @@ from typing import Protocol
 from batchd.protos.model_config import ModelConfig
 from batchd.server.batching import lanes
 from batchd.server.batching.decision import NO_CAPACITY, Capacity, Send, decide
-from batchd.server.batching.lanes import SETTLE_S, pump_job_lanes
+from batchd.server.batching.lanes import pump_job_lanes, settling
 from batchd.server.batching.queues import (
     GAP_ROWS,
     GAP_ROWS_SPARE,
@@ -212,12 +212,9 @@ class Scheduler:
         so a failed send cannot re-enter the pump that made it."""
         for key in dict.fromkeys(r.model.key for r in requests):
             self._queues[key].put_front([r for r in requests if r.model.key == key])
-        settle_by = self._clock() + SETTLE_S
         for r in requests:  # their timers went when they were taken: queued, they expire
             self._arm_timeout(r)
             self._suspect_waits |= r.suspect
-            if r.suspect and r.background and not r.settle_by:  # (once: a send that found
-                r.settle_by = settle_by  # no such worker puts it back, no longer a wait)
 
     def _arm_timeout(self, request: Request) -> None:
         """A queued request with a queue timeout expires at its deadline."""
@@ -274,6 +271,8 @@ class Scheduler:
             while len(q):
                 capacity = self._capacity(q)
                 plan = q.plan(now) if capacity.free_credit else None
+                if plan is not None and plan.suspect and capacity.idle_worker:
+                    plan = settling(q, plan, capacity, now)
                 quiet = q.quiet_at(now, self._idle(), gap)
                 here = plan is not None and capacity.idle_worker and self._all_here(q)
                 decision = decide(now, plan, capacity, q.delay_s(), eager or here, quiet)
