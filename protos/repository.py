@@ -129,19 +129,23 @@ _ESCAPED_NAME = re.compile(rb"""(?m)^[ \t]*["']?name["']?[ \t]*=[^\n]*\\""")
 def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:
     """Every model directory of repository `root`, with its config or why it is
     refused: what load_repository refuses, a name used twice included, but model by
-    model, so that a report (`batchd models DIR --check`) goes on past the first."""
+    model, so that a report (`batchd models DIR --check`) goes on past the first. A
+    name two folders declare is refused in both, as a load of it is (find_model): the
+    first was listed as loadable, and the RepositoryIndex named the second alone."""
     found: list[tuple[Path, ModelConfig | ConfigError]] = []
-    seen: dict[str, Path] = {}
+    seen: dict[str, int] = {}  # a name -> where its first folder is in `found`
     for sub in _with_toml(root):
         try:
             cfg = _load_confined(root, sub)
-            if cfg.name in seen:
-                raise ConfigError(f"{sub / 'model.toml'}: model name {cfg.name!r} is used "
-                                  f"twice (also by {seen[cfg.name].name}/)")  # fmt: skip
+            if (at := seen.get(cfg.name)) is not None:
+                first = found[at][0]
+                why = f"model name {cfg.name!r} is declared by {first.name}/ and {sub.name}/"
+                found[at] = (first, ConfigError(f"{first / 'model.toml'}: {why}; rename one"))
+                raise ConfigError(f"{sub / 'model.toml'}: {why}; rename one")
         except ConfigError as e:
             found.append((sub, e))
             continue
-        seen[cfg.name] = sub
+        seen[cfg.name] = len(found)
         found.append((sub, cfg))
     return found
 

@@ -241,13 +241,15 @@ def test_a_name_two_folders_declare_is_found_twice_even_escaped(tmp_path: Path) 
 def test_models_check_refuses_a_name_used_twice(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """As serving does (load_repository), not each directory on its own."""
+    """As serving does (load_repository), not each directory on its own; both folders
+    are refused, as a load of the name is (the first was listed as fine)."""
     for sub in ("dupA", "dupB"):
         write(tmp_path, sub, 'name = "same"\n' + GOOD)
-    assert check_repository(tmp_path) == 1
+    assert check_repository(tmp_path) == 2
     out = capsys.readouterr().out
-    assert "dupB/model.toml: model name 'same' is used twice (also by dupA/)" in out
-    assert "1 ok, 1 failed" in out
+    for sub in ("dupA", "dupB"):
+        assert f"{sub}/model.toml: model name 'same' is declared by dupA/ and dupB/" in out
+    assert "0 ok, 2 failed" in out
 
 
 def test_a_repository_pointed_at_the_wrong_folder_is_said_to_be_one(
