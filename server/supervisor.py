@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig
+from batchd.protos.processes import descendants, kill_all
 
 log = logging.getLogger("batchd.supervisor")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.2, 10.0, 30.0
@@ -229,8 +230,10 @@ class Supervisor:
         for wid, proc in self._procs.values():
             if wid == worker_id and proc.pid == pid and proc.returncode is None:
                 log.warning("killing worker %s (pid %d)", wid, proc.pid, extra={"worker": wid})
+                below = self._below(proc.pid)  # (one in a session of its own too: setsid)
                 proc.kill()
                 self._end_group(proc.pid)  # what its model started, with it
+                kill_all(below)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Wait for the workers (already told STOP) to exit; terminate, then kill, stragglers."""
@@ -240,12 +243,14 @@ class Supervisor:
             alive = [p for p in procs if p.returncode is None]
             if not alive:
                 break
+            below = [d for p in alive for d in self._below(p.pid)] if signal_step == "kill" else []
             for p in alive:
                 if signal_step is not None:
                     with contextlib.suppress(ProcessLookupError):
                         getattr(p, signal_step)()
                 if signal_step == "kill":
                     self._end_group(p.pid)  # (killed: what its model started goes with it)
+            kill_all(below)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     asyncio.gather(*(p.wait() for p in alive)),
@@ -254,14 +259,18 @@ class Supervisor:
         for p in procs:  # what a worker killed, here or from outside, left behind
             self._end_group(p.pid, last=True)
 
+    def _below(self, pid: int) -> list[int]:
+        """The processes below a local worker this supervisor started (not a pid alone)."""
+        return descendants(pid) if pid in self._groups else []
+
     def _end_group(self, pid: int, last: bool = False) -> None:
         """SIGKILL what is left in the process group local worker `pid` leads (its own: it
         starts in a session of its own, checked as it started), that is, what its model
         started: with a worker killed from outside (the OOM killer, an operator), they
-        lived on, re-parented, for good. A group's id is given to no new process while the
-        group has a member; once it has none, this finds nothing. `last`: the worker was
-        reaped, and this is the last look. (It read /proc for the worker's descendants, on
-        the event loop.)"""
+        lived on, re-parented, for good. (One that left the group, setsid, is found by its
+        parent while the worker lives: kill, stop.) A group's id is given to no new process
+        while the group has a member; once it has none, this finds nothing. `last`: the
+        worker was reaped, and this is the last look."""
         if pid in self._groups:
             with contextlib.suppress(OSError):
                 os.killpg(pid, signal.SIGKILL)

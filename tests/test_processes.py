@@ -228,6 +228,46 @@ def test_a_worker_killed_from_outside_takes_what_its_model_started(tmp_path: Pat
         assert server.stop() == 0, server.log()
 
 
+def test_a_hung_worker_is_killed_with_a_helper_that_left_its_process_group(
+    tmp_path: Path,
+) -> None:
+    """A helper program its model started in a session of its own (setsid) is not in
+    the worker's process group: a worker killed as hung takes it along by its parent,
+    read before the kill (review 54d: after 82d20e5, killing the group alone, it lived
+    on, re-parented)."""
+    toml = MODEL_TOML + "\n[instances]\nexecution_timeout_s = 1.5\n"
+    model = make_model(tmp_path / "repo", "scaled", 2.0, toml)
+    pid_file = tmp_path / "helper.pid"
+    with (model / "model.py").open("a") as f:
+        f.write(
+            "\nimport subprocess as _sp\n"
+            "_h = _sp.Popen(['sleep', '3600'], start_new_session=True)\n"
+            f"open({str(pid_file)!r}, 'w').write(str(_h.pid))\n"
+        )
+    (gate := batch_gate(model, 2.0)).touch()  # its batches hang
+    server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
+    helper = 0
+    try:
+        wait_for(lambda: pid_file.exists() and pid_file.read_text(), 30, "the helper")
+        helper = int(pid_file.read_text())
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(_infer_quietly, server.url)
+            wait_for(lambda: "killing worker" in server.log(), 30, "the hung worker's kill")
+            wait_for(lambda: not alive(helper), 30, "the helper to end with its worker")
+            gate.unlink()
+            call.result(60)
+    finally:
+        gate.unlink(missing_ok=True)
+        if helper and alive(helper):
+            os.kill(helper, signal.SIGKILL)
+        assert server.stop() == 0, server.log()
+
+
+def _infer_quietly(url: str) -> None:
+    with contextlib.suppress(Exception), Client(url) as c:
+        c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=60)
+
+
 def test_a_pool_a_forward_terminates_ends(tmp_path: Path) -> None:
     """`with Pool()` in a forward terminate()s its processes as it leaves, with SIGTERM:
     they took the worker's ignored SIGTERM, and the forward hung now and then (2 of 25
