@@ -131,9 +131,31 @@ def test_without_a_token_budget_no_row_is_padded_far_past_its_own_length(
     p = plan_batch(levels_of(long, near), NOW, 8, cfg.batching, 64)
     assert p is not None and p.requests == [long, near]
     small = [text(cfg, loop, 1, arrival=NOW - 1 + i / 100) for i in range(8)]
-    small[0].length = PAD_FREE  # each 1-token row padded to PAD_FREE: under it, free
+    small[0].length = PAD_FREE // 8  # each 1-token row padded to PAD_FREE / 8: free
     p = plan_batch(levels_of(*small), NOW, 8, cfg.batching, 64)
     assert p is not None and p.rows == 8
+
+
+def test_without_a_token_budget_a_batch_pads_at_most_a_few_times_what_it_was_sent(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Each row under PAD_FREE pads freely, but 63 1-token rows beside one of 1M were
+    one batch of 64 x 1M: 64M elements and a mask as large, 2.1 GB and 11 s on the
+    frontend's loop, for 8 MB sent (review 54f). Past PAD_FREE elements in all, a
+    batch holds at most PAD_WASTE times what its rows sent: the long row takes three
+    short ones; rows of similar lengths fill the batch, however long."""
+    cfg = ragged_model()  # no max_batch_tokens
+    long, *short = [text(cfg, loop, 1, arrival=NOW - 1 + i / 1000) for i in range(64)]
+    long.length = PAD_FREE
+    p = plan_batch(levels_of(long, *short), NOW, 64, cfg.batching, 64)
+    assert p is not None and len(p.requests) == PAD_WASTE and p.full
+    p = plan_batch(levels_of(*short), NOW, 64, cfg.batching, 64)
+    assert p is not None and len(p.requests) == 63
+    alike = [text(cfg, loop, 1, arrival=NOW - 1 + i / 1000) for i in range(64)]
+    for k, r in enumerate(alike):
+        r.length = PAD_FREE // 2 + k  # 32M elements in all, little of it padding
+    p = plan_batch(levels_of(*alike), NOW, 64, cfg.batching, 64)
+    assert p is not None and len(p.requests) == 64
 
 
 def test_without_a_token_budget_the_bound_counts_the_elements_of_each_position(

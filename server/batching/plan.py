@@ -21,10 +21,13 @@ requests whose non-ragged shapes equal the anchor's can join it. Then:
 Without `max_batch_tokens`, a batch still holds at most PADDED_TOKENS elements
 (padded: rows x longest x the elements of a position; packed: their sum x the
 same), so thirty requests of the most one may send never make one batch thirty
-times that (a worker's memory); and no row is padded past PAD_FREE elements to
+times that (a worker's memory); no row is padded past PAD_FREE elements to
 more than PAD_WASTE times its own length, so one row of millions of tokens
 rides alone rather than have short rows padded to its length (the frontend
-pads on its event loop: seven 1-token rows beside one of 7.9M were 482 MB, 1.3 s).
+pads on its event loop: seven 1-token rows beside one of 7.9M were 482 MB, 1.3 s);
+and a batch padded past PAD_FREE elements holds at most PAD_WASTE times the
+elements its requests sent (63 1-token rows, each padded free to one of 1M,
+were 64M elements and their mask, 2.1 GB and 11 s on the loop: review 54f).
 
 A suspect (a request whose batch lost its worker or made the model raise)
 rides alone, so a poison request or a bad input takes nobody else down.
@@ -80,18 +83,20 @@ def level_order(
     return first + [i for i in range(len(levels)) if i not in first]
 
 
-def _fits(rows: int, tokens: int, longest: int, shortest: int, cap: int, budget: int,
-          per: int) -> bool:  # fmt: skip
+def _fits(rows: int, tokens: int, sent: int, longest: int, shortest: int, cap: int,
+          budget: int, per: int) -> bool:  # fmt: skip
     """Whether a batch of `rows` and `tokens` (padded: rows x `longest`, its shortest row
-    `shortest`; packed: the sum, nothing padded, `shortest` then `longest`) fits the cap
-    and the model's token budget, or without one the default bounds, counted in elements
-    (`per` a position)."""
+    `shortest`, `sent` the sum of its lengths; packed: the sum, nothing padded, `shortest`
+    then `longest`) fits the cap and the model's token budget, or without one the default
+    bounds, counted in elements (`per` a position)."""
     if rows > cap:
         return False
     if budget:
         return tokens <= budget
-    return tokens * per <= PADDED_TOKENS and (
-        longest * per <= PAD_FREE or longest <= PAD_WASTE * shortest
+    return (
+        tokens * per <= PADDED_TOKENS
+        and (longest * per <= PAD_FREE or longest <= PAD_WASTE * shortest)
+        and (tokens * per <= PAD_FREE or tokens <= PAD_WASTE * sent)
     )
 
 
@@ -136,7 +141,7 @@ def plan_batch(
             continue  # not of this bucket: it anchors a batch of its own later
         tokens = new_sum if packed else new_rows * new_len
         least = new_len if packed else min(shortest, r.length)  # (packed: nothing padded)
-        if not _fits(new_rows, tokens, new_len, least, cap, cfg.max_batch_tokens, per):
+        if not _fits(new_rows, tokens, new_sum, new_len, least, cap, cfg.max_batch_tokens, per):
             blocked = True
             if not bucket:
                 break
