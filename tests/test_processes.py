@@ -196,18 +196,24 @@ def test_a_model_s_daemon_process_ends_with_its_worker(tmp_path: Path, method: s
     assert at_exit.read_text() == "True"  # the model's own cleanup came first
 
 
+def model_that_starts(tmp_path: Path, start: str, toml: str = MODEL_TOML) -> tuple[Path, Path]:
+    """Model `scaled` (in tmp_path / "repo") whose module runs `start` as it loads, which
+    makes process `_p`; and the file its pid is written to."""
+    model = make_model(tmp_path / "repo", "scaled", 2.0, toml)
+    pid_file = tmp_path / "child.pid"
+    with (model / "model.py").open("a") as f:
+        f.write(f"\n{start}\nopen({str(pid_file)!r}, 'w').write(str(_p.pid))\n")
+    return model, pid_file
+
+
 def test_a_worker_killed_from_outside_takes_what_its_model_started(tmp_path: Path) -> None:
     """A worker SIGKILLed from outside (the OOM killer, an operator) runs no cleanup: a
     process its model started lived on, re-parented, for good. Its frontend now kills
     what is left of the process group the worker led, and starts another worker."""
-    model = make_model(tmp_path / "repo", "scaled", 2.0)
-    pid_file = tmp_path / "child.pid"
-    with (model / "model.py").open("a") as f:
-        f.write(
-            "\nimport multiprocessing as _mp, time as _time\n"
-            "_p = _mp.get_context('spawn').Process(target=_time.sleep, args=(3600,))\n"
-            f"_p.start()\nopen({str(pid_file)!r}, 'w').write(str(_p.pid))\n"
-        )
+    _, pid_file = model_that_starts(
+        tmp_path, "import multiprocessing as _mp, time as _time\n"
+        "_p = _mp.get_context('spawn').Process(target=_time.sleep, args=(3600,))\n_p.start()",
+    )  # fmt: skip
     server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
     child = 0
     try:
@@ -235,15 +241,11 @@ def test_a_hung_worker_is_killed_with_a_helper_that_left_its_process_group(
     the worker's process group: a worker killed as hung takes it along by its parent,
     read before the kill (review 54d: after 82d20e5, killing the group alone, it lived
     on, re-parented)."""
-    toml = MODEL_TOML + "\n[instances]\nexecution_timeout_s = 1.5\n"
-    model = make_model(tmp_path / "repo", "scaled", 2.0, toml)
-    pid_file = tmp_path / "helper.pid"
-    with (model / "model.py").open("a") as f:
-        f.write(
-            "\nimport subprocess as _sp\n"
-            "_h = _sp.Popen(['sleep', '3600'], start_new_session=True)\n"
-            f"open({str(pid_file)!r}, 'w').write(str(_h.pid))\n"
-        )
+    model, pid_file = model_that_starts(
+        tmp_path, "import subprocess as _sp\n"
+        "_p = _sp.Popen(['sleep', '3600'], start_new_session=True)",
+        MODEL_TOML + "\n[instances]\nexecution_timeout_s = 1.5\n",
+    )  # fmt: skip
     (gate := batch_gate(model, 2.0)).touch()  # its batches hang
     server = ServerProcess(tmp_path / "repo", log_dir=tmp_path).start()
     helper = 0
