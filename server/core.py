@@ -180,10 +180,9 @@ class Core:
         if model.generate is not None:
             self.sequences.start(model, requests)
             return
-        # A retry after a failure, and a job's batch, go only to an idle worker; a retry to a
-        idle_only = any(r.suspect or r.background for r in requests)  # settled one till its
-        settled = requests[0].suspect and not 0 < requests[0].settle_by <= self._clock()  # wait
-        worker = self.pool.choose(model.key, idle_only, requests[0].suspect, settled)
+        # A retry after a failure, and a job's batch, go only to an idle worker (a retry to
+        idle_only = any(r.suspect or r.background for r in requests)  # a settled one first)
+        worker = self.pool.choose(model.key, idle_only, requests[0].suspect)
         if worker is None:  # the scheduler asked capacity() first; keep the requests anyway
             self.scheduler.requeue(requests)
             self.pump_soon()

@@ -29,6 +29,7 @@ from batchd.protos.model_config import ModelConfig
 from batchd.server.batching.decision import (
     BUSY_WITH_CREDIT,
     IDLE,
+    IDLE_LOADING,
     IDLE_UNSETTLED,
     NO_CAPACITY,
     Capacity,
@@ -211,12 +212,15 @@ class WorkerPool:
     def capacity(self, model: ModelConfig) -> Capacity:
         if model.generate is not None:
             return self._slots(model)
-        key, free, idle = model.key, False, False
+        key, free, idle, loading = model.key, False, False, False
         for w in self._order:
             if key in w.models and w.has_credit():
                 if not w.inflight and w.settled():
                     return IDLE
                 free, idle = True, idle or not w.inflight
+                loading = loading or not (w.inflight or w.sequences or any(w.others.values()))
+        if loading:
+            return IDLE_LOADING
         return IDLE_UNSETTLED if idle else BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     def requests_out(self, key: str) -> int:
@@ -230,20 +234,22 @@ class WorkerPool:
         )
 
     def choose(self, key: str, idle_only: bool = False, suspect: bool = False,
-               settled: bool = False) -> WorkerHandle | None:  # fmt: skip
+               ) -> WorkerHandle | None:  # fmt: skip
         """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit; `idle_only`, an idle one; `settled`, a settled idle one
-        (a job's retried line, Capacity.settled). A `suspect`'s: an idle one where no sequence
+        one with a free credit; `idle_only`, an idle one. A `suspect`'s: a settled idle one
+        (Capacity.settled: a death there is its own), else an idle one where no sequence
         runs if one is: a poison ends the sequences beside it (a bystander's, restarted
         beside its retry, was lost twice and failed)."""
         order, n, busy, idle_only = self._order, len(self._order), None, idle_only or suspect
         for k in range(n):
             w = order[(self._rr + k) % n]
-            if key in w.models and w.has_credit() and not (settled and not w.settled()):
+            if key in w.models and w.has_credit():
                 if not w.inflight and not (suspect and (w.sequences or any(w.others.values()))):
-                    self._rr = (self._rr + k + 1) % n
-                    return w
-                if busy is None and not (idle_only and w.inflight):
+                    if not suspect or w.settled():
+                        self._rr = (self._rr + k + 1) % n
+                        return w
+                    busy = (w, k)  # (idle, loading: before one where sequences run)
+                elif busy is None and not (idle_only and w.inflight):
                     busy = (w, k)
         if busy is None:
             return None

@@ -70,6 +70,7 @@ def after_loss(
         for r in batch.requests:
             if r.future.done():
                 continue
+            r.settle_from = 0.0  # (a wait of its own for a settled worker: lanes.settle_by)
             if not charged and not r.spared:
                 r.spared = r.suspect = True
                 back.append(r)
@@ -103,7 +104,7 @@ def after_error(
     merged = not batch.suspect and forward_rows > sum(r.rows for r in batch.requests)
     if len(batch.requests) > 1 or merged:  # (a suspect's batch is never merged: `alone`)
         for r in pending:
-            r.suspect = True
+            r.suspect, r.settle_from = True, 0.0
         return pending
     failed = (
         InvalidInput(f"model {batch.model.name!r} refused the inputs: {error}")

@@ -61,7 +61,7 @@ class Request:
     level: int = 0  # priority level index: 0 is priority 1, the highest
     stream: StepStream | None = None  # a step-wise model's: where its outputs go
     background: bool = False  # a batch job's: it waits in the job lane (scheduler.py)
-    settle_by: float = 0.0  # a suspect: till when it waits for a settled worker (lanes.py)
+    settle_from: float = 0.0  # a suspect: since when it waits for a settled worker (lanes.py)
     trace: Any = None  # its tracing.RequestTrace, when tracing is on and it is sampled
     whole: Request | None = None  # a chunk's: the request it was split from
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission

@@ -84,14 +84,15 @@ class FakeDispatch:
 
     def __init__(self, idle: int = 1, credits: int = 2) -> None:
         self.idle, self.credits = idle, credits
-        self.settled = True  # False: the idle workers load a model (Capacity.settled)
+        self.settled = True  # False: the idle workers load a model, or run sequences
+        self.loading = False  # ... and one of them only loads (Capacity.loading)
         self.out = 0  # online requests on workers, as the test says
         self.unheld: set[str] = set()  # model versions no live worker holds
         self.paused: dict[str, float] = {}  # model version -> till when its job lane waits
         self.sent: list[list[Request]] = []
 
     def capacity(self, model: ModelConfig) -> Capacity:
-        return Capacity(self.idle > 0, self.credits > 0, self.settled)
+        return Capacity(self.idle > 0, self.credits > 0, self.settled, self.loading)
 
     def requests_out(self, key: str) -> int:
         return self.out

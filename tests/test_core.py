@@ -578,8 +578,11 @@ def test_a_request_of_a_worker_lost_while_loading_goes_back_uncharged_as_a_suspe
         loading.load_sent["other@1"] = 0.0
         core.link.send = lambda identity, *a, **k: ""  # type: ignore[method-assign]
         core.scheduler.pump()
-        assert loading.inflight == {} and r.settle_by == clock.now + SETTLE_S
-        clock.now += SETTLE_S  # its wait over: to the loading worker
+        assert loading.inflight == {} and r.settle_from == clock.now
+        clock.now += SETTLE_S + 3600  # a load, however long: it waits on (no deadline)
+        core.scheduler.pump()
+        assert loading.inflight == {}
+        loading.others["gen@1"] = 1  # a sequence runs there now: SETTLE_S at most
         core.scheduler.pump()
         batch = next(iter(loading.inflight.values()))
         assert batch.requests == [r] and batch.suspect

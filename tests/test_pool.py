@@ -8,7 +8,13 @@ from dataclasses import replace
 import pytest
 
 from batchd.protos import wire
-from batchd.server.batching.decision import BUSY_WITH_CREDIT, IDLE, IDLE_UNSETTLED, NO_CAPACITY
+from batchd.server.batching.decision import (
+    BUSY_WITH_CREDIT,
+    IDLE,
+    IDLE_LOADING,
+    IDLE_UNSETTLED,
+    NO_CAPACITY,
+)
 from batchd.server.pool import Joined, WorkerHandle, WorkerPool
 from tests.conftest import model, request, stepwise_model
 
@@ -58,23 +64,25 @@ def test_a_settled_worker_loads_no_model_and_runs_no_sequence() -> None:
     """A retried job line sent to a worker as it loaded another model (a restart loads
     them all), or beside a bystander's sequence, and ended it was never the death's
     sole suspect: not remembered, its deaths backed off, and a storm of such lines
-    kept the pool down (quarantine.py). Such a line asks for a settled worker; the
-    heartbeat that says another frontend's last sequence there ended asks for a pump
-    (a job's line waited for some other event)."""
+    kept the pool down (quarantine.py). A retry (a suspect) waits for a settled worker
+    a while (lanes.settle_by: till a load is done, SETTLE_S beside sequences), and
+    goes to one first; the heartbeat that says another frontend's last sequence there
+    ended asks for a pump (a job's line waited for some other event)."""
     cfg = model()
     pool = WorkerPool()
     a, b = serving(pool, "a", "b", key=cfg.key)
     a.load_sent["other@1"] = 0.0
     assert pool.capacity(cfg) == IDLE  # b: idle, loading nothing
+    for _ in "ab":  # whatever the round-robin's turn
+        assert pool.choose(cfg.key, idle_only=True, suspect=True) is b
     pool.hand(b, cfg, [request(cfg)], 0.0)
-    assert pool.capacity(cfg) == IDLE_UNSETTLED and not IDLE_UNSETTLED.settled
-    assert pool.choose(cfg.key, idle_only=True, settled=True) is None
-    assert pool.choose(cfg.key, idle_only=True) is a  # an online retry need not wait
+    assert pool.capacity(cfg) == IDLE_LOADING and not IDLE_LOADING.settled
+    assert pool.choose(cfg.key, idle_only=True, suspect=True) is a  # (its wait over)
     a.load_sent.clear()
     a.others["steps@1"] = 1  # another frontend's sequence runs there
-    assert pool.capacity(cfg) == IDLE_UNSETTLED and pool.choose(cfg.key, True, settled=True) is None
+    assert pool.capacity(cfg) == IDLE_UNSETTLED and not IDLE_UNSETTLED.loading
     assert pool.beat(a, wire.Header(kind=wire.Header.HEARTBEAT), 1.0) is True
-    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, True, settled=True) is a
+    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, True, suspect=True) is a
     assert pool.beat(a, wire.Header(kind=wire.Header.HEARTBEAT), 2.0) is False
 
 

@@ -301,6 +301,40 @@ def test_a_job_lane_its_model_s_quarantine_pauses_waits_then_goes() -> None:
     run(body)
 
 
+def test_an_online_retry_waits_out_a_load_for_half_its_time_left_at_most() -> None:
+    """A retry (a suspect) whose idle worker only loads a model waits for it past
+    SETTLE_S: a death as it loads is not counted, and its restart loads everything
+    again (a load of 3 s had a poison end a third worker, review 54e); but for half its
+    time left at most. Beside sequences, SETTLE_S at most."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, timer=timers)
+        s.add_model(cfg := model())
+        r = request(cfg)
+        r.future = asyncio.get_running_loop().create_future()
+        r.suspect, r.deadline = True, clock.now + 20.0
+        dispatch.settled, dispatch.loading = False, True
+        s.requeue([r])
+        s.pump()
+        timers.advance(9.9)  # (past SETTLE_S)
+        assert dispatch.sent == []
+        timers.advance(0.1)  # half of its 20 s
+        assert dispatch.sent == [[r]]
+        beside = request(cfg)
+        beside.future = asyncio.get_running_loop().create_future()
+        beside.suspect, dispatch.loading, dispatch.idle, dispatch.credits = True, False, 1, 1
+        s.requeue([beside])
+        s.pump()
+        timers.advance(SETTLE_S - 0.1)
+        assert dispatch.sent == [[r]]
+        timers.advance(0.1)
+        assert dispatch.sent == [[r], [beside]]
+
+    run(body)
+
+
 def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> None:
     """A retried job line (a suspect) sent beside a load or a sequence and ending the
     worker there is not the death's sole suspect: it waits for a settled worker, but
@@ -318,7 +352,7 @@ def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> N
         s.requeue([line])
         s.pump()
         assert dispatch.sent == [] and timers.pending() == [clock.now + SETTLE_S]
-        assert line.settle_by == clock.now + SETTLE_S
+        assert line.settle_from == clock.now
         dispatch.settled = True  # a sequence ended: its pump sends it
         s.pump()
         assert dispatch.sent == [[line]]
@@ -337,10 +371,10 @@ def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> N
         waits.suspect, dispatch.idle, dispatch.credits = True, 1, 1
         s.requeue([waits])
         s.requeue([fresh])  # (its first try, behind it)
-        settle_by = waits.settle_by
+        settle_from = waits.settle_from
         s._queues[cfg.key].jobs.remove(waits)  # taken, sent, and put back by a send that
         s.requeue([waits])  # found no such worker: its wait does not start over
-        assert waits.settle_by == settle_by
+        assert waits.settle_from == settle_from
         waits.future.cancel()
         s.pump()
         assert dispatch.sent[-1] == [fresh]  # not held up by the dead line's wait

@@ -23,6 +23,7 @@ Which requests form the batch is plan.py's business.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from batchd.server.batching.plan import Plan
@@ -34,8 +35,9 @@ class Capacity:
     free_credit: bool  # some worker for this model can take one more batch
     # ... and one idle worker loads no model and runs no sequence: a retry (a suspect)
     # that ends its process elsewhere is not the death's sole suspect (pool.py's
-    # WorkerHandle.settled; it waits for one SETTLE_S at most, lanes.py)
+    # WorkerHandle.settled; it waits for one a while: lanes.settle_by)
     settled: bool = True
+    loading: bool = False  # ... of those idle, one runs no sequence: it only loads
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class Wait:
 
 IDLE = Capacity(idle_worker=True, free_credit=True)
 IDLE_UNSETTLED = Capacity(idle_worker=True, free_credit=True, settled=False)
+IDLE_LOADING = Capacity(idle_worker=True, free_credit=True, settled=False, loading=True)
 BUSY_WITH_CREDIT = Capacity(idle_worker=False, free_credit=True)
 NO_CAPACITY = Capacity(idle_worker=False, free_credit=False)
 UNTIL_AN_EVENT = Wait(None)  # decide() runs for every arrival: no new object for the usual answer
@@ -67,8 +70,8 @@ def decide(
         return UNTIL_AN_EVENT
     if plan.suspect and not capacity.idle_worker:
         return UNTIL_AN_EVENT  # a retry after a failure runs only on a worker with nothing else
-    if plan.suspect and not capacity.settled and plan.settle_by > now:
-        return Wait(plan.settle_by)  # ... loading nothing, for a while: a death there is its own
+    if plan.suspect and not capacity.settled and plan.settle_by > now:  # ... loading nothing,
+        return Wait(plan.settle_by if plan.settle_by < math.inf else None)  # for a while
     if (capacity.idle_worker and eager) or plan.full or plan.preferred:
         return Send(plan)
     due = plan.oldest_arrival + max_delay_s

@@ -11,8 +11,9 @@ would end a worker with each). A retried line (a suspect: its batch ended its
 worker, and it runs alone) goes to a settled worker, one that loads no model and
 runs no sequence (Capacity.settled), so that a line that ends it there is the
 death's sole suspect and is remembered (quarantine.py); it waits for one SETTLE_S
-at most: a worker whose sequences never pause would hold the job for good. An
-online suspect waits so too (settling; decision.py), half its time left at most.
+at most: a worker whose sequences never pause would hold the job for good; while
+one only loads, till that is done. An online suspect waits so too (settling;
+decision.py), half its time left at most.
 """
 
 from __future__ import annotations
@@ -63,34 +64,39 @@ def pump_job_lanes(queues: Collection[ModelQueue], dispatch: Dispatch, now: floa
     return wake
 
 
-def settle_by(q: ModelQueue, r: Request, now: float) -> float:
-    """Till when suspect `r`, of `q`, waits for a settled worker: SETTLE_S from the first
+def settle_by(q: ModelQueue, r: Request, capacity: Capacity, now: float) -> float:
+    """Till when suspect `r`, of `q`, waits for a settled worker, counted from the first
     time it finds only unsettled ones (from its loss, the worker's restart took most of
-    it, and a poison ended a third worker, still loading), and half its time left at
-    most. The other suspects queued wait out the same window, not one each in turn.
-    0: `r` is no suspect, or has not waited yet."""
-    if r.suspect and not r.settle_by:
-        until = now + SETTLE_S
+    the wait, and a poison ended a third worker, still loading), at most half its time
+    left then: while an idle worker only loads, till that is done (a death as it loads
+    is not counted, and its restart loads everything again: a load of 3 s had a poison
+    end a third worker, review 54e); beside sequences, SETTLE_S (they may never pause).
+    The other suspects queued wait out the same window, not one each in turn. 0: `r`
+    is no suspect."""
+    if not r.suspect:
+        return 0.0
+    if not r.settle_from:
         for s in (r, *q.suspects()):
-            s.settle_by = s.settle_by or min(until, now + (s.deadline - now) / 2)
-    return r.settle_by
+            s.settle_from = s.settle_from or now
+    half = r.settle_from + (r.deadline - r.settle_from) / 2
+    return half if capacity.loading else min(r.settle_from + SETTLE_S, half)
 
 
 def settling(q: ModelQueue, plan: Plan, capacity: Capacity, now: float) -> Plan:
     """A suspect's plan (an idle worker free), with till when it waits for a settled one."""
     if capacity.settled:
         return plan
-    return replace(plan, settle_by=settle_by(q, plan.requests[0], now))
+    return replace(plan, settle_by=settle_by(q, plan.requests[0], capacity, now))
 
 
 def _pump_jobs(q: ModelQueue, dispatch: Dispatch, now: float) -> float:
-    """Send `q`'s job batches to idle workers, a retried line's to a settled one for
-    SETTLE_S at most: when to look again."""
+    """Send `q`'s job batches to idle workers, a retried line's to a settled one for a
+    while (settle_by): when to look again (math.inf: at an event)."""
     while q.jobs and (c := dispatch.capacity(q.config)).idle_worker:
         while q.jobs and q.jobs[0].future.done():
             q.jobs.popleft()  # a cancelled job's: its wait holds up no other line
-        if q.jobs and not c.settled and settle_by(q, q.jobs[0], now) > now:
-            return q.jobs[0].settle_by
+        if q.jobs and not c.settled and (until := settle_by(q, q.jobs[0], c, now)) > now:
+            return until  # (math.inf: an event wakes it, a load done)
         plan = q.plan_jobs(now)
         if plan is None:
             break

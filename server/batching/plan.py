@@ -122,7 +122,7 @@ def plan_batch(
         return None
     if anchor.suspect:  # its last batch failed: alone, it cannot take others down with it
         return Plan([anchor], anchor.rows, anchor.length, True, False, anchor.arrival, True,
-                    anchor.deadline, anchor.settle_by)  # fmt: skip
+                    anchor.deadline)  # fmt: skip
     bucket = cfg.bucket_by_length
     soonest = [anchor.deadline]
     candidates: Iterable[Request] = _joinable(levels, order, window, anchor, now, soonest)
