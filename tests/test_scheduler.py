@@ -301,6 +301,14 @@ def test_a_job_lane_its_model_s_quarantine_pauses_waits_then_goes() -> None:
     run(body)
 
 
+def _retry(cfg: ModelConfig, background: bool = False) -> Request:
+    """A retry after a failure (a suspect) of model `cfg`, its caller waiting."""
+    r = request(cfg)
+    r.future = asyncio.get_running_loop().create_future()
+    r.suspect, r.background = True, background
+    return r
+
+
 def test_an_online_retry_waits_out_a_load_for_half_its_time_left_at_most() -> None:
     """A retry (a suspect) whose idle worker only loads a model waits for it past
     SETTLE_S: a death as it loads is not counted, and its restart loads everything
@@ -312,9 +320,8 @@ def test_an_online_retry_waits_out_a_load_for_half_its_time_left_at_most() -> No
         timers = FakeTimer(clock)
         s = Scheduler(dispatch, clock, timer=timers)
         s.add_model(cfg := model())
-        r = request(cfg)
-        r.future = asyncio.get_running_loop().create_future()
-        r.suspect, r.deadline = True, clock.now + 20.0
+        r = _retry(cfg)
+        r.deadline = clock.now + 20.0
         dispatch.settled, dispatch.loading = False, True
         s.requeue([r])
         s.pump()
@@ -322,9 +329,8 @@ def test_an_online_retry_waits_out_a_load_for_half_its_time_left_at_most() -> No
         assert dispatch.sent == []
         timers.advance(0.1)  # half of its 20 s
         assert dispatch.sent == [[r]]
-        beside = request(cfg)
-        beside.future = asyncio.get_running_loop().create_future()
-        beside.suspect, dispatch.loading, dispatch.idle, dispatch.credits = True, False, 1, 1
+        beside = _retry(cfg)
+        dispatch.loading, dispatch.idle, dispatch.credits = False, 1, 1
         s.requeue([beside])
         s.pump()
         timers.advance(SETTLE_S - 0.1)
@@ -345,9 +351,7 @@ def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> N
         timers = FakeTimer(clock)
         s = Scheduler(dispatch, clock, timer=timers)
         s.add_model(cfg := model())
-        line = request(cfg)
-        line.future = asyncio.get_running_loop().create_future()
-        line.background = line.suspect = True
+        line = _retry(cfg, background=True)
         dispatch.settled = False  # (its batch's worker was lost: the pool pumps)
         s.requeue([line])
         s.pump()
