@@ -209,8 +209,8 @@ class ModelControl:
         fut = worker.loads.get(key)
         worker.load_sent.pop(key, None)  # and the worker, which loads one model at a time,
         worker.load_sent = dict.fromkeys(worker.load_sent, self._clock())  # starts the next
-        if fut is None or fut.done():
-            return
+        if fut is None or fut.done():  # (its load called off: settled now, maybe, lanes.py)
+            return self._pump_soon()
         if header.error:
             del worker.loads[key]
             worker.load_errors[key] = header.error

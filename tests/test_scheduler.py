@@ -341,6 +341,30 @@ def test_an_online_retry_waits_out_a_load_for_half_its_time_left_at_most() -> No
     run(body)
 
 
+def test_requests_behind_a_waiting_retry_go_on() -> None:
+    """A retry waiting for its idle worker to finish loading another model heads its
+    queue: the requests that came after it went nowhere meanwhile, and expired (review
+    54h: 17 of 17 calls with a 5 s deadline while a model loaded for 20 s). They go to
+    that worker; the retry waits on for a settled one, and goes once there is one."""
+
+    async def body() -> None:
+        clock, dispatch = Clock(), FakeDispatch(idle=1, credits=1)
+        timers = FakeTimer(clock)
+        s = Scheduler(dispatch, clock, timer=timers)
+        s.add_model(cfg := model())
+        dispatch.settled, dispatch.loading = False, True
+        s.requeue([retry := _retry(cfg)])
+        s.pump()
+        fresh = request(cfg)
+        s.submit(fresh)
+        assert dispatch.sent == [[fresh]]  # not behind the retry's wait
+        dispatch.idle, dispatch.credits, dispatch.settled = 1, 1, True  # back, the load done
+        s.pump()
+        assert dispatch.sent == [[fresh], [retry]]
+
+    run(body)
+
+
 def test_a_job_s_retried_line_waits_settle_s_at_most_for_a_settled_worker() -> None:
     """A retried job line (a suspect) sent beside a load or a sequence and ending the
     worker there is not the death's sole suspect: it waits for a settled worker, but

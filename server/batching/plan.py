@@ -114,8 +114,10 @@ def plan_batch(
     cfg: BatchingConfig,
     window: int,
     packed: bool = False,
+    past_suspects: bool = False,  # (they wait for a settled worker: lanes.settle_by)
 ) -> Plan | None:
-    heads = [next((r for r in q if _live(r, now)), None) for q in levels]
+    heads = [next((r for r in q if _live(r, now) and not (past_suspects and r.suspect)), None)
+             for q in levels]  # fmt: skip
     order = level_order(levels, heads, now, cfg.max_starvation_us / 1e6)
     anchor = next((heads[i] for i in order if heads[i] is not None), None)
     if anchor is None:

@@ -175,11 +175,10 @@ class ModelQueue:
             while q and dead(q[0], now):
                 expire(q.popleft(), now)
 
-    def plan(self, now: float) -> Plan | None:
+    def plan(self, now: float, past_suspects: bool = False) -> Plan | None:
         self.drop_dead_heads(now)
-        return plan_batch(
-            self.levels, now, self.cap, self.config.batching, self.window, self.config.packed
-        )
+        return plan_batch(self.levels, now, self.cap, self.config.batching, self.window,
+                          self.config.packed, past_suspects)  # fmt: skip
 
     def take(self, plan: Plan) -> None:
         """Remove the plan's requests. They are mostly the heads of their levels (with
