@@ -29,6 +29,7 @@ from batchd.protos.model_config import (
 
 __all__ = [
     "NO_MODELS",
+    "DuplicateName",
     "Files",
     "RepositoryUnreadable",
     "changed_since",
@@ -108,8 +109,7 @@ def find_model(root: Path, name: str, unique: bool = False) -> ModelConfig:
         if cfg.name == name:
             found.append(cfg)
     if len(found) > 1:
-        folders = " and ".join(f"{c.directory.name}/" for c in found[:2])
-        raise ConfigError(f"{root}: model name {name!r} is declared by {folders}; rename one")
+        raise DuplicateName(root, name, [c.directory for c in found])
     if found:
         return found[0]
     raise ConfigError(f"{root}: no model named {name!r} in the repository")
@@ -126,28 +126,41 @@ def _may_declare(toml: Path, name: str) -> bool:
 _ESCAPED_NAME = re.compile(rb"""(?m)^[ \t]*["']?name["']?[ \t]*=[^\n]*\\""")
 
 
+class DuplicateName(ConfigError):
+    """A model name several folders declare: refused in each, as a load of it is."""
+
+    def __init__(self, where: Path, name: str, folders: list[Path]) -> None:
+        listed = [f"{f.name}/" for f in folders[:4]] + [f"{len(folders) - 4} more"] * (
+            len(folders) > 4
+        )
+        said = ", ".join(listed[:-1]) + f" and {listed[-1]}"
+        super().__init__(f"{where}: model name {name!r} is declared by {said}; rename one")
+        self.name = name
+
+
 def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:
     """Every model directory of repository `root`, with its config or why it is
     refused: what load_repository refuses, a name used twice included, but model by
     model, so that a report (`batchd models DIR --check`) goes on past the first. A
-    name two folders declare is refused in both, as a load of it is (find_model): the
-    first was listed as loadable, and the RepositoryIndex named the second alone."""
+    name several folders declare is refused in each (DuplicateName, naming them all), as
+    a load of it is (find_model): the first was listed as loadable, and the
+    RepositoryIndex named the second alone."""
     found: list[tuple[Path, ModelConfig | ConfigError]] = []
-    seen: dict[str, int] = {}  # a name -> where its first folder is in `found`
+    folders: dict[str, list[Path]] = {}  # a name -> the folders that declare it
     for sub in _with_toml(root):
         try:
             cfg = _load_confined(root, sub)
-            if (at := seen.get(cfg.name)) is not None:
-                first = found[at][0]
-                why = f"model name {cfg.name!r} is declared by {first.name}/ and {sub.name}/"
-                found[at] = (first, ConfigError(f"{first / 'model.toml'}: {why}; rename one"))
-                raise ConfigError(f"{sub / 'model.toml'}: {why}; rename one")
         except ConfigError as e:
             found.append((sub, e))
             continue
-        seen[cfg.name] = len(found)
+        folders.setdefault(cfg.name, []).append(sub)
         found.append((sub, cfg))
-    return found
+    return [
+        (sub, DuplicateName(sub / "model.toml", cfg.name, folders[cfg.name]))
+        if isinstance(cfg, ModelConfig) and len(folders[cfg.name]) > 1
+        else (sub, cfg)
+        for sub, cfg in found
+    ]
 
 
 NO_MODELS = (

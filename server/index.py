@@ -11,6 +11,7 @@ from pathlib import Path
 
 from batchd.protos import wire
 from batchd.protos.model_config import ConfigError, ModelConfig
+from batchd.protos.repository import DuplicateName
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +32,11 @@ def entries(
     """One entry per model, sorted by name: a folder's model as not loaded (or why it
     cannot be), overridden by what loads and what serves."""
     found: dict[str, IndexEntry] = {}
+    twice: dict[str, str] = {}  # a name several folders declare -> why (DuplicateName)
     for sub, cfg in on_disk:
         name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")
+        if isinstance(cfg, DuplicateName):  # the name's entry, not its folder's (which may
+            name, twice[cfg.name] = cfg.name, why  # be another model's name)
         if (shown := wire.text(name)) != name:  # (a lone surrogate: protobuf would raise)
             name, why = shown, "its folder's name is not UTF-8"
         found[name] = IndexEntry(name, "", "UNAVAILABLE", wire.text(why) or "not loaded")
@@ -43,5 +47,6 @@ def entries(
         reason = "" if up else broken.get(cfg.key, "no live worker serves it")
         if name in loading:
             reason = f"version {loading[name].version} loading; {reason or 'serving'}"
+        reason = reason or twice.get(name, "")  # (served, but no longer loadable)
         found[name] = IndexEntry(name, cfg.version, "READY" if up else "UNAVAILABLE", reason)
     return sorted(found.values(), key=lambda e: e.name)

@@ -15,8 +15,8 @@ import pytest
 
 from batchd.protos import repository
 from batchd.protos.model_config import ConfigError, load_model_config
-from batchd.protos.repository import find_model, load_repository
-from batchd.server import supervisor
+from batchd.protos.repository import find_model, load_each, load_repository
+from batchd.server import index, supervisor
 from batchd.server.config import ServerConfig, Workers
 from batchd.server.describe import model_config
 from batchd.server.supervisor import plan_workers
@@ -224,6 +224,18 @@ def test_a_malformed_neighbour_is_reported_not_raised(
     assert check_repository(tmp_path) == 2
     out = capsys.readouterr().out
     assert "b_scalar/model.toml: [model] must be a table" in out and "1 ok, 2 failed" in out
+
+
+def test_the_index_lists_a_name_several_folders_declare_under_that_name(tmp_path: Path) -> None:
+    """Folder k/ declares y, y/ and z/ declare m: the index keyed the duplicate's error by
+    its folder, so model y (loadable, from k/) was listed as broken and m not at all
+    (review 54g). m is UNAVAILABLE, naming every folder that declares it; y is loadable."""
+    write(tmp_path, "k", 'name = "y"\n' + GOOD)
+    for sub in ("y", "z", "zz"):
+        write(tmp_path, sub, 'name = "m"\n' + GOOD)
+    listed = {e.name: e for e in index.entries(load_each(tmp_path), {}, {}, bool, {})}
+    assert set(listed) == {"m", "y"} and listed["y"].reason == "not loaded", listed
+    assert "model name 'm' is declared by y/, z/ and zz/; rename one" in listed["m"].reason
 
 
 def test_a_name_two_folders_declare_is_found_twice_even_escaped(tmp_path: Path) -> None:
