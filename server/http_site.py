@@ -73,10 +73,11 @@ PIECE = 1024 * 1024  # ... and inflated bytes at most: each is copied into the b
 # the GIL held (60 MB at once held it 38 ms, a stall of the event loop)
 HOSTS = "/etc/hosts"  # its loopback names are this machine's (same_site)
 INFLATED_BODIES = 4  # what inflated bodies may hold at once, over all requests, in body limits
+RECEIVED_BODIES = 16  # ... and bodies as they came (read_body), till each is freed
 
 
 class Inflated(bytearray):
-    """An inflated body: its bytes count against the InflateBudget until it is freed."""
+    """A body, inflated or as it came: its bytes count against a budget till it is freed."""
 
     __slots__ = ("__weakref__",)
 
@@ -86,14 +87,14 @@ class InflateBudget:
     request ended). A body of 60 KB can inflate to 60 MB: forty of them, 2.4 MB sent,
     held 2.7 GB. Past `most`, a body is refused as a full queue is (429), to retry."""
 
-    def __init__(self, most: int) -> None:
-        self.most, self.held = most, 0
+    def __init__(self, most: int, what: str = "inflated request bodies") -> None:
+        self.most, self.held, self.what = most, 0, what
         self._lock = threading.Lock()  # taken on the loop (a body's first step) and aside
 
     def take(self, n: int, taken: list[int]) -> None:
         with self._lock:
             if self.held + n > self.most:
-                raise QueueFull(f"inflated request bodies hold {self.held} bytes, the most "
+                raise QueueFull(f"{self.what} hold {self.held} bytes, the most "
                                 f"they may ({self.most}); retry", retry_after_ms=1000)  # fmt: skip
             self.held += n
             taken[0] += n
@@ -225,15 +226,21 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
 BODY_RATE = 64 * 1024  # bytes a second a body must bring, each --handshake-timeout
 
 
-async def read_body(request: web.Request, limit: int, timeout_s: float | None) -> bytearray:
+async def read_body(
+    request: web.Request, limit: int, timeout_s: float | None, budget: InflateBudget | None = None
+) -> bytearray:
     """The whole body, at most `limit` bytes (HTTPRequestEntityTooLarge past it, a
     chunked one too). In each `timeout_s` (--handshake-timeout; None: no bound) it must
     end or bring BODY_RATE bytes a second: one that stops or trickles is TimeoutError
     (408) at the end of that window, and a large one over a slow link is read whole (it
     had to come within `timeout_s`: 64 MB over a 20 Mbit/s link never could). Window by
     window, not in all (as Apache's mod_reqtimeout MinRate): 32 MB sent at once bought
-    its sender 8 minutes of silence, 20 connections held 660 MB (review 54d)."""
-    body, loop = bytearray(), asyncio.get_running_loop()
+    its sender 8 minutes of silence, 20 connections held 660 MB (review 54d). Its bytes
+    count against `budget` till it is freed: past it, QueueFull (429, to retry), where
+    slow connections, each within its rate, pinned memory without bound (review 54g)."""
+    body, loop, taken = Inflated(), asyncio.get_running_loop(), [0]
+    if budget is not None:
+        weakref.finalize(body, budget.give, taken)
     window = int(BODY_RATE * (timeout_s or 0))  # the bytes each window brings at least
     until = None if timeout_s is None else loop.time() + timeout_s  # this window's end
     need = window  # what the body holds by then, or it ends
@@ -248,6 +255,8 @@ async def read_body(request: web.Request, limit: int, timeout_s: float | None) -
         if piece is not None:
             if len(body) + len(piece) > limit:
                 raise web.HTTPRequestEntityTooLarge(limit, len(body) + len(piece))
+            if budget is not None:
+                budget.take(len(piece), taken)
             body += piece
         if timeout_s is not None and until is not None and (now := loop.time()) >= until:
             if len(body) < need:

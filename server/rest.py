@@ -51,6 +51,7 @@ from batchd.server.errors import (
 )
 from batchd.server.http_site import (
     INFLATED_BODIES,
+    RECEIVED_BODIES,
     BodyBytes,
     Handler,
     InflateBudget,
@@ -130,6 +131,7 @@ class RestApi:
         self._body_timeout_s = body_timeout_s or None
         self._max_body = max_body_bytes
         self._inflated = InflateBudget(INFLATED_BODIES * max_body_bytes)
+        self._received = InflateBudget(RECEIVED_BODIES * max_body_bytes, "request bodies")
         sent = bounded_send(connections.max_age_grace_s)  # outermost: error answers too
         self.app = web.Application(
             client_max_size=max_body_bytes,
@@ -207,7 +209,7 @@ class RestApi:
         if (declared := request.content_length or 0) > limit:
             raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {declared} bytes, {over}")
         try:
-            body = await read_body(request, limit, self._body_timeout_s)
+            body = await read_body(request, limit, self._body_timeout_s, self._received)
         except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past it
             raise web.HTTPRequestEntityTooLarge(limit, text=f"the body is {over}") from None
         if not coding:

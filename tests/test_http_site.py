@@ -430,6 +430,35 @@ def test_inflated_bodies_hold_at_most_their_budget_until_each_is_freed() -> None
     assert budget.held == 2_000_000
 
 
+def test_bodies_as_they_came_hold_at_most_their_budget_till_each_is_freed() -> None:
+    """Slow connections, each bringing its body within its rate, pinned memory without
+    bound (review 54g: 16 of them at 70 KB/s held 50 MB, growing as they sent). Bodies
+    being read and held count against a budget: past it, a full queue's refusal (429,
+    to retry); what a body held comes back once it is freed, a refused one's too."""
+
+    class Content:
+        def __init__(self, *pieces: bytes) -> None:
+            self.pieces = list(pieces)
+
+        async def readany(self) -> bytes:
+            return self.pieces.pop(0) if self.pieces else b""
+
+    def request(*pieces: bytes) -> Any:
+        return mock.Mock(content=Content(*pieces))
+
+    async def scenario() -> None:
+        budget = http_site.InflateBudget(1000, "request bodies")
+        first = await http_site.read_body(request(b"x" * 600), 10_000, None, budget)
+        assert budget.held == 600 and first == b"x" * 600
+        with pytest.raises(QueueFull, match=r"request bodies hold 900 bytes, the most"):
+            await http_site.read_body(request(b"y" * 300, b"y" * 300), 10_000, None, budget)
+        assert budget.held == 600  # (the refused body's 300: back)
+        del first
+        assert budget.held == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_parser_refusal_names_the_fault_and_quotes_nothing_of_what_came() -> None:
     """The C parser says its fault, then quotes the bytes after a blank line: the fault
     is said. The pure-Python parser's messages (where aiohttp's C extension is missing)
