@@ -219,9 +219,8 @@ class WorkerPool:
                     return IDLE
                 free, idle = True, idle or not w.inflight
                 loading = loading or not (w.inflight or w.sequences or any(w.others.values()))
-        if loading:
-            return IDLE_LOADING
-        return IDLE_UNSETTLED if idle else BUSY_WITH_CREDIT if free else NO_CAPACITY
+        unsettled = IDLE_LOADING if loading else IDLE_UNSETTLED
+        return unsettled if idle else BUSY_WITH_CREDIT if free else NO_CAPACITY
 
     def requests_out(self, key: str) -> int:
         """Online requests of model version `key` in batches on workers now (a job's
@@ -235,11 +234,10 @@ class WorkerPool:
 
     def choose(self, key: str, idle_only: bool = False, suspect: bool = False,
                ) -> WorkerHandle | None:  # fmt: skip
-        """The next worker for a batch of `key`, round-robin: an idle one first, else
-        one with a free credit; `idle_only`, an idle one. A `suspect`'s: a settled idle one
-        (Capacity.settled: a death there is its own), else an idle one where no sequence
-        runs if one is: a poison ends the sequences beside it (a bystander's, restarted
-        beside its retry, was lost twice and failed)."""
+        """The next worker for a batch of `key`, round-robin: an idle one first, else one
+        with a free credit; `idle_only`, an idle one. A `suspect`'s: a settled idle one (a
+        death there is its own), else an idle one where no sequence runs if one is: a poison
+        ends the sequences beside it (a bystander's beside its retry was lost twice)."""
         order, n, busy, idle_only = self._order, len(self._order), None, idle_only or suspect
         for k in range(n):
             w = order[(self._rr + k) % n]
@@ -251,10 +249,9 @@ class WorkerPool:
                     busy = (w, k)  # (idle, loading: before one where sequences run)
                 elif busy is None and not (idle_only and w.inflight):
                     busy = (w, k)
-        if busy is None:
-            return None
-        self._rr = (self._rr + busy[1] + 1) % n
-        return busy[0]
+        if busy is not None:
+            self._rr = (self._rr + busy[1] + 1) % n
+        return None if busy is None else busy[0]
 
     # ---- step-wise models: slots ----
 

@@ -361,6 +361,16 @@ def test_requests_behind_a_waiting_retry_go_on() -> None:
         dispatch.idle, dispatch.credits, dispatch.settled = 1, 1, True  # back, the load done
         s.pump()
         assert dispatch.sent == [[fresh], [retry]]
+        s.requeue([again := _retry(cfg)])  # and a job's line, behind a retry that waits
+        line = request(cfg)
+        line.future, line.background = asyncio.get_running_loop().create_future(), True
+        s.requeue([line])
+        dispatch.idle, dispatch.credits, dispatch.settled = 1, 1, False
+        s.pump()
+        assert dispatch.sent[2:] == [[line]]  # (the job lanes waited for the whole load)
+        dispatch.idle, dispatch.credits, dispatch.settled = 1, 1, True
+        s.pump()
+        assert dispatch.sent[3:] == [[again]]
 
     run(body)
 

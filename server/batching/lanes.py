@@ -12,9 +12,9 @@ worker, and it runs alone) goes to a settled worker, one that loads no model and
 runs no sequence (Capacity.settled), so that a line that ends it there is the
 death's sole suspect and is remembered (quarantine.py); it waits for one SETTLE_S
 at most: a worker whose sequences never pause would hold the job for good; while
-one only loads, till that is done (LOAD_WAIT_S at most). An online suspect waits
-so too (settling; decision.py), half its time left at most, and the requests
-behind it go on meanwhile (scheduler.pump).
+one only loads, till that is done. An online suspect waits so too (settling;
+decision.py), half its time left at most, and the requests behind it go on
+meanwhile (scheduler.pump), the job lanes too.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from batchd.server.batching.queues import ModelQueue
 from batchd.server.request import Request
 
 SETTLE_S = 2.0  # a suspect waits this long, at most, for a settled worker beside sequences
-LOAD_WAIT_S = 30.0  # ... and for one that only loads to be done (most loads end sooner)
 
 
 class Dispatch(Protocol):
@@ -56,8 +55,8 @@ def pump_job_lanes(queues: Collection[ModelQueue], dispatch: Dispatch, now: floa
         return wake
     for q in queues:
         q.drop_dead_heads(now)
-        if len(q) and dispatch.capacity(q.config).idle_worker:
-            return wake  # it is filling a batch, or about to send one
+        if len(q) and not q.only_suspects() and dispatch.capacity(q.config).idle_worker:
+            return wake  # it is filling a batch, or about to send one (not a retry waiting)
     for q in queues:
         if q.jobs and (until := dispatch.jobs_paused(q.config.key)) > now:
             wake = min(wake, until)
@@ -70,10 +69,11 @@ def settle_by(q: ModelQueue, r: Request, capacity: Capacity, now: float) -> floa
     """Till when suspect `r`, of `q`, waits for a settled worker, counted from the first
     time it finds only unsettled ones (from its loss, the worker's restart took most of
     the wait, and a poison ended a third worker, still loading), at most half its time
-    left then: while an idle worker only loads, till that is done, LOAD_WAIT_S at most
-    (a death as it loads is not counted, and its restart loads everything again: a load
-    of 3 s had a poison end a third worker, review 54e); beside sequences, SETTLE_S
-    (they may never pause). Meanwhile the requests behind it go on (scheduler.pump).
+    left then: while an idle worker only loads, till that is done (a death as it loads is
+    not counted, and its restart loads everything again: loads of 3 s, and of 45 s past
+    a 30 s cap, had a poison end a third worker, reviews 54e, 54i; a load that hangs is
+    ended by --load-timeout); beside sequences, SETTLE_S (they may never pause).
+    Meanwhile the requests behind it go on (scheduler.pump), and the job lanes.
     The other suspects queued wait out the same window, not one each in turn. 0: `r`
     is no suspect."""
     if not r.suspect:
@@ -82,7 +82,7 @@ def settle_by(q: ModelQueue, r: Request, capacity: Capacity, now: float) -> floa
         for s in (r, *q.suspects()):
             s.settle_from = s.settle_from or now
     half = r.settle_from + (r.deadline - r.settle_from) / 2
-    return min(r.settle_from + (LOAD_WAIT_S if capacity.loading else SETTLE_S), half)
+    return half if capacity.loading else min(r.settle_from + SETTLE_S, half)
 
 
 def settling(q: ModelQueue, plan: Plan, capacity: Capacity, now: float) -> Plan:

@@ -203,6 +203,12 @@ class ModelQueue:
         for q in (*self.levels, self.jobs):
             yield from itertools.takewhile(lambda r: r.suspect, q)
 
+    def only_suspects(self) -> bool:
+        """Whether every request queued online is a retry after a failure (pump sent those
+        that could go: the rest wait for a settled worker, or an idle one)."""
+        return all(next(itertools.dropwhile(lambda r: r.suspect, q), None) is None
+                   for q in self.levels)  # fmt: skip
+
     def hand_over(self, dest: ModelQueue) -> bool:
         """Move every live request queued here (online and job lane) to `dest`, another
         version of the model, ahead of its own, if it takes the same requests: inputs,
