@@ -134,8 +134,8 @@ class DuplicateName(ConfigError):
             len(folders) > 4
         )
         said = ", ".join(listed[:-1]) + f" and {listed[-1]}"
-        super().__init__(f"{where}: model name {name!r} is declared by {said}; rename one")
-        self.name = name
+        self.name, self.why = name, f"model name {name!r} is declared by {said}; rename one"
+        super().__init__(f"{where}: {self.why}")
 
 
 def load_each(root: Path) -> list[tuple[Path, ModelConfig | ConfigError]]:

@@ -36,10 +36,14 @@ def entries(
     for sub, cfg in on_disk:
         name, why = (sub.name, str(cfg)) if isinstance(cfg, ConfigError) else (cfg.name, "")
         if isinstance(cfg, DuplicateName):  # the name's entry, not its folder's (which may
-            name, twice[cfg.name] = cfg.name, why  # be another model's name)
+            name, why = cfg.name, cfg.why  # be another model's name), said once
+            twice[name] = why
         if (shown := wire.text(name)) != name:  # (a lone surrogate: protobuf would raise)
             name, why = shown, "its folder's name is not UTF-8"
-        found[name] = IndexEntry(name, "", "UNAVAILABLE", wire.text(why) or "not loaded")
+        said = wire.text(why)  # (of one name, a folder broken and the name declared twice:
+        if (prior := found.get(name)) and prior.reason not in ("not loaded", said):  # both)
+            said = f"{prior.reason}; {said}" if said else prior.reason
+        found[name] = IndexEntry(name, "", "UNAVAILABLE", said or "not loaded")
     for name, cfg in loading.items():  # (a reload: its serving version, below)
         found[name] = IndexEntry(name, cfg.version, "LOADING", "")
     for name, cfg in current.items():

@@ -235,7 +235,10 @@ def test_the_index_lists_a_name_several_folders_declare_under_that_name(tmp_path
         write(tmp_path, sub, 'name = "m"\n' + GOOD)
     listed = {e.name: e for e in index.entries(load_each(tmp_path), {}, {}, bool, {})}
     assert set(listed) == {"m", "y"} and listed["y"].reason == "not loaded", listed
-    assert "model name 'm' is declared by y/, z/ and zz/; rename one" in listed["m"].reason
+    assert listed["m"].reason == "model name 'm' is declared by y/, z/ and zz/; rename one"
+    write(tmp_path, "m", "max_batch_size = [")  # a broken folder of that name: both said
+    listed = {e.name: e for e in index.entries(load_each(tmp_path), {}, {}, bool, {})}
+    assert "m/model.toml" in listed["m"].reason and "declared by y/" in listed["m"].reason
 
 
 def test_a_name_two_folders_declare_is_found_twice_even_escaped(tmp_path: Path) -> None:
