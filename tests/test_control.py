@@ -1145,10 +1145,10 @@ def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
     make_model(tmp_path, "first", 6.0)
     reading, go_on = threading.Event(), threading.Event()
 
-    def slow_find(root: Path, name: str) -> Any:
+    def slow_find(root: Path, name: str, unique: bool = False) -> Any:
         reading.set()
         go_on.wait(30)
-        return find_model(root, name)
+        return find_model(root, name, unique)
 
     monkeypatch.setattr(control.repo, "find_model", slow_find)
 
@@ -1157,7 +1157,8 @@ def test_an_unload_sent_while_a_first_load_reads_its_files_waits_for_it(
                                    lambda: None, lambda: None)  # fmt: skip
         order: list[str] = []
         load = asyncio.ensure_future(ctl.load("first"))
-        await asyncio.to_thread(reading.wait, 30)
+        # (a find_model of another signature failed the load unread: 30 s, and passed)
+        assert await asyncio.to_thread(reading.wait, 30), load
         unload = asyncio.ensure_future(ctl.unload("first"))
         unload.add_done_callback(lambda _: order.append("unload"))
         load.add_done_callback(lambda _: order.append("load"))
