@@ -125,7 +125,7 @@ class Supervisor:
         self._on_exit = on_exit  # (worker id, pid, why) -> whether a request ended it
         self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         self._stopping = False
-        self._groups: set[int] = set()  # the workers leading a process group (end_group)
+        self._groups: set[int] = set()  # the workers leading a process group (_end_group)
 
     def pids(self) -> dict[str, int]:
         return {wid: p.pid for wid, p in self._procs.values() if p.returncode is None}

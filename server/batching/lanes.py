@@ -70,9 +70,10 @@ def settle_by(q: ModelQueue, r: Request, capacity: Capacity, now: float) -> floa
     time it finds only unsettled ones (from its loss, the worker's restart took most of
     the wait, and a poison ended a third worker, still loading), at most half its time
     left then: while an idle worker only loads, till that is done (a death as it loads is
-    not counted, and its restart loads everything again: loads of 3 s, and of 45 s past
-    a 30 s cap, had a poison end a third worker, reviews 54e, 54i; a load that hangs is
-    ended by --load-timeout); beside sequences, SETTLE_S (they may never pause).
+    not counted, and its restart loads everything again: a load of 3 s, and one of 45 s
+    with the wait cut at 30 s, had a poison end a third worker, reviews 54e, 54i; a load
+    that hangs is ended by --load-timeout); beside sequences, SETTLE_S (they may never
+    pause).
     Meanwhile the requests behind it go on (scheduler.pump), and the job lanes.
     The other suspects queued wait out the same window, not one each in turn. 0: `r`
     is no suspect."""

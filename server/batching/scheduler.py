@@ -273,9 +273,9 @@ class Scheduler:
                 plan = q.plan(now) if capacity.free_credit else None
                 if plan is not None and plan.suspect and capacity.idle_worker:
                     plan = settling(q, plan, capacity, now)
-                    if not capacity.settled and plan.settle_by > now:  # it waits: not the
-                        wake = min(wake, plan.settle_by)  # others behind it (each innocent
-                        plan = q.plan(now, past_suspects=True)  # timed out meanwhile)
+                    if not capacity.settled and plan.settle_by > now:  # it waits, and the
+                        wake = min(wake, plan.settle_by)  # requests behind it go (they timed
+                        plan = q.plan(now, past_suspects=True)  # out behind it: review 54h)
                 quiet = q.quiet_at(now, self._idle(), gap)
                 here = plan is not None and capacity.idle_worker and self._all_here(q)
                 decision = decide(now, plan, capacity, q.delay_s(), eager or here, quiet)
