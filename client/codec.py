@@ -206,4 +206,7 @@ def parse_response(msg: pb.ModelInferResponse) -> dict[str, np.ndarray]:
             out[t.name] = from_raw(t.datatype, t.shape, raw[i]).copy() if raw else _typed(t)
         except (ValueError, OverflowError) as e:
             raise BadResponse(f"output {name} does not decode: {e}") from None
+        if raw and t.datatype == "BOOL" and raw[i].translate(None, b"\0\1"):  # (linear, in C)
+            raise BadResponse(f"output {name}: BOOL holds bytes 0 and 1 only, it came with "
+                              "others")  # (taken as True, and sent on so: review 54b)  # fmt: skip
     return out

@@ -608,6 +608,7 @@ def _answer(shape: list[int], raw: list[bytes], datatype: str = "FP32") -> pb.Mo
         (_answer([4], [bytes(16), bytes(16)]), "1 outputs and 2 raw contents: one each"),
         (_answer([4], []), "shape [4] does not hold its 0 values"),  # (typed: none)
         (_answer([2], [], "FP16"), "FP16 came without raw contents"),
+        (_answer([3], [b"\0\2\xff"], "BOOL"), "BOOL holds bytes 0 and 1 only, it came with"),
     ],
 )
 def test_an_answer_that_does_not_decode_is_bad_response_saying_why(
@@ -616,7 +617,8 @@ def test_an_answer_that_does_not_decode_is_bad_response_saying_why(
     """A server's answer is data: one whose shape its bytes cannot fill, of an unknown
     datatype, or whose outputs and contents do not pair raised KeyError, IndexError or
     ValueError; a shape of 200,000 huge dims held the caller 111 s past its timeout
-    (the count was a product of millions of digits). BadResponse, at once."""
+    (the count was a product of millions of digits); BOOL bytes past 0 and 1 were taken
+    as True (review 54b). BadResponse, at once."""
     with pytest.raises(BadResponse, match=re.escape(message)):
         parse_response(msg)
     twice = _answer([1], [bytes(4), bytes(4)])
