@@ -365,6 +365,42 @@ def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Pat
             assert runner._loader.stop(10)
 
 
+def test_a_load_of_a_version_installed_here_is_answered_at_once(tmp_path: Path) -> None:
+    """With --frontends N, a frontend's LOAD of a model the worker already held waited in
+    the loader's queue behind the loads other frontends asked before it, and its calls
+    with it (review 54j: a 12 s load, 0 of 5 calls with a 5 s deadline answered). A LOAD
+    of a version installed here from the same files (or said held), that nothing asked
+    before it touches, is answered by the I/O thread at once; any other goes in turn."""
+    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
+        files, folder = digest(files_of(d)), identity(tmp_path)
+        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1", files=files,
+                             folder=folder)  # fmt: skip
+        loader = runner._loader
+        assert loader.at_once(header, False) is None  # (not installed yet)
+        loader.start(ctx, runner_module._RESULTS)
+        try:
+            loader.put((0, header, []))
+            assert results.poll(30_000)
+            _, *parts = results.recv_multipart()
+            assert wire.unpack(parts)[0].error == ""
+            answer = loader.at_once(header, False)
+            assert answer is not None
+            said = wire.unpack(answer)[0]
+            assert (said.kind, said.model, said.version, said.error) == (
+                wire.Header.LOADED, d.name, "1", "")  # fmt: skip
+            assert loader.at_once(header, True) is None  # (stopping: in turn, as before)
+            other = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1", files="x",
+                                folder=folder)  # fmt: skip
+            assert loader.at_once(other, False) is None  # (other files: load() decides)
+            other.held = True
+            assert loader.at_once(other, False) is not None
+        finally:
+            assert loader.stop(10)
+        unload = wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1")
+        loader.put((0, unload, []))  # (asked before it, not yet done: the loader stopped)
+        assert loader.at_once(header, False) is None
+
+
 THREAD_COUNTING_MODEL = """
 import os
 import subprocess

@@ -346,6 +346,8 @@ class Runner:
                     batch = msg[0].kind == wire.Header.BATCH
                     if batch and not self._alone.admit(i, msg[0], now):
                         link.reply(alone.bounce(msg[0]))  # another frontend's runs alone here
+                    elif (held := self._loader.at_once(msg[0], io.stopping)) is not None:
+                        link.reply(held)  # a LOAD of a version installed: not behind loads
                     else:
                         self._from_frontend(io, i, *msg)
             self._keep_up(links, poller, now)
@@ -376,8 +378,7 @@ class Runner:
         (self._behind.set if behind else self._behind.clear)()
 
     def _from_frontend(self, io: _IO, i: int, header: wire.Header, frames: list[Any]) -> None:
-        loads = (wire.Header.LOAD, wire.Header.UNLOAD)  # to the loader, in their order
-        to = self._loader if header.kind in loads else self._work
+        to = self._loader if header.kind in (wire.Header.LOAD, wire.Header.UNLOAD) else self._work
         if header.kind == wire.Header.BATCH:  # its arrival: RESULT's waited_ns
             header.waited_ns = time.perf_counter_ns()
         if header.kind in COUNTED and not io.stopping:
