@@ -200,7 +200,8 @@ class Loader:
         self._repository, self._device, self._allowed = repository, device, allowed
         # What is installed, as of the last message handed on: key -> its folder and files
         self._have: dict[str, tuple[Path, Files]] = {}
-        self._digests: dict[str, str] = {}  # ... and the digest of those files (held_now)
+        self._digests: dict[str, tuple[str, str]] = {}  # ... their digest, and the folder's
+        # identity then (at_once: no stat on the I/O thread, whose beats a hung mount stops)
         self._queued: dict[str, int] = {}  # key -> LOADs and UNLOADs asked, not yet done
         self._lock = threading.Lock()  # (_queued: put on the I/O thread, done on this one)
         self._thread = own_thread(self._run, "loader")
@@ -232,8 +233,7 @@ class Loader:
             if self._queued.get(key) or key not in self._have:
                 return None
             had = self._digests.get(key)
-        same = bool(header.files) and header.files == had
-        if not (header.held or (same and header.folder == identity(self._repository))):
+        if not (header.held or (bool(header.files) and (header.files, header.folder) == had)):
             return None
         return wire.pack(wire.Header(kind=wire.Header.LOADED, model=header.model,
                                      version=header.version))  # fmt: skip
@@ -269,7 +269,8 @@ class Loader:
                 loaded = load(header, self._repository, self._device, self._allowed, self._have)
                 if loaded.model is not None and loaded.files is not None:
                     self._install(loaded)
-                    self._have[key], self._digests[key] = loaded.files, digest(loaded.files[1])
+                    self._have[key] = loaded.files
+                    self._digests[key] = digest(loaded.files[1]), identity(self._repository)
                 self._done(key)
                 error = loaded.error
                 del loaded  # (kept, the model outlived its unload until the next load)
