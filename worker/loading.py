@@ -263,6 +263,7 @@ class Loader:
                 key = model_key(header.model, header.version)
                 if header.kind != wire.Header.LOAD:
                     self._have.pop(key, None)
+                    self._digests.pop(key, None)  # (read only beside _have: kept, it lingered)
                     self._compute.put(item)
                     self._done(key)
                     continue
