@@ -30,6 +30,7 @@ from batchd.protos import wire
 from batchd.protos.model_config import TensorSpec, load_model_config, model_key
 from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
+from batchd.worker import loading as loading_module
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
 from batchd.worker.generate import EVERY, time_limit
@@ -399,6 +400,45 @@ def test_a_load_of_a_version_installed_here_is_answered_at_once(tmp_path: Path) 
         unload = wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1")
         loader.put((0, unload, []))  # (asked before it, not yet done: the loader stopped)
         assert loader.at_once(header, False) is None
+
+
+def test_a_load_after_an_unload_not_yet_done_installs_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LOAD, UNLOAD and LOAD of one version, the compute thread busy: the loader installed
+    the second copy, then the compute thread's older UNLOAD dropped it by key while the
+    loader held it loaded: each later LOAD was answered LOADED and each batch failed "not
+    loaded on this worker" (review 54k). The install now waits for that UNLOAD."""
+    loaded = [threading.Event(), threading.Event()]
+    real = loading_module.load
+
+    def load(*args: Any) -> Any:
+        try:
+            return real(*args)
+        finally:
+            loaded[0 if not loaded[0].is_set() else 1].set()
+
+    monkeypatch.setattr(loading_module, "load", load)
+    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
+        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+        unload = wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1")
+        runner._loader.start(ctx, runner_module._RESULTS)
+        try:
+            runner._loader.put((0, header, []))
+            assert results.poll(30_000)
+            results.recv_multipart()
+            runner._loader.put((1, unload, []))  # (no compute thread runs: it waits)
+            runner._loader.put((0, header, []))
+            item = runner._work.get(timeout=30)
+            assert item[1].kind == wire.Header.UNLOAD
+            assert loaded[1].wait(30)  # the new copy is loaded: the UNLOAD runs only now
+            runner._handle(item, lambda *_: None)
+            assert results.poll(30_000)
+            _, *parts = results.recv_multipart()
+            assert wire.unpack(parts)[0].error == ""
+            assert model_key(d.name, "1") in runner.models
+        finally:
+            assert runner._loader.stop(10)
 
 
 THREAD_COUNTING_MODEL = """

@@ -179,6 +179,13 @@ class Collections:
 Item = tuple[int, wire.Header, list[Any]]  # (the frontend's index, header, frames)
 
 
+def _less(counts: dict[str, int], key: str) -> None:
+    if (left := counts.get(key, 0) - 1) > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 def addressed(frontend: int, ends: int) -> bytes:
     """The first frame of a message to the I/O thread: the frontend it goes to, and how
     many units of work it ends (a batch, a load, the sequences a STEP ends)."""
@@ -203,7 +210,9 @@ class Loader:
         self._digests: dict[str, tuple[str, str]] = {}  # ... their digest, and the folder's
         # identity then (at_once: no stat on the I/O thread, whose beats a hung mount stops)
         self._queued: dict[str, int] = {}  # key -> LOADs and UNLOADs asked, not yet done
-        self._lock = threading.Lock()  # (_queued: put on the I/O thread, done on this one)
+        self._unloading: dict[str, int] = {}  # key -> UNLOADs handed on, not yet done
+        self._lock = threading.Condition()  # (_queued: put on the I/O thread, done on this
+        # one; _unloading: put on this one, done on the compute thread)
         self._thread = own_thread(self._run, "loader")
         self._threads, self._to = 1, ""
         self._ctx: zmq.Context[Any] | None = None
@@ -245,12 +254,23 @@ class Loader:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def unloaded(self, key: str) -> None:
+        """The compute thread has dropped `key` for an UNLOAD this thread handed on."""
+        with self._lock:
+            _less(self._unloading, key)
+            self._lock.notify_all()
+
     def _done(self, key: str) -> None:
         with self._lock:
-            if (left := self._queued.get(key, 0) - 1) > 0:
-                self._queued[key] = left
-            else:
-                self._queued.pop(key, None)
+            _less(self._queued, key)
+
+    def _unloads_done(self, key: str) -> None:
+        """Wait till the compute thread has done the UNLOADs of `key` handed on before.
+        Installed before them, a LOAD's new copy was what such an UNLOAD then dropped,
+        by key, while this thread held it loaded: every later LOAD of it was answered
+        LOADED, and each of its batches failed "not loaded on this worker" (review 54k)."""
+        with self._lock:
+            self._lock.wait_for(lambda: not self._unloading.get(key))
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)  # OpenMP keeps its count per thread (runner.py)
@@ -264,11 +284,14 @@ class Loader:
                 if header.kind != wire.Header.LOAD:
                     self._have.pop(key, None)
                     self._digests.pop(key, None)  # (read only beside _have: kept, it lingered)
+                    with self._lock:
+                        self._unloading[key] = self._unloading.get(key, 0) + 1
                     self._compute.put(item)
                     self._done(key)
                     continue
                 loaded = load(header, self._repository, self._device, self._allowed, self._have)
                 if loaded.model is not None and loaded.files is not None:
+                    self._unloads_done(key)  # (loaded meanwhile: only its install waits)
                     self._install(loaded)
                     self._have[key] = loaded.files
                     self._digests[key] = digest(loaded.files[1]), identity(self._repository)

@@ -74,9 +74,8 @@ class Runner:
         # By ModelConfig.key; replaced whole under _tables (a thread reading one never sees
         self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # it change)
         self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
-        # (index of the frontend that sent it, header, frames)
-        self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]
-        self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # WorkerInfo's
+        self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]  # (frontend,
+        self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # header, frames)
         self._busy: tuple[int, Sequence[merge.Item] | None, float]  # since, batches, limit
         self._busy = (time.perf_counter_ns(), None, 0.0)  # (None: since when none runs)
         self._stop = threading.Event()
@@ -208,6 +207,7 @@ class Runner:
             loop, entry = self.loops.get(key), self.models.get(key)
             self.loops = {k: v for k, v in self.loops.items() if k != key}
             self.models = {k: v for k, v in self.models.items() if k != key}
+        self._loader.unloaded(key)  # (a LOAD of it after this UNLOAD may install now)
         ended = loop.drop_all(f"model {name!r} version {version!r} was unloaded") if loop else []
         del loop  # the model's last references here go before the collection below
         if entry is not None:
