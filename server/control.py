@@ -182,9 +182,7 @@ class ModelControl:
             self._log_if_ready(worker)
             self._changed()
 
-    def _load_on(
-        self, worker: WorkerHandle, model: ModelConfig, send: bool = True
-    ) -> asyncio.Future[str]:
+    def _load_on(self, worker: WorkerHandle, model: ModelConfig, send: bool = True) -> Loading:
         """Ask `worker` to load `model` (`send` False: the caller will): "" once loaded, or why."""
         fut = worker.loads.get(model.key)
         if fut is None:
@@ -207,8 +205,9 @@ class ModelControl:
         key = model_key(header.model, header.version)
         self._awaited.discard(key)  # a load tried since: it says
         fut = worker.loads.get(key)
-        worker.load_sent.pop(key, None)  # and the worker, which loads one model at a time,
-        worker.load_sent = dict.fromkeys(worker.load_sent, self._clock())  # starts the next
+        if key == next(iter(worker.load_sent), None):  # the worker loads one model at a time:
+            worker.load_sent = dict.fromkeys(list(worker.load_sent)[1:], self._clock())  # it
+        worker.load_sent.pop(key, None)  # starts the next (not after one out of turn: at once)
         if fut is None or fut.done():  # (its load called off: settled now, maybe, lanes.py)
             return self._pump_soon()
         if header.error:
@@ -354,8 +353,8 @@ class ModelControl:
         task.add_done_callback(draining.discard)  # repository's, so these sets stay few)
 
     async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run a load or unload to its end even if its caller leaves (a deadline, a
-        cancel): half done, it would leave a copy of the model on the workers."""
+        """Run a load or unload to its end even if its caller leaves (a deadline, a cancel):
+        half done, it would leave a copy of the model on the workers."""
         return await asyncio.shield(self._keep(asyncio.create_task(work)))
 
     def _keep(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
@@ -396,5 +395,5 @@ class ModelControl:
             on_disk = await asyncio.to_thread(load_each, self.repository)
         except RepositoryUnreadable as e:
             raise Unavailable(str(e)) from None
-        return index.entries(on_disk, self._loading, self.current, self._pool.model_ready,
-                             self.broken)  # fmt: skip
+        ready, broken = self._pool.model_ready, self.broken
+        return index.entries(on_disk, self._loading, self.current, ready, broken)

@@ -1246,3 +1246,25 @@ def test_a_symlink_loop_in_the_repository_is_a_config_error_naming_it(tmp_path: 
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
     with pytest.raises(ConfigError, match=r"loop: cannot be resolved: Symlink loop"):
         find_model(tmp_path, "loop")
+
+
+def test_a_loaded_answered_out_of_turn_leaves_the_running_load_s_clock(tmp_path: Path) -> None:
+    """A worker loads one model at a time, so its LOADED for the load it ran restarts the
+    clock of the next (--load-timeout: pool.overdue). A LOADED for a later one, answered at
+    once (a model the worker held: worker/loading.py at_once), restarted it too: each such
+    answer put off the flagging of a hung load by the full timeout (review 54k)."""
+    now = [0.0]
+
+    async def body() -> None:
+        pool = WorkerPool()
+        ctl = control.ModelControl(tmp_path, pool, _Sent(), object(), False, lambda: now[0],  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        worker = _worker(pool)
+        worker.load_sent = {"hung@1": 0.0, "held@1": 0.0, "next@1": 0.0}
+        now[0] = 100.0
+        ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="held", version="1"))
+        assert worker.load_sent == {"hung@1": 0.0, "next@1": 0.0}  # (out of turn: at once)
+        ctl.on_loaded(worker, wire.Header(kind=wire.Header.LOADED, model="hung", version="1"))
+        assert worker.load_sent == {"next@1": 100.0}  # (its turn: the worker starts the next)
+
+    asyncio.run(body())
