@@ -441,6 +441,45 @@ def test_a_load_after_an_unload_not_yet_done_installs_after_it(
             assert runner._loader.stop(10)
 
 
+def test_a_load_asked_while_the_same_one_waits_is_answered_with_it(tmp_path: Path) -> None:
+    """With --frontends N, two frontends' LOADs of one model that reached the worker before
+    it had installed it were answered in turn: the second behind the loads asked between
+    them, and its frontend's calls with it (review 54j). It rides on the first now, if
+    nothing tells them apart and no UNLOAD came between."""
+    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
+
+        def ask(frontend: int, kind: int, version: str, held: bool = False) -> None:
+            header = wire.Header(kind=kind, model=d.name, version=version, held=held)
+            runner._loader.put((frontend, header, []))
+
+        def answers(n: int) -> list[tuple[int, str, str]]:
+            got = []
+            for _ in range(n):
+                assert results.poll(30_000)
+                to, *parts = results.recv_multipart()
+                said = wire.unpack(parts)[0]
+                got.append((to[0], said.version, said.error))
+            return got
+
+        ask(0, wire.Header.LOAD, "1")
+        ask(0, wire.Header.LOAD, "2")
+        ask(1, wire.Header.LOAD, "1")  # rides on frontend 0's
+        ask(1, wire.Header.LOAD, "1", held=True)  # (asks another thing: in turn)
+        ask(0, wire.Header.UNLOAD, "2")
+        ask(1, wire.Header.LOAD, "2")  # (an UNLOAD came between: in turn, after it)
+        runner._loader.start(ctx, runner_module._RESULTS)
+        try:
+            assert answers(4) == [(0, "1", ""), (1, "1", ""), (0, "2", ""), (1, "1", "")]
+            unload = runner._work.get(timeout=30)
+            assert (unload[1].kind, unload[1].version) == (wire.Header.UNLOAD, "2")
+            runner._handle(unload, lambda *_: None)
+            assert answers(1) == [(1, "2", "")]
+            assert {model_key(d.name, v) for v in "12"} <= runner.models.keys()
+            assert not runner._loader._queued and not runner._loader._open
+        finally:
+            assert runner._loader.stop(10)
+
+
 THREAD_COUNTING_MODEL = """
 import os
 import subprocess

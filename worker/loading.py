@@ -179,6 +179,13 @@ class Collections:
 Item = tuple[int, wire.Header, list[Any]]  # (the frontend's index, header, frames)
 
 
+Riders = list[tuple[int, wire.Header]]  # LOADs answered with the one they came after
+
+
+def _same(first: wire.Header, then: wire.Header) -> bool:
+    return (first.files, first.folder, first.held) == (then.files, then.folder, then.held)
+
+
 def _less(counts: dict[str, int], key: str) -> None:
     if (left := counts.get(key, 0) - 1) > 0:
         counts[key] = left
@@ -203,7 +210,7 @@ class Loader:
         repository: Path, device: torch.device, allowed: tuple[str, ...],
     ) -> None:  # fmt: skip
         self._compute, self._install = compute, install
-        self._asked: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self._asked: queue.SimpleQueue[tuple[Item, Riders] | None] = queue.SimpleQueue()
         self._repository, self._device, self._allowed = repository, device, allowed
         # What is installed, as of the last message handed on: key -> its folder and files
         self._have: dict[str, tuple[Path, Files]] = {}
@@ -211,6 +218,8 @@ class Loader:
         # identity then (at_once: no stat on the I/O thread, whose beats a hung mount stops)
         self._queued: dict[str, int] = {}  # key -> LOADs and UNLOADs asked, not yet done
         self._unloading: dict[str, int] = {}  # key -> UNLOADs handed on, not yet done
+        self._open: dict[str, tuple[wire.Header, Riders]] = {}  # key -> its last LOAD, if
+        # not answered yet (nor an UNLOAD asked since), and the same LOADs that ride on it
         self._lock = threading.Condition()  # (_queued: put on the I/O thread, done on this
         # one; _unloading: put on this one, done on the compute thread)
         self._thread = own_thread(self._run, "loader")
@@ -224,10 +233,20 @@ class Loader:
         self._thread.start()
 
     def put(self, item: Item) -> None:
-        key = model_key(item[1].model, item[1].version)
+        """Queue a LOAD or UNLOAD; a LOAD the same as one not answered yet, that no UNLOAD
+        came between, is answered with it. Queued, another frontend's LOAD of a model that
+        one was loading waited behind the loads asked between them (review 54j)."""
+        frontend, header, _ = item
+        key, riders = model_key(header.model, header.version), Riders()
         with self._lock:
             self._queued[key] = self._queued.get(key, 0) + 1
-        self._asked.put(item)
+            if header.kind != wire.Header.LOAD:
+                self._open.pop(key, None)
+            elif (first := self._open.get(key)) is not None and _same(first[0], header):
+                return first[1].append((frontend, header))
+            else:
+                self._open[key] = header, riders
+        self._asked.put((item, riders))
 
     def at_once(self, header: wire.Header, stopping: bool) -> list[Any] | None:
         """LOADED, for the I/O thread to answer at once, where `header` is a LOAD of a
@@ -278,8 +297,8 @@ class Loader:
         out = self._ctx.socket(zmq.PUSH)
         out.connect(self._to)
         try:
-            while (item := self._asked.get()) is not None:
-                frontend, header, _ = item
+            while (asked := self._asked.get()) is not None:
+                (item, riders), (frontend, header, _) = asked, asked[0]
                 key = model_key(header.model, header.version)
                 if header.kind != wire.Header.LOAD:
                     self._have.pop(key, None)
@@ -295,13 +314,17 @@ class Loader:
                     self._install(loaded)
                     self._have[key] = loaded.files
                     self._digests[key] = digest(loaded.files[1]), identity(self._repository)
-                self._done(key)
+                with self._lock:
+                    if self._open.get(key, (None, None))[1] is riders:
+                        del self._open[key]  # (no more ride on it)
                 error = loaded.error
                 del loaded  # (kept, the model outlived its unload until the next load)
                 reply = wire.Header(kind=wire.Header.LOADED, model=header.model,
                                     version=header.version, error=wire.text(error),
                                     held=header.held and bool(error))  # fmt: skip
-                out.send_multipart([addressed(frontend, 1), *wire.pack(reply)])
+                for to in (frontend, *(f for f, _ in riders)):
+                    self._done(key)
+                    out.send_multipart([addressed(to, 1), *wire.pack(reply)])
         finally:
             out.close(linger=0)
             self._compute.put(None)
