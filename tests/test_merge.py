@@ -67,7 +67,7 @@ def test_every_batch_of_a_merged_forward_is_answered_when_cutting_its_outputs_fa
     cfg = model(max_batch_size=4, shape=(1,))
     options = RunnerOptions("w", "ipc://a,ipc://b", torch.device("cpu"), tmp_path)
     runner = Runner(options)
-    runner.models = {cfg.key: (cfg, lambda x: x * 2)}
+    runner.held.models = {cfg.key: (cfg, lambda x: x * 2)}
     runner._threads_all = runner._threads_now = 1  # (the compute thread sets them)
     h1, f1 = batch_header(np.ones((1, 1), np.float32), batch_id=1)
     h2, f2 = batch_header(np.ones((2, 1), np.float32), batch_id=2)

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,7 +31,6 @@ from batchd.protos import wire
 from batchd.protos.model_config import TensorSpec, load_model_config, model_key
 from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
-from batchd.worker import loading as loading_module
 from batchd.worker import runner as runner_module
 from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
 from batchd.worker.generate import EVERY, time_limit
@@ -71,10 +71,11 @@ def batch(arr: np.ndarray, name: str = "X") -> tuple[list[wire.Tensor], list[byt
 def install(runner: Runner, header: wire.Header) -> str:
     """Load as the loader thread does, and install: LOADED's error ("" once loaded)."""
     o = runner.options
-    have = {k: (cfg.directory, files_of(cfg.directory)) for k, (cfg, _) in runner.models.items()}
+    held = runner.held.models.items()
+    have = {k: (cfg.directory, files_of(cfg.directory)) for k, (cfg, _) in held}
     loaded = load(header, o.repository, o.device, o.allowed, have)  # (held: as its files are)
     if loaded.model is not None:
-        runner._install(loaded)
+        runner.held.install(loaded)
     return loaded.error
 
 
@@ -260,7 +261,7 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
     try:
         assert install(runner, header) == ""
         assert gc.get_freeze_count() > 0  # the loaded model is out of the collector's sight
-        ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
+        ref = weakref.ref(runner.held.models[model_key(d.name, "1")][1])
         runner._unload(header)
         assert runner._collections.run(time.monotonic()) is None  # (the first: at once)
         assert ref() is None  # ... until it is unloaded
@@ -287,7 +288,7 @@ def test_unloads_back_to_back_share_a_collection_spaced_out(tmp_path: Path) -> N
         for version in "123":
             header = wire.Header(kind=wire.Header.LOAD, model=d.name, version=version)
             assert install(runner, header) == ""
-            refs.append(weakref.ref(runner.models[model_key(d.name, version)][1]))
+            refs.append(weakref.ref(runner.held.models[model_key(d.name, version)][1]))
         collected.clear()  # (the loads' own)
         now = 1_000.0
         runner._unload(wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1"))
@@ -316,7 +317,7 @@ def test_an_idle_compute_thread_runs_a_spaced_collection_when_its_time_comes(
         for version in "12":
             assert install(runner, wire.Header(kind=wire.Header.LOAD, model=d.name,
                                                version=version)) == ""  # fmt: skip
-            refs.append(weakref.ref(runner.models[model_key(d.name, version)][1]))
+            refs.append(weakref.ref(runner.held.models[model_key(d.name, version)][1]))
         compute = threading.Thread(target=runner._compute, args=(ctx,))
         compute.start()
         try:
@@ -358,7 +359,7 @@ def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Pat
             assert results.poll(30_000)
             _, *parts = results.recv_multipart()
             assert wire.unpack(parts)[0].error == ""
-            ref = weakref.ref(runner.models[model_key(d.name, "1")][1])
+            ref = weakref.ref(runner.held.models[model_key(d.name, "1")][1])
             runner._unload(header)
             runner._collections.run(time.monotonic())
             assert ref() is None
@@ -402,41 +403,63 @@ def test_a_load_of_a_version_installed_here_is_answered_at_once(tmp_path: Path) 
         assert loader.at_once(header, False) is None
 
 
-def test_a_load_after_an_unload_not_yet_done_installs_after_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+LAZY_MODEL = """
+def load(device):
+    def forward(x):
+        from . import helper  # (each call: from its package, in sys.modules)
+        return helper.twice(x)
+    return forward
+"""
+
+
+def test_an_unload_the_compute_thread_runs_late_drops_the_copy_it_was_asked_to(
+    tmp_path: Path,
 ) -> None:
     """LOAD, UNLOAD and LOAD of one version, the compute thread busy: the loader installed
     the second copy, then the compute thread's older UNLOAD dropped it by key while the
     loader held it loaded: each later LOAD was answered LOADED and each batch failed "not
-    loaded on this worker" (review 54k). The install now waits for that UNLOAD."""
-    loaded = [threading.Event(), threading.Event()]
-    real = loading_module.load
-
-    def load(*args: Any) -> Any:
-        try:
-            return real(*args)
-        finally:
-            loaded[0 if not loaded[0].is_set() else 1].set()
-
-    monkeypatch.setattr(loading_module, "load", load)
-    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
-        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+    loaded on this worker" (review 54k). It drops the copy installed as it was handed on,
+    and that copy's package (a forward's `from . import` failed on the other), at its
+    turn: the loader never waits for it (review 55a: while it did, every other LOAD did)."""
+    with in_process(tmp_path, LAZY_MODEL) as (d, runner, ctx, results):
+        (d / "helper.py").write_text("def twice(x):\n    return x * 2\n")
+        load = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
         unload = wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1")
-        runner._loader.start(ctx, runner_module._RESULTS)
-        try:
-            runner._loader.put((0, header, []))
-            assert results.poll(30_000)
-            results.recv_multipart()
-            runner._loader.put((1, unload, []))  # (no compute thread runs: it waits)
-            runner._loader.put((0, header, []))
-            item = runner._work.get(timeout=30)
-            assert item[1].kind == wire.Header.UNLOAD
-            assert loaded[1].wait(30)  # the new copy is loaded: the UNLOAD runs only now
-            runner._handle(item, lambda *_: None)
+        ours = lambda: {m for m in sys.modules if re.fullmatch(r"batchd_model_\w+", m)}  # noqa: E731
+        before = ours()
+        packages = lambda: ours() - before  # noqa: E731
+        runner._threads_all = 1
+
+        def run() -> wire.Header:
+            got: list[Any] = []
+            tensors, frames = batch(np.ones((1, 4), np.float32))
+            header = wire.Header(kind=wire.Header.BATCH, model=d.name, version="1", batch_id=7,
+                                 tensors=tensors)  # fmt: skip
+            runner._handle((0, header, frames), lambda to, parts, ends=1: got.append(parts))
+            return wire.unpack(got[0])[0]
+
+        def answered() -> str:
             assert results.poll(30_000)
             _, *parts = results.recv_multipart()
-            assert wire.unpack(parts)[0].error == ""
-            assert model_key(d.name, "1") in runner.models
+            return wire.unpack(parts)[0].error
+
+        runner._loader.start(ctx, runner_module._RESULTS)
+        try:
+            runner._loader.put((0, load, []))
+            assert answered() == ""
+            (first,) = packages()
+            runner._loader.put((1, unload, []))  # (no compute thread: it waits)
+            runner._loader.put((0, load, []))
+            assert answered() == ""  # (not after the UNLOAD: nothing else would be either)
+            assert len(packages()) == 2  # the old copy's, the new's
+            item = runner._work.get(timeout=30)
+            assert item[1].kind == wire.Header.UNLOAD
+            assert run().kind == wire.Header.RESULT  # (a batch asked before the UNLOAD)
+            runner._handle(item, lambda *_: None)
+            assert model_key(d.name, "1") in runner.held.models
+            assert first not in packages() and len(packages()) == 1
+            reply = run()
+            assert (reply.kind, reply.error) == (wire.Header.RESULT, "")
         finally:
             assert runner._loader.stop(10)
 
@@ -474,7 +497,7 @@ def test_a_load_asked_while_the_same_one_waits_is_answered_with_it(tmp_path: Pat
             assert (unload[1].kind, unload[1].version) == (wire.Header.UNLOAD, "2")
             runner._handle(unload, lambda *_: None)
             assert answers(1) == [(1, "2", "")]
-            assert {model_key(d.name, v) for v in "12"} <= runner.models.keys()
+            assert {model_key(d.name, v) for v in "12"} <= runner.held.models.keys()
             assert not runner._loader._queued and not runner._loader._open
         finally:
             assert runner._loader.stop(10)
@@ -873,7 +896,7 @@ def test_each_model_py_is_a_package_of_its_own_while_its_version_is_loaded(
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
 
     def answer(name: str, version: str) -> list[list[float]]:
-        cfg, fn = runner.models[model_key(name, version)]
+        cfg, fn = runner.held.models[model_key(name, version)]
         headers, out = run_batch(fn, cfg, CPU, *batch(X))
         return from_raw("FP32", headers[0].shape, bytes(out[0])).tolist()
 
@@ -1162,7 +1185,7 @@ def test_a_step_round_is_work_the_heartbeats_tell_of(tmp_path: Path) -> None:
     assert install(runner, wire.Header(kind=wire.Header.LOAD, model="steps", version="1")) == ""
     start = wire.Header(kind=wire.Header.START, batch_id=1, model="steps", version="1")
     start.tensors.add(name="N", datatype="INT64", shape=[1])
-    loop = runner.loops["steps@1"]
+    loop = runner.held.loops["steps@1"]
     assert loop.add(0, start, [np.array([3], np.int64).tobytes()], CPU) == []
     rounds = threading.Thread(target=runner._rounds, args=(lambda *a: None, False))
     rounds.start()

@@ -45,16 +45,16 @@ ModelFn = Callable[..., Any]
 log = logging.getLogger("batchd.worker")
 
 
-_modules: dict[str, str] = {}  # model key -> the name its model.py is loaded under
 _loads = itertools.count(1)
 
 
-def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
+def _load_python(cfg: ModelConfig, device: torch.device) -> tuple[ModelFn, str]:
     # Each load of a model.py is a package of its own, under a name no other model,
     # version or reload shares, registered in sys.modules while the version is loaded:
     # `from . import helper` finds helper.py beside it, afresh for each version (never
     # another model's helper of that name), and what looks a class's module up there
-    # (dataclasses under `from __future__ import annotations`, pickle) finds it.
+    # (dataclasses under `from __future__ import annotations`, pickle) finds it. It goes
+    # with the copy that is dropped (forget), never with another copy of that version.
     module_name = f"batchd_model_{re.sub(r'[^0-9A-Za-z_]', '_', cfg.name)}_{next(_loads)}"
     # __file__ is absolute whatever --model-repository was: Path(__file__).parent is
     # the model's folder. The working directory is not changed for the load: it is
@@ -86,9 +86,7 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> ModelFn:
     except BaseException:  # nothing of a load that failed stays
         _forget_module(module_name)
         raise
-    forget(cfg.key)  # (the same version loaded again: the last load's module goes)
-    _modules[cfg.key] = module_name
-    return fn
+    return fn, module_name
 
 
 def leave(code: int) -> NoReturn:
@@ -151,11 +149,11 @@ def _explain_relative_path(cfg: ModelConfig, e: FileNotFoundError) -> None:
         ) from e
 
 
-def forget(key: str) -> None:
-    """A model version is unloaded: its model.py's modules leave sys.modules, so that
-    what they hold is freed with the model."""
-    if (name := _modules.pop(key, None)) is not None:
-        _forget_module(name)
+def forget(package: str) -> None:
+    """A copy of a model is dropped: the modules of the package its model.py was loaded
+    as (load_model; "": none) leave sys.modules, so that what they hold goes with it."""
+    if package:
+        _forget_module(package)
 
 
 def _forget_module(name: str) -> None:
@@ -173,6 +171,12 @@ def _eval(module: Any) -> Any:
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
+    return load_copy(cfg, device)[0]
+
+
+def load_copy(cfg: ModelConfig, device: torch.device) -> tuple[ModelFn, str]:
+    """The model's callable, and the package its model.py was loaded as ("": another
+    artifact), for `forget` once that copy is dropped."""
     confined(cfg.directory.parent, cfg.artifact)  # models are the repository's subdirectories
     if cfg.platform == "python":
         return _load_python(cfg, device)
@@ -182,13 +186,13 @@ def load_model(cfg: ModelConfig, device: torch.device) -> ModelFn:
             module = torch.jit.load(str(cfg.artifact), map_location=device)
         if caught:
             log.warning("model %s: %s (%s)", cfg.name, caught[0].message, cfg.artifact)
-        return _eval(module)  # type: ignore[no-any-return]
+        return _eval(module), ""
     if cfg.platform == "torch_export":
         program = torch.export.load(str(cfg.artifact))
         _check_batch_dim(cfg, program)
         if device.type != "cpu":
             program = move_to_device_pass(program, device)
-        return program.module()  # already in inference form: no eval()
+        return program.module(), ""  # already in inference form: no eval()
     raise ValueError(f"{cfg.directory}: unknown platform {cfg.platform!r}")
 
 

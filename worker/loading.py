@@ -40,7 +40,7 @@ from batchd.protos.repository import (
     identity,
 )
 from batchd.worker.execute import why
-from batchd.worker.loader import ModelFn, load_model
+from batchd.worker.loader import ModelFn, forget, load_copy
 
 _OWN: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
@@ -63,11 +63,13 @@ log = logging.getLogger("batchd.worker")
 @dataclass(frozen=True)
 class Loaded:
     """What a LOAD came to: the model, or why not; None and "" when it was loaded already.
-    `files`: the model's files as they were when it was read (repository.files_of)."""
+    `files`: the model's files as they were when it was read (repository.files_of);
+    `package`: what its model.py was loaded as (loader.forget, once this copy is dropped)."""
 
     model: tuple[ModelConfig, ModelFn] | None = None
     error: str = ""
     files: tuple[Path, Files] | None = None
+    package: str = ""
 
 
 def load(
@@ -80,6 +82,7 @@ def load(
     again: it comes from a frontend that read them as they are now (a frontend started
     again numbers its versions from 1: this worker served the old weights under the new
     version's number); a frontend that knows of the change says `held`."""
+    package = ""  # (what a load that then failed loaded goes: loader.forget)
     try:
         if allowed and header.model not in allowed:
             raise ValueError(f"not among this worker's --models ({', '.join(allowed)})")
@@ -106,16 +109,18 @@ def load(
             return Loaded(error=changed_since(header.model, header.version, snapshot, None, when))
         cfg = dataclasses.replace(found, version=header.version)
         files = (cfg.directory, snapshot)
-        fn = load_model(cfg, device)
+        fn, package = load_copy(cfg, device)
         now = files_of(cfg.directory)  # changed as it read them: it may hold either
         if changed := changed_since(cfg.name, cfg.version, snapshot, now, "as version {} loaded"):
+            forget(package)
             return Loaded(error=changed)
         settle_heap()
         log.info("loaded model %s version %s from %s in %.2f s", cfg.name, cfg.version,
                  cfg.artifact, time.perf_counter() - start, extra={"model": cfg.name})  # fmt: skip
-        return Loaded((cfg, fn), files=files)
+        return Loaded((cfg, fn), files=files, package=package)
     except BaseException as e:  # a model that will not load is reply data too, even
         # one that calls sys.exit(): it would end this thread, and the compute thread
+        forget(package)
         log.error("cannot load model %s:\n%s", header.model, _chain(e),
                   extra={"model": header.model})  # fmt: skip
         return Loaded(error=wire.text(why(e)))
@@ -207,9 +212,10 @@ class Loader:
 
     def __init__(
         self, compute: queue.SimpleQueue[Any], install: Callable[[Loaded], None],
-        repository: Path, device: torch.device, allowed: tuple[str, ...],
+        take: Callable[[str], object], repository: Path, device: torch.device,
+        allowed: tuple[str, ...],
     ) -> None:  # fmt: skip
-        self._compute, self._install = compute, install
+        self._compute, self._install, self._take = compute, install, take
         self._asked: queue.SimpleQueue[tuple[Item, Riders] | None] = queue.SimpleQueue()
         self._repository, self._device, self._allowed = repository, device, allowed
         # What is installed, as of the last message handed on: key -> its folder and files
@@ -217,11 +223,9 @@ class Loader:
         self._digests: dict[str, tuple[str, str]] = {}  # ... their digest, and the folder's
         # identity then (at_once: no stat on the I/O thread, whose beats a hung mount stops)
         self._queued: dict[str, int] = {}  # key -> LOADs and UNLOADs asked, not yet done
-        self._unloading: dict[str, int] = {}  # key -> UNLOADs handed on, not yet done
         self._open: dict[str, tuple[wire.Header, Riders]] = {}  # key -> its last LOAD, if
         # not answered yet (nor an UNLOAD asked since), and the same LOADs that ride on it
-        self._lock = threading.Condition()  # (_queued: put on the I/O thread, done on this
-        # one; _unloading: put on this one, done on the compute thread)
+        self._lock = threading.Lock()  # (_queued, _open: put on the I/O thread, done here)
         self._thread = own_thread(self._run, "loader")
         self._threads, self._to = 1, ""
         self._ctx: zmq.Context[Any] | None = None
@@ -273,23 +277,9 @@ class Loader:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def unloaded(self, key: str) -> None:
-        """The compute thread has dropped `key` for an UNLOAD this thread handed on."""
-        with self._lock:
-            _less(self._unloading, key)
-            self._lock.notify_all()
-
     def _done(self, key: str) -> None:
         with self._lock:
             _less(self._queued, key)
-
-    def _unloads_done(self, key: str) -> None:
-        """Wait till the compute thread has done the UNLOADs of `key` handed on before.
-        Installed before them, a LOAD's new copy was what such an UNLOAD then dropped,
-        by key, while this thread held it loaded: every later LOAD of it was answered
-        LOADED, and each of its batches failed "not loaded on this worker" (review 54k)."""
-        with self._lock:
-            self._lock.wait_for(lambda: not self._unloading.get(key))
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)  # OpenMP keeps its count per thread (runner.py)
@@ -298,19 +288,20 @@ class Loader:
         out.connect(self._to)
         try:
             while (asked := self._asked.get()) is not None:
-                (item, riders), (frontend, header, _) = asked, asked[0]
+                (frontend, header, _), riders = asked
                 key = model_key(header.model, header.version)
                 if header.kind != wire.Header.LOAD:
                     self._have.pop(key, None)
                     self._digests.pop(key, None)  # (read only beside _have: kept, it lingered)
-                    with self._lock:
-                        self._unloading[key] = self._unloading.get(key, 0) + 1
-                    self._compute.put(item)
+                    # It drops the copy installed now, taken with it: by key, an UNLOAD the
+                    # compute thread ran late dropped the copy a LOAD after it installed,
+                    # while this thread held it loaded: every later LOAD was answered
+                    # LOADED, each batch failed "not loaded on this worker" (review 54k)
+                    self._compute.put((frontend, header, [self._take(key)]))
                     self._done(key)
                     continue
                 loaded = load(header, self._repository, self._device, self._allowed, self._have)
                 if loaded.model is not None and loaded.files is not None:
-                    self._unloads_done(key)  # (loaded meanwhile: only its install waits)
                     self._install(loaded)
                     self._have[key] = loaded.files
                     self._digests[key] = digest(loaded.files[1]), identity(self._repository)

@@ -35,14 +35,15 @@ import torch
 import zmq
 
 from batchd.protos import traces, wire
-from batchd.protos.model_config import ModelConfig, model_key
+from batchd.protos.model_config import model_key
 from batchd.worker import InputRefused, alone, frontend_link, loader, merge
 from batchd.worker.execute import COUNTED, BatchError, OutputTooLarge, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
-from batchd.worker.generate import EVERY, Reply, StepLoop, on_sequence, time_limit
-from batchd.worker.loader import ModelFn, leave
-from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
+from batchd.worker.generate import EVERY, Reply, on_sequence, time_limit
+from batchd.worker.held import Copy, Held
+from batchd.worker.loader import leave
+from batchd.worker.loading import Collections, Loader, addressed, own_thread, settle_heap
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
@@ -71,18 +72,16 @@ class Runner:
 
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
-        # By ModelConfig.key; replaced whole under _tables (a thread reading one never sees
-        self.models: dict[str, tuple[ModelConfig, ModelFn]] = {}  # it change)
-        self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
+        self.held = Held()  # the models, their loops (the loader and compute thread's)
         self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]  # (frontend,
         self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # header, frames)
         self._busy: tuple[int, Sequence[merge.Item] | None, float]  # since, batches, limit
         self._busy = (time.perf_counter_ns(), None, 0.0)  # (None: since when none runs)
         self._stop = threading.Event()
-        self._tables = threading.Lock()  # the loader and the compute thread replace them
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
         o = options
-        self._loader = Loader(self._work, self._install, o.repository, o.device, o.allowed)
+        self._loader = Loader(self._work, self.held.install, self.held.take, o.repository,
+                              o.device, o.allowed)  # fmt: skip
         self._collections = Collections(o.device.type == "cuda")
         self._frontends = len(options.endpoint.split(","))
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
@@ -108,10 +107,10 @@ class Runner:
                 due = self._collections.run(time.monotonic())
                 if held is not None:
                     item, held = held, None
-                elif any(loop.busy or loop.waiting for loop in self.loops.values()):
+                elif any(loop.busy or loop.waiting for loop in self.held.loops.values()):
                     held_back = self._behind.is_set()  # no step while a frontend is behind;
                     # stepping, take what came; all held, look again every HOLD_S (beats)
-                    idle = held_back or not any(loop.busy for loop in self.loops.values())
+                    idle = held_back or not any(loop.busy for loop in self.held.loops.values())
                     try:
                         item = self._work.get(timeout=HOLD_S) if idle else self._work.get_nowait()
                     except queue.Empty:  # (the rounds run past this block: in it, a model's
@@ -131,7 +130,8 @@ class Runner:
                 except Exception as e:  # a defect, or a message no frontend sends: it
                     log.exception("work of kind %d failed", item[1].kind)  # fails, not the
                     reply(item[0], *failed(item[1], e))  # compute thread
-                if item[1].kind == wire.Header.BATCH and any(x.busy for x in self.loops.values()):
+                if item[1].kind == wire.Header.BATCH and any(
+                        x.busy for x in self.held.loops.values()):  # fmt: skip
                     self._rounds(reply, self._behind.is_set())  # (staged forwards starved them)
         finally:
             out.close(linger=0)
@@ -139,7 +139,7 @@ class Runner:
     def _rounds(self, reply: Callable[..., None], held_back: bool) -> None:
         """A round of every step-wise model's loop (none while a frontend is behind): after
         each forward too, so sequences step between forwards."""
-        for loop in [] if held_back else self.loops.values():
+        for loop in [] if held_back else self.held.loops.values():
             limit = loop.cfg.instances.execution_timeout_s  # its beats say so: a round is
             replies = self._timed(limit, loop.round) if loop.busy else loop.round()  # work
             for frontend, parts, ends in replies:
@@ -158,20 +158,20 @@ class Runner:
         (a batch that could not join the forward gathered here), to do next."""
         frontend, header, frames = item
         if header.kind == wire.Header.UNLOAD:
-            for to, parts, ends in self._unload(header):
+            for to, parts, ends in self._unload(header, *frames):  # (the copy: the loader's)
                 reply(to, parts, ends)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
             work = functools.partial(
-                on_sequence, self.loops, frontend, header, frames, self.options.device
+                on_sequence, self.held.loops, frontend, header, frames, self.options.device
             )
-            limit = time_limit(self.loops, header)  # None: it runs no model code
+            limit = time_limit(self.held.loops, header)  # None: it runs no model code
             for to, parts, ends in work() if limit is None else self._timed(limit, work):
                 reply(to, parts, ends)
         else:
-            cfg, _ = self.models.get(model_key(header.model, header.version), (None, None))
-            stepping = any(loop.busy for loop in self.loops.values())
+            cfg, _ = self.held.models.get(model_key(header.model, header.version), (None, None))
+            stepping = any(loop.busy for loop in self.held.loops.values())
             try:
                 group, held = self._gatherer.gather(cfg, item, not stepping)
             except BaseException:  # (a defect: the batch fails; it is here no more)
@@ -191,28 +191,16 @@ class Runner:
             return held
         return None
 
-    def _install(self, loaded: Loaded) -> None:
-        """Take in a model the loader loaded (on the loader thread)."""
-        assert loaded.model is not None
-        cfg, fn = loaded.model
-        with self._tables:
-            self.models = {**self.models, cfg.key: loaded.model}
-            if cfg.generate is not None:
-                self.loops = {**self.loops, cfg.key: StepLoop(cfg, fn)}
-
-    def _unload(self, header: wire.Header) -> list[Reply]:
-        """Drop a model version; its sequences still here end (the replies)."""
+    def _unload(self, header: wire.Header, copy: Copy | None = None) -> list[Reply]:
+        """Drop a model version's `copy` (the one installed), unless another replaced it;
+        its sequences still here end (the replies)."""
         name, version, key = header.model, header.version, model_key(header.model, header.version)
-        with self._tables:
-            loop, entry = self.loops.get(key), self.models.get(key)
-            self.loops = {k: v for k, v in self.loops.items() if k != key}
-            self.models = {k: v for k, v in self.models.items() if k != key}
-        self._loader.unloaded(key)  # (a LOAD of it after this UNLOAD may install now)
+        entry, loop, package = self.held.drop(key, copy)
         ended = loop.drop_all(f"model {name!r} version {version!r} was unloaded") if loop else []
         del loop  # the model's last references here go before the collection below
         if entry is not None:
             del entry
-            loader.forget(key)  # its model.py's modules
+            loader.forget(package)  # its model.py's modules
             self._collections.pending = True  # (its objects may be among the frozen)
             log.info("unloaded model %s version %s", name, version, extra={"model": name})
         return ended
@@ -220,7 +208,7 @@ class Runner:
     def _run(self, group: list[merge.Item]) -> list[tuple[int, list[Any]]]:
         """One forward for the batches of `group`; a reply for each, to its frontend."""
         header = group[0][1]
-        entry = self.models.get(model_key(header.model, header.version))
+        entry = self.held.models.get(model_key(header.model, header.version))
         rows = [merge.rows_of(h) for _, h, _ in group]
         try:
             if entry is None:
@@ -271,7 +259,7 @@ class Runner:
         info = wire.WorkerInfo(worker_id=o.worker_id, device=str(o.device), pid=os.getpid(),
                                models=o.allowed, protocol=wire.PROTOCOL_VERSION,
                                frontends=self._frontends, instance=self._instance,
-                               held=sorted(self.models), reconnected=reconnected)  # fmt: skip
+                               held=sorted(self.held.models), reconnected=reconnected)  # fmt: skip
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
     def _beat(self, frontend: int) -> list[Any]:
@@ -286,7 +274,7 @@ class Runner:
         else:
             beat.busy_ns = max(1, time.perf_counter_ns() - since)
             beat.running.extend(h.batch_id for f, h, _ in group if f == frontend)
-        for key, loop in self.loops.items():
+        for key, loop in self.held.loops.items():
             beat.occupied[key] = len(loop.active) + len(loop.waiting)
         beat.alone = self._alone.others(frontend, time.monotonic())
         return wire.pack(beat)

@@ -1,0 +1,54 @@
+"""The model versions a worker holds: tables the loader thread installs into and the
+compute thread drops from (an UNLOAD), each replaced whole under a lock, so that a
+thread reading one never sees it change (runner.py)."""
+
+from __future__ import annotations
+
+import threading
+
+from batchd.protos.model_config import ModelConfig
+from batchd.worker import loader
+from batchd.worker.generate import StepLoop
+from batchd.worker.loader import ModelFn
+from batchd.worker.loading import Loaded
+
+Entry = tuple[ModelConfig, ModelFn]
+Copy = tuple[Entry | None, StepLoop | None, str]  # a version as installed, and its package
+
+
+class Held:
+    def __init__(self) -> None:
+        self.models: dict[str, Entry] = {}  # by ModelConfig.key
+        self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
+        self._packages: dict[str, str] = {}  # what each one's model.py was loaded as
+        self._lock = threading.Lock()
+
+    def install(self, loaded: Loaded) -> None:
+        """Take in a model the loader loaded (on the loader thread)."""
+        assert loaded.model is not None
+        cfg, fn = loaded.model
+        with self._lock:
+            self.models = {**self.models, cfg.key: loaded.model}
+            if cfg.generate is not None:
+                self.loops = {**self.loops, cfg.key: StepLoop(cfg, fn)}
+            replaced, self._packages[cfg.key] = self._packages.get(cfg.key, ""), loaded.package
+        loader.forget(replaced)  # (its files changed: loaded again. Not one an UNLOAD took)
+
+    def take(self, key: str) -> Copy:
+        """The copy of `key` installed now: what an UNLOAD the loader hands on drops. By
+        key, an UNLOAD the compute thread ran late dropped the copy a LOAD after it had
+        installed (review 54k: LOADED said, every batch failed "not loaded")."""
+        with self._lock:
+            return self.models.get(key), self.loops.get(key), self._packages.pop(key, "")
+
+    def drop(self, key: str, copy: Copy | None) -> Copy:
+        """Drop `copy` of `key` (None: the one installed now), unless another replaced it
+        since; returns it (its sequences end, its package goes: the caller's)."""
+        with self._lock:
+            entry, loop, package = copy or (self.models.get(key), self.loops.get(key),
+                                            self._packages.pop(key, ""))  # fmt: skip
+            if loop is not None and self.loops.get(key) is loop:
+                self.loops = {k: v for k, v in self.loops.items() if k != key}
+            if entry is not None and self.models.get(key) is entry:
+                self.models = {k: v for k, v in self.models.items() if k != key}
+        return entry, loop, package
