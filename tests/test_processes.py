@@ -779,8 +779,8 @@ def test_a_child_frontend_restarted_beside_two_workers_stops_on_sigterm(tmp_path
     blocked mask); a child frontend it started again inherited that, ignored the stop,
     took new calls through it, and was killed at 40 s with its streams."""
     make_model(tmp_path / "repo", "scaled", 2.0)
-    server = ServerProcess(tmp_path / "repo", "--frontends", "2", "--workers", "2",
-                           log_dir=tmp_path).start()  # fmt: skip
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path, workers=2)
+    server.start()
     try:
         assert server.proc is not None
         ready = "model scaled is ready"
