@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 
 from batchd.protos.model_config import ModelConfig
-from batchd.worker import loader
 from batchd.worker.generate import StepLoop
 from batchd.worker.loader import ModelFn
 from batchd.worker.loading import Loaded
@@ -21,25 +20,33 @@ class Held:
         self.models: dict[str, Entry] = {}  # by ModelConfig.key
         self.loops: dict[str, StepLoop] = {}  # the step-wise ones' loops
         self._packages: dict[str, str] = {}  # what each one's model.py was loaded as
+        self._taken: dict[str, Entry] = {}  # key -> the copy an UNLOAD handed on drops
         self._lock = threading.Lock()
 
-    def install(self, loaded: Loaded) -> None:
-        """Take in a model the loader loaded (on the loader thread)."""
+    def install(self, loaded: Loaded) -> Copy | None:
+        """Take in a model the loader loaded (on the loader thread). Returns the copy it
+        replaced (its files changed: loaded again), unless an UNLOAD took it: the compute
+        thread drops it as an UNLOAD's, its sequences ended, its memory collected."""
         assert loaded.model is not None
         cfg, fn = loaded.model
+        key = cfg.key
         with self._lock:
-            self.models = {**self.models, cfg.key: loaded.model}
+            old = self.models.get(key), self.loops.get(key), self._packages.get(key, "")
+            self.models = {**self.models, key: loaded.model}
+            self.loops = {k: v for k, v in self.loops.items() if k != key}
             if cfg.generate is not None:
-                self.loops = {**self.loops, cfg.key: StepLoop(cfg, fn)}
-            replaced, self._packages[cfg.key] = self._packages.get(cfg.key, ""), loaded.package
-        loader.forget(replaced)  # (its files changed: loaded again. Not one an UNLOAD took)
+                self.loops = {**self.loops, key: StepLoop(cfg, fn)}
+            self._packages[key] = loaded.package
+            return None if old[0] is None or self._taken.get(key) is old[0] else old
 
     def take(self, key: str) -> Copy:
         """The copy of `key` installed now: what an UNLOAD the loader hands on drops. By
         key, an UNLOAD the compute thread ran late dropped the copy a LOAD after it had
         installed (review 54k: LOADED said, every batch failed "not loaded")."""
         with self._lock:
-            return self.models.get(key), self.loops.get(key), self._packages.pop(key, "")
+            if (entry := self.models.get(key)) is not None:
+                self._taken[key] = entry
+            return entry, self.loops.get(key), self._packages.pop(key, "")
 
     def drop(self, key: str, copy: Copy | None) -> Copy:
         """Drop `copy` of `key` (None: the one installed now), unless another replaced it
@@ -51,4 +58,6 @@ class Held:
                 self.loops = {k: v for k, v in self.loops.items() if k != key}
             if entry is not None and self.models.get(key) is entry:
                 self.models = {k: v for k, v in self.models.items() if k != key}
+            if entry is not None and self._taken.get(key) is entry:
+                del self._taken[key]
         return entry, loop, package

@@ -43,7 +43,7 @@ from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, on_sequence, time_limit
 from batchd.worker.held import Copy, Held
 from batchd.worker.loader import leave
-from batchd.worker.loading import Collections, Loader, addressed, own_thread, settle_heap
+from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
 
 log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
@@ -80,7 +80,7 @@ class Runner:
         self._stop = threading.Event()
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
         o = options
-        self._loader = Loader(self._work, self.held.install, self.held.take, o.repository,
+        self._loader = Loader(self._work, self._install, self.held.take, o.repository,
                               o.device, o.allowed)  # fmt: skip
         self._collections = Collections(o.device.type == "cuda")
         self._frontends = len(options.endpoint.split(","))
@@ -157,9 +157,10 @@ class Runner:
         """Do one piece of work from a frontend; returns an item taken but not done
         (a batch that could not join the forward gathered here), to do next."""
         frontend, header, frames = item
-        if header.kind == wire.Header.UNLOAD:
-            for to, parts, ends in self._unload(header, *frames):  # (the copy: the loader's)
-                reply(to, parts, ends)
+        if header.kind == wire.Header.UNLOAD:  # (the copy it drops: the loader's, out of
+            copy = frames.pop() if frames else None  # `item`, which the compute loop keeps:
+            for to, parts, ends in self._unload(header, copy):  # the model outlived its
+                reply(to, parts, ends)  # collection: review 55b, a worker kept 609 MB, not 228)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
@@ -190,6 +191,13 @@ class Runner:
                 reply(to, parts)
             return held
         return None
+
+    def _install(self, loaded: Loaded) -> None:
+        """Install a model the loader loaded; the copy it replaced goes as an UNLOAD's."""
+        if (replaced := self.held.install(loaded)) is not None and loaded.model is not None:
+            cfg = loaded.model[0]
+            unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
+            self._work.put((0, unload, [replaced]))  # (it answers none: only its sequences)
 
     def _unload(self, header: wire.Header, copy: Copy | None = None) -> list[Reply]:
         """Drop a model version's `copy` (the one installed), unless another replaced it;
