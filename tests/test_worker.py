@@ -269,28 +269,6 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
         gc.unfreeze()
 
 
-def test_an_unload_the_loader_hands_on_frees_its_model(tmp_path: Path) -> None:
-    """The UNLOAD the loader hands on carries the copy it drops; the compute loop kept the
-    item after running it, so the model outlived its collection, frozen again, till the
-    next unload's (review 55b: a worker kept 609 MB RSS after an unload, not 228)."""
-    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
-        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
-        runner._loader.start(ctx, runner_module._RESULTS)
-        try:
-            runner._loader.put((0, header, []))
-            assert results.poll(30_000)
-            results.recv_multipart()
-            ref = weakref.ref(runner.held.models[model_key(d.name, "1")][1])
-            runner._loader.put((0, wire.Header(kind=wire.Header.UNLOAD, model=d.name,
-                                               version="1"), []))  # fmt: skip
-            item = runner._work.get(timeout=30)  # (held, as the compute loop holds it)
-            runner._handle(item, lambda *_: None)
-            assert runner._collections.run(time.monotonic()) is None
-            assert ref() is None
-        finally:
-            assert runner._loader.stop(10)
-
-
 def test_a_copy_a_load_of_changed_files_replaced_is_dropped_as_an_unload_s(
     tmp_path: Path,
 ) -> None:
@@ -399,7 +377,9 @@ def in_process(tmp_path: Path, code: str, toml: str = TOML) -> Iterator[InProces
 def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Path) -> None:
     """The loader thread kept the last model it loaded in a local until its next load:
     an unload freed nothing (a worker of a 1 GiB model stayed at 1.25 GB, and unload A
-    then load B peaked at both)."""
+    then load B peaked at both). And the UNLOAD it hands on carries the copy it drops:
+    the compute loop kept the item after running it, so the model outlived its collection
+    till the next unload's (review 55b: a worker kept 609 MB RSS after an unload, not 228)."""
     with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
         header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
         runner._loader.start(ctx, runner_module._RESULTS)
@@ -409,8 +389,11 @@ def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Pat
             _, *parts = results.recv_multipart()
             assert wire.unpack(parts)[0].error == ""
             ref = weakref.ref(runner.held.models[model_key(d.name, "1")][1])
-            runner._unload(header)
-            runner._collections.run(time.monotonic())
+            runner._loader.put((0, wire.Header(kind=wire.Header.UNLOAD, model=d.name,
+                                               version="1"), []))  # fmt: skip
+            item = runner._work.get(timeout=30)  # (held, as the compute loop holds it)
+            runner._handle(item, lambda *_: None)
+            assert runner._collections.run(time.monotonic()) is None
             assert ref() is None
         finally:
             assert runner._loader.stop(10)
