@@ -270,10 +270,11 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
 
 
 def test_a_copy_a_load_of_changed_files_replaced_is_dropped_as_an_unload_s(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A LOAD of a version held, its files changed since, loads it again; the copy it
-    replaced was never collected (frozen by the load) till another unload (review 55b)."""
+    replaced was never collected (frozen by the load) till another unload (review 55b).
+    Its drop says so, not "unloaded" (review 55c)."""
     d = repo_model(tmp_path, "model.py", lambda p: p.write_text(CYCLIC_MODEL))
     runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
     header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
@@ -289,11 +290,36 @@ def test_a_copy_a_load_of_changed_files_replaced_is_dropped_as_an_unload_s(
         del loaded
         item = runner._work.get_nowait()  # the old copy's drop
         assert (item[1].kind, item[1].model, item[1].version) == (wire.Header.UNLOAD, d.name, "1")
-        runner._handle(item, lambda *_: None)
+        with caplog.at_level(logging.INFO, logger="batchd.worker"):
+            runner._handle(item, lambda *_: None)
+        assert "was reloaded (its files changed)" in caplog.text
+        assert "unloaded" not in caplog.text
         assert runner._collections.run(time.monotonic()) is None
         assert ref() is None and key in runner.held.models
     finally:
         gc.unfreeze()
+
+
+def test_unloads_of_one_copy_from_two_frontends_drop_it_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two frontends' UNLOADs of one version each dropped the copy: "unloaded" logged
+    twice, two collections asked (review 55c). The second takes nothing."""
+    with in_process(tmp_path, CYCLIC_MODEL) as (d, runner, ctx, results):
+        runner._loader.start(ctx, runner_module._RESULTS)
+        try:
+            for frontend, kind in ((0, wire.Header.LOAD), (0, wire.Header.UNLOAD),
+                                   (1, wire.Header.UNLOAD)):  # fmt: skip
+                runner._loader.put((frontend, wire.Header(kind=kind, model=d.name,
+                                                          version="1"), []))  # fmt: skip
+            assert results.poll(30_000)
+            with caplog.at_level(logging.INFO, logger="batchd.worker"):
+                for _ in range(2):
+                    runner._handle(runner._work.get(timeout=30), lambda *_: None)
+            assert caplog.text.count("unloaded model") == 1
+            assert not runner.held.models and not runner.held._taken
+        finally:
+            assert runner._loader.stop(10)
 
 
 def test_unloads_back_to_back_share_a_collection_spaced_out(tmp_path: Path) -> None:
@@ -484,11 +510,14 @@ def test_an_unload_the_compute_thread_runs_late_drops_the_copy_it_was_asked_to(
             runner._loader.put((0, load, []))
             assert answered() == ""  # (not after the UNLOAD: nothing else would be either)
             assert len(packages()) == 2  # the old copy's, the new's
+            assert runner._work.qsize() == 1  # the UNLOAD alone: the copy it took is not
+            # dropped again, as one the LOAD replaced
             item = runner._work.get(timeout=30)
             assert item[1].kind == wire.Header.UNLOAD
             assert run().kind == wire.Header.RESULT  # (a batch asked before the UNLOAD)
             runner._handle(item, lambda *_: None)
             assert model_key(d.name, "1") in runner.held.models
+            assert not runner.held._taken
             assert first not in packages() and len(packages()) == 1
             reply = run()
             assert (reply.kind, reply.error) == (wire.Header.RESULT, "")
@@ -1141,7 +1170,9 @@ def load(device):
 
 def test_a_step_wise_version_held_is_kept_though_its_files_changed(tmp_path: Path) -> None:
     """Loaded again, a step-wise model got a new loop over the old one: the sequences
-    another frontend ran on it went without an answer till their callers' deadlines."""
+    another frontend ran on it went without an answer till their callers' deadlines. A
+    plain copy held, whose files made it step-wise, was kept the same way (review 55c:
+    every START refused "not loaded as a step-wise model"): it is loaded again."""
     d = tmp_path / "steps"
     d.mkdir()
     (d / "model.toml").write_text(stepwise_toml(2, 10))
@@ -1150,7 +1181,9 @@ def test_a_step_wise_version_held_is_kept_though_its_files_changed(tmp_path: Pat
     first = load(plain, tmp_path, CPU, (), {})
     assert first.model is not None and first.files is not None
     (d / "model.py").write_text(STEPS_PY + "\n# changed\n")
-    assert load(plain, tmp_path, CPU, (), {"steps@1": first.files}) == Loaded()
+    assert load(plain, tmp_path, CPU, (), {"steps@1": first.files}, stepping=True) == Loaded()
+    again = load(plain, tmp_path, CPU, (), {"steps@1": first.files}, stepping=False)
+    assert again.model is not None and again.model[0].generate is not None
 
 
 STEPPER = FLOOD_PY  # N quick steps, an output each

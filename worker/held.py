@@ -33,9 +33,10 @@ class Held:
         with self._lock:
             old = self.models.get(key), self.loops.get(key), self._packages.get(key, "")
             self.models = {**self.models, key: loaded.model}
-            self.loops = {k: v for k, v in self.loops.items() if k != key}
+            loops = {k: v for k, v in self.loops.items() if k != key}
             if cfg.generate is not None:
-                self.loops = {**self.loops, key: StepLoop(cfg, fn)}
+                loops[key] = StepLoop(cfg, fn)
+            self.loops = loops  # (in one step: a reader never finds it without its loop)
             self._packages[key] = loaded.package
             return None if old[0] is None or self._taken.get(key) is old[0] else old
 
@@ -44,8 +45,9 @@ class Held:
         key, an UNLOAD the compute thread ran late dropped the copy a LOAD after it had
         installed (review 54k: LOADED said, every batch failed "not loaded")."""
         with self._lock:
-            if (entry := self.models.get(key)) is not None:
-                self._taken[key] = entry
+            if (entry := self.models.get(key)) is None or self._taken.get(key) is entry:
+                return None, None, ""  # (another UNLOAD drops it: once)
+            self._taken[key] = entry
             return entry, self.loops.get(key), self._packages.pop(key, "")
 
     def drop(self, key: str, copy: Copy | None) -> Copy:

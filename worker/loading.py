@@ -74,14 +74,15 @@ class Loaded:
 
 def load(
     header: wire.Header, repository: Path, device: torch.device, allowed: tuple[str, ...],
-    have: Mapping[str, tuple[Path, Files]],
+    have: Mapping[str, tuple[Path, Files]], stepping: bool = False,
 ) -> Loaded:  # fmt: skip
     """Load the model version `header` names, unless `have` holds it (by key: its folder
     and files as they were read), from the files the LOAD names (`files`: their digest),
     unchanged till the load ends. A plain LOAD of one read from other files loads them
     again: it comes from a frontend that read them as they are now (a frontend started
     again numbers its versions from 1: this worker served the old weights under the new
-    version's number); a frontend that knows of the change says `held`."""
+    version's number); a frontend that knows of the change says `held`. `stepping`: the
+    copy held is step-wise (its sequences may be another frontend's)."""
     package = ""  # (what a load that then failed loaded goes: loader.forget)
     try:
         if allowed and header.model not in allowed:
@@ -92,7 +93,7 @@ def load(
             if header.held or (digest(had[1]) == header.files if same
                                else files_of(had[0]) == had[1]):  # fmt: skip
                 return Loaded()
-            if find_model(repository, header.model).generate is not None:  # its sequences
+            if stepping and find_model(repository, header.model).generate is not None:
                 log.warning("model %s version %s: its files changed since it was loaded here, "
                             "but it is step-wise, and another frontend's sequences may run on "
                             "it: kept (restart this worker to load them)", header.model,
@@ -220,6 +221,7 @@ class Loader:
         self._repository, self._device, self._allowed = repository, device, allowed
         # What is installed, as of the last message handed on: key -> its folder and files
         self._have: dict[str, tuple[Path, Files]] = {}
+        self._stepping: set[str] = set()  # ... those of them that are step-wise
         self._digests: dict[str, tuple[str, str]] = {}  # ... their digest, and the folder's
         # identity then (at_once: no stat on the I/O thread, whose beats a hung mount stops)
         self._queued: dict[str, int] = {}  # key -> LOADs and UNLOADs asked, not yet done
@@ -292,6 +294,7 @@ class Loader:
                 key = model_key(header.model, header.version)
                 if header.kind != wire.Header.LOAD:
                     self._have.pop(key, None)
+                    self._stepping.discard(key)
                     self._digests.pop(key, None)  # (read only beside _have: kept, it lingered)
                     # It drops the copy installed now, taken with it: by key, an UNLOAD the
                     # compute thread ran late dropped the copy a LOAD after it installed,
@@ -300,10 +303,13 @@ class Loader:
                     self._compute.put((frontend, header, [self._take(key)]))
                     self._done(key)
                     continue
-                loaded = load(header, self._repository, self._device, self._allowed, self._have)
+                loaded = load(header, self._repository, self._device, self._allowed, self._have,
+                              key in self._stepping)  # fmt: skip
                 if loaded.model is not None and loaded.files is not None:
                     self._install(loaded)
                     self._have[key] = loaded.files
+                    step_wise = loaded.model[0].generate is not None
+                    (self._stepping.add if step_wise else self._stepping.discard)(key)
                     self._digests[key] = digest(loaded.files[1]), identity(self._repository)
                 with self._lock:
                     if self._open.get(key, (None, None))[1] is riders:

@@ -49,6 +49,7 @@ log = logging.getLogger("batchd.worker")
 _RESULTS = "inproc://batchd-results"
 _SEQUENCE = (wire.Header.START, wire.Header.CANCEL, wire.Header.CREDIT)
 POLL_MS = 100  # the I/O loop's longest wait: a SIGTERM's flag is read within it (exit < 1 s)
+RELOADED = "reloaded (its files changed)"  # why a copy is dropped, beside an UNLOAD
 HOLD_S = 0.01  # while a frontend is behind, how often the compute thread looks again
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 _NOTHING: merge.Item = (-1, wire.Header(), [])  # the compute thread found no work
@@ -158,9 +159,10 @@ class Runner:
         (a batch that could not join the forward gathered here), to do next."""
         frontend, header, frames = item
         if header.kind == wire.Header.UNLOAD:  # (the copy it drops: the loader's, out of
-            copy = frames.pop() if frames else None  # `item`, which the compute loop keeps:
-            for to, parts, ends in self._unload(header, copy):  # the model outlived its
-                reply(to, parts, ends)  # collection: review 55b, a worker kept 609 MB, not 228)
+            why = frames.pop() if len(frames) > 1 else ""  # `item`, which the compute loop
+            copy = frames.pop() if frames else None  # keeps: the model outlived its
+            for to, parts, ends in self._unload(header, copy, why):  # collection: review 55b,
+                reply(to, parts, ends)  # a worker kept 609 MB, not 228)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
@@ -197,20 +199,22 @@ class Runner:
         if (replaced := self.held.install(loaded)) is not None and loaded.model is not None:
             cfg = loaded.model[0]
             unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
-            self._work.put((0, unload, [replaced]))  # (it answers none: only its sequences)
+            self._work.put((0, unload, [replaced, RELOADED]))  # (answering none but its loop's)
 
-    def _unload(self, header: wire.Header, copy: Copy | None = None) -> list[Reply]:
+    def _unload(self, header: wire.Header, copy: Copy | None = None, why: str = "") -> list[Reply]:
         """Drop a model version's `copy` (the one installed), unless another replaced it;
-        its sequences still here end (the replies)."""
+        its sequences still here end (the replies). `why`: RELOADED, or "" (an UNLOAD)."""
         name, version, key = header.model, header.version, model_key(header.model, header.version)
         entry, loop, package = self.held.drop(key, copy)
-        ended = loop.drop_all(f"model {name!r} version {version!r} was unloaded") if loop else []
+        said = f"model {name!r} version {version!r} was {why or 'unloaded'}"
+        ended = loop.drop_all(said) if loop else []
         del loop  # the model's last references here go before the collection below
         if entry is not None:
             del entry
             loader.forget(package)  # its model.py's modules
             self._collections.pending = True  # (its objects may be among the frozen)
-            log.info("unloaded model %s version %s", name, version, extra={"model": name})
+            plain = f"unloaded model {name} version {version}"
+            log.info("%s", f"{said}: its old copy dropped" if why else plain, extra={"model": name})
         return ended
 
     def _run(self, group: list[merge.Item]) -> list[tuple[int, list[Any]]]:
