@@ -292,7 +292,7 @@ def test_a_copy_a_load_of_changed_files_replaced_is_dropped_as_an_unload_s(
         assert (item[1].kind, item[1].model, item[1].version) == (wire.Header.UNLOAD, d.name, "1")
         with caplog.at_level(logging.INFO, logger="batchd.worker"):
             runner._handle(item, lambda *_: None)
-        assert "was reloaded (its files changed)" in caplog.text
+        assert "model_py version 1 was reloaded (its files changed)" in caplog.text
         assert "unloaded" not in caplog.text
         assert runner._collections.run(time.monotonic()) is None
         assert ref() is None and key in runner.held.models

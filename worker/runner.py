@@ -9,13 +9,12 @@ forwards the replies. It waits at most POLL_MS for anything, so a stop
 (SIGTERM, STOP, its parent's exit) is seen within that, whether or not a
 frontend ever accepted the worker.
 
-The compute thread runs the models, in the order the frontend asked, and
-drops them on UNLOAD; the loader installs them, so batches go on while a model
-loads. Each talks back over its own inproc PUSH socket, so no ZeroMQ socket is
-ever shared between threads. Heartbeats keep flowing while a long batch or load
-runs. A model exception becomes an ERROR reply, a failed load a LOADED reply
-with the reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it.
-"""
+The compute thread runs the models, in the order the frontend asked, and drops
+them on UNLOAD (held.py); the loader installs them, so batches go on while a model
+loads. Each talks back over its own inproc PUSH socket, so no ZeroMQ socket is ever
+shared between threads. Heartbeats keep flowing while a long batch or load runs. A
+model exception becomes an ERROR reply, a failed load a LOADED reply with the
+reason; the worker lives on. STOP, a vanished parent, or SIGTERM end it."""
 
 from __future__ import annotations
 
@@ -213,8 +212,9 @@ class Runner:
             del entry
             loader.forget(package)  # its model.py's modules
             self._collections.pending = True  # (its objects may be among the frozen)
-            plain = f"unloaded model {name} version {version}"
-            log.info("%s", f"{said}: its old copy dropped" if why else plain, extra={"model": name})
+            what = f"model {name} version {version}"
+            done = f"{what} was {why}: its old copy dropped" if why else f"unloaded {what}"
+            log.info("%s", done, extra={"model": name})
         return ended
 
     def _run(self, group: list[merge.Item]) -> list[tuple[int, list[Any]]]:
