@@ -296,10 +296,7 @@ class Loader:
                     self._have.pop(key, None)
                     self._stepping.discard(key)
                     self._digests.pop(key, None)  # (read only beside _have: kept, it lingered)
-                    # It drops the copy installed now, taken with it: by key, an UNLOAD the
-                    # compute thread ran late dropped the copy a LOAD after it installed,
-                    # while this thread held it loaded: every later LOAD was answered
-                    # LOADED, each batch failed "not loaded on this worker" (review 54k)
+                    # (with the copy it drops: the one installed now, held.Held.take)
                     self._compute.put((frontend, header, [self._take(key)]))
                     self._done(key)
                     continue
