@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -41,6 +41,9 @@ from batchd.protos.repository import (
 )
 from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, forget, load_copy
+
+if TYPE_CHECKING:
+    from batchd.worker.held import Held
 
 _OWN: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
@@ -212,16 +215,14 @@ class Loader:
     UNLOAD goes on to the compute thread's queue, after the loads asked before it."""
 
     def __init__(
-        self, compute: queue.SimpleQueue[Any], install: Callable[[Loaded], None],
-        take: Callable[[str], object], repository: Path, device: torch.device,
-        allowed: tuple[str, ...],
+        self, compute: queue.SimpleQueue[Any], install: Callable[[Loaded], None], held: Held,
+        repository: Path, device: torch.device, allowed: tuple[str, ...],
     ) -> None:  # fmt: skip
-        self._compute, self._install, self._take = compute, install, take
+        self._compute, self._install, self._held = compute, install, held
         self._asked: queue.SimpleQueue[tuple[Item, Riders] | None] = queue.SimpleQueue()
         self._repository, self._device, self._allowed = repository, device, allowed
         # What is installed, as of the last message handed on: key -> its folder and files
         self._have: dict[str, tuple[Path, Files]] = {}
-        self._stepping: set[str] = set()  # ... those of them that are step-wise
         self._digests: dict[str, tuple[str, str]] = {}  # ... their digest, and the folder's
         # identity then (at_once: no stat on the I/O thread, whose beats a hung mount stops)
         self._queued: dict[str, int] = {}  # key -> LOADs and UNLOADs asked, not yet done
@@ -294,19 +295,16 @@ class Loader:
                 key = model_key(header.model, header.version)
                 if header.kind != wire.Header.LOAD:
                     self._have.pop(key, None)
-                    self._stepping.discard(key)
                     self._digests.pop(key, None)  # (read only beside _have: kept, it lingered)
-                    # (with the copy it drops: the one installed now, held.Held.take)
-                    self._compute.put((frontend, header, [self._take(key)]))
+                    # (with the copy it drops: the one installed now)
+                    self._compute.put((frontend, header, [self._held.take(key)]))
                     self._done(key)
                     continue
                 loaded = load(header, self._repository, self._device, self._allowed, self._have,
-                              key in self._stepping)  # fmt: skip
+                              key in self._held.loops)  # fmt: skip
                 if loaded.model is not None and loaded.files is not None:
                     self._install(loaded)
                     self._have[key] = loaded.files
-                    step_wise = loaded.model[0].generate is not None
-                    (self._stepping.add if step_wise else self._stepping.discard)(key)
                     self._digests[key] = digest(loaded.files[1]), identity(self._repository)
                 with self._lock:
                     if self._open.get(key, (None, None))[1] is riders:

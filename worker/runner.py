@@ -80,8 +80,8 @@ class Runner:
         self._stop = threading.Event()
         self._behind = threading.Event()  # a frontend has replies kept: no step till it takes
         o = options
-        self._loader = Loader(self._work, self._install, self.held.take, o.repository,
-                              o.device, o.allowed)  # fmt: skip
+        self._loader = Loader(self._work, self._install, self.held, o.repository, o.device,
+                              o.allowed)  # fmt: skip
         self._collections = Collections(o.device.type == "cuda")
         self._frontends = len(options.endpoint.split(","))
         self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
