@@ -1184,6 +1184,16 @@ def test_a_step_wise_version_held_is_kept_though_its_files_changed(tmp_path: Pat
     assert load(plain, tmp_path, CPU, (), {"steps@1": first.files}, stepping=True) == Loaded()
     again = load(plain, tmp_path, CPU, (), {"steps@1": first.files}, stepping=False)
     assert again.model is not None and again.model[0].generate is not None
+    # and a frontend that still reads it as plain is told so, not "batch lacks input 'N'"
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    runner._install(again)
+    runner._threads_all = 1
+    tensors, frames = batch(np.ones((1, 1), np.int64), "N")
+    header = wire.Header(kind=wire.Header.BATCH, model="steps", version="1", tensors=tensors)
+    ((_, parts),) = runner._run([(0, header, frames)])
+    said = wire.unpack(parts)[0]
+    assert (said.kind, said.error) == (wire.Header.ERROR, "model 'steps' version '1' is "
+                                       "step-wise (its files changed) on this worker")  # fmt: skip
 
 
 STEPPER = FLOOD_PY  # N quick steps, an output each

@@ -73,8 +73,8 @@ class Runner:
     def __init__(self, options: RunnerOptions) -> None:
         self.options = options
         self.held = Held()  # the models, their loops (the loader and compute thread's)
-        self._work: queue.SimpleQueue[tuple[int, wire.Header, list[Any]] | None]  # (frontend,
-        self._work, self._instance = queue.SimpleQueue(), secrets.token_hex(8)  # header, frames)
+        self._work: queue.SimpleQueue[merge.Item | None] = queue.SimpleQueue()  # (None: the end)
+        self._instance = secrets.token_hex(8)  # WorkerInfo's
         self._busy: tuple[int, Sequence[merge.Item] | None, float]  # since, batches, limit
         self._busy = (time.perf_counter_ns(), None, 0.0)  # (None: since when none runs)
         self._stop = threading.Event()
@@ -223,9 +223,10 @@ class Runner:
         entry = self.held.models.get(model_key(header.model, header.version))
         rows = [merge.rows_of(h) for _, h, _ in group]
         try:
-            if entry is None:
-                raise BatchError(f"model {header.model!r} version {header.version!r} is "
-                                 "not loaded on this worker")  # fmt: skip
+            if entry is None or entry[0].generate is not None:
+                is_ = "step-wise (its files changed)" if entry else "not loaded"
+                raise BatchError(f"model {header.model!r} version {header.version!r} is {is_} "
+                                 "on this worker")  # fmt: skip
             cfg, fn = entry
             self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
@@ -300,8 +301,7 @@ class Runner:
         ]
         results = ctx.socket(zmq.PULL)  # from the compute and the loader thread
         results.bind(_RESULTS)
-        compute = own_thread(self._compute, "compute", ctx)
-        compute.start()
+        (compute := own_thread(self._compute, "compute", ctx)).start()
         self._loader.start(ctx, _RESULTS)
         grace = STOP_GRACE_S
         try:
