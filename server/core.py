@@ -324,7 +324,8 @@ class Core:
         charged = blamed and not worker.load_sent  # (alone, its process ended: remembered;
         alone = charged and not stuck and len(batches) + len(sequences) == 1  # not a hang)
         poisoned, began = self.quarantine.add if alone else None, recovery.begun(sequences)
-        back = recovery.after_loss(batches, worker.name, reason, charged and not began, poisoned)
+        back = recovery.after_loss(batches, worker.name, reason, charged and not began, poisoned,
+                                   blamed and bool(worker.load_sent))  # fmt: skip
         back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged,
                                              poisoned)  # fmt: skip
         self.link.forget(worker.identity)

@@ -58,13 +58,14 @@ def after_loss(
     reason: str,
     charged: bool = True,
     poisoned: Callable[[Request, str], None] | None = None,
+    loading: bool = False,
 ) -> list[Request]:
     """The lost worker's requests to retry, as suspects; those out of attempts fail,
     each told to `poisoned` with its error (given only where it ran alone: quarantine).
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
     of memory, may be the cause; or a sequence had just begun there), they go back
     uncounted, once each, as suspects (a poison request on workers that load at their
-    start would otherwise go round for ever)."""
+    start would otherwise go round for ever). `loading`: a load was the other suspect."""
     back: list[Request] = []
     for batch in batches:
         for r in batch.requests:
@@ -73,9 +74,14 @@ def after_loss(
             r.settle_from = 0.0  # (a wait of its own for a settled worker: lanes.settle_by)
             if not charged and not r.spared:
                 r.spared = r.suspect = True
+                r.loaded_beside = loading
                 back.append(r)
                 continue
-            r.attempts += 1
+            # Alone where it died (`poisoned` given), a loss that spared it beside a load
+            # counts too, as one beside other requests would have: the death is its own.
+            # Else a poison whose first try came as its worker loaded ended three workers,
+            # not two (review 54j). (Not one that spared it as its link was cut: no suspect)
+            r.attempts += 2 if poisoned is not None and r.loaded_beside else 1
             if r.attempts >= MAX_ATTEMPTS:
                 why = (
                     f"model {batch.model.name!r}: the worker running this request was "

@@ -57,6 +57,7 @@ class Request:
     timer: Cancellable | None = None  # its queue timeout's, while it is queued
     attempts: int = 0  # batches of this request whose worker was lost
     spared: bool = False  # one such loss, while the worker loaded a model, went uncounted
+    loaded_beside: bool = False  # ... and a load was its other suspect (recovery.after_loss)
     suspect: bool = False  # its batch failed: it rides alone until it is answered
     level: int = 0  # priority level index: 0 is priority 1, the highest
     stream: StepStream | None = None  # a step-wise model's: where its outputs go

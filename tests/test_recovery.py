@@ -105,6 +105,31 @@ def test_a_worker_lost_while_it_loaded_a_model_charges_none_of_its_requests() ->
     run(body)
 
 
+def test_a_request_spared_beside_a_load_fails_at_its_next_loss_alone() -> None:
+    """A loss as its worker loaded a model spares a request (the load may be the cause);
+    its next, alone on a worker that loads nothing, is its own, and the spared one counts
+    too, as a loss beside other requests would have: a poison whose first try came as
+    its worker loaded ended three workers (review 54j), it ends two now. A loss that
+    spared it for another reason (its worker's link cut) leaves it a second try alone."""
+
+    async def body() -> None:
+        told: list[Request] = []
+        for loading, fails in ((True, True), (False, False)):
+            r = request(model())
+            batch = Batch(1, r.model, [r], 0.0)
+            assert recovery.after_loss([batch], "w", "x", charged=False, loading=loading) == [r]
+            back = recovery.after_loss([batch], "w", "x", True, lambda r, why: told.append(r))
+            assert (back == [], r.future.done(), told == [r]) == (fails, fails, fails)
+            if fails:
+                assert "lost 2 times" in str(r.future.exception())
+                told.clear()
+        r = request(model())  # beside others (no `poisoned`): counted once, as before
+        batch = Batch(1, r.model, [r], 0.0)
+        recovery.after_loss([batch], "w", "x", charged=False, loading=True)
+        assert recovery.after_loss([batch], "w", "x") == [r] and r.attempts == 1
+
+    run(body)
+
 def test_a_sequence_of_a_worker_lost_while_it_loaded_a_model_is_not_counted_once() -> None:
     """As a batch's requests: a reload's load() killed for want of memory took the
     worker; the sequences on it that had not streamed were each counted a loss."""
