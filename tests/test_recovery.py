@@ -130,6 +130,7 @@ def test_a_request_spared_beside_a_load_fails_at_its_next_loss_alone() -> None:
 
     run(body)
 
+
 def test_a_sequence_of_a_worker_lost_while_it_loaded_a_model_is_not_counted_once() -> None:
     """As a batch's requests: a reload's load() killed for want of memory took the
     worker; the sequences on it that had not streamed were each counted a loss."""
