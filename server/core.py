@@ -312,10 +312,9 @@ class Core:
 
     def lose(self, worker: WorkerHandle, reason: str, stuck: bool = True,
              blamed: bool = True) -> None:  # fmt: skip
-        """Forget `worker`; its requests go back to the queue (recovery decides which;
-        not `blamed`, as for a load, once each uncharged). `stuck`: its process may live
-        on, useless (silent, hung, its pipe full): a local one is killed. Not for a
-        process that exited or was replaced."""
+        """Forget `worker`; its requests go back to the queue (recovery decides which; not
+        `blamed`, as for a load, once each uncharged). `stuck` (not for one that exited or
+        was replaced): its process may live on, useless (silent, hung): a local one is killed."""
         if self.pool.get(worker.identity) is not worker:
             return
         batches, sequences = self.pool.leave(worker)
@@ -324,8 +323,9 @@ class Core:
         charged = blamed and not worker.load_sent  # (alone, its process ended: remembered;
         alone = charged and not stuck and len(batches) + len(sequences) == 1  # not a hang)
         poisoned, began = self.quarantine.add if alone else None, recovery.begun(sequences)
+        sees = worker.info.frontends < 2  # every load on it (not so under --frontends N)
         back = recovery.after_loss(batches, worker.name, reason, charged and not began, poisoned,
-                                   blamed and bool(worker.load_sent))  # fmt: skip
+                                   blamed and bool(worker.load_sent) and sees)  # fmt: skip
         back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged,
                                              poisoned)  # fmt: skip
         self.link.forget(worker.identity)

@@ -65,7 +65,9 @@ def after_loss(
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
     of memory, may be the cause; or a sequence had just begun there), they go back
     uncounted, once each, as suspects (a poison request on workers that load at their
-    start would otherwise go round for ever). `loading`: a load was the other suspect."""
+    start would otherwise go round for ever). `loading`: a load was the other suspect,
+    and this frontend sees every load on that worker (not so under --frontends N: review
+    55e, another frontend's load then looked like no load, and an innocent failed)."""
     back: list[Request] = []
     for batch in batches:
         for r in batch.requests:
