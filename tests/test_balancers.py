@@ -523,27 +523,29 @@ def test_nginx_fails_only_the_calls_in_flight_on_a_killed_replica(
 
 
 class NetnsReplica:
-    """A replica in its own network namespace, reached over a veth pair: 10.213.N.2."""
+    """A replica in its own network namespace, reached over a veth pair: 10.214.K.2, K
+    of this process and `n` (fixed, a run killed before it cleaned up, its namespaces
+    holding the addresses, failed every run after it: the replicas were unreachable)."""
 
     def __init__(self, n: int, repo: Path, logs: Path, state: Path) -> None:
-        tag = f"{os.getpid() % 100000}{n}"
+        tag, net = f"{os.getpid() % 100000}{n}", f"10.214.{os.getpid() % 80 * 3 + n}"
         self.ns, self.host_if, self.ns_if = f"batchd-{tag}", f"bdh{tag}", f"bdn{tag}"
-        self.url = f"10.213.{n}.2:8001"
+        self.url = f"{net}.2:8001"
         ip = ["ip"]
         for cmd in (
             [*ip, "netns", "add", self.ns],
             [*ip, "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
             [*ip, "link", "set", self.ns_if, "netns", self.ns],
-            [*ip, "addr", "add", f"10.213.{n}.1/30", "dev", self.host_if],
+            [*ip, "addr", "add", f"{net}.1/30", "dev", self.host_if],
             [*ip, "link", "set", self.host_if, "up"],
-            [*ip, "-n", self.ns, "addr", "add", f"10.213.{n}.2/30", "dev", self.ns_if],
+            [*ip, "-n", self.ns, "addr", "add", f"{net}.2/30", "dev", self.ns_if],
             [*ip, "-n", self.ns, "link", "set", self.ns_if, "up"],
             [*ip, "-n", self.ns, "link", "set", "lo", "up"],
         ):
             subprocess.run(cmd, check=True, capture_output=True, timeout=30)
         serve = [
             *("ip", "netns", "exec", self.ns, sys.executable, "-m", "batchd.server"),
-            *("--model-repository", str(repo), "--host", f"10.213.{n}.2", "--grpc-port", "8001"),
+            *("--model-repository", str(repo), "--host", f"{net}.2", "--grpc-port", "8001"),
             *("--http-port", "-1", "--metrics-port", "-1", "--workers", "1"),
             *("--threads-per-worker", "1", "--jobs-dir", str(logs / f"jobs-{tag}")),
         ]
