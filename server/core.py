@@ -325,7 +325,7 @@ class Core:
         poisoned, began = self.quarantine.add if alone else None, recovery.begun(sequences)
         sees = worker.info.frontends < 2  # every load on it (not so under --frontends N)
         back = recovery.after_loss(batches, worker.name, reason, charged and not began, poisoned,
-                                   blamed and bool(worker.load_sent) and sees)  # fmt: skip
+                                   blamed and bool(worker.load_sent), sees)  # fmt: skip
         back += recovery.after_sequence_loss(sequences, worker.name, reason, batches, charged,
                                              poisoned)  # fmt: skip
         self.link.forget(worker.identity)

@@ -59,15 +59,16 @@ def after_loss(
     charged: bool = True,
     poisoned: Callable[[Request, str], None] | None = None,
     loading: bool = False,
+    sees: bool = True,
 ) -> list[Request]:
     """The lost worker's requests to retry, as suspects; those out of attempts fail,
     each told to `poisoned` with its error (given only where it ran alone: quarantine).
     Not `charged` (the worker was loading a model: a load() that hung or was killed, out
     of memory, may be the cause; or a sequence had just begun there), they go back
     uncounted, once each, as suspects (a poison request on workers that load at their
-    start would otherwise go round for ever). `loading`: a load was the other suspect,
-    and this frontend sees every load on that worker (not so under --frontends N: review
-    55e, another frontend's load then looked like no load, and an innocent failed)."""
+    start would otherwise go round for ever). `loading`: a load was the other suspect;
+    `sees`: this frontend sees every load on that worker (not one shared by frontends:
+    another's load looked like none, and an innocent failed: reviews 55e, 55f)."""
     back: list[Request] = []
     for batch in batches:
         for r in batch.requests:
@@ -76,14 +77,14 @@ def after_loss(
             r.settle_from = 0.0  # (a wait of its own for a settled worker: lanes.settle_by)
             if not charged and not r.spared:
                 r.spared = r.suspect = True
-                r.loaded_beside = loading
+                r.loaded_beside = loading and sees
                 back.append(r)
                 continue
             # Alone where it died (`poisoned` given), a loss that spared it beside a load
             # counts too, as one beside other requests would have: the death is its own.
             # Else a poison whose first try came as its worker loaded ended three workers,
             # not two (review 54j). (Not one that spared it as its link was cut: no suspect)
-            r.attempts += 2 if poisoned is not None and r.loaded_beside else 1
+            r.attempts += 2 if poisoned is not None and r.loaded_beside and sees else 1
             if r.attempts >= MAX_ATTEMPTS:
                 why = (
                     f"model {batch.model.name!r}: the worker running this request was "
