@@ -79,6 +79,12 @@ def install(runner: Runner, header: wire.Header) -> str:
     return loaded.error
 
 
+def unload(runner: Runner, header: wire.Header) -> None:
+    """Unload as the loader hands an UNLOAD on (with the copy installed) and the compute
+    thread runs it."""
+    runner._unload(header, runner.held.take(model_key(header.model, header.version)))
+
+
 def run(d: Path, arr: np.ndarray) -> np.ndarray:
     cfg = load_model_config(d)
     tensors, frames = batch(arr)
@@ -262,7 +268,7 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
         assert install(runner, header) == ""
         assert gc.get_freeze_count() > 0  # the loaded model is out of the collector's sight
         ref = weakref.ref(runner.held.models[model_key(d.name, "1")][1])
-        runner._unload(header)
+        unload(runner, header)
         assert runner._collections.run(time.monotonic()) is None  # (the first: at once)
         assert ref() is None  # ... until it is unloaded
     finally:
@@ -344,11 +350,11 @@ def test_unloads_back_to_back_share_a_collection_spaced_out(tmp_path: Path) -> N
             refs.append(weakref.ref(runner.held.models[model_key(d.name, version)][1]))
         collected.clear()  # (the loads' own)
         now = 1_000.0
-        runner._unload(wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1"))
+        unload(runner, wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1"))
         assert runner._collections.run(now) is None and refs[0]() is None and collected
         collected.clear()
         for version in "23":
-            runner._unload(wire.Header(kind=wire.Header.UNLOAD, model=d.name, version=version))
+            unload(runner, wire.Header(kind=wire.Header.UNLOAD, model=d.name, version=version))
             wait = runner._collections.run(now)
             assert wait is not None and wait > 0 and not collected  # not yet, not at once
         assert refs[1]() is not None and refs[2]() is not None
@@ -375,8 +381,10 @@ def test_an_idle_compute_thread_runs_a_spaced_collection_when_its_time_comes(
         compute.start()
         try:
             for version in "12":  # the second's collection waits for the first's to age
+                copy = runner.held.take(model_key(d.name, version))  # (as the loader hands
                 runner._work.put((0, wire.Header(kind=wire.Header.UNLOAD, model=d.name,
-                                                 version=version), []))  # fmt: skip
+                                                 version=version), [copy]))  # it on)  # fmt: skip
+            del copy
             wait_for(lambda: refs[0]() is None and refs[1]() is None, 30, "both freed")
         finally:
             runner._work.put(None)
@@ -973,8 +981,8 @@ def test_each_model_py_is_a_package_of_its_own_while_its_version_is_loaded(
         assert answer("a", "2") == (X * 5).tolist() and answer("a", "1") == (X * 2).tolist()
         loaded = {m for m in sys.modules if m.startswith("batchd_model_a_")}
         assert len(loaded) == 4  # versions 1 and 2, each with its helper
-        runner._unload(header(wire.Header.UNLOAD, "a", "1"))
-        runner._unload(header(wire.Header.UNLOAD, "a", "2"))
+        unload(runner, header(wire.Header.UNLOAD, "a", "1"))
+        unload(runner, header(wire.Header.UNLOAD, "a", "2"))
         assert not any(m.startswith("batchd_model_a_") for m in sys.modules)
         assert answer("b", "1") == (X * 3).tolist()
     finally:

@@ -50,16 +50,14 @@ class Held:
             self._taken[key] = entry
             return entry, self.loops.get(key), self._packages.pop(key, "")
 
-    def drop(self, key: str, copy: Copy | None) -> Copy:
-        """Drop `copy` of `key` (None: the one installed now), unless another replaced it
-        since; returns it (its sequences end, its package goes: the caller's)."""
+    def drop(self, key: str, copy: Copy) -> None:
+        """Drop `copy` of `key` (take's), unless another replaced it since (its sequences
+        end, its package goes: the caller's)."""
+        entry, loop, _ = copy
         with self._lock:
-            entry, loop, package = copy or (self.models.get(key), self.loops.get(key),
-                                            self._packages.pop(key, ""))  # fmt: skip
             if loop is not None and self.loops.get(key) is loop:
                 self.loops = {k: v for k, v in self.loops.items() if k != key}
             if entry is not None and self.models.get(key) is entry:
                 self.models = {k: v for k, v in self.models.items() if k != key}
             if entry is not None and self._taken.get(key) is entry:
                 del self._taken[key]
-        return entry, loop, package

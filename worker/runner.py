@@ -157,11 +157,10 @@ class Runner:
         """Do one piece of work from a frontend; returns an item taken but not done
         (a batch that could not join the forward gathered here), to do next."""
         frontend, header, frames = item
-        if header.kind == wire.Header.UNLOAD:  # (the copy it drops: the loader's, out of
-            why = frames.pop() if len(frames) > 1 else ""  # `item`, which the compute loop
-            copy = frames.pop() if frames else None  # keeps: the model outlived its
-            for to, parts, ends in self._unload(header, copy, why):  # collection: review 55b,
-                reply(to, parts, ends)  # a worker kept 609 MB, not 228)
+        if header.kind == wire.Header.UNLOAD:  # (its copy taken out of `item`, which the
+            why = frames.pop() if len(frames) > 1 else ""  # compute loop keeps: the model
+            for to, parts, ends in self._unload(header, frames.pop(), why):  # outlived its
+                reply(to, parts, ends)  # collection: review 55b, a worker kept 609 MB, not 228)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
@@ -200,11 +199,12 @@ class Runner:
             unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
             self._work.put((0, unload, [replaced, RELOADED]))  # (answering none but its loop's)
 
-    def _unload(self, header: wire.Header, copy: Copy | None = None, why: str = "") -> list[Reply]:
-        """Drop a model version's `copy` (the one installed), unless another replaced it;
-        its sequences still here end (the replies). `why`: RELOADED, or "" (an UNLOAD)."""
+    def _unload(self, header: wire.Header, copy: Copy, why: str = "") -> list[Reply]:
+        """Drop a model version's `copy` (Held.take's), unless another replaced it; its
+        sequences still here end (the replies). `why`: RELOADED, or "" (an UNLOAD)."""
         name, version, key = header.model, header.version, model_key(header.model, header.version)
-        entry, loop, package = self.held.drop(key, copy)
+        self.held.drop(key, copy)
+        entry, loop, package = copy
         said = f"model {name!r} version {version!r} was {why or 'unloaded'}"
         ended = loop.drop_all(said) if loop else []
         del loop  # the model's last references here go before the collection below
