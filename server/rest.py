@@ -84,6 +84,7 @@ log = logging.getLogger("batchd.server")
 INLINE_BYTES, INLINE_VALUES = 256 * 1024, 4096  # more: off the loop (values: its , and [)
 REST_EXTENSIONS = sorted([*EXTENSIONS, "binary_tensor_data", "generate"])
 JSON = "application/json"
+SSE = "text/event-stream; charset=utf-8"  # as Triton's /generate_stream
 
 
 def json_response(value: Any, status: int = 200) -> web.Response:
@@ -313,29 +314,25 @@ class RestApi:
         return web.Response(body=body, content_type=JSON)
 
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
-        """Server-Sent Events: one `data:` event per output, then `event: final` (or
-        `event: error` if the sequence fails after its first output). A failure
-        before the first output is an HTTP error, as on /generate; a sequence that
-        yields no output at all, just the final event."""
+        """Server-Sent Events as Triton sends them: one `data:` event per output, and
+        the body's end after the last; a failure after the first output is a `data:`
+        event with `error` (and its `code`). A failure before the first output is an
+        HTTP error, as on /generate; a sequence that yields no output, an empty body."""
         cfg, body = await self._model_body(request)
-        parsed, got = self._request(cfg, body, _aside(parse_generate), cfg)
+        parsed, _ = self._request(cfg, body, _aside(parse_generate), cfg)
         events = self._events(cfg, parsed, request.headers)
         first = await anext(events, None)  # raises before any byte is sent
         stream = PatientStream(request, cfg.instances.execution_timeout_s, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})  # fmt: skip
+            "Content-Type": SSE, "Cache-Control": "no-cache"})  # fmt: skip
         await stream.prepare(request)
-        count = 0
         try:
             event: bytes | None = first
             while event is not None:
                 await stream.write(b"data: " + event + b"\n\n")
-                count += 1
                 event = await anext(events, None)
-            final = {"model_name": cfg.name, "id": got[0].id, "outputs": count}
-            await stream.write(b"event: final\ndata: " + orjson.dumps(final) + b"\n\n")
         except BatchdError as e:
             error = {"error": e.message, "code": e.code.name}
-            await stream.write(b"event: error\ndata: " + orjson.dumps(error) + b"\n\n")
+            await stream.write(b"data: " + orjson.dumps(error) + b"\n\n")
         finally:
             await events.aclose()
         await stream.write_eof()

@@ -1165,8 +1165,9 @@ def test_a_draining_server_is_503_with_the_grpc_message(tmp_path: Path) -> None:
 
 def test_generate_stream_gives_the_grpc_streams_tokens(example_server: ServerProcess) -> None:
     """/generate_stream on the decoder: one `data:` event per TOKEN, the tokens of the
-    gRPC stream for each prompt, then `event: final` counting them; /generate gives
-    them joined; a one-shot model streams its one answer."""
+    gRPC stream for each prompt, and nothing else (Triton's form: no named event, which
+    SSE readers would take as one more response); /generate gives them joined; a
+    one-shot model streams its one answer."""
     cases = [([5, 6, 7], 6), ([9], 3), ([40, 41, 42, 43, 44, 45], 10)]
     with Client(example_server.url) as c:
         for i, (prompt, new) in enumerate(cases):
@@ -1176,12 +1177,13 @@ def test_generate_stream_gives_the_grpc_streams_tokens(example_server: ServerPro
             assert len(want) == new
             body = {"id": f"g{i}", "PROMPT": prompt, "MAX_NEW_TOKENS": new}
             r = call(example_server, "POST", "/v2/models/decoder/generate_stream", body)
-            assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+            assert r.status == 200
+            assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
             got = events(r.body)
-            assert [k for k, _ in got] == ["message"] * new + ["final"]
-            assert [d["TOKEN"] for _, d in got[:-1]] == want
-            assert all((d["model_name"], d["id"]) == ("decoder", f"g{i}") for _, d in got[:-1])
-            assert got[-1][1] == {"model_name": "decoder", "id": f"g{i}", "outputs": new}
+            assert [k for k, _ in got] == ["message"] * new
+            assert [d["TOKEN"] for _, d in got] == want
+            assert all((d["model_name"], d["id"]) == ("decoder", f"g{i}") for _, d in got)
+            assert all(line.startswith(b"data: ") for line in r.body.split(b"\n") if line)
             joined = call(example_server, "POST", "/v2/models/decoder/generate", body)
             assert joined.status == 200, joined.body
             assert joined.json() == {
@@ -1190,7 +1192,7 @@ def test_generate_stream_gives_the_grpc_streams_tokens(example_server: ServerPro
         x = np.linspace(-1, 1, 16, dtype=np.float32)
         want_tiny = c.infer("tiny", x[None], timeout=60)["OUTPUT0"][0]
     one = call(example_server, "POST", "/v2/models/tiny/generate_stream", {"INPUT0": x.tolist()})
-    assert [k for k, _ in events(one.body)] == ["message", "final"]
+    assert [k for k, _ in events(one.body)] == ["message"]
     np.testing.assert_array_equal(np.float32(events(one.body)[0][1]["OUTPUT0"]), want_tiny)
     plain = call(example_server, "POST", "/v2/models/tiny/generate", {"INPUT0": x.tolist()})
     np.testing.assert_array_equal(np.float32(plain.json()["OUTPUT0"]), want_tiny)
@@ -1205,8 +1207,9 @@ def test_a_sequence_failing_after_its_first_output_ends_with_an_error_event(
     test_server: ServerProcess, models_stub: pb_grpc.GRPCInferenceServiceStub, gate: Gate
 ) -> None:
     """`stepper` sequence -2 fails at its second step: the SSE stream has its first
-    output, then `event: error` with gRPC's stream error and code; sequence -1 fails
-    before any output, which is a plain HTTP 500 with gRPC's message."""
+    output, then a `data:` event with gRPC's stream error (and its code), as Triton
+    sends a failure after the first response; sequence -1 fails before any output,
+    which is a plain HTTP 500 with gRPC's message."""
 
     def stepper(seq: int) -> pb.ModelInferRequest:
         msg = pb.ModelInferRequest(model_name="stepper")
@@ -1220,7 +1223,7 @@ def test_a_sequence_failing_after_its_first_output_ends_with_an_error_event(
     r = call(test_server, "POST", "/v2/models/stepper/generate_stream", {"ID": -2, "STEPS": 5})
     assert r.status == 200
     got = events(r.body)
-    assert [k for k, _ in got] == ["message", "error"]
+    assert [k for k, _ in got] == ["message", "message"]
     assert got[0][1]["VALUE"] == -1999
     assert got[1][1] == {"error": grpc_stream[1].error_message, "code": "INTERNAL"}
     (refused,) = list(models_stub.ModelStreamInfer(iter([stepper(-1)]), timeout=60))
