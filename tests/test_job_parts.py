@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import io
 import json
 import math
@@ -37,7 +38,7 @@ from batchd.server.jobs import service as service_module
 from batchd.server.jobs import sqlite as sqlite_module
 from batchd.server.jobs import store as store_module
 from batchd.server.jobs.ids import check_ids
-from batchd.server.jobs.runner import JobRun
+from batchd.server.jobs.run import JobRun
 from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import InUse, JobRow, Progress, Store
@@ -741,16 +742,99 @@ def test_a_jobs_store_that_fails_leaves_the_runner_and_the_server_running(
     assert store.failures == []
 
 
-def test_a_job_whose_end_cannot_be_written_is_logged_not_raised(
+def test_a_job_whose_end_cannot_be_written_is_logged_not_raised_and_queued_again(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Not left `running` with nothing running it till the next start (review 56b)."""
     cfg = model(max_batch_size=4, shape=(1,))
     store = FailingStore(tmp_path, finish_fails=True)
-    run(lambda: queued_one_line(store, cfg))
+    row = run(lambda: queued_one_line(store, cfg))
     claimed = run(lambda: SqliteStore.claim(store))
     assert claimed is not None
     run(lambda: JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run())
     assert "its end (completed) could not be recorded (OperationalError" in caplog.text
+    assert run(lambda: store.get(row.id)).status == "queued"
+
+
+def ended(store: SqliteStore, row: JobRow, jobs: runner.Jobs) -> JobRow:
+    """`row` once it ended, `jobs` running it (and stopped after)."""
+
+    async def body() -> JobRow:
+        task = asyncio.create_task(jobs.run())
+        while (got := await store.get(row.id)) is None or got.status not in store_module.ENDED:
+            assert not task.done(), task
+            await asyncio.sleep(0)  # (a scheduling point, not a wait for time)
+        await jobs.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return got
+
+    return run(lambda: asyncio.wait_for(body(), 30))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("fails", ["write", "sync", "read"])
+def test_a_full_disk_stops_a_job_where_it_was_checkpointed_and_it_runs_on_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fails: str
+) -> None:
+    """This server's storage failing (ENOSPC writing or syncing results, EIO reading the
+    input) is not the job's fault: it failed for good, every line lost to its caller
+    (review 56b). It is queued again, from its last checkpoint, after a rest."""
+    monkeypatch.setattr(runner, "POLL_S", 0.001)
+    monkeypatch.setattr(runner, "REST_S", 0.001)
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = SqliteStore(tmp_path)
+    row = run(lambda: queued_one_line(store, cfg))
+    where = {"write": (sqlite_module._ResultsFile, "write"), "sync": (sqlite_module._ResultsFile,
+             "sync"), "read": (chunks.Reader, "read")}[fails]  # fmt: skip
+    real, full = getattr(*where), [1]
+
+    def failing(self: Any, *args: Any) -> Any:
+        if full[0]:
+            full[0] -= 1
+            raise OSError(errno.EIO if fails == "read" else errno.ENOSPC, "no room")
+        return real(self, *args)
+
+    monkeypatch.setattr(*where, failing)
+    done = ended(store, row, jobs_of(store, cfg))
+    assert full == [0] and (done.status, done.error, done.completed, done.failed) == (
+        "completed", "", 1, 0,
+    )  # fmt: skip
+    assert [json.loads(x)["custom_id"] for x in store.results_path(row.id).read_text().split()] == [
+        "a"
+    ]
+    assert "stopped by this server's storage (OSError" in caplog.text
+
+
+def test_a_stalled_job_the_store_cannot_queue_again_is_queued_once_it_can(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its end not written, and the database still full as it is queued again: the runner
+    tries again after its rest (it stayed `running` with nothing running it)."""
+    monkeypatch.setattr(runner, "POLL_S", 0.001)
+    monkeypatch.setattr(runner, "REST_S", 0.001)
+    cfg = model(max_batch_size=4, shape=(1,))
+    fails = {"finish": 1, "requeue": 2}
+
+    class Full(SqliteStore):
+        async def finish(self, row: Any, status: str, error: str = "") -> None:
+            await self._full("finish")
+            await super().finish(row, status, error)
+
+        async def requeue(self, job_id: str) -> None:
+            await self._full("requeue")
+            await super().requeue(job_id)
+
+        async def _full(self, call: str) -> None:
+            if fails[call]:
+                fails[call] -= 1
+                raise sqlite3.OperationalError("database or disk is full")
+
+    store = Full(tmp_path)
+    row = run(lambda: queued_one_line(store, cfg))
+    done = ended(store, row, jobs_of(store, cfg))
+    assert fails == {"finish": 0, "requeue": 0}
+    assert (done.status, done.completed, done.failed) == ("completed", 1, 0)
 
 
 def test_taking_a_job_batch_does_not_walk_the_lane() -> None:
@@ -847,7 +931,7 @@ def test_a_running_job_s_rate_is_its_checkpoints_and_its_eta_counts_down(
     by OVERDUE_S (a stall), the ETA is not known, not 0 for as long as it stalls."""
     now = [1000.0]
     monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
-    run = runner.JobRun.__new__(runner.JobRun)
+    run = JobRun.__new__(JobRun)
     run._started, run._start_done = 990.0, 0
     run._saved, run._saved_at = Progress(0, 100, 90, 10), 1000.0
     assert run.pace(400) == (10.0, 40.0)
@@ -866,7 +950,7 @@ def test_an_ended_job_whose_runner_lingers_reads_no_rate(monkeypatch: pytest.Mon
     runner's rate (a failed job shown running at 10 lines a second)."""
     now = [1000.0]
     monkeypatch.setattr(runner.time, "monotonic", lambda: now[0])
-    run = runner.JobRun.__new__(runner.JobRun)
+    run = JobRun.__new__(JobRun)
     run._started, run._start_done = 990.0, 0
     run._saved, run._saved_at = Progress(0, 100, 90, 10), 1000.0
     row = JobRow("j", "", "m", "1", "failed", 500, 90, 10, *(0.0,) * 3, "gone", 0, 0, 0, 100,

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -38,11 +39,13 @@ from batchd.protos import jobs_pb2_grpc as pb_grpc
 from batchd.protos.model_config import ConfigError
 from batchd.server.config import Limits, add_arguments, from_arguments
 from batchd.server.errors import ModelNotFound, Unavailable
-from batchd.server.jobs import database, runner
+from batchd.server.jobs import database
 from batchd.server.jobs import postgres as postgres_module
+from batchd.server.jobs import run as run_module
 from batchd.server.jobs.database import safe_url
 from batchd.server.jobs.postgres import PART_BYTES, PostgresStore
-from batchd.server.jobs.runner import JobRun, Jobs
+from batchd.server.jobs.run import JobRun
+from batchd.server.jobs.runner import Jobs
 from batchd.server.jobs.store import JobRow, LeaseLost, Progress, Submitted
 from tests.conftest import Gate, model, run
 from tests.postgres import PostgresServer
@@ -513,8 +516,8 @@ def test_a_job_whose_model_has_no_live_worker_is_given_back(
 ) -> None:
     """Its workers all gone after the claim: the run makes no progress, so it stops
     renewing its lease and gives the job back instead of holding it "0 of N"."""
-    monkeypatch.setattr(runner, "NOT_READY_S", 0.0)
-    monkeypatch.setattr(runner, "CHECKPOINT_S", 0.01)
+    monkeypatch.setattr(run_module, "NOT_READY_S", 0.0)
+    monkeypatch.setattr(run_module, "CHECKPOINT_S", 0.01)
     dbl2 = named("dbl2")
     a = PostgresStore(jobs_db, tmp_path / "a", lease_s=3600)
 
@@ -530,6 +533,70 @@ def test_a_job_whose_model_has_no_live_worker_is_given_back(
         await asyncio.wait_for(JobRun(mine, a, Stuck(dbl2), Limits(), lambda *x: None).run(), 30)
         back = await a.get(row.id)
         assert back is not None and (back.status, back.done) == ("queued", 0)
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
+def test_a_replica_whose_disk_is_full_gives_the_job_back_not_failed(
+    jobs_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its input cache cannot be written (ENOSPC): that replica's fault, not the job's.
+    It failed the job for every replica, its lines lost (review 56b); it is given back,
+    queued for a replica with room, and the part it had copied is removed."""
+    dbl2 = named("dbl2")
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=3600, keep_inputs=False)
+    real = Path.open
+
+    def full(self: Path, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        if self.suffix == ".part":
+            f = real(self, mode, *args, **kwargs)
+            f.write(b"x")  # (what it had copied when the disk filled)
+            f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, mode, *args, **kwargs)
+
+    async def body() -> None:
+        row = await _queued(a, "dbl2")
+        mine = await a.claim()
+        assert mine is not None
+        monkeypatch.setattr(Path, "open", full)
+        go = JobRun(mine, a, Core(dbl2), Limits(), lambda *x: None)
+        await asyncio.wait_for(go.run(), 30)
+        monkeypatch.undo()
+        back = await a.get(row.id)
+        assert back is not None and (back.status, back.error, back.done) == ("queued", "", 0)
+        assert go.stalled and not list(a.folder(row.id).glob("*.part"))
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
+def test_an_upload_being_stored_holds_up_no_other_call(jobs_db: str, tmp_path: Path) -> None:
+    """The file goes in on a connection of its own: on the store's one connection, a
+    large upload's insert held every other call of the replica (a GetJob 5-8 s behind
+    800 MB to 1 GB, review 56b; others' upload leases could run out)."""
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=60)
+
+    async def body() -> None:
+        row = await a.create("", "gated", "")
+        path = a.upload_path(row.id)
+        os.mkfifo(path)  # its insert reads it, and waits here till the test writes
+        storing = asyncio.ensure_future(a.queue(row.id, 2, len(job_lines(2))))
+        writer = await asyncio.to_thread(os.open, path, os.O_WRONLY)  # the insert reads
+        try:
+            seen = await asyncio.wait_for(a.get(row.id), 5)  # (a guard: it waited 10 s)
+            assert seen is not None and seen.status == "validating"
+        finally:
+            os.write(writer, job_lines(2).encode())
+            os.close(writer)
+        assert await asyncio.wait_for(storing, 30)
+        queued = await a.get(row.id)
+        assert queued is not None and queued.status == "queued"
 
     try:
         run(body)

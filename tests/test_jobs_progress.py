@@ -25,7 +25,7 @@ from batchd.client import Client
 from batchd.protos import jobs_pb2 as pb
 from batchd.protos.model_config import ModelConfig
 from batchd.server.config import Limits
-from batchd.server.jobs import chunks, runner
+from batchd.server.jobs import chunks, run, runner
 from batchd.server.jobs.service import JobsService
 from batchd.server.jobs.sqlite import SqliteStore
 from batchd.server.jobs.store import JobRow
@@ -34,7 +34,7 @@ from tests.conftest import Gate, model, scrape, value
 from tests.servers import TEST_MODELS, ServerProcess, wait_for
 from tests.test_jobs import ended, gated_lines, results
 
-LINES = 600  # three chunks: all in the core at once (runner.DEPTH)
+LINES = 600  # three chunks: all in the core at once (run.DEPTH)
 UNTIL_S = 20.0
 
 
@@ -213,7 +213,7 @@ def test_a_run_given_back_mid_chunk_goes_on_from_its_last_line_written(tmp_path:
     def count(model: str, ok: int, failed: int) -> None:
         counted.append(ok)
 
-    asyncio.run(runner.JobRun(again, store, Answering(s.cfg), Limits(), count).run())
+    asyncio.run(run.JobRun(again, store, Answering(s.cfg), Limits(), count).run())
     final = asyncio.run(store.get(s.job_id))
     store.close()
     assert final is not None and (final.status, final.completed, final.failed) == (

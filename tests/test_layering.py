@@ -41,7 +41,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the core", {"core"}),
     (
         "transports",
-        {"service", "health", "jobs.runner", "jobs.upload", "jobs.service", "jobs.rest", "rest"},
+        {
+            "service",
+            "health",
+            "jobs.run",
+            "jobs.runner",
+            "jobs.upload",
+            "jobs.service",
+            "jobs.rest",
+            "rest",
+        },
     ),
     ("the composition root and the command", {"app", "cli", "__main__"}),
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -151,6 +152,19 @@ class ModelGone(JobFailed):
 
 class NotOneShot(JobFailed):
     """The job's model is step-wise: its lines would have no one answer each."""
+
+
+class Stalled(Exception):
+    """This server's own storage failed the run (a full or read-only disk, an I/O error):
+    not the job's fault, so it runs on from its last checkpoint later, never failed."""
+
+
+def stalls(e: BaseException) -> bool:
+    """Whether `e` is this server's storage failing (Stalled), not the job or a bug. A
+    missing file is the job's: its input is gone, and running again would not find it."""
+    return isinstance(e, sqlite3.Error) or (
+        isinstance(e, OSError) and not isinstance(e, FileNotFoundError)
+    )
 
 
 def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:

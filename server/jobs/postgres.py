@@ -26,8 +26,9 @@ model went away after its claim is given back (jobs/runner.py), never failed.
 
 Leases use the database's clock, so replicas' clocks need not agree. Calls run
 on a thread, one at a time on each of two connections: the running jobs'
-(claims, checkpoints, renewals, their ends) and every other call's (uploads,
-inputs read back, questions), so a long upload never holds up a lease. A
+(claims, checkpoints, renewals, their ends) and every other call's (inputs read
+back, questions); an upload's file is stored on a connection of its own, so a
+large one holds up no lease, question or other upload. A
 database that does not answer (database.py bounds every call) makes the job
 calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
 inference goes on.
@@ -35,7 +36,7 @@ inference goes on.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import math
 import os
 import secrets
@@ -50,7 +51,6 @@ from batchd.server.errors import ModelNotFound
 from batchd.server.jobs.database import CALL_TIMEOUT_S, PART_BYTES, Database, every, one, parts
 from batchd.server.jobs.store import (
     COLUMNS,
-    DISCARDED,
     ENDED,
     EXPIRE_MOST,
     READ_PIECE,
@@ -65,6 +65,7 @@ from batchd.server.jobs.store import (
     Submitted,
     lock_directory,
     new_job_id,
+    sweep,
 )
 
 if TYPE_CHECKING:
@@ -164,8 +165,12 @@ class PostgresStore(Store):
                     cur.execute(sql, (job_id, part, data))
             return True
 
-        if not await self._db.run(store, timeout_s=CALL_TIMEOUT_S + input_bytes / STORE_RATE):
-            return False
+        db = Database(self._db.url)  # its own connection: no other call waits on a large file
+        try:
+            if not await db.run(store, timeout_s=CALL_TIMEOUT_S + input_bytes / STORE_RATE):
+                return False
+        finally:
+            await asyncio.to_thread(db.close)
         self._uploads.discard(job_id)
         if not self._keep_inputs:  # this frontend runs no jobs: nothing would read it
             self.discard(job_id)
@@ -260,9 +265,13 @@ class PostgresStore(Store):
         part = "SELECT data FROM batchd_job_input WHERE job_id = %s AND part = %s"
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         partial = path.with_suffix(".part")
-        with partial.open("wb") as f:  # a part at a time: memory stays PART_BYTES
-            for n in range((await self._db.run(one, count, (row.id,)))[0]):
-                f.write((await self._db.run(one, part, (row.id, n)))[0])
+        try:
+            with partial.open("wb") as f:  # a part at a time: memory stays PART_BYTES
+                for n in range((await self._db.run(one, count, (row.id,)))[0]):
+                    f.write((await self._db.run(one, part, (row.id, n)))[0])
+        except BaseException:  # (a full disk: what it took goes)
+            partial.unlink(missing_ok=True)
+            raise
         partial.rename(path)
         return path
 
@@ -277,17 +286,14 @@ class PostgresStore(Store):
         sets = ("input_offset = %s, lines_read = %s, completed = %s, failed = %s, "
                 "results_bytes = %s, checkpointed_at = %s")  # fmt: skip
         if give_back_at is None:
-            status = self._fenced(
-                cur, row, f"{sets}, lease_until = {_NOW} + %s", (*progress, self.lease_s)
-            )
+            sets, args = f"{sets}, lease_until = {_NOW} + %s", (*progress, self.lease_s)
         else:
-            status = self._fenced(
-                cur, row,
+            sets, args = (
                 f"{sets}, status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE "
                 "'queued' END, finished_at = CASE WHEN status = 'cancelling' THEN %s ELSE 0 END, "
-                "runner = '', lease_until = 0",
-                (*progress, give_back_at),
-            )  # fmt: skip
+                "runner = '', lease_until = 0"
+            ), (*progress, give_back_at)  # fmt: skip
+        status = self._fenced(cur, row, sets, args)
         at = pending.saved
         for data in parts(pending.parts, pending.size):
             cur.execute(
@@ -367,7 +373,8 @@ class PostgresStore(Store):
         if before > 0:
             removal, args = _removal(ended), (before, EXPIRE_MOST, before)
             gone += [r[0] for r in await self._db.run(every, removal, args)]
-        self._sweep()
+        # The local folders of jobs not running or taken in here: input caches of jobs that
+        sweep(self.directory, set(self._claims) | self._uploads)  # ended or went elsewhere
         return gone
 
     async def trim(self, owner: str, keep: int) -> list[str]:
@@ -375,15 +382,6 @@ class PostgresStore(Store):
             "owner = %s AND finished_at > 0", "ORDER BY finished_at DESC LIMIT %s OFFSET %s"
         )
         return [r[0] for r in await self._db.run(every, sql, (owner, TRIM_MOST, keep, owner))]
-
-    def _sweep(self) -> None:
-        """Remove the local folders of jobs not running or taken in here: input caches of
-        jobs that ended or went elsewhere (this process's alone: a frontend has its own)."""
-        keep = set(self._claims) | self._uploads
-        with contextlib.suppress(OSError):
-            for entry in self.directory.iterdir():
-                if entry.name.startswith(("job-", DISCARDED)) and entry.name not in keep:
-                    self.discard(entry.name)
 
     async def read_results(self, job_id: str, start: int, end: int) -> AsyncIterator[bytes]:
         sql = (

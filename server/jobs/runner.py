@@ -1,28 +1,15 @@
-"""Running jobs: read a job's lines, hand them to the core in the job lane, write
-their answers in input order, checkpoint.
+"""Running jobs: the runner claims queued jobs, one a model, and runs each (run.JobRun).
 
     Jobs.run ──claim──▶ JobRun (one per running job; at most one per model)
-    JobRun:   input.jsonl ──read + parse + decode (a thread)──▶ Chunk
-              Chunk's requests ──Core.submit (background)──▶ the model's job lane
-              the oldest chunk's lines answered in order ──encode (a thread)──▶ results.jsonl
-              every CHECKPOINT_S (or CHECKPOINT_BYTES): results made durable, then
-              the offsets that cover them committed (store.py)
-
-A chunk is up to CHUNK_LINES lines or CHUNK_BYTES of input; at most DEPTH chunks are in
-the core at once (a job's memory and the lane's requests are bounded, whatever its size).
-Lines are decoded by codec.decode_request as online requests are, a request a line (the
-scheduler batches them); one that does not parse, is refused or fails is its error line.
-
-A line is written once it and every line before it are answered; a status counts what the
-last checkpoint made durable, so no count a client saw is taken back: not by a crash (lines
-written after it are answered again), a cancel (it keeps the lines answered without a gap).
 
 Shared jobs (a store with `shared`): only jobs of models this replica can run now
 (loaded, a live worker serving them) are claimed; one whose model goes away after
 its claim, or whose workers are gone for NOT_READY_S, is given back (queued,
 fenced), never failed for it. One server (SQLite) claims no job of a model still
 loading or that failed to load (it waits queued), and fails a job of a model it
-does not have: no other server would run it. A stop gives claimed jobs back.
+does not have: no other server would run it. A stop gives claimed jobs back. A run
+this server's storage stopped (Stalled) is queued again, and no job is claimed for a
+while (REST_S, doubled at each, REST_MOST_S at most): a full disk is not spun on.
 """
 
 from __future__ import annotations
@@ -35,215 +22,21 @@ import logging
 import math
 import sys
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from batchd.protos.model_config import ModelConfig
 from batchd.server.config import Limits
 from batchd.server.errors import Unavailable
-from batchd.server.jobs.chunks import Chunk, JobFailed, ModelGone, Reader, encode, job_model
-from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Results, Store, pace
-from batchd.server.request import Request, Tensor
+from batchd.server.jobs.run import JobCore, JobRun
+from batchd.server.jobs.store import STATUSES, JobRow, LeaseLost, Progress, Store
 
 log = logging.getLogger("batchd.jobs")
-DEPTH = 4  # chunks in the core at once
-CHECKPOINT_S = 1.0
-CHECKPOINT_BYTES = 16 * 1024 * 1024  # results written since the last checkpoint, at most
 POLL_S = 1.0  # how often the runner looks for queued jobs another frontend took in
-NOT_READY_S = 3.0  # shared: a running job's model without a live worker this long: given back
 STOP_S = 30.0  # a stop waits this long, at most, for its jobs to be given back
 EXPIRE_EVERY_S = 60.0
-
-
-class JobCore(Protocol):
-    @property
-    def models(self) -> Mapping[str, ModelConfig]: ...
-
-    def submit(self, request: Request) -> asyncio.Future[list[Tensor]]: ...
-
-    def model_ready(self, name: str) -> bool: ...
-
-
-class JobRun:
-    """One job, running in this process."""
-
-    def __init__(self, row: JobRow, store: Store, core: JobCore, limits: Limits,
-                 on_lines: Callable[[str, int, int], None]) -> None:  # fmt: skip
-        self.row, self._store, self._core, self._limits = row, store, core, limits
-        self._on_lines = on_lines  # (model, answered, failed): for the metrics
-        self.cancelling = False
-        self._inflight: deque[Chunk] = deque()
-        self.completed, self.failed = row.completed, row.failed  # written: the results'
-        self._started, self._start_done = -math.inf, row.done  # (monotonic; -inf: not running)
-        # Through the last line written; its last checkpoint (what a status counts), when
-        # (monotonic); and when its model was seen workerless.
-        self._done = Progress(row.input_offset, row.lines_read, row.completed, row.failed)
-        self._saved, self._saved_at, self._unready_since = self._done, -math.inf, math.inf
-
-    def cancel(self) -> None:
-        self.cancelling = True
-        for f in (f for chunk in self._inflight for f in chunk.futures):
-            f.cancel()
-
-    def pace(self, remaining: int) -> tuple[float, float]:
-        """store.pace of this run's checkpoints (monotonic times)."""
-        done, since = self._saved.completed + self._saved.failed, (self._started, self._start_done)
-        return pace(done, remaining, since, self._saved_at, time.monotonic())
-
-    async def run(self) -> None:
-        row = self.row
-        try:
-            outcome = await self._outcome()
-            if outcome is None:  # given back: another replica runs it
-                return
-            status, error = outcome
-            await self._store.finish(row, status, error)
-        except (LeaseLost, Unavailable) as e:  # it runs on elsewhere, or here once the
-            log.warning("job %s: stopped here (%s); it runs on from its last checkpoint", row.id,
-                        e, extra={"job": row.id, "model": row.model})  # fmt: skip
-            return  # database answers again: from its last checkpoint either way
-        except Exception as e:  # its end was not written (a full disk): the server lives
-            log.error("job %s: its end (%s) could not be recorded (%s: %s); it runs on from its "
-                      "last checkpoint at the next start", row.id, status, type(e).__name__, e,
-                      extra={"job": row.id, "model": row.model})  # fmt: skip
-            return
-        log.info(
-            "job %s %s: %d answered, %d failed%s", row.id, status, self.completed, self.failed,
-            f" ({error})" if error else "", extra={"job": row.id, "model": row.model},
-        )  # fmt: skip
-
-    async def _outcome(self) -> tuple[str, str] | None:
-        try:
-            return await self._run()
-        except ModelGone as e:
-            if not self._store.shared:
-                return "failed", str(e)
-            log.warning("job %s: given back (%s); a replica that can run it takes it", self.row.id,
-                        e, extra={"job": self.row.id, "model": self.row.model})  # fmt: skip
-            return None
-        except JobFailed as e:
-            return "failed", str(e)
-        except (LeaseLost, Unavailable):
-            raise
-        except Exception as e:  # a bug or a disk error: the job fails, the server lives
-            log.exception("job %s failed", self.row.id)
-            return "failed", f"{type(e).__name__}: {e}"
-        finally:
-            self.cancel()
-            self._inflight.clear()  # its lines answered ahead are never written
-
-    async def _run(self) -> tuple[str, str]:
-        row, store = self.row, self._store
-        out = store.open_results(row)
-        try:
-            model = job_model(self._core.models, row.model, row.version)
-            reader = Reader(await store.open_input(row), row.input_offset, row.lines_read)
-            try:
-                return await self._steps(model, reader, out)
-            finally:
-                reader.close()
-        except asyncio.CancelledError:  # the server stops: keep what is written, run on later
-            await self._give_back(out, "the stop")  # (its input perhaps still loading)
-            raise
-        except JobFailed as e:
-            if store.shared and isinstance(e, ModelGone):
-                self.cancel()
-                await self._give_back(out, "its return")
-            else:  # it fails keeping, and counting, every line written
-                with contextlib.suppress(Exception):  # (else: from its last checkpoint)
-                    await self._checkpoint(out)
-            raise
-        finally:
-            out.close()
-
-    async def _give_back(self, out: Results, when: str) -> None:
-        """Checkpoint what is written and give the job back (shared: queued at once)."""
-        try:
-            await self._store.release(self.row, out, self._done)
-        except Exception as e:  # what was checkpointed before stays
-            log.warning("job %s: its last results were not kept at %s (%s: %s); it runs on "
-                        "from its last checkpoint", self.row.id, when, type(e).__name__, e,
-                        extra={"job": self.row.id, "model": self.row.model})  # fmt: skip
-
-    def _check_ready(self, model: ModelConfig, answers: Iterable[object] = ()) -> None:
-        """Shared: ModelGone once the model has had no live worker here for NOT_READY_S,
-        or at once when lines were refused for it (a model that failed to load)."""
-        if not self._store.shared or self._core.model_ready(model.name):
-            self._unready_since = math.inf
-            return
-        now = time.monotonic()
-        self._unready_since = min(self._unready_since, now)
-        refused = any(isinstance(a, Unavailable) for a in answers)
-        if refused or now - self._unready_since >= NOT_READY_S:
-            raise ModelGone(f"model {model.name!r} has no live worker here")
-
-    async def _steps(self, model: ModelConfig, reader: Reader, out: Results) -> tuple[str, str]:
-        self._started, self._start_done = time.monotonic(), self.completed + self.failed
-        saved_at = self._started
-        while True:
-            while not reader.eof and len(self._inflight) < DEPTH and not self.cancelling:
-                model = job_model(self._core.models, self.row.model, self.row.version)
-                chunk = await asyncio.to_thread(reader.read, model, self._limits)
-                if self.cancelling:  # (cancelled while it was read: never submitted)
-                    break
-                chunk.submit(self._core.submit)
-                self._inflight.append(chunk)
-            if not self._inflight:
-                break
-            head = self._inflight[0]
-            pending = None if self.cancelling else head.pending()
-            if pending is not None and not (await asyncio.wait([pending], timeout=CHECKPOINT_S))[0]:
-                self._check_ready(model)  # no worker: it makes no progress here
-                saved_at = time.monotonic()  # a slow model: save, or say it still runs
-                if self._done.input_offset != self._saved.input_offset:
-                    await self._checkpoint(out)
-                elif await self._store.renew(self.row) == "cancelling":
-                    self.cancel()
-                continue
-            if not await self._write(head, model, out) and self.cancelling:
-                break  # what was answered in order is written; the rest is not
-            now = time.monotonic()
-            if now - saved_at >= CHECKPOINT_S or out.unsaved() >= CHECKPOINT_BYTES:
-                saved_at = now
-                await self._checkpoint(out)
-        await self._checkpoint(out)
-        self._started = -math.inf
-        return ("cancelled", "") if self.cancelling else ("completed", "")
-
-    async def _write(self, head: Chunk, model: ModelConfig, out: Results) -> bool:
-        """Write the head chunk's lines answered in order; True once it is all written."""
-        start, end = head.written, head.answered(self.cancelling)
-        if end > start:
-            done = head.lines[start:end]
-            got = [line.result() for line in done]
-            try:
-                job_model(self._core.models, self.row.model, self.row.version)  # not unloaded
-                self._check_ready(model, got)  # nor failed for want of a worker
-            except JobFailed:
-                if not self.cancelling:
-                    raise
-                return False  # cancelled: what its model's going failed is not kept
-            data, ok, failed = await asyncio.to_thread(encode, done, got)
-            out.write(data)
-            head.written = end
-            self.completed, self.failed = self.completed + ok, self.failed + failed
-            self._on_lines(model.name, ok, failed)
-        if end > start or head.whole:  # (a chunk of blank lines only: whole at once)
-            self._done = Progress(*head.through(), self.completed, self.failed)
-        if head.whole:
-            self._inflight.popleft()
-        return head.whole
-
-    async def _checkpoint(self, out: Results) -> None:
-        """The results made durable, then the offsets that cover them (store.py)."""
-        done = self._done
-        status = await self._store.checkpoint(self.row, out, done)
-        self._saved, self._saved_at = done, time.monotonic()
-        if status == "cancelling":  # another frontend's or replica's cancel
-            self.cancel()
+REST_S, REST_MOST_S = 5.0, 300.0  # no claim after a Stalled run: this long, doubled each time
 
 
 class Jobs:
@@ -266,6 +59,8 @@ class Jobs:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._claiming: asyncio.Future[JobRow | None] | None = None  # a claim in flight
+        self._stalled: set[str] = set()  # Stalled runs not yet queued again (the store failed)
+        self._rest_until, self._rest_s = -math.inf, REST_S  # (monotonic) no claim till then
         self.stopping, self.taking_uploads = False, True  # uploads: till the drain notice ends
 
     def wake(self) -> None:
@@ -304,8 +99,11 @@ class Jobs:
                     expired_at = time.monotonic()
                     for job_id in await self.store.expire(self.retention_s):
                         log.info("job %s: past its retention, or an upload cut; removed", job_id)
-                self._claiming = asyncio.ensure_future(self._claim())
-                row = await asyncio.shield(self._claiming)  # a stop waits for it
+                row = None
+                if time.monotonic() >= self._rest_until:
+                    await self._requeue_stalled()
+                    self._claiming = asyncio.ensure_future(self._claim())
+                    row = await asyncio.shield(self._claiming)  # a stop waits for it
             except Unavailable as e:  # the jobs database is down: online traffic goes on
                 log.warning("batch jobs wait: %s", e)
                 row = None
@@ -326,6 +124,20 @@ class Jobs:
             task = asyncio.create_task(run.run(), name=f"job {row.id}")
             self._tasks.add(task)
             task.add_done_callback(functools.partial(self._ended, row.id))
+
+    async def _requeue_stalled(self) -> None:
+        """The Stalled runs the store would not queue again then: now, once it does."""
+        for job_id in sorted(self._stalled):
+            try:
+                await self.store.requeue(job_id)
+            except Exception:
+                self._rest()
+                raise
+            self._stalled.discard(job_id)
+
+    def _rest(self) -> None:
+        self._rest_until, self._rest_s = time.monotonic() + self._rest_s, min(
+            2 * self._rest_s, REST_MOST_S)  # fmt: skip
 
     async def _claim(self) -> JobRow | None:
         """The next job this server can run now (module docstring), claimed."""
@@ -376,7 +188,13 @@ class Jobs:
 
     def _ended(self, job_id: str, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self.running.pop(job_id, None)
+        run = self.running.pop(job_id, None)
+        if run is not None and run.stalled:  # its storage failed: the next claim waits
+            self._rest()
+            if not run.requeued:
+                self._stalled.add(job_id)
+        elif run is not None and not run.cancelling:
+            self._rest_s = REST_S
         self._wake.set()
 
     def collect(self) -> Iterator[Metric]:

@@ -108,8 +108,9 @@ class _ResultsFile(Results):
         os.fsync(self.file.fileno())
         return self.file.tell()
 
-    def close(self) -> None:
-        self.file.close()
+    def close(self) -> None:  # (a flush that fails, a full disk: past the checkpoint, cut)
+        with contextlib.suppress(OSError):
+            self.file.close()
 
 
 class SqliteStore(Store):
@@ -310,12 +311,18 @@ class SqliteStore(Store):
         self.discard(job_id)
         self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
-    async def recover(self) -> list[str]:
-        self._db.execute("UPDATE jobs SET status = 'queued' WHERE status = 'running'")
+    async def requeue(self, job_id: str) -> None:
+        self._requeue("id = ? AND ", (job_id,))
+
+    def _requeue(self, which: str, args: tuple[str, ...]) -> None:
+        self._db.execute(f"UPDATE jobs SET status = 'queued' WHERE {which}status = 'running'", args)
         self._db.execute(
-            "UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE status = 'cancelling'",
-            (self._clock(),),
-        )
+            f"UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE {which}status = "
+            "'cancelling'", (self._clock(), *args),
+        )  # fmt: skip
+
+    async def recover(self) -> list[str]:
+        self._requeue("", ())
         for left in discarded(self.directory):  # (a stop came as they were removed)
             discard(left)
         gone = [r[0] for r in self._db.execute("SELECT id FROM jobs WHERE status = 'validating'")]

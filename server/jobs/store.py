@@ -84,6 +84,14 @@ _removals: queue.SimpleQueue[Path] = queue.SimpleQueue()
 _remover: threading.Thread | None = None
 
 
+def sweep(directory: Path, keep: set[str]) -> None:
+    """Remove the job folders in `directory` not named in `keep`, and those set aside."""
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            if entry.name.startswith(("job-", DISCARDED)) and entry.name not in keep:
+                discard(entry)
+
+
 def discarded(directory: Path) -> list[Path]:
     """The folders a stop left aside in `directory` before removing them."""
     with contextlib.suppress(OSError):
@@ -319,6 +327,11 @@ class Store(ABC):
     async def release(self, row: JobRow, results: Results, progress: Progress) -> None:
         """The server stops: checkpoint the claimed job and give it back, to run on from
         there at the next start here or, shared, on another replica at once."""
+
+    async def requeue(self, job_id: str) -> None:  # noqa: B027 (shared: nothing to do)
+        """A run this server's storage stopped (a full disk) or whose end it could not
+        record: queued again, to run on from its last checkpoint (cancelled, if a cancel
+        came). A shared store gave it back in release(), or its lease runs out."""
 
     @abstractmethod
     async def finish(self, row: JobRow, status: str, error: str = "") -> None:
