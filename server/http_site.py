@@ -67,6 +67,36 @@ def encoding(request: web.Request) -> str:
     return coding
 
 
+def accepted(request: web.Request) -> str:
+    """The coding an answer goes in: gzip or deflate, whichever the caller's
+    Accept-Encoding weighs more (q > 0; `*` is gzip), as Triton answers tritonclient's
+    response_compression_algorithm; "" (identity) for neither."""
+    best, weight = "", 0.0
+    for item in request.headers.get("Accept-Encoding", "").lower().split(","):
+        name, *params = (part.strip() for part in item.split(";"))
+        q = next((p[2:] for p in params if p.startswith("q=")), "1")
+        try:
+            value = min(float(q), 1.0)  # (nan never weighs more)
+        except ValueError:
+            continue
+        coding = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate", "*": "gzip"}.get(name)
+        if coding and value > weight and not (name == "*" and best):
+            best, weight = coding, value
+    return best
+
+
+def deflated(data: bytes, coding: str) -> bytes:
+    """`data` as `coding` (accepted()): gzip, or deflate in zlib's wrapper as Triton and
+    tritonclient read it; level 1, the cheapest (zlib frees the GIL as it works)."""
+    out = zlib.compressobj(1, zlib.DEFLATED, zlib.MAX_WBITS + (16 if coding == "gzip" else 0))
+    return out.compress(data) + out.flush()
+
+
+def coded(coding: str) -> dict[str, str]:
+    """The headers of an answer in `coding` (deflated())."""
+    return {"Content-Encoding": coding, "Vary": "Accept-Encoding"} if coding else {}
+
+
 MAX_MEMBERS = 64  # gzip members of one body: each costs a decompressor, even an empty one
 STEP = 64 * 1024  # compressed bytes given zlib at a time: what it hands back stays small
 PIECE = 1024 * 1024  # ... and inflated bytes at most: each is copied into the body with

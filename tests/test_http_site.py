@@ -30,7 +30,7 @@ from batchd.server.http_site import PIECE, InflateBudget, Inflated, Inflating, s
 from batchd.server.jobs.service import JobsService
 from batchd.server.rest import INLINE_BYTES, RestApi
 from tests.servers import ServerProcess, wait_for
-from tests.test_rest import TINY, assert_serving, call, tiny_body
+from tests.test_rest import TINY, assert_serving, call, tiny_body, triton_http
 
 BIG_ROW = 4_000_000  # FP32 values in one row of `wide`'s answer: 16 MB
 
@@ -60,6 +60,49 @@ def test_compressed_bodies_are_answered_as_plain_ones(
         got = call(example_server, "POST", path, packed, {"Content-Encoding": coding})
         assert plain.status == got.status == 200, (path, got.body[:300])
         assert got.body == plain.body, path
+
+
+@pytest.mark.parametrize(
+    ("accept", "coding"),
+    [("gzip", "gzip"), ("deflate", "deflate"), ("deflate;q=0.5, GZIP", "gzip"),
+     ("gzip;q=0, deflate;q=0.2", "deflate"), ("gzip;q=0", ""), ("br", ""), ("*", "gzip"),
+     ("identity", ""), ("gzip;q=nan, deflate;q=x", ""), ("deflate, *", "deflate")],
+)  # fmt: skip
+def test_an_answer_s_coding_is_the_one_its_caller_weighs_most(accept: str, coding: str) -> None:
+    request = make_mocked_request("POST", TINY, headers={"Accept-Encoding": accept})
+    assert http_site.accepted(request) == coding
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+@pytest.mark.parametrize("rows", [1, 32])  # its answer written on the loop; aside
+def test_an_answer_is_compressed_as_its_caller_asks(
+    example_server: ServerProcess, coding: str, rows: int
+) -> None:
+    """tritonclient.http's response_compression_algorithm sends Accept-Encoding, and
+    Triton compresses the answer; batchd sent it plain (review 56a), JSON or binary."""
+    x = np.random.default_rng(rows).standard_normal((rows, 512), dtype=np.float32)
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [rows, 512],
+                        "data": x.ravel().tolist()}]}  # fmt: skip
+    plain = call(example_server, "POST", "/v2/models/mlp/infer", body)
+    got = call(example_server, "POST", "/v2/models/mlp/infer", body, {"Accept-Encoding": coding})
+    assert (got.status, got.headers["Content-Encoding"], got.headers["Vary"]) == (
+        200, coding, "Accept-Encoding",
+    )  # fmt: skip
+    assert zlib.decompress(got.body, 31 if coding == "gzip" else 15) == plain.body
+    with triton_http.InferenceServerClient(f"127.0.0.1:{example_server.http_port}") as h:
+        for binary in (False, True):
+            inp = triton_http.InferInput("INPUT0", [rows, 512], "FP32")
+            inp.set_data_from_numpy(x, binary_data=binary)
+            out = [triton_http.InferRequestedOutput("OUTPUT0", binary_data=binary)]
+            want = h.infer("mlp", [inp], outputs=out).as_numpy("OUTPUT0")
+            answer = h.infer("mlp", [inp], outputs=out, response_compression_algorithm=coding)
+            np.testing.assert_array_equal(answer.as_numpy("OUTPUT0"), want)
+    generate = {"id": "g", "PROMPT": [5, 6, 7], "MAX_NEW_TOKENS": 3}
+    plain = call(example_server, "POST", "/v2/models/decoder/generate", generate)
+    got = call(example_server, "POST", "/v2/models/decoder/generate", generate,
+               {"Accept-Encoding": coding})  # fmt: skip
+    assert got.headers["Content-Encoding"] == coding
+    assert zlib.decompress(got.body, 31 if coding == "gzip" else 15) == plain.body
 
 
 def test_a_web_page_s_own_requests_are_refused(example_server: ServerProcess) -> None:
