@@ -378,6 +378,7 @@ def test_the_store_claims_checkpoints_recovers_and_expires(tmp_path: Path) -> No
 
     async def body() -> None:
         a = await store.create("", "m", "")
+        store.upload_path(a.id).write_bytes(b"x" * 100)
         await store.queue(a.id, total=10, input_bytes=100)
         b = await store.create("", "m", "")  # an upload the crash cut short
         running = await store.claim()
@@ -756,6 +757,34 @@ def test_a_job_whose_end_cannot_be_written_is_logged_not_raised_and_queued_again
     assert run(lambda: store.get(row.id)).status == "queued"
 
 
+def test_a_job_told_queued_and_a_checkpoint_shown_are_on_disk_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A power loss took back neither: the input and its folders were never fsynced, and
+    commits were synchronous=NORMAL (review 56b): a job answered `queued` could come back
+    short, or be removed as an upload cut short. The WAL is fsynced after both commits."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = SqliteStore(tmp_path)
+    real, synced = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite")) as db:  # (a thread)
+            status = db.execute("SELECT status FROM jobs").fetchone()
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")).name, status[0]))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    row = run(lambda: queued_one_line(store, cfg))
+    assert synced == [("input.jsonl", "validating"), (row.id, "validating"),
+                      (tmp_path.name, "validating"), ("jobs.sqlite-wal", "queued")]  # fmt: skip
+    claimed = run(lambda: store.claim())
+    synced.clear()
+    results = store.open_results(claimed)
+    run(lambda: store.checkpoint(claimed, results, Progress(1, 1, 1, 0)))
+    results.close()
+    assert [name for name, _ in synced] == ["results.jsonl", "jobs.sqlite-wal"]
+
+
 def ended(store: SqliteStore, row: JobRow, jobs: runner.Jobs) -> JobRow:
     """`row` once it ended, `jobs` running it (and stopped after)."""
 
@@ -1101,6 +1130,7 @@ def test_the_jobs_count_for_a_scrape_reads_off_the_event_loop(tmp_path: Path) ->
     async def body() -> tuple[dict[str, int], set[str]]:
         for _ in range(3):
             row = await store.create("", "mlp", "1")
+        store.upload_path(row.id).write_bytes(b"x" * 10)
         await store.queue(row.id, 1, 10)
         threads: set[str] = set()
         real = sqlite3.connect

@@ -258,8 +258,13 @@ class JobRun:
 
     async def _checkpoint(self, out: Results) -> None:
         """The results made durable, then the offsets that cover them (store.py)."""
-        done = self._done
-        status = await self._store.checkpoint(self.row, out, done)
+        done, before = self._done, (self._saved, self._saved_at)
+        # Set first: a status may read the commit while it is made durable (the WAL's fsync)
         self._saved, self._saved_at = done, time.monotonic()
+        try:
+            status = await self._store.checkpoint(self.row, out, done)
+        except BaseException:
+            self._saved, self._saved_at = before
+            raise
         if status == "cancelling":  # another frontend's or replica's cancel
             self.cancel()

@@ -2,11 +2,13 @@
 
     DIR/jobs.sqlite        the jobs table (WAL: readers never wait for the writer)
     DIR/lock               held (flock) by the server that runs the jobs; its pid inside
-    DIR/<job id>/input.jsonl    as uploaded
+    DIR/<job id>/input.jsonl    as uploaded; fsynced (and its folders) before it is queued
     DIR/<job id>/results.jsonl  written in input order; fsynced before each checkpoint
 
 Its calls are coroutines only to match Store (store.py): they are short local
-writes, made on the loop as they come.
+writes, made on the loop as they come (synchronous=NORMAL: no fsync there). The two
+commits a power loss must not take back, a job told `queued` and a checkpoint's counts
+shown, are made durable by an fsync of the WAL on a thread before they are answered.
 """
 
 from __future__ import annotations
@@ -85,6 +87,16 @@ _PAST_KEPT = (
 )
 
 
+def durable(path: Path, parents: int = 2) -> None:
+    """`path` on disk, and the `parents` folders that name it (an input's: its job's, DIR)."""
+    for each in (path, *path.parents[:parents]):
+        fd = os.open(each, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class _ResultsFile(Results):
     def __init__(self, path: Path, at: int) -> None:
         path.touch()
@@ -124,6 +136,7 @@ class SqliteStore(Store):
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # (its jobs: this user's)
         self._lock_fd = lock_directory(directory) if lock else None
         self._db = sqlite3.connect(directory / "jobs.sqlite", isolation_level=None, timeout=10)
+        self._wal = directory / "jobs.sqlite-wal"
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
@@ -132,6 +145,11 @@ class SqliteStore(Store):
             if column not in have:
                 self._db.execute(f"ALTER TABLE jobs ADD COLUMN {column} {kind}")
         self._db.execute(_KEYS)
+
+    def _commits_durable(self) -> None:
+        """The WAL on disk: every commit so far outlives a power loss (NORMAL: not yet)."""
+        with contextlib.suppress(FileNotFoundError):  # (none: nothing written since)
+            durable(self._wal, parents=0)
 
     @staticmethod
     def holder(directory: Path) -> int | None:
@@ -210,14 +228,15 @@ class SqliteStore(Store):
         return "" if current is None else current.status
 
     async def queue(self, job_id: str, total: int, input_bytes: int, key: str = "") -> bool:
+        await asyncio.to_thread(durable, self.upload_path(job_id))
         try:
-            return bool(
-                self._db.execute(
-                    "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ?, "
-                    "submission = ? WHERE id = ? AND status = 'validating'",
-                    (total, input_bytes, key, job_id),
-                ).rowcount
-            )
+            queued = self._db.execute(
+                "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ?, "
+                "submission = ? WHERE id = ? AND status = 'validating'",
+                (total, input_bytes, key, job_id),
+            ).rowcount
+            await asyncio.to_thread(self._commits_durable)
+            return bool(queued)
         except sqlite3.IntegrityError:  # the key is on another job of its owner
             row = self._get(job_id)
             other = None if row is None else await self.keyed(row.owner, key)
@@ -265,6 +284,7 @@ class SqliteStore(Store):
         assert isinstance(results, _ResultsFile)
         results.saved = await asyncio.to_thread(results.sync)  # the results first
         self._save(row.id, results.saved, progress)
+        await asyncio.to_thread(self._commits_durable)
         current = self._get(row.id)
         return "" if current is None else current.status
 
