@@ -69,20 +69,22 @@ def encoding(request: web.Request) -> str:
 
 def accepted(request: web.Request) -> str:
     """The coding an answer goes in: gzip or deflate, whichever the caller's
-    Accept-Encoding weighs more (q > 0; `*` is gzip), as Triton answers tritonclient's
-    response_compression_algorithm; "" (identity) for neither."""
-    best, weight = "", 0.0
+    Accept-Encoding weighs more (q > 0; one not named weighs what `*` does, and less), as
+    Triton answers tritonclient's response_compression_algorithm; "" (identity) for
+    neither, or where it names identity weighing more."""
+    weights: dict[str, float] = {}
     for item in request.headers.get("Accept-Encoding", "").lower().split(","):
         name, *params = (part.strip() for part in item.split(";"))
         q = next((p[2:] for p in params if p.startswith("q=")), "1")
-        try:
-            value = min(float(q), 1.0)  # (nan never weighs more)
-        except ValueError:
-            continue
-        coding = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate", "*": "gzip"}.get(name)
-        if coding and value > weight and not (name == "*" and best):
-            best, weight = coding, value
-    return best
+        with contextlib.suppress(ValueError):  # (a q past 1 weighs 1; nan, or below 0, nothing)
+            value = float(q)
+            weights.setdefault(
+                name.removeprefix("x-"), value if 0 <= value <= 1 else float(value > 1)
+            )
+    star = weights.get("*", 0.0)
+    best = max(("gzip", "deflate"), key=lambda c: (weights.get(c, star), c in weights))
+    weight = weights.get(best, star)
+    return best if weight > 0 and weight >= weights.get("identity", 0.0) else ""
 
 
 def deflated(data: bytes, coding: str) -> bytes:

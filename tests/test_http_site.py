@@ -66,7 +66,10 @@ def test_compressed_bodies_are_answered_as_plain_ones(
     ("accept", "coding"),
     [("gzip", "gzip"), ("deflate", "deflate"), ("deflate;q=0.5, GZIP", "gzip"),
      ("gzip;q=0, deflate;q=0.2", "deflate"), ("gzip;q=0", ""), ("br", ""), ("*", "gzip"),
-     ("identity", ""), ("gzip;q=nan, deflate;q=x", ""), ("deflate, *", "deflate")],
+     ("identity", ""), ("gzip;q=nan, deflate;q=x", ""), ("deflate, *", "deflate"),
+     ("gzip;q=0, *", "deflate"), ("identity;q=1, gzip;q=0.5", ""), ("gzip, identity", "gzip"),
+     ("*;q=0", ""), ("gzip;q=nan, deflate;q=0.5", "deflate"), ("x-gzip;q=0.3, deflate;q=0.2",
+     "gzip")],
 )  # fmt: skip
 def test_an_answer_s_coding_is_the_one_its_caller_weighs_most(accept: str, coding: str) -> None:
     request = make_mocked_request("POST", TINY, headers={"Accept-Encoding": accept})

@@ -775,14 +775,18 @@ def test_a_job_told_queued_and_a_checkpoint_shown_are_on_disk_first(
 
     monkeypatch.setattr(os, "fsync", fsync)
     row = run(lambda: queued_one_line(store, cfg))
+    run(store.settle)  # (the submission's, before it is answered: JobsService.submit)
     assert synced == [("input.jsonl", "validating"), (row.id, "validating"),
                       (tmp_path.name, "validating"), ("jobs.sqlite-wal", "queued")]  # fmt: skip
     claimed = run(lambda: store.claim())
     synced.clear()
     results = store.open_results(claimed)
-    run(lambda: store.checkpoint(claimed, results, Progress(1, 1, 1, 0)))
+    for _ in range(2):  # the folder that names the results file, at its first sync
+        run(lambda: store.checkpoint(claimed, results, Progress(1, 1, 1, 0)))
     results.close()
-    assert [name for name, _ in synced] == ["results.jsonl", "jobs.sqlite-wal"]
+    assert [name for name, _ in synced] == [
+        "results.jsonl", row.id, "jobs.sqlite-wal", "results.jsonl", "jobs.sqlite-wal",
+    ]  # fmt: skip
 
 
 def ended(store: SqliteStore, row: JobRow, jobs: runner.Jobs) -> JobRow:
@@ -802,7 +806,7 @@ def ended(store: SqliteStore, row: JobRow, jobs: runner.Jobs) -> JobRow:
     return run(lambda: asyncio.wait_for(body(), 30))  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("fails", ["write", "sync", "read"])
+@pytest.mark.parametrize("fails", ["write", "torn", "sync", "read", "open"])
 def test_a_full_disk_stops_a_job_where_it_was_checkpointed_and_it_runs_on_once_there_is_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fails: str
 ) -> None:
@@ -814,13 +818,17 @@ def test_a_full_disk_stops_a_job_where_it_was_checkpointed_and_it_runs_on_once_t
     cfg = model(max_batch_size=4, shape=(1,))
     store = SqliteStore(tmp_path)
     row = run(lambda: queued_one_line(store, cfg))
-    where = {"write": (sqlite_module._ResultsFile, "write"), "sync": (sqlite_module._ResultsFile,
-             "sync"), "read": (chunks.Reader, "read")}[fails]  # fmt: skip
+    files = sqlite_module._ResultsFile
+    where = {"write": (files, "write"), "torn": (files, "write"), "sync": (files, "sync"),
+             "read": (chunks.Reader, "read"), "open": (files, "__init__")}[fails]  # fmt: skip
     real, full = getattr(*where), [1]
 
     def failing(self: Any, *args: Any) -> Any:
         if full[0]:
             full[0] -= 1
+            if fails == "torn":  # half of it written, then the disk was full (review 56c)
+                real(self, args[0][: len(args[0]) // 2])
+                self.file.flush()
             raise OSError(errno.EIO if fails == "read" else errno.ENOSPC, "no room")
         return real(self, *args)
 
@@ -833,6 +841,40 @@ def test_a_full_disk_stops_a_job_where_it_was_checkpointed_and_it_runs_on_once_t
         "a"
     ]
     assert "stopped by this server's storage (OSError" in caplog.text
+
+
+def test_a_run_whose_job_was_removed_stops_at_its_next_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its row deleted under it (its submitter gone): it ran to the end, its model's job
+    slot held, writing into a folder removed (review 56c)."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = SqliteStore(tmp_path)
+    row = run(lambda: queued_one_line(store, cfg))
+    claimed = run(lambda: store.claim())
+    store._db.execute("DELETE FROM jobs WHERE id = ?", (row.id,))
+    run(JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run)
+    assert f"job {row.id} was removed; nothing more of it runs" in caplog.text
+    assert "completed" not in caplog.text
+
+
+def test_a_job_whose_own_file_is_past_a_limit_fails_not_queued_for_ever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EFBIG (its results past the file size limit) is the job's, not the disk's: it ran
+    again from its checkpoint for ever, failing each time (review 56c)."""
+    monkeypatch.setattr(runner, "POLL_S", 0.001)
+    monkeypatch.setattr(runner, "REST_S", 0.001)
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = SqliteStore(tmp_path)
+    row = run(lambda: queued_one_line(store, cfg))
+
+    def too_big(self: Any, data: bytes) -> None:
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(sqlite_module._ResultsFile, "write", too_big)
+    done = ended(store, row, jobs_of(store, cfg))
+    assert (done.status, done.error) == ("failed", "OSError: [Errno 27] File too large")
 
 
 def test_a_stalled_job_the_store_cannot_queue_again_is_queued_once_it_can(
@@ -850,9 +892,9 @@ def test_a_stalled_job_the_store_cannot_queue_again_is_queued_once_it_can(
             await self._full("finish")
             await super().finish(row, status, error)
 
-        async def requeue(self, job_id: str) -> None:
+        async def requeue(self, row: JobRow) -> None:
             await self._full("requeue")
-            await super().requeue(job_id)
+            await super().requeue(row)
 
         async def _full(self, call: str) -> None:
             if fails[call]:

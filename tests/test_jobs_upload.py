@@ -176,6 +176,35 @@ def test_a_trim_that_fails_leaves_the_submission_answered(tmp_path: Path) -> Non
     run(lambda: asyncio.wait_for(body(), 30))
 
 
+def test_a_submitter_gone_as_its_queued_job_is_made_durable_leaves_it_queued(
+    tmp_path: Path,
+) -> None:
+    """Once committed queued, a job is not removed as an upload cut short: its submitter
+    cancelled during the WAL's fsync (a deadline) had it deleted while it ran (review 56c)."""
+    synced = asyncio.Event()
+
+    class SlowDisk(SqliteStore):
+        async def settle(self) -> None:
+            synced.set()
+            await asyncio.Event().wait()  # (an fsync that does not return before the cancel)
+
+    store = SlowDisk(tmp_path)
+    service = JobsService(jobs_of(store))
+
+    async def body() -> None:
+        submit = asyncio.ensure_future(
+            service.submit(EVERYONE, CFG.name, "", whole(ONE_LINE.encode()))
+        )
+        await synced.wait()
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        (job,) = await store.select(None)
+        assert job.status == "queued"
+
+    run(lambda: asyncio.wait_for(body(), 30))
+
+
 def test_a_cancel_stops_an_upload_to_this_process_at_once(tmp_path: Path) -> None:
     class NoLooks(SqliteStore):
         renew_every_s = math.inf  # the upload never reads its row: only the cancel can stop it

@@ -16,6 +16,7 @@ last line written), so progress moves line by line, not a chunk at a time.
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import sqlite3
 import time
@@ -159,12 +160,21 @@ class Stalled(Exception):
     not the job's fault, so it runs on from its last checkpoint later, never failed."""
 
 
+# The errors of a disk or a file system as a whole, which pass or an operator mends: not
+# those of one job's files (EFBIG: its results past a size limit; a file that is gone),
+# which would fail it again each time it ran
+STORAGE = {
+    errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM,
+    errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EBUSY, errno.ESTALE,
+    errno.ENOLCK, errno.ETIMEDOUT, errno.EINTR,
+}  # fmt: skip
+
+
 def stalls(e: BaseException) -> bool:
-    """Whether `e` is this server's storage failing (Stalled), not the job or a bug. A
-    missing file is the job's: its input is gone, and running again would not find it."""
-    return isinstance(e, sqlite3.Error) or (
-        isinstance(e, OSError) and not isinstance(e, FileNotFoundError)
-    )
+    """Whether `e` is this server's storage failing (Stalled), not the job or a bug."""
+    if isinstance(e, sqlite3.Error):  # (full, locked, read-only, an I/O error: SQLite's)
+        return not isinstance(e, sqlite3.ProgrammingError | sqlite3.InterfaceError)
+    return isinstance(e, OSError) and e.errno in STORAGE
 
 
 def job_model(models: Mapping[str, ModelConfig], name: str, version: str) -> ModelConfig:

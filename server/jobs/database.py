@@ -191,6 +191,15 @@ class Database:
                 self._shut()
         raise self._gone(f"did not answer within {timeout_s:g} s")
 
+    @staticmethod
+    async def alone(url: str, fn: Callable[..., T], timeout_s: float) -> T:
+        """`fn(cursor)` as run(), on a connection of its own, closed after (on a thread)."""
+        db = Database(url)
+        try:
+            return await db.run(fn, timeout_s=timeout_s)
+        finally:
+            await asyncio.to_thread(db.close)
+
     def _shut(self) -> None:
         """Shut the connection's socket under the thread that waits on it: its call
         fails at once, and the connection is made again by the next call."""

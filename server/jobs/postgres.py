@@ -21,22 +21,21 @@ checkpoint inserts the results written since the last one in the same
 transaction as the offsets that cover them, so results and offsets never
 disagree; a run that takes over starts where the last committed checkpoint left
 off. A stop (SIGTERM) checkpoints and gives the job back at once. A replica
-claims only jobs of models it can run now (`claim(only=...)`); a job whose
-model went away after its claim is given back (jobs/runner.py), never failed.
+claims only jobs of models it can run now (`claim(only=...)`); one whose model
+went away, or whose run its own disk stopped, is given back (jobs/run.py), never failed.
 
 Leases use the database's clock, so replicas' clocks need not agree. Calls run
 on a thread, one at a time on each of two connections: the running jobs'
 (claims, checkpoints, renewals, their ends) and every other call's (inputs read
 back, questions); an upload's file is stored on a connection of its own, so a
-large one holds up no lease, question or other upload. A
-database that does not answer (database.py bounds every call) makes the job
-calls fail UNAVAILABLE and running jobs stop where they were checkpointed;
-inference goes on.
+large one holds up no lease, question or other upload. A database that does not
+answer (database.py bounds every call) makes the job calls fail UNAVAILABLE and
+running jobs stop where they were checkpointed; inference goes on.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import math
 import os
 import secrets
@@ -75,6 +74,10 @@ STORE_RATE = 8 * 1024 * 1024  # bytes/s an upload is given to be stored, at the 
 _NOW = "extract(epoch from clock_timestamp())"  # the database's clock, in seconds
 _ROW = ", ".join(COLUMNS)
 _KEYED = "SELECT id FROM batchd_jobs WHERE submission = %s AND submission <> ''"
+_GIVE_BACK = (  # a claimed job: queued (cancelled, if a cancel came), held by none
+    "status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE 'queued' END, finished_at "
+    "= CASE WHEN status = 'cancelling' THEN %s ELSE 0 END, runner = '', lease_until = 0"
+)
 
 
 def _removal(where: str, then: str = "LIMIT %s FOR UPDATE SKIP LOCKED") -> str:
@@ -165,12 +168,9 @@ class PostgresStore(Store):
                     cur.execute(sql, (job_id, part, data))
             return True
 
-        db = Database(self._db.url)  # its own connection: no other call waits on a large file
-        try:
-            if not await db.run(store, timeout_s=CALL_TIMEOUT_S + input_bytes / STORE_RATE):
-                return False
-        finally:
-            await asyncio.to_thread(db.close)
+        # On a connection of its own: no other call waits on a large file
+        if not await Database.alone(self._db.url, store, CALL_TIMEOUT_S + input_bytes / STORE_RATE):
+            return False
         self._uploads.discard(job_id)
         if not self._keep_inputs:  # this frontend runs no jobs: nothing would read it
             self.discard(job_id)
@@ -269,10 +269,9 @@ class PostgresStore(Store):
             with partial.open("wb") as f:  # a part at a time: memory stays PART_BYTES
                 for n in range((await self._db.run(one, count, (row.id,)))[0]):
                     f.write((await self._db.run(one, part, (row.id, n)))[0])
-        except BaseException:  # (a full disk: what it took goes)
+            partial.rename(path)
+        finally:  # (a full disk: what it took goes)
             partial.unlink(missing_ok=True)
-            raise
-        partial.rename(path)
         return path
 
     def open_results(self, row: JobRow) -> Results:
@@ -288,11 +287,7 @@ class PostgresStore(Store):
         if give_back_at is None:
             sets, args = f"{sets}, lease_until = {_NOW} + %s", (*progress, self.lease_s)
         else:
-            sets, args = (
-                f"{sets}, status = CASE WHEN status = 'cancelling' THEN 'cancelled' ELSE "
-                "'queued' END, finished_at = CASE WHEN status = 'cancelling' THEN %s ELSE 0 END, "
-                "runner = '', lease_until = 0"
-            ), (*progress, give_back_at)  # fmt: skip
+            sets, args = f"{sets}, {_GIVE_BACK}", (*progress, give_back_at)
         status = self._fenced(cur, row, sets, args)
         at = pending.saved
         for data in parts(pending.parts, pending.size):
@@ -320,6 +315,13 @@ class PostgresStore(Store):
         assert isinstance(results, PendingResults)
         try:
             await self._runs.run(self._save, row, results, progress, self._clock())
+        finally:
+            self._claims.pop(row.id, None)
+
+    async def requeue(self, row: JobRow) -> None:  # its checkpoint as it was (LeaseLost:
+        try:  # another replica took it over, nothing is left to give back)
+            with contextlib.suppress(LeaseLost):
+                await self._runs.run(self._fenced, row, _GIVE_BACK, (self._clock(),))
         finally:
             self._claims.pop(row.id, None)
 

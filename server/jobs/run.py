@@ -123,10 +123,11 @@ class JobRun:
         )  # fmt: skip
 
     async def _requeue(self) -> None:
-        """Stalled: queued again (Store.requeue), or by Jobs once the store takes it."""
+        """Stalled: queued again from its last checkpoint (Store.requeue), or by Jobs once
+        the store takes it."""
         self.stalled = True
         with contextlib.suppress(Exception):
-            await self._store.requeue(self.row.id)
+            await self._store.requeue(self.row)
             self.requeued = True
 
     async def _outcome(self) -> tuple[str, str] | None:
@@ -151,7 +152,12 @@ class JobRun:
 
     async def _run(self) -> tuple[str, str]:
         row, store = self.row, self._store
-        out = store.open_results(row)
+        try:
+            out = store.open_results(row)
+        except Exception as e:  # (its file cannot be made or cut back: a full disk)
+            if stalls(e):
+                raise Stalled(f"{type(e).__name__}: {e}") from e
+            raise
         try:
             model = job_model(self._core.models, row.model, row.version)
             reader = Reader(await store.open_input(row), row.input_offset, row.lines_read)
@@ -170,10 +176,9 @@ class JobRun:
                 with contextlib.suppress(Exception):  # (else: from its last checkpoint)
                     await self._checkpoint(out)
             raise
-        except Exception as e:
-            if not stalls(e):
+        except Exception as e:  # (nothing past its last checkpoint is kept: a write the
+            if not stalls(e):  # disk cut short would be counted as whole)
                 raise
-            await self._give_back(out, "a failure of this server's storage")
             raise Stalled(f"{type(e).__name__}: {e}") from e
         finally:
             out.close()
@@ -219,7 +224,7 @@ class JobRun:
                 saved_at = time.monotonic()  # a slow model: save, or say it still runs
                 if self._done.input_offset != self._saved.input_offset:
                     await self._checkpoint(out)
-                elif await self._store.renew(self.row) == "cancelling":
+                elif self._heard(await self._store.renew(self.row)) == "cancelling":
                     self.cancel()
                 continue
             if not await self._write(head, model, out) and self.cancelling:
@@ -256,6 +261,13 @@ class JobRun:
             self._inflight.popleft()
         return head.whole
 
+    def _heard(self, status: str) -> str:
+        """The job's status a checkpoint or renewal read; LeaseLost if its row is gone
+        (removed as its submitter went: it ran on, into a folder removed)."""
+        if not status:
+            raise LeaseLost(f"job {self.row.id} was removed; nothing more of it runs")
+        return status
+
     async def _checkpoint(self, out: Results) -> None:
         """The results made durable, then the offsets that cover them (store.py)."""
         done, before = self._done, (self._saved, self._saved_at)
@@ -266,5 +278,5 @@ class JobRun:
         except BaseException:
             self._saved, self._saved_at = before
             raise
-        if status == "cancelling":  # another frontend's or replica's cancel
+        if self._heard(status) == "cancelling":  # another frontend's or replica's cancel
             self.cancel()

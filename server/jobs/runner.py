@@ -59,7 +59,7 @@ class Jobs:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._claiming: asyncio.Future[JobRow | None] | None = None  # a claim in flight
-        self._stalled: set[str] = set()  # Stalled runs not yet queued again (the store failed)
+        self._stalled: dict[str, JobRow] = {}  # Stalled runs not queued again (the store failed)
         self._rest_until, self._rest_s = -math.inf, REST_S  # (monotonic) no claim till then
         self.stopping, self.taking_uploads = False, True  # uploads: till the drain notice ends
 
@@ -127,13 +127,13 @@ class Jobs:
 
     async def _requeue_stalled(self) -> None:
         """The Stalled runs the store would not queue again then: now, once it does."""
-        for job_id in sorted(self._stalled):
+        for job_id, row in sorted(self._stalled.items()):
             try:
-                await self.store.requeue(job_id)
+                await self.store.requeue(row)
             except Exception:
                 self._rest()
                 raise
-            self._stalled.discard(job_id)
+            del self._stalled[job_id]
 
     def _rest(self) -> None:
         self._rest_until, self._rest_s = time.monotonic() + self._rest_s, min(
@@ -192,7 +192,7 @@ class Jobs:
         if run is not None and run.stalled:  # its storage failed: the next claim waits
             self._rest()
             if not run.requeued:
-                self._stalled.add(job_id)
+                self._stalled[job_id] = run.row
         elif run is not None and not run.cancelling:
             self._rest_s = REST_S
         self._wake.set()

@@ -61,6 +61,18 @@ def _utf8(text: str) -> bool:
     return True
 
 
+def _check_model(jobs: Jobs, model_name: str, model_version: str) -> None:
+    """InvalidInput or ModelNotFound unless a job may name this model and version."""
+    if not model_name:
+        raise InvalidInput("a job must name its model (gRPC: model_name; HTTP: ?model=NAME)")
+    try:
+        job_model(jobs.models, model_name, model_version)
+    except NotOneShot as e:  # (it was NOT_FOUND: the model is there)
+        raise InvalidInput(f"{e}") from None
+    except JobFailed as e:
+        raise ModelNotFound(f"{e}") from None
+
+
 class JobsService(pb_grpc.JobsServicer):
     def __init__(self, jobs: Jobs | None, off: str = "", tokens: Tokens | None = None,
                  max_message_bytes: int = 1 << 30) -> None:  # fmt: skip
@@ -146,14 +158,7 @@ class JobsService(pb_grpc.JobsServicer):
         if not jobs.taking_uploads:  # (uploads under way may end: runner.Jobs.stop)
             log.info("new job upload refused: this server is stopping")
             raise Refused("this server is stopping: submit the job again, to another replica")
-        if not model_name:
-            raise InvalidInput("a job must name its model (gRPC: model_name; HTTP: ?model=NAME)")
-        try:
-            job_model(jobs.models, model_name, model_version)
-        except NotOneShot as e:  # (it was NOT_FOUND: the model is there)
-            raise InvalidInput(f"{e}") from None
-        except JobFailed as e:
-            raise ModelNotFound(f"{e}") from None
+        _check_model(jobs, model_name, model_version)
         if (n := await jobs.store.count(OPEN)) >= jobs.max_open:
             raise LimitExceeded(
                 f"{n} jobs are open, the most this server keeps (--jobs-max-open "
@@ -162,17 +167,20 @@ class JobsService(pb_grpc.JobsServicer):
         row = await jobs.store.create(caller[0], model_name, model_version)
         upload = Upload(jobs, row.id)
         jobs.uploads[row.id] = upload.cancel
-        watching = asyncio.create_task(self._watching(jobs, upload))
+        watching, queued = asyncio.create_task(self._watching(jobs, upload)), False
         try:
             size, total = await upload.take(pieces)
             if not await jobs.store.queue(row.id, total, size, key):  # cancelled meanwhile
                 now = await jobs.store.get(row.id)
                 raise upload_stopped(row.id, "" if now is None else now.status)
+            queued = True  # whatever comes now: not removed as an upload cut short
+            await jobs.store.settle()  # (its commit made durable before it is answered)
         except Submitted as same:  # sent twice at once: the first to be queued is the job
             await asyncio.shield(jobs.store.delete(row.id))
             return await self._same(caller, same.job_id, key, model_name, model_version)
         except BaseException:
-            await asyncio.shield(jobs.store.delete(row.id))
+            if not queued:
+                await asyncio.shield(jobs.store.delete(row.id))
             raise
         finally:
             watching.cancel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import sqlite3
 import time
@@ -88,11 +89,15 @@ _PAST_KEPT = (
 
 
 def durable(path: Path, parents: int = 2) -> None:
-    """`path` on disk, and the `parents` folders that name it (an input's: its job's, DIR)."""
+    """`path` on disk, and the `parents` folders that name it (an input's: its job's, DIR;
+    a file system that cannot fsync a folder, EINVAL, keeps its names as it can)."""
     for each in (path, *path.parents[:parents]):
         fd = os.open(each, os.O_RDONLY)
         try:
             os.fsync(fd)
+        except OSError as e:
+            if e.errno != errno.EINVAL or each == path:
+                raise
         finally:
             os.close(fd)
 
@@ -103,7 +108,7 @@ class _ResultsFile(Results):
         self.file: BinaryIO = path.open("r+b")
         self.file.truncate(at)  # what came after the last checkpoint goes
         self.file.seek(at)
-        self.saved = at
+        self.saved, self.named = at, False
 
     def write(self, data: bytes) -> None:
         self.file.write(data)
@@ -115,9 +120,13 @@ class _ResultsFile(Results):
         return self.tell() - self.saved
 
     def sync(self) -> int:
-        """Flush and fsync (on a thread: a disk may be slow); the bytes now durable."""
+        """Flush and fsync (on a thread: a disk may be slow); the bytes now durable. The
+        first also fsyncs its folder, which names the file (made after the input's sync)."""
         self.file.flush()
         os.fsync(self.file.fileno())
+        if not self.named:
+            durable(Path(self.file.name).parent, parents=0)
+            self.named = True
         return self.file.tell()
 
     def close(self) -> None:  # (a flush that fails, a full disk: past the checkpoint, cut)
@@ -230,13 +239,13 @@ class SqliteStore(Store):
     async def queue(self, job_id: str, total: int, input_bytes: int, key: str = "") -> bool:
         await asyncio.to_thread(durable, self.upload_path(job_id))
         try:
-            queued = self._db.execute(
-                "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ?, "
-                "submission = ? WHERE id = ? AND status = 'validating'",
-                (total, input_bytes, key, job_id),
-            ).rowcount
-            await asyncio.to_thread(self._commits_durable)
-            return bool(queued)
+            return bool(
+                self._db.execute(
+                    "UPDATE jobs SET status = 'queued', total = ?, input_bytes = ?, "
+                    "submission = ? WHERE id = ? AND status = 'validating'",
+                    (total, input_bytes, key, job_id),
+                ).rowcount
+            )
         except sqlite3.IntegrityError:  # the key is on another job of its owner
             row = self._get(job_id)
             other = None if row is None else await self.keyed(row.owner, key)
@@ -331,8 +340,11 @@ class SqliteStore(Store):
         self.discard(job_id)
         self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
-    async def requeue(self, job_id: str) -> None:
-        self._requeue("id = ? AND ", (job_id,))
+    async def requeue(self, row: JobRow) -> None:
+        self._requeue("id = ? AND ", (row.id,))
+
+    async def settle(self) -> None:
+        await asyncio.to_thread(self._commits_durable)
 
     def _requeue(self, which: str, args: tuple[str, ...]) -> None:
         self._db.execute(f"UPDATE jobs SET status = 'queued' WHERE {which}status = 'running'", args)

@@ -328,10 +328,14 @@ class Store(ABC):
         """The server stops: checkpoint the claimed job and give it back, to run on from
         there at the next start here or, shared, on another replica at once."""
 
-    async def requeue(self, job_id: str) -> None:  # noqa: B027 (shared: nothing to do)
-        """A run this server's storage stopped (a full disk) or whose end it could not
-        record: queued again, to run on from its last checkpoint (cancelled, if a cancel
-        came). A shared store gave it back in release(), or its lease runs out."""
+    @abstractmethod
+    async def requeue(self, row: JobRow) -> None:
+        """The claimed job, whose run this server's storage stopped (a full disk) or whose
+        end it could not record: queued again, to run on from its last checkpoint (what
+        was written after it is not kept), or cancelled if a cancel came."""
+
+    async def settle(self) -> None:  # noqa: B027 (a database commits durably)
+        """The commits so far made durable (SQLite: its WAL fsynced, on a thread)."""
 
     @abstractmethod
     async def finish(self, row: JobRow, status: str, error: str = "") -> None:
