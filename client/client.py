@@ -140,6 +140,7 @@ def _awaitable(
 
 
 Outputs = dict[str, np.ndarray]
+ResultsOut = str | os.PathLike[str] | BinaryIO  # where job_results writes: a path or a file
 
 
 def _streaming(
@@ -227,13 +228,12 @@ class Client(_Connection):
                 if call is not None:
                     call.cancel()  # nothing once the call has ended
 
-    def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
+    def job_results(self, job_id: str, out: ResultsOut, *, give_up_s: float = 60.0) -> int:
         """Write the job's results (all of them once it has ended; those kept so far
         while it runs) to `out`, a path or a binary file. Returns the lines written.
-        No deadline: a download takes as long as the results (the client's timeout
-        bounded it, and failed every one longer). Cut off, it goes on from where it got
-        to, within the client's retries (job_ops.Resume)."""
-        resume = job_ops.Resume(self._core, job_id)
+        No deadline: a download takes as long as the results. Cut off, it goes on from
+        where it got to, with backoff, until `give_up_s` pass without a byte (Resume)."""
+        resume = job_ops.Resume(self._core, job_id, give_up_s)
         with when_closed(self), job_ops.ResultsFile(out) as f:
             while True:
                 try:
@@ -359,9 +359,9 @@ class AsyncClient(_Connection):
                 if call is not None:
                     call.cancel()  # nothing once the call has ended
 
-    async def job_results(self, job_id: str, out: str | os.PathLike[str] | BinaryIO) -> int:
+    async def job_results(self, job_id: str, out: ResultsOut, *, give_up_s: float = 60.0) -> int:
         """Client.job_results, awaited (the file is written from the event loop)."""
-        resume = job_ops.Resume(self._core, job_id)
+        resume = job_ops.Resume(self._core, job_id, give_up_s)
         with when_closed(self), job_ops.ResultsFile(out) as f:
             while True:
                 try:

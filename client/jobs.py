@@ -17,10 +17,11 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO, ClassVar
 
@@ -315,24 +316,28 @@ def data(piece: Any) -> bytes:
 
 
 class Resume:
-    """A download's retries, under the client's retry policy: it asks again from the
-    offset it got to (results only grow, so the bytes are the same), and one that got
-    further since its last failure counts its attempts again."""
+    """A download's retries: it asks again from the offset it got to (results only grow,
+    so the bytes are the same), with the client's backoff, for as long as `give_up_s`
+    passes without a byte got (the client's retries, a count, ran out 0.35 s into a
+    server's restart); one that got further starts its backoff and time again."""
 
-    def __init__(self, core: ClientCore, job_id: str) -> None:
-        self._core, self._job_id, self._attempt, self._had = core, job_id, 0, 0
+    def __init__(self, core: ClientCore, job_id: str, give_up_s: float) -> None:
+        self._core, self._job_id, self._give_up_s = core, job_id, give_up_s
+        self._attempt, self._had, self._since = 0, 0, time.monotonic()
+        self._policy = replace(core.retry, retries=sys.maxsize)
 
     def call(self, method: Any, offset: int) -> Any:
         """JobResults (blocking or grpc.aio) from `offset`: its pieces."""
         if offset > self._had:
-            self._attempt, self._had = 0, offset
+            self._attempt, self._had, self._since = 0, offset, time.monotonic()
         request = pb.JobResultsRequest(id=self._job_id, offset=offset)
         return method(request, **self._core.results_kwargs())
 
     def wait(self, failure: grpc.RpcError) -> float:
         """Seconds to wait before asking again; the client's error when not to."""
         error = from_rpc_error(failure, of_job=True)
-        wait = self._core.retry.delay(self._attempt, error, None, self._core.rng)
+        left = self._give_up_s - (time.monotonic() - self._since)
+        wait = self._policy.delay(self._attempt, error, left, self._core.rng)
         if wait is None:
             raise error from None
         self._attempt += 1

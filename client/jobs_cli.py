@@ -31,6 +31,7 @@ from batchd.client.client import Client
 from batchd.client.errors import BatchdClientError, ServerUnavailable
 from batchd.client.jobs import Job, ResultsFile
 from batchd.client.options import add_security, connection
+from batchd.client.retry import RetryPolicy
 
 POLL_S = 0.5
 RETRY_MAX_S = 5.0  # the longest pause between polls that failed UNAVAILABLE
@@ -86,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     w = verb("wait", "follow a job until it ends; exit 0 iff it completed (--timeout: how "
              "long polls may fail UNAVAILABLE, as while a server restarts)")  # fmt: skip
     w.add_argument("id")
-    r = verb("results", "download a job's results (so far, while it runs)")
+    r = verb("results", "download a job's results (so far, while it runs; --timeout: how "
+             "long it may be cut off, as while a server restarts)")  # fmt: skip
     r.add_argument("id")
     r.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="'-': stdout")
     return p
@@ -184,9 +186,11 @@ def _list(jobs: list[Job], as_json: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # retries: status, list, cancel and results are idempotent; a submission is sent
-    # again only when the server said it kept nothing (a stopping replica)
-    with Client(args.url, timeout=args.timeout, retries=3, **connection(args)) as c:
+    # retries: status, list, cancel and results are idempotent, a submission goes with
+    # its idempotency key; their backoff spans ~10 s (3 retries at 50 ms spanned 0.35 s,
+    # less than a server's restart or a balancer's reload)
+    with Client(args.url, timeout=args.timeout, **connection(args)) as c:
+        c.retry = RetryPolicy(retries=10, base_s=0.1)
         if args.verb == "submit":
             key = args.idempotency_key
             print(_shown(c.submit_job(args.model, args.file, args.model_version,
@@ -204,11 +208,22 @@ def run(args: argparse.Namespace) -> int:
                 print(_shown(f"job {job.id} {job.status}{why}"), file=sys.stderr)
                 return 1
         elif args.verb == "results":
-            out: Any = sys.stdout.buffer if args.output == "-" else args.output
-            count = c.job_results(args.id, out)
-            if args.output != "-":
-                print(f"{count:,} lines written to {args.output}", file=sys.stderr)
+            _results(c, args)
     return 0
+
+
+def _results(c: Client, args: argparse.Namespace) -> None:
+    out: Any = sys.stdout.buffer if args.output == "-" else args.output
+    then = None
+    with contextlib.suppress(BatchdClientError):  # (the download says why it fails)
+        then = c.job(args.id)
+    count = c.job_results(args.id, out, give_up_s=args.timeout)
+    if args.output != "-":
+        print(f"{count:,} lines written to {args.output}", file=sys.stderr)
+    if then is not None and not then.ended:  # (a script's `submit; results` got part, and 0)
+        print(_shown(f"job {then.id} is {then.status} ({then.done:,} of {then.total:,} lines "
+                     "then): these are its results so far; `batchd jobs wait` for all of them"),
+              file=sys.stderr)  # fmt: skip
 
 
 def _terminated(signum: int, frame: object) -> None:

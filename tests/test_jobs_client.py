@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,24 +159,76 @@ class _CutResults(jobs_pb2_grpc.JobsServicer):
 
 def test_a_cut_download_goes_on_from_where_it_got_to(tmp_path: Path) -> None:
     """A download cut off went back to nothing: it failed (the CLI's retries=3 never
-    reached it). Within the client's retries it asks again from the bytes it has, a
-    retry counted again after each one that got further; without retries it fails and
-    leaves no file."""
+    reached it). It asks again from the bytes it has, its time to give up counted again
+    after each one that got further; given none, it fails and leaves no file."""
     servicer = _CutResults()
     out = tmp_path / "results.jsonl"
     with grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, servicer) as port:
-        with Client(f"127.0.0.1:{port}", retries=1) as c:
+        with Client(f"127.0.0.1:{port}") as c:
             assert c.job_results("j", out) == 3
         assert (out.read_bytes(), servicer.offsets) == (b"a\nb\nc\n", [0, 2, 4])
 
         async def download() -> int:
-            async with AsyncClient(f"127.0.0.1:{port}", retries=1) as c:
+            async with AsyncClient(f"127.0.0.1:{port}") as c:
                 return await c.job_results("j", tmp_path / "again.jsonl")
 
         assert run(download) == 3 and (tmp_path / "again.jsonl").read_bytes() == b"a\nb\nc\n"
         with Client(f"127.0.0.1:{port}") as c, pytest.raises(ServerUnavailable):
-            c.job_results("j", tmp_path / "none.jsonl")
+            c.job_results("j", tmp_path / "none.jsonl", give_up_s=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.jsonl", "results.jsonl"]
+
+
+class _Restarting(jobs_pb2_grpc.JobsServicer):
+    """JobResults UNAVAILABLE for OUTAGE_S from its first call (a server restarting),
+    then its two lines."""
+
+    OUTAGE_S = 1.5
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def JobResults(self, request: Any, context: Any) -> Iterator[jobs_pb2.JobResultsChunk]:
+        self.calls.append(time.monotonic())
+        if self.calls[-1] - self.calls[0] < self.OUTAGE_S:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        yield jobs_pb2.JobResultsChunk(data=b"a\nb\n"[request.offset :])
+
+    def GetJob(self, request: Any, context: Any) -> jobs_pb2.Job:
+        return jobs_pb2.Job(id=request.id, status="completed", total=2, completed=2)
+
+
+def test_a_download_rides_out_a_server_s_restart(tmp_path: Path) -> None:
+    """Its retries, a count (the CLI's 3 at 50 ms), ran out 0.35 s into an outage of a
+    second and a half: `batchd jobs results` exited 2 while the server came back (review
+    56d). It waits, with backoff, till --timeout passes without a byte."""
+    servicer = _Restarting()
+    with grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, servicer) as port:
+        code = jobs_cli.main(["results", "j", "--url", f"127.0.0.1:{port}", "-o",
+                              str(tmp_path / "out.jsonl")])  # fmt: skip
+    assert code == 0 and (tmp_path / "out.jsonl").read_bytes() == b"a\nb\n"
+    assert servicer.calls[-1] - servicer.calls[0] >= _Restarting.OUTAGE_S
+
+
+def test_the_results_of_a_running_job_say_they_are_its_results_so_far(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`submit; results` wrote the lines kept so far, said "N lines written" and exited 0,
+    a script none the wiser (review 56d)."""
+
+    class Running(_Restarting):
+        OUTAGE_S = 0.0
+
+        def GetJob(self, request: Any, context: Any) -> jobs_pb2.Job:
+            return jobs_pb2.Job(id=request.id, status="running", total=9, completed=2)
+
+    with grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, Running()) as port:
+        code = jobs_cli.main(["results", "j", "--url", f"127.0.0.1:{port}", "-o",
+                              str(tmp_path / "out.jsonl")])  # fmt: skip
+    assert code == 0 and capsys.readouterr().err.splitlines() == [
+        f"2 lines written to {tmp_path / 'out.jsonl'}",
+        "job j is running (2 of 9 lines then): these are its results so far; `batchd jobs "
+        "wait` for all of them",
+    ]
 
 
 class _ShortResults(jobs_pb2_grpc.JobsServicer):
