@@ -205,6 +205,23 @@ def test_a_submitter_gone_as_its_queued_job_is_made_durable_leaves_it_queued(
     run(lambda: asyncio.wait_for(body(), 30))
 
 
+def test_a_queued_job_whose_fsync_failed_is_answered_queued_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Committed queued, it runs: an error answer would have its submitter send it again
+    (a new key: a second job)."""
+
+    class EioDisk(SqliteStore):
+        async def settle(self) -> None:
+            raise OSError(5, "Input/output error")
+
+    store = EioDisk(tmp_path)
+    service = JobsService(jobs_of(store))
+    job = run(lambda: service.submit(EVERYONE, CFG.name, "", whole(ONE_LINE.encode())))
+    assert job.status == "queued" and [r.id for r in run(lambda: store.select(None))] == [job.id]
+    assert "queued, but its commit may not outlive a power loss (OSError" in caplog.text
+
+
 def test_a_cancel_stops_an_upload_to_this_process_at_once(tmp_path: Path) -> None:
     class NoLooks(SqliteStore):
         renew_every_s = math.inf  # the upload never reads its row: only the cancel can stop it

@@ -61,6 +61,16 @@ def _utf8(text: str) -> bool:
     return True
 
 
+async def _settled(jobs: Jobs, job_id: str) -> None:
+    """The job's commit made durable before it is answered. An fsync that fails leaves it
+    queued, and answered so: an error would have its submitter send it again, a second."""
+    try:
+        await jobs.store.settle()
+    except OSError as e:
+        log.warning("job %s: queued, but its commit may not outlive a power loss (%s: %s)",
+                    job_id, type(e).__name__, e, extra={"job": job_id})  # fmt: skip
+
+
 def _check_model(jobs: Jobs, model_name: str, model_version: str) -> None:
     """InvalidInput or ModelNotFound unless a job may name this model and version."""
     if not model_name:
@@ -174,7 +184,7 @@ class JobsService(pb_grpc.JobsServicer):
                 now = await jobs.store.get(row.id)
                 raise upload_stopped(row.id, "" if now is None else now.status)
             queued = True  # whatever comes now: not removed as an upload cut short
-            await jobs.store.settle()  # (its commit made durable before it is answered)
+            await _settled(jobs, row.id)
         except Submitted as same:  # sent twice at once: the first to be queued is the job
             await asyncio.shield(jobs.store.delete(row.id))
             return await self._same(caller, same.job_id, key, model_name, model_version)
