@@ -241,7 +241,7 @@ class Client(_Connection):
                         f.write(job_ops.data(piece))
                     return f.whole()
                 except grpc.RpcError as e:
-                    time.sleep(resume.wait(e))
+                    time.sleep(resume.wait(e, f.size))
 
     submit_job = _blocking(job_ops.submit_job)
     job = _blocking(job_ops.job)
@@ -369,7 +369,7 @@ class AsyncClient(_Connection):
                         f.write(job_ops.data(piece))
                     return f.whole()
                 except grpc.RpcError as e:
-                    await asyncio.sleep(resume.wait(e))
+                    await asyncio.sleep(resume.wait(e, f.size))
 
     submit_job = _awaitable(job_ops.submit_job)
     job = _awaitable(job_ops.job)

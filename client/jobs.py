@@ -328,13 +328,15 @@ class Resume:
 
     def call(self, method: Any, offset: int) -> Any:
         """JobResults (blocking or grpc.aio) from `offset`: its pieces."""
-        if offset > self._had:
-            self._attempt, self._had, self._since = 0, offset, time.monotonic()
         request = pb.JobResultsRequest(id=self._job_id, offset=offset)
         return method(request, **self._core.results_kwargs())
 
-    def wait(self, failure: grpc.RpcError) -> float:
-        """Seconds to wait before asking again; the client's error when not to."""
+    def wait(self, failure: grpc.RpcError, offset: int) -> float:
+        """Seconds to wait before asking again from `offset`, the bytes got so far (the
+        time to give up counts from the last: a stream longer than it, cut, was given up
+        at once); the client's error when not to."""
+        if offset > self._had:
+            self._attempt, self._had, self._since = 0, offset, time.monotonic()
         error = from_rpc_error(failure, of_job=True)
         left = self._give_up_s - (time.monotonic() - self._since)
         wait = self._policy.delay(self._attempt, error, left, self._core.rng)

@@ -214,16 +214,27 @@ def run(args: argparse.Namespace) -> int:
 
 def _results(c: Client, args: argparse.Namespace) -> None:
     out: Any = sys.stdout.buffer if args.output == "-" else args.output
-    then = None
-    with contextlib.suppress(BatchdClientError):  # (the download says why it fails)
-        then = c.job(args.id)
+    then = _job_now(c, args.id)
     count = c.job_results(args.id, out, give_up_s=args.timeout)
     if args.output != "-":
         print(f"{count:,} lines written to {args.output}", file=sys.stderr)
+    if then is None:  # (not ended now: nor was it then)
+        then = _job_now(c, args.id)
     if then is not None and not then.ended:  # (a script's `submit; results` got part, and 0)
         print(_shown(f"job {then.id} is {then.status} ({then.done:,} of {then.total:,} lines "
                      "then): these are its results so far; `batchd jobs wait` for all of them"),
               file=sys.stderr)  # fmt: skip
+
+
+def _job_now(c: Client, job_id: str) -> Job | None:
+    """The job, asked once (the download waits out a restart, not this); None if not."""
+    policy, c.retry = c.retry, RetryPolicy()
+    try:
+        return c.job(job_id)
+    except BatchdClientError:
+        return None
+    finally:
+        c.retry = policy
 
 
 def _terminated(signum: int, frame: object) -> None:

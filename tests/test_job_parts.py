@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import sqlite3
+import stat
 import struct
 import threading
 from collections.abc import AsyncIterator, Mapping
@@ -755,6 +756,27 @@ def test_a_job_whose_end_cannot_be_written_is_logged_not_raised_and_queued_again
     run(lambda: JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run())
     assert "its end (completed) could not be recorded (OperationalError" in caplog.text
     assert run(lambda: store.get(row.id)).status == "queued"
+
+
+def test_a_file_system_that_cannot_fsync_a_folder_still_runs_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EINVAL from a folder's fsync (some file systems): the results file's folder, at its
+    first sync, raised it, and every job failed (review 56e)."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = SqliteStore(tmp_path)
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    row = run(lambda: queued_one_line(store, cfg))
+    claimed = run(lambda: store.claim())
+    run(lambda: JobRun(claimed, store, FakeCore(cfg), Limits(), lambda *a: None).run())
+    assert run(lambda: store.get(row.id)).status == "completed"
 
 
 def test_a_job_told_queued_and_a_checkpoint_shown_are_on_disk_first(

@@ -209,6 +209,38 @@ def test_a_download_rides_out_a_server_s_restart(tmp_path: Path) -> None:
     assert servicer.calls[-1] - servicer.calls[0] >= _Restarting.OUTAGE_S
 
 
+class _LongThenCut(jobs_pb2_grpc.JobsServicer):
+    """JobResults that streams four lines 0.2 s apart and is then cut (UNAVAILABLE);
+    asked again, the rest."""
+
+    def __init__(self) -> None:
+        self.offsets: list[int] = []
+
+    def JobResults(self, request: Any, context: Any) -> Iterator[jobs_pb2.JobResultsChunk]:
+        self.offsets.append(request.offset)
+        if request.offset:
+            yield jobs_pb2.JobResultsChunk(data=b"e\n")
+            return
+        for data in (b"a\n", b"b\n", b"c\n", b"d\n"):
+            yield jobs_pb2.JobResultsChunk(data=data)
+            time.sleep(0.2)  # (a long stream: 0.8 s, past give_up_s)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+
+
+def test_a_download_streamed_longer_than_its_give_up_time_is_resumed_when_cut(
+    tmp_path: Path,
+) -> None:
+    """The time to give up counted from the call that began it, not its last byte: any
+    download longer than give_up_s (60 s) that a restart cut was given up at once."""
+    servicer = _LongThenCut()
+    with (
+        grpc_servicer(jobs_pb2_grpc.add_JobsServicer_to_server, servicer) as port,
+        Client(f"127.0.0.1:{port}") as c,
+    ):
+        assert c.job_results("j", tmp_path / "out.jsonl", give_up_s=0.5) == 5
+    assert servicer.offsets == [0, 8]
+
+
 def test_the_results_of_a_running_job_say_they_are_its_results_so_far(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

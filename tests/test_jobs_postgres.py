@@ -576,6 +576,37 @@ def test_a_replica_whose_disk_is_full_gives_the_job_back_not_failed(
         a.close()
 
 
+def test_a_give_back_the_database_missed_is_made_when_asked_again(
+    jobs_db: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claim was forgotten though the give-back failed (Unavailable): asked again,
+    it was fenced as no claim, and the job stayed running till its lease ran out."""
+    a = PostgresStore(jobs_db, tmp_path / "a", lease_s=3600)
+    real, fails = a._runs.run, [1]
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        if fails[0]:
+            fails[0] -= 1
+            raise Unavailable("the jobs database did not answer within 10 s")
+        return await real(*args, **kwargs)
+
+    async def body() -> None:
+        row = await _queued(a, "dbl2")
+        mine = await a.claim()
+        assert mine is not None
+        monkeypatch.setattr(a._runs, "run", flaky)
+        with pytest.raises(Unavailable):
+            await a.requeue(mine)
+        await a.requeue(mine)
+        back = await a.get(row.id)
+        assert back is not None and back.status == "queued"
+
+    try:
+        run(body)
+    finally:
+        a.close()
+
+
 def test_an_upload_being_stored_holds_up_no_other_call(jobs_db: str, tmp_path: Path) -> None:
     """The file goes in on a connection of its own: on the store's one connection, a
     large upload's insert held every other call of the replica (a GetJob 5-8 s behind

@@ -319,11 +319,9 @@ class PostgresStore(Store):
             self._claims.pop(row.id, None)
 
     async def requeue(self, row: JobRow) -> None:  # its checkpoint as it was (LeaseLost:
-        try:  # another replica took it over, nothing is left to give back)
-            with contextlib.suppress(LeaseLost):
-                await self._runs.run(self._fenced, row, _GIVE_BACK, (self._clock(),))
-        finally:
-            self._claims.pop(row.id, None)
+        with contextlib.suppress(LeaseLost):  # another replica took it, nothing to give back)
+            await self._runs.run(self._fenced, row, _GIVE_BACK, (self._clock(),))
+        self._claims.pop(row.id, None)  # (Unavailable: kept, for Jobs to try again)
 
     async def finish(self, row: JobRow, status: str, error: str = "") -> None:
         assert status in ENDED

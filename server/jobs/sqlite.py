@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
@@ -96,7 +97,7 @@ def durable(path: Path, parents: int = 2) -> None:
         try:
             os.fsync(fd)
         except OSError as e:
-            if e.errno != errno.EINVAL or each == path:
+            if e.errno != errno.EINVAL or not stat.S_ISDIR(os.fstat(fd).st_mode):
                 raise
         finally:
             os.close(fd)
