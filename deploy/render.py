@@ -87,6 +87,11 @@ def haproxy(listen: str, replicas: list[str]) -> str:
 # (UNKNOWN "Stream removed": 2 of 24,000 calls, haproxy 2.6, a 2 s age).
 global
     maxconn 4096            # each connection takes two file descriptors: raise both together
+    # A call lost with its replica is sent again only while haproxy holds its request
+    # whole in one buffer: 16 KiB by default, so 2-4 mlp calls of 16 rows (32 KB) failed
+    # each SIGKILL. Larger requests fail UNAVAILABLE then (the client's to retry). Each
+    # connection in use holds up to two buffers.
+    tune.bufsize 65536
 
 defaults
     mode http

@@ -182,18 +182,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def under_load(url: str, seconds: float, act: threading.Event) -> Counter[str]:
-    """LOAD_THREADS callers sending tiny requests over one channel for `seconds`; sets
-    `act` once requests flow. The outcome of every request, by status."""
+def under_load(
+    url: str, seconds: float, act: threading.Event, x: np.ndarray = TINY
+) -> Counter[str]:
+    """LOAD_THREADS callers sending tiny requests (`x`) over one channel for `seconds`;
+    sets `act` once requests flow. The outcome of every request, by status."""
     outcomes: Counter[str] = Counter()
     with Client(url) as client:
-        client.infer("tiny", TINY)
+        client.infer("tiny", x)
         end = time.monotonic() + seconds
 
         def caller() -> None:
             while time.monotonic() < end:
                 try:
-                    client.infer("tiny", TINY, timeout=20)
+                    client.infer("tiny", x, timeout=20)
                     outcomes["OK"] += 1
                 except BatchdClientError as e:
                     outcomes[f"{e.code.name}: {str(e)[:80]}"] += 1
@@ -207,10 +209,10 @@ def under_load(url: str, seconds: float, act: threading.Event) -> Counter[str]:
     return outcomes
 
 
-def _while_loaded(url: str, seconds: float, then: object) -> Counter[str]:
+def _while_loaded(url: str, seconds: float, then: object, x: np.ndarray = TINY) -> Counter[str]:
     started = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        load = pool.submit(under_load, url, seconds, started)
+        load = pool.submit(under_load, url, seconds, started, x)
         assert started.wait(30)
         time.sleep(0.5)  # requests in flight on every replica when the replica goes
         then()  # type: ignore[operator]
@@ -301,9 +303,11 @@ def test_sigkill_of_a_replica_under_load_loses_no_request(
     cluster: Cluster, haproxy: Haproxy
 ) -> None:
     """haproxy retries the calls the killed replica never answered (retry-on
-    empty-response) on the others: every request succeeds."""
-    victim = cluster.replicas[2]
-    outcomes = _while_loaded(haproxy.url, 4.0, lambda: victim.proc and victim.proc.kill())
+    empty-response) on the others: every request succeeds. Requests of 32 KB: haproxy
+    resends only one it holds whole in a buffer, and its default 16 KiB lost 2-4 such
+    calls each kill (review 56f; tune.bufsize 65536 now)."""
+    victim, x = cluster.replicas[2], np.zeros((512, 16), np.float32)
+    outcomes = _while_loaded(haproxy.url, 4.0, lambda: victim.proc and victim.proc.kill(), x)
     assert set(outcomes) == {"OK"}, outcomes
     assert outcomes["OK"] > 100
     victim.stop(signal.SIGKILL)  # reaps it and checks its workers left
