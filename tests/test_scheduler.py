@@ -498,6 +498,13 @@ def test_full_queue_rejects_at_once_with_the_limit_and_a_pushback() -> None:
         assert "queue of model 'm' is full" in info.value.message
         assert "max_queue_size 2" in info.value.message
         assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "1"
+        # A place frees as a batch leaves: the pushback is about a batch's time once
+        # batches have taken some (the queue delay alone said 1 ms: review 56d)
+        for took in (0.05, 0.05, 0.1):
+            s.observe(cfg.key, 2, took)
+        with pytest.raises(QueueFull) as info:
+            s.submit(request(cfg))
+        assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "60"  # (averaged)
 
     run(body)
 

@@ -77,6 +77,7 @@ class ModelQueue:
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
         )
         self.rate = 0.0  # rows arriving per second, measured (for the automatic delay)
+        self.batch_s = 0.0  # a batch's compute seconds, averaged: a full queue's pushback
         self.idle_at_arrival = -math.inf  # the loop's idle seconds at the last arrival
         self._window_at, self._window_rows = -math.inf, 0
         self.callers = 1 << 30  # the most requests present lately (present()); none yet

@@ -200,10 +200,10 @@ class Scheduler:
         if problem is not None and now - q.compacted_at >= COMPACT_EVERY_S:
             q.compact(now)  # cancelled or expired entries may be holding places
             problem = q.room(level, count)
-        if problem is not None:
-            raise QueueFull(
+        if problem is not None:  # a place frees as a batch leaves: about a batch's time
+            raise QueueFull(  # (the delay alone said 1 ms of a model whose batches took 50)
                 f"queue of model {q.config.name!r} is full ({problem}); retry later",
-                retry_after_ms=max(1, int(q.delay_s() * 1000)),
+                retry_after_ms=max(1, int(max(q.delay_s(), q.batch_s) * 1000)),
             )
 
     def requeue(self, requests: list[Request]) -> None:
@@ -222,9 +222,12 @@ class Scheduler:
             request.timer = self._timers.at(request.deadline, partial(self._expire_queued, request))
 
     def observe(self, key: str, rows: int, compute_s: float) -> None:
-        """A batch finished: feed the model's latency target, if it has one."""
+        """A batch finished: its time averaged, and fed to the model's latency target."""
         q = self._queues.get(key)
-        if q is not None and q.target is not None:
+        if q is None:
+            return
+        q.batch_s = compute_s if not q.batch_s else 0.8 * q.batch_s + 0.2 * compute_s
+        if q.target is not None:
             q.target.observe(rows, compute_s)
 
     def fail_all(self, error: Exception) -> None:
