@@ -90,7 +90,8 @@ global
     # A call lost with its replica is sent again only while haproxy holds its request
     # whole in one buffer: 16 KiB by default, so 2-4 mlp calls of 16 rows (32 KB) failed
     # each SIGKILL. Larger requests fail UNAVAILABLE then (the client's to retry). Each
-    # connection in use holds up to two buffers.
+    # stream in use holds up to two buffers, taken as needed (maxconn counts connections,
+    # each of up to 100 streams): size memory by the calls in flight, 128 KiB each.
     tune.bufsize 65536
 
 defaults
