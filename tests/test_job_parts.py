@@ -758,6 +758,30 @@ def test_a_job_whose_end_cannot_be_written_is_logged_not_raised_and_queued_again
     assert run(lambda: store.get(row.id)).status == "queued"
 
 
+def test_an_upload_whose_frontend_died_is_removed_once_its_lease_runs_out(
+    tmp_path: Path,
+) -> None:
+    """--frontends N: frontend 1 SIGKILLed mid-upload left its job validating till the
+    server restarted, holding a --jobs-max-open place and its partial file (review 56j).
+    An upload's frontend renews its lease each second; frontend 0's expiry removes one
+    not renewed for UPLOAD_LEASE_S."""
+    clock = [1000.0]
+    store = SqliteStore(tmp_path, clock=lambda: clock[0])
+
+    async def body() -> None:
+        row = await store.create("", "m", "")
+        store.upload_path(row.id).write_bytes(b"x" * 100)  # what came before the kill
+        clock[0] += 20
+        assert await store.uploading(row.id) == "validating"  # renewed: 30 s from now
+        clock[0] += 20
+        assert await store.expire(3600) == [] and await store.get(row.id) is not None
+        clock[0] += sqlite_module.UPLOAD_LEASE_S  # no renewal since: its frontend is gone
+        assert await store.expire(3600) == [row.id] and await store.get(row.id) is None
+
+    run(body)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("job-")]  # (set aside)
+
+
 def test_a_file_system_that_cannot_fsync_a_folder_still_runs_jobs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

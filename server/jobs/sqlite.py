@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import os
 import sqlite3
-import stat
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
@@ -38,6 +36,7 @@ from batchd.server.jobs.store import (
     Submitted,
     discard,
     discarded,
+    durable,
     lock_directory,
     new_job_id,
 )
@@ -63,7 +62,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     resumed_at REAL NOT NULL DEFAULT 0,        -- when it last started running, for its rate
     resumed_done INTEGER NOT NULL DEFAULT 0,   -- lines answered by then
     submission TEXT NOT NULL DEFAULT '',       -- its idempotency key, once queued
-    checkpointed_at REAL NOT NULL DEFAULT 0    -- its last checkpoint, for its rate
+    checkpointed_at REAL NOT NULL DEFAULT 0,   -- its last checkpoint, for its rate
+    lease_until REAL NOT NULL DEFAULT 0        -- validating: its frontend renews it
 );
 CREATE INDEX IF NOT EXISTS jobs_by_status ON jobs (status, created_at);
 -- ListJobs, newest first, read on the event loop: without these it sorted every job kept
@@ -72,9 +72,11 @@ CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, created_at);
 CREATE INDEX IF NOT EXISTS jobs_by_created ON jobs (created_at);
 CREATE INDEX IF NOT EXISTS jobs_by_owner_end ON jobs (owner, finished_at);  -- trim()
 """
+UPLOAD_LEASE_S = 30.0  # an upload its frontend has not renewed this long is removed
 _ADDED = (
     ("submission", "TEXT NOT NULL DEFAULT ''"),
     ("checkpointed_at", "REAL NOT NULL DEFAULT 0"),
+    ("lease_until", "REAL NOT NULL DEFAULT 0"),
 )
 # Made once a database of an older batchd has the column (ALTER TABLE, below).
 _KEYS = (
@@ -87,20 +89,6 @@ _PAST_KEPT = (
     "SELECT id FROM jobs WHERE owner = ? AND finished_at > 0 ORDER BY finished_at DESC "
     "LIMIT ? OFFSET ?"
 )
-
-
-def durable(path: Path, parents: int = 2) -> None:
-    """`path` on disk, and the `parents` folders that name it (an input's: its job's, DIR;
-    a file system that cannot fsync a folder, EINVAL, keeps its names as it can)."""
-    for each in (path, *path.parents[:parents]):
-        fd = os.open(each, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno != errno.EINVAL or not stat.S_ISDIR(os.fstat(fd).st_mode):
-                raise
-        finally:
-            os.close(fd)
 
 
 class _ResultsFile(Results):
@@ -187,9 +175,9 @@ class SqliteStore(Store):
         job_id = new_job_id()
         self.folder(job_id).mkdir(mode=0o700)  # its input and results: this user's alone
         self._db.execute(
-            "INSERT INTO jobs (id, owner, model, version, status, created_at) "
-            "VALUES (?, ?, ?, ?, 'validating', ?)",
-            (job_id, owner, model, version, self._clock()),
+            "INSERT INTO jobs (id, owner, model, version, status, created_at, lease_until) "
+            "VALUES (?, ?, ?, ?, 'validating', ?, ?)",
+            (job_id, owner, model, version, self._clock(), self._clock() + UPLOAD_LEASE_S),
         )
         row = self._get(job_id)
         assert row is not None
@@ -232,8 +220,13 @@ class SqliteStore(Store):
         return counts
 
     async def uploading(self, job_id: str) -> str:
-        # One server: no lease (an upload a crash cut short is removed at the next start);
-        # read for a cancel through another of its frontends.
+        # The upload's lease, renewed: frontend 0 removes one whose frontend died (a crash
+        # of the whole server: the next start); read for a cancel through another frontend.
+        with contextlib.suppress(sqlite3.OperationalError):  # (busy, full: the next time)
+            self._db.execute(
+                "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'validating'",
+                (self._clock() + UPLOAD_LEASE_S, job_id),
+            )
         current = self._get(job_id)
         return "" if current is None else current.status
 
@@ -364,14 +357,13 @@ class SqliteStore(Store):
         return gone
 
     async def expire(self, retention_s: float) -> list[str]:
-        before = self._clock() - retention_s
-        old = [
-            r[0]
-            for r in self._db.execute(
-                "SELECT id FROM jobs WHERE finished_at > 0 AND finished_at < ? LIMIT ?",
-                (before, EXPIRE_MOST),
-            )
-        ]
+        """Ended jobs past their retention, and uploads whose frontend stopped renewing
+        them (SIGKILLed: they stayed validating, holding a --jobs-max-open place)."""
+        now, sql = self._clock(), (
+            "SELECT id FROM jobs WHERE (finished_at > 0 AND finished_at < ?) OR (status = "
+            "'validating' AND lease_until < ?) LIMIT ?"
+        )  # fmt: skip
+        old = [r[0] for r in self._db.execute(sql, (now - retention_s, now, EXPIRE_MOST))]
         for job_id in old:
             await self.delete(job_id)
         return old

@@ -20,12 +20,14 @@ once, and none is lost.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import math
 import os
 import queue
 import secrets
 import shutil
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Collection
@@ -82,6 +84,20 @@ def _remove() -> None:
 _removing: set[Path] = set()  # folders set aside, not yet removed (by _remover)
 _removals: queue.SimpleQueue[Path] = queue.SimpleQueue()
 _remover: threading.Thread | None = None
+
+
+def durable(path: Path, parents: int = 2) -> None:
+    """`path` on disk, and the `parents` folders that name it (an input's: its job's, DIR;
+    a file system that cannot fsync a folder, EINVAL, keeps its names as it can)."""
+    for each in (path, *path.parents[:parents]):
+        fd = os.open(each, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise
+        finally:
+            os.close(fd)
 
 
 def sweep(directory: Path, keep: set[str]) -> None:
