@@ -125,6 +125,9 @@ class _ResultsFile(Results):
 
 class SqliteStore(Store):
     renew_every_s = 1.0  # an upload hears within this of a cancel through another frontend
+    # Uploads' leases: the host's monotonic clock, one for every frontend process (a wall
+    # clock stepped forward 30 s ran every live upload's lease out at once)
+    lease_clock = staticmethod(time.monotonic)
 
     def __init__(
         self, directory: Path, *, lock: bool = True, clock: Callable[[], float] = time.time
@@ -177,7 +180,7 @@ class SqliteStore(Store):
         self._db.execute(
             "INSERT INTO jobs (id, owner, model, version, status, created_at, lease_until) "
             "VALUES (?, ?, ?, ?, 'validating', ?, ?)",
-            (job_id, owner, model, version, self._clock(), self._clock() + UPLOAD_LEASE_S),
+            (job_id, owner, model, version, self._clock(), self.lease_clock() + UPLOAD_LEASE_S),
         )
         row = self._get(job_id)
         assert row is not None
@@ -225,7 +228,7 @@ class SqliteStore(Store):
         with contextlib.suppress(sqlite3.OperationalError):  # (busy, full: the next time)
             self._db.execute(
                 "UPDATE jobs SET lease_until = ? WHERE id = ? AND status = 'validating'",
-                (self._clock() + UPLOAD_LEASE_S, job_id),
+                (self.lease_clock() + UPLOAD_LEASE_S, job_id),
             )
         current = self._get(job_id)
         return "" if current is None else current.status
@@ -359,11 +362,12 @@ class SqliteStore(Store):
     async def expire(self, retention_s: float) -> list[str]:
         """Ended jobs past their retention, and uploads whose frontend stopped renewing
         them (SIGKILLed: they stayed validating, holding a --jobs-max-open place)."""
-        now, sql = self._clock(), (
+        sql = (
             "SELECT id FROM jobs WHERE (finished_at > 0 AND finished_at < ?) OR (status = "
             "'validating' AND lease_until < ?) LIMIT ?"
-        )  # fmt: skip
-        old = [r[0] for r in self._db.execute(sql, (now - retention_s, now, EXPIRE_MOST))]
+        )
+        args = (self._clock() - retention_s, self.lease_clock(), EXPIRE_MOST)
+        old = [r[0] for r in self._db.execute(sql, args)]
         for job_id in old:
             await self.delete(job_id)
         return old

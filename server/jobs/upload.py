@@ -43,7 +43,8 @@ def upload_stopped(job_id: str, status: str) -> BatchdError:
         return Cancelled(f"job {job_id} was cancelled while it was uploading; none of it is kept")
     return Unavailable(
         f"job {job_id} was removed while it was uploading (taken for dead: this server did "
-        "not renew it within --jobs-lease); submit it again"
+        "not renew its lease in time: --jobs-lease, or 30 s without --jobs-db); submit it "
+        "again"
     )
 
 
