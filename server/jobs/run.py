@@ -141,10 +141,12 @@ class JobRun:
             return None
         except JobFailed as e:
             return "failed", str(e)
-        except (LeaseLost, Unavailable, Stalled):
+        except (LeaseLost, Unavailable):
             raise
-        except Exception as e:  # a bug: the job fails, the server lives
-            log.exception("job %s failed", self.row.id)
+        except Exception as e:  # the disk's (its results file too): Stalled, nothing past the
+            if stalls(e):  # last checkpoint kept (a write it cut short is never counted)
+                raise Stalled(f"{type(e).__name__}: {e}") from e
+            log.exception("job %s failed", self.row.id)  # a bug: it fails, the server lives
             return "failed", f"{type(e).__name__}: {e}"
         finally:
             self.cancel()
@@ -152,12 +154,7 @@ class JobRun:
 
     async def _run(self) -> tuple[str, str]:
         row, store = self.row, self._store
-        try:
-            out = store.open_results(row)
-        except Exception as e:  # (its file cannot be made or cut back: a full disk)
-            if stalls(e):
-                raise Stalled(f"{type(e).__name__}: {e}") from e
-            raise
+        out = store.open_results(row)
         try:
             model = job_model(self._core.models, row.model, row.version)
             reader = Reader(await store.open_input(row), row.input_offset, row.lines_read)
@@ -176,10 +173,6 @@ class JobRun:
                 with contextlib.suppress(Exception):  # (else: from its last checkpoint)
                     await self._checkpoint(out)
             raise
-        except Exception as e:  # (nothing past its last checkpoint is kept: a write the
-            if not stalls(e):  # disk cut short would be counted as whole)
-                raise
-            raise Stalled(f"{type(e).__name__}: {e}") from e
         finally:
             out.close()
 
