@@ -290,7 +290,7 @@ class SqliteStore(Store):
         assert isinstance(results, _ResultsFile)
         results.saved = await asyncio.to_thread(results.sync)  # the results first
         self._save(row.id, results.saved, progress)
-        await asyncio.to_thread(self._commits_durable)
+        await self.settle()  # (the WAL: this commit outlives a power loss)
         current = self._get(row.id)
         return "" if current is None else current.status
 
