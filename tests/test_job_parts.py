@@ -891,6 +891,32 @@ def test_a_full_disk_stops_a_job_where_it_was_checkpointed_and_it_runs_on_once_t
     assert "stopped by this server's storage (OSError" in caplog.text
 
 
+def test_a_stalled_job_says_why_in_its_status_till_it_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queued again after a full disk, its status said nothing: a job that waits out rests
+    of up to 5 min looked merely queued (the log alone told why)."""
+    cfg = model(max_batch_size=4, shape=(1,))
+    store = SqliteStore(tmp_path)
+    row = run(lambda: queued_one_line(store, cfg))
+
+    def full(self: Any, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(sqlite_module._ResultsFile, "write", full)
+        go = JobRun(run(lambda: store.claim()), store, FakeCore(cfg), Limits(), lambda *a: None)
+        run(go.run)
+    back = run(lambda: store.get(row.id))
+    assert back is not None and back.status == "queued" and go.requeued
+    assert back.error == (
+        "stopped by this server's storage (OSError: [Errno 28] No space left on device); "
+        "queued again, it runs on from its last checkpoint"
+    )
+    again = run(lambda: store.claim())
+    assert again is not None and (again.status, again.error) == ("running", "")
+
+
 def test_a_run_whose_job_was_removed_stops_at_its_next_checkpoint(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -940,9 +966,9 @@ def test_a_stalled_job_the_store_cannot_queue_again_is_queued_once_it_can(
             await self._full("finish")
             await super().finish(row, status, error)
 
-        async def requeue(self, row: JobRow) -> None:
+        async def requeue(self, row: JobRow, why: str) -> None:
             await self._full("requeue")
-            await super().requeue(row)
+            await super().requeue(row, why)
 
         async def _full(self, call: str) -> None:
             if fails[call]:

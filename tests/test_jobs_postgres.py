@@ -567,8 +567,11 @@ def test_a_replica_whose_disk_is_full_gives_the_job_back_not_failed(
         await asyncio.wait_for(go.run(), 30)
         monkeypatch.undo()
         back = await a.get(row.id)
-        assert back is not None and (back.status, back.error, back.done) == ("queued", "", 0)
+        assert back is not None and (back.status, back.done) == ("queued", 0)
+        assert back.error.startswith("stopped by this server's storage (OSError: [Errno 28] ")
         assert go.stalled and not list(a.folder(row.id).glob("*.part"))
+        again = await a.claim()  # (its status says why till it runs again)
+        assert again is not None and (again.id, again.error) == (row.id, "")
 
     try:
         run(body)
@@ -596,8 +599,8 @@ def test_a_give_back_the_database_missed_is_made_when_asked_again(
         assert mine is not None
         monkeypatch.setattr(a._runs, "run", flaky)
         with pytest.raises(Unavailable):
-            await a.requeue(mine)
-        await a.requeue(mine)
+            await a.requeue(mine, "stopped")
+        await a.requeue(mine, "stopped")
         back = await a.get(row.id)
         assert back is not None and back.status == "queued"
 

@@ -223,9 +223,9 @@ class PostgresStore(Store):
             if found is None:
                 return None
             cur.execute(
-                "UPDATE batchd_jobs SET status = 'running', runner = %s, epoch = epoch + 1, "
-                f"lease_until = {_NOW} + %s, resumed_at = %s, resumed_done = completed + failed, "
-                "started_at = CASE WHEN started_at = 0 THEN %s ELSE started_at END "
+                "UPDATE batchd_jobs SET status = 'running', error = '', runner = %s, epoch = "
+                f"epoch + 1, lease_until = {_NOW} + %s, resumed_at = %s, resumed_done = completed "
+                "+ failed, started_at = CASE WHEN started_at = 0 THEN %s ELSE started_at END "
                 f"WHERE id = %s RETURNING epoch, {_ROW}",
                 (self.replica, self.lease_s, now, now, found[0]),
             )
@@ -318,9 +318,10 @@ class PostgresStore(Store):
         finally:
             self._claims.pop(row.id, None)
 
-    async def requeue(self, row: JobRow) -> None:  # its checkpoint as it was (LeaseLost:
-        with contextlib.suppress(LeaseLost):  # another replica took it, nothing to give back)
-            await self._runs.run(self._fenced, row, _GIVE_BACK, (self._clock(),))
+    async def requeue(self, row: JobRow, why: str) -> None:  # its checkpoint as it was
+        with contextlib.suppress(LeaseLost):  # (LeaseLost: another replica took it, nothing
+            sets = f"{_GIVE_BACK}, error = CASE WHEN status = 'cancelling' THEN error ELSE %s END"
+            await self._runs.run(self._fenced, row, sets, (self._clock(), why))  # to give back)
         self._claims.pop(row.id, None)  # (Unavailable: kept, for Jobs to try again)
 
     async def finish(self, row: JobRow, status: str, error: str = "") -> None:

@@ -71,6 +71,7 @@ class JobRun:
         self._on_lines = on_lines  # (model, answered, failed): for the metrics
         self.cancelling = False
         self.stalled = self.requeued = False  # Stalled (or its end unrecorded); queued again
+        self.why = ""  # (stalled) why, as its status tells it
         self._inflight: deque[Chunk] = deque()
         self.completed, self.failed = row.completed, row.failed  # written: the results'
         self._started, self._start_done = -math.inf, row.done  # (monotonic; -inf: not running)
@@ -102,32 +103,25 @@ class JobRun:
                         e, extra={"job": row.id, "model": row.model})  # fmt: skip
             return  # database answers again: from its last checkpoint either way
         except Stalled as e:
-            log.error(
-                "job %s: stopped by this server's storage (%s); it runs on from its "
-                "last checkpoint",
-                row.id,
-                e,
-                extra={"job": row.id, "model": row.model},
-            )
-            await self._requeue()
+            await self._requeue(f"stopped by this server's storage ({e})")
             return
         except Exception as e:  # its end was not written (a full disk): the server lives
-            log.error("job %s: its end (%s) could not be recorded (%s: %s); it runs on from its "
-                      "last checkpoint", row.id, status, type(e).__name__, e,
-                      extra={"job": row.id, "model": row.model})  # fmt: skip
-            await self._requeue()
+            await self._requeue(f"its end ({status}) could not be recorded ({type(e).__name__}: "
+                                f"{e})")  # fmt: skip
             return
         log.info(
             "job %s %s: %d answered, %d failed%s", row.id, status, self.completed, self.failed,
             f" ({error})" if error else "", extra={"job": row.id, "model": row.model},
         )  # fmt: skip
 
-    async def _requeue(self) -> None:
+    async def _requeue(self, why: str) -> None:
         """Stalled: queued again from its last checkpoint (Store.requeue), or by Jobs once
-        the store takes it."""
-        self.stalled = True
+        the store takes it; `why` is its error (its status says it) till it runs again."""
+        row, self.stalled = self.row, True
+        self.why = f"{why}; queued again, it runs on from its last checkpoint"
+        log.error("job %s: %s", row.id, self.why, extra={"job": row.id, "model": row.model})
         with contextlib.suppress(Exception):
-            await self._store.requeue(self.row)
+            await self._store.requeue(row, self.why)
             self.requeued = True
 
     async def _outcome(self) -> tuple[str, str] | None:

@@ -59,7 +59,8 @@ class Jobs:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._claiming: asyncio.Future[JobRow | None] | None = None  # a claim in flight
-        self._stalled: dict[str, JobRow] = {}  # Stalled runs not queued again (the store failed)
+        self._stalled: dict[str, tuple[JobRow, str]] = {}  # Stalled runs not queued again
+        # (the store failed) and why they stopped
         self._rest_until, self._rest_s = -math.inf, REST_S  # (monotonic) no claim till then
         self.stopping, self.taking_uploads = False, True  # uploads: till the drain notice ends
 
@@ -127,9 +128,9 @@ class Jobs:
 
     async def _requeue_stalled(self) -> None:
         """The Stalled runs the store would not queue again then: now, once it does."""
-        for job_id, row in sorted(self._stalled.items()):
+        for job_id, (row, why) in sorted(self._stalled.items()):
             try:
-                await self.store.requeue(row)
+                await self.store.requeue(row, why)
             except Exception:
                 self._rest()
                 raise
@@ -192,7 +193,7 @@ class Jobs:
         if run is not None and run.stalled:  # its storage failed: the next claim waits
             self._rest()
             if not run.requeued:
-                self._stalled[job_id] = run.row
+                self._stalled[job_id] = run.row, run.why
         elif run is not None and not run.cancelling:
             self._rest_s = REST_S
         self._wake.set()

@@ -273,8 +273,8 @@ class SqliteStore(Store):
             return None
         now = self._clock()
         changed = self._db.execute(
-            "UPDATE jobs SET status = 'running', resumed_at = ?, resumed_done = completed + "
-            "failed, started_at = CASE WHEN started_at = 0 THEN ? ELSE started_at END "
+            "UPDATE jobs SET status = 'running', error = '', resumed_at = ?, resumed_done = "
+            "completed + failed, started_at = CASE WHEN started_at = 0 THEN ? ELSE started_at END "
             "WHERE id = ? AND status = 'queued'",
             (now, now, found[0]),
         ).rowcount
@@ -337,14 +337,17 @@ class SqliteStore(Store):
         self.discard(job_id)
         self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
-    async def requeue(self, row: JobRow) -> None:
-        self._requeue("id = ? AND ", (row.id,))
+    async def requeue(self, row: JobRow, why: str) -> None:
+        self._requeue("id = ? AND ", (row.id,), why)
 
     async def settle(self) -> None:
         await asyncio.to_thread(self._commits_durable)
 
-    def _requeue(self, which: str, args: tuple[str, ...]) -> None:
-        self._db.execute(f"UPDATE jobs SET status = 'queued' WHERE {which}status = 'running'", args)
+    def _requeue(self, which: str, args: tuple[str, ...], why: str = "") -> None:
+        self._db.execute(
+            f"UPDATE jobs SET status = 'queued', error = ? WHERE {which}status = 'running'",
+            (why, *args),
+        )
         self._db.execute(
             f"UPDATE jobs SET status = 'cancelled', finished_at = ? WHERE {which}status = "
             "'cancelling'", (self._clock(), *args),

@@ -345,10 +345,11 @@ class Store(ABC):
         there at the next start here or, shared, on another replica at once."""
 
     @abstractmethod
-    async def requeue(self, row: JobRow) -> None:
+    async def requeue(self, row: JobRow, why: str) -> None:
         """The claimed job, whose run this server's storage stopped (a full disk) or whose
         end it could not record: queued again, to run on from its last checkpoint (what
-        was written after it is not kept), or cancelled if a cancel came."""
+        was written after it is not kept), `why` its error till it is claimed again; or
+        cancelled if a cancel came."""
 
     async def settle(self) -> None:  # noqa: B027 (a database commits durably)
         """The commits so far made durable (SQLite: its WAL fsynced, on a thread)."""
