@@ -488,20 +488,48 @@ def test_a_patient_batch_leaves_so_a_request_of_another_shape_is_not_let_expire(
 
 def test_full_queue_rejects_at_once_with_the_limit_and_a_pushback() -> None:
     async def body() -> None:
-        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        s = Scheduler(FakeDispatch(idle=0, credits=0), clock := Clock())
         cfg = model(queue=2)
         s.add_model(cfg)
         s.submit(request(cfg))
         s.submit(request(cfg))
-        with pytest.raises(QueueFull) as info:
-            s.submit(request(cfg))
-        assert "queue of model 'm' is full" in info.value.message
-        assert "max_queue_size 2" in info.value.message
-        assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "1"
-        # A place frees as a batch leaves: the pushback is about a batch's time once
-        # batches have taken some (the queue delay alone said 1 ms: review 56d)
-        for took in (0.05, 0.05, 0.1):
+
+        def pushback() -> str:
+            with pytest.raises(QueueFull) as info:
+                s.submit(request(cfg))
+            assert "queue of model 'm' is full" in info.value.message
+            assert "max_queue_size 2" in info.value.message
+            return dict(info.value.trailers())["grpc-retry-pushback-ms"]
+
+        assert pushback() == "1"
+        # A place frees as a batch leaves: the pushback is about how often batches end
+        # while requests wait (the queue delay alone said 1 ms: review 56d). Two workers'
+        # batches of 60 ms end 30 ms apart (a batch's time said 60 ms: twice too long)
+        for _ in range(40):
+            clock.now += 0.03
+            s.observe(cfg.key, 2, 0.06)
+        assert pushback() == "30"
+        # a frontend too busy to keep its workers fed: batches of 5 ms end 40 ms apart
+        for _ in range(60):
+            clock.now += 0.04
+            s.observe(cfg.key, 2, 0.005)
+        assert pushback() == "40"
+
+    run(body)
+
+
+def test_a_full_queue_s_first_pushback_is_a_batch_s_time_not_the_idle_gaps() -> None:
+    """Batches that ended with nothing waiting say how often requests came, not how
+    often a place frees: a batch's compute time is all that is known then."""
+
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), clock := Clock())
+        cfg = model(queue=1)
+        s.add_model(cfg)
+        for took in (0.05, 0.05, 0.1):  # (nothing queued: idle between them)
+            clock.now += 0.5
             s.observe(cfg.key, 2, took)
+        s.submit(request(cfg))
         with pytest.raises(QueueFull) as info:
             s.submit(request(cfg))
         assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "60"  # (averaged)

@@ -77,11 +77,26 @@ class ModelQueue:
             LatencyTarget(b.target_latency_ms / 1e3, self.max_rows) if b.target_latency_ms else None
         )
         self.rate = 0.0  # rows arriving per second, measured (for the automatic delay)
-        self.batch_s = 0.0  # a batch's compute seconds, averaged: a full queue's pushback
+        # A batch's compute seconds, and the seconds between batches' ends with requests
+        # waiting, averaged: a full queue's pushback (batch_s was #workers times too long).
+        self.batch_s, self.gap_s, self._backlog_at = 0.0, 0.0, -math.inf
         self.idle_at_arrival = -math.inf  # the loop's idle seconds at the last arrival
         self._window_at, self._window_rows = -math.inf, 0
         self.callers = 1 << 30  # the most requests present lately (present()); none yet
         self._callers_at, self._callers_now, self._callers_before = -math.inf, 0, 0
+
+    def finished(self, compute_s: float, now: float) -> None:
+        """A batch of this model ended, `compute_s` its time on its worker."""
+        self.batch_s = compute_s if not self.batch_s else 0.8 * self.batch_s + 0.2 * compute_s
+        gap = now - self._backlog_at  # since the last end, requests waiting then and now:
+        if gap < math.inf and len(self):  # how often a place frees (not how often they come)
+            self.gap_s = gap if not self.gap_s else 0.8 * self.gap_s + 0.2 * gap
+        self._backlog_at = now if len(self) else -math.inf
+
+    def pushback_s(self) -> float:
+        """About how long till this full queue has room: a place frees as a batch leaves,
+        as often as batches end while requests wait; its delay if longer."""
+        return max(self.delay_s(), self.gap_s or self.batch_s)
 
     def __len__(self) -> int:
         if len(self.levels) == 1:  # no priority levels: asked on every arrival

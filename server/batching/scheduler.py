@@ -203,7 +203,7 @@ class Scheduler:
         if problem is not None:  # a place frees as a batch leaves: about a batch's time
             raise QueueFull(  # (the delay alone said 1 ms of a model whose batches took 50)
                 f"queue of model {q.config.name!r} is full ({problem}); retry later",
-                retry_after_ms=max(1, int(max(q.delay_s(), q.batch_s) * 1000)),
+                retry_after_ms=max(1, round(q.pushback_s() * 1000)),
             )
 
     def requeue(self, requests: list[Request]) -> None:
@@ -226,7 +226,7 @@ class Scheduler:
         q = self._queues.get(key)
         if q is None:
             return
-        q.batch_s = compute_s if not q.batch_s else 0.8 * q.batch_s + 0.2 * compute_s
+        q.finished(compute_s, self._clock())
         if q.target is not None:
             q.target.observe(rows, compute_s)
 
