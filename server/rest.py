@@ -97,13 +97,18 @@ def json_response(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type=JSON)
 
 
+def _json_part(size: int, header: str | None) -> int:
+    """How many of a body's `size` bytes are JSON, as Inference-Header-Content-Length
+    `header` says (all, where it says none or nonsense: _infer_body refuses that)."""
+    length = int(header) if header is not None and header.isascii() and header.isdigit() else -1
+    return length if 0 <= length <= size else size
+
+
 def _infer_body(body: bytes, header: str | None, cfg: ModelConfig, limits: Limits) -> Any:
     """parse_infer, its header's length read from `header` (Inference-Header-Content-Length)."""
-    try:
-        length = None if header is None else int(header)
-    except ValueError:
-        raise InvalidInput(f"{HEADER_LENGTH} must be an integer, got {clip(str(header))}") from None
-    size = len(body) if length is None or not 0 <= length <= len(body) else length  # its JSON
+    if header is not None and not (header.isascii() and header.isdigit()):  # (int(): "1_0")
+        raise InvalidInput(f"{HEADER_LENGTH} must be a number of bytes, got {clip(header)}")
+    length, size = None if header is None else int(header), _json_part(len(body), header)
     msg, wanted = parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version,
                              limits, len(cfg.outputs))  # fmt: skip
     json_room(msg, cfg, wanted)  # before the model runs for an answer refused once made
@@ -238,19 +243,24 @@ class RestApi:
         info = request.match_info
         return self._service.model(info["model"], info.get("version", ""))
 
-    async def _parse(self, body: BodyBytes, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _parse(self, body: BodyBytes, fn: Callable[..., Any], *args: Any,
+                     json_bytes: int | None = None) -> Any:  # fmt: skip
+        """`fn(body, *args)` on the loop, the decode thread if many values, or where its JSON
+        (`json_bytes`, or all) is the parser process's, a thread that waits for it (57c)."""
+        if (len(body) if json_bytes is None else json_bytes) > parser.ASIDE_BYTES:
+            return await self._service.aside(fn, body, *args, pool=parser.WAITING)
         if len(body) > INLINE_BYTES or body.count(b",") + body.count(b"[") > INLINE_VALUES:
             return await self._service.aside(fn, body, *args)
         return fn(body, *args)
 
-    def _request(self, cfg: ModelConfig, body: BodyBytes, fn: Callable[..., Any],
-                 *args: Any) -> tuple[Body, list[Any]]:  # fmt: skip
+    def _request(self, cfg: ModelConfig, body: BodyBytes, fn: Callable[..., Any], *args: Any,
+                 json_bytes: int | None = None) -> tuple[Body, list[Any]]:  # fmt: skip
         """The request `fn(body, *args)` makes (or one and more), parsed as its first step
         (service.Body: a body refused counts as over gRPC); what `fn` returned: in the list."""
         got: list[Any] = []
 
         async def parse() -> pb.ModelInferRequest:
-            got.append(await self._parse(body, fn, *args))
+            got.append(await self._parse(body, fn, *args, json_bytes=json_bytes))
             return got[0][0] if isinstance(got[0], tuple) else got[0]  # type: ignore[no-any-return]
 
         return (cfg, parse), got
@@ -292,7 +302,8 @@ class RestApi:
     async def infer(self, request: web.Request) -> web.Response:
         cfg, body = await self._model_body(request)
         length = request.headers.get(HEADER_LENGTH)
-        parsed, got = self._request(cfg, body, _infer_body, length, cfg, self._service.limits)
+        parsed, got = self._request(cfg, body, _infer_body, length, cfg, self._service.limits,
+                                    json_bytes=_json_part(len(body), length))  # fmt: skip
 
         coding = accepted(request)
 

@@ -19,7 +19,7 @@ import contextlib
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import wraps
 from itertools import islice
 from typing import Any, Protocol, TypeVar, cast
@@ -255,21 +255,22 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             request.trace = trace
         return request
 
-    async def aside(self, fn: Callable[..., T], *args: Any, bounded: bool = True) -> T:
-        """`fn(*args)` on the decode thread (heavy decoding, a large REST body); `bounded`:
-        refused past HEAVY_WAITING (False: an answer already computed must go out)."""
+    async def aside(self, fn: Callable[..., T], *args: Any, bounded: bool = True,
+                    pool: Executor | None = None) -> T:  # fmt: skip
+        """`fn(*args)` on the decode thread (heavy decoding, a large REST body), or `pool`;
+        `bounded`: refused past HEAVY_WAITING (False: an answer computed must go out)."""
         if bounded and self._heavy >= HEAVY_WAITING:
             raise QueueFull(f"{self._heavy} large requests are being decoded (the most that "
                             f"wait, {HEAVY_WAITING}); retry later", retry_after_ms=100)  # fmt: skip
         self._heavy += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._decoder, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(pool or self._decoder, fn,
+                                                                    *args)  # fmt: skip
         finally:
             self._heavy -= 1
 
     async def drain(self, timeout_s: float) -> int:
-        """Refuse new requests; wait up to `timeout_s` for the admitted ones to be
-        answered. Returns how many are still open."""
+        """Refuse new requests; wait up to `timeout_s` for the admitted ones; how many are open."""
         self.leaving = self.draining = True
         if self._open:
             with contextlib.suppress(TimeoutError):

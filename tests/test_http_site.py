@@ -11,8 +11,10 @@ import http.client
 import json
 import random
 import socket
+import threading
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -23,12 +25,12 @@ from aiohttp import streams, web
 from aiohttp.test_utils import make_mocked_request
 
 from batchd.client import Client
-from batchd.server import http_site
+from batchd.server import http_site, parser
 from batchd.server.config import Connections
 from batchd.server.errors import QueueFull
 from batchd.server.http_site import PIECE, InflateBudget, Inflated, Inflating, same_site
 from batchd.server.jobs.service import JobsService
-from batchd.server.rest import INLINE_BYTES, RestApi
+from batchd.server.rest import INLINE_BYTES, RestApi, _aside
 from tests.servers import ServerProcess, wait_for
 from tests.test_rest import TINY, assert_serving, call, tiny_body, triton_http
 
@@ -239,6 +241,47 @@ def test_a_json_body_of_many_values_is_parsed_off_the_loop_one_of_few_on_it() ->
         assert (await api._parse(deep, json.loads))["data"] and Service.asides == 2
 
     asyncio.run(scenario())
+
+
+def test_a_document_in_the_parser_process_holds_up_no_other_request_s_decoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large document waited for the parser process on the decode thread: one client's
+    hostile 8 MiB bodies (3-7 s each in the child) held every other client's request
+    that needed that thread 2-20 s behind them (review 57c). It waits on one of its own."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_child(fn: Any, args: Any, background: bool) -> Any:  # (a hostile document)
+        entered.set()
+        release.wait(60)
+        return fn(*args)
+
+    monkeypatch.setattr(parser._child, "call", slow_child)
+    decoder = ThreadPoolExecutor(1)  # (as service.InferenceService's)
+
+    class Service:
+        async def aside(self, fn: Any, *args: Any, bounded: bool = True, pool: Any = None) -> Any:
+            return await asyncio.get_running_loop().run_in_executor(pool or decoder, fn, *args)
+
+    async def scenario() -> None:
+        api = RestApi(Service(), None, JobsService(None), None,  # type: ignore[arg-type]
+                      max_body_bytes=1 << 24, connections=Connections())  # fmt: skip
+        big = json.dumps({"data": "x" * parser.ASIDE_BYTES}).encode()
+        many = json.dumps({"data": [[0]] * 5_000}).encode()  # (the decode thread's)
+        slow = asyncio.ensure_future(api._parse(big, _aside(json.loads)))
+        assert await asyncio.to_thread(entered.wait, 60)
+        try:
+            got = await asyncio.wait_for(api._parse(many, _aside(json.loads)), 30)
+            assert len(got["data"]) == 5_000 and not slow.done()
+        finally:
+            release.set()
+        assert (await slow)["data"]
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+        decoder.shutdown()
 
 
 def test_a_small_compressed_body_is_inflated_on_the_loop_a_large_one_aside() -> None:

@@ -122,6 +122,12 @@ def test_on_an_event_loop_s_thread_a_document_is_parsed_here() -> None:
     assert asyncio.run(on_the_loop()) == os.getpid() and parser.child_pid() == 0
 
 
+def test_a_document_is_parsed_in_the_child_with_the_collector_off_and_then_on() -> None:
+    """A document of millions of lists set off collection after collection, each walking
+    them all: 2.7M empty lists took 2.25 s to parse, 0.39 s without (review 57c)."""
+    assert parser.run(gc.isenabled, BIG) is False and gc.isenabled()
+
+
 def test_a_small_body_whose_header_length_lies_is_refused_here() -> None:
     cfg = model(max_batch_size=4, shape=(1,))
     with pytest.raises(InvalidInput, match="Inference-Header-Content-Length is 300000, but"):

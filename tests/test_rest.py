@@ -1380,9 +1380,14 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
         TINY, HEAD + ZEROS, {HEADER_LENGTH: str(len(HEAD) + 65)},
         f"{HEADER_LENGTH} is {len(HEAD) + 65}, but the body holds {len(HEAD) + 64} bytes"),
     "negative header length": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "-5"},
-                               f"{HEADER_LENGTH} is -5, but the body holds"),
+                               f"{HEADER_LENGTH} must be a number of bytes, got '-5'"),
     "non-numeric header length": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "lots"},
-                                  f"{HEADER_LENGTH} must be an integer, got 'lots'"),
+                                  f"{HEADER_LENGTH} must be a number of bytes, got 'lots'"),
+    # (int() read these as 10 and 12: review 57c)
+    "header length with an underscore": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "1_0"},
+                                         f"{HEADER_LENGTH} must be a number of bytes, got '1_0'"),
+    "header length in other digits": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "١٢".encode()},
+                                      f"{HEADER_LENGTH} must be a number of bytes, got"),
     "header length cutting the JSON": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "10"},
                                        "the inference header is not valid JSON"),
     "binary_data_size past the body": (
