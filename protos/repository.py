@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from batchd.protos._toml_reader import read_bounded
@@ -193,14 +194,20 @@ def strays(root: Path) -> list[str]:
     return found
 
 
-def load_repository(root: Path) -> dict[str, ModelConfig]:
-    """Every model of a repository: each subdirectory holding a model.toml."""
+def load_repository(
+    root: Path, broken: Callable[[ConfigError], None] | None = None
+) -> dict[str, ModelConfig]:
+    """Every model of a repository: each subdirectory holding a model.toml. The first
+    that is broken is raised, or, with `broken`, each is passed to it and left out."""
     check_root(root)
     models: dict[str, ModelConfig] = {}
     for _, cfg in load_each(root):
         if isinstance(cfg, ConfigError):
-            raise cfg
-        models[cfg.name] = cfg
+            if broken is None:
+                raise cfg
+            broken(cfg)
+        else:
+            models[cfg.name] = cfg
     return models
 
 

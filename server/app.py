@@ -357,7 +357,7 @@ async def serve(cfg: ServerConfig) -> None:
     """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
     file, child = cfg.security.auth_token_file, cfg.frontends.index > 0
     read_tokens = lambda: None if file is None else load_tokens(file)  # noqa: E731
-    models, tokens = at_start(cfg.model_repository, child, read_tokens)  # (a child: 0's)
+    models, tokens = at_start(cfg.model_repository, child, read_tokens, cfg.models)  # (child: 0's)
     log.info("model repository %s: %s%s", cfg.model_repository, ", ".join(models[0])
              or "no models", "; model control explicit" if cfg.models.explicit else "")  # fmt: skip
     if (slow := slow_backend()) is not None:

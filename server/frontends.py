@@ -34,6 +34,7 @@ import zmq
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import NO_MODELS, Files, files_of, load_repository, strays
 from batchd.server import siblings
+from batchd.server.config import Models as ModelControl
 from batchd.server.errors import Unavailable
 
 PARENT = "BATCHD_FRONTEND_0_PID"  # in a child frontend's environment: who started it
@@ -152,7 +153,8 @@ class Children:
                         p.kill()
 
 
-def at_start(root: Path, child: bool, tokens: Callable[[], T]) -> tuple[Models, T]:
+def at_start(root: Path, child: bool, tokens: Callable[[], T],
+             control: ModelControl | None = None) -> tuple[Models, T]:  # fmt: skip
     """The repository's models and their files, and the tokens (`tokens()` reads them):
     read now, or, in a child frontend (restarted ones too), as frontend 0 read them. A
     child that read the repository again served a model's files changed since as the
@@ -172,11 +174,18 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T]) -> tuple[Models, 
             why = f"frontend 0's models and tokens at start ({saved}) are another version's"
             raise ConfigError(why + " (batchd upgraded under it?): restart the server")
         return at
-    repository = load_repository(root)
+    if control is not None and control.explicit and "*" not in control.load:  # a folder
+        repository = load_repository(root, broken=_not_loaded)  # broken beside the models
+    else:  # named was a server that would not start again (review 57b): its load refuses it
+        repository = load_repository(root)
     for stray in strays(root) + ([] if repository else [NO_MODELS]):  # (not again in a child)
         log.warning("%s", stray)
     files = {name: files_of(cfg.directory) for name, cfg in repository.items()}
     return (repository, files), tokens()
+
+
+def _not_loaded(e: ConfigError) -> None:
+    log.warning("%s; not loaded (a load of it is refused till it is mended)", e)
 
 
 def parent() -> int:

@@ -368,6 +368,34 @@ def test_load_model_needs_explicit_model_control(repo: Path) -> None:
     assert "--load-model nope: not in" in done.stderr
 
 
+def test_a_broken_folder_beside_the_named_models_does_not_stop_an_explicit_start(
+    tmp_path: Path,
+) -> None:
+    """A running server lists a folder broken since as unavailable, saying why; restarted
+    with the same flags it exited (2, "not valid TOML"), every model down with it (review
+    57b). It starts with the models it names; the broken one is refused as it was. A
+    start that loads every model ('*', or without explicit control) still stops."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    (broken := tmp_path / "repo" / "other").mkdir()
+    (broken / "model.toml").write_text("max_batch_size = [\n")
+    args = ("--model-control", "explicit", "--load-model", "scaled")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+    try:
+        with Client(s.url) as c:
+            assert y(c, "scaled", 1.0) == 2.0
+            other = {m["name"]: m for m in c.repository_index()}["other"]
+            assert other["state"] == "UNAVAILABLE" and "not valid TOML" in other["reason"]
+            with pytest.raises(BatchdClientError, match="not valid TOML"):
+                c.load_model("other")
+        assert "other/model.toml: not valid TOML" in s.log() and "not loaded" in s.log()
+    finally:
+        assert s.stop() == 0, s.log()
+    cmd = [sys.executable, "-m", "batchd.server", "--model-repository", str(tmp_path / "repo")]
+    for every in ((), ("--model-control", "explicit", "--load-model", "*")):
+        done = subprocess.run([*cmd, *every, "--grpc-port", "0"], capture_output=True, text=True)
+        assert done.returncode == 2 and "not valid TOML" in done.stderr, every
+
+
 def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) -> None:
     """A model whose load() raises at start is unready on its own: the server stays
     ready for the healthy one, the index names the load error, and a request to it
