@@ -221,16 +221,24 @@ async def write_all(
     an ERROR with a traceback (ExecuteBatchError) for every caller that went. The
     headers go first, alone: with the first response's write failed, gRPC sent them
     again with the status, and logged GRPC_CALL_ERROR_TOO_MANY_OPERATIONS."""
-    await context.send_initial_metadata(())
     async with contextlib.aclosing(responses):
+        if not await _taken(context.send_initial_metadata(())):  # (it logged so too: 57a)
+            return
         async for response in responses:
-            try:
-                await context.write(response)
-            except Exception as e:  # (the core refused the write: the call is over)
-                if type(e).__name__ != "ExecuteBatchError":
-                    raise
-                log.debug("a ModelStreamInfer caller left with responses unsent")
+            if not await _taken(context.write(response)):
                 return
+
+
+async def _taken(sent: Awaitable[None]) -> bool:
+    """Whether the call took what was `sent`; False: the core refused it, the call is over."""
+    try:
+        await sent
+    except Exception as e:
+        if type(e).__name__ != "ExecuteBatchError":
+            raise
+        log.debug("a ModelStreamInfer caller left with responses unsent")
+        return False
+    return True
 
 
 def answer_bytes(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None,

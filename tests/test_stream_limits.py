@@ -32,6 +32,7 @@ from batchd.server import flow, recovery
 from batchd.server.errors import ModelFailed, ResponseTooLarge
 from batchd.server.flow import OUTPUT_COST, WINDOW, StepStream, StreamBudget
 from batchd.server.request import Batch, Request, Tensor
+from batchd.server.streaming import write_all
 from batchd.server.unary_steps import Joined, follow
 from tests.conftest import scrape, total
 from tests.servers import ServerProcess, wait_for
@@ -855,6 +856,33 @@ def test_a_unary_step_over_a_response_is_refused_before_its_worker_sends_it(
     assert "hold 2097152 bytes, more than its stream can carry (1048576" in (
         e.value.details() or ""
     )
+
+
+class ExecuteBatchError(Exception):  # (as gRPC's core names its refusal of an operation)
+    pass
+
+
+@pytest.mark.parametrize("refused", ["send_initial_metadata", "write"])
+def test_a_caller_gone_before_its_headers_or_a_response_ends_its_stream_quietly(
+    refused: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The headers were sent outside the handling of a refused write: a caller gone
+    before them (a deadline of a few ms) logged an ERROR with a traceback (review 57a)."""
+
+    class Context:
+        async def send_initial_metadata(self, metadata: Any) -> None:
+            if refused == "send_initial_metadata":
+                raise ExecuteBatchError("Failed grpc_call_start_batch")
+
+        async def write(self, response: Any) -> None:
+            raise ExecuteBatchError("Failed grpc_call_start_batch")
+
+    async def responses() -> Any:
+        yield pb.ModelStreamInferResponse()
+        yield pb.ModelStreamInferResponse()
+
+    asyncio.run(write_all(Context(), gen := responses()))  # type: ignore[arg-type]
+    assert gen.ag_frame is None and "ERROR" not in caplog.text  # (closed)
 
 
 @pytest.mark.parametrize("taken", [1, 0])
