@@ -68,7 +68,7 @@ class Tracing:
     def start(cls, process: str, endpoint: str, exporter: Any = None) -> Tracing:
         """A provider exporting to `endpoint` (or to `exporter`, e.g. the SDK's
         in-memory one in tests); spans carry `batchd.process`."""
-        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.resources import OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -76,12 +76,10 @@ class Tracing:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=endpoint)
-        resource = Resource.create(
-            {
-                "service.name": os.environ.get("OTEL_SERVICE_NAME", "batchd"),
-                "batchd.process": process,
-            }
-        )
+        own = {"batchd.process": process}
+        if "service.name" not in OTELResourceDetector().detect().attributes:  # (the SDK's,
+            own["service.name"] = "batchd"  # from OTEL_SERVICE_NAME or ..._RESOURCE_ATTRIBUTES;
+        resource = Resource.create(own)  # the latter's was overridden: review 57c)
         for name in CALLERS_DATA_LOGGERS:  # a WARNING per request, quoting what it sent
             logging.getLogger(name).setLevel(logging.ERROR)
         provider = TracerProvider(resource=resource)

@@ -120,6 +120,37 @@ def test_a_bad_traceparent_or_tracestate_is_ignored_without_a_log_line(
     assert len(contexts) == 3
 
 
+@pytest.mark.parametrize(
+    ("environment", "name"),
+    [
+        ({}, "batchd"),
+        ({"OTEL_SERVICE_NAME": "inference"}, "inference"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=prod,deployment.environment=eu"}, "prod"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=prod", "OTEL_SERVICE_NAME": "x"}, "x"),
+    ],
+)
+def test_the_service_name_is_the_environment_s_and_else_batchd(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], name: str
+) -> None:
+    """OTEL_RESOURCE_ATTRIBUTES' service.name was overridden by batchd's (review 57c);
+    OTEL_SERVICE_NAME wins over it, as the specification says."""
+    for key in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    exporter = InMemorySpanExporter()
+    t = traces.Tracing.start("frontend", "", exporter)
+    try:
+        with t.tracer.start_as_current_span("s"):
+            pass
+        t.shutdown()
+        (span,) = exporter.get_finished_spans()
+        assert span.resource.attributes["service.name"] == name
+        assert span.resource.attributes["batchd.process"] == "frontend"
+    finally:
+        t.shutdown()
+
+
 def test_tracing_is_on_only_with_an_endpoint() -> None:
     assert traces.endpoint(None, {}) is None
     for insecure in ("OTEL_EXPORTER_OTLP_INSECURE", "OTEL_EXPORTER_OTLP_TRACES_INSECURE"):
