@@ -170,8 +170,8 @@ class RestApi:
         post("/v2/repository/models/{model}/load", self.load)
         post("/v2/repository/models/{model}/unload", self.unload)
         limit = (jobs.max_file_bytes, "--jobs-max-file-bytes")  # (inf: jobs are off)
-        uploads = functools.partial(self._expect, limit=limit)
-        JobRoutes(jobs, body_timeout_s).add_to(self.app.router, uploads)
+        routes = JobRoutes(jobs, body_timeout_s, connections.max_age_grace_s)
+        routes.add_to(self.app.router, functools.partial(self._expect, limit=limit))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:

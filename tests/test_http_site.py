@@ -6,6 +6,7 @@ caller never reads dropped with its connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import http.client
 import json
@@ -425,6 +426,32 @@ def test_an_answer_its_caller_never_reads_is_dropped_with_its_connection(
     head_length = int(r.headers["Inference-Header-Content-Length"])
     values = np.frombuffer(r.body[head_length:], np.float32)
     assert r.status == 200 and values.size == BIG_ROW and (values == 7.0).all()
+
+
+def test_a_job_s_results_their_caller_never_reads_are_dropped_with_the_connection(
+    wide: ServerProcess,
+) -> None:
+    """GET /v2/jobs/ID/results was a plain stream: a caller that read nothing held its
+    connection, its results file and ~1.2 MB for ever, past --max-connection-age-grace
+    (review 57c: 150 such callers, 180 MB and 300 descriptors). It is dropped too."""
+    line = {"custom_id": "a", "inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1],
+                                          "data": [7.0]}]}  # fmt: skip
+    with Client(wide.url) as c:
+        job = c.submit_job("wide", [line])
+        wait_for(lambda: c.job(job.id).status == "completed", 60, "the job's end")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        s.connect(("127.0.0.1", wide.http_port))
+        s.sendall(b"GET /v2/jobs/%s/results HTTP/1.1\r\nHost: [::1]\r\n\r\n" % job.id.encode())
+        wait_for(lambda: "results: its caller read nothing for 1 s" in wide.log(), 30, "dropped")
+        s.settimeout(30)
+        got = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(1 << 20):
+                got += chunk
+    assert got.startswith(b"HTTP/1.1 200") and not got.endswith(b"0\r\n\r\n")  # cut short
+    whole = call(wide, "GET", f"/v2/jobs/{job.id}/results")  # a caller that reads: all of it
+    assert whole.status == 200 and json.loads(whole.body)["custom_id"] == "a"
 
 
 def test_an_answer_too_large_for_json_is_refused_and_counted_failed(wide: ServerProcess) -> None:

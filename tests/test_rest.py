@@ -1947,7 +1947,7 @@ def test_handshake_timeout_0_waits_for_each_piece_of_a_job_upload() -> None:
             return jobs_pb2.Job(id="j", model_name=model, total=len(got))
 
     request = SimpleNamespace(query={"model": "tiny"}, headers={}, content=Content())
-    response = asyncio.run(JobRoutes(Jobs(), body_timeout_s=0).submit(request))  # type: ignore[arg-type]
+    response = asyncio.run(JobRoutes(Jobs(), body_timeout_s=0, grace_s=0).submit(request))  # type: ignore[arg-type]
     assert response.status == 201 and json.loads(response.body)["total"] == 1
 
 

@@ -26,10 +26,11 @@ from google.protobuf.message import Message
 from batchd.protos.to_json import as_json
 from batchd.server.auth import bearer_header
 from batchd.server.errors import InvalidInput, clip
-from batchd.server.http_site import encoding
+from batchd.server.http_site import PatientStream, encoding
 from batchd.server.jobs.service import Caller, JobsService
 
 UPLOAD_PIECE = 1024 * 1024  # bytes of an upload read and written at a time
+JSONL = "application/x-ndjson"
 
 
 def _job(job: Message, status: int = 200) -> web.Response:
@@ -58,9 +59,10 @@ def _int(request: web.Request, key: str) -> int:
 
 
 class JobRoutes:
-    def __init__(self, jobs: JobsService, body_timeout_s: float) -> None:
+    def __init__(self, jobs: JobsService, body_timeout_s: float, grace_s: float) -> None:
         self._jobs = jobs
         self._timeout_s = body_timeout_s or None  # for each piece of an upload; 0: none
+        self._grace_s = grace_s  # for each piece of a download to be taken (0: none)
 
     def add_to(self, router: web.UrlDispatcher, expect: Callable[..., Awaitable[Any]]) -> None:
         """The routes; `expect` answers a POST's `Expect: 100-continue` (rest.py)."""
@@ -112,11 +114,13 @@ class JobRoutes:
     async def results_head(self, request: web.Request) -> web.Response:
         """What GET would answer, without its body (a job of another owner: 404 too)."""
         await self._results(request)
-        return web.Response(headers={"Content-Type": "application/x-ndjson"})
+        return web.Response(headers={"Content-Type": JSONL})
 
     async def results(self, request: web.Request) -> web.StreamResponse:
         pieces = await self._results(request)
-        stream = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        # A caller that reads nothing is dropped past --max-connection-age-grace, as for any
+        # answer: it held its connection, results file and ~1.2 MB for ever (review 57c).
+        stream = PatientStream(request, self._grace_s, headers={"Content-Type": JSONL})
         await stream.prepare(request)
         async for data in pieces:
             await stream.write(data)
