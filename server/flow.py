@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from batchd.protos import wire
+from batchd.server.pace import Pace
 from batchd.server.request import Tensor
 
 # Outputs of one sequence waiting for its caller: a bound of last resort, as its window
@@ -50,19 +51,19 @@ def output_bytes(outputs: Sequence[Tensor]) -> int:
     return sum(len(t.data) for t in outputs)
 
 
-class StreamBudget:
+class StreamBudget(Pace):
     """The bytes one caller's stream holds or has promised: outputs and responses it
     has not taken (`held`), its sequences' windows (`reserved`) and what steps larger
-    than their window borrowed (`lent`)."""
+    than their window borrowed (`lent`); its caller's Pace."""
 
     def __init__(self, limit: int) -> None:
+        super().__init__()
         self.limit = limit
         self.window = min(WINDOW, max(limit // 16, 2 * OUTPUT_COST))
         self.held = self.reserved = self.lent = 0
         self.promised = 0  # the answers of one-shot requests read and not answered yet
         self.largest = 0  # the largest one-shot answer held yet (what one of unknown size
         # is promised)
-        self.taken_at = time.monotonic()  # when its caller last took an output
         # by model key: when a sequence of it was last stopped for its caller's reading
         # nothing, and what its requests queued then are told (Sequences._stalled)
         self.behind: dict[str, tuple[float, str]] = {}
@@ -256,6 +257,10 @@ class StepStream:
     def taken_at(self) -> float:
         """When its caller last took an output (of any sequence of its stream)."""
         return max(self._taken_at, self.budget.taken_at) if self.budget else self._taken_at
+
+    def patience(self, limit: float) -> float:
+        """Pace.patience of its stream's caller."""
+        return self.budget.patience(limit) if self.budget else limit
 
     def taken(self, size: int) -> None:
         """Its caller took an output of `size` bytes: they go back to the budget, and to

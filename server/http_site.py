@@ -370,31 +370,3 @@ def _hosts_loopback_names() -> set[str]:
             if _loopback_ip(address.partition("%")[0]):
                 names.update(a.lower().rstrip(".") for a in aliases)
     return names
-
-
-class PatientStream(web.StreamResponse):
-    """A streamed answer (SSE) whose every write is done within `seconds` (0: no bound),
-    or its connection is closed: a caller that reads nothing keeps no request open for
-    ever (an unload, or a reload, waits for its model version's open requests)."""
-
-    def __init__(self, request: web.Request, seconds: float, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._request, self._seconds = request, seconds or None
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        await self._within(super().write(data))
-
-    async def write_eof(self, data: bytes = b"") -> None:  # (it drains what is left too)
-        await self._within(super().write_eof(data))
-
-    async def _within(self, sending: Awaitable[None]) -> None:
-        try:
-            async with asyncio.timeout(self._seconds):
-                await sending
-        except TimeoutError:
-            r = self._request
-            log.info("HTTP %s %s: its caller read nothing for %g s; connection closed",
-                     r.method, r.path[:100], self._seconds)  # fmt: skip
-            if r.transport is not None:
-                r.transport.abort()
-            raise ConnectionResetError("the caller read nothing") from None

@@ -43,12 +43,8 @@ from batchd.server import __version__, parser
 from batchd.server.auth import ADMIN, DENIED, INFER, Tokens, bearer_header
 from batchd.server.config import Connections, Limits
 from batchd.server.describe import model_config, model_metadata
-from batchd.server.errors import (
-    BatchdError,
-    InvalidInput,
-    Unauthenticated,
-    clip,
-)
+from batchd.server.errors import BatchdError, InvalidInput, Unauthenticated, clip
+from batchd.server.flow import StepStream, stream_budget
 from batchd.server.http_site import (
     INFLATED_BODIES,
     RECEIVED_BODIES,
@@ -56,7 +52,6 @@ from batchd.server.http_site import (
     Handler,
     InflateBudget,
     Inflating,
-    PatientStream,
     accepted,
     bounded_send,
     coded,
@@ -70,6 +65,7 @@ from batchd.server.http_site import (
 from batchd.server.jobs.rest import JobRoutes
 from batchd.server.jobs.service import JobsService
 from batchd.server.json_body import MAX_JSON_BYTES
+from batchd.server.pace import PatientStream
 from batchd.server.rest_codec import (
     HEADER_LENGTH,
     generate_response,
@@ -349,9 +345,10 @@ class RestApi:
         HTTP error, as on /generate; a sequence that yields no output, an empty body."""
         cfg, body = await self._model_body(request)
         parsed, _ = self._request(cfg, body, _aside(parse_generate), cfg)
-        events = self._events(cfg, parsed, request.headers)
+        budget = stream_budget(self._service.max_response_bytes())  # (its caller's Pace)
+        events = self._events(cfg, parsed, request.headers, StepStream(budget=budget))
         first = await anext(events, None)  # raises before any byte is sent
-        stream = PatientStream(request, cfg.instances.execution_timeout_s, headers={
+        stream = PatientStream(request, cfg.instances.execution_timeout_s, budget, headers={
             "Content-Type": SSE, "Cache-Control": "no-cache"})  # fmt: skip
         await stream.prepare(request)
         try:
@@ -367,9 +364,8 @@ class RestApi:
         await stream.write_eof()
         return stream
 
-    async def _events(
-        self, cfg: ModelConfig, parsed: Body, headers: Mapping[str, str]
-    ) -> AsyncGenerator[bytes]:
+    async def _events(self, cfg: ModelConfig, parsed: Body, headers: Mapping[str, str],
+                      stream: StepStream) -> AsyncGenerator[bytes]:  # fmt: skip
         if cfg.generate is None:  # a one-shot model: one output
 
             async def encode(response: pb.ModelInferResponse) -> bytes:
@@ -377,7 +373,7 @@ class RestApi:
 
             yield await self._service.infer(parsed, None, headers, encode)
             return
-        async for r, outputs, _final in self._service.sequence(parsed, None, headers):
+        async for r, outputs, _final in self._service.sequence(parsed, None, headers, stream):
             chosen = [t for t in outputs if t.name in r.outputs]
             yield generate_response(cfg, r.id, chosen)
 

@@ -38,7 +38,9 @@ from batchd.server.errors import (
     StreamBehind,
     clip,
 )
+from batchd.server.flow import StepStream
 from batchd.server.link import WorkerLink
+from batchd.server.pace import MIN_READ_RATE
 from batchd.server.pool import WorkerHandle, WorkerPool
 from batchd.server.request import Batch, Request, Tensor
 from batchd.server.stats import Stats
@@ -221,7 +223,7 @@ class Sequences:
         stream, limit = sequence.requests[0].stream, sequence.model.instances.execution_timeout_s
         assert stream is not None
         stream.watched = True
-        wait = limit - (time.monotonic() - stream.taken_at)
+        wait = stream.patience(limit) - (time.monotonic() - stream.taken_at)
         asyncio.get_running_loop().call_later(max(wait, 0), self._stalled, identity, sequence)
 
     def _stalled(self, identity: bytes, sequence: Batch) -> None:
@@ -252,11 +254,11 @@ class Sequences:
                 return
         else:
             stream.idle_watches = 0
-        if stream.paused and time.monotonic() - stream.taken_at >= limit:  # nothing read
-            stalled = StreamBehind(
+        if stream.paused and time.monotonic() - stream.taken_at >= stream.patience(limit):
+            stalled = StreamBehind(  # (nothing read)
                 f"this stream's caller took none of the outputs of model {sequence.model.name!r} "
-                f"for {limit:g} s (its execution_timeout_s) while its sequence waited for it; "
-                f"the sequence was stopped after {stream.sent}"
+                f"for {limit:g} s (its execution_timeout_s){_reading(stream, limit)} while its "
+                f"sequence waited for it; the sequence was stopped after {stream.sent}"
             )
             if stream.budget is not None:  # its stream's requests queued behind it go too
                 stream.budget.behind[sequence.model.key] = (time.monotonic(), (
@@ -317,3 +319,11 @@ class Sequences:
             if (sequence := next((s for s in ours if s is not None), None)) is not None:
                 version = sequence.model.version
                 self._stats.step(header.model, version, header.active, header.compute_ns)
+
+
+def _reading(stream: StepStream, limit: float) -> str:
+    """What more its caller was given, to read what its connection took last (flow.Pace)."""
+    if (more := stream.patience(limit) - limit) < 0.05:
+        return ""
+    rate = MIN_READ_RATE // 1024
+    return f" and {more:.3g} s more, to read what its connection had taken last at {rate} KiB/s"

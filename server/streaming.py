@@ -178,8 +178,9 @@ async def respond(
     reader = asyncio.create_task(read())
     try:
         while (out := await responses.get()) is not None:
+            at = time.monotonic()
             yield out[0]
-            budget.taken_at = time.monotonic()  # its caller reads (a sequence's stall timer)
+            budget.took(out[0].ByteSize(), at)  # its caller reads (a sequence's stall timer)
             out[1]()  # gRPC took it
         await reader
         if ended:

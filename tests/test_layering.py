@@ -21,6 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             *("request", "flow", "errors", "config", "stats", "loopload", "describe"),
             *("supervisor", "frontends", "link", "tracing", "siblings", "parser", "exposition"),
+            "pace",
             *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),

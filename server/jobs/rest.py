@@ -26,8 +26,9 @@ from google.protobuf.message import Message
 from batchd.protos.to_json import as_json
 from batchd.server.auth import bearer_header
 from batchd.server.errors import InvalidInput, clip
-from batchd.server.http_site import PatientStream, encoding
+from batchd.server.http_site import encoding
 from batchd.server.jobs.service import Caller, JobsService
+from batchd.server.pace import PatientStream
 
 UPLOAD_PIECE = 1024 * 1024  # bytes of an upload read and written at a time
 JSONL = "application/x-ndjson"

@@ -1,0 +1,82 @@
+"""A caller's pace (server/pace.py): how long one that takes nothing of its stream is
+waited for, given what its connection took at once before (gRPC's grown HTTP/2
+windows, the kernel's socket buffers), and HTTP's PatientStream that waits so long."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from batchd.server import pace
+from batchd.server.pace import MAX_BURST, MIN_READ_RATE, Pace, PatientStream
+
+KiB = 1024
+
+
+def test_what_the_connection_took_at_once_is_given_time_to_be_read() -> None:
+    p = Pace()
+    assert p.patience(2.0) == 2.0  # nothing taken yet: the limit alone
+    now = time.monotonic()
+    for _ in range(16):  # 4 MiB taken at once (each write waited for nothing)
+        p.took(256 * KiB, now)
+    assert p.patience(2.0) == 2.0 + 4 * 1024 * KiB / MIN_READ_RATE
+    p.took(256 * KiB, time.monotonic() - 1.0)  # one waited 1 s: the burst before is read
+    assert p.patience(2.0) == 2.0 + 256 * KiB / MIN_READ_RATE
+    for _ in range(100):
+        p.took(1024 * KiB, time.monotonic())
+    assert p.patience(2.0) == 2.0 + MAX_BURST / MIN_READ_RATE  # (at most MAX_BURST)
+
+
+def _stream(monkeypatch: pytest.MonkeyPatch, waits: list[float], seconds: float) -> Any:
+    """A PatientStream whose writes each wait as long as `waits` says, in turn."""
+
+    async def write(self: web.StreamResponse, data: Any) -> None:
+        await asyncio.sleep(waits.pop(0))
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    request = make_mocked_request("GET", "/v2/jobs/x/results")
+    return PatientStream(request, seconds), request
+
+
+def test_an_sse_caller_that_reads_through_the_socket_buffers_is_not_let_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernel's socket buffers take megabytes of an answer at once, then a write
+    waits till the caller has read through half of them: a caller reading 256 KiB each
+    0.3 s was let go as having read nothing for 2 s (review 57a)."""
+    waits = [0.0] * 16 + [1.5, 0.0]  # 4 MiB at once, then a write waits 1.5 s, past 1 s
+
+    async def scenario() -> None:
+        stream, request = _stream(monkeypatch, waits, 1.0)
+        for _ in range(18):
+            await stream.write(b"x" * 256 * KiB)
+        assert not request.transport.abort.called
+
+    asyncio.run(scenario())
+    assert waits == []
+
+
+def test_a_caller_that_reads_nothing_is_let_go_after_the_limit_and_what_it_was_sent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its connection took 1 MiB at once, then nothing: it is let go once its write has
+    waited the limit (0.5 s) and the time to read that 1 MiB (at 1 MiB/s here)."""
+    monkeypatch.setattr(pace, "MIN_READ_RATE", 1024 * KiB)
+    caplog.set_level(logging.INFO, "batchd.server")
+
+    async def scenario() -> None:
+        stream, request = _stream(monkeypatch, [0.0] * 4 + [600.0], 0.5)
+        for _ in range(4):
+            await stream.write(b"x" * 256 * KiB)
+        with pytest.raises(ConnectionResetError):
+            await stream.write(b"x")
+        assert request.transport.abort.called
+
+    asyncio.run(scenario())
+    assert "results: its caller read nothing for 1.5 s; connection closed" in caplog.text
