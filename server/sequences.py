@@ -298,7 +298,8 @@ class Sequences:
     def _end_sequence(self, worker: WorkerHandle, sequence: Batch,
                       error: Exception | None) -> None:  # fmt: skip
         self._pool.end(worker, sequence.id)
-        r = sequence.requests[0]
+        r = sequence.requests[0]  # (its slot frees: a full queue's pushback, 1 ms before: 57a)
+        self._scheduler.ended(sequence.model.key, self._clock() - r.arrival)
         if not r.future.done():
             if error is None:
                 r.future.set_result([])

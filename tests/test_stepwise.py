@@ -566,7 +566,8 @@ def test_the_backstop_waits_out_the_slowest_model_of_the_stream() -> None:
         _, worker = pool.join(b"w", wire.WorkerInfo(worker_id="w", device="cpu", pid=1))
         worker.models |= {fast.key, slow.key}
         link = SimpleNamespace(send=lambda identity, parts, copy=False: None)
-        sequences = Sequences(pool, link, None, Stats(), time.monotonic, lambda: None, None)  # type: ignore[arg-type]
+        ends = SimpleNamespace(ended=lambda key, seconds: None)  # (the scheduler's part)
+        sequences = Sequences(pool, link, ends, Stats(), time.monotonic, lambda: None, None)  # type: ignore[arg-type]
         started = []
         for cfg in (fast, slow):
             r = request(cfg)
@@ -620,7 +621,8 @@ def test_a_sequence_held_with_nothing_for_its_caller_is_stopped_not_hung() -> No
         r.stream = StepStream(budget=StreamBudget(1 << 20))
         sequence = pool.start(worker, cfg, r, 0.0)
         link = SimpleNamespace(send=lambda identity, parts, copy=False: None)
-        sequences = Sequences(pool, link, None, None, time.monotonic, lambda: None, None)  # type: ignore[arg-type]
+        ends = SimpleNamespace(ended=lambda key, seconds: None)  # (the scheduler's part)
+        sequences = Sequences(pool, link, ends, None, time.monotonic, lambda: None, None)  # type: ignore[arg-type]
         r.stream.credit = 0  # held for credit, its caller owed nothing
         for _ in range(IDLE_WATCHES):
             sequences._stalled(worker.identity, sequence)

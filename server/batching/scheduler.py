@@ -230,6 +230,11 @@ class Scheduler:
         if q.target is not None:
             q.target.observe(rows, compute_s)
 
+    def ended(self, key: str, seconds: float) -> None:
+        """A sequence of step-wise model version `key` ended, `seconds` after it came."""
+        if (q := self._queues.get(key)) is not None:
+            q.finished(seconds, self._clock())
+
     def fail_all(self, error: Exception) -> None:
         """Answer every queued request with `error` (shutdown)."""
         for key in self._queues:
