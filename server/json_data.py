@@ -152,11 +152,29 @@ def values(t: Tensor) -> Any:
     return arr
 
 
+_SPELLED = np.array([b"NaN", b"Infinity", b"-Infinity"])
+
+
 def json_safe(value: Any) -> Any:
     """`value` for orjson, which writes inf and nan as null: floats that are not finite
     go as Python's json writes them (Infinity, -Infinity, NaN, which Python's json, and
-    so tritonclient.http, reads back), never silently changed."""
+    so tritonclient.http, reads back), never silently changed. An array is still written
+    by orjson, each null (its non-finite values, in order: nothing else is null) then
+    spelled so; Python's json wrote it all, one value at a time, the event loop held
+    (8 MiB of FP32 with one NaN: 250 ms, now 55; all NaN: 176 ms, now 60-85: 57a)."""
     floats = isinstance(value, np.ndarray | np.floating) and value.dtype.kind == "f"
-    if floats and not np.isfinite(value).all():
+    if not floats or np.isfinite(value).all():
+        return value
+    if not (isinstance(value, np.ndarray) and value.ndim == 1 and value.flags.c_contiguous):
+        return orjson.Fragment(json.dumps(value.tolist()).encode())  # (a scalar)
+    bad = value[~np.isfinite(value)]
+    kinds = np.where(np.isnan(bad), 0, np.where(bad > 0, 1, 2))
+    text = orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+    if (kinds == kinds[0]).all():  # (one kind: replaced in one pass)
+        return orjson.Fragment(text.replace(b"null", _SPELLED[kinds[0]]))
+    if 2 * len(bad) > len(value):  # (kinds mixed, most of them: json's is cheaper then)
         return orjson.Fragment(json.dumps(value.tolist()).encode())
-    return value
+    parts = text.split(b"null")
+    joined: list[bytes] = [b""] * (2 * len(parts) - 1)
+    joined[0::2], joined[1::2] = parts, _SPELLED[kinds].tolist()  # (no loop in Python)
+    return orjson.Fragment(b"".join(joined))

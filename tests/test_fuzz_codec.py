@@ -21,6 +21,7 @@ no batch dim. Every example must:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -29,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -48,6 +50,7 @@ from batchd.server.batching.split_join import (
 )
 from batchd.server.codec import Limits, decode_request, encode_response
 from batchd.server.errors import InvalidInput
+from batchd.server.json_data import json_safe
 from batchd.server.request import Request, Tensor
 from tests.servers import EXAMPLES, TEST_MODELS
 
@@ -379,3 +382,29 @@ def test_narrow_typed_contents_are_refused_out_of_range_and_exact_in_it(
         return
     assert not outside, outside[:4]
     assert raw == np.array(sent, info.dtype).tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(["<f2", "<f4", "<f8"]).flatmap(
+        lambda dt: st.tuples(
+            st.just(dt),
+            st.lists(
+                st.floats(width=8 * np.dtype(dt).itemsize, allow_nan=True, allow_infinity=True),
+                max_size=50,
+            ),
+        )
+    )
+)
+def test_json_safe_spells_every_value_that_is_not_finite_where_it_stood(
+    case: tuple[str, list[float]],
+) -> None:
+    """Arrays holding NaN or Infinity are written by orjson, each null (one of them)
+    then spelled as Python's json writes it (review 57a: Python's json wrote them all,
+    one value at a time); read back, every value is what it was, in its place."""
+    dt, numbers = case
+    arr = np.array(numbers, dt)
+    text = orjson.dumps({"data": json_safe(arr)}, option=orjson.OPT_SERIALIZE_NUMPY)
+    back = np.array(json.loads(text)["data"], dt)
+    assert back.shape == arr.shape and np.array_equal(back, arr, equal_nan=True)
+    assert b"null" not in text
