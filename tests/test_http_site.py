@@ -363,6 +363,15 @@ def test_an_encoding_batchd_cannot_read_is_415_before_the_body(
     jobs = call(example_server, "POST", "/v2/jobs?model=tiny", gzip.compress(b"{}\n"),
                 {"Content-Encoding": "gzip"})  # fmt: skip
     assert jobs.status == 415 and "a job upload takes no Content-Encoding" in jobs.error
+    # a Transfer-Encoding batchd does not read: 501, not the gzip bytes read as JSON
+    for path in (TINY, "/v2/jobs?model=tiny"):
+        with socket.create_connection(("127.0.0.1", example_server.http_port)) as s:
+            packed = gzip.compress(b"{}")
+            head = b"POST %s HTTP/1.1\r\nHost: [::1]\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+            s.sendall(head % path.encode() + b"%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed))
+            s.settimeout(30)
+            head = s.recv(4096)
+        assert head.startswith(b"HTTP/1.1 501") and b"'gzip, chunked' is not supported" in head
     # an upload naming no model is told how, over HTTP (it named the gRPC field alone)
     unnamed = call(example_server, "POST", "/v2/jobs", b"{}\n")
     assert (unnamed.status, unnamed.error) == (
