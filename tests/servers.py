@@ -116,8 +116,9 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         workers: int = 1,
         new_session: bool = False,  # its own process group, as a service manager starts it
+        cwd: Path | None = None,  # its working directory (a relative `repo` is read there)
     ) -> None:
-        self.repo, self.args, self.log_dir = repo, list(args), log_dir
+        self.repo, self.args, self.log_dir, self.cwd = repo, list(args), log_dir, cwd
         self.env = {**os.environ, **(env or {})}
         self.workers = workers
         self.new_session = new_session
@@ -169,6 +170,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env=self.env,
                 start_new_session=self.new_session,
+                cwd=self.cwd,
             )
 
         def listening() -> bool:

@@ -49,6 +49,7 @@ from batchd.server import control
 from batchd.server.errors import Unavailable
 from batchd.server.pool import WorkerPool
 from tests.conftest import (
+    MODEL_PY,
     MODEL_TOML,
     batch_gate,
     load_gate,
@@ -394,6 +395,26 @@ def test_a_broken_folder_beside_the_named_models_does_not_stop_an_explicit_start
     for every in ((), ("--model-control", "explicit", "--load-model", "*")):
         done = subprocess.run([*cmd, *every, "--grpc-port", "0"], capture_output=True, text=True)
         assert done.returncode == 2 and "not valid TOML" in done.stderr, every
+
+
+def test_a_model_that_changes_the_working_directory_as_it_loads_harms_no_other(
+    tmp_path: Path,
+) -> None:
+    """The working directory is the worker's, not a model's: one whose load() went to its
+    own folder (os.chdir) left a relative --model-repository unreadable, so every other
+    model of that worker failed ("the model repository cannot be read"), it failed too
+    ("its files changed as it loaded"), and each restart did the same (review 57f)."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    mover = make_model(tmp_path / "repo", "mover", 3.0)
+    (mover / "model.py").write_text(
+        MODEL_PY.replace("def load(device):", "def load(device):\n    os.chdir(HERE)")
+    )
+    s = ServerProcess(Path("repo"), log_dir=tmp_path, cwd=tmp_path).start()
+    try:
+        with Client(s.url) as c:
+            assert y(c, "scaled", 1.0) == 2.0 and y(c, "mover", 1.0) == 3.0
+    finally:
+        assert s.stop() == 0, s.log()
 
 
 def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) -> None:

@@ -121,6 +121,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _anchored(endpoint: str) -> str:
+    """A relative ipc:// endpoint made absolute (ipc:///path and ipc://@name are)."""
+    path = endpoint.removeprefix("ipc://")
+    relative = path != endpoint and not path.startswith(("/", "@"))
+    return f"ipc://{os.path.abspath(path)}" if relative else endpoint
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_devices:
@@ -133,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.connect:
         print("batchd worker: --connect is required", file=sys.stderr)
         return 2
+    # Anchored now: the working directory is the whole process's, and a model's load()
+    # that changed it (os.chdir to its own folder) left a relative --model-repository
+    # unreadable for every other model of the worker, at each restart (review 57f), and
+    # its reconnects and keys looking elsewhere.
+    args.model_repository = args.model_repository.absolute()
+    args.worker_keys = args.worker_keys and args.worker_keys.absolute()
+    args.connect = ",".join(map(_anchored, args.connect.split(",")))
     try:
         endpoint = traces.endpoint(args.otlp_endpoint)
     except ConfigError as e:
