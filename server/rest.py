@@ -93,16 +93,20 @@ def json_response(value: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(value), content_type=JSON)
 
 
+def _bytes(header: str) -> bool:  # ASCII digits, at most 19 (int() took "1_0"; past 4,300
+    return header.isascii() and header.isdigit() and len(header) < 20  # it raised: 57c, 57d)
+
+
 def _json_part(size: int, header: str | None) -> int:
     """How many of a body's `size` bytes are JSON, as Inference-Header-Content-Length
     `header` says (all, where it says none or nonsense: _infer_body refuses that)."""
-    length = int(header) if header is not None and header.isascii() and header.isdigit() else -1
+    length = int(header) if header is not None and _bytes(header) else -1
     return length if 0 <= length <= size else size
 
 
 def _infer_body(body: bytes, header: str | None, cfg: ModelConfig, limits: Limits) -> Any:
     """parse_infer, its header's length read from `header` (Inference-Header-Content-Length)."""
-    if header is not None and not (header.isascii() and header.isdigit()):  # (int(): "1_0")
+    if header is not None and not _bytes(header):
         raise InvalidInput(f"{HEADER_LENGTH} must be a number of bytes, got {clip(header)}")
     length, size = None if header is None else int(header), _json_part(len(body), header)
     msg, wanted = parser.run(parse_infer, _json_bytes(size), body, length, cfg.name, cfg.version,

@@ -1386,6 +1386,8 @@ HOSTILE: dict[str, tuple[str, bytes | str, dict[str, str], str]] = {
     # (int() read these as 10 and 12: review 57c)
     "header length with an underscore": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "1_0"},
                                          f"{HEADER_LENGTH} must be a number of bytes, got '1_0'"),
+    "header length of 5,000 digits": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "9" * 5000},
+                                      f"{HEADER_LENGTH} must be a number of bytes, got '999"),
     "header length in other digits": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "١٢".encode()},
                                       f"{HEADER_LENGTH} must be a number of bytes, got"),
     "header length cutting the JSON": (TINY, HEAD + ZEROS, {HEADER_LENGTH: "10"},
