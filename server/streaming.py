@@ -217,29 +217,29 @@ async def _answer(service: Answers, msg: pb.ModelInferRequest | Undecodable,
 async def write_all(
     context: grpc.aio.ServicerContext, responses: AsyncGenerator[pb.ModelStreamInferResponse]
 ) -> None:
-    """Each response written to the call, until one cannot be: its caller left while it
-    waited for room (gRPC's flow control). Yielded to gRPC instead, such a write logged
-    an ERROR with a traceback (ExecuteBatchError) for every caller that went. The
-    headers go first, alone: with the first response's write failed, gRPC sent them
-    again with the status, and logged GRPC_CALL_ERROR_TOO_MANY_OPERATIONS."""
+    """Each response written to the call, until one cannot be: its caller left, or its
+    deadline passed, while it waited for room (gRPC's flow control). Yielded to gRPC
+    instead, such a write logged an ERROR with a traceback (ExecuteBatchError) for every
+    caller that went. The headers go first, alone: with the first response's write
+    failed, gRPC sent them again with the status, and logged
+    GRPC_CALL_ERROR_TOO_MANY_OPERATIONS. A write (or the headers) refused ends the call
+    as cancelled, which gRPC ends quietly; one that returned had gRPC send the status,
+    and the headers not sent yet with it, into the call the core had ended (57a, 57d)."""
     async with contextlib.aclosing(responses):
-        if not await _taken(context.send_initial_metadata(())):  # (it logged so too: 57a)
-            return
+        await _sent(context.send_initial_metadata(()))
         async for response in responses:
-            if not await _taken(context.write(response)):
-                return
+            await _sent(context.write(response))
 
 
-async def _taken(sent: Awaitable[None]) -> bool:
-    """Whether the call took what was `sent`; False: the core refused it, the call is over."""
+async def _sent(sending: Awaitable[None]) -> None:
+    """`sending` done; CancelledError if the core refused it: the call is over."""
     try:
-        await sent
+        await sending
     except Exception as e:
         if type(e).__name__ != "ExecuteBatchError":
             raise
         log.debug("a ModelStreamInfer caller left with responses unsent")
-        return False
-    return True
+        raise asyncio.CancelledError("its caller left") from None
 
 
 def answer_bytes(msg: pb.ModelInferRequest | Undecodable, cfg: ModelConfig | None,
