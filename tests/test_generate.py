@@ -193,6 +193,32 @@ def test_start_refusing_inputs_marks_the_failure_the_caller_s_and_only_the_refus
     assert not any(s.invalid for s in header.steps if s.id != 3)
 
 
+def test_a_start_of_several_that_raised_starts_each_alone_on_its_inputs_as_they_came() -> None:
+    """start() changed the inputs it got (in place, or a key popped), then raised: each
+    sequence then started alone on what was left, the innocent answering from inputs
+    shifted twice, the poison not failing at all, or every one failing a KeyError
+    (review 57f)."""
+
+    class Shifting(Counter):
+        def start(self, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, int]]:
+            for r in requests:
+                r["N"] += 1  # in place, before it finds the one it will not start
+            ns = [int(r.pop("N")[0]) for r in requests]
+            self.starts.append(ns)
+            if 0 in ns:
+                raise ValueError("a shifted 0 will not start")
+            return [{"n": n, "k": 0} for n in ns]
+
+    model = Shifting()
+    loop = StepLoop(config(max_active=3), model)
+    add(loop, 1, 2)
+    add(loop, 2, -1)
+    out = replies(loop)
+    assert model.starts == [[3, 0], [3], [0]]  # each alone shifted once, as it came
+    assert (1, [301], False, "") in out
+    assert (2, [], True, "start() raised: ValueError: a shifted 0 will not start") in out
+
+
 def test_step_raising_fails_the_sequences_of_that_step_and_the_loop_goes_on() -> None:
     model = Counter()
     loop = StepLoop(config(max_active=3), model)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,9 @@ class Running:
     frontend: int  # which frontend sent it (replies go back there)
     inputs: dict[str, Any]
     state: Any = None
+    # its inputs made afresh from the frames they came in, till it starts: a start() of
+    # several that raised is tried one by one, and a model may have changed what it got
+    fresh: Callable[[], dict[str, Any]] | None = None
     steps: int = 0
     credit: int | None = None  # bytes of outputs it may still send; None: unbounded
     outputs: frozenset[str] = frozenset()  # those its caller asked for (START's); none: all
@@ -142,9 +145,13 @@ class StepLoop:
             device: torch.device) -> list[Reply]:  # fmt: skip
         """A sequence joins (it waits for the next step); or fails at once when its
         inputs are not what the model declares."""
-        try:
+
+        def fresh() -> dict[str, Any]:
             pairs = zip(header.tensors, frames, strict=True)
-            inputs = {t.name: to_model_input(t, f, device) for t, f in pairs}
+            return {t.name: to_model_input(t, f, device) for t, f in pairs}
+
+        try:
+            inputs = fresh()
         except Exception as e:  # its inputs: that sequence's failure only
             out = Replies(self.cfg.name)
             out.add(Running(header.batch_id, frontend, {}), error=f"bad inputs: {e}")
@@ -152,7 +159,7 @@ class StepLoop:
         credit = header.credit or None  # 0: no flow control
         asked = frozenset(header.outputs)
         self.waiting.append(Running(header.batch_id, frontend, inputs, credit=credit,
-                                    outputs=asked))  # fmt: skip
+                                    outputs=asked, fresh=fresh))  # fmt: skip
         return []
 
     def cancel(self, frontend: int, seq_id: int) -> int:
@@ -286,12 +293,14 @@ class StepLoop:
             if len(joining) == 1:
                 out.add(joining[0], **_start_failed(e))
                 return
-            # One of them may be at fault: each starts alone, so only it fails.
+            # One of them may be at fault: each starts alone, so only it fails, on its
+            # inputs as they came (start() may have changed them: the innocent answered
+            # from inputs shifted twice, the poison not failing at all: review 57f).
             for s in joining:
-                self._admit_one(s, out)
+                self._admit_one(s, out, again=True)
             return
         for s, state in zip(joining, states, strict=True):
-            s.state, s.inputs = state, {}
+            s.state, s.inputs, s.fresh = state, {}, None
             self.active.append(s)
 
     def _start(self, joining: list[Running]) -> list[Any]:
@@ -304,13 +313,15 @@ class StepLoop:
             raise BatchError(f"start() returned {len(states)} states for {len(joining)} request(s)")
         return list(states)
 
-    def _admit_one(self, s: Running, out: Replies) -> None:
+    def _admit_one(self, s: Running, out: Replies, again: bool = False) -> None:
         try:
+            if again and s.fresh is not None:
+                s.inputs = s.fresh()
             (s.state,) = self._start([s])
         except BaseException as e:  # its failure only
             out.add(s, **_start_failed(e))
             return
-        s.inputs = {}
+        s.inputs, s.fresh = {}, None
         self.active.append(s)
 
     def _encode(self, outputs: dict[str, Any], frames: list[Any],
