@@ -195,17 +195,18 @@ def strays(root: Path) -> list[str]:
 
 
 def load_repository(
-    root: Path, broken: Callable[[ConfigError], None] | None = None
+    root: Path, broken: Callable[[Path, ConfigError], None] | None = None
 ) -> dict[str, ModelConfig]:
     """Every model of a repository: each subdirectory holding a model.toml. The first
-    that is broken is raised, or, with `broken`, each is passed to it and left out."""
+    that is broken is raised, or, with `broken`, each is passed to it (its folder and
+    why) and left out."""
     check_root(root)
     models: dict[str, ModelConfig] = {}
-    for _, cfg in load_each(root):
+    for folder, cfg in load_each(root):
         if isinstance(cfg, ConfigError):
             if broken is None:
                 raise cfg
-            broken(cfg)
+            broken(folder, cfg)
         else:
             models[cfg.name] = cfg
     return models

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -175,8 +176,9 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T],
             raise ConfigError(why + " (batchd upgraded under it?): restart the server")
         return at
     if control is not None and control.explicit and "*" not in control.load:  # a folder
-        repository = load_repository(root, broken=_not_loaded)  # broken beside the models
-    else:  # named was a server that would not start again (review 57b): its load refuses it
+        named = frozenset(control.load)  # broken beside the models named was a server that
+        repository = load_repository(root, functools.partial(_not_loaded, named))  # would
+    else:  # not start again (review 57b): a load of it refuses it
         repository = load_repository(root)
     for stray in strays(root) + ([] if repository else [NO_MODELS]):  # (not again in a child)
         log.warning("%s", stray)
@@ -184,7 +186,9 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T],
     return (repository, files), tokens()
 
 
-def _not_loaded(e: ConfigError) -> None:
+def _not_loaded(named: frozenset[str], folder: Path, e: ConfigError) -> None:
+    if folder.name in named or getattr(e, "name", None) in named:  # (its own error, not
+        raise e  # "--load-model NAME: not in the repository": late review 57d)
     log.warning("%s; not loaded (a load of it is refused till it is mended)", e)
 
 

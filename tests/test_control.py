@@ -392,9 +392,14 @@ def test_a_broken_folder_beside_the_named_models_does_not_stop_an_explicit_start
     finally:
         assert s.stop() == 0, s.log()
     cmd = [sys.executable, "-m", "batchd.server", "--model-repository", str(tmp_path / "repo")]
-    for every in ((), ("--model-control", "explicit", "--load-model", "*")):
+    for every in (
+        (),
+        ("--model-control", "explicit", "--load-model", "*"),
+        ("--model-control", "explicit", "--load-model", "other"),  # its own error, not "not
+    ):  # in the repository (it has: scaled)" (late review 57d)
         done = subprocess.run([*cmd, *every, "--grpc-port", "0"], capture_output=True, text=True)
-        assert done.returncode == 2 and "not valid TOML" in done.stderr, every
+        said = done.stderr.strip().splitlines()[-1]  # (why it exits: what it says last)
+        assert done.returncode == 2 and "other/model.toml: not valid TOML" in said, every
 
 
 def test_a_model_that_changes_the_working_directory_as_it_loads_harms_no_other(
