@@ -534,6 +534,13 @@ def test_a_full_step_wise_queue_s_pushback_is_how_often_its_sequences_end() -> N
         with pytest.raises(QueueFull) as info:
             s.submit(request(cfg))
         assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "1000"
+        for _ in range(30):  # 32 slots whose sequences end together, a round each 0.8 s:
+            clock.now += 0.8  # places free every 0.8 s (it said 1 ms: review 57e)
+            for _ in range(32):
+                s.ended(cfg.key, 0.8)
+        with pytest.raises(QueueFull) as info:
+            s.submit(request(cfg))
+        assert dict(info.value.trailers())["grpc-retry-pushback-ms"] == "800"
 
     run(body)
 

@@ -19,6 +19,7 @@ from batchd.server.request import Request
 RATE_WINDOW_S = 0.05  # arrivals are counted over windows of this length
 CALLERS_WINDOW_S = 0.5  # the most requests present is kept over one to two windows
 AUTO_DELAY_MIN_S = 0.001  # the automatic delay before any rate is measured
+TOGETHER_S = 0.002  # batches (sequences) ending this close free their places as one
 # With the automatic delay, a batch for an idle worker stops waiting once the loop has
 # idled, with no request coming, for the time this many rows take to arrive at the
 # measured rate (ModelQueue.quiet_at): GAP_ROWS while the loop is nearly saturated,
@@ -86,10 +87,12 @@ class ModelQueue:
         self._callers_at, self._callers_now, self._callers_before = -math.inf, 0, 0
 
     def finished(self, compute_s: float, now: float) -> None:
-        """A batch of this model ended, `compute_s` its time on its worker."""
+        """A batch (or a sequence) of this model ended, `compute_s` its time."""
         self.batch_s = compute_s if not self.batch_s else 0.8 * self.batch_s + 0.2 * compute_s
         gap = now - self._backlog_at  # since the last end, requests waiting then and now:
-        if gap < math.inf and len(self):  # how often a place frees (not how often they come)
+        if gap < TOGETHER_S:  # how often places free (not how often requests come); ends of
+            return  # one moment free theirs at once: a step round's 32 sequences said 1 ms
+        if gap < math.inf and len(self):  # (review 57e)
             self.gap_s = gap if not self.gap_s else 0.8 * self.gap_s + 0.2 * gap
         self._backlog_at = now if len(self) else -math.inf
 
