@@ -915,6 +915,14 @@ def test_a_stalled_job_says_why_in_its_status_till_it_runs_again(
     )
     again = run(lambda: store.claim())
     assert again is not None and (again.status, again.error) == ("running", "")
+    # cancelled while queued so, it says nothing of running on (review 57e)
+    other = run(lambda: queued_one_line(store, cfg))
+    claimed = run(lambda: store.claim())
+    assert claimed is not None and claimed.id == other.id
+    run(lambda: store.requeue(claimed, "stopped"))
+    run(lambda: store.cancel(other.id))
+    gone = run(lambda: store.get(other.id))
+    assert gone is not None and (gone.status, gone.error) == ("cancelled", "")
 
 
 def test_a_run_whose_job_was_removed_stops_at_its_next_checkpoint(

@@ -572,6 +572,10 @@ def test_a_replica_whose_disk_is_full_gives_the_job_back_not_failed(
         assert go.stalled and not list(a.folder(row.id).glob("*.part"))
         again = await a.claim()  # (its status says why till it runs again)
         assert again is not None and (again.id, again.error) == (row.id, "")
+        await a.requeue(again, "stopped")  # cancelled so, it says nothing of running on
+        await a.cancel(row.id)
+        gone = await a.get(row.id)
+        assert gone is not None and (gone.status, gone.error) == ("cancelled", "")
 
     try:
         run(body)

@@ -339,8 +339,8 @@ class PostgresStore(Store):
         sql = (
             "UPDATE batchd_jobs SET status = CASE status WHEN 'running' THEN 'cancelling' "
             "ELSE 'cancelled' END, finished_at = CASE status WHEN 'running' THEN finished_at "
-            "ELSE %s END WHERE id = %s AND status IN ('queued', 'validating', 'running') "
-            "RETURNING id"
+            "ELSE %s END, error = CASE status WHEN 'running' THEN error ELSE '' END WHERE id = "
+            "%s AND status IN ('queued', 'validating', 'running') RETURNING id"
         )
         await self._db.run(one, sql, (self._clock(), job_id))
 

@@ -323,8 +323,8 @@ class SqliteStore(Store):
     async def cancel(self, job_id: str) -> None:
         now = self._clock()
         self._db.execute(
-            "UPDATE jobs SET status = 'cancelled', finished_at = ? "
-            "WHERE id = ? AND status IN ('queued', 'validating')",
+            "UPDATE jobs SET status = 'cancelled', finished_at = ?, error = '' "  # (a stalled
+            "WHERE id = ? AND status IN ('queued', 'validating')",  # run's: no longer so, 57e)
             (now, job_id),
         )
         self._db.execute(
