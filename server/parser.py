@@ -119,6 +119,11 @@ class _Child:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._busy = False  # a document in the child
+        # Turns go in the order they were asked (tickets): the first free thread took it,
+        # and a request behind one client's hostile documents waited out 10 s and was
+        # refused (1 in 15-37, late review 57d); `_gone`: tickets of those that gave up.
+        self._tickets = self._serving = 0
+        self._gone: set[int] = set()
         self._proc: subprocess.Popen[bytes] | None = None
         self._no_child_until = 0.0
         self.pid = 0
@@ -136,9 +141,21 @@ class _Child:
         """A job's line waits as long as it takes (each turn ends within TIMEOUT_S):
         refused, it would be an error line for good."""
         with self._cv:
-            if not self._cv.wait_for(lambda: not self._busy, None if background else TIMEOUT_S):
+            ticket, self._tickets = self._tickets, self._tickets + 1
+            turn = lambda: not self._busy and self._serving == ticket  # noqa: E731
+            if not self._cv.wait_for(turn, None if background else TIMEOUT_S):
+                self._gone.add(ticket)  # (its turn, if it comes, passes on)
+                self._next()
                 raise Unavailable(f"the JSON parser was busy for {TIMEOUT_S:g} s; retry later")
-            self._busy = True
+            self._busy, self._serving = True, ticket + 1
+            self._next()
+
+    def _next(self) -> None:
+        """The turn passes over tickets given up (with the lock held)."""
+        while self._serving in self._gone:
+            self._gone.discard(self._serving)
+            self._serving += 1
+        self._cv.notify_all()
 
     def _call(self, fn: Callable[..., T], args: tuple[Any, ...], background: bool) -> T:
         """Once more after a child that died, or for a job's line (which has no

@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +136,43 @@ def test_a_small_body_whose_header_length_lies_is_refused_here() -> None:
     with pytest.raises(InvalidInput, match="more than 8388608"):
         _infer_body(b" " * (9 << 20), None, cfg, DEFAULT_LIMITS)  # (over json_body's limit)
     assert parser.child_pid() == 0
+
+
+def test_turns_at_the_child_go_in_the_order_they_were_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Waiting threads took the child's next turn as the lock woke them, not in order: a
+    request behind one client's hostile documents could wait out its 10 s, refused 503
+    (late review 57d). A turn given up passes to the next."""
+    done: list[str] = []
+    release = threading.Event()
+
+    def held(self: Any, fn: Any, args: tuple[Any, ...], background: bool) -> str:
+        if args[0] == "first":  # (a document the child takes long over)
+            release.wait(30)
+        return str(args[0])
+
+    monkeypatch.setattr(parser._Child, "_call", held)
+    monkeypatch.setattr(parser, "TIMEOUT_S", 0.5)
+
+    def call(name: str) -> None:
+        try:
+            done.append(parser.run(str, BIG, name))
+        except Unavailable:
+            done.append(f"{name} gave up")
+
+    names = ["first", "quitter", *(f"t{k}" for k in range(5))]
+    threads = [threading.Thread(target=call, args=(n,)) for n in names]
+    base = parser._child._tickets
+    for k, t in enumerate(threads):  # each asks once the one before has asked
+        t.start()
+        wait_for(lambda k=k: parser._child._tickets == base + k + 1, 30, f"thread {k} to ask")
+        if k == 1:
+            wait_for(lambda: "quitter gave up" in done, 30, "the quitter to give up")
+    release.set()
+    for t in threads:
+        t.join(30)
+    assert done == ["quitter gave up", "first", "t0", "t1", "t2", "t3", "t4"]
 
 
 def test_a_child_that_does_not_answer_is_killed_and_the_call_refused(
