@@ -17,11 +17,13 @@ log = logging.getLogger("batchd.server")
 # A caller's connection takes a stream's writes in bursts: gRPC's HTTP/2 windows (grown
 # by its bandwidth probes) or the kernel's socket buffers take megabytes at once, then
 # nothing till the caller has read through them. So a caller is behind once it has
-# taken nothing for a limit and the time to read its connection's last burst (at most
-# MAX_BURST) at MIN_READ_RATE: one taking 256 KiB each 0.3 s was cut at 2 s as having
-# taken none, its writes waiting 2.3 s for it to read 4 MiB (review 57a).
-MIN_READ_RATE, MAX_BURST = 512 * 1024, 16 << 20  # bytes a second; bytes (32 s more at most)
-BLOCKED_S = 0.05  # a write that waited longer for its connection ended a burst
+# taken nothing for a limit and the time to read, at MIN_READ_RATE, what its connection
+# took and it may not have read yet: `burst`, a leaky bucket filled by each write taken
+# and drained at that rate (at most MAX_BURST). One taking 256 KiB each 0.3 s was cut
+# at 2 s as having taken none, its writes waiting 2.3 s for it to read 4 MiB (review
+# 57a); at 512 KiB/s, one each 1 s still was, and a burst that never drained (counted
+# since a write last waited) gave a reader that stopped 32 s more (57e).
+MIN_READ_RATE, MAX_BURST = 256 * 1024, 8 << 20  # bytes a second; bytes (32 s more at most)
 
 
 class Pace:
@@ -29,16 +31,17 @@ class Pace:
     its last burst (module comment)."""
 
     def __init__(self) -> None:
-        self.taken_at, self.burst = time.monotonic(), 0
+        self.taken_at, self.burst = time.monotonic(), 0.0
 
-    def took(self, size: int, since: float) -> None:
-        """The connection took `size` bytes written from `since` (monotonic)."""
-        self.taken_at = time.monotonic()
-        self.burst = size if self.taken_at - since > BLOCKED_S else self.burst + size
+    def took(self, size: int) -> None:
+        """The connection took `size` more bytes."""
+        now = time.monotonic()
+        left = max(0.0, self.burst - (now - self.taken_at) * MIN_READ_RATE)
+        self.taken_at, self.burst = now, min(left + size, MAX_BURST)
 
     def patience(self, limit: float) -> float:
         """How long past taken_at a caller that takes nothing is not behind yet."""
-        return limit + min(self.burst, MAX_BURST) / MIN_READ_RATE
+        return limit + self.burst / MIN_READ_RATE
 
 
 class PatientStream(web.StreamResponse):
@@ -59,11 +62,11 @@ class PatientStream(web.StreamResponse):
         await self._within(super().write_eof(data), len(data))
 
     async def _within(self, sending: Awaitable[None], size: int) -> None:
-        at, limit = time.monotonic(), self._seconds and self._pace.patience(self._seconds)
+        limit = self._seconds and self._pace.patience(self._seconds)
         try:
             async with asyncio.timeout(limit or None):
                 await sending
-            self._pace.took(size, at)
+            self._pace.took(size)
         except TimeoutError:
             r = self._request
             log.info("HTTP %s %s: its caller read nothing for %.3g s; connection closed",

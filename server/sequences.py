@@ -323,8 +323,8 @@ class Sequences:
 
 
 def _reading(stream: StepStream, limit: float) -> str:
-    """What more its caller was given, to read what its connection took last (flow.Pace)."""
+    """What more its caller was given, to read what its connection took (pace.Pace)."""
     if (more := stream.patience(limit) - limit) < 0.05:
         return ""
     rate = MIN_READ_RATE // 1024
-    return f" and {more:.3g} s more, to read what its connection had taken last at {rate} KiB/s"
+    return f" and {more:.3g} s more, to read at {rate} KiB/s what its connection had taken"

@@ -19,17 +19,24 @@ from batchd.server.pace import MAX_BURST, MIN_READ_RATE, Pace, PatientStream
 KiB = 1024
 
 
-def test_what_the_connection_took_at_once_is_given_time_to_be_read() -> None:
+def test_what_the_connection_took_and_may_not_be_read_yet_is_given_time_to_be_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A leaky bucket: each write taken adds its bytes, drained at MIN_READ_RATE. Counted
+    since a write last waited, a stream read promptly never drained: a caller that had
+    read 16 MiB at once and then stopped was given 32 s more (review 57e)."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
     p = Pace()
     assert p.patience(2.0) == 2.0  # nothing taken yet: the limit alone
-    now = time.monotonic()
-    for _ in range(16):  # 4 MiB taken at once (each write waited for nothing)
-        p.took(256 * KiB, now)
+    for _ in range(16):  # 4 MiB taken at once
+        p.took(256 * KiB)
     assert p.patience(2.0) == 2.0 + 4 * 1024 * KiB / MIN_READ_RATE
-    p.took(256 * KiB, time.monotonic() - 1.0)  # one waited 1 s: the burst before is read
+    now[0] += 4 * 1024 * KiB / MIN_READ_RATE  # as long as reading it takes: drained
+    p.took(256 * KiB)
     assert p.patience(2.0) == 2.0 + 256 * KiB / MIN_READ_RATE
     for _ in range(100):
-        p.took(1024 * KiB, time.monotonic())
+        p.took(1024 * KiB)
     assert p.patience(2.0) == 2.0 + MAX_BURST / MIN_READ_RATE  # (at most MAX_BURST)
 
 
