@@ -178,6 +178,23 @@ def test_start_returning_too_few_states_is_named_so_not_as_a_raise() -> None:
     assert replies(loop) == [(1, [], True, "start() returned 0 states for 1 request(s)")]
 
 
+def test_start_or_step_returning_none_is_named_so_not_as_a_raise() -> None:
+    """A model that forgot `return` was said to have raised: "start() raised: TypeError:
+    object of type 'NoneType' has no len()" (review 57f)."""
+    model = Counter()
+    model.start = lambda requests: None  # type: ignore[method-assign,assignment,return-value]
+    loop = StepLoop(config(), model)
+    add(loop, 1, 5)
+    said = "start() returned NoneType, not a list of states, for 1 request(s)"
+    assert replies(loop) == [(1, [], True, said)]
+    model = Counter()
+    model.step = lambda states: None  # type: ignore[method-assign,assignment,return-value]
+    loop = StepLoop(config(), model)
+    add(loop, 1, 5)
+    said = "step() returned NoneType, not a list of results, for 1 sequences"
+    assert replies(loop) == [(1, [], True, said)]
+
+
 def test_start_refusing_inputs_marks_the_failure_the_caller_s_and_only_the_refused_one_s() -> None:
     """InputRefused from a start of several: each starts alone again, and only the
     refused sequence ends, with the model's message alone and `invalid` set."""

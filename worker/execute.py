@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -67,6 +67,18 @@ def why(e: BaseException) -> str:
     if len(text) > WHY_CHARS:  # (a status's details travel in a trailer: clients take 8 KiB)
         text = f"{text[:WHY_CHARS]}... ({len(text)} characters)"
     return text if isinstance(e, BatchError | InputRefused) else f"{type(e).__name__}: {text}"
+
+
+def count(values: Any) -> int:
+    """How many `values` a model's start() or step() returned; -1: not a list of them."""
+    return len(values) if isinstance(values, Sized) else -1
+
+
+def counted(values: Any, what: str) -> str:  # (None was "raised: TypeError: object of
+    """What a start() or step() returned, said: `N what`, or what it was instead."""
+    if isinstance(values, Sized):  # type 'NoneType' has no len()": review 57f)
+        return f"{len(values)} {what}"
+    return f"{type(values).__name__}, not a list of {what},"
 
 
 def failed(header: wire.Header, e: Exception) -> tuple[list[Any], int]:

@@ -43,7 +43,7 @@ import torch
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
 from batchd.worker import InputRefused
-from batchd.worker.execute import BatchError, encode_output, to_model_input, why
+from batchd.worker.execute import BatchError, count, counted, encode_output, to_model_input, why
 from batchd.worker.loader import forked_off
 
 log = logging.getLogger("batchd.worker")
@@ -224,13 +224,13 @@ class StepLoop:
                     results = self.model.step([s.state for s in stepping])
                 finally:
                     forked_off()
-            if len(results) != len(stepping):
-                raise BatchError(
-                    f"step() returned {len(results)} results for {len(stepping)} sequences"
-                )
+            if count(results) != len(stepping):
+                raise BatchError(f"step() returned {counted(results, 'results')} for "
+                                 f"{len(stepping)} sequences")  # fmt: skip
         except BaseException as e:  # the model's failure: these sequences' (SystemExit too)
+            said = str(e) if isinstance(e, BatchError) else f"step() raised: {why(e)}"
             for s in stepping:
-                out.add(s, error=f"step() raised: {why(e)}")
+                out.add(s, error=said)
                 self._release(s)
             self.active = still
             return
@@ -309,8 +309,9 @@ class StepLoop:
                 states = self.model.start([s.inputs for s in joining])
             finally:
                 forked_off()
-        if len(states) != len(joining):
-            raise BatchError(f"start() returned {len(states)} states for {len(joining)} request(s)")
+        if count(states) != len(joining):
+            raise BatchError(f"start() returned {counted(states, 'states')} for {len(joining)} "
+                             "request(s)")  # fmt: skip
         return list(states)
 
     def _admit_one(self, s: Running, out: Replies, again: bool = False) -> None:
