@@ -1,13 +1,12 @@
 """The worker process: an I/O thread, a compute thread and a loader thread.
 
-The I/O thread (main) owns the links to the frontends, one per frontend it
-serves (`--connect` takes a comma-separated list: `batchd serve --frontends N`
-runs N frontend processes in front of the same workers; frontend_link.py
-registers, heartbeats, and never blocks on a send): it hands batches to the
-compute thread, loads and unloads to the loader thread (loading.py), and
-forwards the replies. It waits at most POLL_MS for anything, so a stop
-(SIGTERM, STOP, its parent's exit) is seen within that, whether or not a
-frontend ever accepted the worker.
+The I/O thread (main) owns the links to the frontends, one per frontend it serves
+(`--connect` takes a comma-separated list: `batchd serve --frontends N` runs N frontend
+processes in front of the same workers; frontend_link.py registers, heartbeats, and
+never blocks on a send): it hands batches to the compute thread, loads and unloads to
+the loader thread (loading.py), and forwards the replies. It waits at most POLL_MS for
+anything, so a stop (SIGTERM, STOP, its parent's exit) is seen within that, whether or
+not a frontend ever accepted the worker.
 
 The compute thread runs the models, in the order the frontend asked, and drops
 them on UNLOAD (held.py); the loader installs them, so batches go on while a model
@@ -147,10 +146,11 @@ class Runner:
 
     def _timed(self, limit: float, work: Callable[[], Any], group: Sequence[Any] = ()) -> Any:
         """`work()`, busy in the heartbeats meanwhile (running `group`), held to `limit`."""
-        self._busy = (time.perf_counter_ns(), group, limit)
+        self._busy, dtype = (time.perf_counter_ns(), group, limit), torch.get_default_dtype()
         try:
             return work()
-        finally:
+        finally:  # (a model's torch.set_default_dtype was every later model's: review 57f)
+            torch.set_default_dtype(dtype)
             self._busy = (time.perf_counter_ns(), None, 0.0)
 
     def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
