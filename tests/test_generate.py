@@ -181,18 +181,15 @@ def test_start_returning_too_few_states_is_named_so_not_as_a_raise() -> None:
 def test_start_or_step_returning_none_is_named_so_not_as_a_raise() -> None:
     """A model that forgot `return` was said to have raised: "start() raised: TypeError:
     object of type 'NoneType' has no len()" (review 57f)."""
-    model = Counter()
-    model.start = lambda requests: None  # type: ignore[method-assign,assignment,return-value]
-    loop = StepLoop(config(), model)
-    add(loop, 1, 5)
-    said = "start() returned NoneType, not a list of states, for 1 request(s)"
-    assert replies(loop) == [(1, [], True, said)]
-    model = Counter()
-    model.step = lambda states: None  # type: ignore[method-assign,assignment,return-value]
-    loop = StepLoop(config(), model)
-    add(loop, 1, 5)
-    said = "step() returned NoneType, not a list of results, for 1 sequences"
-    assert replies(loop) == [(1, [], True, said)]
+    for call, said in (
+        ("start", "start() returned NoneType, not a list of states, for 1 request(s)"),
+        ("step", "step() returned NoneType, not a list of results, for 1 sequences"),
+    ):
+        model = Counter()
+        setattr(model, call, lambda _: None)
+        loop = StepLoop(config(), model)
+        add(loop, 1, 5)
+        assert replies(loop) == [(1, [], True, said)], call
 
 
 def test_start_refusing_inputs_marks_the_failure_the_caller_s_and_only_the_refused_one_s() -> None:
