@@ -632,3 +632,54 @@ def test_a_sequence_held_with_nothing_for_its_caller_is_stopped_not_hung() -> No
         assert isinstance(error, BatchdError) and "made no progress" in error.message
 
     asyncio.run(body())
+
+
+SLOW_CALLS_PY = '''
+import time
+
+import torch
+
+
+class Slow:
+    """Each start() and step() takes 1.7 s, under its 2 s execution_timeout_s."""
+
+    def start(self, requests):
+        time.sleep(1.7)
+        return [{"n": int(r["N"][0]), "k": 0} for r in requests]
+
+    def step(self, states):
+        time.sleep(1.7)
+        for s in states:
+            s["k"] += 1
+        return [({"OUT": torch.tensor([s["k"]])}, s["k"] >= s["n"]) for s in states]
+
+
+def load(device):
+    return Slow()
+'''
+
+
+def test_each_model_call_of_a_step_round_is_held_to_the_limit_alone(tmp_path: Path) -> None:
+    """A round's start() and step() were held to execution_timeout_s together: one of
+    each, 1.7 s under a 2 s limit (a sequence's first round), took 3.4 s and the worker
+    was killed, its callers failing UNAVAILABLE (review 57f)."""
+    d = tmp_path / "repo" / "slow"
+    d.mkdir(parents=True)
+    (d / "model.toml").write_text(stepwise_toml(2, 8) + "[instances]\nexecution_timeout_s = 2\n")
+    (d / "model.py").write_text(SLOW_CALLS_PY)
+    s = ServerProcess(d.parent, log_dir=tmp_path).start()
+    try:
+        with grpc.insecure_channel(s.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answer = stub.ModelInfer(_n("slow", 2), timeout=60)
+            assert list(answer.outputs[0].shape) == [2]
+        assert "lost" not in s.log(), s.log()
+    finally:
+        assert s.stop() == 0, s.log()
+
+
+def _n(model: str, n: int) -> pb.ModelInferRequest:
+    msg = pb.ModelInferRequest(model_name=model)
+    msg.inputs.add(name="N", datatype="INT64", shape=[1])
+    msg.raw_input_contents.append(np.array([n], np.int64).tobytes())
+    return msg

@@ -135,6 +135,7 @@ class StepLoop:
     active: list[Running] = field(default_factory=list)
     rounds: int = 0
     told: dict[int, float] = field(default_factory=dict)  # frontend -> when last sent to
+    calling: Callable[[], None] = lambda: None  # a model call begins (the runner's timer)
 
     @property
     def busy(self) -> bool:
@@ -180,8 +181,7 @@ class StepLoop:
         return len(same)
 
     def credit(self, frontend: int, seq_id: int, more: int) -> None:
-        """CREDIT for one of `frontend`'s sequences; an unknown one (it ended already)
-        is no error."""
+        """CREDIT for one of `frontend`'s sequences; one unknown (ended already): none."""
         for s in self.waiting + self.active:
             if s.frontend == frontend and s.seq_id == seq_id and s.credit is not None:
                 s.credit += more
@@ -219,11 +219,7 @@ class StepLoop:
         self.rounds += 1
         start = time.perf_counter_ns()
         try:
-            with torch.inference_mode():
-                try:
-                    results = self.model.step([s.state for s in stepping])
-                finally:
-                    forked_off()
+            results = self._call(self.model.step, [s.state for s in stepping])
             if count(results) != len(stepping):
                 raise BatchError(f"step() returned {counted(results, 'results')} for "
                                  f"{len(stepping)} sequences")  # fmt: skip
@@ -303,12 +299,16 @@ class StepLoop:
             s.state, s.inputs, s.fresh = state, {}, None
             self.active.append(s)
 
-    def _start(self, joining: list[Running]) -> list[Any]:
-        with torch.inference_mode():
+    def _call(self, fn: Callable[[list[Any]], Any], values: list[Any]) -> Any:
+        self.calling()  # each start() and step() held to execution_timeout_s alone (a round
+        with torch.inference_mode():  # was: two of 1.9 s under 2 s killed it, review 57f)
             try:
-                states = self.model.start([s.inputs for s in joining])
+                return fn(values)
             finally:
                 forked_off()
+
+    def _start(self, joining: list[Running]) -> list[Any]:
+        states = self._call(self.model.start, [s.inputs for s in joining])
         if count(states) != len(joining):
             raise BatchError(f"start() returned {counted(states, 'states')} for {len(joining)} "
                              "request(s)")  # fmt: skip

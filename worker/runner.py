@@ -136,9 +136,9 @@ class Runner:
             out.close(linger=0)
 
     def _rounds(self, reply: Callable[..., None], held_back: bool) -> None:
-        """A round of every step-wise model's loop (none while a frontend is behind): after
-        each forward too, so sequences step between forwards."""
-        for loop in [] if held_back else self.held.loops.values():
+        """A round of every step-wise model's loop (none while a frontend is behind)."""
+        for loop in [] if held_back else self.held.loops.values():  # (after each forward)
+            loop.calling = lambda: setattr(self, "_busy", (time.perf_counter_ns(), *self._busy[1:]))
             limit = loop.cfg.instances.execution_timeout_s  # its beats say so: a round is
             replies = self._timed(limit, loop.round) if loop.busy else loop.round()  # work
             for frontend, parts, ends in replies:
