@@ -32,12 +32,15 @@ class Pace:
 
     def __init__(self) -> None:
         self.taken_at, self.burst = time.monotonic(), 0.0
+        self._drained_at = self.taken_at  # the bucket's own clock (taken_at is the stall's,
+        # which others move too: drained from it, a prompt reader's bucket never was, 57g)
 
     def took(self, size: int) -> None:
         """The connection took `size` more bytes."""
         now = time.monotonic()
-        left = max(0.0, self.burst - (now - self.taken_at) * MIN_READ_RATE)
-        self.taken_at, self.burst = now, min(left + size, MAX_BURST)
+        left = max(0.0, self.burst - (now - self._drained_at) * MIN_READ_RATE)
+        self.taken_at = self._drained_at = now
+        self.burst = min(left + size, MAX_BURST)
 
     def patience(self, limit: float) -> float:
         """How long past taken_at a caller that takes nothing is not behind yet."""

@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
 from batchd.server import pace
+from batchd.server.flow import StreamBudget
 from batchd.server.pace import MAX_BURST, MIN_READ_RATE, Pace, PatientStream
 
 KiB = 1024
@@ -87,3 +88,21 @@ def test_a_caller_that_reads_nothing_is_let_go_after_the_limit_and_what_it_was_s
 
     asyncio.run(scenario())
     assert "results: its caller read nothing for 1.5 s; connection closed" in caplog.text
+
+
+def test_a_prompt_reader_s_bucket_drains_though_its_stall_clock_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bucket drained from taken_at, which each new output held after none moves too
+    (the stall clock): a caller taking a 64 KiB output each 0.3 s kept all it had ever
+    taken in it, 1,280 KiB after 20, and was given that much more time when it stopped
+    (late review 57g)."""
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    budget = StreamBudget(1 << 30)
+    for _ in range(20):
+        now[0] += 0.3
+        budget.hold(64 * KiB)  # (nothing held before: the stall clock starts now)
+        budget.took(64 * KiB)
+        budget.give(64 * KiB)
+    assert budget.burst == 64 * KiB  # (each 0.3 s drains 76.8 KiB at 256 KiB/s)
