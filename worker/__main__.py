@@ -122,10 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _anchored(endpoint: str) -> str:
-    """A relative ipc:// endpoint made absolute (ipc:///path and ipc://@name are)."""
+    """A relative ipc:// endpoint made absolute (ipc:///path and ipc://@name are), where
+    that fits a Unix socket's path (107 bytes: past it, the worker never connected and
+    said nothing, late review 57g); else as given."""
     path = endpoint.removeprefix("ipc://")
     relative = path != endpoint and not path.startswith(("/", "@"))
-    return f"ipc://{os.path.abspath(path)}" if relative else endpoint
+    fits = relative and len(os.fsencode(os.path.abspath(path))) <= 107
+    return f"ipc://{os.path.abspath(path)}" if fits else endpoint
 
 
 def main(argv: list[str] | None = None) -> int:
