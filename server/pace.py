@@ -27,8 +27,8 @@ MIN_READ_RATE, MAX_BURST = 256 * 1024, 8 << 20  # bytes a second; bytes (32 s mo
 
 
 class Pace:
-    """When a caller last took a write of its stream, and what its connection took in
-    its last burst (module comment)."""
+    """When a caller last took a write of its stream, and what its connection took that
+    it may not have read yet (`burst`, the module comment's bucket)."""
 
     def __init__(self) -> None:
         self.taken_at, self.burst = time.monotonic(), 0.0
@@ -49,7 +49,7 @@ class Pace:
 
 class PatientStream(web.StreamResponse):
     """A streamed answer (SSE, a download) whose every write is done within `seconds` (0:
-    no bound) and the time to read what the connection took last (`pace`'s patience), or
+    no bound) and the time to read what the connection took (`pace`'s patience), or
     its connection is closed: a caller that reads nothing keeps no request open for ever
     (an unload, or a reload, waits for its model version's open requests)."""
 
