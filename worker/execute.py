@@ -69,11 +69,6 @@ def why(e: BaseException) -> str:
     return text if isinstance(e, BatchError | InputRefused) else f"{type(e).__name__}: {text}"
 
 
-# torch's default dtype is the whole worker's: set back to this after each model's call,
-# and after each load() (one model's float64 was every later model's: review 57f, 57g).
-DEFAULT_DTYPE = torch.get_default_dtype()
-
-
 def count(values: Any) -> int:
     """How many `values` a model's start() or step() returned; -1: not a list of them."""
     return len(values) if isinstance(values, Sized) else -1

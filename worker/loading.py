@@ -39,7 +39,7 @@ from batchd.protos.repository import (
     find_with_files,
     identity,
 )
-from batchd.worker.execute import DEFAULT_DTYPE, why
+from batchd.worker.execute import why
 from batchd.worker.loader import ModelFn, forget, load_copy
 
 if TYPE_CHECKING:
@@ -302,11 +302,6 @@ class Loader:
                     continue
                 loaded = load(header, self._repository, self._device, self._allowed, self._have,
                               key in self._held.loops)  # fmt: skip
-                if (dtype := torch.get_default_dtype()) != DEFAULT_DTYPE:  # (the worker's)
-                    log.warning("model %s: its load() set torch's default dtype to %s, which is "
-                                "this whole worker's: set back to %s (set it in its own calls)",
-                                header.model, dtype, DEFAULT_DTYPE)  # fmt: skip
-                    torch.set_default_dtype(DEFAULT_DTYPE)
                 if loaded.model is not None and loaded.files is not None:
                     self._install(loaded)
                     self._have[key] = loaded.files

@@ -34,7 +34,7 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import model_key
-from batchd.worker import InputRefused, alone, execute, frontend_link, loader, merge
+from batchd.worker import InputRefused, alone, frontend_link, loader, merge
 from batchd.worker.execute import COUNTED, BatchError, OutputTooLarge, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
@@ -146,11 +146,11 @@ class Runner:
 
     def _timed(self, limit: float, work: Callable[[], Any], group: Sequence[Any] = ()) -> Any:
         """`work()`, busy in the heartbeats meanwhile (running `group`), held to `limit`."""
-        self._busy = (time.perf_counter_ns(), group, limit)
+        self._busy, dtype = (time.perf_counter_ns(), group, limit), torch.get_default_dtype()
         try:
             return work()
         finally:  # (a model's torch.set_default_dtype was every later model's: review 57f)
-            torch.set_default_dtype(execute.DEFAULT_DTYPE)
+            torch.set_default_dtype(dtype)
             self._busy = (time.perf_counter_ns(), None, 0.0)
 
     def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
