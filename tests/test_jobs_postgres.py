@@ -643,11 +643,14 @@ def test_an_upload_being_stored_holds_up_no_other_call(jobs_db: str, tmp_path: P
 
 
 def _signal_postgres(postgres: PostgresServer, sig: signal.Signals) -> None:
-    """`sig` to the postmaster and every backend: SIGSTOP freezes the database."""
+    """`sig` to the postmaster and every backend: SIGSTOP freezes the database. SIGCONT
+    goes to the backends first: the postmaster, woken first, reaped one that had exited
+    meanwhile, and its kill failed ESRCH (a fresh clone's run, session 57)."""
     pid = int((postgres.data / "postmaster.pid").read_text().split()[0])
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    for p in [pid, *map(int, children)]:
-        os.kill(p, sig)
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    for p in [*children, pid] if sig == signal.SIGCONT else [pid, *children]:
+        with contextlib.suppress(ProcessLookupError):  # (a backend gone since it was listed)
+            os.kill(p, sig)
 
 
 def test_a_database_that_stops_answering_makes_calls_unavailable_in_bounded_time(
