@@ -641,17 +641,20 @@ import torch
 
 
 class Slow:
-    """Each start() and step() takes 1.7 s, under its 2 s execution_timeout_s."""
+    """Each start(), step() and release() takes 2.6 s, under its 3 s execution_timeout_s."""
 
     def start(self, requests):
-        time.sleep(1.7)
+        time.sleep(2.6)
         return [{"n": int(r["N"][0]), "k": 0} for r in requests]
 
     def step(self, states):
-        time.sleep(1.7)
+        time.sleep(2.6)
         for s in states:
             s["k"] += 1
         return [({"OUT": torch.tensor([s["k"]])}, s["k"] >= s["n"]) for s in states]
+
+    def release(self, state):
+        time.sleep(2.6)
 
 
 def load(device):
@@ -662,17 +665,19 @@ def load(device):
 def test_each_model_call_of_a_step_round_is_held_to_the_limit_alone(tmp_path: Path) -> None:
     """A round's start() and step() were held to execution_timeout_s together: one of
     each, 1.7 s under a 2 s limit (a sequence's first round), took 3.4 s and the worker
-    was killed, its callers failing UNAVAILABLE (review 57f)."""
+    was killed, its callers failing (review 57f); so were a step() and the release()
+    of the sequence it ended (late review 57h). A one-step sequence's round here: a
+    start(), a step() and a release() of 2.6 s each, under 3 s."""
     d = tmp_path / "repo" / "slow"
     d.mkdir(parents=True)
-    (d / "model.toml").write_text(stepwise_toml(2, 8) + "[instances]\nexecution_timeout_s = 2\n")
+    (d / "model.toml").write_text(stepwise_toml(2, 8) + "[instances]\nexecution_timeout_s = 3\n")
     (d / "model.py").write_text(SLOW_CALLS_PY)
     s = ServerProcess(d.parent, log_dir=tmp_path).start()
     try:
         with grpc.insecure_channel(s.url) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
-            answer = stub.ModelInfer(_n("slow", 2), timeout=60)
-            assert list(answer.outputs[0].shape) == [2]
+            answer = stub.ModelInfer(_n("slow", 1), timeout=60)
+            assert list(answer.outputs[0].shape) == [1]
         assert "lost" not in s.log(), s.log()
     finally:
         assert s.stop() == 0, s.log()
