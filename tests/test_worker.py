@@ -1299,3 +1299,15 @@ def test_a_relative_ipc_endpoint_is_made_absolute_only_where_the_path_fits(
     deep.mkdir()
     monkeypatch.chdir(deep)
     assert _anchored("ipc://w.sock") == "ipc://w.sock"
+
+
+def test_an_ipc_endpoint_too_long_for_a_unix_socket_is_refused_at_once(tmp_path: Path) -> None:
+    """It printed ZMQError's traceback and the worker hung (late review 57h)."""
+    long = "ipc://" + "x" * 115 + ".sock"
+    done = subprocess.run(
+        [sys.executable, "-m", "batchd.worker", "--connect", long, "--model-repository",
+         str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-500:]
+    assert "an ipc:// path holds at most 107 bytes" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -131,6 +131,21 @@ def _anchored(endpoint: str) -> str:
     return f"ipc://{os.path.abspath(path)}" if fits else endpoint
 
 
+def _endpoints(connect: str | None) -> str:
+    """--connect's endpoints, relative ipc:// ones anchored; ConfigError if there are none,
+    or an ipc:// path is past a Unix socket's 107 bytes (it printed ZMQError's traceback,
+    and the worker hung: late review 57h)."""
+    if not connect:
+        raise ConfigError("--connect is required")
+    endpoints = [_anchored(e) for e in connect.split(",")]
+    for e in endpoints:
+        path = e.removeprefix("ipc://")
+        if path != e and not path.startswith("@") and len(os.fsencode(path)) > 107:
+            raise ConfigError(f"--connect {e[:60]!r}...: an ipc:// path holds at most 107 "
+                              "bytes (a Unix socket's)")  # fmt: skip
+    return ",".join(endpoints)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_devices:
@@ -140,17 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         from batchd.worker.check import check_repository
 
         return 1 if check_repository(args.check) else 0
-    if not args.connect:
-        print("batchd worker: --connect is required", file=sys.stderr)
-        return 2
     # Anchored now: the working directory is the whole process's, and a model's load()
     # that changed it (os.chdir to its own folder) left a relative --model-repository
     # unreadable for every other model of the worker, at each restart (review 57f), and
     # its reconnects and keys looking elsewhere.
     args.model_repository = args.model_repository.absolute()
     args.worker_keys = args.worker_keys and args.worker_keys.absolute()
-    args.connect = ",".join(map(_anchored, args.connect.split(",")))
     try:
+        args.connect = _endpoints(args.connect)
         endpoint = traces.endpoint(args.otlp_endpoint)
     except ConfigError as e:
         print(f"batchd worker: {e}", file=sys.stderr)
