@@ -65,6 +65,7 @@ class ModelControl:
         self._pool, self._link, self._scheduler, self._answering = pool, link, scheduler, answering
         self._clock, self._changed, self._pump_soon = clock, changed, pump_soon
         self.broken: dict[str, str] = {}  # key -> why no worker could load that version
+        self.failed: dict[str, str] = {}  # name -> why its last load failed, if it did
         self._awaited: set[str] = set()  # keys whose holder was lost, no load tried since
         self._loading: dict[str, ModelConfig] = {}
         self._versions: dict[str, int] = {}
@@ -118,6 +119,7 @@ class ModelControl:
     def _install(self, cfg: ModelConfig) -> None:
         self._scheduler.add_model(cfg)
         self.current[cfg.name] = cfg
+        self.failed.pop(cfg.name, None)
 
     def ready(self, name: str) -> bool:
         return (cfg := self.current.get(name)) is not None and self._pool.model_ready(cfg.key)
@@ -126,8 +128,8 @@ class ModelControl:
         return None if (cfg := self.current.get(name)) is None else self.broken.get(cfg.key)
 
     def _judge(self, key: str) -> None:
-        """Whether version `key` is broken: no worker has it, none is loading it, and
-        some worker said why it could not. Its queued requests then fail at once."""
+        """Whether version `key` is broken: no worker has it, none is loading it, some
+        said why it could not (its queued requests then fail at once)."""
         workers = self._pool.workers()
         errors = [f"{w.name}: {w.load_errors[key]}" for w in workers if key in w.load_errors]
         loading = any(key in w.loads and not w.loads[key].done() for w in workers)
@@ -142,9 +144,8 @@ class ModelControl:
     # ---- the load protocol ----
 
     def worker_ready(self, worker: WorkerHandle) -> None:
-        """A worker registered: have it load every current (and loading) version it may
-        run, in order, if that version's files are still those it was loaded from (and,
-        under explicit model control, drop any other version it holds)."""
+        """A worker registered: it loads, in order, every current (and loading) version it
+        may run whose files are as loaded (explicit control: it drops any other it holds)."""
         joins, known = [], [*self.current.values(), *self._loading.values()]
         for key in set(worker.info.held if self.explicit else ()) - {c.key for c in known}:
             name, _, version = key.rpartition("@")  # retired while it was away: held for good
@@ -303,7 +304,9 @@ class ModelControl:
                 for w in workers:
                     w.load_errors.pop(cfg.key, None)  # that version is gone
                 before = self._what_stays(old)
-                raise ModelFailed(f"model {name!r} failed to load; {before}: " + "; ".join(failed))
+                why = f"model {name!r} failed to load; {before}: " + "; ".join(failed)
+                self.failed[name] = why  # (the index says it till a load passes: review 57b)
+                raise ModelFailed(why)
             self._install(cfg)
             short = cfg.instances.count * len({w.info.device for w in workers}) > len(workers)
             note = "; [instances] count takes effect at start-up: restart for more" if short else ""
@@ -353,8 +356,7 @@ class ModelControl:
         task.add_done_callback(draining.discard)  # repository's, so these sets stay few)
 
     async def _to_the_end(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run a load or unload to its end even if its caller leaves (a deadline, a cancel):
-        half done, it would leave a copy of the model on the workers."""
+        """A load or unload run to its end though its caller left: half done, it left a copy."""
         return await asyncio.shield(self._keep(asyncio.create_task(work)))
 
     def _keep(self, task: asyncio.Task[T]) -> asyncio.Task[T]:
@@ -389,11 +391,10 @@ class ModelControl:
         log.info("model %s version %s unloaded", cfg.name, cfg.version, extra={"model": cfg.name})
 
     async def index(self) -> list[index.IndexEntry]:
-        """Every model of the repository, loaded or not, sorted by name (its folder read
-        off the loop: every model.toml is parsed)."""
+        """Every model of the repository, loaded or not, by name (its folder read off the loop)."""
         try:
             on_disk = await asyncio.to_thread(load_each, self.repository)
         except RepositoryUnreadable as e:
             raise Unavailable(str(e)) from None
         ready, broken = self._pool.model_ready, self.broken
-        return index.entries(on_disk, self._loading, self.current, ready, broken)
+        return index.entries(on_disk, self._loading, self.current, ready, broken, self.failed)

@@ -28,6 +28,7 @@ def entries(
     current: Mapping[str, ModelConfig],  # name -> the version serving
     ready: Callable[[str], bool],  # a version's key -> whether a live worker holds it
     broken: Mapping[str, str],  # a version's key -> why no worker could load it
+    failed: Mapping[str, str] | None = None,  # a name -> why its last load failed (as Triton)
 ) -> list[IndexEntry]:
     """One entry per model, sorted by name: a folder's model as not loaded (or why it
     cannot be), overridden by what loads and what serves."""
@@ -43,7 +44,9 @@ def entries(
         said = wire.text(why)  # (of one name, a folder broken and the name declared twice:
         if (prior := found.get(name)) and prior.reason not in ("not loaded", said):  # both)
             said = f"{prior.reason}; {said}" if said else prior.reason
-        found[name] = IndexEntry(name, "", "UNAVAILABLE", said or "not loaded")
+        last = (failed or {}).get(name)  # (it said "not loaded" alone: review 57b)
+        reason = said or (f"not loaded: {last}" if last else "not loaded")
+        found[name] = IndexEntry(name, "", "UNAVAILABLE", reason)
     for name, cfg in loading.items():  # (a reload: its serving version, below)
         found[name] = IndexEntry(name, cfg.version, "LOADING", "")
     for name, cfg in current.items():

@@ -443,6 +443,29 @@ def test_a_model_that_changes_torch_s_default_dtype_harms_no_other(tmp_path: Pat
         assert s.stop() == 0, s.log()
 
 
+def test_the_index_says_why_a_model_s_last_load_failed_till_one_passes(tmp_path: Path) -> None:
+    """A load that failed was answered with why, but the index then said "not loaded"
+    alone; Triton keeps the last load error there (review 57b)."""
+    model = make_model(tmp_path / "repo", "refuser", -1.0)
+    s = ServerProcess(tmp_path / "repo", "--model-control", "explicit", log_dir=tmp_path)
+    s.start(ready=False)
+    try:
+        wait_for(lambda: "worker cpu0#0 ready" in s.log(), 60, "a worker")
+        with Client(s.url) as c:
+            reason = lambda: {m["name"]: m for m in c.repository_index()}["refuser"]["reason"]  # noqa: E731
+            assert reason() == "not loaded"
+            with pytest.raises(InferenceFailed):
+                c.load_model("refuser")
+            said = reason()
+            assert said.startswith("not loaded: model 'refuser' failed to load") and (
+                "scale -1.0 refuses to load" in said), said  # fmt: skip
+            (model / "scale.txt").write_text("2.0")
+            c.load_model("refuser")
+            assert reason() == "" and y(c, "refuser", 1.0) == 2.0
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 def test_one_model_that_fails_to_load_leaves_the_others_serving(tmp_path: Path) -> None:
     """A model whose load() raises at start is unready on its own: the server stays
     ready for the healthy one, the index names the load error, and a request to it
