@@ -32,7 +32,7 @@ from batchd.protos.model_config import TensorSpec, load_model_config, model_key
 from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
 from batchd.worker import runner as runner_module
-from batchd.worker.__main__ import _anchored
+from batchd.worker.__main__ import _endpoints
 from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
 from batchd.worker.generate import EVERY, time_limit
 from batchd.worker.loader import load_model
@@ -1291,14 +1291,14 @@ def test_a_relative_ipc_endpoint_is_made_absolute_only_where_the_path_fits(
     working directory the absolute path passed the 107 bytes a Unix socket's path holds,
     and the worker never connected, saying nothing (late review 57g): kept as given."""
     monkeypatch.chdir(tmp_path)
-    assert _anchored("ipc://w.sock") == f"ipc://{tmp_path}/w.sock"
-    assert _anchored("ipc:///abs/w.sock") == "ipc:///abs/w.sock"
-    assert _anchored("ipc://@abstract") == "ipc://@abstract"
-    assert _anchored("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    assert _endpoints("ipc://w.sock") == f"ipc://{tmp_path}/w.sock"
+    assert _endpoints("ipc:///abs/w.sock,ipc://@abstract,tcp://127.0.0.1:5555") == (
+        "ipc:///abs/w.sock,ipc://@abstract,tcp://127.0.0.1:5555"
+    )
     deep = tmp_path / ("d" * 100)
     deep.mkdir()
     monkeypatch.chdir(deep)
-    assert _anchored("ipc://w.sock") == "ipc://w.sock"
+    assert _endpoints("ipc://w.sock") == "ipc://w.sock"
 
 
 def test_an_ipc_endpoint_too_long_for_a_unix_socket_is_refused_at_once(tmp_path: Path) -> None:

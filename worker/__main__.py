@@ -121,28 +121,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _anchored(endpoint: str) -> str:
-    """A relative ipc:// endpoint made absolute (ipc:///path and ipc://@name are), where
-    that fits a Unix socket's path (107 bytes: past it, the worker never connected and
-    said nothing, late review 57g); else as given."""
-    path = endpoint.removeprefix("ipc://")
-    relative = path != endpoint and not path.startswith(("/", "@"))
-    fits = relative and len(os.fsencode(os.path.abspath(path))) <= 107
-    return f"ipc://{os.path.abspath(path)}" if fits else endpoint
+IPC_PATH_MAX = 107  # bytes of a Unix socket's path
 
 
 def _endpoints(connect: str | None) -> str:
-    """--connect's endpoints, relative ipc:// ones anchored; ConfigError if there are none,
-    or an ipc:// path is past a Unix socket's 107 bytes (it printed ZMQError's traceback,
-    and the worker hung: late review 57h)."""
+    """--connect's endpoints, a relative ipc:// one made absolute where that fits (past
+    IPC_PATH_MAX, the worker never connected and said nothing: late review 57g);
+    ConfigError if there are none, or an ipc:// path does not fit (it printed ZMQError's
+    traceback, and the worker hung: late review 57h)."""
     if not connect:
         raise ConfigError("--connect is required")
-    endpoints = [_anchored(e) for e in connect.split(",")]
-    for e in endpoints:
+    endpoints = []
+    for e in connect.split(","):
         path = e.removeprefix("ipc://")
-        if path != e and not path.startswith("@") and len(os.fsencode(path)) > 107:
-            raise ConfigError(f"--connect {e[:60]!r}...: an ipc:// path holds at most 107 "
-                              "bytes (a Unix socket's)")  # fmt: skip
+        if path == e or path.startswith("@"):  # (not ipc://, or an abstract name)
+            endpoints.append(e)
+            continue
+        whole = path if path.startswith("/") else os.path.abspath(path)
+        if len(os.fsencode(whole)) <= IPC_PATH_MAX:
+            endpoints.append(f"ipc://{whole}")
+        elif len(os.fsencode(path)) <= IPC_PATH_MAX:  # (relative, from a deep directory)
+            endpoints.append(e)
+        else:
+            raise ConfigError(f"--connect {e[:60]!r}...: an ipc:// path holds at most "
+                              f"{IPC_PATH_MAX} bytes (a Unix socket's)")  # fmt: skip
     return ",".join(endpoints)
 
 
