@@ -384,7 +384,7 @@ class WorkerPool:
             else:
                 began, limit = w.forward or (now, 0.0)  # (whosever it is: its owner may be gone)
                 if limit and now - began > limit + wire.HEARTBEAT_INTERVAL_S:
-                    late.append((w, f"its forward (or a model's release) ran past "
+                    late.append((w, f"its forward (or a model's release, finalizer) ran past "
                                     f"execution_timeout_s {limit}"))  # fmt: skip
                     continue
                 for key, sent in list(w.load_sent.items())[:1]:  # the load it runs (in turn;

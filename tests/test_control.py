@@ -1366,3 +1366,46 @@ def test_a_loaded_answered_out_of_turn_leaves_the_running_load_s_clock(tmp_path:
         assert worker.load_sent == {"next@1": 100.0}  # (its turn: the worker starts the next)
 
     asyncio.run(body())
+
+
+HANGING_FINALIZER = """
+import time
+class _Held:  # what load() returns; dropping it (or collecting it: `cycle`) never ends
+    def __init__(self, fn, cycle):
+        self.fn, self.me = fn, self if cycle else None
+    def __call__(self, x):
+        return self.fn(x)
+    def __del__(self):
+        time.sleep(3600)
+_load = load
+def load(device):
+    return _Held(_load(device), CYCLE)
+"""
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["freed", "collected"])
+def test_an_unloaded_model_s_finalizer_that_hangs_is_its_own_fault_within_its_limit(
+    tmp_path: Path, cycle: bool
+) -> None:
+    """An unloaded model's finalizer (a __del__ run as its last reference goes, or as the
+    collection after the unload frees its cycle) that never returned held the worker,
+    its heartbeats saying idle: the next batch of another model was blamed, after that
+    model's 60 s (review 57f). Dropping a model is held to its own execution_timeout_s
+    (2 s here): the worker is replaced, the other model's call answered."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    toml = MODEL_TOML + "\n[instances]\nexecution_timeout_s = 2\n"
+    stuck = make_model(tmp_path / "repo", "stuck", 3.0, toml)
+    with (stuck / "model.py").open("a") as f:
+        f.write(f"\nCYCLE = {cycle}\n{HANGING_FINALIZER}")
+    args = ("--model-control", "explicit", "--load-model", "*", "--workers", "1")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+    try:
+        with Client(s.url) as c:
+            assert y(c, "stuck", 1.0) == 3.0
+            c.unload_model("stuck")
+            lost = "finalizer) ran past execution_timeout_s 2.0"
+            wait_for(lambda: lost in s.log(), 30, "the worker found stuck in the finalizer")
+            assert "model 'scaled'" not in s.log().split(lost)[0].splitlines()[-1]
+            assert c.infer("scaled", {"X": np.ones((1, 1), np.float32)}, timeout=30)["Y"][0, 0] == 2
+    finally:
+        assert s.stop() == 0, s.log()

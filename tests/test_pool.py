@@ -278,7 +278,7 @@ def test_a_forward_of_a_frontend_gone_is_held_to_its_limit_by_every_frontend() -
     header = wire.Header(kind=wire.Header.HEARTBEAT, busy_ns=int(2e9), busy_limit_s=3.0)
     pool.beat(w, header, 10.0)  # another frontend's forward, begun at 8
     assert pool.overdue(11.9) == []
-    late = "its forward (or a model's release) ran past execution_timeout_s 3.0"
+    late = "its forward (or a model's release, finalizer) ran past execution_timeout_s 3.0"
     assert pool.overdue(12.1) == [(w, late)]
     pool.beat(w, wire.Header(kind=wire.Header.HEARTBEAT, idle_ns=1), 12.0)  # it ended
     assert pool.overdue(20.0) == []

@@ -83,7 +83,7 @@ def install(runner: Runner, header: wire.Header) -> str:
 def unload(runner: Runner, header: wire.Header) -> None:
     """Unload as the loader hands an UNLOAD on (with the copy installed) and the compute
     thread runs it."""
-    runner._unload(header, runner.held.take(model_key(header.model, header.version)))
+    runner._unload(header, [runner.held.take(model_key(header.model, header.version))])
 
 
 def run(d: Path, arr: np.ndarray) -> np.ndarray:
@@ -270,7 +270,9 @@ def test_an_unloaded_model_is_freed_though_loading_froze_the_heap(tmp_path: Path
         assert gc.get_freeze_count() > 0  # the loaded model is out of the collector's sight
         ref = weakref.ref(runner.held.models[model_key(d.name, "1")][1])
         unload(runner, header)
-        assert runner._collections.run(time.monotonic()) is None  # (the first: at once)
+        assert (
+            runner._collections.run(time.monotonic(), runner._timed) is None
+        )  # (the first: at once)
         assert ref() is None  # ... until it is unloaded
     finally:
         gc.unfreeze()
@@ -301,7 +303,7 @@ def test_a_copy_a_load_of_changed_files_replaced_is_dropped_as_an_unload_s(
             runner._handle(item, lambda *_: None)
         assert "model_py version 1 was reloaded (its files changed)" in caplog.text
         assert "unloaded" not in caplog.text
-        assert runner._collections.run(time.monotonic()) is None
+        assert runner._collections.run(time.monotonic(), runner._timed) is None
         assert ref() is None and key in runner.held.models
     finally:
         gc.unfreeze()
@@ -352,16 +354,18 @@ def test_unloads_back_to_back_share_a_collection_spaced_out(tmp_path: Path) -> N
         collected.clear()  # (the loads' own)
         now = 1_000.0
         unload(runner, wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1"))
-        assert runner._collections.run(now) is None and refs[0]() is None and collected
+        assert (
+            runner._collections.run(now, runner._timed) is None and refs[0]() is None and collected
+        )
         collected.clear()
         for version in "23":
             unload(runner, wire.Header(kind=wire.Header.UNLOAD, model=d.name, version=version))
-            wait = runner._collections.run(now)
+            wait = runner._collections.run(now, runner._timed)
             assert wait is not None and wait > 0 and not collected  # not yet, not at once
         assert refs[1]() is not None and refs[2]() is not None
-        assert runner._collections.run(now + wait) is None  # its time: one, for both
+        assert runner._collections.run(now + wait, runner._timed) is None  # its time: one, for both
         assert refs[1]() is None and refs[2]() is None and len(collected) == 1
-        assert runner._collections.run(now + wait) is None and len(collected) == 1
+        assert runner._collections.run(now + wait, runner._timed) is None and len(collected) == 1
     finally:
         gc.callbacks.remove(count)
         gc.unfreeze()
@@ -428,7 +432,7 @@ def test_a_model_unloaded_is_freed_though_it_was_the_loader_s_last(tmp_path: Pat
                                                version="1"), []))  # fmt: skip
             item = runner._work.get(timeout=30)  # (held, as the compute loop holds it)
             runner._handle(item, lambda *_: None)
-            assert runner._collections.run(time.monotonic()) is None
+            assert runner._collections.run(time.monotonic(), runner._timed) is None
             assert ref() is None
         finally:
             assert runner._loader.stop(10)

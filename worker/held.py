@@ -61,3 +61,11 @@ class Held:
                 self.models = {k: v for k, v in self.models.items() if k != key}
             if entry is not None and self._taken.get(key) is entry:
                 del self._taken[key]
+
+
+def limit_of(copy: Copy) -> float:
+    """How long dropping a copy of a model version may take (its release() and
+    finalizers run): its execution_timeout_s (0: none, no model code runs)."""
+    entry, loop, _ = copy
+    cfg = entry[0] if entry else loop.cfg if loop else None
+    return cfg.instances.execution_timeout_s if cfg else 0.0

@@ -165,24 +165,32 @@ class Collections:
 
     def __init__(self, cuda: bool) -> None:
         self.pending = False
-        self._at = 0.0  # the earliest the next may run (time.monotonic())
+        self.limit = 0.0  # the longest execution_timeout_s of the models it frees (their
+        self._at = 0.0  # finalizers run in it); the earliest the next may run (monotonic)
         self._cuda = cuda
 
-    def run(self, now: float) -> float | None:
-        """Collect, if one is pending and its time has come; else the seconds until it
-        may (None: none pending)."""
+    def due(self, limit: float) -> None:
+        """A model version whose execution_timeout_s is `limit` was dropped."""
+        self.pending, self.limit = True, max(self.limit, limit)
+
+    def run(self, now: float, timed: Callable[[float, Callable[[], None]], None]) -> float | None:
+        """Collect, as `timed(limit, work)` runs it, if one is pending and its time has
+        come; else the seconds until it may (None: none pending)."""
         if not self.pending:
             return None
         if now < self._at:
             return self._at - now
         start = time.perf_counter()
+        timed(self.limit, self._collect)
+        self.pending, self.limit = False, 0.0
+        self._at = now + min((time.perf_counter() - start) / COLLECT_SHARE, COLLECT_GAP_MAX_S)
+        return None
+
+    def _collect(self) -> None:
         gc.unfreeze()  # the unloaded models' objects are among the frozen
         settle_heap()
         if self._cuda:
             torch.cuda.empty_cache()
-        self.pending = False
-        self._at = now + min((time.perf_counter() - start) / COLLECT_SHARE, COLLECT_GAP_MAX_S)
-        return None
 
 
 Item = tuple[int, wire.Header, list[Any]]  # (the frontend's index, header, frames)

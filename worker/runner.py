@@ -39,7 +39,7 @@ from batchd.worker.execute import COUNTED, BatchError, OutputTooLarge, failed, r
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, on_sequence, time_limit
-from batchd.worker.held import Copy, Held
+from batchd.worker.held import Held, limit_of
 from batchd.worker.loader import leave
 from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
 
@@ -82,8 +82,7 @@ class Runner:
         self._loader = Loader(self._work, self._install, self.held, o.repository, o.device,
                               o.allowed)  # fmt: skip
         self._collections = Collections(o.device.type == "cuda")
-        self._frontends = len(options.endpoint.split(","))
-        self._gatherer = Gatherer(self._work, shared=self._frontends > 1)
+        self._gatherer = Gatherer(self._work, shared="," in options.endpoint)  # (frontends)
         self._alone = alone.Alone()
 
     # ---- compute thread ----
@@ -103,7 +102,7 @@ class Runner:
         try:
             while True:
                 item: merge.Item | None
-                due = self._collections.run(time.monotonic())
+                due = self._collections.run(time.monotonic(), self._timed)
                 if held is not None:
                     item, held = held, None
                 elif any(loop.busy or loop.waiting for loop in self.held.loops.values()):
@@ -157,10 +156,10 @@ class Runner:
         """Do one piece of work from a frontend; returns an item taken but not done
         (a batch that could not join the forward gathered here), to do next."""
         frontend, header, frames = item
-        if header.kind == wire.Header.UNLOAD:  # (its copy taken out of `item`, which the
-            why = frames.pop() if len(frames) > 1 else ""  # compute loop keeps: the model
-            for to, parts, ends in self._unload(header, frames.pop(), why):  # outlived its
-                reply(to, parts, ends)  # collection: review 55b, a worker kept 609 MB, not 228)
+        if header.kind == wire.Header.UNLOAD:  # (held to its model's limit: a finalizer
+            work = functools.partial(self._unload, header, frames)  # that hung was the next
+            for to, parts, ends in self._timed(limit_of(frames[0]), work):  # batch's fault)
+                reply(to, parts, ends)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
@@ -199,19 +198,22 @@ class Runner:
             unload = wire.Header(kind=wire.Header.UNLOAD, model=cfg.name, version=cfg.version)
             self._work.put((0, unload, [replaced, RELOADED]))  # (answering none but its loop's)
 
-    def _unload(self, header: wire.Header, copy: Copy, why: str = "") -> list[Reply]:
-        """Drop a model version's `copy` (Held.take's), unless another replaced it; its
-        sequences still here end (the replies). `why`: RELOADED, or "" (an UNLOAD)."""
+    def _unload(self, header: wire.Header, frames: list[Any]) -> list[Reply]:
+        """Drop a model version's copy (Held.take's) unless another replaced it; its sequences
+        here end (the replies). `frames`: the copy, then why (RELOADED; none: an UNLOAD), popped:
+        `item`, which the compute loop keeps, held a model past its collection (review 55b)."""
+        why = frames.pop() if len(frames) > 1 else ""
         name, version, key = header.model, header.version, model_key(header.model, header.version)
-        self.held.drop(key, copy)
-        entry, loop, package = copy
+        self.held.drop(key, copy := frames.pop())
+        limit, (entry, loop, package) = limit_of(copy), copy
+        del copy
         said = f"model {name!r} version {version!r} was {why or 'unloaded'}"
         ended = loop.drop_all(said) if loop else []
         del loop  # the model's last references here go before the collection below
         if entry is not None:
             del entry
             loader.forget(package)  # its model.py's modules
-            self._collections.pending = True  # (its objects may be among the frozen)
+            self._collections.due(limit)  # (its objects may be among the frozen)
             what = f"model {name} version {version}"
             done = f"{what} was {why}: its old copy dropped" if why else f"unloaded {what}"
             log.info("%s", done, extra={"model": name})
@@ -271,7 +273,7 @@ class Runner:
         o = self.options
         info = wire.WorkerInfo(worker_id=o.worker_id, device=str(o.device), pid=os.getpid(),
                                models=o.allowed, protocol=wire.PROTOCOL_VERSION,
-                               frontends=self._frontends, instance=self._instance,
+                               frontends=o.endpoint.count(",") + 1, instance=self._instance,
                                held=sorted(self.held.models), reconnected=reconnected)  # fmt: skip
         return wire.pack(wire.Header(kind=wire.Header.READY, worker=info))
 
@@ -295,10 +297,8 @@ class Runner:
     def serve(self) -> None:
         settle_heap()
         ctx: zmq.Context[Any] = zmq.Context()
-        links = [
-            FrontendLink(ctx, endpoint, self.options.worker_id, self.options.keys, self._ready)
-            for endpoint in self.options.endpoint.split(",")
-        ]
+        o, ready = self.options, self._ready
+        links = [FrontendLink(ctx, e, o.worker_id, o.keys, ready) for e in o.endpoint.split(",")]
         results = ctx.socket(zmq.PULL)  # from the compute and the loader thread
         results.bind(_RESULTS)
         (compute := own_thread(self._compute, "compute", ctx)).start()
