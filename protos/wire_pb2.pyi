@@ -147,17 +147,19 @@ class Header(_message.Message):
     def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ..., credit: _Optional[int] = ..., invalid: _Optional[bool] = ..., occupied: _Optional[_Mapping[str, int]] = ..., waited_ns: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., running: _Optional[_Iterable[int]] = ..., busy_limit_s: _Optional[float] = ..., held: _Optional[bool] = ..., outputs: _Optional[_Iterable[str]] = ..., bounced: _Optional[bool] = ..., files: _Optional[str] = ..., folder: _Optional[str] = ..., max_response_bytes: _Optional[int] = ..., too_large: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("id", "tensors", "final", "error", "invalid", "need")
+    __slots__ = ("id", "tensors", "final", "error", "invalid", "need", "too_large")
     ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
     NEED_FIELD_NUMBER: _ClassVar[int]
+    TOO_LARGE_FIELD_NUMBER: _ClassVar[int]
     id: int
     tensors: int
     final: bool
     error: str
     invalid: bool
     need: int
-    def __init__(self, id: _Optional[int] = ..., tensors: _Optional[int] = ..., final: _Optional[bool] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., need: _Optional[int] = ...) -> None: ...
+    too_large: bool
+    def __init__(self, id: _Optional[int] = ..., tensors: _Optional[int] = ..., final: _Optional[bool] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ..., need: _Optional[int] = ..., too_large: _Optional[bool] = ...) -> None: ...

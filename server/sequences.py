@@ -89,7 +89,7 @@ class Sequences:
                 stream.budget.running[stream] = model.instances.execution_timeout_s
             header = wire.Header(
                 kind=wire.Header.START, batch_id=sequence.id, model=model.name,
-                version=model.version, credit=stream.window,
+                version=model.version, credit=stream.window, max_response_bytes=stream.cap or 0,
             )  # fmt: skip
             stream.grant = functools.partial(self._credit, worker.identity, sequence)
             header.tensors.extend(
@@ -162,8 +162,11 @@ class Sequences:
             failed = (
                 InvalidInput(f"model {model.name!r} refused the inputs: {step.error}")
                 if step.invalid
+                else ResponseTooLarge(f"model {model.name!r}, after {stream.sent} outputs: "
+                                      f"{step.error}; the sequence was stopped")
+                if step.too_large
                 else ModelFailed(f"model {model.name!r} on worker {worker.name}: {step.error}")
-            )
+            )  # fmt: skip
             self._end_sequence(worker, sequence, failed)
             return
         if step.need:  # its next step is held at its worker, for want of credit

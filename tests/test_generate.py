@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from batchd.protos import wire
-from batchd.protos.model_config import ModelConfig, load_model_config
+from batchd.protos.model_config import ModelConfig, TensorSpec, load_model_config
 from batchd.worker import InputRefused
 from batchd.worker.check import check_model
 from batchd.worker.generate import EVERY, StepLoop
@@ -285,6 +286,36 @@ def test_an_output_that_is_not_what_the_model_declares_fails_its_sequence() -> N
     add(loop, 1, 3)
     ((seq, _, final, error),) = replies(loop)
     assert seq == 1 and final and "declared INT64" in error
+
+
+def test_a_step_output_past_what_a_response_carries_fails_before_it_is_made() -> None:
+    """START's max_response_bytes (the stream's cap): a step whose output is more (a
+    view of 4 TiB here, which made was a RuntimeError, or the worker's memory) fails its
+    sequence with `too_large` before it is made, as do outputs more together; a step
+    within it is sent; the rest go on."""
+    widths = {1: (2, 2), 2: (1 << 40, 1), 3: (16, 1), 4: (5, 5)}  # OUT's, OUT2's
+
+    class Huge(Counter):
+        def step(self, states: list[dict[str, int]]) -> list[tuple[dict[str, Any] | None, bool]]:
+            zero = torch.zeros(1, dtype=torch.int64)
+            ws = [widths[s["n"]] for s in states]
+            return [({"OUT": zero.expand(a), "OUT2": zero.expand(b)}, False) for a, b in ws]
+
+    wide = (TensorSpec("OUT", "INT64", (-1,)), TensorSpec("OUT2", "INT64", (-1,)))
+    loop = StepLoop(dataclasses.replace(config(max_active=4), outputs=wide), Huge())
+    for n in widths:
+        header = wire.Header(kind=wire.Header.START, batch_id=n, model="fake",
+                             max_response_bytes=64)  # fmt: skip
+        header.tensors.add(name="N", datatype="INT64", shape=[1])
+        assert loop.add(0, header, [np.array([n], np.int64).tobytes()], CPU) == []
+    ((_, parts, _),) = loop.round()
+    header, frames = wire.unpack(parts)
+    steps = {s.id: s for s in header.steps}
+    assert not steps[1].error and not steps[1].final and bytes(frames[0]) == bytes(16)
+    assert steps[2].too_large and steps[2].final and "holds 8796093022208 bytes" in steps[2].error
+    assert steps[3].too_large and "output 'OUT' holds 128 bytes (shape [16]" in steps[3].error
+    assert steps[4].too_large and "outputs holding 80 bytes, more than" in steps[4].error
+    assert [s.seq_id for s in loop.active] == [1]
 
 
 def test_models_check_runs_a_step_wise_model_through_the_loop(tmp_path: Path) -> None:

@@ -75,7 +75,8 @@ execution_timeout_s = {TIMEOUT_S}
 """
 WIDE_PY = '''
 """Sequence ID runs N steps. MODE 0: OUT [1, WIDTH] holding k at step k; MODE 1: no
-output at any step; MODE 2: OUT [1, k]. $WIDE_LOG gets a line per start and release."""
+output at any step; MODE 2: OUT [1, k]; MODE 3: OUT [1, WIDTH], a view of one k. $WIDE_LOG
+gets a line per start and release."""
 import json
 import os
 
@@ -107,6 +108,9 @@ class Wide:
                 out.append((None, done))
             else:
                 width = k if s["MODE"] == 2 else s["WIDTH"]
+                if s["MODE"] == 3:
+                    out.append(({"OUT": torch.full((1, 1), k).expand(1, width)}, done))
+                    continue
                 out.append(({"OUT": torch.full((1, width), k, dtype=torch.int64)}, done))
         return out
 
@@ -662,6 +666,25 @@ def test_a_unary_answer_past_the_message_limit_stops_its_sequence_at_once(
     assert (released(wide[1], 5) or 0) < 500  # stopped, not run to its end
 
 
+def test_a_step_output_no_response_may_carry_is_refused_by_its_worker_unmade(stub: Any) -> None:
+    """A step whose output is a view of one value as 8 TiB (MODE 3): its worker made it,
+    a RuntimeError here (INTERNAL), a worker's memory where it fits. Its START says what
+    a response may carry: refused by its shape, RESOURCE_EXHAUSTED, unary or streamed."""
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(wide_request(10, 3, mode=3, width=1 << 40), timeout=60)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    holds = f"output 'OUT' holds {8 << 40} bytes (shape [1, {1 << 40}], INT64), more "
+    assert holds + f"than a response may carry ({MiB}, --max-message-bytes)" in (
+        e.value.details() or ""
+    )
+    (refused,) = stub.ModelStreamInfer(
+        iter([wide_request(11, 3, mode=3, width=1 << 40)]), timeout=60
+    )
+    assert holds in refused.error_message and "after 0 outputs" in refused.error_message
+    code = refused.infer_response.parameters["error_code"].string_param
+    assert code == "RESOURCE_EXHAUSTED"
+
+
 def _held(server: ServerProcess, log: Path, seq: int) -> None:
     """Wait until sequence `seq`, whose caller has read nothing, is held: the model ran
     at least its window of steps, and sequence 8, run meanwhile on another stream, had
@@ -730,8 +753,8 @@ def test_a_steady_reader_of_outputs_near_the_message_limit_gets_every_one(
     assert answers["73"] == [""] * 5  # (0.6 MiB each: with 72's held, past the budget)
     (refused,) = answers["72"]
     assert (
-        "a step's outputs for this request hold 1572864 bytes, more than its stream can "
-        "carry (1048576, from --max-message-bytes)" in refused
+        "holds 1572864 bytes (shape [1, 196608], INT64), more than a response may carry "
+        "(1048576, --max-message-bytes); the sequence was stopped" in refused
     ), refused
 
 
@@ -870,12 +893,12 @@ def test_a_unary_step_over_a_response_is_refused_before_its_worker_sends_it(
     wide: tuple[ServerProcess, Path], stub: Any
 ) -> None:
     """One step of 2 MiB under --max-message-bytes 1 MiB, for a unary call: its worker
-    says what it needs, and the frontend refuses it then (it was given the credit,
-    sent, and refused only once joined)."""
+    refuses it by its shape, before it is made (it was given the credit, sent, and
+    refused only once joined; then made, and refused by the frontend)."""
     with pytest.raises(grpc.RpcError) as e:
         stub.ModelInfer(wide_request(121, 1, width=MiB // 4), timeout=60)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "hold 2097152 bytes, more than its stream can carry (1048576" in (
+    assert "holds 2097152 bytes (shape [1, 262144], INT64), more than a response may carry " in (
         e.value.details() or ""
     )
 

@@ -232,7 +232,7 @@ def test_an_output_no_response_may_carry_is_refused_before_it_is_copied() -> Non
     assert encode_output(y, torch.zeros(3, 256), True, rows=3, most=1024)[0].shape == [3, 256]
     with pytest.raises(OutputTooLarge, match="1028 bytes a row"):
         encode_output(y, np.zeros((3, 257), np.float32), True, rows=3, most=1024)
-    with pytest.raises(OutputTooLarge, match=r"holds 2048 bytes a row \(shape \[512\]"):
+    with pytest.raises(OutputTooLarge, match=r"holds 2048 bytes \(shape \[512\]"):
         encode_output(y, torch.zeros(512), False, most=1024)  # (no batch dim: one request)
     with pytest.raises(OutputTooLarge, match="1200 bytes a row"):
         encode_output(TensorSpec("B", "BYTES", (1,)), np.array([[b"x" * 1196]], object), True,

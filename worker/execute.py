@@ -239,8 +239,9 @@ def _check_room(spec: TensorSpec, shape: list[int], size: int, batches: bool, mo
     carry it, and the frontend, which would refuse it, would get it whole first."""
     rows = (shape[0] if shape else 1) if batches else 1
     if rows and size // rows > most:
+        each = " a row" if batches else ""
         raise OutputTooLarge(
-            f"output {spec.name!r} holds {size // rows} bytes a row (shape {shape}, "
+            f"output {spec.name!r} holds {size // rows} bytes{each} (shape {shape}, "
             f"{spec.datatype}), more than a response may carry ({most}, --max-message-bytes)"
         )
 

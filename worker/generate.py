@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,87 +42,15 @@ import torch
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig, model_key
-from batchd.worker import InputRefused
+from batchd.worker import InputRefused, execute
 from batchd.worker.execute import BatchError, count, counted, encode_output, to_model_input, why
 from batchd.worker.loader import forked_off
+from batchd.worker.steps import Replies, Running
+from batchd.worker.steps import Reply as Reply  # (re-exported: the runner's)
 
 log = logging.getLogger("batchd.worker")
-Reply = tuple[int, list[Any], int]  # to which frontend, the message, how many sequences it ends
 EVERY = 0  # CANCEL of every sequence of a frontend (ids start at 1: server/pool.py)
 WAITING_BEAT_S = 1.0  # how often a frontend whose sequences all wait hears the loop steps
-
-
-@dataclass(eq=False)
-class Running:
-    """One sequence on this worker."""
-
-    seq_id: int
-    frontend: int  # which frontend sent it (replies go back there)
-    inputs: dict[str, Any]
-    state: Any = None
-    # its inputs made afresh from the frames they came in, till it starts: a start() of
-    # several that raised is tried one by one, and a model may have changed what it got
-    fresh: Callable[[], dict[str, Any]] | None = None
-    steps: int = 0
-    credit: int | None = None  # bytes of outputs it may still send; None: unbounded
-    outputs: frozenset[str] = frozenset()  # those its caller asked for (START's); none: all
-    # a step's outputs (tensors, frames, final, their cost) that its credit did not cover
-    pending: tuple[Sequence[wire.Tensor], list[Any], bool, int] | None = None
-
-    @property
-    def held(self) -> bool:
-        """Its credit is spent, or less than its pending step needs: its caller is
-        behind; it is not stepped (nor its pending step sent) till CREDIT."""
-        if self.credit is None:
-            return False
-        return self.credit <= 0 or (self.pending is not None and self.pending[3] > self.credit)
-
-
-class Replies:
-    """STEP messages being built: one per frontend, an entry per sequence."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.round: tuple[int, int, int] | None = None  # active, round, compute_ns
-        self.messages: dict[int, tuple[wire.Header, list[Any], list[int]]] = {}
-
-    def add(self, s: Running, tensors: Sequence[wire.Tensor] = (), frames: Sequence[Any] = (),
-            final: bool = True, error: str = "", invalid: bool = False) -> None:  # fmt: skip
-        if s.frontend not in self.messages:
-            self.messages[s.frontend] = (
-                wire.Header(kind=wire.Header.STEP, model=self.model),
-                [],
-                [0],
-            )
-        header, all_frames, ends = self.messages[s.frontend]
-        header.steps.add(id=s.seq_id, tensors=len(tensors), final=final, error=wire.text(error),
-                         invalid=invalid)  # fmt: skip
-        header.tensors.extend(tensors)
-        all_frames.extend(frames)
-        ends[0] += final
-
-    def need(self, s: Running, cost: int) -> None:
-        """`s`'s step is held here: it needs `cost` credit, more than it has."""
-        self.add(s, final=False)
-        self.messages[s.frontend][0].steps[-1].need = cost
-
-    def stepped(self, active: int, round: int, compute_ns: int) -> None:
-        """The messages carry a step round (for its statistics, counted once)."""
-        self.round = (active, round, compute_ns)
-
-    def waiting(self, frontend: int) -> None:
-        """An empty STEP for a frontend whose sequences all wait for a slot: the loop
-        steps (others'), so the frontend does not judge this worker stuck."""
-        self.messages.setdefault(frontend, (wire.Header(kind=wire.Header.STEP, model=self.model),
-                                            [], [0]))  # fmt: skip
-
-    def send(self) -> list[Reply]:
-        out = []
-        for to, (header, frames, (ends,)) in self.messages.items():
-            if self.round is not None and header.steps:  # (a round is counted where it ran)
-                header.active, header.round, header.compute_ns = self.round
-            out.append((to, wire.pack(header, frames), ends))
-        return out
 
 
 @dataclass
@@ -159,8 +87,8 @@ class StepLoop:
             return out.send()
         credit = header.credit or None  # 0: no flow control
         asked = frozenset(header.outputs)
-        self.waiting.append(Running(header.batch_id, frontend, inputs, credit=credit,
-                                    outputs=asked, fresh=fresh))  # fmt: skip
+        self.waiting.append(Running(header.batch_id, frontend, inputs, credit=credit, outputs=asked,
+                                    fresh=fresh, most=header.max_response_bytes))  # fmt: skip
         return []
 
     def cancel(self, frontend: int, seq_id: int) -> int:
@@ -237,7 +165,7 @@ class StepLoop:
                 outputs, done = result
                 final = bool(done) or s.steps >= self._max_steps()
                 frames: list[Any] = []
-                tensors = self._encode(outputs, frames, s.outputs) if outputs is not None else ()
+                tensors = self._encode(outputs, frames, s) if outputs is not None else ()
                 # as the frontend counts it
                 cost = sum(len(f) for f in frames) + wire.OUTPUT_COST * len(tensors)
                 if s.credit is not None and cost > s.credit:  # held till CREDIT covers it
@@ -249,7 +177,8 @@ class StepLoop:
                 if s.credit is not None:
                     s.credit -= cost
             except BaseException as e:  # a bad output fails its sequence only
-                out.add(s, error=f"step() returned {why(e)}")
+                large = isinstance(e, execute.OutputTooLarge)
+                out.add(s, error=f"step() returned {why(e)}", too_large=large)
                 final = True
             if final:
                 self._release(s)
@@ -325,18 +254,22 @@ class StepLoop:
         s.inputs, s.fresh = {}, None
         self.active.append(s)
 
-    def _encode(self, outputs: dict[str, Any], frames: list[Any],
-                asked: frozenset[str]) -> Sequence[wire.Tensor]:  # fmt: skip
-        """The outputs its caller `asked` for (none: all), checked and encoded."""
+    def _encode(self, outputs: dict[str, Any], frames: list[Any], s: Running) -> list[wire.Tensor]:
+        """The outputs `s`'s caller asked for (none: all), checked and encoded; refused
+        past `s.most`, an output by its shape before it is made (a view of 4 bytes was
+        made 1 GB, then refused by the frontend)."""
         if not isinstance(outputs, dict):
             raise BatchError(f"outputs as {type(outputs).__name__}, expected a dict by name")
         tensors = []
-        for spec in (o for o in self.cfg.outputs if not asked or o.name in asked):
+        for spec in (o for o in self.cfg.outputs if not s.outputs or o.name in s.outputs):
             if spec.name not in outputs:
                 raise BatchError(f"outputs without {spec.name!r}; got {sorted(map(str, outputs))}")
-            tensor, frame = encode_output(spec, outputs[spec.name], batches=False)
+            tensor, frame = encode_output(spec, outputs[spec.name], batches=False, most=s.most)
             tensors.append(tensor)
             frames.append(frame)
+        if s.most and (size := sum(memoryview(f).nbytes for f in frames)) > s.most:
+            raise execute.OutputTooLarge(f"outputs holding {size} bytes, more than a response may "
+                                 f"carry ({s.most}, --max-message-bytes)")  # fmt: skip
         return tensors
 
     def _release(self, s: Running) -> None:
