@@ -55,6 +55,29 @@ def test_a_starving_level_jumps_the_line(loop: asyncio.AbstractEventLoop) -> Non
     assert p is not None and p.requests == [high]
 
 
+def test_a_starved_first_level_goes_before_a_younger_starved_head(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Under overload every head has waited past max_starvation_us: the oldest goes
+    first, priority 1's too. Priority 1 never counted as starved, so it went after every
+    starved level: with max_starvation_us = 0 it was served only once priority 3 had no
+    request left (review 58b: 21 answers against 226 in 12 s); now 0 is first come,
+    first served across levels."""
+    for starvation_us in (500_000, 0):
+        cfg = ragged_model(priority_levels=3, default_priority_level=3,
+                           max_starvation_us=starvation_us)  # fmt: skip
+        high = text(cfg, loop, 4, level=0, arrival=NOW - 0.9)
+        low = text(cfg, loop, 4, level=2, arrival=NOW - 0.7)
+        p = plan_batch(levels_of(high, low, count=3), NOW, 1, cfg.batching, 64)
+        assert p is not None and p.requests == [high]
+        older = replace_arrival(low, NOW - 1.0)  # (older than priority 1's head: it goes)
+        p = plan_batch(levels_of(high, older, count=3), NOW, 1, cfg.batching, 64)
+        assert p is not None and p.requests == [older]
+    fresh = text(cfg, loop, 4, level=0, arrival=NOW)  # (0: no head is younger than 0 s)
+    p = plan_batch(levels_of(fresh, low, count=3), NOW, 1, cfg.batching, 64)
+    assert p is not None and p.requests == [low]
+
+
 def test_requests_of_other_shapes_never_join(loop: asyncio.AbstractEventLoop) -> None:
     cfg = ModelConfig(
         name="m",

@@ -15,7 +15,7 @@ from batchd.server.batching.lanes import SETTLE_S
 from batchd.server.batching.plan import PAD_FREE
 from batchd.server.batching.queues import ModelQueue
 from batchd.server.batching.scheduler import Scheduler
-from batchd.server.errors import DeadlineExceeded, QueueFull, Unavailable
+from batchd.server.errors import DeadlineExceeded, InvalidInput, QueueFull, Unavailable
 from batchd.server.flow import StepStream
 from batchd.server.request import Request
 from tests.conftest import (
@@ -749,6 +749,39 @@ def test_each_priority_level_has_its_own_queue_limit() -> None:
                     s.submit(low)
             else:
                 s.submit(low)
+
+    run(body)
+
+
+def test_a_request_needing_more_places_than_its_level_may_hold_is_invalid_not_busy() -> None:
+    """A request split into more batches than its priority level's queue limit can
+    never be admitted: INVALID_ARGUMENT, saying how many rows a request may have. It was
+    QueueFull ("retry later") with a pushback, and a client retried it till its deadline
+    (review 58b). A request that fits the level but not the queue's room now is busy,
+    saying how many places it needs."""
+
+    async def body() -> None:
+        s = Scheduler(FakeDispatch(idle=0, credits=0), Clock())
+        cfg = model(max_batch_size=2, queue=4)
+        levels = replace(cfg.batching, priority_levels=2, default_priority_level=2,
+                         priority_queue_sizes=(2, 3))  # fmt: skip
+        cfg = replace(cfg, batching=levels)
+        s.add_model(cfg)
+        for level, rows, limit in ((0, 5, 2), (1, 7, 3)):
+            big = request(cfg, rows=rows)
+            big.level = level
+            with pytest.raises(InvalidInput, match=(
+                f"request of {rows} rows needs {-(-rows // 2)} batches of 2, more than model "
+                f"'m' queues \\(priority {level + 1}: priority_queue_sizes {limit}\\); send at "
+                f"most {2 * limit} rows a request")):  # fmt: skip
+                s.submit(big)
+        fits = request(cfg, rows=6)  # 3 places at level 2: it may
+        fits.level = 1
+        s.submit(fits)
+        two = request(cfg, rows=3)
+        two.level = 0
+        with pytest.raises(QueueFull, match="max_queue_size 4; this request needs 2 places"):
+            s.submit(two)  # (3 of 4 places taken)
 
     run(body)
 

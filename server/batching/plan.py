@@ -73,11 +73,14 @@ def level_order(
     now: float,
     starvation_s: float,
 ) -> list[int]:
-    """Level indices, most urgent first: starved levels by their head's age, then by level."""
+    """Level indices, most urgent first: starved levels by their head's age, then by
+    level. The first level's head is starved too once it has waited as long: it goes
+    before younger heads (counted as never starved, it went after every starved level,
+    and under overload, where every head is, priority 1 was served last: review 58b)."""
     starved = sorted(
         (h.arrival, i)
         for i, h in enumerate(heads)
-        if h is not None and i > 0 and now - h.arrival >= starvation_s
+        if h is not None and now - h.arrival >= starvation_s
     )
     first = [i for _, i in starved]
     return first + [i for i in range(len(levels)) if i not in first]

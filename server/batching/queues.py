@@ -179,15 +179,28 @@ class ModelQueue:
     def room(self, level: int, count: int) -> str | None:
         """Why `count` more requests at `level` do not fit, or None if they do."""
         limit = self.config.batching.max_queue_size
+        needs = f"; this request needs {count} places" if count > 1 else ""
         if len(self) + count > limit:
-            return f"{len(self)} requests waiting, max_queue_size {limit}"
+            return f"{len(self)} requests waiting, max_queue_size {limit}{needs}"
         level_limit = self.limits[level]
         if level_limit and len(self.levels[level]) + count > level_limit:
             return (
                 f"{len(self.levels[level])} requests waiting at priority {level + 1}, "
-                f"its limit {level_limit}"
+                f"its limit {level_limit}{needs}"
             )
         return None
+
+    def most(self, request: Request) -> int:
+        """The most places `request` may take, in the queue and at its level (a job's
+        lane is bounded by its runner: the queue's alone)."""
+        limit = self.config.batching.max_queue_size
+        return min(limit, (0 if request.background else self.limits[request.level]) or limit)
+
+    def most_said(self, request: Request) -> str:
+        limit = self.config.batching.max_queue_size
+        if self.most(request) == limit:
+            return f"max_queue_size {limit}"
+        return f"priority {request.level + 1}: priority_queue_sizes {self.limits[request.level]}"
 
     def drop_dead_heads(self, now: float) -> None:
         for q in self.levels:  # dead heads go now; dead entries deeper are skipped, then compacted

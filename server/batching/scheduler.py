@@ -153,11 +153,11 @@ class Scheduler:
         now = self._clock()
         per_batch = q.config.rows_per_batch(request.length)
         count = -(-request.rows // per_batch)  # chunks, counted before any is made
-        if count > q.config.batching.max_queue_size:
+        if count > (most := q.most(request)):  # (never admitted: no "retry later")
             raise InvalidInput(
-                f"request of {request.rows} rows needs {count} batches of "
-                f"{per_batch}, more than model {q.config.name!r} queues "
-                f"({q.config.batching.max_queue_size})"
+                f"request of {request.rows} rows needs {count} batches of {per_batch}, more "
+                f"than model {q.config.name!r} queues ({q.most_said(request)}); send at most "
+                f"{most * per_batch} rows a request"
             )
         if not request.background:  # the job lane is bounded by its runner
             self._admit(q, request.level, count, now)
