@@ -19,7 +19,7 @@ import pytest
 
 from batchd.client import Client, DeadlineExceeded, InvalidInput
 from batchd.protos._pool import slow_backend
-from batchd.protos.logs import TEXT_FORMAT, TextFormatter
+from batchd.protos.logs import TEXT_FORMAT, TextFormatter, setup_logging
 from tests.conftest import Gate, scrape, value
 from tests.servers import EXAMPLES, FIRST_SLOT, TEST_DEVICE, ServerProcess, wait_for
 from tests.test_contracts import GOOD  # X FP32 [2] -> Y FP32 [2]
@@ -162,6 +162,36 @@ def test_no_character_in_a_message_begins_a_text_log_line_of_its_own() -> None:
         record = logging.LogRecord("batchd.server", logging.WARNING, "x", 1, "%s", (said,), None)
         first, *more = text.format(record).splitlines()
         assert "WARNING" in first and all(line.startswith("    ") for line in more), repr(ch)
+
+
+def test_an_answer_gRPC_s_core_refused_as_its_call_ended_is_logged_at_debug_only(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """gRPC logs a unary call's answer its core refused (the caller left as it went
+    out) at ERROR with a traceback: shown at DEBUG only. Other errors stay errors."""
+
+    class ExecuteBatchError(Exception):  # (as gRPC's core names its refusal)
+        pass
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    core = logging.getLogger("grpc._cython.cygrpc")
+    try:
+        for level in ("INFO", "DEBUG", "INFO"):  # (set up twice: one filter, not two)
+            setup_logging(level)
+            try:
+                raise ExecuteBatchError("Failed execute_batch")
+            except ExecuteBatchError:
+                core.exception("ExecuteBatchError raised in core by servicer method [/m]")
+            core.error("something else")
+            err = capsys.readouterr().err
+            assert "something else" in err and ("ExecuteBatchError" in err) == (level == "DEBUG")
+            assert ("DEBUG grpc._cython.cygrpc: ExecuteBatchError raised" in err) == (
+                level == "DEBUG"
+            )
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
 
 
 def test_a_model_s_warnings_are_json_log_lines_too(tmp_path: Path) -> None:
