@@ -373,9 +373,8 @@ class Core:
                 if not r.future.done():
                     r.future.set_exception(error)
             return
-        for r, result in zip(batch.requests, results, strict=True):
-            if not r.future.done():
-                r.future.set_result(result)
+        if widened := recovery.answer(batch, results, self._most, header.forward_rows):
+            self.scheduler.requeue(widened)  # (retried alone: their answers may fit then)
         self._record(batch, received, header)
 
     def _record(self, batch: Batch, received: float, reply: wire.Header) -> None:

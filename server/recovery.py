@@ -17,6 +17,8 @@ The policy has one owner, this module:
     with a poison one is charged once and its lone retry succeeds; the poison
     request kills one more worker at most, then fails; a model error is pinned
     on the request that causes it.
+  * A request whose answer is more than a response may carry, from a forward of
+    several, is retried alone too (`answer`): another's rows may have widened it.
   * A suspect that fails alone is answered with the failure: INVALID_ARGUMENT
     where the model refused its inputs (batchd.worker.InputRefused),
     RESOURCE_EXHAUSTED where an output was past what a response may carry (the
@@ -47,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from batchd.server.errors import InvalidInput, ModelFailed, ResponseTooLarge, Unavailable
-from batchd.server.request import Batch, Request
+from batchd.server.request import Batch, Request, Tensor
 
 MAX_ATTEMPTS = 2  # batches a request may ride on that lose their worker
 
@@ -125,6 +127,27 @@ def after_error(
     for r in pending:
         r.future.set_exception(failed)
     return []
+
+
+def answer(batch: Batch, results: Sequence[list[Tensor]], most: int,
+           forward_rows: int = 0) -> list[Request]:  # fmt: skip
+    """Answer a batch's requests still waiting with their `results`, but for those whose
+    answer is more than `most` bytes (what a response may carry; 0: any) where the
+    forward held others: a neighbour's rows may have widened a variable output dim
+    (rows of 1 float beside one of 100,000 got 100,000 each, and RESOURCE_EXHAUSTED,
+    review 57f). Those are returned, suspects, to run alone: their answer may fit then."""
+    crowded = len(batch.requests) > 1 or forward_rows > sum(r.rows for r in batch.requests)
+    back = []
+    for r, result in zip(batch.requests, results, strict=True):
+        if r.future.done():
+            continue
+        if crowded and most and not r.background and (
+                sum(len(t.data) for t in result if t.name in r.outputs) > most):  # fmt: skip
+            r.suspect, r.settle_from = True, 0.0
+            back.append(r)
+        else:
+            r.future.set_result(result)
+    return back
 
 
 def after_sequence_loss(sequences: Iterable[Batch], worker: str, reason: str,

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import re
 import shutil
 import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -265,6 +267,61 @@ def test_model_error_fails_only_the_offending_requests(
     batches = gate.calls("isolate")
     assert sorted(batches[1]) == sorted(admitted)  # they really shared one batch first
     assert all(len(b) == 1 for b in batches[2:])  # then each rode alone
+
+
+WIDEN_PY = """
+import json, time, torch
+from pathlib import Path
+HERE = Path(__file__).parent
+def load(device):
+    def run(x):  # Y: each row its X, as wide as the batch's largest X
+        with open(HERE / "entered.log", "a") as f:
+            f.write(json.dumps(x[:, 0].tolist()) + "\\n")
+        while (HERE / "hold").exists():
+            time.sleep(0.005)
+        return torch.ones(x.shape[0], int(x[:, 0].max())) * x[:, :1]
+    return run
+"""
+
+
+def test_an_answer_a_neighbour_widened_past_what_a_response_carries_is_retried_alone(
+    tmp_path: Path,
+) -> None:
+    """A request of 4 rows of 1 float shared a forward with one of 100,000 floats: its
+    rows came back 100,000 wide, 1.6 MB, more than --max-message-bytes 1 MiB, and it
+    failed RESOURCE_EXHAUSTED (review 57f). Alone, its answer is 4 floats: it is
+    retried alone and answered; the wide one is answered from the first forward."""
+    model = tmp_path / "repo" / "widen"
+    model.mkdir(parents=True)
+    (model / "model.toml").write_text(
+        MODEL_TOML.replace("shape = [1]\n\n[batching]", "shape = [-1]\n\n[batching]").replace(
+            "max_queue_delay_us = 2000", "max_queue_delay_us = 10_000_000"))  # fmt: skip
+    (model / "model.py").write_text(WIDEN_PY)
+    (model / "hold").touch()
+    args = ("--max-message-bytes", str(1 << 20), "--workers", "1")
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+
+    def call(x: np.ndarray) -> np.ndarray:
+        with Client(server.url) as c:
+            return c.infer("widen", {"X": x.astype(np.float32)}, timeout=60)["Y"]
+
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(call, np.ones((1, 1)))  # holds the worker: the next two queue
+            wait_for(lambda: (model / "entered.log").exists(), 30, "the first forward")
+            innocent = pool.submit(call, np.ones((4, 1)))
+            wide = pool.submit(call, np.full((1, 1), 100_000))
+            pending = "batchd_inference_pending_request_count"
+            wait_for(lambda: total(scrape(server), pending, model="widen") == 2, 30, "both queued")
+            (model / "hold").unlink()
+            assert first.result().shape == (1, 1)
+            assert innocent.result().tolist() == [[1.0]] * 4
+            assert wide.result().shape == (1, 100_000)
+        forwards = [json.loads(line) for line in (model / "entered.log").read_text().splitlines()]
+        assert sorted(forwards[1]) == [1.0, 1.0, 1.0, 1.0, 100_000.0]  # together first
+        assert forwards[2:] == [[1.0] * 4]  # then the innocent alone
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def test_no_live_worker_then_recovery(tmp_path: Path) -> None:
