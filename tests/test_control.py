@@ -422,12 +422,16 @@ def test_a_model_that_changes_the_working_directory_as_it_loads_harms_no_other(
         assert s.stop() == 0, s.log()
 
 
-def test_a_model_that_changes_torch_s_default_dtype_harms_no_other(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "change", ["set_default_dtype(torch.float64)", "set_default_device('meta')"]
+)
+def test_a_model_that_changes_torch_s_defaults_harms_no_other(tmp_path: Path, change: str) -> None:
     """torch.set_default_dtype is the whole process's: one model's float64 made every
     later tensor of another model on that worker float64, which then failed as not the
-    FP32 it declared, till the worker restarted (review 57f)."""
+    FP32 it declared, till the worker restarted (review 57f). The default device is the
+    compute thread's: one model's 'meta' made the next one's tensors meta ones."""
     for name, body in (
-        ("widens", "    torch.set_default_dtype(torch.float64)\n    return {'Y': x}"),
+        ("widens", f"    torch.{change}\n    return {{'Y': x}}"),
         ("adds", "    return {'Y': x + torch.tensor([[1.0]])}"),
     ):
         (d := tmp_path / "repo" / name).mkdir(parents=True)

@@ -40,7 +40,7 @@ from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
 from batchd.worker.generate import EVERY, Reply, on_sequence, time_limit
 from batchd.worker.held import Held, limit_of
-from batchd.worker.loader import leave
+from batchd.worker.loader import defaults_kept, leave
 from batchd.worker.loading import Collections, Loaded, Loader, addressed, own_thread, settle_heap
 
 log = logging.getLogger("batchd.worker")
@@ -145,11 +145,11 @@ class Runner:
 
     def _timed(self, limit: float, work: Callable[[], Any], group: Sequence[Any] = ()) -> Any:
         """`work()`, busy in the heartbeats meanwhile (running `group`), held to `limit`."""
-        self._busy, dtype = (time.perf_counter_ns(), group, limit), torch.get_default_dtype()
+        self._busy = (time.perf_counter_ns(), group, limit)
         try:
-            return work()
-        finally:  # (a model's torch.set_default_dtype was every later model's: review 57f)
-            torch.set_default_dtype(dtype)
+            with defaults_kept():  # (torch's default dtype and device)
+                return work()
+        finally:
             self._busy = (time.perf_counter_ns(), None, 0.0)
 
     def _handle(self, item: merge.Item, reply: Callable[..., None]) -> merge.Item | None:
