@@ -8,8 +8,8 @@ exports by OTLP/gRPC from a background thread (BatchSpanProcessor), and the SDK
 reads the rest of the standard variables itself: OTEL_TRACES_SAMPLER[_ARG],
 OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES, OTEL_EXPORTER_OTLP_HEADERS, ...
 
-The trace context crosses the wire (wire.proto, Header.traceparent) as a W3C
-`traceparent` string.
+The trace context crosses the wire (wire.proto, Header.traceparent and tracestate)
+as W3C `traceparent` and `tracestate` strings.
 """
 
 from __future__ import annotations
@@ -95,10 +95,12 @@ class Tracing:
             done.join(timeout_s)
 
 
-def inject(span: Any) -> str:
-    """The W3C traceparent of `span`."""
+def inject(span: Any) -> tuple[str, str]:
+    """The W3C traceparent and tracestate ("": none) of `span` (a caller's tracestate,
+    its spans carry it: the worker's compute span lost it, review 57c)."""
     ctx = span.get_span_context()
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    state = ctx.trace_state.to_header() if ctx.trace_state else ""
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}", state
 
 
 def extract(carrier: Mapping[str, Any] | None) -> Any:
@@ -121,7 +123,7 @@ def compute_spans(tracing: Tracing | None, headers: Sequence[Any], start_ns: int
         if h.traceparent:
             span = tracing.tracer.start_span(
                 "compute",
-                context=extract({"traceparent": h.traceparent}),
+                context=extract({"traceparent": h.traceparent, "tracestate": h.tracestate}),
                 start_time=start_ns,
                 attributes={"batchd.model": h.model, "batchd.batch_id": h.batch_id,
                             "batchd.forward_rows": rows, "batchd.merged": len(headers)},

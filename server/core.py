@@ -197,17 +197,13 @@ class Core:
             return
         loaded, worker.owes_pass = self._loaded(model, requests), False
         batch = self.pool.hand(worker, model, requests, self._clock())
-        traceparent = ""
-        if traces := [r.trace for r in requests if r.trace is not None]:
-            rows = sum(r.rows for r in requests)
-            batch.span, traceparent = tracing.start_batch(
-                traces, model.name, batch.id, worker.name, rows
-            )
         header = wire.Header(kind=wire.Header.BATCH, batch_id=batch.id, model=model.name,
                              version=model.version, tensors=tensors, loaded=loaded,
                              rows=sum(r.rows for r in requests), alone=batch.suspect,
-                             traceparent=traceparent, max_response_bytes=self._most if all(
+                             max_response_bytes=self._most if all(
                                  r.bounded for r in requests) else 0)  # fmt: skip
+        if traces := [r.trace for r in requests if r.trace is not None]:  # (header: its context)
+            batch.span = tracing.start_batch(traces, model.name, batch.id, worker.name, header)
         copy = sum(len(f) for f in frames) < wire.ZERO_COPY_MIN_BYTES
         failed = self.link.send(worker.identity, wire.pack(header, frames), copy=copy)
         if failed:  # it never left, nor ran: its requests go back uncharged, and the

@@ -82,29 +82,31 @@ def begin(tracing: Tracing | None, model: str, request_id: str,
 
 
 def start_batch(traces: Sequence[RequestTrace], model: str, batch_id: int, worker: str,
-                rows: int) -> tuple[Any, str]:  # fmt: skip
-    """The span of a batch carrying `traces` (at least one) and its traceparent for the
-    wire; each request's queue phase ends here, linked to it. A request's batches past
-    MAX_TRACED_BATCHES are counted, not traced: (None, "") if no request is left."""
+                header: Any) -> Any:  # fmt: skip
+    """The span of a batch carrying `traces` (at least one), its trace context set in
+    its BATCH `header` (traceparent, tracestate); each request's queue phase ends here,
+    linked to it. A request's batches past MAX_TRACED_BATCHES are counted, not traced:
+    None if no request is left."""
     from opentelemetry.trace import Link
 
     for t in traces:
         t.batches += 1
     traces = [t for t in traces if t.batches <= MAX_TRACED_BATCHES]
     if not traces:
-        return None, ""
+        return None
     first = traces[0]
     span = first.tracer.start_span(
         "batch",
         context=first.context,
         links=[Link(t.span.get_span_context()) for t in traces],
         attributes={"batchd.model": model, "batchd.batch_id": batch_id,
-                    "batchd.worker": worker, "batchd.rows": rows},
+                    "batchd.worker": worker, "batchd.rows": header.rows},
     )  # fmt: skip
     link = [Link(span.get_span_context())]
     for t in traces:
         t.phase("queue", links=link)
-    return span, inject(span)
+    header.traceparent, header.tracestate = inject(span)
+    return span
 
 
 def end_batch(span: Any, error: str = "", **attributes: Any) -> None:

@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from batchd.protos import traces
+from batchd.protos import traces, wire
 from batchd.protos.model_config import ConfigError
 from batchd.server import tracing
 from tests.servers import EXAMPLES, ServerProcess, grpc_servicer, wait_for
@@ -58,7 +58,9 @@ def test_a_batch_of_two_requests_gives_each_its_tree_and_links_them(
     assert first is not None and second is not None
     for r in (first, second):
         r.phase("admission")
-    span, traceparent = tracing.start_batch([first, second], "tiny", 7, "w0#0", 3)
+    header = wire.Header(kind=wire.Header.BATCH, rows=3)
+    span = tracing.start_batch([first, second], "tiny", 7, "w0#0", header)
+    traceparent = header.traceparent
     tracing.end_batch(span, "", **{"batchd.compute_ns": 5})
     first.phase("response")
     first.end(None)
@@ -280,13 +282,18 @@ def test_an_http_body_that_does_not_parse_is_traced_as_an_error(
     assert {a.key: a.value.string_value for a in root.attributes}["batchd.error"] == error
 
 
+STATE = "vendor=abc,other=x1"
+
+
 def _infer_over_grpc(url: str) -> str:
-    """One tiny request by tritonclient with a traceparent in its metadata; its trace id."""
+    """One tiny request by tritonclient with a traceparent and a tracestate in its
+    metadata; its trace id."""
     trace_id = os.urandom(16).hex()
     client = tc_grpc.InferenceServerClient(url)
     x = tc_grpc.InferInput("INPUT0", [1, 16], "FP32")
     x.set_data_from_numpy(np.ones((1, 16), np.float32))
-    client.infer("tiny", [x], headers={"traceparent": _traceparent(trace_id)})
+    headers = {"traceparent": _traceparent(trace_id), "tracestate": STATE}
+    client.infer("tiny", [x], headers=headers)
     client.close()
     return trace_id
 
@@ -295,7 +302,10 @@ def test_one_request_over_grpc_takes_its_traceparent_from_metadata(
     traced: ServerProcess, receiver: tuple[Receiver, int]
 ) -> None:
     trace_id = _infer_over_grpc(traced.url)
-    _check_tree(_tree(receiver[0], trace_id), trace_id)
+    tree = _tree(receiver[0], trace_id)
+    _check_tree(tree, trace_id)
+    # the caller's tracestate, in every span, the worker's too (its compute span lost it)
+    assert {name: s.trace_state for name, (_, s) in tree.items()} == dict.fromkeys(tree, STATE)
 
 
 # ---- a real collector ----
