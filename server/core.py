@@ -383,13 +383,13 @@ class Core:
             computed = real if model.packed else rows * max(r.length for r in batch.requests)
             self.stats.padding(model.name, model.version, real, computed)
         self.scheduler.observe(model.key, rows, infer_ns / 1e9)
-        # Per-request durations: of the callers it answered (not a job's lines, not a
-        # caller gone), each chunk of a split request for itself (stats.py). A batch
-        # staged on its worker behind another waited there: queue time too.
-        online = [r for r in batch.requests if not r.background and not r.future.cancelled()]
-        self.stats.batch_done(
-            model.name, model.version, rows=rows, requests=len(online),
-            queue_ns=sum(int((batch.sent_at - r.arrival) * 1e9) + waited_ns for r in online),
-            input_ns=max(0, round_trip_ns - infer_ns - waited_ns), infer_ns=infer_ns,
-            output_ns=int((done - received) * 1e9), forward_rows=reply.forward_rows,
-        )  # fmt: skip
+        # Each request's (not a job line's), counted once it is answered (stats.py); a
+        # batch staged on its worker behind another waited there: queue time too.
+        input_ns = max(0, round_trip_ns - infer_ns - waited_ns)
+        output_ns = int((done - received) * 1e9)
+        for r in batch.requests:
+            if not r.background:
+                r.took(int((batch.sent_at - r.arrival) * 1e9) + waited_ns, input_ns, infer_ns,
+                       output_ns)  # fmt: skip
+        self.stats.batch_done(model.name, model.version, rows, input_ns, infer_ns, output_ns,
+                              reply.forward_rows)  # fmt: skip

@@ -282,7 +282,7 @@ async def start_metrics(
     sources: Sequence[Source], host: str, port: int,
     refresh: Callable[[], Awaitable[None]] | None = None,
     *, unix: str = "", siblings: Sequence[str] = (),
-    statistics: Callable[[bytes], bytes] | None = None,
+    statistics: Callable[[bytes], Awaitable[bytes]] | None = None,
 ) -> asyncio.Server:  # fmt: skip
     """Answer GET /metrics on host:port (or the Unix socket `unix`: a frontend's, for
     the others) with the families of `sources` (exposition.render: a part a turn),
@@ -332,7 +332,7 @@ async def start_metrics(
                     body, status = b"the scrape failed: see batchd's log\n", b"500 Server Error"
                     kind = b"text/plain; charset=utf-8"
             elif statistics is not None and path.startswith(b"/statistics/"):
-                body, status = statistics(bytes.fromhex(path[12:].decode())), b"200 OK"
+                body, status = await statistics(bytes.fromhex(path[12:].decode())), b"200 OK"
                 kind = b"application/octet-stream"
             else:
                 body, status, kind = b"not found: try /metrics\n", b"404 Not Found", b"text/plain"

@@ -65,6 +65,9 @@ class Request:
     settle_from: float = 0.0  # a suspect: since when it waits for a settled worker (lanes.py)
     trace: Any = None  # its tracing.RequestTrace, when tracing is on and it is sampled
     whole: Request | None = None  # a chunk's: the request it was split from
+    # [queue, compute input, infer, output] ns, as its batches (or steps) came back: the
+    # statistics count them once it is answered successfully (Request.took)
+    timing: list[int] | None = None
     future: asyncio.Future[list[Tensor]] = field(init=False)  # set on admission
     # Derived from the inputs, once:
     length: int = field(init=False)  # longest ragged length (0: the model has no ragged input)
@@ -83,6 +86,19 @@ class Request:
         self.length = max(
             (t.shape[1] for t, s in zip(self.inputs, specs, strict=True) if s.ragged), default=0
         )
+
+    def took(self, queue_ns: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """A batch (or step) of it came back: its wait, and what computing it took. A
+        split request's chunks are its own: it waited as long as its longest-waiting
+        chunk (their waits overlap: summed, the mean queue time of 653 requests split
+        into thousands of chunks was 28 s, longer than the requests), and computing it
+        took its chunks' times together."""
+        r = self.whole or self
+        if (t := r.timing) is None:
+            r.timing = [queue_ns, input_ns, infer_ns, output_ns]
+        else:
+            t[0], t[1], t[2] = max(t[0], queue_ns), t[1] + input_ns, t[2] + infer_ns
+            t[3] += output_ns
 
     @property
     def bounded(self) -> bool:

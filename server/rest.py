@@ -291,11 +291,11 @@ class RestApi:
         return json_response(as_json(model_config(self._model(request)).config, defaults=True))
 
     async def stats(self, request: web.Request) -> web.Response:
-        info = request.match_info
-        wanted = pb.ModelStatisticsRequest(
-            name=info.get("model", ""), version=info.get("version", "")
-        )
-        return json_response(as_json(await self._service.every_statistics(wanted), defaults=True))
+        """Its JSON is made off the loop (1,500 models' held it 0.6 s: review 58a)."""
+        m = request.match_info
+        wanted = pb.ModelStatisticsRequest(name=m.get("model", ""), version=m.get("version", ""))
+        found = await self._service.every_statistics(wanted)
+        return json_response(await self._service.aside(as_json, found, True, bounded=False))
 
     # ---- inference ----
 

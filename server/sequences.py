@@ -105,8 +105,7 @@ class Sequences:
                 self._scheduler.requeue([r])
                 self._lose(worker, failed)
             elif not r.attempts:  # one started again after its worker was lost is still
-                # one request: its first wait is the one counted
-                self._stats.started(model.name, model.version, int((now - r.arrival) * 1e9))
+                r.took(int((now - r.arrival) * 1e9), 0, 0, 0)  # one: its first wait counts
 
     def cancel(self, request: Request) -> None:
         """The caller of a step-wise request left (cancelled, disconnected, its deadline
@@ -139,6 +138,8 @@ class Sequences:
             at += step.tensors
             sequence = worker.sequences.get(step.id)
             if sequence is not None:
+                if header.round and not (step.need or step.error):  # it was stepped: the
+                    sequence.requests[0].took(0, 0, header.compute_ns, 0)  # round's time
                 self._on_output(worker, sequence, step, tensors, mine, now)
             elif not step.final:  # its caller left (the worker stepped it before our
                 # CANCEL came), or it is the sequence of a frontend this one replaced:
@@ -322,7 +323,7 @@ class Sequences:
             ours = (worker.sequences.get(step.id) for step in header.steps)
             if (sequence := next((s for s in ours if s is not None), None)) is not None:
                 version = sequence.model.version
-                self._stats.step(header.model, version, header.active, header.compute_ns)
+                self._stats.step(header.model, version, header.active)
 
 
 def _reading(stream: StepStream, limit: float) -> str:

@@ -113,7 +113,7 @@ class _Answering:
     with its failure's reason: its error's (`unavailable`: refused by a drain),
     `deadline` when gRPC ended it at its deadline, `cancelled` when its caller left."""
 
-    __slots__ = ("_service", "cfg", "deadline", "now", "trace")
+    __slots__ = ("_service", "cfg", "deadline", "now", "request", "trace")
 
     def __init__(self, service: InferenceService, msg: pb.ModelInferRequest | Body,
                  time_remaining: float | None) -> None:  # fmt: skip
@@ -121,6 +121,7 @@ class _Answering:
         m = msg  # (a tuple: an HTTP body)
         self.cfg = m[0] if isinstance(m, tuple) else service.model(m.model_name, m.model_version)
         self.trace: RequestTrace | None = None
+        self.request: Request | None = None  # once decoded (its durations: stats.py)
         self.now = service._clock()
         self.deadline = math.inf if time_remaining is None else self.now + time_remaining
 
@@ -131,16 +132,15 @@ class _Answering:
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         tb: Any) -> None:  # fmt: skip
-        service = self._service
-        ended = service._clock()
+        service, ended = self._service, self._service._clock()
         if isinstance(error, BatchdError):
             reason: str | None = error.reason
         elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):  # gRPC ended it
             reason = "deadline" if ended >= self.deadline - DEADLINE_SLACK_S else "cancelled"
         else:
             reason = None if error is None else "internal"
-        cfg, duration_ns = self.cfg, int((ended - self.now) * 1e9)
-        service._stats.answered(cfg.name, cfg.version, duration_ns, reason, bool(cfg.generate))
+        duration_ns, timing = int((ended - self.now) * 1e9), getattr(self.request, "timing", None)
+        service._stats.answered(self.cfg.name, self.cfg.version, duration_ns, reason, timing)
         if self.trace is not None:
             self.trace.end(error)
         service._open -= 1
@@ -157,12 +157,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         calls_per_connection: int = Connections().max_concurrent_streams,
         tracing: Tracing | None = None,
     ) -> None:
-        self.limits = limits
-        self.tracing = tracing
+        self.limits, self.tracing = limits, tracing
         self._calls = CallLimiter(calls_per_connection)
-        self._models = core.models
-        self._core = core
-        self._stats = core.stats
+        self._core, self._models, self._stats = core, core.models, core.stats
         self._open = 0  # inference requests admitted and not yet answered
         self._drained = asyncio.Event()
         self._clock = clock
@@ -204,7 +201,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """One request, one answer; a step-wise model's every output, joined. `encode`:
         what the answer becomes (HTTP's body), counted and traced as part of it."""
         async with _Answering(self, msg, time_remaining) as a:
-            request = await self._admit(a, msg, carrier)
+            request = a.request = await self._admit(a, msg, carrier)
             cfg, trace = a.cfg, a.trace
             if cfg.generate is None:
                 results = await self._core.submit(request)
@@ -225,7 +222,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         last. Leaving early (the caller went) frees its slot. `stream`: where its outputs
         go, its caller's stream's (flow.StepStream, handed on); none given: its own."""
         async with _Answering(self, msg, time_remaining) as a:
-            request = await self._admit(a, msg, carrier)
+            request = a.request = await self._admit(a, msg, carrier)
             own = StepStream(budget=stream_budget(self.max_response_bytes()))
             request.stream = stream if stream is not None else own
             async with contextlib.aclosing(follow(self._core, request)) as steps:
@@ -353,14 +350,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                ) -> pb.ModelStatisticsResponse:  # fmt: skip
         """This frontend's statistics, and with --frontends N every other's added (within
         half the call's `remaining` time, if it has a deadline)."""
-        own = self.statistics(r)
+        own = await self.statistics(r)
         return own if self.siblings is None else await self.siblings(r, own, remaining)
 
-    def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
-        """Each model's current version, and older ones still draining (Stats.versions)."""
-        named = [self.model(request.name, request.version)] if request.name else None
+    async def statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        """Each model's current version, and older ones still reported (Stats.versions)."""
+        named = [self.model(request.name)] if request.name else None
         current = [(cfg.name, cfg.version) for cfg in named or self._models.values()]
-        return pb.ModelStatisticsResponse(model_stats=self._stats.report(current, request.version))
+        if not (found := await self._stats.report(current, request.version)) and request.name:
+            self.model(request.name, request.version)  # (NOT_FOUND: no such version)
+        return pb.ModelStatisticsResponse(model_stats=found)
 
     @_status
     async def RepositoryIndex(

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from batchd.protos import inference_pb2 as pb
 from batchd.server import exposition
@@ -151,17 +151,18 @@ def _add(into: pb.StatisticDuration, other: pb.StatisticDuration) -> None:
     into.ns += other.ns
 
 
-def answering(statistics: Callable[[pb.ModelStatisticsRequest], Stats]) -> Callable[[bytes], bytes]:
+def answering(
+    statistics: Callable[[pb.ModelStatisticsRequest], Awaitable[Stats]],
+) -> Callable[[bytes], Awaitable[bytes]]:
     """What answers the others' /statistics (metrics.start_metrics): this process's
     pid (8 bytes: which run of the frontend counted), then `statistics` of the request
     they send, serialized; none (nothing to add) for one it refuses."""
     run = os.getpid().to_bytes(8, "little")
 
-    def answer(raw: bytes) -> bytes:
+    async def answer(raw: bytes) -> bytes:
         try:
-            answered: bytes = statistics(
-                pb.ModelStatisticsRequest.FromString(raw)
-            ).SerializeToString()
+            asked = pb.ModelStatisticsRequest.FromString(raw)
+            answered: bytes = (await statistics(asked)).SerializeToString()
             return run + answered
         except Exception:  # (an unknown model: the asking frontend refused it already)
             return run

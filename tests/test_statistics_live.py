@@ -13,11 +13,11 @@ import grpc
 import numpy as np
 import pytest
 
-from batchd.client import Client
+from batchd.client import Client, LimitExceeded, ModelNotFound
 from batchd.client.views import ModelStats
 from batchd.protos import inference_pb2 as pb
 from batchd.protos import inference_pb2_grpc as pb_grpc
-from tests.conftest import Gate, batch_gate, make_model, model_log, scrape, value
+from tests.conftest import MODEL_TOML, Gate, batch_gate, make_model, model_log, scrape, value
 from tests.servers import FIRST_SLOT, TEST_DEVICE, ServerProcess, wait_for
 
 
@@ -59,6 +59,44 @@ def test_a_split_request_counts_once_and_a_job_s_lines_not_as_requests(
         assert done.queue.ns == after.queue.ns and done.compute_infer.ns == after.compute_infer.ns
 
 
+WIDE_PY = """
+import time, torch
+def load(device):
+    def run(x):  # Y: X[0, 0] zeros a row; 375 takes 0.5 s
+        if int(x[0, 0]) == 375:
+            time.sleep(0.5)
+        return torch.zeros(x.shape[0], int(x[0, 0]))
+    return run
+"""
+
+
+def test_a_request_that_fails_after_its_batch_ran_adds_none_of_its_times(tmp_path: Path) -> None:
+    """4 rows of 1,500 bytes under --max-message-bytes 4096: each row fits (the worker's
+    check), the answer does not, and the frontend refuses it. Its batch's 0.5 s of
+    compute stayed in compute_infer with no count beside it: the one request answered,
+    in a few ms, showed 0.5 s of compute (review 58a). A failure adds to fail alone."""
+    (d := tmp_path / "repo" / "wide").mkdir(parents=True)
+    (d / "model.toml").write_text(MODEL_TOML.replace("shape = [1]\n\n[batching]",
+                                                     "shape = [-1]\n\n[batching]"))  # fmt: skip
+    (d / "model.py").write_text(WIDE_PY)
+    args = ("--max-message-bytes", "4096")
+    server = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start()
+    try:
+        with Client(server.url) as c:
+            with pytest.raises(LimitExceeded, match="more than a response may carry"):
+                c.infer("wide", {"X": np.full((4, 1), 375, np.float32)}, timeout=30)
+            assert c.infer("wide", {"X": np.ones((1, 1), np.float32)}, timeout=30)["Y"].shape == (
+                1,
+                1,
+            )
+            (s,) = c.model_statistics("wide")
+        assert (s.success.count, s.fail.count, s.compute_infer.count, s.queue.count) == (1, 1, 1, 1)
+        assert s.compute_infer.ns + s.queue.ns <= s.success.ns  # (the 0.5 s is not in it)
+        assert (s.execution_count, s.inference_count) == (2, 5)  # (its batch ran: rows count)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def success(server: ServerProcess) -> dict[str, float]:
     """batchd_inference_request_success_total of `scaled`, by version label."""
     return {
@@ -71,7 +109,10 @@ def success(server: ServerProcess) -> dict[str, float]:
 def test_each_version_counts_its_own_requests(tmp_path: Path) -> None:
     """3 requests on version 1; a reload while a fourth is held in version 1's model:
     version 2 starts at zero, version 1 drains under its own counts (reported beside
-    version 2 while it does), then goes; an unload and a load start version 3 at zero."""
+    version 2 while it does, and asked for by number: NOT_FOUND before), and its last
+    answer is seen after (it was never: the version went as it was counted, review 58a);
+    an unload and a load start version 3 at zero. (Old versions go RETIRED_KEEP_S
+    after their last answer: tests/test_stats.py.)"""
     repo = tmp_path / "repo"
     d = make_model(repo, "scaled", 2.0)
     server = ServerProcess(repo, "--model-control", "explicit", "--load-model", "scaled",
@@ -93,18 +134,23 @@ def test_each_version_counts_its_own_requests(tmp_path: Path) -> None:
                 assert stats["1"]["success"] == 3 and stats["1"]["rows"] == 3
                 assert stats["2"]["success"] == stats["2"]["rows"] == 0
                 assert success(server) == {"1": 3.0, "2": 0.0}
+                (v1,) = c.model_statistics("scaled", "1")
+                assert (v1.version, v1.success.count) == ("1", 3)
             finally:
                 held.unlink()
             assert late.result(60)["Y"][0, 0] == 2.0  # version 1 answered it
-            (v2,) = c.model_statistics("scaled")
+            v1, v2 = c.model_statistics("scaled")
+            assert (v1.version, v1.success.count, v1.inference_count) == ("1", 4, 4)
             assert (v2.version, v2.success.count, v2.inference_count) == ("2", 0, 0)
             assert c.infer("scaled", x, timeout=30)["Y"][0, 0] == 3.0
-            assert success(server) == {"2": 1.0}
+            assert success(server) == {"1": 4.0, "2": 1.0}
             c.unload_model("scaled", timeout=60)
             c.load_model("scaled", timeout=60)
-            (v3,) = c.model_statistics("scaled")
+            *older, v3 = c.model_statistics("scaled")
             assert (v3.version, v3.success.count, v3.inference_count) == ("3", 0, 0)
-            assert success(server) == {"3": 0.0}
+            assert [v.version for v in older] == ["1", "2"] and success(server)["3"] == 0.0
+            with pytest.raises(ModelNotFound, match="has no version '7'"):
+                c.model_statistics("scaled", "7")
     finally:
         assert server.stop() == 0, server.log()
 

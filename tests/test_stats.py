@@ -15,20 +15,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from batchd.protos import inference_pb2 as pb
 from batchd.protos.model_config import ConfigError
 from batchd.server import exposition, metrics, siblings
+from batchd.server.batching.split_join import split_request
 from batchd.server.metrics import Collector, WorkerView, worker_views
-from batchd.server.stats import Stats
-from tests.conftest import model, stepwise_model
+from batchd.server.stats import REPORT_SLICE, RETIRED_KEEP_S, Stats
+from tests.conftest import Clock, model, request, stepwise_model
 
 
 def test_batches_rows_histogram_and_durations() -> None:
     s = Stats()
-    s.batch_done(
-        "m", "1", rows=8, requests=3, queue_ns=300, input_ns=10, infer_ns=1000, output_ns=5
-    )
-    s.batch_done("m", "1", rows=8, requests=2, queue_ns=100, input_ns=10, infer_ns=900, output_ns=5)
-    s.batch_done("m", "1", rows=1, requests=1, queue_ns=50, input_ns=10, infer_ns=200, output_ns=5)
-    for _ in range(6):
-        s.answered("m", "1", 2000)
+    s.batch_done("m", "1", rows=8, input_ns=10, infer_ns=1000, output_ns=5)
+    s.batch_done("m", "1", rows=8, input_ns=10, infer_ns=900, output_ns=5)
+    s.batch_done("m", "1", rows=1, input_ns=10, infer_ns=200, output_ns=5)
+    for queue_ns, infer_ns in ((100, 1000), (100, 1000), (100, 1000), (50, 900), (50, 900)):
+        s.answered("m", "1", 2000, timing=[queue_ns, 10, infer_ns, 5])
+    s.answered("m", "1", 2000, timing=[50, 10, 200, 5])
     m = s.model("m", "1")
     assert (m.inference_count, m.execution_count) == (17, 3)
     assert m.average_batch_size() == 17 / 3
@@ -39,18 +39,24 @@ def test_batches_rows_histogram_and_durations() -> None:
     assert pb.batch_stats[1].compute_infer.ns == 1900
 
 
-def test_per_request_counts_are_answered_requests_as_triton_s() -> None:
+def test_per_request_counts_and_durations_are_answered_requests_as_triton_s() -> None:
     """success, queue and the compute counts move together, once per request answered
-    successfully, however many batches carried it (a split request's chunks) and
-    whatever its batches also carried (a job's lines: requests=0 for them): the
-    durations perf_analyzer divides by success.count are per request."""
+    successfully, with that request's own durations, however many batches carried it
+    (a split request's chunks: it waited as long as its longest-waiting chunk, and took
+    their compute times together) and whatever its batches also carried (a job's lines:
+    batches only). A request that fails adds nothing to them, whatever its batches took
+    (a response refused as too large left 522 ms of compute with no count: review 58a)."""
     s = Stats()
-    for queue_ns in (0, 1000, 2000):  # one request's three chunks, each in its batch
-        s.batch_done("m", "1", rows=8, requests=1, queue_ns=queue_ns, input_ns=10,
-                     infer_ns=100, output_ns=1)  # fmt: skip
-    s.batch_done("m", "1", rows=5, requests=0, queue_ns=0, input_ns=10, infer_ns=100, output_ns=1)
-    s.answered("m", "1", 9000)
-    s.answered("m", "1", 500, "invalid")  # a failure counts only as one
+    cfg = model(max_batch_size=8)
+    whole = request(cfg, rows=24)
+    for chunk, queue_ns in zip(split_request(whole, 8), (0, 3000, 2000), strict=True):
+        chunk.took(queue_ns, 10, 100, 1)  # three chunks, each in its batch
+        s.batch_done("m", "1", rows=8, input_ns=10, infer_ns=100, output_ns=1)
+    s.batch_done("m", "1", rows=5, input_ns=10, infer_ns=100, output_ns=1)  # a job's
+    refused = request(cfg)
+    refused.took(5000, 10, 522_000_000, 1)
+    s.answered("m", "1", 9000, timing=whole.timing)
+    s.answered("m", "1", 500, "invalid", timing=refused.timing)  # a failure counts as one
     m = s.model("m", "1")
     counts = [m.success.count, m.queue.count, m.compute_input.count,
               m.compute_infer.count, m.compute_output.count]  # fmt: skip
@@ -59,15 +65,21 @@ def test_per_request_counts_are_answered_requests_as_triton_s() -> None:
     assert (m.inference_count, m.execution_count) == (29, 4)
 
 
-def test_a_step_wise_model_counts_its_wait_at_its_start_and_its_steps_as_computes() -> None:
+def test_a_step_wise_sequence_counts_its_wait_and_its_steps_as_one_request() -> None:
+    """Its wait for a slot and each step round it was stepped in (the round's time),
+    counted once it is answered: one request, as perf_analyzer divides them (counted
+    per sequence-step, its compute showed one step's time: review 58a)."""
     s = Stats()
-    s.started("g", "1", 700)
-    s.step("g", "1", active=1, infer_ns=50)
-    s.step("g", "1", active=1, infer_ns=50)
-    s.answered("g", "1", 9000, stepwise=True)
+    r = request(stepwise_model("g"))
+    r.took(700, 0, 0, 0)
+    for _ in range(2):
+        s.step("g", "1", active=1)
+        r.took(0, 0, 50, 0)
+    s.answered("g", "1", 9000, timing=r.timing)
     m = s.model("g", "1")
     assert (m.success.count, m.queue.count, m.queue.ns) == (1, 1, 700)
-    assert [m.compute_input.count, m.compute_infer.count, m.compute_output.count] == [2, 2, 2]
+    assert [m.compute_input.count, m.compute_infer.count, m.compute_output.count] == [1, 1, 1]
+    assert (m.compute_infer.ns, m.execution_count, m.inference_count) == (100, 2, 2)
 
 
 def test_padding_efficiency_and_failures_by_reason() -> None:
@@ -88,26 +100,66 @@ def test_padding_efficiency_and_failures_by_reason() -> None:
 
 def test_each_version_counts_its_own_and_a_retired_one_is_forgotten() -> None:
     """A reload starts version 2 at zero; version 1, still answering a request, is
-    reported beside it with its own counts; once that is answered version 1 is
-    retired and forgotten (Triton reports loaded versions only)."""
-    s = Stats()
+    reported beside it with its own counts; once that is answered version 1 is retired,
+    reported RETIRED_KEEP_S more (its last answers were never seen: it went as they were
+    counted, review 58a), then forgotten (Triton reports loaded versions only)."""
+    clock = Clock()
+    s = Stats(clock)
     for _ in range(3):
         s.opened("m", "1")
-        s.batch_done("m", "1", rows=1, requests=1, queue_ns=10, input_ns=1, infer_ns=1, output_ns=1)
+        s.batch_done("m", "1", rows=1, input_ns=1, infer_ns=1, output_ns=1)
         s.answered("m", "1", 100)
     s.opened("m", "1")  # admitted by version 1, answered after the reload
     assert s.versions("m", "2") == ["1", "2"]
     assert s.model("m", "2").success.count == s.model("m", "2").inference_count == 0
     s.answered("m", "2", 100)
-    assert [(p.version, p.inference_stats.success.count) for p in s.report([("m", "2")])] == [
+    assert [(p.version, p.inference_stats.success.count) for p in report(s, [("m", "2")])] == [
         ("1", 3), ("2", 1),
     ]  # fmt: skip
     s.answered("m", "1", 100)  # version 1's last: it is retired
+    clock.now += RETIRED_KEEP_S
+    assert [(p.version, p.inference_stats.success.count) for p in report(s, [("m", "2")])] == [
+        ("1", 4), ("2", 1),
+    ]  # fmt: skip
+    assert [p.version for p in report(s, [("m", "2")], "1")] == ["1"]  # asked for by number
+    clock.now += 0.001
     assert s.versions("m", "2") == ["2"]
     assert s.versions("m", "3") == ["3"]  # after an unload and a load: version 3 from zero
     assert s.model("m", "3").success.count == 0
-    assert [p.version for p in s.report([("m", "3")], "3")] == ["3"]
+    assert [p.version for p in report(s, [("m", "3")], "3")] == ["3"]
     assert s.answered_total() == 5
+
+
+def report(s: Stats, current: list[tuple[str, str]], only: str = "") -> list[pb.ModelStatistics]:
+    return asyncio.run(s.report(current, only))
+
+
+def test_statistics_of_every_model_let_the_loop_run() -> None:
+    """ModelStatistics of every model was built at once on the loop: 1,500 models of 32
+    batch sizes held it 188 ms (review 58a). REPORT_SLICE models a turn: the same
+    answer."""
+    s = Stats()
+    current = [(f"m{i:04}", "1") for i in range(3 * REPORT_SLICE + 1)]
+    for name, _ in current:
+        s.answered(name, "1", 100)
+    turns = [0]
+
+    async def body() -> list[pb.ModelStatistics]:
+        async def count() -> None:
+            while True:
+                turns[0] += 1
+                await asyncio.sleep(0)
+
+        counting = asyncio.ensure_future(count())
+        await asyncio.sleep(0)
+        turns[0] = 0
+        try:
+            return await s.report(current)
+        finally:
+            counting.cancel()
+
+    got = asyncio.run(body())
+    assert [p.name for p in got] == [n for n, _ in current] and turns[0] >= 3
 
 
 def scrape(collector: Collector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -170,8 +222,7 @@ def test_a_scrape_lets_the_loop_run_and_says_what_one_read_of_every_model_says()
     stats, models = Stats(), {f"m{i:03}": model() for i in range(2 * metrics.PART + 5)}
     models["m007"] = dataclasses.replace(model(), version="2")  # reloaded; version 1 answers
     for i, m in enumerate(models):
-        stats.batch_done(m, "1", rows=i % 9 + 1, requests=1, queue_ns=i, input_ns=1,
-                         infer_ns=1000, output_ns=1)  # fmt: skip
+        stats.batch_done(m, "1", rows=i % 9 + 1, input_ns=1, infer_ns=1000, output_ns=1)
         stats.answered(m, "1", 1000 + i, failure="INTERNAL" if i % 5 == 0 else None)
     stats.opened("m007", "1")  # (still answering)
     views = [WorkerView("cpu0#1", "cpu0", "cpu", True)]
@@ -225,9 +276,8 @@ def test_the_text_is_prometheus_client_s_byte_for_byte() -> None:
         "steps": stepwise_model("steps", max_active=3),
     }
     for i, m in enumerate(["plain", "reloaded", 'odd"é\\name'] * 3):
-        stats.batch_done(m, "1", rows=i % 5 + 1, requests=2, queue_ns=1000 * i + 7,
-                         input_ns=13, infer_ns=2_000_000 + i, output_ns=5)  # fmt: skip
-        stats.answered(m, "1", 3_000_000 + i)
+        stats.batch_done(m, "1", rows=i % 5 + 1, input_ns=13, infer_ns=2_000_000 + i, output_ns=5)
+        stats.answered(m, "1", 3_000_000 + i, timing=[1000 * i + 7, 26, 4_000_000 + 2 * i, 10])
         stats.answered(m, "1", 10, failure=("INTERNAL", "RESOURCE_EXHAUSTED")[i % 2])
     stats.opened("reloaded", "1")  # version 1 still answers
     stats.answered("reloaded", "2", 123_456_789_012)
@@ -415,8 +465,8 @@ def test_statistics_of_a_version_no_model_serves_are_empty_and_keep_nothing(
     frontend by 400 MB in 6,000 calls. A version served is still reported alone."""
     s = Stats()
     s.answered("m", "1", 2000)
-    assert s.report([("m", "1"), ("n", "1")], "zzz") == []
-    assert s.report([("m", "1")], "1")[0].inference_stats.success.count == 1
+    assert report(s, [("m", "1"), ("n", "1")], "zzz") == []
+    assert report(s, [("m", "1")], "1")[0].inference_stats.success.count == 1
     assert [list(v) for v in s._models.values()] == [["1"], []]  # no "zzz" kept
     # what was kept of another frontend's: a retired version of a model served goes (as
     # our own Stats forgets it); an unloaded model's stays (as ours does, for its reload)
@@ -424,7 +474,7 @@ def test_statistics_of_a_version_no_model_serves_are_empty_and_keep_nothing(
     kept = {k: (1, pb.ModelStatistics(name=k[1], version=k[2])) for k in keys}
     monkeypatch.setattr(siblings, "_last", dict(kept))
     monkeypatch.setattr(siblings, "_gone", {k: m for k, (_, m) in kept.items()})
-    own = pb.ModelStatisticsResponse(model_stats=s.report([("m", "1")]))
+    own = pb.ModelStatisticsResponse(model_stats=report(s, [("m", "1")]))
     asyncio.run(siblings.statistics(pb.ModelStatisticsRequest(), own, None, []))
     assert list(siblings._last) == list(siblings._gone) == [keys[0], keys[2]]
 
@@ -442,7 +492,7 @@ def test_a_frontend_s_statistics_add_up_every_other_frontend_s(tmp_path: Path) -
             m.batch_stats.add(batch_size=size).compute_infer.count = n
         return m
 
-    def theirs(request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+    async def theirs(request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         assert request.name == "m"
         other = pb.ModelStatistics(name="other", version="1", inference_count=99)
         return pb.ModelStatisticsResponse(model_stats=[stats(5, 70, {4: 1, 1: 2}), other])
@@ -480,7 +530,7 @@ def test_a_sibling_s_statistics_never_go_back_when_it_restarts_or_goes_silent(
     monkeypatch.setattr(siblings, "ANSWER_S", 0.5)
     counts = [5]
 
-    def theirs(request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+    async def theirs(request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
         m = pb.ModelStatistics(name="m", version="1", inference_count=counts[0])
         m.inference_stats.success.count = counts[0]
         return pb.ModelStatisticsResponse(model_stats=[m])

@@ -113,10 +113,10 @@ def held(gate: Gate, seq: int) -> Iterator[None]:
         hold.unlink(missing_ok=True)
 
 
-def started(stub: Any) -> int:
-    """Sequences of stepper that left the queue for a slot (its queue statistics)."""
-    stats = stub.ModelStatistics(pb.ModelStatisticsRequest(name="stepper"))
-    return int(stats.model_stats[0].inference_stats.queue.count)
+def queued(server: ServerProcess) -> float:
+    """Sequences of stepper waiting for a slot."""
+    labels = {"model": "stepper", "version": "1"}
+    return value(scrape(server), "batchd_inference_pending_request_count", **labels)
 
 
 def test_a_short_sequence_sent_after_a_long_one_started_finishes_first(
@@ -161,11 +161,12 @@ def test_a_cancelled_sequence_frees_its_slot_and_is_not_stepped_again(
         assert [values(next(first)) for _ in range(2)] == [[31001], [31002]]
         others = [stub.ModelStreamInfer(iter([stepper(s, 50)]), timeout=60) for s in (32, 33)]
         wait_for(lambda: active(test_server) == 3, 30, "3 sequences in the 3 slots")
-        before = started(stub)
         fourth = stub.ModelStreamInfer(iter([stepper(34, 2)]), timeout=60)
+        wait_for(lambda: queued(test_server) == 1, 30, "34 waiting for a slot")
         first.cancel()
         # Only 31's slot can take 34 while nobody steps: the frontend starts it at once.
-        wait_for(lambda: started(stub) == before + 1, 30, "34 to take 31's slot")
+        wait_for(lambda: queued(test_server) == 0 and active(test_server) == 3, 30,
+                 "34 to take 31's slot")  # fmt: skip
     assert [values(r) for r in fourth] == [[34001], [34002], []]
     wait_for(lambda: any(31 in r["released"] for r in records(gate, "released")), 30,
              "the worker to release sequence 31")  # fmt: skip
