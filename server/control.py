@@ -23,14 +23,6 @@ from typing import Any, TypeVar
 from batchd.protos import repository as repo
 from batchd.protos import wire
 from batchd.protos.model_config import MODEL_NAME, ConfigError, ModelConfig, model_key
-from batchd.protos.repository import (
-    Files,
-    RepositoryUnreadable,
-    changed_since,
-    digest,
-    files_of,
-    load_each,
-)
 from batchd.server import index
 from batchd.server.batching.scheduler import Scheduler
 from batchd.server.errors import InvalidInput, ModelFailed, NotAllowed, Unavailable, clip
@@ -40,8 +32,8 @@ from batchd.server.pool import WorkerHandle, WorkerPool
 log = logging.getLogger("batchd.control")
 T = TypeVar("T")
 Loading = asyncio.Future[str]  # a worker's load of a version: "" once loaded, else why not
-Read = tuple[Files, str, str]  # a version's files as read: files_of, their digest, the folder's
-UNREAD: Read = (frozenset(), "", "")  # identity (repository.identity) then
+Read = tuple[repo.Files, str, str]  # a version's files as read: files_of, their digest, its
+UNREAD: Read = (frozenset(), "", "")  # folder's identity (repository.identity) then
 DRAIN_POLL_S = 0.02  # how often a retiring version is checked for emptiness
 
 
@@ -79,13 +71,13 @@ class ModelControl:
         self.closed = False  # shutting down: loads and unloads are refused
 
     def start_with(self, configs: dict[str, ModelConfig],
-                   files: Mapping[str, Files] | None = None) -> None:  # fmt: skip
+                   files: Mapping[str, repo.Files] | None = None) -> None:  # fmt: skip
         """The models serving from the start (before any worker registered), with their
         files as the repository was read (frontends.at_start), else as they are."""
         here = repo.identity(self.repository)
         for cfg in configs.values():
-            then = (files or {}).get(cfg.name) or files_of(cfg.directory)
-            self._install(self._next_version(cfg, (then, digest(then), here)))
+            then = (files or {}).get(cfg.name) or repo.files_of(cfg.directory)
+            self._install(self._next_version(cfg, (then, repo.digest(then), here)))
 
     def _next_version(self, cfg: ModelConfig, read: Read) -> ModelConfig:
         version = self._versions.get(cfg.name, 0) + 1
@@ -112,8 +104,8 @@ class ModelControl:
         """Why a worker starting now must not load each version (its files are no longer
         those it was loaded from: it would serve other weights under its number), or "";
         and the folder they are read in now (a symlink may have been flipped since)."""
-        whys = [changed_since(c.name, c.version, self._files.get(c.key, UNREAD)[0],
-                              files_of(c.directory)) for c in versions]  # fmt: skip
+        whys = [repo.changed_since(c.name, c.version, self._files.get(c.key, UNREAD)[0],
+                                   repo.files_of(c.directory)) for c in versions]  # fmt: skip
         return whys, repo.identity(self.repository)
 
     def _install(self, cfg: ModelConfig) -> None:
@@ -153,8 +145,11 @@ class ModelControl:
                 self._send_unload(worker, name, version)
         for cfg in known:
             if worker.accepts(cfg.name) and cfg.key not in worker.models:
-                if hung := self._pool.hung_for(worker, cfg.key):  # it would hang again
-                    worker.load_errors[cfg.key] = hung
+                if hung := self._pool.hung_for(worker, cfg.key):  # it would hang again: the
+                    worker.load_errors[cfg.key] = hung  # word awaited of a worker back (58c)
+                    self._awaited.discard(cfg.key)
+                    log.warning("worker %s: model %s version %s %s", worker.name, cfg.name,
+                                cfg.version, hung, extra={"model": cfg.name})  # fmt: skip
                 elif cfg.key not in worker.loads:
                     joins.append((cfg, self._load_on(worker, cfg, send=False)))
                 self._judge(cfg.key)  # loading again: not broken while it tries
@@ -284,7 +279,7 @@ class ModelControl:
             try:  # (off the loop: a name no folder has is looked for in every model.toml)
                 found, read = await asyncio.to_thread(self._read, name)
             except ConfigError as e:  # (a repository moved away by a deploy: not the caller's)
-                fault = Unavailable if isinstance(e, RepositoryUnreadable) else InvalidInput
+                fault = Unavailable if isinstance(e, repo.RepositoryUnreadable) else InvalidInput
                 raise fault(f"cannot load model {name!r}: {e}") from None
             workers = [w for w in self._pool.workers() if w.accepts(name)]
             if not workers:
@@ -321,7 +316,7 @@ class ModelControl:
 
     def _read(self, name: str) -> tuple[ModelConfig, Read]:
         found, files = repo.find_with_files(self.repository, name, unique=True)
-        return found, (files, digest(files), repo.identity(self.repository))
+        return found, (files, repo.digest(files), repo.identity(self.repository))
 
     def _what_stays(self, old: ModelConfig | None) -> str:
         """After a failed load: what serves the model now."""
@@ -393,8 +388,8 @@ class ModelControl:
     async def index(self) -> list[index.IndexEntry]:
         """Every model of the repository, loaded or not, by name (its folder read off the loop)."""
         try:
-            on_disk = await asyncio.to_thread(load_each, self.repository)
-        except RepositoryUnreadable as e:
+            on_disk = await asyncio.to_thread(repo.load_each, self.repository)
+        except repo.RepositoryUnreadable as e:
             raise Unavailable(str(e)) from None
         ready, broken = self._pool.model_ready, self.broken
         return index.entries(on_disk, self._loading, self.current, ready, broken, self.failed)

@@ -968,6 +968,57 @@ def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
     asyncio.run(body())
 
 
+def test_a_version_a_slot_s_workers_died_loading_twice_after_it_served_fails_at_once(
+    tmp_path: Path,
+) -> None:
+    """A worker that held a version is lost (the model waits for one back), then its
+    slot's next two are lost as they load it (an operator's or the memory killer's
+    SIGKILLs, review 58c): the slot is not sent it again, and the model waited for a
+    worker to come back for ever: unready, its requests waiting for their deadlines,
+    nothing said. The worker back on that slot that will not load it is the word
+    waited for: the version is broken, saying why, and its queued requests fail."""
+    failed: list[str] = []
+
+    class Queues:
+        add_model = staticmethod(lambda cfg: None)
+        has = staticmethod(lambda key: True)
+        fail_queued = staticmethod(lambda key, error: failed.append(str(error)))
+
+    class Link:
+        send = staticmethod(lambda identity, parts: None)
+
+    async def body() -> None:
+        pool = WorkerPool()
+        ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
+                                   lambda: None, lambda: None)  # fmt: skip
+        cfg = load_model_config(make_model(tmp_path, "scaled", 2.0))
+        ctl.start_with({"scaled": cfg})
+        key = ctl.current["scaled"].key
+
+        async def worker(pid: int) -> Any:
+            info = wire.WorkerInfo(worker_id=f"cpu0#{pid}", device="cpu", pid=pid,
+                                   instance=str(pid), protocol=wire.PROTOCOL_VERSION)  # fmt: skip
+            w = pool.join(b"cpu0", info)[1]
+            ctl.worker_ready(w)
+            for _ in range(500):  # (its LOAD goes once its files are read, off the loop)
+                if key in w.load_sent or key in w.load_errors:
+                    break
+                await asyncio.sleep(0.01)
+            return w
+
+        held = await worker(1)
+        ctl.on_loaded(held, wire.Header(kind=wire.Header.LOADED, model="scaled", version="1"))
+        assert key in held.models
+        for pid in (2, 3, 4):  # 2, 3: lost as they load it
+            pool.leave(held)
+            ctl.worker_lost(held, "process exited (killed by SIGKILL)")
+            held = await worker(pid)
+        assert key not in held.loads  # 4: not sent, it would die again
+        assert "was lost 2 times as it loaded it" in ctl.broken.get(key, "") and failed
+
+    asyncio.run(body())
+
+
 class _Sent:
     """A WorkerLink that keeps what it was asked to send, and wakes whoever waits."""
 
