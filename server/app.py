@@ -54,6 +54,7 @@ from batchd.server.metrics import Collector, start_metrics, worker_views
 from batchd.server.rest import RestApi
 from batchd.server.security import grpc_options, in_url, listen, preflight, ssl_context
 from batchd.server.service import InferenceService
+from batchd.server.signals import STOPS, Signals, on_signals
 from batchd.server.stats import Stats
 from batchd.server.supervisor import Launch, plan_workers
 
@@ -106,8 +107,7 @@ def _build(
     router: zmq.asyncio.Socket,
     endpoint: str,  # what workers connect to: every frontend's endpoint, comma-separated
 ) -> _Parts:
-    (repository, files), specs = models, []
-    w = cfg.workers
+    (repository, files), specs, w = models, [], cfg.workers
     if w.local and (repository or cfg.models.explicit):
         specs = plan_workers(list(repository.values()), w.device_list(), w.threads)
     launch = Launch(
@@ -290,30 +290,11 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     log.info("answered %d inference request(s)", p.core.stats.answered_total())
 
 
-def _on_signals(
-    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, again: asyncio.Event
-) -> list[int]:
-    """SIGINT and SIGTERM set `stop`; the list returned says which came (SIGTERM, from
-    a service manager or Kubernetes, drains with the notice; SIGINT without). A SIGINT
-    after the first signal sets `again`: it ends the notice. A second SIGTERM does not:
-    one to the whole process group (systemd) reaches each child frontend twice, frontend
-    0 passing it on, and their notices ended at once."""
-    got: list[int] = []
-
-    def on_signal(sig: int) -> None:
-        got.append(sig)
-        stop.set()
-        if len(got) > 1 and sig == signal.SIGINT:
-            again.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal, sig)
-    return got
-
-
-async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint: str) -> None:
+async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint: str,
+               signals: Signals) -> None:  # fmt: skip
     """Open the ports, HTTP and metrics first (one in use stops start-up before anything
     serves, nor any worker starts), serve until SIGINT/SIGTERM, then drain and stop."""
+    got, stop, again = signals
     try:
         http_port = await _open_ports(cfg, p, children)
         await p.server.start()
@@ -331,7 +312,6 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
     local = len(p.core.supervisor.specs)
     log.info("serving gRPC on %s:%d; workers connect to %s; %d local worker(s)%s",
              in_url(cfg.network.host), p.port, endpoint, local, which)  # fmt: skip
-    got = _on_signals(asyncio.get_running_loop(), stop := asyncio.Event(), again := asyncio.Event())
     async with asyncio.TaskGroup() as tg:
         tasks = [
             tg.create_task(p.core.run(), name="core"),
@@ -354,7 +334,9 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
 
 
 async def serve(cfg: ServerConfig) -> None:
-    """Run until SIGINT/SIGTERM (or cancellation), then drain and stop."""
+    """Run until SIGINT/SIGTERM (or cancellation), then drain and stop. The signals are
+    ours from the start: a SIGTERM as the ports opened ended it, undrained (58c)."""
+    signals = on_signals()
     file, child = cfg.security.auth_token_file, cfg.frontends.index > 0
     read_tokens = lambda: None if file is None else load_tokens(file)  # noqa: E731
     models, tokens = at_start(cfg.model_repository, child, read_tokens, cfg.models)  # (child: 0's)
@@ -386,9 +368,9 @@ async def serve(cfg: ServerConfig) -> None:
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, models, tokens, router, ",".join(every) or endpoint)
-            await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT))
+            await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT), signals)
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):  # (a stop is under way: one more
+            for sig in STOPS:  # (a stop is under way: one more
                 asyncio.get_running_loop().remove_signal_handler(sig)  # as it ends, killed
                 signal.signal(sig, signal.SIG_IGN)  # it, -15, with what was left undone)
             if worker_auth is not None:

@@ -410,6 +410,25 @@ def test_sigterm_drains_admitted_requests_then_stops(
     assert not any(alive(p) for p in workers)
 
 
+def test_a_sighup_drains_as_a_sigterm_and_a_signal_as_it_starts_stops_it_cleanly(
+    tmp_path: Path,
+) -> None:
+    """SIGHUP (a closed terminal's) ended the server at once: no drain, no "stopped",
+    its private files left (review 58c); it drains and stops as SIGTERM does. A SIGTERM
+    as it started (its first second: the ports opening) killed it too, -15: the signals
+    are the server's from the first thing it does, and it stops cleanly."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    (tmp_path / "hup").mkdir()
+    (tmp_path / "early").mkdir()
+    s = ServerProcess(tmp_path / "repo", log_dir=tmp_path / "hup").start()
+    assert s.stop(signal.SIGHUP) == 0, s.log()
+    assert "stopping: not ready" in s.log() and "stopped (pid" in s.log()
+    early = ServerProcess(tmp_path / "repo", log_dir=tmp_path / "early").start(ready=False)
+    wait_for(lambda: "model repository" in early.log(), 60, "its first line")
+    assert early.stop() == 0, early.log()
+    assert "stopped (pid" in early.log()
+
+
 def test_a_sigint_ends_the_drain_notice_at_once(tmp_path: Path) -> None:
     """Ctrl-C after a SIGTERM (an operator who will not wait out the notice) left the
     server serving for all of --drain-notice: the second signal was ignored. A SIGINT now

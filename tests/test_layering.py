@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             *("request", "flow", "errors", "config", "stats", "loopload", "describe"),
             *("supervisor", "frontends", "link", "tracing", "siblings", "parser", "exposition"),
             "pace",
+            "signals",
             *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),
