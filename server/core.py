@@ -56,11 +56,7 @@ LOADING_SILENCE_S, LIVE_S = 120.0, wire.HEARTBEAT_INTERVAL_S * wire.LIVENESS  # 
 
 class Core:
     def __init__(
-        self,
-        socket: zmq.Socket[bytes],
-        stats: Stats,
-        repository: Path,
-        *,
+        self, socket: zmq.Socket[bytes], stats: Stats, repository: Path, *,
         explicit: bool = False,  # --model-control explicit
         launch: Launch | None = None,  # local worker processes; None: none
         credits: int | None = None,  # batches a worker holds; None: 1 on CPU, 2 on GPU
@@ -68,7 +64,7 @@ class Core:
         load: LoopLoad | None = None,  # the event loop's (None: never saturated nor patient)
         load_timeout_s: float = math.inf,  # --load-timeout
         max_response_bytes: int = 0,  # --max-message-bytes: a worker sends no output past it
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.stats, self._clock, self._most = stats, clock, max_response_bytes
         self.changed = asyncio.Event()  # readiness may have changed
         self._stopping = self._pump_armed = False
@@ -230,6 +226,9 @@ class Core:
         worker = self.pool.get(identity)
         if worker is None:
             return  # a worker we already gave up on; it registers again when we stay silent
+        if worker.silent:  # heard again: it takes work again
+            worker.silent = False
+            self.pump_soon()
         if kind in (wire.Header.RESULT, wire.Header.ERROR):
             self._on_reply(worker, header, frames)
         elif kind == wire.Header.STEP:
@@ -245,6 +244,11 @@ class Core:
             self.link.forget(identity)
         elif not self._may_be_silent(worker, silent_s):
             self.lose(worker, f"no message for {silent_s:.1f} s")
+        elif not worker.silent:
+            worker.silent = True
+            log.warning("worker %s silent for %.1f s: kept (its work or another frontend's may "
+                        "hold it), given nothing new till it is heard", worker.name, silent_s,
+                        extra={"worker": worker.name})  # fmt: skip
 
     def _may_be_silent(self, worker: WorkerHandle, silent_s: float) -> bool:
         """Whether `worker`, silent `silent_s`, is still given time (asked again each

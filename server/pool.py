@@ -26,14 +26,8 @@ from dataclasses import dataclass, field
 
 from batchd.protos import wire
 from batchd.protos.model_config import ModelConfig
-from batchd.server.batching.decision import (
-    BUSY_WITH_CREDIT,
-    IDLE,
-    IDLE_LOADING,
-    IDLE_UNSETTLED,
-    NO_CAPACITY,
-    Capacity,
-)
+from batchd.server.batching import decision
+from batchd.server.batching.decision import IDLE, Capacity
 from batchd.server.errors import clip
 from batchd.server.request import Batch, Request
 
@@ -71,6 +65,7 @@ class WorkerHandle:
     # Another frontend's retry runs alone on it (worker/alone.py): it bounced a batch of
     # ours, or its heartbeats say so; no batch goes to it till a beat says otherwise.
     others_alone: bool = False
+    silent: bool = False  # silent past its beats, kept: nothing new till heard (58c: 62 s)
 
     @property
     def name(self) -> str:
@@ -91,7 +86,8 @@ class WorkerHandle:
         return any(b.suspect for b in self.inflight.values())
 
     def has_credit(self) -> bool:
-        return len(self.inflight) < self.credits and not self.exclusive and not self.others_alone
+        closed = self.exclusive or self.others_alone or self.silent
+        return len(self.inflight) < self.credits and not closed
 
     def settled(self) -> bool:
         """It loads no model and runs no sequence (any frontend's): a retried job line that
@@ -219,8 +215,8 @@ class WorkerPool:
                     return IDLE
                 free, idle = True, idle or not w.inflight
                 loading = loading or not (w.inflight or w.sequences or any(w.others.values()))
-        unsettled = IDLE_LOADING if loading else IDLE_UNSETTLED
-        return unsettled if idle else BUSY_WITH_CREDIT if free else NO_CAPACITY
+        unsettled = decision.IDLE_LOADING if loading else decision.IDLE_UNSETTLED
+        return unsettled if idle else decision.BUSY_WITH_CREDIT if free else decision.NO_CAPACITY
 
     def requests_out(self, key: str) -> int:
         """Online requests of model version `key` in batches on workers now (a job's
@@ -265,25 +261,24 @@ class WorkerPool:
             if (  # (not beside a suspect: it may be a poison, that ends what runs there)
                 model.key in w.models
                 and (n := self.active(w, model.key)) < model.generate.max_active
-                and not w.exclusive
+                and not (w.exclusive or w.silent)
             ):
                 if not n:
                     return IDLE
                 free = True
-        return BUSY_WITH_CREDIT if free else NO_CAPACITY
+        return decision.BUSY_WITH_CREDIT if free else decision.NO_CAPACITY
 
     def choose_slot(self, model: ModelConfig) -> WorkerHandle | None:
-        """The worker with the most free slots for `model` (None: none has a slot free
-        of our sequences). Its slots free of ours are what may be sent to it; of several
-        such workers, the one whose slots other frontends (of `--frontends N`, or
-        servers sharing a `batchd worker`) fill least is chosen, as its last heartbeat
-        told: a sequence sent where another frontend's fill every slot would wait there
-        while a worker beside it idles. Their count only ranks: it is up to a second
-        old, and a worker queues a sequence it has no slot for."""
+        """The worker with the most free slots for `model` (None: none has a slot free of
+        our sequences). Its slots free of ours are what may be sent to it; of several such
+        workers, the one whose slots other frontends (of `--frontends N`, or servers
+        sharing a `batchd worker`) fill least, as its last heartbeat told: a sequence sent
+        where another frontend's fill every slot would wait there while a worker beside
+        it idles. (A rank only: up to a second old; a worker queues one it has no slot for.)"""
         assert model.generate is not None
         best, most = None, -math.inf
         for w in self._order:
-            if model.key in w.models and not w.exclusive:
+            if model.key in w.models and not (w.exclusive or w.silent):
                 mine = self.active(w, model.key)
                 free = model.generate.max_active - mine - w.others.get(model.key, 0)
                 if mine < model.generate.max_active and free > most:

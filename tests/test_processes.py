@@ -872,6 +872,43 @@ def _answered(server: ServerProcess) -> str:
     return ""
 
 
+def test_a_silent_idle_worker_of_several_frontends_is_given_nothing_new(tmp_path: Path) -> None:
+    """--frontends 2, 2 workers, one stopped (SIGSTOP) with nothing on it: each frontend
+    keeps a silent local worker (another frontend's forward may be what holds it) but
+    sent it new batches, which waited 62 s (review 58c) while the other worker idled.
+    Once it is found silent it is given nothing new: every call is answered by the
+    other; heard again, it takes work again."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    server = ServerProcess(tmp_path / "repo", *FRONTENDS_2, log_dir=tmp_path, workers=2).start()
+    stopped = 0
+    try:
+        wait_for(lambda: server.log().count("model scaled is ready") == 2, 60, "both frontends")
+        workers = [p for p in server.worker_pids() if "batchd.worker" in cmdline(p)]
+        assert len(workers) == 2
+        os.kill(stopped := workers[0], signal.SIGSTOP)
+        said = "silent for"
+        wait_for(lambda: server.log().count(said) >= 2, 30, "both frontends to find it silent")
+
+        async def call(k: int) -> float:  # a connection of its own: whichever frontend
+            options = [("grpc.use_local_subchannel_pool", 1)]
+            async with grpc.aio.insecure_channel(server.url, options=options) as ch:
+                msg = build_request("scaled", {"X": np.array([[k]], np.float32)})
+                reply = await pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(msg, timeout=20)
+                return float(parse_response(reply)["Y"][0, 0])
+
+        async def calls() -> list[float]:
+            return await asyncio.gather(*(call(k) for k in range(8)))
+
+        assert asyncio.run(calls()) == [2.0 * k for k in range(8)]
+        os.kill(stopped, signal.SIGCONT)
+        stopped = 0
+        assert asyncio.run(calls()) == [2.0 * k for k in range(8)]
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        assert server.stop() == 0, server.log()
+
+
 def test_frontends_stopped_together_judge_no_silence_of_their_own(tmp_path: Path) -> None:
     """The whole process group stopped past --frontend-timeout (Ctrl-Z, a container paused): on
     resuming, frontend 0 took the child it had not heard from for hung and killed it, and
