@@ -98,6 +98,7 @@ class _Parts:
     http: web.AppRunner | None = None  # serving `rest`, once started
     metrics: asyncio.Server | None = None  # serving /metrics, once started
     internal: asyncio.Server | None = None  # --frontends N: its socket, for the others'
+    router: zmq.asyncio.Socket | None = None  # the workers' socket (frontends.keep_bound)
 
 
 def _build(
@@ -143,7 +144,7 @@ def _build(
         lambda: core.supervisor.restarts, load.busy_seconds, functools.partial(_sequences, core),
         core.scheduler.pending_jobs,
     ))  # fmt: skip
-    return _Parts(core, service, health, server, port, sources, jobs, rest)
+    return _Parts(core, service, health, server, port, sources, jobs, rest, router=router)
 
 
 def _sequences(core: Core, model: str) -> tuple[int, int]:
@@ -316,6 +317,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         tasks = [
             tg.create_task(p.core.run(), name="core"),
             tg.create_task(track_health(p.health, p.service, p.core), name="health"),
+            tg.create_task(frontends.keep_bound(p.router, endpoint), name="workers' socket"),
         ]
         if children is not None:
             tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))

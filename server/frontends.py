@@ -74,6 +74,39 @@ def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:
         raise ConfigError(f"cannot bind {which} {endpoint}: {e}") from None
 
 
+def _file(endpoint: str) -> tuple[int, int] | None:
+    """Which file an ipc:// endpoint's socket is (None: none there)."""
+    try:
+        st = os.stat(endpoint.removeprefix("ipc://"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+async def keep_bound(router: zmq.Socket[Any] | None, endpoint: str, every_s: float = 1.0) -> None:
+    """Bind the workers' ipc:// socket again whenever its file is gone or replaced (its
+    folder too): a /tmp cleaner that removed it left every restarted worker unable to
+    connect, for good, the server live and unready (review 58c)."""
+    bound, said = _file(endpoint) if endpoint.startswith("ipc://") else None, False
+    while bound is not None and router is not None:
+        await asyncio.sleep(every_s)
+        if _file(endpoint) == bound:
+            continue
+        if not said:
+            log.warning("the workers' socket %s was removed; listening there again", endpoint)
+        with contextlib.suppress(zmq.ZMQError):
+            router.unbind(endpoint)
+        try:
+            Path(endpoint.removeprefix("ipc://")).parent.mkdir(mode=0o700, exist_ok=True)
+            router.bind(endpoint)
+        except (OSError, zmq.ZMQError) as e:
+            if not said:
+                log.error("cannot listen on %s again (%s); trying each second", endpoint, e)
+            said = True
+            continue
+        bound, said = _file(endpoint), False
+
+
 class Children:
     """Frontends 1..N-1, started and kept running by frontend 0."""
 

@@ -429,6 +429,27 @@ def test_a_sighup_drains_as_a_sigterm_and_a_signal_as_it_starts_stops_it_cleanly
     assert "stopped (pid" in early.log()
 
 
+def test_workers_connect_again_after_their_socket_file_was_removed(tmp_path: Path) -> None:
+    """A /tmp cleaner removed the workers' ipc:// socket: a worker restarted after it
+    could never connect, and the server stayed live and unready for good (review 58c).
+    The frontend listens there again; the restarted worker serves."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    s = ServerProcess(tmp_path / "repo", log_dir=tmp_path, workers=1).start()
+    try:
+        found = re.search(r"workers connect to ipc://(\S+?);", s.log())
+        assert found is not None, s.log()
+        Path(found.group(1)).unlink()
+        wait_for(lambda: "was removed; listening there again" in s.log(), 30, "it to listen again")
+        (worker,) = s.worker_pids()
+        os.kill(worker, signal.SIGKILL)
+        with Client(s.url) as c:
+            wait_for(lambda: worker not in s.worker_pids() and c.model_ready("scaled"), 60,
+                     "a new worker serving")  # fmt: skip
+            assert c.infer("scaled", x(1.0), timeout=30)["Y"][0, 0] == 2.0
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 def test_a_sigint_ends_the_drain_notice_at_once(tmp_path: Path) -> None:
     """Ctrl-C after a SIGTERM (an operator who will not wait out the notice) left the
     server serving for all of --drain-notice: the second signal was ignored. A SIGINT now
