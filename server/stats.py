@@ -182,6 +182,7 @@ class Stats:
         m = self.model(model, version)
         m.execution_count += 1
         m.inference_count += active
+        m.forward_rows += active  # (its sequences, every frontend's: a batch's forward_rows)
         m.slots[active] += 1
         m.last_inference_ms = time.time_ns() // 1_000_000
 

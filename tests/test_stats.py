@@ -80,6 +80,7 @@ def test_a_step_wise_sequence_counts_its_wait_and_its_steps_as_one_request() -> 
     assert (m.success.count, m.queue.count, m.queue.ns) == (1, 1, 700)
     assert [m.compute_input.count, m.compute_infer.count, m.compute_output.count] == [1, 1, 1]
     assert (m.compute_infer.ns, m.execution_count, m.inference_count) == (100, 2, 2)
+    assert m.forward_rows == 2  # (it stayed 0: forward_rows / executions said 0, 58a)
 
 
 def test_padding_efficiency_and_failures_by_reason() -> None:
