@@ -84,20 +84,25 @@ def _file(endpoint: str) -> tuple[int, int] | None:
 
 
 async def keep_bound(router: zmq.Socket[Any] | None, endpoint: str, every_s: float = 1.0) -> None:
-    """Bind the workers' ipc:// socket again whenever its file is gone or replaced (its
-    folder too): a /tmp cleaner that removed it left every restarted worker unable to
-    connect, for good, the server live and unready (review 58c)."""
+    """Listen on the workers' ipc:// socket again whenever its file is gone (its folders
+    too): a /tmp cleaner that removed it left every restarted worker unable to connect,
+    for good, the server live and unready (review 58c). A second listener: closing the
+    first (unbind) cut every worker's connection, their work run again (late review
+    58e). A file another process put there (a second server on the same endpoint) is
+    its: said once, not taken back (each took it from the other every second)."""
     bound, said = _file(endpoint) if endpoint.startswith("ipc://") else None, False
     while bound is not None and router is not None:
         await asyncio.sleep(every_s)
-        if _file(endpoint) == bound:
+        if (now := _file(endpoint)) == bound:
             continue
+        if now is not None:  # (another's: ours cannot be found there again)
+            log.warning("the workers' socket %s was replaced by another process's; workers "
+                        "that connect from now reach that one", endpoint)  # fmt: skip
+            return
         if not said:
             log.warning("the workers' socket %s was removed; listening there again", endpoint)
-        with contextlib.suppress(zmq.ZMQError):
-            router.unbind(endpoint)
         try:
-            Path(endpoint.removeprefix("ipc://")).parent.mkdir(mode=0o700, exist_ok=True)
+            Path(endpoint.removeprefix("ipc://")).parent.mkdir(0o700, parents=True, exist_ok=True)
             router.bind(endpoint)
         except (OSError, zmq.ZMQError) as e:
             if not said:

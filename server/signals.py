@@ -25,6 +25,7 @@ def on_signals() -> Signals:
         if len(got) > 1 and sig == signal.SIGINT:
             again.set()
 
-    for sig in STOPS:
-        loop.add_signal_handler(sig, on_signal, sig)
+    for sig in STOPS:  # (a SIGHUP ignored as it started, nohup's, stays so: late review 58e)
+        if not (sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN):
+            loop.add_signal_handler(sig, on_signal, sig)
     return got, stop, again

@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from batchd.client import (
@@ -430,22 +431,36 @@ def test_a_sighup_drains_as_a_sigterm_and_a_signal_as_it_starts_stops_it_cleanly
 
 
 def test_workers_connect_again_after_their_socket_file_was_removed(tmp_path: Path) -> None:
-    """A /tmp cleaner removed the workers' ipc:// socket: a worker restarted after it
-    could never connect, and the server stayed live and unready for good (review 58c).
-    The frontend listens there again; the restarted worker serves."""
+    """A /tmp cleaner removed the workers' ipc:// socket (here its folders too): a worker
+    restarted after it could never connect, and the server stayed live and unready for
+    good (review 58c). The frontend listens there again, beside the connections it has
+    (closing the old listener cut them: late review 58e); the restarted worker serves.
+    A socket another process put there is left to it, said once."""
     make_model(tmp_path / "repo", "scaled", 2.0)
-    s = ServerProcess(tmp_path / "repo", log_dir=tmp_path, workers=1).start()
+    endpoint = tmp_path / "deep" / "er" / "w.sock"
+    endpoint.parent.mkdir(parents=True)
+    s = ServerProcess(tmp_path / "repo", "--worker-endpoint", f"ipc://{endpoint}",
+                      log_dir=tmp_path, workers=1).start()  # fmt: skip
     try:
-        found = re.search(r"workers connect to ipc://(\S+?);", s.log())
-        assert found is not None, s.log()
-        Path(found.group(1)).unlink()
+        shutil.rmtree(tmp_path / "deep")
         wait_for(lambda: "was removed; listening there again" in s.log(), 30, "it to listen again")
-        (worker,) = s.worker_pids()
-        os.kill(worker, signal.SIGKILL)
         with Client(s.url) as c:
+            assert c.infer("scaled", x(1.0), timeout=30)["Y"][0, 0] == 2.0
+            (worker,) = s.worker_pids()
+            os.kill(worker, signal.SIGKILL)
             wait_for(lambda: worker not in s.worker_pids() and c.model_ready("scaled"), 60,
                      "a new worker serving")  # fmt: skip
-            assert c.infer("scaled", x(1.0), timeout=30)["Y"][0, 0] == 2.0
+            assert c.infer("scaled", x(2.0), timeout=30)["Y"][0, 0] == 4.0
+        assert "connected again" not in s.log() and s.log().count("was removed") == 1
+        endpoint.unlink()
+        other = zmq.Context.instance().socket(zmq.ROUTER)
+        try:
+            other.bind(f"ipc://{endpoint}")  # (another server's, say)
+            mine = endpoint.stat().st_ino
+            wait_for(lambda: "was replaced by another process's" in s.log(), 30, "it to say so")
+            assert endpoint.stat().st_ino == mine  # not taken back
+        finally:
+            other.close(linger=0)
     finally:
         assert s.stop() == 0, s.log()
 
