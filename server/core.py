@@ -253,17 +253,18 @@ class Core:
     def _may_be_silent(self, worker: WorkerHandle, silent_s: float) -> bool:
         """Whether `worker`, silent `silent_s`, is still given time (asked again each
         heartbeat round). Its I/O thread cannot beat while its compute thread holds the
-        GIL (torch.jit.load of gigabytes, a C call in a forward). A loading worker gets
-        LOADING_SILENCE_S. A live local process with work on it gets its work's limit
-        (on_tick), one of several frontends (its forward may be another's, or a gone
-        one's) the longest execution_timeout_s; a remote one could as well be gone."""
+        GIL (torch.jit.load of gigabytes, a C call in a forward, a big heap's collection
+        after a drop: 58d). A loading worker gets LOADING_SILENCE_S. A live local process
+        with work on it (or its beats said: a drop) gets its work's limit (on_tick), one
+        of several frontends (its forward may be another's, or a gone one's) the longest
+        execution_timeout_s; a remote one could as well be gone."""
         if silent_s < LOADING_SILENCE_S and any(not f.done() for f in worker.loads.values()):
             return True
         pid, models = worker.info.pid, self.models.values()
         if not (self.supervisor.pids().get(worker.name) == pid or frontends.sibling(pid)):
             return False  # (not a local process)
         longest = max((c.instances.execution_timeout_s for c in models), default=0.0) + LIVE_S
-        return bool(worker.inflight or worker.sequences) or (
+        return bool(worker.inflight or worker.sequences or worker.forward) or (
             worker.info.frontends > 1 and silent_s < longest)  # fmt: skip
 
     def on_tick(self, now: float) -> None:

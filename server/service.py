@@ -358,7 +358,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         named = [self.model(request.name)] if request.name else None
         current = [(cfg.name, cfg.version) for cfg in named or self._models.values()]
         if not (found := await self._stats.report(current, request.version)) and request.name:
-            self.model(request.name, request.version)  # (NOT_FOUND: no such version)
+            raise ModelNotFound(f"model {request.name!r} has no version {clip(request.version)}; "
+                                f"available: {self._stats.versions(*current[0])}")  # fmt: skip
         return pb.ModelStatisticsResponse(model_stats=found)
 
     @_status

@@ -149,7 +149,9 @@ def test_each_version_counts_its_own_requests(tmp_path: Path) -> None:
             *older, v3 = c.model_statistics("scaled")
             assert (v3.version, v3.success.count, v3.inference_count) == ("3", 0, 0)
             assert [v.version for v in older] == ["1", "2"] and success(server)["3"] == 0.0
-            with pytest.raises(ModelNotFound, match="has no version '7'"):
+            with pytest.raises(
+                ModelNotFound, match="has no version '7'; available: \\['1', '2', '3'\\]"
+            ):
                 c.model_statistics("scaled", "7")
     finally:
         assert server.stop() == 0, server.log()

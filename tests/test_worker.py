@@ -31,6 +31,7 @@ from batchd.protos import wire
 from batchd.protos.model_config import TensorSpec, load_model_config, model_key
 from batchd.protos.repository import digest, files_of, find_model, identity
 from batchd.protos.tensors import from_raw, to_raw
+from batchd.worker import loading
 from batchd.worker import runner as runner_module
 from batchd.worker.__main__ import _endpoints
 from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
@@ -1315,3 +1316,15 @@ def test_an_ipc_endpoint_too_long_for_a_unix_socket_is_refused_at_once(tmp_path:
     assert done.returncode == 2, done.stderr[-500:]
     assert "an ipc:// path holds at most 107 bytes" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_an_unload_s_collection_is_given_a_worker_s_time_not_the_model_s() -> None:
+    """The collection after an unload walks every model's objects: held to the dropped
+    model's execution_timeout_s (0.05 s), a worker whose heap took longer was killed,
+    every model reloaded (late review 58d). It is given COLLECT_MIN_S at least, a model's
+    longer limit when it has one."""
+    c = loading.Collections(cuda=False)
+    c.due(0.05)
+    assert c.pending and c.limit == loading.COLLECT_MIN_S
+    c.due(120.0)
+    assert c.limit == 120.0

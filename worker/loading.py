@@ -150,6 +150,7 @@ def settle_heap() -> None:
 
 COLLECT_SHARE = 0.1  # of the compute thread's time, at most, for unloads' collections
 COLLECT_GAP_MAX_S = 1.0  # ... but an unloaded model's memory waits no longer than this
+COLLECT_MIN_S = 10.0  # the least an unload's collection is given (Collections.due)
 
 
 class Collections:
@@ -170,8 +171,10 @@ class Collections:
         self._cuda = cuda
 
     def due(self, limit: float) -> None:
-        """A model version whose execution_timeout_s is `limit` was dropped."""
-        self.pending, self.limit = True, max(self.limit, limit)
+        """A model version whose execution_timeout_s is `limit` was dropped. The collection
+        walks every model's objects, not its alone: given COLLECT_MIN_S at least (one after
+        dropping a model of 0.05 s killed a worker whose heap took longer: late review 58d)."""
+        self.pending, self.limit = True, max(self.limit, limit, COLLECT_MIN_S)
 
     def run(self, now: float, timed: Callable[[float, Callable[[], None]], None]) -> float | None:
         """Collect, as `timed(limit, work)` runs it, if one is pending and its time has
