@@ -102,8 +102,10 @@ async def _steps(service: Answers, msg: pb.ModelInferRequest, cfg: ModelConfig, 
             last = final and not empty_final
             try:
                 response = encode_response(request, outputs, service.max_response_bytes())
-            except BaseException:
+            except BaseException as e:
                 stream.taken(stream.last_bytes)
+                if isinstance(e, BatchdError):  # (its statistics say what it was: closed, it
+                    await sequence.athrow(e)  # was counted `cancelled`, late review 58d)
                 raise
             await put(_final(response, last), stream)
     if not last:

@@ -35,7 +35,7 @@ from batchd.server.flow import OUTPUT_COST, WINDOW, StepStream, StreamBudget
 from batchd.server.request import Batch, Request, Tensor
 from batchd.server.streaming import write_all
 from batchd.server.unary_steps import Joined, follow
-from tests.conftest import scrape, total
+from tests.conftest import scrape, total, value
 from tests.servers import ServerProcess, wait_for
 
 MiB = 1 << 20
@@ -683,6 +683,25 @@ def test_a_step_output_no_response_may_carry_is_refused_by_its_worker_unmade(stu
     assert holds in refused.error_message and "after 0 outputs" in refused.error_message
     code = refused.infer_response.parameters["error_code"].string_param
     assert code == "RESOURCE_EXHAUSTED"
+
+
+def test_a_step_of_exactly_the_cap_refused_by_its_frame_is_counted_as_too_large(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
+    """A step of exactly 1 MiB passes its worker (its bytes are not more than the cap)
+    and is refused as its response is framed (names, shapes: a few bytes more). Its
+    failure was counted `cancelled` (the sequence closed under it), not what it was
+    (late review 58d)."""
+    server = wide[0]
+
+    def too_large() -> float:
+        return value(scrape(server), "batchd_inference_request_failure_total", model="wide",
+                     version="1", reason="response_too_large")  # fmt: skip
+
+    before = too_large()
+    (refused,) = stub.ModelStreamInfer(iter([wide_request(12, 3, width=MiB // 8)]), timeout=60)
+    assert "this response would take" in refused.error_message
+    wait_for(lambda: too_large() == before + 1, 30, "it counted as response_too_large")
 
 
 def _held(server: ServerProcess, log: Path, seq: int) -> None:
