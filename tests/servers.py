@@ -44,6 +44,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def is_zygote(pid: int) -> bool:
+    """Whether process `pid` is a worker zygote (worker/zygote.py)."""
+    try:
+        return b"batchd.worker.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -202,13 +210,22 @@ class ServerProcess:
         return match.group(1)
 
     def worker_pids(self) -> list[int]:
+        """Its child processes, but for the worker zygote: its children (the workers
+        forked from it) in its place."""
         assert self.proc is not None
-        return children(self.proc.pid)
+        zygotes = self.zygote_pids()
+        found = [p for p in children(self.proc.pid) if p not in zygotes]
+        return found + [w for z in zygotes for w in children(z)]
+
+    def zygote_pids(self) -> list[int]:
+        """Its worker zygote (server/zygote.py), if one runs (BATCHD_WORKER_ZYGOTE=0: none)."""
+        assert self.proc is not None
+        return [p for p in children(self.proc.pid) if is_zygote(p)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Signal the server, wait, and check that no worker process outlives it."""
         assert self.proc is not None
-        workers = self.worker_pids()
+        workers = self.worker_pids() + self.zygote_pids()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         code = self.proc.wait(timeout)
