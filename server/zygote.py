@@ -137,9 +137,9 @@ class Zygote:
         try:
             assert proc.stdout is not None
             line = await asyncio.wait_for(proc.stdout.readline(), READY_S)
-            if json.loads(line or b"{}").get("ready") != proc.pid:
-                raise ValueError(f"it said {line[:200]!r}")
-        except (TimeoutError, ValueError, AttributeError) as e:
+            if _said(line, "ready") != proc.pid:
+                raise ValueError(f"it said {line[:200]!r}" if line else "it exited")
+        except (TimeoutError, ValueError) as e:
             log.error("the worker zygote did not start (%s); workers are exec'd", e)
             await _ended(proc)
             return None
@@ -204,6 +204,14 @@ class Zygote:
         await _ended(proc)
         if self._reader is not None:
             await self._reader
+
+
+def _said(line: bytes, key: str) -> Any:
+    """What a line of the zygote's says under `key` (None: not that)."""
+    try:
+        return json.loads(line).get(key)
+    except (ValueError, AttributeError):
+        return None
 
 
 async def _ended(proc: asyncio.subprocess.Process) -> None:
