@@ -148,7 +148,9 @@ class Supervisor:
         # and only those this start blocked: restored to the mask it found after the await,
         # two starts interleaved and the second restored the first's blocked mask, for good;
         # a child frontend started later inherited it, ignored SIGTERM, and its streams
-        # were cut at the stop's 40 s (review 54c; a frontend unblocks both as it starts)
+        # were cut at the stop's 40 s (review 54c; a frontend unblocks both as it starts).
+        # A worker forked from the zygote is born with both blocked by the zygote; the
+        # zygote, started here, with this mask (and one exec'd as a fallback, as before)
         both = {signal.SIGINT, signal.SIGTERM}
         blocked = both - signal.pthread_sigmask(signal.SIG_BLOCK, both)
         asyncio.get_running_loop().call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, blocked)

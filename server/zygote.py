@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -60,7 +61,8 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):  # (reaped, its report on the way)
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -112,12 +114,12 @@ class Zygote:
             if self._proc is None and not self._off:
                 self._proc = await self._start()
                 self._off = self._proc is None
-        return self._proc
+        return None if self._off else self._proc  # (closed: none)
 
     async def _start(self) -> asyncio.subprocess.Process | None:
-        try:
-            out = os.dup(1)  # (the frontend's stdout: its workers')
-        except OSError:
+        try:  # the frontend's stdout, its workers' (above 2: never one of the zygote's own)
+            out = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+        except OSError:  # (none: theirs is /dev/null)
             out = -1
         try:
             proc = await asyncio.create_subprocess_exec(
