@@ -44,12 +44,23 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def is_zygote(pid: int) -> bool:
-    """Whether process `pid` is a worker zygote (worker/zygote.py)."""
+def _cmdline(pid: int) -> bytes:
     try:
-        return b"batchd.worker.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _leads_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
     except OSError:
         return False
+
+
+def is_zygote(pid: int) -> bool:
+    """Whether process `pid` is a worker zygote (worker/zygote.py), or a worker it forked."""
+    return b"batchd.worker.zygote" in _cmdline(pid)
 
 
 def alive(pid: int) -> bool:
@@ -211,11 +222,13 @@ class ServerProcess:
 
     def worker_pids(self) -> list[int]:
         """Its child processes, but for the worker zygote: its children (the workers
-        forked from it) in its place."""
+        forked from it, each in a session of its own: not the zygote's probe, a fork that
+        exits at once) in its place. Not one forked that has not exec'd yet (it is the
+        server's copy, in that instant, and may be becoming the zygote)."""
         assert self.proc is not None
-        zygotes = self.zygote_pids()
-        found = [p for p in children(self.proc.pid) if p not in zygotes]
-        return found + [w for z in zygotes for w in children(z)]
+        zygotes, own = self.zygote_pids(), _cmdline(self.proc.pid)
+        found = [p for p in children(self.proc.pid) if p not in zygotes and _cmdline(p) != own]
+        return found + [w for z in zygotes for w in children(z) if _leads_session(w)]
 
     def zygote_pids(self) -> list[int]:
         """Its worker zygote (server/zygote.py), if one runs (BATCHD_WORKER_ZYGOTE=0: none)."""
