@@ -89,11 +89,6 @@ class Zygote:
         self._children: dict[int, Forked] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    @property
-    def pid(self) -> int | None:
-        """The running zygote's pid (None: none runs)."""
-        return self._proc.pid if self._proc is not None else None
-
     async def fork(self, argv: Callable[[int], list[str]]) -> Forked | None:
         """A worker forked with the arguments `argv(its parent's pid)`; None where no
         zygote runs or one died as it asked (the supervisor execs it instead). OSError:
@@ -113,7 +108,7 @@ class Zygote:
         async with self._starting:
             if self._proc is None and not self._off:
                 self._proc = await self._start()
-                self._off = self._proc is None
+                self._off = self._proc is None  # (for good: said once)
         return None if self._off else self._proc  # (closed: none)
 
     async def _start(self) -> asyncio.subprocess.Process | None:
@@ -195,8 +190,10 @@ class Zygote:
             asked.set_result(child)
 
     async def close(self, timeout_s: float = CLOSE_S) -> None:
-        """End the zygote (its workers have exited): EOF, then SIGKILL if it lingers."""
-        proc, self._off = self._proc, True
+        """End the zygote (its workers have exited): EOF, then SIGKILL if it lingers. (One
+        starting as this is called, a stop in a server's first second, is ended too.)"""
+        async with self._starting:
+            proc, self._off = self._proc, True
         if proc is None:
             return
         if proc.stdin is not None:

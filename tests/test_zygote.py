@@ -154,6 +154,21 @@ def test_a_zygote_that_cannot_start_leaves_workers_to_exec(
     assert len(caplog.records) == 1 and "could not start" in caplog.records[0].getMessage()
 
 
+def test_a_zygote_closed_as_it_starts_is_ended() -> None:
+    """A stop in a server's first second, as its zygote imports torch, ends it too."""
+
+    async def body() -> int | None:
+        z = zygote.Zygote()
+        starting = asyncio.create_task(z._running())
+        await asyncio.sleep(0)  # (under way: it holds the start's lock)
+        await z.close()
+        proc = await starting
+        assert proc is not None and await z.fork(lambda parent: []) is None
+        return proc.returncode
+
+    assert asyncio.run(body()) is not None
+
+
 def _server(tmp_path: Path, workers: int, **kw: Any) -> ServerProcess:
     repo = tmp_path / "repo"
     if not repo.exists():

@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch  # noqa: F401  (imported here once: what the fork saves)
+import torch  # (imported here once: what the fork saves)
 
 import batchd.worker.__main__ as worker_main
 from batchd.worker import loader
@@ -54,6 +54,15 @@ def single_threaded() -> bool:
     os.waitpid(pid, 0)
     tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     return threading.active_count() == 1 and tasks == 1
+
+
+def fork_safe() -> str:
+    """Why no worker may be forked from this process ("": they may)."""
+    if torch.cuda.is_initialized():  # (a forked child cannot use CUDA then)
+        return "CUDA was initialised by an import"
+    if not single_threaded():
+        return "more than one thread runs after the imports"
+    return ""
 
 
 class Zygote:
@@ -169,9 +178,8 @@ def main(argv: list[str]) -> int:
     os.dup2(out, 1)
     for fd in {null, out}:
         os.close(fd)
-    if not single_threaded():
-        print("batchd zygote: more than one thread runs after imports; not forking",
-              file=sys.stderr)  # fmt: skip
+    if why := fork_safe():
+        print(f"batchd zygote: {why}; not forking", file=sys.stderr)
         return 1
     Zygote(requests, answers).serve()
     return 0
