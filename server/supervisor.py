@@ -5,14 +5,13 @@ main in its own process, forked from a zygote that imported torch once
 (server/zygote.py; BATCHD_WORKER_ZYGOTE=0: exec'd, each importing it). A worker
 that exits is reported lost at once (its batches are requeued) and restarted with
 exponential backoff: a crash loop (a model whose load ends the process, a broken
-device) must not spin. Not after a death
-while it ran one online request alone (core.worker_exited says): recovery.py bounds
-the deaths one request may cause (two, then its inputs are refused a while:
-quarantine.py), and backed off, a client resending a poison request kept the whole
-pool down for every model. Stop: the dispatcher sends STOP, then we wait, then
-terminate, then kill. Workers also watch their
-parent (the zygote, which exits once its frontend is gone) and exit if it
-disappears, so none is ever orphaned.
+device) must not spin. Not after a death while it ran one online request alone
+(core.worker_exited says): recovery.py bounds the deaths one request may cause (two,
+then its inputs are refused a while: quarantine.py), and backed off, a client
+resending a poison request kept the whole pool down for every model. Stop: the
+dispatcher sends STOP, then we wait, then terminate, then kill, then the zygote
+goes. Workers also watch their parent (the zygote, which exits once its frontend is
+gone) and exit if it disappears, so none is ever orphaned.
 """
 
 from __future__ import annotations
