@@ -142,6 +142,7 @@ def test_a_zygote_that_cannot_start_leaves_workers_to_exec(
         await z.close()
         return got
 
+    monkeypatch.setenv(zygote.SWITCH, "1")
     monkeypatch.setattr(zygote.sys, "executable", str(fake))
     with caplog.at_level(logging.ERROR, "batchd.supervisor"):
         assert asyncio.run(body()) == [None, None]
@@ -154,8 +155,9 @@ def test_a_zygote_that_cannot_start_leaves_workers_to_exec(
     assert len(caplog.records) == 1 and "could not start" in caplog.records[0].getMessage()
 
 
-def test_a_zygote_closed_as_it_starts_is_ended() -> None:
+def test_a_zygote_closed_as_it_starts_is_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stop in a server's first second, as its zygote imports torch, ends it too."""
+    monkeypatch.setenv(zygote.SWITCH, "1")
 
     async def body() -> int | None:
         z = zygote.Zygote()
@@ -169,11 +171,15 @@ def test_a_zygote_closed_as_it_starts_is_ended() -> None:
     assert asyncio.run(body()) is not None
 
 
-def _server(tmp_path: Path, workers: int, **kw: Any) -> ServerProcess:
+def _server(tmp_path: Path, workers: int, env: dict[str, str] | None = None,
+            **kw: Any) -> ServerProcess:  # fmt: skip
+    """A server of `workers` local workers, through the zygote unless `env` says (a run
+    of the suite under BATCHD_WORKER_ZYGOTE=0 tests it too)."""
     repo = tmp_path / "repo"
     if not repo.exists():
         make_model(repo, "m", 2.0)
-    return ServerProcess(repo, log_dir=tmp_path, workers=workers, **kw).start()
+    env = {zygote.SWITCH: "1", **(env or {})}
+    return ServerProcess(repo, log_dir=tmp_path, workers=workers, env=env, **kw).start()
 
 
 def _parent(pid: int) -> int:
