@@ -76,8 +76,22 @@ def rss_mb(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    """The pids of `pid`'s child processes (from /proc)."""
+    """The pids of `pid`'s child processes (from /proc), and of a worker zygote's among
+    them (server/zygote.py): the server's workers, forked from it."""
+    found = _children(pid)
+    zygotes = [z for z in found if b"batchd.worker.zygote" in _cmdline(z)]
+    return found + [w for z in zygotes for w in _children(z)]
+
+
+def _children(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def cpu_s(pid: int, main_thread: bool = False) -> float:

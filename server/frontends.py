@@ -238,15 +238,28 @@ def parent() -> int:
 
 def sibling(pid: int) -> bool:
     """Whether this is a child frontend and process `pid` is alive and was started by its
-    frontend 0 (a local worker: its silence is the GIL held, its exit seen by frontend 0).
-    Never in frontend 0: a remote worker's pid, of another host, is not in its /proc."""
+    frontend 0 (a local worker: its silence is the GIL held, its exit seen by frontend 0),
+    itself or by the zygote it started (server/zygote.py). Never in frontend 0: a remote
+    worker's pid, of another host, is not in its /proc."""
     if PARENT not in os.environ:
         return False
+    up = _parent_of(pid)
+    if up is not None and up != parent() and _parent_of(up) == parent():
+        with contextlib.suppress(OSError):  # (a zygote: frontend 0's child)
+            up = parent() if b"batchd.worker.zygote" in _cmdline(up) else up
+    return up == parent()
+
+
+def _parent_of(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return int(stat.rpartition(")")[2].split()[1]) == parent()  # (ppid: after the name)
+        return None
+    return int(stat.rpartition(")")[2].split()[1])  # (ppid: after the name)
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def gone(pid: int) -> bool:

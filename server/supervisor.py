@@ -1,15 +1,17 @@
 """Local worker processes: plan them, start them, restart them, stop them.
 
-The frontend holds handles only; each worker runs `python -m batchd.worker`
-in its own process. A worker that exits is reported lost at once (its batches
-are requeued) and restarted with exponential backoff: a crash loop (a model
-whose load ends the process, a broken device) must not spin. Not after a death
-while it ran one online request alone (core.worker_exited says): recovery.py bounds
-the deaths one request may cause (two, then its inputs are refused a while:
-quarantine.py), and backed off, a client resending a poison request kept the whole
-pool down for every model. Stop: the dispatcher sends STOP, then we wait, then
-terminate, then kill. Workers also watch their
-parent and exit if it disappears, so none is ever orphaned.
+The frontend holds handles only; each worker runs `python -m batchd.worker`'s
+main in its own process, forked from a zygote that imported torch once
+(server/zygote.py; BATCHD_WORKER_ZYGOTE=0: exec'd, each importing it). A worker
+that exits is reported lost at once (its batches are requeued) and restarted with
+exponential backoff: a crash loop (a model whose load ends the process, a broken
+device) must not spin. Not after a death while it ran one online request alone
+(core.worker_exited says): recovery.py bounds the deaths one request may cause (two,
+then its inputs are refused a while: quarantine.py), and backed off, a client
+resending a poison request kept the whole pool down for every model. Stop: the
+dispatcher sends STOP, then we wait, then terminate, then kill, then the zygote
+goes. Workers also watch their parent (the zygote, which exits once its frontend is
+gone) and exit if it disappears, so none is ever orphaned.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from batchd.protos.model_config import ModelConfig
 from batchd.protos.processes import descendants, kill_all
+from batchd.server.zygote import WorkerProcess, Zygote
 
 log = logging.getLogger("batchd.supervisor")
 BACKOFF_FIRST_S, BACKOFF_MAX_S, STABLE_AFTER_S = 0.2, 10.0, 30.0
@@ -123,7 +126,8 @@ class Supervisor:
         self.restarts = {s.slot: 0 for s in self.specs}  # by slot: 0 from the start, so an
         # increase() over the series sees the first restart
         self._on_exit = on_exit  # (worker id, pid, why) -> whether a request ended it
-        self._procs: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
+        self._procs: dict[str, tuple[str, WorkerProcess]] = {}
+        self.zygote = Zygote()  # what workers are forked from (server/zygote.py)
         self._stopping = False
         self._groups: set[int] = set()  # the workers leading a process group (_end_group)
 
@@ -135,7 +139,7 @@ class Supervisor:
             for spec in self.specs:
                 tg.create_task(self._keep_running(spec), name=f"worker-{spec.slot}")
 
-    async def _start(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
+    async def _start(self, spec: WorkerSpec, worker_id: str) -> WorkerProcess:
         # Born with SIGINT and SIGTERM blocked (the mask passes through fork and exec), which
         # it unblocks once it ignores them: a signal to the whole group in its first seconds,
         # torch's import, killed it, and it was started again during the stop. Unblocked
@@ -143,7 +147,9 @@ class Supervisor:
         # and only those this start blocked: restored to the mask it found after the await,
         # two starts interleaved and the second restored the first's blocked mask, for good;
         # a child frontend started later inherited it, ignored SIGTERM, and its streams
-        # were cut at the stop's 40 s (review 54c; a frontend unblocks both as it starts)
+        # were cut at the stop's 40 s (review 54c; a frontend unblocks both as it starts).
+        # A worker forked from the zygote is born with both blocked by the zygote; the
+        # zygote, started here, with this mask (and one exec'd as a fallback, as before)
         both = {signal.SIGINT, signal.SIGTERM}
         blocked = both - signal.pthread_sigmask(signal.SIG_BLOCK, both)
         asyncio.get_running_loop().call_soon(signal.pthread_sigmask, signal.SIG_UNBLOCK, blocked)
@@ -153,35 +159,30 @@ class Supervisor:
                 self._groups.add(proc.pid)
         return proc
 
-    async def _exec(self, spec: WorkerSpec, worker_id: str) -> asyncio.subprocess.Process:
+    async def _exec(self, spec: WorkerSpec, worker_id: str) -> WorkerProcess:
+        forked = await self.zygote.fork(lambda parent: self._argv(spec, worker_id, parent))
+        if forked is not None:
+            return forked
         return await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "batchd.worker",
-            "--connect",
-            self._launch.endpoint,
-            "--device",
-            spec.device,
-            "--id",
-            worker_id,
-            "--model-repository",
-            str(self._launch.repository),
-            "--models",
-            ",".join(spec.models),
-            "--threads",
-            str(spec.threads),
-            "--parent-pid",
-            str(os.getpid()),
-            "--log-level",
-            self._launch.log_level,
-            "--log-format",
-            self._launch.log_format,
-            *self._keys,
+            *(sys.executable, "-m", "batchd.worker"),
+            *self._argv(spec, worker_id, os.getpid()),
             # its own process group: a signal to the server's whole group (Ctrl-C, kill
             # -TERM -PGID) reaches neither it nor what its model started (a pool, whose
             # processes a SIGTERM ends, mid-drain); it leaves when the frontend says STOP
+            # (a forked one too: the zygote's child calls setsid)
             start_new_session=True,
         )
+
+    def _argv(self, spec: WorkerSpec, worker_id: str, parent: int) -> list[str]:
+        """A worker's arguments; `parent`: the process whose exit stops it (this one, or
+        the zygote it is forked from)."""
+        return [
+            *("--connect", self._launch.endpoint, "--device", spec.device, "--id", worker_id),
+            *("--model-repository", str(self._launch.repository)),
+            *("--models", ",".join(spec.models), "--threads", str(spec.threads)),
+            *("--parent-pid", str(parent), "--log-level", self._launch.log_level),
+            *("--log-format", self._launch.log_format, *self._keys),
+        ]
 
     async def _keep_running(self, spec: WorkerSpec) -> None:
         backoff = BACKOFF_FIRST_S
@@ -258,6 +259,7 @@ class Supervisor:
                 )
         for p in procs:  # what a worker killed, here or from outside, left behind
             self._end_group(p.pid, last=True)
+        await self.zygote.close()  # (it forks no more: every worker has exited)
 
     def _below(self, pid: int) -> list[int]:
         """The processes below a local worker this supervisor started (not a pid alone)."""

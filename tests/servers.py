@@ -44,6 +44,25 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _leads_session(pid: int) -> bool:
+    try:
+        return os.getsid(pid) == pid
+    except OSError:
+        return False
+
+
+def is_zygote(pid: int) -> bool:
+    """Whether process `pid` is a worker zygote (worker/zygote.py), or a worker it forked."""
+    return b"batchd.worker.zygote" in _cmdline(pid)
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -202,13 +221,24 @@ class ServerProcess:
         return match.group(1)
 
     def worker_pids(self) -> list[int]:
+        """Its child processes, but for the worker zygote: its children (the workers
+        forked from it, each in a session of its own: not the zygote's probe, a fork that
+        exits at once) in its place. Not one forked that has not exec'd yet (it is the
+        server's copy, in that instant, and may be becoming the zygote)."""
         assert self.proc is not None
-        return children(self.proc.pid)
+        zygotes, own = self.zygote_pids(), _cmdline(self.proc.pid)
+        found = [p for p in children(self.proc.pid) if p not in zygotes and _cmdline(p) != own]
+        return found + [w for z in zygotes for w in children(z) if _leads_session(w)]
+
+    def zygote_pids(self) -> list[int]:
+        """Its worker zygote (server/zygote.py), if one runs (BATCHD_WORKER_ZYGOTE=0: none)."""
+        assert self.proc is not None
+        return [p for p in children(self.proc.pid) if is_zygote(p)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Signal the server, wait, and check that no worker process outlives it."""
         assert self.proc is not None
-        workers = self.worker_pids()
+        workers = self.worker_pids() + self.zygote_pids()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         code = self.proc.wait(timeout)

@@ -21,8 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             *("request", "flow", "errors", "config", "stats", "loopload", "describe"),
             *("supervisor", "frontends", "link", "tracing", "siblings", "parser", "exposition"),
-            "pace",
-            "signals",
+            *("pace", "signals", "zygote"),
             *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),
