@@ -65,7 +65,9 @@ def fork_safe() -> str:
     return ""
 
 
-class Zygote:
+class Forker:
+    """The zygote's loop: a worker forked for each argv read, each exit told."""
+
     def __init__(self, requests: int, answers: int) -> None:
         self.requests, self.answers = requests, answers
         self.children: set[int] = set()
@@ -182,7 +184,7 @@ def main(argv: list[str]) -> int:
     if why := fork_safe():
         print(f"batchd zygote: {why}; not forking", file=sys.stderr)
         return 1
-    Zygote(requests, answers).serve()
+    Forker(requests, answers).serve()
     return 0
 
 
