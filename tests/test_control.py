@@ -919,14 +919,9 @@ def test_a_load_whose_weights_change_as_its_workers_read_them_fails(tmp_path: Pa
         assert s.stop() == 0, s.log()
 
 
-def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
-    tmp_path: Path,
-) -> None:
-    """With --frontends N, a frontend other than the first hears of a worker's death only
-    after 3 missed heartbeats: by then its replacement had registered and said it could
-    not load the model. The late loss marked the model as waiting for a worker to come
-    back, which no later word cleared: its requests waited for their deadlines (or for
-    ever) and the frontend said not ready, while the first failed them at once."""
+def _serving_scaled(tmp_path: Path) -> tuple[control.ModelControl, WorkerPool, str, list[str]]:
+    """Model control serving `scaled` with no worker yet, over a pool, a link that sends
+    nowhere and queues that keep what they fail: it, its pool, the version, the fails."""
     failed: list[str] = []
 
     class Queues:
@@ -937,13 +932,24 @@ def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
     class Link:
         send = staticmethod(lambda identity, parts: None)
 
+    pool = WorkerPool()
+    ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
+                               lambda: None, lambda: None)  # fmt: skip
+    ctl.start_with({"scaled": load_model_config(make_model(tmp_path, "scaled", 2.0))})
+    return ctl, pool, ctl.current["scaled"].key, failed
+
+
+def test_a_loss_heard_of_after_its_replacement_failed_the_load_fails_the_model(
+    tmp_path: Path,
+) -> None:
+    """With --frontends N, a frontend other than the first hears of a worker's death only
+    after 3 missed heartbeats: by then its replacement had registered and said it could
+    not load the model. The late loss marked the model as waiting for a worker to come
+    back, which no later word cleared: its requests waited for their deadlines (or for
+    ever) and the frontend said not ready, while the first failed them at once."""
+
     async def body() -> None:
-        pool = WorkerPool()
-        ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
-                                   lambda: None, lambda: None)  # fmt: skip
-        cfg = load_model_config(make_model(tmp_path, "scaled", 2.0))
-        ctl.start_with({"scaled": cfg})
-        key = ctl.current["scaled"].key
+        ctl, pool, key, failed = _serving_scaled(tmp_path)
 
         def worker(name: str, pid: int) -> Any:
             info = wire.WorkerInfo(worker_id=name, device="cpu", pid=pid, instance=name,
@@ -977,23 +983,9 @@ def test_a_version_a_slot_s_workers_died_loading_twice_after_it_served_fails_at_
     worker to come back for ever: unready, its requests waiting for their deadlines,
     nothing said. The worker back on that slot that will not load it is the word
     waited for: the version is broken, saying why, and its queued requests fail."""
-    failed: list[str] = []
-
-    class Queues:
-        add_model = staticmethod(lambda cfg: None)
-        has = staticmethod(lambda key: True)
-        fail_queued = staticmethod(lambda key, error: failed.append(str(error)))
-
-    class Link:
-        send = staticmethod(lambda identity, parts: None)
 
     async def body() -> None:
-        pool = WorkerPool()
-        ctl = control.ModelControl(tmp_path, pool, Link(), Queues(), False, time.monotonic,  # type: ignore[arg-type]
-                                   lambda: None, lambda: None)  # fmt: skip
-        cfg = load_model_config(make_model(tmp_path, "scaled", 2.0))
-        ctl.start_with({"scaled": cfg})
-        key = ctl.current["scaled"].key
+        ctl, pool, key, failed = _serving_scaled(tmp_path)
 
         async def worker(pid: int) -> Any:
             info = wire.WorkerInfo(worker_id=f"cpu0#{pid}", device="cpu", pid=pid,
