@@ -236,12 +236,21 @@ class ServerProcess:
         return [p for p in children(self.proc.pid) if is_zygote(p)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        """Signal the server, wait, and check that no worker process outlives it."""
+        """Signal the server, wait, and check that no worker process outlives it. One that
+        does not stop in time is killed, with its workers, and the test fails (it was left
+        running, its workers too, past the suite: a SIGHUP ignored under nohup did it)."""
         assert self.proc is not None
         workers = self.worker_pids() + self.zygote_pids()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [self.proc.pid, *workers]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
         wait_for(lambda: not any(alive(p) for p in workers), 10, "workers to exit")
         return code
 
