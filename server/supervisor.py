@@ -161,8 +161,8 @@ class Supervisor:
 
     async def _exec(self, spec: WorkerSpec, worker_id: str) -> WorkerProcess:
         forked = await self.zygote.fork(lambda parent: self._argv(spec, worker_id, parent))
-        if forked is not None:
-            return forked
+        if forked is not None or self._stopping:  # (a stop closed the zygote: none now)
+            return forked or _NONE
         return await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "batchd.worker"),
             *self._argv(spec, worker_id, os.getpid()),
@@ -194,6 +194,9 @@ class Supervisor:
             except OSError as e:  # no process (out of memory, of pids): try again later
                 log.error("could not start worker %s (%s); trying in %.1f s", worker_id, e, backoff)
             else:
+                if self._stopping:  # (begun as it started: the stop waits for none it
+                    proc.kill()  # has not seen, and it would be forked to be killed: 58f)
+                    return
                 if generation:
                     self.restarts[spec.slot] = self.restarts.get(spec.slot, 0) + 1
                 self._procs[spec.slot] = (worker_id, proc)
@@ -278,6 +281,24 @@ class Supervisor:
                 os.killpg(pid, signal.SIGKILL)
         if last:
             self._groups.discard(pid)
+
+
+class _None:
+    """No process: the worker a stop kept from starting (killed, it says nothing)."""
+
+    pid, returncode = 0, 0
+
+    async def wait(self) -> int:
+        return 0
+
+    def kill(self) -> None:
+        pass
+
+    def terminate(self) -> None:
+        pass
+
+
+_NONE = _None()
 
 
 def _exit_reason(code: int) -> str:

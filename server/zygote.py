@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ log = logging.getLogger("batchd.supervisor")
 SWITCH = "BATCHD_WORKER_ZYGOTE"  # "0": exec each worker, as before
 READY_S = 120.0  # its imports (torch's: 1.3 s on an idle machine)
 CLOSE_S = 3.0
+ANSWER_S = 10.0  # a fork not answered, or a killed worker's exit not told, in this: it hangs
 
 
 class WorkerProcess(Protocol):
@@ -49,8 +51,8 @@ class Forked:
     """A worker the zygote forked. Signalled only before its exit is reported: the
     zygote reaps it first, so its pid is free only from just before the report."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, pid: int, hung: Callable[[], None] = lambda: None) -> None:
+        self.pid, self._hung = pid, hung  # (its zygote tells no exit: it is ended)
         self.returncode: int | None = None
         self._exited = asyncio.Event()
 
@@ -63,6 +65,12 @@ class Forked:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):  # (reaped, its report on the way)
                 os.kill(self.pid, sig)
+            if sig == signal.SIGKILL:  # its exit must be told soon (a stopped zygote's never
+                asyncio.get_running_loop().call_later(ANSWER_S, self._told_by)  # was: 58f)
+
+    def _told_by(self) -> None:
+        if self.returncode is None:
+            self._hung()
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -88,6 +96,8 @@ class Zygote:
         self._asked: deque[asyncio.Future[Forked]] = deque()  # answered in order
         self._children: dict[int, Forked] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._starting_proc: asyncio.subprocess.Process | None = None
+        self.closed = False
 
     async def fork(self, argv: Callable[[int], list[str]]) -> Forked | None:
         """A worker forked with the arguments `argv(its parent's pid)`; None where no
@@ -99,16 +109,27 @@ class Zygote:
         asked: asyncio.Future[Forked] = asyncio.get_running_loop().create_future()
         self._asked.append(asked)
         proc.stdin.write(json.dumps(argv(proc.pid)).encode() + b"\n")
-        try:
-            return await asked
+        try:  # (shielded: a fork answered after it is given up is killed, _told)
+            return await asyncio.wait_for(asyncio.shield(asked), ANSWER_S)
+        except TimeoutError:  # a stopped or hung zygote: replaced (late review 58f)
+            self._end(proc, f"it answered no fork in {ANSWER_S:g} s")
+            asked.cancel()
+            return None
         except ZygoteGone:
             return None
+
+    def _end(self, proc: asyncio.subprocess.Process, why: str) -> None:
+        """A zygote that hangs (SIGSTOPped, stuck): killed; its reader ends its workers."""
+        if proc.returncode is None:
+            log.error("the worker zygote (pid %d) hangs (%s): killing it", proc.pid, why)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
 
     async def _running(self) -> asyncio.subprocess.Process | None:
         async with self._starting:
             if self._proc is None and not self._off:
                 self._proc = await self._start()
-                self._off = self._proc is None  # (for good: said once)
+                self._off = self._off or self._proc is None  # (for good: said once; closed)
         return None if self._off else self._proc  # (closed: none)
 
     async def _start(self) -> asyncio.subprocess.Process | None:
@@ -131,13 +152,16 @@ class Zygote:
         finally:
             if out >= 0:
                 os.close(out)
+        self._starting_proc = proc  # (close() ends it: a stop waits for no start)
+        if self.closed:  # (a close came as it was made)
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
         try:
             assert proc.stdout is not None
-            line = await asyncio.wait_for(proc.stdout.readline(), READY_S)
-            if _said(line, "ready") != proc.pid:
-                raise ValueError(f"it said {line[:200]!r}" if line else "it exited")
+            await asyncio.wait_for(self._ready(proc, proc.stdout), READY_S)
         except (TimeoutError, ValueError) as e:
-            log.error("the worker zygote did not start (%s); workers are exec'd", e)
+            if not self.closed:  # (a stop's close ended it: nothing to say)
+                log.error("the worker zygote did not start (%s); workers are exec'd", e)
             await _ended(proc)
             return None
         except BaseException:
@@ -147,11 +171,23 @@ class Zygote:
         self._reader = asyncio.create_task(self._read(proc), name="worker-zygote")
         return proc
 
+    async def _ready(self, proc: asyncio.subprocess.Process, out: asyncio.StreamReader) -> None:
+        """Wait for its "ready". What its imports printed before (a sitecustomize, with
+        PYTHONUNBUFFERED=1: the zygote was given up for good, late review 58f) goes to
+        the frontend's stdout, as an exec'd worker's did; ValueError if it exits first."""
+        while line := await out.readline():
+            if _said(line, "ready") == proc.pid:
+                return
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+        raise ValueError("it exited")
+
     async def _read(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         try:
             while line := await proc.stdout.readline():
-                self._told(json.loads(line))
+                self._told(json.loads(line), proc)
         except Exception:  # (a zygote that says what it must not: it goes, as if it died)
             log.exception("the worker zygote (pid %d) answered wrongly", proc.pid)
             with contextlib.suppress(ProcessLookupError):
@@ -164,7 +200,7 @@ class Zygote:
                 asked.set_exception(ZygoteGone(f"the worker zygote exited ({code})"))
         self._asked.clear()
         children, self._children = self._children, {}
-        if children:
+        if children and not self.closed:
             log.error("the worker zygote (pid %d) exited with code %s; killing its %d "
                       "worker(s)", proc.pid, code, len(children))  # fmt: skip
         for child in children.values():
@@ -172,7 +208,7 @@ class Zygote:
                 os.killpg(child.pid, signal.SIGKILL)
             child.exited(-signal.SIGKILL)
 
-    def _told(self, message: dict[str, Any]) -> None:
+    def _told(self, message: dict[str, Any], proc: asyncio.subprocess.Process) -> None:
         if "exit" in message:
             if (child := self._children.pop(message["exit"], None)) is not None:
                 child.exited(message["code"])
@@ -182,7 +218,8 @@ class Zygote:
             if not asked.done():
                 asked.set_exception(OSError(f"the worker zygote: {message['error']}"))
             return
-        child = self._children[message["pid"]] = Forked(message["pid"])
+        hung = functools.partial(self._end, proc, "it told no exit of a worker killed")
+        child = self._children[message["pid"]] = Forked(message["pid"], hung)
         if asked.done():  # (its start was cancelled: nobody waits for this worker)
             with contextlib.suppress(OSError):
                 os.killpg(child.pid, signal.SIGKILL)
@@ -191,9 +228,14 @@ class Zygote:
 
     async def close(self, timeout_s: float = CLOSE_S) -> None:
         """End the zygote (its workers have exited): EOF, then SIGKILL if it lingers. (One
-        starting as this is called, a stop in a server's first second, is ended too.)"""
+        starting as this is called, a stop in a server's first second, is ended at once: the
+        stop waited for its start, up to READY_S: late review 58f.)"""
+        self._off = self.closed = True  # (it forks no more)
+        if (starting := self._starting_proc) is not None and self._proc is None:
+            with contextlib.suppress(ProcessLookupError):
+                starting.kill()
         async with self._starting:
-            proc, self._off = self._proc, True
+            proc = self._proc
         if proc is None:
             return
         if proc.stdin is not None:
