@@ -168,21 +168,20 @@ def test_a_zygote_closed_as_it_starts_is_ended_at_once(
     monkeypatch.setenv(zygote.SWITCH, "1")
     monkeypatch.setattr(zygote.sys, "executable", str(hangs))
 
-    async def body() -> float:
+    async def body() -> int | None:
         z = zygote.Zygote()
         starting = asyncio.create_task(z._running())
         for _ in range(1000):  # (its process made: its start under way)
             if z._starting_proc is not None:
                 break
             await asyncio.sleep(0.01)
-        began = time.monotonic()
         await z.close()
-        took = time.monotonic() - began
         assert await starting is None and await z.fork(lambda parent: []) is None
-        assert z._starting_proc.returncode is not None
-        return took
+        assert z._starting_proc is not None
+        return z._starting_proc.returncode
 
-    assert asyncio.run(body()) < 10
+    # ended (killed: -9, or 255 where asyncio's watcher came after the kill), not waited
+    assert asyncio.run(body()) not in (None, 0)  # for (it sleeps 60 s, then exits 0)
 
 
 def test_what_the_zygote_prints_before_it_is_ready_goes_to_the_frontend_s_stdout(
