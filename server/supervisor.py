@@ -161,8 +161,10 @@ class Supervisor:
 
     async def _exec(self, spec: WorkerSpec, worker_id: str) -> WorkerProcess:
         forked = await self.zygote.fork(lambda parent: self._argv(spec, worker_id, parent))
-        if forked is not None or self._stopping:  # (a stop closed the zygote: none now)
-            return forked or _NONE
+        if forked is not None:
+            return forked
+        if self._stopping:  # (a stop closed the zygote: no worker is started now)
+            raise _Stopping
         return await asyncio.create_subprocess_exec(
             *(sys.executable, "-m", "batchd.worker"),
             *self._argv(spec, worker_id, os.getpid()),
@@ -192,6 +194,8 @@ class Supervisor:
             try:
                 proc = await self._start(spec, worker_id)
             except OSError as e:  # no process (out of memory, of pids): try again later
+                if self._stopping:  # (or a stop came as it started: nothing to say)
+                    return
                 log.error("could not start worker %s (%s); trying in %.1f s", worker_id, e, backoff)
             else:
                 if self._stopping:  # (begun as it started: the stop waits for none it
@@ -283,22 +287,8 @@ class Supervisor:
             self._groups.discard(pid)
 
 
-class _None:
-    """No process: the worker a stop kept from starting (killed, it says nothing)."""
-
-    pid, returncode = 0, 0
-
-    async def wait(self) -> int:
-        return 0
-
-    def kill(self) -> None:
-        pass
-
-    def terminate(self) -> None:
-        pass
-
-
-_NONE = _None()
+class _Stopping(OSError):
+    """No worker is started once a stop began."""
 
 
 def _exit_reason(code: int) -> str:
