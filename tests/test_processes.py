@@ -882,7 +882,9 @@ def test_a_silent_idle_worker_of_several_frontends_is_given_nothing_new(tmp_path
     server = ServerProcess(tmp_path / "repo", *FRONTENDS_2, log_dir=tmp_path, workers=2).start()
     stopped = 0
     try:
-        wait_for(lambda: server.log().count("model scaled is ready") == 2, 60, "both frontends")
+        # (each worker ready in each frontend: the model is ready in frontend 1 with the
+        # first, and a worker stopped before frontend 1 heard it is not one it knows)
+        wait_for(lambda: _workers_ready(server) == 4, 60, "both workers in both frontends")
         workers = [p for p in server.worker_pids() if "batchd.worker" in cmdline(p)]
         assert len(workers) == 2
         os.kill(stopped := workers[0], signal.SIGSTOP)
@@ -907,6 +909,11 @@ def test_a_silent_idle_worker_of_several_frontends_is_given_nothing_new(tmp_path
         if stopped:
             os.kill(stopped, signal.SIGCONT)
         assert server.stop() == 0, server.log()
+
+
+def _workers_ready(server: ServerProcess) -> int:
+    """How many times a frontend has said a worker is ready (once per worker and frontend)."""
+    return len(re.findall(r"batchd\.control: worker \S+ ready \(pid", server.log()))
 
 
 def test_frontends_stopped_together_judge_no_silence_of_their_own(tmp_path: Path) -> None:
