@@ -39,7 +39,7 @@ __all__ = [
     "unpack",
 ]
 
-PROTOCOL_VERSION = 18  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
+PROTOCOL_VERSION = 19  # 3: BYTES outputs carry row_offsets; 4: step-wise START/STEP/CANCEL;
 # 5: BATCH says whether the model is under load (the worker's torch threads follow);
 # 6: BATCH says its rows (packed inputs); 7: PASS, WorkerInfo.frontends (one forward
 # for several frontends' batches); 8: CREDIT, START's credit (per-sequence
@@ -54,7 +54,8 @@ PROTOCOL_VERSION = 18  # 3: BYTES outputs carry row_offsets; 4: step-wise START/
 # bounced and HEARTBEAT's alone (a retry runs alone whichever frontends share its worker);
 # 17: LOAD's files and folder (the worker checks it reads the files the version was
 # numbered for, where it reads the folder they were read in); 18: BATCH's
-# max_response_bytes, ERROR's too_large (an output no response may carry stays unsent)
+# max_response_bytes, ERROR's too_large (an output no response may carry stays unsent);
+# 19: HEARTBEAT's dropping (a worker dropping a model is not idle)
 HEARTBEAT_INTERVAL_S = 1.0
 NOT_HELD = "this worker does not hold it"  # LOADED's error for a LOAD with `held`
 # What each tensor of a step's outputs takes from its sequence's credit (Header.credit)

@@ -42,7 +42,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., device: _Optional[str] = ..., pid: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., protocol: _Optional[int] = ..., frontends: _Optional[int] = ..., instance: _Optional[str] = ..., held: _Optional[_Iterable[str]] = ..., reconnected: _Optional[bool] = ...) -> None: ...
 
 class Header(_message.Message):
-    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows", "credit", "invalid", "occupied", "waited_ns", "busy_ns", "idle_ns", "running", "busy_limit_s", "held", "outputs", "bounced", "files", "folder", "max_response_bytes", "too_large", "tracestate")
+    __slots__ = ("kind", "batch_id", "model", "tensors", "error", "worker", "compute_ns", "version", "active", "round", "steps", "loaded", "alone", "forward_rows", "traceparent", "rows", "credit", "invalid", "occupied", "waited_ns", "busy_ns", "idle_ns", "running", "busy_limit_s", "held", "outputs", "bounced", "files", "folder", "max_response_bytes", "too_large", "tracestate", "dropping")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[Header.Kind]
@@ -114,6 +114,7 @@ class Header(_message.Message):
     MAX_RESPONSE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOO_LARGE_FIELD_NUMBER: _ClassVar[int]
     TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    DROPPING_FIELD_NUMBER: _ClassVar[int]
     kind: Header.Kind
     batch_id: int
     model: str
@@ -146,7 +147,8 @@ class Header(_message.Message):
     max_response_bytes: int
     too_large: bool
     tracestate: str
-    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ..., credit: _Optional[int] = ..., invalid: _Optional[bool] = ..., occupied: _Optional[_Mapping[str, int]] = ..., waited_ns: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., running: _Optional[_Iterable[int]] = ..., busy_limit_s: _Optional[float] = ..., held: _Optional[bool] = ..., outputs: _Optional[_Iterable[str]] = ..., bounced: _Optional[bool] = ..., files: _Optional[str] = ..., folder: _Optional[str] = ..., max_response_bytes: _Optional[int] = ..., too_large: _Optional[bool] = ..., tracestate: _Optional[str] = ...) -> None: ...
+    dropping: bool
+    def __init__(self, kind: _Optional[_Union[Header.Kind, str]] = ..., batch_id: _Optional[int] = ..., model: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., error: _Optional[str] = ..., worker: _Optional[_Union[WorkerInfo, _Mapping]] = ..., compute_ns: _Optional[int] = ..., version: _Optional[str] = ..., active: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[Step, _Mapping]]] = ..., loaded: _Optional[bool] = ..., alone: _Optional[bool] = ..., forward_rows: _Optional[int] = ..., traceparent: _Optional[str] = ..., rows: _Optional[int] = ..., credit: _Optional[int] = ..., invalid: _Optional[bool] = ..., occupied: _Optional[_Mapping[str, int]] = ..., waited_ns: _Optional[int] = ..., busy_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., running: _Optional[_Iterable[int]] = ..., busy_limit_s: _Optional[float] = ..., held: _Optional[bool] = ..., outputs: _Optional[_Iterable[str]] = ..., bounced: _Optional[bool] = ..., files: _Optional[str] = ..., folder: _Optional[str] = ..., max_response_bytes: _Optional[int] = ..., too_large: _Optional[bool] = ..., tracestate: _Optional[str] = ..., dropping: _Optional[bool] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("id", "tensors", "final", "error", "invalid", "need", "too_large")

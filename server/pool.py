@@ -66,6 +66,7 @@ class WorkerHandle:
     # ours, or its heartbeats say so; no batch goes to it till a beat says otherwise.
     others_alone: bool = False
     silent: bool = False  # silent past its beats, kept: nothing new till heard (58c: 62 s)
+    dropping: bool = False  # its beats say it drops a model (finalizers): not idle, if free
 
     @property
     def name(self) -> str:
@@ -211,9 +212,9 @@ class WorkerPool:
         key, free, idle, loading = model.key, False, False, False
         for w in self._order:
             if key in w.models and w.has_credit():
-                if not w.inflight and w.settled():
+                if not (w.inflight or w.dropping) and w.settled():
                     return IDLE
-                free, idle = True, idle or not w.inflight
+                free, idle = True, idle or not (w.inflight or w.dropping)
                 loading = loading or not (w.inflight or w.sequences or any(w.others.values()))
         unsettled = decision.IDLE_LOADING if loading else decision.IDLE_UNSETTLED
         return unsettled if idle else decision.BUSY_WITH_CREDIT if free else decision.NO_CAPACITY
@@ -238,12 +239,13 @@ class WorkerPool:
         for k in range(n):
             w = order[(self._rr + k) % n]
             if key in w.models and w.has_credit():
-                if not w.inflight and not (suspect and (w.sequences or any(w.others.values()))):
+                idle = not (w.inflight or w.dropping)  # (dropping: its finalizers run first)
+                if idle and not (suspect and (w.sequences or any(w.others.values()))):
                     if not suspect or w.settled():
                         self._rr = (self._rr + k + 1) % n
                         return w
                     busy = (w, k)  # (idle, loading: before one where sequences run)
-                elif busy is None and not (idle_only and w.inflight):
+                elif busy is None and not (idle_only and not idle):
                     busy = (w, k)
         if busy is not None:
             self._rr = (self._rr + busy[1] + 1) % n
@@ -289,7 +291,9 @@ class WorkerPool:
         """A heartbeat of `worker`, come at `now`: the forward it runs (see overdue),
         the sequences every frontend has on it, whether another's retry runs alone.
         True: it takes batches again (it did not: a pump is due)."""
-        freed, worker.others_alone = worker.others_alone and not header.alone, header.alone
+        freed = (worker.others_alone and not header.alone) or (
+            worker.dropping and not header.dropping)  # fmt: skip
+        worker.others_alone, worker.dropping = header.alone, header.dropping
         if header.busy_ns:
             began, worker.busy_at = now - header.busy_ns / 1e9, now
             worker.running = {i: worker.running.get(i, began) for i in header.running}

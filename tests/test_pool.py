@@ -215,6 +215,27 @@ def test_a_sequence_with_no_step_past_its_limit_is_found_as_a_sequence() -> None
     ]  # fmt: skip
 
 
+def test_a_worker_dropping_a_model_is_not_idle_while_another_is() -> None:
+    """A worker in an unloaded model's finalizer (its beats: busy, none of our batches)
+    was taken for idle: batches went to it and waited out the finalizer while another
+    worker idled, and a lone request left at once for it. Dropping, it takes a batch only
+    where no worker is idle (a suspect's retry: never), and it is idle again, a pump
+    due, when a beat says the drop is over."""
+    cfg = model()
+    pool = WorkerPool(credits=2)
+    a, b = serving(pool, "a", "b", key=cfg.key)
+    dropping = wire.Header(kind=wire.Header.HEARTBEAT, busy_ns=int(2e9), dropping=True)
+    assert pool.beat(a, dropping, 10.0) is False
+    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key) is b
+    assert pool.choose(cfg.key) is b  # (round-robin would give a its turn)
+    pool.hand(b, cfg, [request(cfg)], 0.0)
+    assert pool.capacity(cfg) == BUSY_WITH_CREDIT  # (a batch fills: none is idle)
+    assert pool.choose(cfg.key, suspect=True) is None
+    assert pool.choose(cfg.key) in (a, b)
+    assert pool.beat(a, wire.Header(kind=wire.Header.HEARTBEAT, idle_ns=1), 11.0) is True
+    assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, idle_only=True) is a
+
+
 def test_a_sequence_waiting_behind_other_work_within_its_limit_is_not_late() -> None:
     """A sequence of a model with a 3 s limit waited behind an 8 s forward of another
     model (limit 30 s) on its worker: the frontend killed the healthy worker as hung,

@@ -1289,6 +1289,52 @@ def test_a_step_round_is_work_the_heartbeats_tell_of(tmp_path: Path) -> None:
     assert beat.busy_ns == 0 and beat.idle_ns > 0
 
 
+SLOW_FINALIZER = """
+import threading
+class Model:
+    started, release = threading.Event(), threading.Event()
+
+    def __call__(self, x):
+        return x
+
+    def __del__(self):  # a finalizer of seconds (a GPU context's, a file flushed)
+        self.started.set()
+        self.release.wait(30)
+
+
+def load(device):
+    return Model()
+"""
+
+
+def test_a_drop_is_work_the_heartbeats_tell_of_as_a_drop(tmp_path: Path) -> None:
+    """A worker in an unloaded model's finalizer beat busy, with none of the frontend's
+    batches running: the frontend took it for idle (server/pool.py) and sent it batches,
+    which waited out the finalizer while another worker idled. Its beats say it drops;
+    a step round, busy too, is no drop."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(SLOW_FINALIZER))
+    runner = Runner(RunnerOptions("w", "ipc://unused", CPU, tmp_path))
+    header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+    assert install(runner, header) == ""
+    model = type(runner.held.models[model_key(d.name, "1")][1])
+    item = (0, wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1"),
+            [runner.held.take(model_key(d.name, "1"))])  # fmt: skip
+    dropping = threading.Thread(target=runner._handle, args=(item, lambda *a: None))
+    dropping.start()
+    try:
+        assert model.started.wait(30)
+        beat, _ = wire.unpack(runner._beat(0))
+        assert beat.busy_ns > 0 and beat.dropping and not beat.running
+    finally:
+        model.release.set()
+        dropping.join(30)
+    beat, _ = wire.unpack(runner._beat(0))
+    assert beat.idle_ns > 0 and not beat.dropping
+    runner._busy = (time.perf_counter_ns(), (), 30.0)  # as a step round's (the test above)
+    beat, _ = wire.unpack(runner._beat(0))
+    assert beat.busy_ns > 0 and not beat.dropping
+
+
 def test_a_relative_ipc_endpoint_is_made_absolute_only_where_the_path_fits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -51,6 +51,7 @@ RELOADED = "reloaded (its files changed)"  # why a copy is dropped, beside an UN
 HOLD_S = 0.01  # while a frontend is behind, how often the compute thread looks again
 STOP_GRACE_S = 5.0  # after STOP (or SIGTERM), how long the batch at hand may take to finish
 _NOTHING: merge.Item = (-1, wire.Header(), [])  # the compute thread found no work
+DROPPING: list[merge.Item] = []  # `_busy`'s batches while a drop (not a forward) runs
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Runner:
         self._loader = Loader(self._work, self._install, self.held, o.repository, o.device,
                               o.allowed)  # fmt: skip
         self._collections = Collections(o.device.type == "cuda")
+        self._dropping = functools.partial(self._timed, group=DROPPING)  # (beats say so)
         self._gatherer = Gatherer(self._work, shared="," in options.endpoint)  # (frontends)
         self._alone = alone.Alone()
 
@@ -102,7 +104,7 @@ class Runner:
         try:
             while True:
                 item: merge.Item | None
-                due = self._collections.run(time.monotonic(), self._timed)
+                due = self._collections.run(time.monotonic(), self._dropping)
                 if held is not None:
                     item, held = held, None
                 elif any(loop.busy or loop.waiting for loop in self.held.loops.values()):
@@ -158,14 +160,13 @@ class Runner:
         frontend, header, frames = item
         if header.kind == wire.Header.UNLOAD:  # (held to its model's limit: a finalizer
             work = functools.partial(self._unload, header, frames)  # that hung was the next
-            for to, parts, ends in self._timed(limit_of(frames[0]), work):  # batch's fault)
+            for to, parts, ends in self._dropping(limit_of(frames[0]), work):  # batch's fault)
                 reply(to, parts, ends)
         elif header.kind == wire.Header.PASS:
             self._gatherer.passed(frontend)
         elif header.kind in _SEQUENCE:
-            work = functools.partial(
-                on_sequence, self.held.loops, frontend, header, frames, self.options.device
-            )
+            work = functools.partial(on_sequence, self.held.loops, frontend, header, frames,
+                                     self.options.device)  # fmt: skip
             limit = time_limit(self.held.loops, header)  # None: it runs no model code
             for to, parts, ends in work() if limit is None else self._timed(limit, work):
                 reply(to, parts, ends)
@@ -282,8 +283,8 @@ class Runner:
         (it times a batch from its forward's start); each step-wise model's sequences here,
         every frontend's (a frontend of several places its own where the fewest are). Read
         from the I/O thread: `_busy` and `loops` are replaced whole."""
-        beat = wire.Header(kind=wire.Header.HEARTBEAT)
-        since, group, beat.busy_limit_s = self._busy
+        since, group, cap = self._busy  # (a drop's group: it is not idle, though none runs)
+        beat = wire.Header(kind=wire.Header.HEARTBEAT, busy_limit_s=cap, dropping=group is DROPPING)
         if group is None:
             beat.idle_ns = max(1, time.perf_counter_ns() - since)
         else:
@@ -367,8 +368,7 @@ class Runner:
         A frontend given up on (frontend_link.py) loses its sequences here."""
         behind = False
         for i, link in enumerate(links):
-            given_up = link.abandoned
-            kept = link.flush(now)
+            given_up, kept = link.abandoned, link.flush(now)
             if link.abandoned and not given_up:
                 self._work.put((i, wire.Header(kind=wire.Header.CANCEL, batch_id=EVERY), []))
             behind |= kept > 0
