@@ -20,7 +20,9 @@ import signal
 import sqlite3
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 import zmq
@@ -97,8 +99,8 @@ class _Parts:
     rest: RestApi
     http: web.AppRunner | None = None  # serving `rest`, once started
     metrics: asyncio.Server | None = None  # serving /metrics, once started
-    internal: asyncio.Server | None = None  # --frontends N: its socket, for the others'
-    router: zmq.asyncio.Socket | None = None  # the workers' socket (frontends.keep_bound)
+    internal: list[asyncio.Server] = field(default_factory=list)  # its socket, for the others'
+    kept: list[tuple[str, Callable[[], Any], str]] = field(default_factory=list)  # keep_bound's
 
 
 def _build(
@@ -144,7 +146,7 @@ def _build(
         lambda: core.supervisor.restarts, load.busy_seconds, functools.partial(_sequences, core),
         core.scheduler.pending_jobs,
     ))  # fmt: skip
-    return _Parts(core, service, health, server, port, sources, jobs, rest, router=router)
+    return _Parts(core, service, health, server, port, sources, jobs, rest)
 
 
 def _sequences(core: Core, model: str) -> tuple[int, int]:
@@ -211,7 +213,14 @@ async def _open_ports(cfg: ServerConfig, p: _Parts, children: Children | None) -
             p.metrics = await start_metrics(p.sources, host, metrics, counts, siblings=sockets[1:])
         if unix := os.environ.get(frontends.SOCKET) or (sockets[0] if sockets else ""):
             own = siblings.answering(p.service.statistics)  # (for the others: theirs they add)
-            p.internal = await start_metrics(p.sources, "", -1, unix=unix, statistics=own)
+            internal = functools.partial(start_metrics, p.sources, "", -1, unix=unix,
+                                         statistics=own)  # fmt: skip
+            p.internal.append(await internal())
+
+            async def again() -> None:  # (its file removed: a listener more, see keep_bound)
+                p.internal.append(await internal())
+
+            p.kept.append((unix, again, "this frontend's socket for the others"))
             others = siblings.others(unix, cfg.frontends.count)
             p.service.siblings = functools.partial(siblings.statistics, paths=others)
     except OSError as e:
@@ -235,7 +244,7 @@ async def _close_ports(p: _Parts) -> None:
     await p.server.stop(None)
     if p.http is not None:
         await p.http.cleanup()
-    for listening in (p.metrics, p.internal):
+    for listening in (p.metrics, *p.internal):
         if listening is not None:
             listening.close()
 
@@ -283,7 +292,7 @@ async def _shutdown(cfg: ServerConfig, p: _Parts, children: Children | None, not
     if cfg.frontends.index == 0:  # the others share its workers
         p.core.stop_workers()
     await p.core.supervisor.stop()  # (a batch's span ends with its reply, meanwhile)
-    for listening in (p.metrics, p.internal):
+    for listening in (p.metrics, *p.internal):
         if listening is not None:
             listening.close()
     if p.service.tracing is not None:  # export the spans left
@@ -317,7 +326,7 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         tasks = [
             tg.create_task(p.core.run(), name="core"),
             tg.create_task(track_health(p.health, p.service, p.core), name="health"),
-            tg.create_task(frontends.keep_bound(p.router, endpoint), name="workers' socket"),
+            *(tg.create_task(frontends.keep_bound(*kept), name=kept[2]) for kept in p.kept),
         ]
         if children is not None:
             tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))
@@ -370,7 +379,10 @@ async def serve(cfg: ServerConfig) -> None:
             if every and cfg.workers.endpoint:  # local workers join where it listens too
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, models, tokens, router, ",".join(every) or endpoint)
-            await _run(cfg, p, children, router.get_string(zmq.LAST_ENDPOINT), signals)
+            if (bound := router.get_string(zmq.LAST_ENDPOINT)).startswith("ipc://"):
+                again = functools.partial(router.bind, bound)
+                p.kept.append((bound.removeprefix("ipc://"), again, "the workers' socket"))
+            await _run(cfg, p, children, bound, signals)
         finally:
             for sig in STOPS:  # (a stop is under way: one more
                 asyncio.get_running_loop().remove_signal_handler(sig)  # as it ends, killed

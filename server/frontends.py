@@ -74,42 +74,45 @@ def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:
         raise ConfigError(f"cannot bind {which} {endpoint}: {e}") from None
 
 
-def _file(endpoint: str) -> tuple[int, int] | None:
-    """Which file an ipc:// endpoint's socket is (None: none there)."""
+def _file(path: str) -> tuple[int, int] | None:
+    """Which file a Unix socket's `path` is (None: none there)."""
     try:
-        st = os.stat(endpoint.removeprefix("ipc://"))
+        st = os.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino
 
 
-async def keep_bound(router: zmq.Socket[Any] | None, endpoint: str, every_s: float = 1.0) -> None:
-    """Listen on the workers' ipc:// socket again whenever its file is gone (its folders
-    too): a /tmp cleaner that removed it left every restarted worker unable to connect,
-    for good, the server live and unready (review 58c). A second listener: closing the
-    first (unbind) cut every worker's connection, their work run again (late review
-    58e). A file another process put there (a second server on the same endpoint) is
-    its: said once, not taken back (each took it from the other every second)."""
-    bound, said = _file(endpoint) if endpoint.startswith("ipc://") else None, False
-    while bound is not None and router is not None:
+async def keep_bound(path: str, bind: Callable[[], Any], what: str, every_s: float = 1.0) -> None:
+    """Listen on the Unix socket `path` again, `bind()` (awaited if a coroutine's), whenever
+    its file is gone (its folders too): a /tmp cleaner that removed the workers' left
+    every restarted worker unable to connect, for good, the server live and unready
+    (review 58c); a frontend's for the others (--frontends N), every scrape and statistics
+    without it. A second listener: closing the first (unbind) cut every worker's
+    connection, their work run again (late review 58e). A file another process put there
+    (a second server on the same path) is its: said once, not taken back (each took it
+    from the other every second)."""
+    bound, said = _file(path), False
+    while bound is not None:
         await asyncio.sleep(every_s)
-        if (now := _file(endpoint)) == bound:
+        if (now := _file(path)) == bound:
             continue
         if now is not None:  # (another's: ours cannot be found there again)
-            log.warning("the workers' socket %s was replaced by another process's; workers "
-                        "that connect from now reach that one", endpoint)  # fmt: skip
+            log.warning("%s %s was replaced by another process's; what connects there from "
+                        "now reaches that one", what, path)  # fmt: skip
             return
         if not said:
-            log.warning("the workers' socket %s was removed; listening there again", endpoint)
+            log.warning("%s %s was removed; listening there again", what, path)
         try:
-            Path(endpoint.removeprefix("ipc://")).parent.mkdir(0o700, parents=True, exist_ok=True)
-            router.bind(endpoint)
-        except (OSError, zmq.ZMQError) as e:
+            Path(path).parent.mkdir(0o700, parents=True, exist_ok=True)
+            if asyncio.iscoroutine(again := bind()):
+                await again
+        except (OSError, zmq.ZMQError, ConfigError) as e:
             if not said:
-                log.error("cannot listen on %s again (%s); trying each second", endpoint, e)
+                log.error("cannot listen on %s again (%s); trying each second", path, e)
             said = True
             continue
-        bound, said = _file(endpoint), False
+        bound, said = _file(path), False
 
 
 class Children:

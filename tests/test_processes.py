@@ -962,6 +962,39 @@ def test_frontend_0_passes_on_ctrl_c_and_alone_keeps_a_private_folder(tmp_path: 
     assert server.log().count("serving new requests 0.0 s more") == 2, server.log()
 
 
+def test_frontends_reach_each_other_again_after_their_folder_was_removed(tmp_path: Path) -> None:
+    """A /tmp cleaner removed frontend 0's private folder: the workers' sockets there were
+    listened on again, but not the frontends' own, through which they ask each other:
+    every scrape left frontend 1 out for good (and statistics counted it as it last
+    answered). Each frontend listens on its own again; a worker restarted connects."""
+    make_model(tmp_path / "repo", "scaled", 2.0)
+    (tmp := tmp_path / "tmp").mkdir()
+    server = ServerProcess(tmp_path / "repo", "--frontends", "2", log_dir=tmp_path,
+                           env={"TMPDIR": str(tmp)}).start()  # fmt: skip
+
+    def scraped() -> set[str]:
+        return {dict(labels).get("frontend", "") for _, labels in scrape(server)}
+
+    try:
+        wait_for(lambda: server.log().count("model scaled is ready") == 2, 60, "both frontends")
+        assert {"0", "1"} <= scraped()
+        (private,) = tmp.glob("batchd-*")
+        shutil.rmtree(private)
+        for what in ("this frontend's socket for the others", "the workers' socket"):
+            said = f"{what} {private}/"
+            wait_for(lambda: server.log().count(said) == 2, 30, f"{what}: both frontends")
+        wait_for(lambda: "1" in scraped(), 30, "frontend 1 in a scrape")
+        (worker,) = [p for p in server.worker_pids() if "--frontend-index" not in cmdline(p)]
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: worker not in server.worker_pids(), 30, "the worker gone")
+        with Client(server.url) as c:
+            wait_for(lambda: c.model_ready("scaled"), 60, "a new worker serving")
+            assert c.infer("scaled", {"X": np.array([[3.0]], np.float32)})["Y"][0, 0] == 6.0
+    finally:
+        assert server.stop() == 0, server.log()
+    assert "Traceback" not in server.log(), server.log()
+
+
 def test_a_frontend_whose_frontend_0_dies_while_it_starts_stops(tmp_path: Path) -> None:
     """Frontend 0 killed just after it started frontend 1: the child took the parent it
     found when it began watching (init, by then) for frontend 0, and served for ever,
