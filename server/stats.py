@@ -8,7 +8,8 @@
     compute_infer    the model's forward time as the worker measured it
     compute_output   time to split a batch's outputs back into responses
     inference_count  rows inferred; execution_count: batches run;
-                     their ratio is the average batch size
+                     their ratio is the average batch size (a request run again,
+                     alone, after a neighbour widened its answer counts in both)
     batch_stats      per batch size (rows): batches and their compute times,
                      the histogram of batch sizes
     padding          ragged models: real tokens / padded tokens
