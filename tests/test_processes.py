@@ -982,7 +982,7 @@ def test_frontends_reach_each_other_again_after_their_folder_was_removed(tmp_pat
         shutil.rmtree(private)
         for what in ("this frontend's socket for the others", "the workers' socket"):
             said = f"{what} {private}/"
-            wait_for(lambda: server.log().count(said) == 2, 30, f"{what}: both frontends")
+            wait_for(lambda s=said: server.log().count(s) == 2, 30, f"{what}: both frontends")
         wait_for(lambda: "1" in scraped(), 30, "frontend 1 in a scrape")
         (worker,) = [p for p in server.worker_pids() if "--frontend-index" not in cmdline(p)]
         os.kill(worker, signal.SIGKILL)
