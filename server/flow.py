@@ -45,6 +45,7 @@ WINDOW = 1 << 18
 # one, or a response the server may send could never be held for its caller; two, so
 # that one can be on its way out while the sequences' next outputs come in.
 STREAM_BUDGET_RESPONSES = 2
+MAX_FLAG = "--max-message-bytes"  # what most caps come from
 
 
 def output_bytes(outputs: Sequence[Tensor]) -> int:
@@ -184,8 +185,11 @@ class StepStream:
         # The most bytes one step's outputs may hold (None: any): `cap` given (a unary
         # call's answer); handed on, what one response may carry (its caller's
         # responses: gRPC's, --max-message-bytes); else its budget's limit
+        self.cap_from = MAX_FLAG  # (what the cap is, said with it)
         if cap is None and budget is not None:
             cap = budget.limit // STREAM_BUDGET_RESPONSES if handed_on else budget.limit
+            if not handed_on:
+                self.cap_from = f"its stream's budget: {STREAM_BUDGET_RESPONSES}x {MAX_FLAG}"
         self.cap = cap
         self.credit, self.out, self.need, self.lent = self.window, 0, 0, 0
         # True: its window is reserved in the budget (StreamBudget.room), given back once

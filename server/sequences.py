@@ -38,7 +38,7 @@ from batchd.server.errors import (
     StreamBehind,
     clip,
 )
-from batchd.server.flow import StepStream
+from batchd.server.flow import MAX_FLAG, StepStream
 from batchd.server.link import WorkerLink
 from batchd.server.pace import MIN_READ_RATE
 from batchd.server.pool import WorkerHandle, WorkerPool
@@ -163,8 +163,9 @@ class Sequences:
             failed = (
                 InvalidInput(f"model {model.name!r} refused the inputs: {step.error}")
                 if step.invalid
-                else ResponseTooLarge(f"model {model.name!r}, after {stream.sent} outputs: "
-                                      f"{step.error}; the sequence was stopped")
+                else ResponseTooLarge(f"model {model.name!r}, after {stream.sent} outputs: "  # (its
+                                      f"{step.error.replace(MAX_FLAG, stream.cap_from)}; the "
+                                      "sequence was stopped")  # worker knows not what its cap is)
                 if step.too_large
                 else ModelFailed(f"model {model.name!r} on worker {worker.name}: {step.error}")
             )  # fmt: skip
@@ -209,8 +210,8 @@ class Sequences:
         stopped = f"model {model.name!r}; the sequence was stopped after {stream.sent}"
         stop: BatchdError = (
             ResponseTooLarge(f"a step's outputs for this request hold {stream.offered} bytes, "
-                             f"more than its stream can carry ({stream.cap}, from "
-                             f"--max-message-bytes), of {stopped}")
+                             f"more than its stream can carry ({stream.cap}, "
+                             f"{stream.cap_from}), of {stopped}")
             if stream.too_large()
             else StreamBehind(f"this stream's caller has not read its last {stream.limit} "
                               f"outputs of {stopped}")

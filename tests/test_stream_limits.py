@@ -666,10 +666,13 @@ def test_a_unary_answer_past_the_message_limit_stops_its_sequence_at_once(
     assert (released(wide[1], 5) or 0) < 500  # stopped, not run to its end
 
 
-def test_a_step_output_no_response_may_carry_is_refused_by_its_worker_unmade(stub: Any) -> None:
+def test_a_step_output_no_response_may_carry_is_refused_by_its_worker_unmade(
+    wide: tuple[ServerProcess, Path], stub: Any
+) -> None:
     """A step whose output is a view of one value as 8 TiB (MODE 3): its worker made it,
     a RuntimeError here (INTERNAL), a worker's memory where it fits. Its START says what
     a response may carry: refused by its shape, RESOURCE_EXHAUSTED, unary or streamed."""
+    server = wide[0]
     with pytest.raises(grpc.RpcError) as e:
         stub.ModelInfer(wide_request(10, 3, mode=3, width=1 << 40), timeout=60)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -683,6 +686,13 @@ def test_a_step_output_no_response_may_carry_is_refused_by_its_worker_unmade(stu
     assert holds in refused.error_message and "after 0 outputs" in refused.error_message
     code = refused.infer_response.parameters["error_code"].string_param
     assert code == "RESOURCE_EXHAUSTED"
+    # an SSE stream's cap is its budget, twice the flag: said so (it said the flag's
+    # name with twice its figure)
+    status, said = post(server, "/v2/models/wide/generate_stream", {"ID": 12, "N": 3, "MODE": 3,
+                                                                  "WIDTH": 1 << 40})  # fmt: skip
+    assert status == 400, said  # (before its first event: an HTTP error, as /generate's)
+    cap = f"({2 * MiB}, its stream's budget: 2x --max-message-bytes)"
+    assert holds + f"than a response may carry {cap}" in json.loads(said)["error"], said
 
 
 def test_a_step_of_exactly_the_cap_refused_by_its_frame_is_counted_as_too_large(
