@@ -447,6 +447,36 @@ def test_a_model_that_changes_torch_s_defaults_harms_no_other(tmp_path: Path, ch
         assert s.stop() == 0, s.log()
 
 
+@pytest.mark.parametrize(
+    "change", ["set_default_dtype(torch.float64)", "set_default_device('meta')"]
+)
+def test_a_model_whose_load_changes_torch_s_defaults_harms_no_other(
+    tmp_path: Path, change: str
+) -> None:
+    """The same in load(), run on the loader thread: its float64 stayed the process's
+    (each forward kept the defaults it found, float64 by then), and its 'meta' the
+    loader thread's, so the next model loaded made its weights meta tensors."""
+    for name, load_body, run_body in (
+        ("widens", f"    torch.{change}\n    return run", "    return {'Y': x}"),
+        ("adds", "    global w\n    w = torch.ones(1, 1)\n    return run",
+         "    return {'Y': x + w + torch.tensor([[0.0]])}"),
+    ):  # fmt: skip
+        (d := tmp_path / "repo" / name).mkdir(parents=True)
+        (d / "model.toml").write_text(MODEL_TOML)
+        (d / "model.py").write_text(f"import torch\ndef load(device):\n{load_body}\n"
+                                    f"def run(x):\n{run_body}\n")  # fmt: skip
+    args = ("--model-control", "explicit")
+    s = ServerProcess(tmp_path / "repo", *args, log_dir=tmp_path).start(ready=False)
+    try:
+        wait_for(lambda: "worker cpu0#0 ready" in s.log(), 60, "a worker")
+        with Client(s.url) as c:
+            for name in ("widens", "adds"):  # (in turn: the second after the first's load)
+                c.load_model(name, timeout=60)
+            assert y(c, "widens", 1.0) == 1.0 and y(c, "adds", 1.0) == 2.0
+    finally:
+        assert s.stop() == 0, s.log()
+
+
 def test_the_index_says_why_a_model_s_last_load_failed_till_one_passes(tmp_path: Path) -> None:
     """A load that failed was answered with why, but the index then said "not loaded"
     alone; Triton keeps the last load error there (review 57b)."""

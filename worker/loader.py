@@ -40,6 +40,7 @@ from batchd.protos.processes import descendants, kill_all
 from batchd.protos.repository import confined
 
 _PID = os.getpid()  # the worker's (forked_off)
+_DTYPE = torch.get_default_dtype()  # the worker's, which each model's call starts with
 EXIT_S = 5.0  # what the atexit handlers may take as the worker leaves (leave)
 
 ModelFn = Callable[..., Any]
@@ -71,13 +72,14 @@ def _load_python(cfg: ModelConfig, device: torch.device) -> tuple[ModelFn, str]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        try:
-            spec.loader.exec_module(module)
-            forked_off()  # (a fork as it imported: the child would load the model too; one
-            load = getattr(module, "load", None)  # whose import raised ends just below)
-            if not callable(load):
-                raise TypeError(f"{cfg.artifact}: defines no load(device) function")
-            fn = _checked(cfg, _eval(load(device)))
+        try:  # (torch's defaults kept: one its import or load() set stayed the process's
+            with defaults_kept():  # dtype, or the loader thread's device, the next load's)
+                spec.loader.exec_module(module)
+                forked_off()  # (a fork as it imported: the child would load the model too;
+                load = getattr(module, "load", None)  # one whose import raised ends below)
+                if not callable(load):
+                    raise TypeError(f"{cfg.artifact}: defines no load(device) function")
+                fn = _checked(cfg, _eval(load(device)))
         finally:
             forked_off()
     except FileNotFoundError as e:
@@ -117,14 +119,16 @@ _DEVICE = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
 
 @contextlib.contextmanager
 def defaults_kept() -> Iterator[None]:
-    """torch's default dtype (the process's) and device (this thread's) as they were
-    before a model's call: one model's set_default_dtype or set_default_device held for
-    every later model of this worker (review 57f)."""
-    dtype, device = torch.get_default_dtype(), getattr(_DEVICE, "device_context", None)
+    """torch's default dtype (the process's) and device (this thread's) set back after a
+    model's call or load: one model's set_default_dtype or set_default_device held for
+    every later model of this worker (review 57f). The dtype goes back to the worker's
+    own, not to what the call found: the loader and the compute thread each found the
+    other's change under way, and one set it back for good (a load's float64 stayed)."""
+    device = getattr(_DEVICE, "device_context", None)
     try:
         yield
     finally:
-        torch.set_default_dtype(dtype)
+        torch.set_default_dtype(_DTYPE)
         if getattr(_DEVICE, "device_context", None) is not device:  # (None: none set)
             torch.set_default_device(None if device is None else device.device)
 
