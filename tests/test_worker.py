@@ -35,6 +35,7 @@ from batchd.worker import loading
 from batchd.worker import runner as runner_module
 from batchd.worker.__main__ import _endpoints
 from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
+from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.generate import EVERY, time_limit
 from batchd.worker.loader import load_model
 from batchd.worker.loading import Loaded, load
@@ -1333,6 +1334,59 @@ def test_a_drop_is_work_the_heartbeats_tell_of_as_a_drop(tmp_path: Path) -> None
     runner._busy = (time.perf_counter_ns(), (), 30.0)  # as a step round's (the test above)
     beat, _ = wire.unpack(runner._beat(0))
     assert beat.busy_ns > 0 and not beat.dropping
+
+
+def test_a_drop_s_end_is_beaten_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its beats said it dropped, and the frontend counted it busy till the next one, up
+    to a heartbeat interval after the drop ended: a lone request meanwhile waited out its
+    model's whole queue delay (late review 59b). The drop's end is beaten at once: here
+    no beat falls due once the drop is under way (the links are told the time is 0),
+    and one comes when it ends."""
+    d = repo_model(tmp_path, "model.py", lambda p: p.write_text(SLOW_FINALIZER))
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    runner = Runner(RunnerOptions("w", f"tcp://127.0.0.1:{port}", CPU, tmp_path))
+    serving = threading.Thread(target=runner.serve)
+    frozen = threading.Event()
+    tick = FrontendLink.tick
+    monkeypatch.setattr(FrontendLink, "tick", lambda link, now, *more: tick(
+        link, 0.0 if frozen.is_set() else now, *more))  # fmt: skip
+
+    def recv(kind: int) -> wire.Header:  # (answered with a beat, as a frontend's: it is live)
+        while True:
+            assert router.poll(30_000), f"no {wire.Header.Kind.Name(kind)} came"
+            _, *parts = router.recv_multipart()
+            router.send_multipart([b"w", *wire.pack(wire.Header(kind=wire.Header.HEARTBEAT))])
+            if (header := wire.unpack(parts)[0]).kind == kind:
+                return header
+
+    serving.start()
+    model: Any = None
+    try:
+        recv(wire.Header.READY)
+        header = wire.Header(kind=wire.Header.LOAD, model=d.name, version="1")
+        router.send_multipart([b"w", *wire.pack(header)])
+        assert recv(wire.Header.LOADED).error == ""
+        model = type(runner.held.models[model_key(d.name, "1")][1])
+        header = wire.Header(kind=wire.Header.UNLOAD, model=d.name, version="1")
+        router.send_multipart([b"w", *wire.pack(header)])
+        assert model.started.wait(30)
+        while not recv(wire.Header.HEARTBEAT).dropping:
+            pass
+        frozen.set()  # no beat falls due from now on
+        model.release.set()
+        while recv(wire.Header.HEARTBEAT).dropping:  # (one sent before, or its collection's)
+            pass
+    finally:
+        if model is not None:
+            model.release.set()
+        runner.stop()
+        serving.join(30)
+        router.close(linger=0)
+        ctx.term()
+        gc.unfreeze()
+    assert not serving.is_alive()
 
 
 def test_a_relative_ipc_endpoint_is_made_absolute_only_where_the_path_fits(

@@ -201,10 +201,12 @@ class FrontendLink:
             return None
         return None if header.kind == wire.Header.HEARTBEAT else (header, frames)
 
-    def tick(self, now: float, beat: Callable[[], list[Any]] | None = None) -> bool:
-        """Heartbeat (`beat()`'s message, if given), and register again after a
-        silence. True if the socket was replaced (the caller polls the new one)."""
-        if self.accepted and now >= self._next_beat:
+    def tick(self, now: float, beat: Callable[[], list[Any]] | None = None,
+             soon: bool = False) -> bool:  # fmt: skip
+        """Heartbeat (`beat()`'s message, if given; `soon`: now, whenever the last went),
+        and register again after a silence. True if the socket was replaced (the caller
+        polls the new one)."""
+        if self.accepted and (soon or now >= self._next_beat):
             self.send(beat() if beat is not None else _BEAT)
             self._next_beat = now + wire.HEARTBEAT_INTERVAL_S
         if now >= self._next_look:  # (a look costs ~4 us: not on every turn of the loop)

@@ -34,7 +34,7 @@ import zmq
 
 from batchd.protos import traces, wire
 from batchd.protos.model_config import model_key
-from batchd.worker import InputRefused, alone, frontend_link, loader, merge
+from batchd.worker import InputRefused, alone, execute, frontend_link, loader, merge
 from batchd.worker.execute import COUNTED, BatchError, OutputTooLarge, failed, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.gather import Gatherer
@@ -84,6 +84,7 @@ class Runner:
                               o.allowed)  # fmt: skip
         self._collections = Collections(o.device.type == "cuda")
         self._dropping = functools.partial(self._timed, group=DROPPING)  # (beats say so)
+        self._said_dropping = False  # a beat said so (the I/O thread's)
         self._gatherer = Gatherer(self._work, shared="," in options.endpoint)  # (frontends)
         self._alone = alone.Alone()
 
@@ -231,7 +232,7 @@ class Runner:
                 raise BatchError(f"model {header.model!r} version {header.version!r} is {is_} "
                                  "on this worker")  # fmt: skip
             cfg, fn = entry
-            self._use_threads(max(1, self._threads_all - 1) if header.loaded else self._threads_all)
+            execute.use_threads(self._threads_all, header.loaded)
             tensors, frames = merge.join(group) if len(group) > 1 else (header.tensors, group[0][2])
             most = min(h.max_response_bytes for _, h, _ in group)  # (0, any batch's: none)
             start, wall = time.perf_counter_ns(), time.time_ns()
@@ -262,12 +263,6 @@ class Runner:
             replies.append((f, wire.pack(reply, fs)))
         return replies
 
-    def _use_threads(self, threads: int) -> None:
-        """`threads` intra-op threads from now (each batch says if its model is under load):
-        2 cores, mlp: 2 make a lone row ~30% faster, under load cost 16-20% of req/s."""
-        if threads != torch.get_num_threads():  # (not the count set last: a model may set
-            torch.set_num_threads(threads)  # its own, which stuck for every batch after it)
-
     # ---- I/O thread ----
 
     def _ready(self, reconnected: bool = False) -> list[Any]:
@@ -285,6 +280,7 @@ class Runner:
         from the I/O thread: `_busy` and `loops` are replaced whole."""
         since, group, cap = self._busy  # (a drop's group: it is not idle, though none runs)
         beat = wire.Header(kind=wire.Header.HEARTBEAT, busy_limit_s=cap, dropping=group is DROPPING)
+        self._said_dropping |= beat.dropping
         if group is None:
             beat.idle_ns = max(1, time.perf_counter_ns() - since)
         else:
@@ -353,7 +349,9 @@ class Runner:
                         self._from_frontend(io, i, *msg)
             self._keep_up(links, poller, now)
             # (a link opened a new socket: poll that one)
-            if any([link.tick(now, beat) for link, beat in zip(links, beats, strict=True)]):
+            ended = self._said_dropping and self._busy[1] is not DROPPING  # (said at once,
+            self._said_dropping &= not ended  # a drop's end: frontends choose it again)
+            if any([link.tick(now, beat, ended) for link, beat in zip(links, beats, strict=True)]):
                 poller = frontend_link.poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
                 return 0.0  # the batch at hand will not finish: serve() leaves without it
