@@ -212,10 +212,11 @@ class WorkerPool:
         key, free, idle, loading = model.key, False, False, False
         for w in self._order:
             if key in w.models and w.has_credit():
-                if not (w.inflight or w.dropping) and w.settled():
+                here = not (w.inflight or w.dropping)  # (dropping: its finalizers run first)
+                if here and w.settled():
                     return IDLE
-                free, idle = True, idle or not (w.inflight or w.dropping)
-                loading = loading or not (w.inflight or w.sequences or any(w.others.values()))
+                free, idle = True, idle or here
+                loading = loading or (here and not (w.sequences or any(w.others.values())))
         unsettled = decision.IDLE_LOADING if loading else decision.IDLE_UNSETTLED
         return unsettled if idle else decision.BUSY_WITH_CREDIT if free else decision.NO_CAPACITY
 
@@ -265,7 +266,7 @@ class WorkerPool:
                 and (n := self.active(w, model.key)) < model.generate.max_active
                 and not (w.exclusive or w.silent)
             ):
-                if not n:
+                if not (n or w.dropping):  # (dropping: its finalizers run first)
                     return IDLE
                 free = True
         return decision.BUSY_WITH_CREDIT if free else decision.NO_CAPACITY
@@ -278,11 +279,11 @@ class WorkerPool:
         where another frontend's fill every slot would wait there while a worker beside
         it idles. (A rank only: up to a second old; a worker queues one it has no slot for.)"""
         assert model.generate is not None
-        best, most = None, -math.inf
+        best, most = None, (False, -math.inf)
         for w in self._order:
             if model.key in w.models and not (w.exclusive or w.silent):
-                mine = self.active(w, model.key)
-                free = model.generate.max_active - mine - w.others.get(model.key, 0)
+                mine = self.active(w, model.key)  # (one dropping a model: after the others)
+                free = not w.dropping, model.generate.max_active - mine - w.others.get(model.key, 0)
                 if mine < model.generate.max_active and free > most:
                     best, most = w, free
         return best

@@ -236,6 +236,24 @@ def test_a_worker_dropping_a_model_is_not_idle_while_another_is() -> None:
     assert pool.capacity(cfg) == IDLE and pool.choose(cfg.key, idle_only=True) is a
 
 
+def test_a_sequence_goes_where_no_model_is_dropped_and_a_drop_is_no_load() -> None:
+    """A START went to a worker in a finalizer of seconds (it had the most free slots)
+    while another with free slots stepped, and one idle but dropping made the capacity
+    IDLE (late review 59b): it goes to the other, and with no worker idle the slots are
+    busy with room. A dropping worker that loads nothing made a one-shot model's capacity
+    IDLE_LOADING, not IDLE_UNSETTLED (a suspect then waited half its time to settle)."""
+    gen, cfg = stepwise_model(max_active=4), model()
+    pool = WorkerPool(credits=1)
+    a, b = serving(pool, "a", "b", key=gen.key)
+    pool.start(b, gen, request(gen), 0.0)  # b steps one: 3 slots free; a has 4
+    dropping = wire.Header(kind=wire.Header.HEARTBEAT, busy_ns=int(2e9), dropping=True)
+    pool.beat(a, dropping, 10.0)
+    assert pool.choose_slot(gen) is b and pool.capacity(gen) == BUSY_WITH_CREDIT
+    for w in (a, b):
+        w.models.add(cfg.key)
+    assert not a.load_sent and pool.capacity(cfg) == IDLE_UNSETTLED  # b: idle, stepping
+
+
 def test_a_sequence_waiting_behind_other_work_within_its_limit_is_not_late() -> None:
     """A sequence of a model with a 3 s limit waited behind an 8 s forward of another
     model (limit 30 s) on its worker: the frontend killed the healthy worker as hung,
