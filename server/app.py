@@ -35,7 +35,7 @@ from grpc_reflection.v1alpha import reflection
 from batchd.protos import inference_pb2, jobs_pb2, traces
 from batchd.protos._pool import POOL, slow_backend
 from batchd.protos.model_config import ConfigError, ModelConfig
-from batchd.server import frontends, link, security, siblings
+from batchd.server import frontends, link, private, security, siblings
 from batchd.server.auth import Tokens, load_tokens
 from batchd.server.config import Limits, ServerConfig
 from batchd.server.core import Core
@@ -326,8 +326,8 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
         tasks = [
             tg.create_task(p.core.run(), name="core"),
             tg.create_task(track_health(p.health, p.service, p.core), name="health"),
-            *(tg.create_task(frontends.keep_bound(*kept), name=kept[2]) for kept in p.kept),
         ]
+        bound = [tg.create_task(private.keep_bound(*k), name=k[2]) for k in p.kept]
         if children is not None:
             tasks.append(tg.create_task(children.run(p.port, http_port), name="frontends"))
         if p.jobs is not None:
@@ -338,6 +338,8 @@ async def _run(cfg: ServerConfig, p: _Parts, children: Children | None, endpoint
                                     fronts.hung_s)  # fmt: skip
             tasks.append(tg.create_task(orphaned, name="parent"))
         await stop.wait()
+        for t in bound:  # (its listeners close: on Python 3.13, unlinking their sockets)
+            t.cancel()
         notice = cfg.drain_notice_s if got[:1] == [signal.SIGTERM] else 0.0  # (the first)
         await _shutdown(cfg, p, children, notice, again)
         for t in tasks:

@@ -34,7 +34,7 @@ import zmq
 
 from batchd.protos.model_config import ConfigError, ModelConfig
 from batchd.protos.repository import NO_MODELS, Files, files_of, load_repository, strays
-from batchd.server import siblings
+from batchd.server import private, siblings
 from batchd.server.config import Models as ModelControl
 from batchd.server.errors import Unavailable
 
@@ -74,47 +74,6 @@ def bind(router: zmq.Socket[Any], endpoint: str, given: bool) -> None:
         raise ConfigError(f"cannot bind {which} {endpoint}: {e}") from None
 
 
-def _file(path: str) -> tuple[int, int] | None:
-    """Which file a Unix socket's `path` is (None: none there)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-async def keep_bound(path: str, bind: Callable[[], Any], what: str, every_s: float = 1.0) -> None:
-    """Listen on the Unix socket `path` again, `bind()` (awaited if a coroutine's), whenever
-    its file is gone (its folders too): a /tmp cleaner that removed the workers' left
-    every restarted worker unable to connect, for good, the server live and unready
-    (review 58c); a frontend's for the others (--frontends N), every scrape and statistics
-    without it. A second listener: closing the first (unbind) cut every worker's
-    connection, their work run again (late review 58e). A file another process put there
-    (a second server on the same path) is its: said once, not taken back (each took it
-    from the other every second)."""
-    bound, said = _file(path), False
-    while bound is not None:
-        await asyncio.sleep(every_s)
-        if (now := _file(path)) == bound:
-            continue
-        if now is not None:  # (another's: ours cannot be found there again)
-            log.warning("%s %s was replaced by another process's; what connects there from "
-                        "now reaches that one", what, path)  # fmt: skip
-            return
-        if not said:
-            log.warning("%s %s was removed; listening there again", what, path)
-        try:
-            Path(path).parent.mkdir(0o700, parents=True, exist_ok=True)
-            if asyncio.iscoroutine(again := bind()):
-                await again
-        except (OSError, zmq.ZMQError, ConfigError) as e:
-            if not said:
-                log.error("cannot listen on %s again (%s); trying each second", path, e)
-            said = True
-            continue
-        bound, said = _file(path), False
-
-
 class Children:
     """Frontends 1..N-1, started and kept running by frontend 0."""
 
@@ -148,7 +107,7 @@ class Children:
             # Written before each start: a /tmp cleaner may have taken it since (each
             # restart then failed to read it, for good)
             with contextlib.suppress(OSError):
-                _save(self._saved, self._models)
+                private.save(self._saved, self._models)
             started, (ours, theirs) = time.monotonic(), socket.socketpair()
             beats, beating = ours.detach(), theirs.detach()  # (a pipe each way: see _watched)
             env = {**self._env, BEAT: str(beating), SOCKET: self.sockets[i]}
@@ -208,7 +167,7 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T],
             os.environ.pop(name, None)
     if saved := os.environ.get(MODELS):
         try:
-            at: tuple[Models, T] = pickle.loads(Path(saved).read_bytes())  # (frontend 0's)
+            at: tuple[Models, T] = pickle.loads(private.read(Path(saved)))  # (frontend 0's)
         except (OSError, pickle.UnpicklingError, EOFError) as e:
             why = f"frontend 0's models and tokens at start ({saved}) cannot be read: {e}"
             raise ConfigError(why) from None
@@ -321,14 +280,6 @@ async def _watched(
         return code
     finally:
         loop.remove_reader(beats)
-
-
-def _save(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all (a child may be reading it), 0600 (token digests)."""
-    fd = os.open(writing := f"{path}.new", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with open(fd, "wb") as f:
-        f.write(data)
-    os.replace(writing, path)
 
 
 async def _exit_within(proc: asyncio.subprocess.Process, seconds: float) -> int | None:

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             *("request", "flow", "errors", "config", "stats", "loopload", "describe"),
             *("supervisor", "frontends", "link", "tracing", "siblings", "parser", "exposition"),
-            *("pace", "signals", "zygote"),
+            *("pace", "signals", "zygote", "private"),
             *("jobs.store", "jobs.sqlite", "jobs.database", "jobs.postgres"),
         },
     ),
