@@ -246,7 +246,14 @@ def check_worker_endpoint(endpoint: str, worker_keys: Path | None) -> None:
 def preflight(cfg: ServerConfig) -> WorkerAuth | None:
     """Check every security setting before anything starts: a bad file or a refused
     endpoint stops start-up with a ConfigError. Returns the worker authentication to start."""
-    security = cfg.security
+    security, net = cfg.security, cfg.network
+    given = [("--grpc-port", net.grpc_port), ("--http-port", net.http_port),
+             ("--metrics-port", net.metrics_port)]  # fmt: skip
+    for i, (flag, port) in enumerate(given):  # (refused as "in use", that said nothing of it;
+        for other, same in given[i + 1 :]:  # with --frontends N, the kernel would spread one
+            if port > 0 and same == port:  # port's calls over two servers of it)
+                raise ConfigError(f"{flag} and {other} both take port {port}: give each "
+                                  "its own (0 picks a free one)")  # fmt: skip
     _credentials(security)
     ssl_context(security)
     key_dir = security.worker_keys

@@ -371,6 +371,19 @@ def test_tls_settings_are_checked_at_start_up(tmp_path: Path) -> None:
             preflight(cfg)
 
 
+def test_one_port_given_to_two_flags_is_refused_naming_both() -> None:
+    """It was refused as "Address already in use", which sent the operator looking for
+    another process; with --frontends N both servers bound it with SO_REUSEPORT."""
+    for network, expected in (
+        (Network(grpc_port=18501, http_port=18501), "--grpc-port and --http-port both take"),
+        (Network(http_port=9000, metrics_port=9000), "--http-port and --metrics-port both"),
+    ):
+        with pytest.raises(ConfigError, match=expected):
+            preflight(ServerConfig(model_repository=EXAMPLES, network=network))
+    free = Network(grpc_port=0, http_port=0, metrics_port=-1)  # (0: each a free one)
+    preflight(ServerConfig(model_repository=EXAMPLES, network=free))
+
+
 # ---- limits ----
 
 
