@@ -486,7 +486,7 @@ def test_perf_analyzer_streams_against_the_example(example_server: ServerProcess
         [
             got.stdout.strip().splitlines()[-1], "-i", "grpc", "--streaming",
             "-u", example_server.url, "-m", "decoder", "--input-data", str(data),
-            "--shape", "PROMPT:3", "--concurrency-range", "2", "--measurement-interval", "2000",
+            "--shape", "PROMPT:3", "--concurrency-range", "2", "--measurement-interval", "1000",
             "--stability-percentage", "100",  # it runs, whatever else the machine does
         ],
         capture_output=True, text=True, timeout=300,
