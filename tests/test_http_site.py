@@ -385,9 +385,12 @@ def test_head_is_answered_on_get_routes(example_server: ServerProcess, path: str
     assert r.status == 200 and r.body == b""
 
 
-@pytest.fixture
-def wide(tmp_path: Path) -> Iterator[ServerProcess]:
-    """`wide` answers 16 MB a row; answers unread for 1 s are dropped."""
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """`wide` answers 16 MB a row; answers unread for 1 s are dropped. One server for the
+    module's tests: each judges only what it did (log lines written after it began, counts
+    that grew), so none passes on what another left."""
+    tmp_path = tmp_path_factory.mktemp("wide-site")
     d = tmp_path / "repo" / "wide"
     d.mkdir(parents=True)
     (d / "model.toml").write_text(
@@ -413,6 +416,7 @@ def test_an_answer_its_caller_never_reads_is_dropped_with_its_connection(
     body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1], "data": [7.0]}],
             "parameters": {"binary_data_output": True}}  # fmt: skip
     raw = json.dumps(body).encode()
+    seen = len(wide.log())  # (the server is the module's: only what it logs from now on)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         s.connect(("127.0.0.1", wide.http_port))
@@ -420,7 +424,8 @@ def test_an_answer_its_caller_never_reads_is_dropped_with_its_connection(
             b"POST /v2/models/wide/infer HTTP/1.1\r\nHost: [::1]\r\nContent-Type: application/json"
             b"\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
         )
-        wait_for(lambda: "its answer was not read within 1 s" in wide.log(), 30, "dropped")
+        dropped = "its answer was not read within 1 s"
+        wait_for(lambda: dropped in wide.log()[seen:], 30, "dropped")
         s.settimeout(30)
         got = bytearray()
         try:
@@ -448,12 +453,13 @@ def test_a_job_s_results_their_caller_never_reads_are_dropped_with_the_connectio
     with Client(wide.url) as c:
         job = c.submit_job("wide", [line])
         wait_for(lambda: c.job(job.id).status == "completed", 60, "the job's end")
+    seen = len(wide.log())  # (the server is the module's: only what it logs from now on)
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         s.connect(("127.0.0.1", wide.http_port))
         s.sendall(b"GET /v2/jobs/%s/results HTTP/1.1\r\nHost: [::1]\r\n\r\n" % job.id.encode())
         dropped = "results: its caller read nothing for "  # (1 s, and the time to read what
-        wait_for(lambda: dropped in wide.log(), 60, "dropped")  # the socket's buffers took)
+        wait_for(lambda: dropped in wide.log()[seen:], 60, "dropped")  # the buffers took)
         s.settimeout(30)
         got = bytearray()
         with contextlib.suppress(ConnectionResetError):
