@@ -224,10 +224,13 @@ class ServerProcess:
         """Its child processes, but for the worker zygote: its children (the workers
         forked from it, each in a session of its own: not the zygote's probe, a fork that
         exits at once) in its place. Not one forked that has not exec'd yet (it is the
-        server's copy, in that instant, and may be becoming the zygote)."""
+        server's copy, in that instant, and may be becoming the zygote), nor one whose
+        command line reads empty (in its exec: the zygote's was taken for a worker)."""
         assert self.proc is not None
         zygotes, own = self.zygote_pids(), _cmdline(self.proc.pid)
-        found = [p for p in children(self.proc.pid) if p not in zygotes and _cmdline(p) != own]
+        found = [
+            p for p in children(self.proc.pid) if p not in zygotes and _cmdline(p) not in (own, b"")
+        ]
         return found + [w for z in zygotes for w in children(z) if _leads_session(w)]
 
     def zygote_pids(self) -> list[int]:
