@@ -37,7 +37,7 @@ from batchd.worker.__main__ import _endpoints
 from batchd.worker.execute import BatchError, OutputTooLarge, encode_output, run_batch, why
 from batchd.worker.frontend_link import FrontendLink
 from batchd.worker.generate import EVERY, time_limit
-from batchd.worker.loader import load_model
+from batchd.worker.loader import defaults_kept, load_model
 from batchd.worker.loading import Loaded, load
 from batchd.worker.runner import Runner, RunnerOptions
 from tests.conftest import make_model, model_log, stepwise_toml
@@ -1387,6 +1387,69 @@ def test_a_drop_s_end_is_beaten_at_once(tmp_path: Path, monkeypatch: pytest.Monk
         ctx.term()
         gc.unfreeze()
     assert not serving.is_alive()
+
+
+@pytest.mark.parametrize("changer", ["forward", "load"])
+def test_model_code_in_the_other_thread_does_not_set_the_dtype_back_under_a_call(
+    changer: str,
+) -> None:
+    """A forward that sets float64 for itself while a load runs and ends beside it (or a
+    load that sets it for its weights while forwards come and go): the other thread's end
+    set the dtype back to the worker's under it (late review 59c). It goes back once no
+    model code runs; till then both threads share it (the dtype is the process's)."""
+    changed, other_done, checked = threading.Event(), threading.Event(), threading.Event()
+    seen: list[torch.dtype] = []
+
+    def changing() -> None:  # (the `changer`, in its thread)
+        with defaults_kept():
+            torch.set_default_dtype(torch.float64)
+            changed.set()
+            assert other_done.wait(30)
+            seen.append(torch.tensor([1.0]).dtype)
+        checked.set()
+
+    def other() -> None:
+        assert changed.wait(30)
+        with defaults_kept():
+            pass
+        other_done.set()
+
+    threads = [threading.Thread(target=changing, name=changer), threading.Thread(target=other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert checked.is_set() and seen == [torch.float64]
+    assert torch.get_default_dtype() == torch.float32  # (none runs now: the worker's)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "torch.device('meta').__enter__()",
+        "torch.set_default_device('meta'); torch.device('meta').__enter__()",
+        "torch.device('meta').__enter__(); torch.set_default_device(None)",
+        "torch.set_default_device('meta')",
+    ],
+)
+def test_a_device_a_model_left_entered_is_undone(code: str) -> None:
+    """A `with torch.device(...)` a model entered and never left was kept for every later
+    call of that thread (its models' weights on 'meta'), and with a default device set
+    under it, setting that back raised (a call that had worked then failed: 59c)."""
+    got: list[object] = []
+
+    def call() -> None:
+        try:
+            with defaults_kept():
+                exec(code, {"torch": torch})
+        except Exception as e:  # (what defaults_kept itself raised)
+            got.append(e)
+        got.append(torch.empty(1).device)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(30)
+    assert got == [torch.device("cpu")]
 
 
 def test_a_relative_ipc_endpoint_is_made_absolute_only_where_the_path_fits(

@@ -41,6 +41,7 @@ from batchd.protos.repository import confined
 
 _PID = os.getpid()  # the worker's (forked_off)
 _DTYPE = torch.get_default_dtype()  # the worker's, which each model's call starts with
+_lock, _running = threading.Lock(), 0  # model code running (a call, a load): defaults_kept
 EXIT_S = 5.0  # what the atexit handlers may take as the worker leaves (leave)
 
 ModelFn = Callable[..., Any]
@@ -122,15 +123,33 @@ def defaults_kept() -> Iterator[None]:
     """torch's default dtype (the process's) and device (this thread's) set back after a
     model's call or load: one model's set_default_dtype or set_default_device held for
     every later model of this worker (review 57f). The dtype goes back to the worker's
-    own, not to what the call found: the loader and the compute thread each found the
-    other's change under way, and one set it back for good (a load's float64 stayed)."""
-    device = getattr(_DEVICE, "device_context", None)
+    own once no model code runs in the other thread either: each thread found the
+    other's change under way and one set it back for good (a load's float64 stayed),
+    and one set back as the other still ran changed that one's dtype under it (late
+    review 59c). A device, and a `with torch.device(...)` left entered (a mode on the
+    thread's stack, which set_default_device then refused to leave), are undone."""
+    global _running
+    depth = _modes()
+    with _lock:
+        _running += 1
     try:
         yield
     finally:
-        torch.set_default_dtype(_DTYPE)
-        if getattr(_DEVICE, "device_context", None) is not device:  # (None: none set)
-            torch.set_default_device(None if device is None else device.device)
+        with _lock:
+            _running -= 1
+            if not _running:
+                torch.set_default_dtype(_DTYPE)
+        if getattr(_DEVICE, "device_context", None) is not None or _modes() != depth:
+            while _modes() > depth:  # (the model's: its default device's, its contexts)
+                torch._C._pop_torch_function_stack()
+            if _DEVICE is not None:  # (the worker sets none: none is ever found)
+                _DEVICE.device_context = None
+
+
+def _modes() -> int:
+    """How many torch function modes this thread has entered (0 where torch cannot say)."""
+    count = getattr(torch._C, "_len_torch_function_stack", None)
+    return count() if count is not None else 0
 
 
 def forked_off() -> None:
