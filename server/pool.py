@@ -279,12 +279,12 @@ class WorkerPool:
         where another frontend's fill every slot would wait there while a worker beside
         it idles. (A rank only: up to a second old; a worker queues one it has no slot for.)"""
         assert model.generate is not None
-        best, most = None, (False, -math.inf)
+        best, most = None, (False, False, -math.inf)
         for w in self._order:
             if model.key in w.models and not (w.exclusive or w.silent):
-                mine = self.active(w, model.key)  # (one dropping a model: after the others)
-                free = not w.dropping, model.generate.max_active - mine - w.others.get(model.key, 0)
-                if mine < model.generate.max_active and free > most:
+                mine = self.active(w, model.key)  # (one dropping a model: after the others
+                n = model.generate.max_active - mine - w.others.get(model.key, 0)  # with room)
+                if mine < model.generate.max_active and (free := (n > 0, not w.dropping, n)) > most:
                     best, most = w, free
         return best
 

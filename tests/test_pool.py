@@ -252,6 +252,8 @@ def test_a_sequence_goes_where_no_model_is_dropped_and_a_drop_is_no_load() -> No
     for w in (a, b):
         w.models.add(cfg.key)
     assert not a.load_sent and pool.capacity(cfg) == IDLE_UNSETTLED  # b: idle, stepping
+    pool.occupied(b, {gen.key: 4})  # another frontend's fill b's slots: a's drop ends soon
+    assert pool.choose_slot(gen) is a  # (a START on b waits for a sequence's end: 59c)
 
 
 def test_a_sequence_waiting_behind_other_work_within_its_limit_is_not_late() -> None:
