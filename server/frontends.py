@@ -83,7 +83,10 @@ class Children:
         self._endpoints = list(endpoints)
         self.sockets = siblings.sockets(tmp, len(endpoints))  # each one's, for the others
         self._models, self._saved = pickle.dumps(at), Path(tmp) / "at-start.pickle"  # (0700)
-        self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(self._saved)}
+        self._made = private.known(tmp)  # (its folder as made: trusted, whoever owns it)
+        made = ":".join(map(str, self._made or ()))
+        self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(self._saved),
+                     private.FOLDER: made}  # fmt: skip
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
 
@@ -107,7 +110,7 @@ class Children:
             # Written before each start: a /tmp cleaner may have taken it since (each
             # restart then failed to read it, for good)
             with contextlib.suppress(OSError):
-                private.save(self._saved, self._models)
+                private.save(self._saved, self._models, self._made)
             started, (ours, theirs) = time.monotonic(), socket.socketpair()
             beats, beating = ours.detach(), theirs.detach()  # (a pipe each way: see _watched)
             env = {**self._env, BEAT: str(beating), SOCKET: self.sockets[i]}
@@ -163,11 +166,12 @@ def at_start(root: Path, child: bool, tokens: Callable[[], T],
     to start, again and again; one that read the token file again let in the tokens of
     an edit that the other frontends refused, until the next restart."""
     if not child:  # (a variable inherited from elsewhere is not this process's)
-        for name in (PARENT, MODELS, BEAT, SOCKET):
+        for name in (PARENT, MODELS, BEAT, SOCKET, private.FOLDER):
             os.environ.pop(name, None)
     if saved := os.environ.get(MODELS):
         try:
-            at: tuple[Models, T] = pickle.loads(private.read(Path(saved)))  # (frontend 0's)
+            made = private.parsed(os.environ.get(private.FOLDER, ""))
+            at: tuple[Models, T] = pickle.loads(private.read(Path(saved), made))  # (0's)
         except (OSError, pickle.UnpicklingError, EOFError) as e:
             why = f"frontend 0's models and tokens at start ({saved}) cannot be read: {e}"
             raise ConfigError(why) from None

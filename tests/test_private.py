@@ -29,15 +29,23 @@ def _theirs(folder: Path) -> Path:
     return folder
 
 
-def test_a_folder_is_trusted_only_if_it_is_this_user_s_alone(tmp_path: Path) -> None:
+def test_a_folder_is_trusted_if_only_this_user_may_write_in_it_or_it_is_as_made(
+    tmp_path: Path,
+) -> None:
     (ours := tmp_path / "ours").mkdir(0o700)
     assert private.untrusted(ours) == ""
-    ours.chmod(0o770)  # (its group may write in it)
+    made = private.known(ours)
+    ours.chmod(0o2775)  # (its group may write in it: a umask of 002, a setgid folder)
     assert "only it may write in" in private.untrusted(ours)
-    (tmp_path / "target").mkdir(0o700)
-    (tmp_path / "link").symlink_to(tmp_path / "target")
-    assert "lrwx" in private.untrusted(tmp_path / "link")
+    assert private.untrusted(ours, made) == ""  # (as it was made, or bound in, at start)
+    (tmp_path / "link").symlink_to(ours)  # (a symlinked TMPDIR: macOS's /tmp)
+    assert private.untrusted(tmp_path / "link", made) == ""
+    (sticky := tmp_path / "sticky").mkdir()
+    sticky.chmod(0o1777)  # (as /tmp: none may replace another's files there)
+    assert private.untrusted(sticky) == ""
     assert "No such file" in private.untrusted(tmp_path / "none")
+    assert private.parsed(":".join(map(str, made or ()))) == made
+    assert private.parsed("") is None and private.parsed("1:2") is None
 
 
 @needs_root
@@ -57,10 +65,22 @@ def test_nothing_of_ours_is_written_into_another_user_s_folder_nor_read_from_it(
     (ours := tmp_path / "ours").mkdir(0o700)
     (planted := ours / "at-start.pickle").write_bytes(b"x")
     os.chown(planted, NOBODY, NOBODY)  # (in our folder, but theirs)
-    with pytest.raises(PermissionError, match="uid 65534's"):
+    with pytest.raises(PermissionError, match="uid 65534, 1 link"):
         private.read(planted)
-    private.save(ours / "saved", b"ours")
-    assert private.read(ours / "saved") == b"ours"
+    planted.unlink()
+    (ours / "elsewhere").write_bytes(b"x")
+    planted.symlink_to(ours / "elsewhere")  # (no link followed)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        private.read(planted)
+    planted.unlink()
+    private.save(planted, b"ours")
+    assert private.read(planted) == b"ours"
+    made = private.known(ours)  # (a TMPDIR whose server squashes root: the folder made
+    os.chown(ours, NOBODY, NOBODY)  # is nobody's; trusted as made, not as owned)
+    os.chown(planted, NOBODY, NOBODY)
+    with pytest.raises(PermissionError):
+        private.read(planted)
+    assert private.read(planted, private.known(ours)) == b"ours" and made != private.known(ours)
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -109,3 +129,46 @@ def test_a_socket_is_not_listened_on_again_in_a_folder_another_user_made(
             for s in listeners:
                 s.close()
     assert "is not a folder of this user's" in caplog.text
+
+
+@pytest.mark.parametrize("where", ["group-writable", "through a symlink", "relative"])
+def test_a_socket_is_listened_on_again_in_the_folder_it_was_first_bound_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A folder the operator chose, as it was at start, is trusted whoever may write in it:
+    one of theirs that their group may write in (or reached through a symlink, or a
+    relative --worker-endpoint's, the working directory) was refused after the cleaner
+    removed the socket, and restarted workers could not connect (late review 59c)."""
+    (folder := tmp_path / "run").mkdir(0o700)
+    path = str(folder / "w.sock")
+    if where == "group-writable":
+        folder.chmod(0o2775)
+    elif where == "through a symlink":
+        (tmp_path / "link").symlink_to(folder)
+        path = str(tmp_path / "link" / "w.sock")
+    else:
+        monkeypatch.chdir(folder)
+        path = "w.sock"
+    listeners: list[socket.socket] = []
+
+    def bind() -> None:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)
+        listeners.append(s)
+
+    async def scenario() -> None:
+        bind()
+        kept = asyncio.ensure_future(private.keep_bound(path, bind, "its socket", 0.01))
+        await asyncio.sleep(0)  # (it has found what it keeps)
+        try:
+            (folder / "w.sock").unlink()
+            await _until(lambda: len(listeners) == 2)
+        finally:
+            kept.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for s in listeners:
+            s.close()
+    assert (folder / "w.sock").exists()
