@@ -9,7 +9,6 @@ SERVE_ARGS ?=
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist): most tests wait on real servers, so two keep 2 cores
 # busy and halve the suite's time (6.5 to 4.5 min here). PYTEST_JOBS=0: one process.
-# --dist loadgroup: the tests of a module's own server run on one worker (conftest.py).
 # Tests marked `serial` (they time calls under load) run after them, alone.
 PYTEST_JOBS ?= 2
 BENCH_ARGS ?=
@@ -72,7 +71,7 @@ format: install
 	$(BIN)/ruff format .
 
 test: install check-protos lint
-	$(BIN)/pytest -n $(PYTEST_JOBS) --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_JOBS) -m "not serial" $(PYTEST_ARGS)
 	$(BIN)/pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]  # 5: PYTEST_ARGS chose none
 
 clean:

@@ -214,35 +214,6 @@ def text(
     return r
 
 
-# ---- where xdist runs each test ----
-
-# Test files with a module-scoped fixture (a server they start once for their tests).
-_SHARING = {
-    f"tests/{p.name}"
-    for p in Path(__file__).parent.glob("test_*.py")
-    if 'scope="module"' in p.read_text()
-}
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under `--dist loadgroup` (`make test`), the tests of a file with a module-scoped
-    fixture run on one xdist worker, the others one by one wherever there is room: spread
-    by test, each worker started that file's server again for its share (test_balancers'
-    three replicas and haproxy, test_tracing's traced server, test_rest's strict one...).
-    The largest files go first. (xdist's own loadgroup reads xdist_group marks by renaming
-    each test's node id, which pytest 9 no longer reads: it grouped nothing here.)"""
-    if config.getoption("dist") != "loadgroup":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByServer(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return path if path in _SHARING else nodeid
-
-    return ByServer(config, log)
-
-
 # ---- the gated test models and the servers ----
 
 
