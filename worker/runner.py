@@ -348,9 +348,9 @@ class Runner:
                     else:
                         self._from_frontend(io, i, *msg)
             self._keep_up(links, poller, now)
-            # (a link opened a new socket: poll that one)
             ended = self._said_dropping and self._busy[1] is not DROPPING  # (said at once,
             self._said_dropping &= not ended  # a drop's end: frontends choose it again)
+            # (a link opened a new socket: poll that one)
             if any([link.tick(now, beat, ended) for link, beat in zip(links, beats, strict=True)]):
                 poller = frontend_link.poller(links, results)
             if io.stopping and now - io.stop_at > STOP_GRACE_S:
