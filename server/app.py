@@ -382,8 +382,8 @@ async def serve(cfg: ServerConfig) -> None:
                 every[0] = router.get_string(zmq.LAST_ENDPOINT)
             p = _build(cfg, models, tokens, router, ",".join(every) or endpoint)
             if (bound := router.get_string(zmq.LAST_ENDPOINT)).startswith("ipc://"):
-                again = functools.partial(router.bind, bound)
-                p.kept.append((bound.removeprefix("ipc://"), again, "the workers' socket"))
+                rebind = functools.partial(router.bind, bound)
+                p.kept.append((bound.removeprefix("ipc://"), rebind, "the workers' socket"))
             await _run(cfg, p, children, bound, signals)
         finally:
             for sig in STOPS:  # (a stop is under way: one more

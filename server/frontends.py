@@ -84,9 +84,8 @@ class Children:
         self.sockets = siblings.sockets(tmp, len(endpoints))  # each one's, for the others
         self._models, self._saved = pickle.dumps(at), Path(tmp) / "at-start.pickle"  # (0700)
         self._made = private.known(tmp)  # (its folder as made: trusted, whoever owns it)
-        made = ":".join(map(str, self._made or ()))
         self._env = {**os.environ, PARENT: str(os.getpid()), MODELS: str(self._saved),
-                     private.FOLDER: made}  # fmt: skip
+                     private.FOLDER: private.said(self._made)}  # fmt: skip
         self._procs: dict[int, asyncio.subprocess.Process] = {}
         self._stopping = False
 

@@ -29,13 +29,19 @@ Known = tuple[int, int, int]  # a folder as it was made: its device, inode and o
 FOLDER = "BATCHD_FRONTEND_0_FOLDER"  # in a child frontend's environment: the folder, Known
 
 
-def known(folder: str | Path) -> Known | None:
-    """`folder` as it is now (None: none there); os.stat follows a symlinked TMPDIR."""
+def known(path: str | Path) -> Known | None:
+    """The folder (or socket) `path` as it is now (None: none there); os.stat follows a
+    symlinked TMPDIR."""
     try:
-        st = os.stat(folder)
+        st = os.stat(path)
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_uid
+
+
+def said(made: Known | None) -> str:
+    """`made` as FOLDER carries it to a child frontend ("": none); `parsed` reads it."""
+    return ":".join(map(str, made or ()))
 
 
 def parsed(text: str) -> Known | None:
@@ -109,15 +115,6 @@ def read(path: Path, made: Known | None = None) -> bytes:
             return f.read()
 
 
-def _file(path: str) -> tuple[int, int] | None:
-    """Which file `path` is (None: none there)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 async def keep_bound(path: str, bind: Callable[[], Any], what: str, every_s: float = 1.0) -> None:
     """Listen on the Unix socket `path` again, `bind()` (awaited if a coroutine's), whenever
     its file is gone (its folders too): a /tmp cleaner that removed the workers' left
@@ -129,10 +126,10 @@ async def keep_bound(path: str, bind: Callable[[], Any], what: str, every_s: flo
     from the other every second). Its folder, made again by another user, is not
     trusted: said, and looked at again each second."""
     folder = os.path.dirname(path) or "."  # (a relative ipc://w.sock's: here)
-    bound, made, said = _file(path), known(folder), False
+    bound, made, said = known(path), known(folder), False
     while bound is not None:
         await asyncio.sleep(every_s)
-        if (now := _file(path)) == bound:
+        if (now := known(path)) == bound:
             continue
         if now is not None:  # (another's: ours cannot be found there again)
             log.warning("%s %s was replaced by another process's; what connects there from "
@@ -151,4 +148,4 @@ async def keep_bound(path: str, bind: Callable[[], Any], what: str, every_s: flo
                 log.error("cannot listen on %s again (%s); trying each second", path, e)
             said = True
             continue
-        bound, said = _file(path), False
+        bound, said = known(path), False

@@ -44,7 +44,7 @@ def test_a_folder_is_trusted_if_only_this_user_may_write_in_it_or_it_is_as_made(
     sticky.chmod(0o1777)  # (as /tmp: none may replace another's files there)
     assert private.untrusted(sticky) == ""
     assert "No such file" in private.untrusted(tmp_path / "none")
-    assert private.parsed(":".join(map(str, made or ()))) == made
+    assert private.parsed(private.said(made)) == made and private.said(None) == ""
     assert private.parsed("") is None and private.parsed("1:2") is None
 
 
